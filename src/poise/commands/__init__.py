@@ -1,0 +1,1 @@
+"""Subcommands of `poise`, one module each."""

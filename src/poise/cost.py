@@ -1,0 +1,218 @@
+"""The cost model: seconds per MoE layer and step for a placement, an assignment and loads.
+
+All inputs are loads `counts[L, D, E]` (token-to-expert assignments per source device) and a
+`Placement`/`Assignment`; everything is vectorised over layers, devices and experts.
+
+Formulas (B_t bytes per routed token, F_t forward FLOPs per routed token, W_e expert bytes,
+M_e migration bytes, see `spec.ModelSpec`):
+
+- Tokens computed on device d for expert e (`Assignment.received`):
+      R[d, e] = c[d, e] * h[d, e] + w[e, d] * sum_s c[s, e] * (1 - h[s, e])
+  with h the holder mask and w the assignment weights.
+- Expert compute, forward (FasterMoE eq. 7's compute term B * F_t / P; Pro-Prophet's FEC):
+      FEC = max_d sum_e R[d, e] * F_t / rate(R[d, e]),   BEC = 2 FEC
+  where rate(n) = gemm_flops * n / (n + gemm_half_rows) models small-GEMM inefficiency.
+- All-to-all on the hierarchical link model (FasterMoE eq. 7's B * B_t / W_net term, extended
+  per level as in HybridEP eq. 10-11): for each device and link level v, S_v and R_v are the bytes
+  it sends and receives over level v;
+      A = max_d sum_v [ max(S_v[d], R_v[d]) / bw_v + lat_v * (traffic at v > 0) ]
+  with bw_v the per-device share of the level's link. Dispatch and combine move the same bytes in
+  opposite directions, so A_c = A_d; backward repeats both (4 all-to-alls per step).
+- Trans (Pro-Prophet eq. 3; FasterMoE's t_model per shadowed expert): each replica receives W_e
+  from its home, directly; per device, the bytes it sends as a home and receives as a replica go
+  through the same per-level formula. Agg (Pro-Prophet eq. 4) returns W_e of gradient the other
+  way, so Agg = Trans.
+- Migration: each home change moves M_e (weights + optimizer state) from old to new home.
+- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops, BNEC = 2 FNEC.
+
+The schedule (`schedule.py`) turns these phases into step time (overlap or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poise.errors import PlanError
+from poise.placement import Assignment, Placement
+from poise.schedule import Schedule
+from poise.spec import ModelSpec
+from poise.topology import Cluster
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds per phase, each `[L]` (slowest device per layer)."""
+
+    dispatch_s: np.ndarray
+    combine_s: np.ndarray
+    expert_fwd_s: np.ndarray
+    expert_bwd_s: np.ndarray
+    non_moe_fwd_s: np.ndarray
+    non_moe_bwd_s: np.ndarray
+    trans_s: np.ndarray
+    agg_s: np.ndarray
+    migrate_s: np.ndarray
+
+    def as_dict(self) -> dict[str, float]:
+        """Totals over layers, seconds."""
+        return {k: float(np.sum(v)) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class PlanCost:
+    """A plan priced on loads: per-layer phases, per-layer time under the schedule, step time."""
+
+    phases: PhaseTimes
+    layer_s: np.ndarray
+    schedule: str
+    device_load: np.ndarray = field(repr=False)  # [L, D] tokens computed per device
+
+    @property
+    def step_s(self) -> float:
+        return float(self.layer_s.sum())
+
+    @property
+    def max_over_mean(self) -> float:
+        """Mean over layers of (max device load / mean device load)."""
+        mean = self.device_load.mean(axis=1)
+        ratio = np.where(mean > 0, self.device_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+        return float(ratio.mean())
+
+
+def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
+    """Sum the device axis (axis 1 of `[L, D, ...]`) into `[L, groups, ...]`; devices are numbered
+    node-major, so each group is a contiguous run of D // groups devices."""
+    L, D = x.shape[:2]
+    rest = x.shape[2:]
+    if groups == D:
+        return x
+    return x.reshape(L, groups, D // groups, *rest).sum(axis=2)
+
+
+def level_traffic(cluster: Cluster, placement: Placement, assignment: Assignment,
+                  counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens each device sends and receives in the dispatch all-to-all, per link level.
+
+    Returns `(send, recv)`, each `[3, L, D]` for levels intra-node, inter-node, inter-domain.
+    Linear in L*D*E: node and domain sums replace the D x D traffic matrix."""
+    held = placement.holders()
+    remote = np.where(held, 0.0, counts)  # [L, D, E]: tokens that must leave their source
+    w = assignment.weights.transpose(0, 2, 1)  # [L, D, E] share of remote tokens landing on d
+    node_of, domain_of = cluster.node_of(), cluster.domain_of()
+    n_nodes, n_domains = cluster.num_nodes, cluster.domains
+    w_node = _group_sum(w, n_nodes)  # [L, N, E]
+    w_dom = _group_sum(w, n_domains)  # [L, G, E]
+    # Share of a source's remote tokens that stays in its node / its domain.
+    in_node = w_node[:, node_of, :]
+    in_dom = w_dom[:, domain_of, :]
+    send = np.stack([
+        (remote * in_node).sum(axis=2),
+        (remote * (in_dom - in_node)).sum(axis=2),
+        (remote * (1.0 - in_dom)).sum(axis=2),
+    ])
+    r_node = _group_sum(remote, n_nodes)[:, node_of, :]  # remote tokens of my node
+    r_dom = _group_sum(remote, n_domains)[:, domain_of, :]
+    r_all = remote.sum(axis=1, keepdims=True)
+    recv = np.stack([
+        (w * r_node).sum(axis=2),
+        (w * (r_dom - r_node)).sum(axis=2),
+        (w * (r_all - r_dom)).sum(axis=2),
+    ])
+    return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
+    """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency.
+    `send_bytes`, `recv_bytes`: `[3, L, D]`."""
+    total = np.zeros(send_bytes.shape[1:])
+    for v, link in enumerate(cluster.links()):
+        moved = np.maximum(send_bytes[v], recv_bytes[v])
+        total += moved / link.per_device_bw_Bps + np.where(moved > 0, link.lat_s, 0.0)
+    return total.max(axis=1)
+
+
+def replica_traffic(cluster: Cluster, placement: Placement,
+                    bytes_per_copy: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
+    replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
+    L, D, E = placement.copies.shape
+    rep = placement.replicas()  # [L, D, E]
+    level = cluster.level_between(placement.home[:, None, :], np.arange(D)[None, :, None])
+    send = np.zeros((3, L, D))
+    recv = np.zeros((3, L, D))
+    layer_idx = np.repeat(np.arange(L), E).reshape(L, E)
+    for v in range(3):
+        at_level = rep & (level == v)
+        recv[v] = at_level.sum(axis=2) * bytes_per_copy
+        per_expert = at_level.sum(axis=1).astype(np.float64) * bytes_per_copy  # [L, E]
+        np.add.at(send[v], (layer_idx, placement.home), per_expert)
+    return send, recv
+
+
+def migration_traffic(cluster: Cluster, migrations: np.ndarray, layers: int,
+                      bytes_per_move: float) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` bytes for migration rows (layer, expert, old home, new home)."""
+    D = cluster.num_devices
+    send = np.zeros((3, layers, D))
+    recv = np.zeros((3, layers, D))
+    if len(migrations):
+        lv = cluster.level_between(migrations[:, 2], migrations[:, 3])
+        np.add.at(send, (lv, migrations[:, 0], migrations[:, 2]), bytes_per_move)
+        np.add.at(recv, (lv, migrations[:, 0], migrations[:, 3]), bytes_per_move)
+    return send, recv
+
+
+@dataclass
+class CostModel:
+    """Prices placements on a cluster for a model under a schedule."""
+
+    cluster: Cluster
+    spec: ModelSpec
+    schedule: Schedule = field(default_factory=Schedule)
+
+    def check_loads(self, counts: np.ndarray, source: str = "loads") -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.float64)
+        D, E = self.cluster.num_devices, self.spec.experts
+        if counts.ndim != 3 or counts.shape[1:] != (D, E):
+            raise PlanError(f"loads must be [layers, devices={D}, experts={E}], got "
+                            f"{counts.shape}", source=source, field="loads")
+        if not np.all(np.isfinite(counts)) or (counts.size and counts.min() < 0):
+            raise PlanError("loads must be finite and non-negative", source=source,
+                            field="loads")
+        return counts
+
+    def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
+        """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens."""
+        rate = self.cluster.gemm_rate(np.maximum(received, 1.0))
+        return (received * self.spec.flops_per_token_fwd / rate).sum(axis=2)
+
+    def phases(self, placement: Placement, assignment: Assignment, counts: np.ndarray,
+               migrations: np.ndarray | None = None) -> tuple[PhaseTimes, np.ndarray]:
+        """Phase times `[L]` and the per-device computed tokens `[L, D]`."""
+        counts = self.check_loads(counts)
+        L = counts.shape[0]
+        spec, cluster = self.spec, self.cluster
+        received = assignment.received(placement, counts)
+        fec = self.expert_compute_s(received).max(axis=1)
+        send, recv = level_traffic(cluster, placement, assignment, counts)
+        a2a = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
+        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        trans = link_time(cluster, t_send, t_recv)
+        if migrations is not None and len(migrations):
+            m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
+            mig = link_time(cluster, m_send, m_recv)
+        else:
+            mig = np.zeros(L)
+        fnec = np.full(L, spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops)
+        phases = PhaseTimes(dispatch_s=a2a, combine_s=a2a.copy(), expert_fwd_s=fec,
+                            expert_bwd_s=2.0 * fec, non_moe_fwd_s=fnec, non_moe_bwd_s=2.0 * fnec,
+                            trans_s=trans, agg_s=trans.copy(), migrate_s=mig)
+        return phases, received.sum(axis=2)
+
+    def price(self, placement: Placement, assignment: Assignment, counts: np.ndarray,
+              migrations: np.ndarray | None = None) -> PlanCost:
+        phases, device_load = self.phases(placement, assignment, counts, migrations)
+        return PlanCost(phases=phases, layer_s=self.schedule.layer_time(phases),
+                        schedule=self.schedule.name, device_load=device_load)

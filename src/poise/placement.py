@@ -1,0 +1,264 @@
+"""Placements, assignments and plans: where experts live and where tokens go.
+
+- `Placement`: `home[L, E]` (owner device of each expert) and `copies[L, D, E]` (how many copies of
+  expert e device d holds: its home copy plus replicas). A device's copies never exceed
+  `slots_per_device`.
+- `Assignment`: `weights[L, E, D]`: how the tokens of a source that holds *no* copy of expert e are
+  split among e's holders. A source that holds a copy keeps its own tokens (no transfer). Weights
+  are zero off the holders and sum to one per (layer, expert): tokens are conserved.
+- `Transfers`: what a plan costs to set up and to keep each step, in bytes: Trans (weights to
+  replicas, every step), Agg (replica gradients back, every step), migrations (home changes, once,
+  with optimizer state).
+- `Plan`: all of the above plus the policy's name, the predicted cost and notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from poise.errors import PlanError
+from poise.spec import ModelSpec
+
+_TOL = 1e-9
+
+
+@dataclass
+class Placement:
+    """`home[l, e]`: device owning expert e in layer l. `copies[l, d, e]`: copies of e on d."""
+
+    home: np.ndarray
+    copies: np.ndarray
+    slots_per_device: int
+
+    @property
+    def layers(self) -> int:
+        return int(self.home.shape[0])
+
+    @property
+    def experts(self) -> int:
+        return int(self.home.shape[1])
+
+    @property
+    def devices(self) -> int:
+        return int(self.copies.shape[1])
+
+    @classmethod
+    def from_homes(cls, home: np.ndarray, devices: int, slots_per_device: int) -> Placement:
+        """Only home copies: `home[L, E]` int."""
+        home = np.asarray(home, dtype=np.int64)
+        L, E = home.shape
+        copies = np.zeros((L, devices, E), dtype=np.int32)
+        layer_idx = np.repeat(np.arange(L), E)
+        np.add.at(copies, (layer_idx, home.ravel(), np.tile(np.arange(E), L)), 1)
+        return cls(home=home, copies=copies, slots_per_device=slots_per_device)
+
+    def holders(self) -> np.ndarray:
+        """`[L, D, E]` bool: device d holds at least one copy of expert e."""
+        return self.copies > 0
+
+    def replicas(self) -> np.ndarray:
+        """`[L, D, E]` bool: device d holds e and is not its home."""
+        held = self.copies > 0
+        is_home = np.arange(self.devices)[None, :, None] == self.home[:, None, :]
+        return held & ~is_home
+
+    def slots_used(self) -> np.ndarray:
+        """`[L, D]` copies held per device."""
+        return self.copies.sum(axis=2)
+
+    def copy(self) -> Placement:
+        return Placement(self.home.copy(), self.copies.copy(), self.slots_per_device)
+
+    def take_layers(self, layers: np.ndarray | list[int]) -> Placement:
+        idx = np.asarray(layers)
+        return Placement(self.home[idx], self.copies[idx], self.slots_per_device)
+
+    def validate(self) -> None:
+        """Every expert has a holder (its home), slots are respected, shapes agree."""
+        if self.home.ndim != 2 or self.copies.ndim != 3:
+            raise PlanError("home must be [L, E] and copies [L, D, E]", field="placement")
+        L, E = self.home.shape
+        if self.copies.shape[0] != L or self.copies.shape[2] != E:
+            raise PlanError(f"copies shape {self.copies.shape} disagrees with home {self.home.shape}",
+                            field="placement.copies")
+        D = self.devices
+        if self.home.size and (self.home.min() < 0 or self.home.max() >= D):
+            raise PlanError(f"home device out of range [0, {D})", field="placement.home")
+        if self.copies.size and self.copies.min() < 0:
+            raise PlanError("negative copy count", field="placement.copies")
+        homes_held = np.take_along_axis(self.copies, self.home[:, None, :], axis=1)[:, 0, :]
+        if np.any(homes_held < 1):
+            layer, expert = np.argwhere(homes_held < 1)[0]
+            raise PlanError(f"layer {layer} expert {expert}: home device holds no copy",
+                            field="placement.home")
+        used = self.slots_used()
+        if used.size and used.max() > self.slots_per_device:
+            layer, device = np.unravel_index(int(used.argmax()), used.shape)
+            raise PlanError(f"layer {layer} device {device} holds {int(used.max())} copies, more "
+                            f"than {self.slots_per_device} slots", field="placement.slots")
+
+
+@dataclass
+class Assignment:
+    """`weights[l, e, d]`: share of a non-holding source's tokens for expert e sent to device d."""
+
+    weights: np.ndarray
+
+    @classmethod
+    def even(cls, placement: Placement) -> Assignment:
+        """Remote tokens split over holders in proportion to their copies."""
+        c = placement.copies.transpose(0, 2, 1).astype(np.float64)
+        return cls(c / c.sum(axis=2, keepdims=True))
+
+    @classmethod
+    def to_home(cls, placement: Placement) -> Assignment:
+        """Remote tokens all go to the home (Pro-Prophet, FasterMoE: replicas serve only their
+        own device's tokens)."""
+        L, E = placement.home.shape
+        w = np.zeros((L, E, placement.devices))
+        np.put_along_axis(w, placement.home[:, :, None], 1.0, axis=2)
+        return cls(w)
+
+    @classmethod
+    def balanced(cls, placement: Placement, loads: np.ndarray) -> Assignment:
+        """Remote tokens split to level the expected per-copy load of each expert.
+
+        Holder d of expert e first keeps its own tokens `loads[l, d, e]`; the remote total is then
+        water-filled onto the holders with the least tokens of e, so the most loaded copy of e
+        carries as little as possible. `loads`: `[L, D, E]`."""
+        held = placement.holders()
+        local = np.where(held, loads, 0.0).transpose(0, 2, 1)  # [L, E, D]
+        remote = np.where(held, 0.0, loads).sum(axis=1)  # [L, E]
+        copies = placement.copies.transpose(0, 2, 1).astype(np.float64)
+        held_t = copies > 0
+        # level[l, e] solves sum_d copies * max(0, level - local/copies) = remote over holders.
+        per_copy = np.where(held_t, local / np.maximum(copies, 1), np.inf)
+        order = np.sort(per_copy, axis=2)
+        sorted_idx = np.argsort(per_copy, axis=2, kind="stable")
+        c_sorted = np.take_along_axis(copies, sorted_idx, axis=2)
+        cum_c = np.cumsum(c_sorted, axis=2)
+        cum_cl = np.cumsum(np.where(np.isfinite(order), order, 0.0) * c_sorted, axis=2)
+        # Filling the first k holders up to order[k] costs order[k] * cum_c[k-1] - cum_cl[k-1].
+        fill_to_next = np.where(np.isfinite(order[..., 1:]),
+                                order[..., 1:] * cum_c[..., :-1] - cum_cl[..., :-1], np.inf)
+        k = (fill_to_next < remote[..., None]).sum(axis=2)  # holders below the final level - 1
+        k = np.minimum(k, held_t.sum(axis=2) - 1)
+        cc = np.take_along_axis(cum_c, k[..., None], axis=2)[..., 0]
+        ccl = np.take_along_axis(cum_cl, k[..., None], axis=2)[..., 0]
+        level = (remote + ccl) / np.maximum(cc, 1e-300)
+        share = np.where(held_t, np.maximum(0.0, level[..., None] * copies - local), 0.0)
+        total = share.sum(axis=2, keepdims=True)
+        fallback = copies / np.maximum(copies.sum(axis=2, keepdims=True), 1e-300)
+        weights = np.where(total > _TOL, share / np.where(total > _TOL, total, 1.0), fallback)
+        return cls(weights)
+
+    def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
+        return Assignment(self.weights[np.asarray(layers)])
+
+    def validate(self, placement: Placement) -> None:
+        w = self.weights
+        L, E = placement.home.shape
+        if w.shape != (L, E, placement.devices):
+            raise PlanError(f"weights shape {w.shape} != {(L, E, placement.devices)}",
+                            field="assignment.weights")
+        if not np.all(np.isfinite(w)) or w.min() < -_TOL:
+            raise PlanError("weights must be finite and non-negative", field="assignment.weights")
+        off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, w)
+        if off.max(initial=0.0) > _TOL:
+            layer, expert, device = np.argwhere(off > _TOL)[0]
+            raise PlanError(f"layer {layer} expert {expert}: tokens sent to device {device}, "
+                            f"which holds no copy", field="assignment.weights")
+        sums = w.sum(axis=2)
+        if np.any(np.abs(sums - 1.0) > 1e-6):
+            layer, expert = np.argwhere(np.abs(sums - 1.0) > 1e-6)[0]
+            raise PlanError(f"layer {layer} expert {expert}: shares sum to {sums[layer, expert]}, "
+                            f"not 1 (tokens not conserved)", field="assignment.weights")
+
+    def received(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
+        """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`."""
+        held = placement.holders()
+        counts = np.asarray(counts, dtype=np.float64)
+        remote_total = np.where(held, 0.0, counts).sum(axis=1)  # [L, E]
+        return np.where(held, counts, 0.0) + (self.weights * remote_total[:, :, None]).transpose(
+            0, 2, 1)
+
+    def split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
+        """Integer routes `[L, D_src, E, D_dst]` for integer `counts[L, D, E]`: each source keeps
+        what it holds locally and splits the rest by the weights, rounding by largest remainder so
+        that every (layer, source, expert) count is conserved exactly. Memory is L*D*E*D: meant
+        for the live runtime's handful of ranks, not for cluster-scale simulation."""
+        counts = np.asarray(counts, dtype=np.int64)
+        L, D, E = counts.shape
+        held = placement.holders()
+        routes = np.zeros((L, D, E, D), dtype=np.int64)
+        local_idx = np.nonzero(held)
+        routes[local_idx[0], local_idx[1], local_idx[2], local_idx[1]] = counts[held]
+        remote = np.where(held, 0, counts)  # [L, D, E]
+        ideal = remote[..., None] * self.weights[:, None, :, :]  # [L, D, E, D]
+        base = np.floor(ideal + 1e-9).astype(np.int64)
+        short = remote - base.sum(axis=3)
+        frac = ideal - base
+        # Hand the leftover tokens to the largest remainders (stable: lower device first on ties).
+        order = np.argsort(-frac, axis=3, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(D)[None, None, None, :].repeat(E, 2).repeat(
+            D, 1).repeat(L, 0), axis=3)
+        base += (rank < short[..., None]).astype(np.int64)
+        return routes + base
+
+
+@dataclass
+class Transfers:
+    """Bytes a plan moves. Trans and Agg recur every step; migrations happen once.
+
+    `trans_bytes[l]`: weights sent from homes to replicas per step; `agg_bytes[l]`: replica
+    gradients returned per step; `migrate_bytes[l]`: weights plus optimizer state of experts whose
+    home changed; `migrations`: rows (layer, expert, old home, new home)."""
+
+    trans_bytes: np.ndarray
+    agg_bytes: np.ndarray
+    migrate_bytes: np.ndarray
+    migrations: np.ndarray
+
+    @property
+    def total_step_bytes(self) -> float:
+        return float(self.trans_bytes.sum() + self.agg_bytes.sum())
+
+    @property
+    def total_bytes(self) -> float:
+        return float(self.trans_bytes.sum() + self.agg_bytes.sum() + self.migrate_bytes.sum())
+
+
+def transfers_between(previous: Placement | None, new: Placement, spec: ModelSpec) -> Transfers:
+    """What `new` costs given the placement before it (None: the start of training, no moves)."""
+    replicas = new.replicas().sum(axis=(1, 2)).astype(np.float64)  # [L]
+    trans = replicas * spec.expert_bytes
+    if previous is None or previous.home.shape != new.home.shape:
+        moved = np.zeros((0, 4), dtype=np.int64)
+    else:
+        layer, expert = np.nonzero(previous.home != new.home)
+        moved = np.stack([layer, expert, previous.home[layer, expert], new.home[layer, expert]],
+                         axis=1).astype(np.int64)
+    migrate = np.bincount(moved[:, 0], minlength=new.layers).astype(np.float64) * \
+        spec.migration_bytes
+    return Transfers(trans_bytes=trans, agg_bytes=trans.copy(), migrate_bytes=migrate,
+                     migrations=moved)
+
+
+@dataclass
+class Plan:
+    """A policy's decision for every MoE layer."""
+
+    policy: str
+    placement: Placement
+    assignment: Assignment
+    transfers: Transfers
+    cost: Any = None  # cost.PlanCost, filled by the policy runner
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        self.placement.validate()
+        self.assignment.validate(self.placement)
