@@ -1,0 +1,65 @@
+"""`auto`: price every candidate policy per layer with the cost model and keep the cheapest.
+
+For each layer l and candidate c (every registered policy, plus `keep`: the placement in force),
+the cost over the next K steps (K = `horizon`, default the re-planning interval) is
+
+    total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + migrate_s[c, l]
+
+i.e. K steps of the candidate's recurring time plus its one-off migration from the placement in
+force. `auto` keeps, per layer, the candidate with the least total; so it moves only when the
+gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
+step time is a sum over layers), so with no placement in force the result is never slower than
+any candidate. Ties go to `keep`, then to the candidate order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from poise.placement import Assignment, Placement, Plan
+from poise.policies.base import REGISTRY, PlanContext, finish_plan, register
+
+DEFAULT_HORIZON = 10
+
+
+def candidate_names(ctx: PlanContext) -> list[str]:
+    names = ctx.option("auto", "candidates", None)
+    if names is None:
+        names = [n for n in sorted(REGISTRY) if n != "auto"]
+    return list(names)
+
+
+@register("auto")
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    horizon = float(ctx.option("auto", "horizon", DEFAULT_HORIZON))
+    L = loads.shape[0]
+    plans: list[Plan] = []
+    names: list[str] = []
+    if previous is not None and previous.placement.home.shape == (L, ctx.experts) \
+            and previous.placement.devices == ctx.devices:
+        keep_cost = ctx.cost.price(previous.placement, previous.assignment, loads)
+        plans.append(Plan("keep", previous.placement, previous.assignment, previous.transfers,
+                          keep_cost))
+        names.append("keep")
+    for name in candidate_names(ctx):
+        plans.append(REGISTRY[name](loads, previous, ctx))
+        names.append(name)
+    recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])  # [C, L]
+    moving = np.stack([p.cost.phases.migrate_s for p in plans])
+    total = horizon * recurring + moving
+    choice = np.argmin(total, axis=0)  # first minimum: `keep` wins ties
+    home = np.stack([plans[c].placement.home[l] for l, c in enumerate(choice)])
+    copies = np.stack([plans[c].placement.copies[l] for l, c in enumerate(choice)])
+    weights = np.stack([plans[c].assignment.weights[l] for l, c in enumerate(choice)])
+    placement = Placement(home, copies, ctx.slots_per_device)
+    chosen = [names[c] for c in choice]
+    notes: dict[str, Any] = {
+        "chosen": chosen,
+        "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
+    }
+    for p in plans:
+        for key, value in p.notes.items():
+            notes.setdefault(f"{p.policy}.{key}", value)
+    return finish_plan("auto", placement, Assignment(weights), loads, previous, ctx, notes)

@@ -1,0 +1,101 @@
+"""Load predictors: next step's loads from the recent history (loads drift slowly; Pro-Prophet).
+
+Each predictor maps `history[T, L, D, E]` (oldest first, T >= 1) to a prediction `[L, D, E]`:
+
+- `last`: the latest observation;
+- `window(w)`: the mean of the last w observations;
+- `ema(alpha)`: exponential moving average, p_t = alpha * x_t + (1 - alpha) * p_{t-1}.
+
+`prediction_error` replays a trace and reports the mean relative L1 error of each predictor,
+sum |pred - actual| / sum actual over the steps it could predict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from poise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """`kind`: last, window or ema; `window` (steps) and `alpha` (EMA weight of the newest)."""
+
+    kind: str = "ema"
+    window: int = 10
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("last", "window", "ema"):
+            raise ConfigError("must be last, window or ema", source=self.kind, field="predictor")
+        if self.window < 1:
+            raise ConfigError("must be >= 1", source=str(self.window), field="predictor.window")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ConfigError("must be in (0, 1]", source=str(self.alpha),
+                              field="predictor.alpha")
+
+    @property
+    def name(self) -> str:
+        return {"last": "last", "window": f"window({self.window})",
+                "ema": f"ema({self.alpha:g})"}[self.kind]
+
+    def predict(self, history: np.ndarray) -> np.ndarray:
+        """`history[T, L, D, E]` -> `[L, D, E]` float."""
+        history = np.asarray(history, dtype=np.float64)
+        if history.ndim != 4 or history.shape[0] == 0:
+            raise ConfigError(f"history must be [T >= 1, L, D, E], got {history.shape}",
+                              source=self.name, field="history")
+        if self.kind == "last":
+            return history[-1].copy()
+        if self.kind == "window":
+            return history[-self.window:].mean(axis=0)
+        return self.predict_all(history)[-1]
+
+    def predict_all(self, history: np.ndarray) -> np.ndarray:
+        """`[T, L, D, E]` -> `[T, L, D, E]`: row t is the prediction made after seeing rows <= t,
+        i.e. the forecast for step t + 1. One pass, for replaying whole traces."""
+        x = np.asarray(history, dtype=np.float64)
+        if self.kind == "last":
+            return x.copy()
+        if self.kind == "window":
+            csum = np.cumsum(x, axis=0)
+            out = csum.copy()
+            w = self.window
+            out[w:] = csum[w:] - csum[:-w]
+            counts = np.minimum(np.arange(1, len(x) + 1), w).reshape(-1, 1, 1, 1)
+            return out / counts
+        out = np.empty_like(x)
+        acc = x[0].copy()
+        out[0] = acc
+        for t in range(1, len(x)):
+            acc = self.alpha * x[t] + (1.0 - self.alpha) * acc
+            out[t] = acc
+        return out
+
+
+def parse_predictor(text: str) -> Predictor:
+    """`last`, `window`, `window:20`, `ema`, `ema:0.3`."""
+    kind, _, arg = text.partition(":")
+    try:
+        if kind == "window":
+            return Predictor("window", window=int(arg) if arg else 10)
+        if kind == "ema":
+            return Predictor("ema", alpha=float(arg) if arg else 0.5)
+    except ValueError:
+        raise ConfigError(f"bad predictor argument {arg!r}", source=text,
+                          field="predictor") from None
+    return Predictor(kind)
+
+
+def prediction_error(counts: np.ndarray, predictor: Predictor) -> float:
+    """Mean relative L1 error of one-step-ahead predictions over `counts[S, L, D, E]` (S >= 2)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.shape[0] < 2:
+        raise ConfigError("need at least 2 steps to measure prediction error",
+                          source=predictor.name, field="steps")
+    pred = predictor.predict_all(counts)[:-1]
+    actual = counts[1:]
+    total = actual.sum()
+    return float(np.abs(pred - actual).sum() / total) if total > 0 else 0.0

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from poise.errors import ConfigError
+from poise.topology import GBIT, PRESETS, Cluster, get_cluster
+
+from .helpers import toy_cluster
+
+
+def test_presets_have_paper_shapes() -> None:
+    assert get_cluster("v100-ib50").num_devices == 16
+    assert get_cluster("v100-ib50").inter_node.bw_Bps == pytest.approx(50 * GBIT)
+    assert get_cluster("v100-nvlink-ib100").num_devices == 64
+    assert get_cluster("rtx3090-ib100").num_devices == 16
+    assert get_cluster("rtx3090-ib100:8").num_devices == 32
+    assert get_cluster("a800-eth10").domains == 2
+    assert get_cluster("a800-eth10:4").num_devices == 32
+    assert get_cluster("a800-eth10").inter_domain.bw_Bps == pytest.approx(10 * GBIT)
+    assert get_cluster("dgx-h100").devices_per_node == 8
+    assert get_cluster("cross-dc-1000").domains == 1000
+    assert get_cluster("cpu-2").num_devices == 2
+
+
+def test_levels_between_devices() -> None:
+    c = toy_cluster(devices_per_node=2, nodes=2, domains=2)  # 8 devices
+    assert c.level_between(0, 0) == -1
+    assert c.level_between(0, 1) == 0
+    assert c.level_between(1, 2) == 1
+    assert c.level_between(3, 4) == 2
+    np.testing.assert_array_equal(c.node_of(), [0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(c.domain_of(), [0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def test_gemm_rate_small_batch_curve() -> None:
+    c = PRESETS["v100-ib50"]
+    assert c.gemm_rate(c.gemm_half_rows) == pytest.approx(c.gemm_flops / 2)
+    assert c.gemm_rate(1e9) == pytest.approx(c.gemm_flops, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_yaml_roundtrip(tmp_path, name: str) -> None:
+    path = tmp_path / f"{name}.yaml"
+    PRESETS[name].save(path)
+    assert Cluster.load(path) == PRESETS[name]
+    assert get_cluster(str(path)) == PRESETS[name]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.pop("devices_per_node"), "devices_per_node"),
+        (lambda d: d.__setitem__("devices_per_node", 0), "devices_per_node"),
+        (lambda d: d.__setitem__("devices_per_node", 2.5), "devices_per_node"),
+        (lambda d: d["device"].__setitem__("gemm_flops", -1), "device.gemm_flops"),
+        (lambda d: d["device"].__setitem__("gemm_flops", "fast"), "device.gemm_flops"),
+        (lambda d: d["links"]["intra_node"].__setitem__("bw_Bps", 0), "links.intra_node.bw_Bps"),
+        (lambda d: d["links"].pop("intra_node"), "links.intra_node"),
+        (lambda d: d.__setitem__("colour", "red"), "colour"),
+        (lambda d: d["links"]["inter_node"].__setitem__("shared_by", 0),
+         "links.inter_node.shared_by"),
+    ],
+)
+def test_bad_yaml_names_file_and_field(tmp_path, mutate, field: str) -> None:
+    data = PRESETS["v100-ib50"].to_dict()
+    mutate(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        Cluster.load(path)
+    assert str(path) in str(info.value)
+    assert field in str(info.value)
+
+
+def test_unreadable_yaml(tmp_path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("links: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        Cluster.load(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        Cluster.load(path)
+    with pytest.raises(ConfigError, match="file not found"):
+        Cluster.load(tmp_path / "missing.yaml")
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ConfigError, match="unknown cluster preset"):
+        get_cluster("tpu-pod")
+    with pytest.raises(ConfigError, match="positive integer"):
+        get_cluster("dgx-h100:zero")
