@@ -80,9 +80,10 @@ class PlanContext:
 
 def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
     """GShard / DeepSpeed-MoE layout `[L, E]`: contiguous blocks of experts per device
-    (expert e on device floor(e * D / E)); with more devices than experts, expert e's home is the
-    first device of its block."""
-    homes = (np.arange(experts) * devices) // experts
+    (expert e on device floor(e * D / E)); with more devices than experts, device d serves expert
+    floor(d * E / D) and expert e's home is the first device of its block, ceil(e * D / E)."""
+    e = np.arange(experts)
+    homes = (e * devices) // experts if devices <= experts else -(-(e * devices) // experts)
     return np.tile(homes, (layers, 1)).astype(np.int64)
 
 

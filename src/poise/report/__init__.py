@@ -1,0 +1,1 @@
+"""Pictures and pages: plots (matplotlib, Agg backend) and the HTML report."""

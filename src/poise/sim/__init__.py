@@ -1,0 +1,1 @@
+"""The simulator: replays routing traces on modelled clusters with every policy."""

@@ -1,0 +1,76 @@
+"""Every registered policy keeps the invariants on random loads, including the corner cases:
+zero loads, one device, more devices than experts, tiny and huge counts, multi-node and
+multi-domain clusters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poise.cost import CostModel
+from poise.policies import REGISTRY, PlanContext, make_plan
+
+from .helpers import toy_cluster, toy_spec
+
+POLICIES = sorted(REGISTRY)
+
+
+@st.composite
+def planning_case(draw):
+    devices_per_node = draw(st.sampled_from([1, 2, 4]))
+    nodes = draw(st.sampled_from([1, 2]))
+    domains = draw(st.sampled_from([1, 2]))
+    devices = devices_per_node * nodes * domains
+    experts = draw(st.integers(1, 12))
+    layers = draw(st.integers(1, 3))
+    scale = draw(st.sampled_from([0, 1, 3, 1000, 10**7]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    extra_slots = draw(st.integers(0, 3))
+    rng = np.random.default_rng(seed)
+    skew = rng.zipf(1.5, size=(layers, devices, experts)).astype(float)
+    loads = np.floor(rng.random((layers, devices, experts)) * scale * skew / skew.max())
+    cluster = toy_cluster(devices_per_node, nodes, domains, bw=1e9, inter_bw=2e8, wan_bw=1e7,
+                          lat=1e-6, flops=1e12)
+    spec = toy_spec(experts=experts, layers=layers, d_model=64, d_expert=128,
+                    tokens=max(1, int(loads.sum(axis=2).max())))
+    slots = -(-experts // devices) + extra_slots
+    return cluster, spec, slots, loads
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=planning_case())
+def test_policy_keeps_invariants(policy: str, case) -> None:
+    cluster, spec, slots, loads = case
+    ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=CostModel(cluster, spec),
+                             history=loads[None])
+    plan = make_plan(policy, loads, None, ctx)
+    plan.validate()
+    p = plan.placement
+    assert p.home.shape == (spec.moe_layers, spec.experts)
+    assert p.slots_used().max() <= slots
+    assert np.all(p.copies.sum(axis=1) >= 1)  # every expert has a holder
+    received = plan.assignment.received(p, loads)
+    np.testing.assert_allclose(received.sum(axis=1), loads.sum(axis=1), rtol=1e-9, atol=1e-6)
+    assert np.all(received[~p.holders()] <= 1e-9)  # only holders compute tokens
+    assert np.isfinite(plan.cost.step_s) and plan.cost.step_s >= 0
+    # Re-planning from its own plan keeps the invariants too, and is deterministic.
+    again = make_plan(policy, loads, plan, ctx)
+    again.validate()
+    twice = make_plan(policy, loads, plan, ctx)
+    np.testing.assert_array_equal(again.placement.copies, twice.placement.copies)
+    np.testing.assert_array_equal(again.placement.home, twice.placement.home)
+
+
+def test_auto_never_slower_than_any_candidate() -> None:
+    rng = np.random.default_rng(3)
+    cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)
+    spec = toy_spec(experts=16, layers=4, d_model=512, d_expert=1024, tokens=4096)
+    loads = rng.zipf(1.3, size=(4, 8, 16)).astype(float) * 50
+    ctx = PlanContext.create(cluster, spec, slots_per_device=4, cost=CostModel(cluster, spec))
+    auto = make_plan("auto", loads, None, ctx)
+    for name in POLICIES:
+        other = make_plan(name, loads, None, ctx)
+        assert auto.cost.step_s <= other.cost.step_s * (1 + 1e-12), name
