@@ -1,0 +1,292 @@
+"""`eplb`: DeepSeek's Expert-Parallelism Load Balancer (redundant experts, hierarchical packing).
+
+A re-implementation in NumPy of the algorithm published in github.com/deepseek-ai/EPLB, as pure
+functions over arrays (shapes in brackets; X is any batch of rows, usually layers):
+
+1. `balanced_packing(weight[X, n], m)`: n items into m packs of exactly n/m items each. Items are
+   taken heaviest first (stable descending sort: among equal weights the lower index goes first)
+   and each goes to the lightest pack that is not yet full (lowest pack index on ties). With
+   n/m == 1 item i simply goes to pack i.
+2. `replicate_experts(weight[X, E], R)`: R >= E physical slots; slot i < E holds expert i, and
+   each further slot gets the expert with the largest load per copy, `argmax_e w[e] / cnt[e]`
+   (lowest index on ties). This minimises the largest per-replica load (Jefferson/D'Hondt).
+3. `rebalance_experts_hierarchical(weight[L, E], R, G, N, P)`: expert groups (G, contiguous) are
+   packed onto N nodes by group load; experts are replicated inside each node to R/N slots; the
+   node's replicas (load w/cnt each) are packed onto its P/N GPUs, R/P slots per GPU.
+4. `rebalance_experts(weight[L, E], R, G, N, P)`: hierarchical when G divides by N (and E by G),
+   otherwise global: hierarchical with one group and one node (replicate over the whole cluster,
+   then pack onto all P GPUs). Returns `phy2log[L, R]`, `log2phy[L, E, maxcnt]` (-1 padded) and
+   `logcnt[L, E]`.
+
+Deviations from the reference, all benign: loads are float64 (the reference casts to float32);
+sorts are explicitly stable (the reference's `torch.sort` is not guaranteed stable, but its
+published output matches a stable sort); broken preconditions raise `PlanError` instead of an
+`assert`; in automatic mode a group count that does not divide the experts also selects global
+mode (the reference would fail its assertion).
+
+Worked example (the EPLB README's; two layers, 12 experts, 16 slots on 2 nodes x 4 GPUs):
+
+    >>> w = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    ...               [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+    >>> phy2log, log2phy, logcnt = rebalance_experts(w, 16, 4, 2, 8)
+    >>> phy2log[0].tolist()
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]
+
+The registered policy `eplb` sums `loads[L, D, E]` over sources into `weight[L, E]`, fills every
+slot of the cluster (R = devices x slots_per_device), and turns `phy2log` into a `Placement`:
+physical slot p lives on device p // slots_per_device and an expert's home is the device of its
+rank-0 copy. Tokens follow `Assignment.balanced`: EPLB's packing assumes that every copy of an
+expert carries w[e] / cnt[e]; since a source holding a copy keeps its own tokens, an even split
+of the remote tokens would load the copies unequally, while the water-filling of `balanced` gives
+each copy that share whenever the local tokens allow it (option `routing: even` for the plain
+split in proportion to copies).
+
+Options (`ctx.option("eplb", ...)`): `groups` (default: nodes if experts divide by nodes, else
+1), `mode` (`auto`, `hierarchical`, `global`), `routing` (`balanced`, `even`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.eplb_format import placement_from_eplb
+from poise.errors import PlanError
+from poise.placement import Assignment, Plan
+from poise.policies.base import PlanContext, finish_plan, register
+
+MODES = ("auto", "hierarchical", "global")
+
+
+def _as_weight(weight: np.ndarray) -> np.ndarray:
+    w = np.asarray(weight, dtype=np.float64)
+    if w.ndim != 2:
+        raise PlanError(f"weight must be [rows, items], got shape {w.shape}", field="eplb.weight")
+    if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
+        raise PlanError("weight must be finite and non-negative", field="eplb.weight")
+    return w
+
+
+def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack n weighted items into `num_packs` packs of n / num_packs items, evening pack sums.
+
+    `weight[X, n]` -> `(pack_index[X, n], rank_in_pack[X, n])`, both int64. Greedy LPT with a
+    cardinality limit: heaviest item first (stable: lower index first on equal weights) into the
+    lightest non-full pack (lowest pack index on ties); `rank_in_pack` counts the items that
+    were already in the pack.
+
+    >>> balanced_packing(np.array([[4.0, 3, 2, 1]]), 2)[0].tolist()
+    [[0, 1, 1, 0]]
+    """
+    w = _as_weight(weight)
+    X, n = w.shape
+    if num_packs < 1 or n % num_packs:
+        raise PlanError(
+            f"{n} items do not split evenly into {num_packs} packs", field="eplb.num_packs"
+        )
+    per_pack = n // num_packs
+    if per_pack == 1:
+        return np.tile(np.arange(n, dtype=np.int64), (X, 1)), np.zeros((X, n), dtype=np.int64)
+    order = np.argsort(-w, axis=1, kind="stable")
+    pack_index = np.empty((X, n), dtype=np.int64)
+    rank_in_pack = np.empty((X, n), dtype=np.int64)
+    pack_w = np.zeros((X, num_packs))
+    pack_n = np.zeros((X, num_packs), dtype=np.int64)
+    rows = np.arange(X)
+    for i in range(n):  # one pass per item, vectorised over the X rows
+        item = order[:, i]
+        pack = np.where(pack_n < per_pack, pack_w, np.inf).argmin(axis=1)
+        pack_index[rows, item] = pack
+        rank_in_pack[rows, item] = pack_n[rows, pack]
+        pack_w[rows, pack] += w[rows, item]
+        pack_n[rows, pack] += 1
+    return pack_index, rank_in_pack
+
+
+def replicate_experts(
+    weight: np.ndarray, num_phy: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spread `num_log` logical experts over `num_phy >= num_log` physical slots.
+
+    `weight[X, num_log]` -> `(phy2log[X, num_phy], rank[X, num_phy], logcnt[X, num_log])`:
+    slot i < num_log holds expert i (rank 0); every later slot holds the expert with the largest
+    `weight / logcnt` so far (lowest index on ties), as its copy number `rank`.
+
+    >>> p, r, c = replicate_experts(np.array([[6.0, 2.0, 3.0]]), 5)
+    >>> p.tolist(), r.tolist(), c.tolist()
+    ([[0, 1, 2, 0, 0]], [[0, 0, 0, 1, 2]], [[3, 1, 1]])
+    """
+    w = _as_weight(weight)
+    X, num_log = w.shape
+    if num_phy < num_log:
+        raise PlanError(
+            f"{num_log} experts need at least as many slots, got {num_phy}",
+            field="eplb.num_replicas",
+        )
+    phy2log = np.empty((X, num_phy), dtype=np.int64)
+    phy2log[:, :num_log] = np.arange(num_log)
+    rank = np.zeros((X, num_phy), dtype=np.int64)
+    logcnt = np.ones((X, num_log), dtype=np.int64)
+    rows = np.arange(X)
+    for i in range(num_log, num_phy):
+        e = np.argmax(w / logcnt, axis=1)
+        phy2log[:, i] = e
+        rank[:, i] = logcnt[rows, e]
+        logcnt[rows, e] += 1
+    return phy2log, rank, logcnt
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    """Row-wise inverse of permutations `perm[X, n]`."""
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
+    return inv
+
+
+def rebalance_experts_hierarchical(
+    weight: np.ndarray,
+    num_physical_experts: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Hierarchical EPLB: groups to nodes, replication inside nodes, replicas to GPUs.
+
+    `weight[L, E]` -> `(phy2log[L, R], phyrank[L, R], logcnt[L, E])` with R =
+    `num_physical_experts`; GPU g owns physical slots [g * R/P, (g + 1) * R/P). Requires E % G ==
+    0, G % N == 0, P % N == 0, R % P == 0 and R >= E.
+    """
+    w = _as_weight(weight)
+    L, E = w.shape
+    R, G, N, P = num_physical_experts, num_groups, num_nodes, num_gpus
+    problems = []
+    if G < 1 or E % G:
+        problems.append(f"{E} experts do not split into {G} groups")
+    if N < 1 or G % N:
+        problems.append(f"{G} groups do not split over {N} nodes")
+    if P < 1 or P % N:
+        problems.append(f"{P} GPUs do not split over {N} nodes")
+    if P < 1 or R % P:
+        problems.append(f"{R} physical slots do not split over {P} GPUs")
+    if R < E:
+        problems.append(f"{E} experts need at least {E} physical slots, got {R}")
+    if problems:
+        raise PlanError("; ".join(problems), field="eplb")
+    group_size, groups_per_node = E // G, G // N
+    per_node_log, per_node_phy, per_gpu = E // N, R // N, R // P
+
+    # 1. Expert groups onto nodes; renumber experts node-major ("mlog" ids).
+    group_load = w.reshape(L, G, group_size).sum(axis=2)
+    g_pack, g_rank = balanced_packing(group_load, N)
+    log2mlog = (
+        ((g_pack * groups_per_node + g_rank) * group_size)[:, :, None] + np.arange(group_size)
+    ).reshape(L, E)
+    mlog2log = _inverse(log2mlog)
+
+    # 2. Replicate inside each node: rows are (layer, node).
+    mlog_load = np.take_along_axis(w, mlog2log, axis=1).reshape(L * N, per_node_log)
+    phy2mlog, phyrank, mlogcnt = replicate_experts(mlog_load, per_node_phy)
+
+    # 3. A node's replicas onto its GPUs, each replica weighing load / copies.
+    phy_load = np.take_along_axis(mlog_load / mlogcnt, phy2mlog, axis=1)
+    pack, rank = balanced_packing(phy_load, P // N)
+    pphy2phy = _inverse(pack * per_gpu + rank)
+
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, N, per_node_phy)
+    pphy2mlog = (pphy2mlog + (np.arange(N) * per_node_log)[None, :, None]).reshape(L, R)
+    phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+    pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, R)
+    logcnt = np.take_along_axis(mlogcnt.reshape(L, E), log2mlog, axis=1)
+    return phy2log, pphyrank, logcnt
+
+
+def resolve_mode(experts: int, num_groups: int, num_nodes: int, mode: str = "auto") -> str:
+    """`hierarchical` or `global` for `mode` in `MODES`; `auto` picks hierarchical when the
+    experts split into groups and the groups over nodes."""
+    if mode not in MODES:
+        raise PlanError(
+            f"unknown EPLB mode {mode!r} (known: {', '.join(MODES)})", field="eplb.mode"
+        )
+    if mode != "auto":
+        return mode
+    ok = (
+        num_groups >= 1
+        and num_nodes >= 1
+        and experts % num_groups == 0
+        and num_groups % num_nodes == 0
+    )
+    return "hierarchical" if ok else "global"
+
+
+def rebalance_experts(
+    weight: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    mode: str = "auto",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """EPLB's entry point.
+
+    `weight[L, E]` -> `(phy2log[L, R], log2phy[L, E, maxcnt], logcnt[L, E])`, R = num_replicas:
+    `phy2log[l, p]` is the expert in physical slot p, `log2phy[l, e, k]` the slot of copy k of
+    expert e (-1 past its `logcnt[l, e]` copies).
+    """
+    w = _as_weight(weight)
+    L, E = w.shape
+    if resolve_mode(E, num_groups, num_nodes, mode) == "hierarchical":
+        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(
+            w, num_replicas, num_groups, num_nodes, num_gpus
+        )
+    else:
+        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(w, num_replicas, 1, 1, num_gpus)
+    maxcnt = int(logcnt.max()) if logcnt.size else 1
+    log2phy = np.full((L, E * maxcnt), -1, dtype=np.int64)
+    np.put_along_axis(
+        log2phy,
+        phy2log * maxcnt + phyrank,
+        np.broadcast_to(np.arange(num_replicas), phy2log.shape),
+        axis=1,
+    )
+    return phy2log, log2phy.reshape(L, E, maxcnt), logcnt
+
+
+@register("eplb")
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    """EPLB over every slot of the cluster; see the module docstring. `loads`: `[L, D, E]`."""
+    _, D, E = loads.shape
+    slots = ctx.slots_per_device
+    num_replicas = D * slots
+    if num_replicas < E:
+        raise PlanError(
+            f"EPLB needs a slot per expert: {E} experts, {D} devices x {slots} slots",
+            source="eplb",
+            field="slots",
+        )
+    nodes = ctx.cluster.num_nodes
+    groups = int(ctx.option("eplb", "groups", nodes if E % nodes == 0 else 1))
+    mode = resolve_mode(E, groups, nodes, str(ctx.option("eplb", "mode", "auto")))
+    weight = np.asarray(loads, dtype=np.float64).sum(axis=1)
+    if mode == "hierarchical":
+        phy2log, log2phy, _ = rebalance_experts(
+            weight, num_replicas, groups, nodes, D, mode="hierarchical"
+        )
+    else:
+        phy2log, log2phy, _ = rebalance_experts(weight, num_replicas, 1, 1, D, mode="global")
+    placement = placement_from_eplb(phy2log, D, log2phy=log2phy)
+    routing = ctx.option("eplb", "routing", "balanced")
+    if routing == "balanced":
+        assignment = Assignment.balanced(placement, loads)
+    elif routing == "even":
+        assignment = Assignment.even(placement)
+    else:
+        raise PlanError(
+            f"unknown routing {routing!r} (known: balanced, even)", source="eplb", field="routing"
+        )
+    notes = {
+        "mode": mode,
+        "groups": groups if mode == "hierarchical" else 1,
+        "nodes": nodes if mode == "hierarchical" else 1,
+        "replicas": num_replicas,
+        "routing": routing,
+    }
+    return finish_plan("eplb", placement, assignment, loads, previous, ctx, notes)
