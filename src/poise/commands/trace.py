@@ -1,0 +1,189 @@
+"""`poise trace`: inspect, convert and generate routing traces.
+
+poise trace stats FILE [--json] [--layout-devices D]
+poise trace convert SRC DST.npz [--format smartmoe|eplb|expert-counts|auto] [options]
+poise trace generate KIND OUT.npz --steps S --layers L --devices D --experts E
+                     [--top-k K] [--tokens-per-device T] [--seed N] [--param key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from poise.errors import ConfigError
+from poise.trace import Trace
+from poise.trace_generate import (
+    DEFAULT_TOKENS_PER_DEVICE,
+    DEFAULT_TOP_K,
+    GENERATORS,
+    generate,
+)
+from poise.trace_import import FORMATS, load_any
+from poise.trace_stats import stats_table, trace_stats
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "trace",
+        help="inspect, convert and generate routing traces",
+        description="Routing traces: counts[step, layer, src_device, expert] stored as .npz.",
+    )
+    sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+
+    stats = sub.add_parser("stats", help="skew, drift and static-layout imbalance of a trace")
+    stats.add_argument("file", help="a .npz trace, or any source `convert` reads")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.add_argument(
+        "--layout-devices",
+        type=int,
+        default=None,
+        metavar="D",
+        help="devices of the static contiguous layout (default: trace devices)",
+    )
+    _add_import_options(stats)
+
+    convert = sub.add_parser("convert", help="import SmartMoE-AE / EPLB / expert-count data")
+    convert.add_argument(
+        "src",
+        help="SmartMoE-AE folder, EPLB weight .npy/.json, expert-count .json, or a .npz trace",
+    )
+    convert.add_argument("dst", help="output trace (.npz)")
+    _add_import_options(convert)
+
+    gen = sub.add_parser("generate", help="write a synthetic trace")
+    gen.add_argument("kind", help=f"one of {', '.join(GENERATORS)}")
+    gen.add_argument("out", help="output trace (.npz)")
+    gen.add_argument("--steps", type=int, default=100)
+    gen.add_argument("--layers", type=int, default=4)
+    gen.add_argument("--devices", type=int, default=8)
+    gen.add_argument("--experts", type=int, default=32)
+    gen.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
+    gen.add_argument("--tokens-per-device", type=int, default=DEFAULT_TOKENS_PER_DEVICE)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--name", default=None)
+    gen.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a generator parameter, e.g. s=1.2 (repeatable)",
+    )
+
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_import_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("importer options (only those the format uses)")
+    g.add_argument("--format", choices=FORMATS, default="auto")
+    g.add_argument("--top-k", type=int, default=None, help="experts per token")
+    g.add_argument(
+        "--tokens-per-device",
+        type=int,
+        default=None,
+        help="tokens per source per step (default: inferred from the counts)",
+    )
+    g.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="eplb/expert-counts: source devices to spread loads over (default 1)",
+    )
+    g.add_argument("--model", default=None, help="expert-counts: model (default olmoe)")
+    g.add_argument("--kind", default=None, help="expert-counts: kind (default expert_counts)")
+    g.add_argument(
+        "--domain",
+        default=None,
+        help="expert-counts: domain(s), comma-separated (default: all, one per step)",
+    )
+    g.add_argument("--name", default=None, help="trace name")
+
+
+def _load(args: argparse.Namespace, path: str) -> Trace:
+    opts = {
+        "top_k": args.top_k,
+        "tokens_per_device": args.tokens_per_device,
+        "devices": args.devices,
+        "model": args.model,
+        "kind": args.kind,
+        "domain": args.domain,
+    }
+    trace = load_any(path, format=args.format, **opts)
+    if args.name:
+        trace.name = args.name
+    return trace
+
+
+def _check_npz(path: str) -> None:
+    if Path(path).suffix != ".npz":
+        raise ConfigError("output must end in .npz", source=path)
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """`key=value` -> (key, int | float | str)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ConfigError(f"expected KEY=VALUE, got {text!r}", field="--param")
+    raw = raw.strip()
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    trace = _load(args, args.file)
+    stats = trace_stats(trace, args.layout_devices)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        Console().print(stats_table(stats))
+    return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    _check_npz(args.dst)
+    trace = _load(args, args.src)
+    trace.save(args.dst)
+    print(
+        f"wrote {args.dst}: {trace.steps} steps x {trace.layers} layers x {trace.devices} "
+        f"devices x {trace.experts} experts (top-{trace.top_k}, "
+        f"{trace.tokens_per_device} tokens/device)"
+    )
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _check_npz(args.out)
+    params = dict(parse_param(p) for p in args.param)
+    trace = generate(
+        args.kind,
+        steps=args.steps,
+        layers=args.layers,
+        devices=args.devices,
+        experts=args.experts,
+        top_k=args.top_k,
+        tokens_per_device=args.tokens_per_device,
+        seed=args.seed,
+        name=args.name,
+        **params,
+    )
+    trace.save(args.out)
+    print(
+        f"wrote {args.out}: {trace.meta['generator']} trace, {trace.steps} steps x "
+        f"{trace.layers} layers x {trace.devices} devices x {trace.experts} experts"
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    actions = {"stats": _run_stats, "convert": _run_convert, "generate": _run_generate}
+    return actions[args.trace_command](args)
