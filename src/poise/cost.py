@@ -96,9 +96,15 @@ def level_traffic(cluster: Cluster, placement: Placement, assignment: Assignment
     """Tokens each device sends and receives in the dispatch all-to-all, per link level.
 
     Returns `(send, recv)`, each `[3, L, D]` for levels intra-node, inter-node, inter-domain.
-    Linear in L*D*E: node and domain sums replace the D x D traffic matrix."""
+    Linear in L*D*E: node and domain sums replace the D x D traffic matrix.
+
+    With group-local routing (`Assignment.group_weights`, HybridEP) a source whose group routes e
+    locally sends inside its group; groups must nest with the cluster's levels (a group lies in
+    one node, or is a run of whole nodes inside one domain)."""
     held = placement.holders()
     remote = np.where(held, 0.0, counts)  # [L, D, E]: tokens that must leave their source
+    local = assignment.local_mask().transpose(0, 2, 1) if assignment.grouped else None
+    remote_glob = remote if local is None else np.where(local, 0.0, remote)
     w = assignment.weights.transpose(0, 2, 1)  # [L, D, E] share of remote tokens landing on d
     node_of, domain_of = cluster.node_of(), cluster.domain_of()
     n_nodes, n_domains = cluster.num_nodes, cluster.domains
@@ -108,19 +114,52 @@ def level_traffic(cluster: Cluster, placement: Placement, assignment: Assignment
     in_node = w_node[:, node_of, :]
     in_dom = w_dom[:, domain_of, :]
     send = np.stack([
-        (remote * in_node).sum(axis=2),
-        (remote * (in_dom - in_node)).sum(axis=2),
-        (remote * (1.0 - in_dom)).sum(axis=2),
+        (remote_glob * in_node).sum(axis=2),
+        (remote_glob * (in_dom - in_node)).sum(axis=2),
+        (remote_glob * (1.0 - in_dom)).sum(axis=2),
     ])
-    r_node = _group_sum(remote, n_nodes)[:, node_of, :]  # remote tokens of my node
-    r_dom = _group_sum(remote, n_domains)[:, domain_of, :]
-    r_all = remote.sum(axis=1, keepdims=True)
+    r_node = _group_sum(remote_glob, n_nodes)[:, node_of, :]  # remote tokens of my node
+    r_dom = _group_sum(remote_glob, n_domains)[:, domain_of, :]
+    r_all = remote_glob.sum(axis=1, keepdims=True)
     recv = np.stack([
         (w * r_node).sum(axis=2),
         (w * (r_dom - r_node)).sum(axis=2),
         (w * (r_all - r_dom)).sum(axis=2),
     ])
+    if local is not None:
+        assert assignment.group_weights is not None
+        send_l, recv_l = _group_local_traffic(cluster, assignment.group_size,
+                                              np.where(local, remote, 0.0),
+                                              assignment.group_weights.transpose(0, 2, 1))
+        send = send + send_l
+        recv = recv + recv_l
     return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def _group_local_traffic(cluster: Cluster, group_size: int, remote_loc: np.ndarray,
+                         gw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` of the tokens routed inside their group: `remote_loc[L, D, E]`
+    tokens of sources that route locally, `gw[L, D, E]` group weights (per group summing to one)."""
+    dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
+    L, D, _ = remote_loc.shape
+    send = np.zeros((3, L, D))
+    recv = np.zeros((3, L, D))
+    group_remote = np.repeat(_group_sum(remote_loc, D // group_size), group_size, axis=1)
+    if dpn % group_size == 0:  # the group lies inside one node: all its traffic is intra-node
+        send[0] = remote_loc.sum(axis=2)
+        recv[0] = (gw * group_remote).sum(axis=2)
+    elif group_size % dpn == 0 and dpd % group_size == 0:  # whole nodes inside one domain
+        node_of = cluster.node_of()
+        in_node = _group_sum(gw, cluster.num_nodes)[:, node_of, :]
+        send[0] = (remote_loc * in_node).sum(axis=2)
+        send[1] = (remote_loc * (1.0 - in_node)).sum(axis=2)
+        r_node = _group_sum(remote_loc, cluster.num_nodes)[:, node_of, :]
+        recv[0] = (gw * r_node).sum(axis=2)
+        recv[1] = (gw * (group_remote - r_node)).sum(axis=2)
+    else:
+        raise PlanError(f"group size {group_size} does not nest with nodes of {dpn} and domains "
+                        f"of {dpd} devices", field="assignment.group_size")
+    return send, recv
 
 
 def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:

@@ -5,7 +5,10 @@
   `slots_per_device`.
 - `Assignment`: `weights[L, E, D]`: how the tokens of a source that holds *no* copy of expert e are
   split among e's holders. A source that holds a copy keeps its own tokens (no transfer). Weights
-  are zero off the holders and sum to one per (layer, expert): tokens are conserved.
+  are zero off the holders and sum to one per (layer, expert): tokens are conserved. Optionally
+  (HybridEP's domain-local routing) `group_weights[L, E, D]` with `group_size`: a source in a
+  group (a contiguous run of `group_size` devices) whose group weights for e sum to one splits its
+  tokens inside its group by them instead; elsewhere the global `weights` apply.
 - `Transfers`: what a plan costs to set up and to keep each step, in bytes: Trans (weights to
   replicas, every step), Agg (replica gradients back, every step), migrations (home changes, once,
   with optimizer state).
@@ -103,9 +106,69 @@ class Placement:
 
 @dataclass
 class Assignment:
-    """`weights[l, e, d]`: share of a non-holding source's tokens for expert e sent to device d."""
+    """`weights[l, e, d]`: share of a non-holding source's tokens for expert e sent to device d.
+
+    Group-local routing (optional, HybridEP): `group_size` G > 0 cuts the devices into contiguous
+    groups `g(d) = d // G` (a domain or a node); `group_weights[l, e, d]` is zero off the holders
+    and, per (layer, expert, group), sums to one (the group routes e's tokens locally) or to zero
+    (it does not). A non-holding source s whose group routes e locally sends its tokens to the
+    holders inside g(s) in proportion to `group_weights`; every other source uses `weights`:
+
+        share(s -> d) = gw[e, d] * [g(d) = g(s)]   if sum_{d' in g(s)} gw[e, d'] = 1
+                      = w[e, d]                     otherwise
+
+    Without groups (the default) this is the plain per-expert `weights` rule. Consumers should go
+    through `received`, `split` or `cost.level_traffic`, which apply both rules."""
 
     weights: np.ndarray
+    group_weights: np.ndarray | None = None
+    group_size: int = 0
+
+    @property
+    def grouped(self) -> bool:
+        return self.group_weights is not None and self.group_size > 0
+
+    def _group_sums(self) -> np.ndarray:
+        """`[L, E, n_groups]` sum of `group_weights` over each group's devices."""
+        assert self.group_weights is not None
+        L, E, D = self.group_weights.shape
+        return self.group_weights.reshape(L, E, D // self.group_size, self.group_size).sum(axis=3)
+
+    def local_mask(self) -> np.ndarray:
+        """`[L, E, D]` bool: source d routes expert e inside its group (False without groups)."""
+        if not self.grouped:
+            return np.zeros(self.weights.shape, dtype=bool)
+        return np.repeat(self._group_sums() > 0.5, self.group_size, axis=2)
+
+    def source_weights(self) -> np.ndarray:
+        """`[L, D_src, E, D_dst]` the share of each source's remote tokens sent to each device
+        (both rules applied). Memory L*D*E*D: for the live runtime's handful of ranks."""
+        L, E, D = self.weights.shape
+        w = np.broadcast_to(self.weights[:, None, :, :], (L, D, E, D))
+        if not self.grouped:
+            return np.array(w)
+        assert self.group_weights is not None
+        group = np.arange(D) // self.group_size
+        same = (group[:, None] == group[None, :])[None, :, None, :]  # [1, Ds, 1, Dd]
+        local = self.local_mask().transpose(0, 2, 1)[..., None]  # [L, Ds, E, 1]
+        gw = self.group_weights[:, None, :, :] * same
+        return np.where(local, gw, w)
+
+    @classmethod
+    def group_local(cls, placement: Placement, group_size: int,
+                    base: Assignment | None = None) -> Assignment:
+        """Every group holding a copy of e routes its sources' tokens for e to those copies (split
+        by copies); sources in groups without a copy follow `base` (default: `to_home`)."""
+        base = base if base is not None else cls.to_home(placement)
+        L, D, E = placement.copies.shape
+        if group_size < 1 or D % group_size:
+            raise PlanError(f"group size {group_size} does not divide {D} devices",
+                            field="assignment.group_size")
+        c = placement.copies.transpose(0, 2, 1).astype(np.float64)  # [L, E, D]
+        per_group = c.reshape(L, E, D // group_size, group_size).sum(axis=3)
+        denom = np.repeat(per_group, group_size, axis=2)
+        gw = np.where(denom > 0, c / np.where(denom > 0, denom, 1.0), 0.0)
+        return cls(base.weights, gw, group_size)
 
     @classmethod
     def even(cls, placement: Placement) -> Assignment:
@@ -156,7 +219,25 @@ class Assignment:
         return cls(weights)
 
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
-        return Assignment(self.weights[np.asarray(layers)])
+        idx = np.asarray(layers)
+        gw = None if self.group_weights is None else self.group_weights[idx]
+        return Assignment(self.weights[idx], gw, self.group_size)
+
+    @classmethod
+    def from_layers(cls, picks: list[tuple[Assignment, int]]) -> Assignment:
+        """Stack layer `l` of each `(assignment, l)` into one assignment (e.g. `auto` choosing
+        per layer). Group-local routing is kept; layers picked from ungrouped assignments get zero
+        group weights (global routing). All grouped picks must share one group size."""
+        weights = np.stack([a.weights[layer] for a, layer in picks])
+        sizes = {a.group_size for a, _ in picks if a.grouped}
+        if not sizes:
+            return cls(weights)
+        if len(sizes) > 1:
+            raise PlanError(f"cannot stack group sizes {sorted(sizes)}",
+                            field="assignment.group_size")
+        gw = np.stack([a.group_weights[layer] if a.grouped and a.group_weights is not None
+                       else np.zeros_like(a.weights[layer]) for a, layer in picks])
+        return cls(weights, gw, sizes.pop())
 
     def validate(self, placement: Placement) -> None:
         w = self.weights
@@ -176,14 +257,50 @@ class Assignment:
             layer, expert = np.argwhere(np.abs(sums - 1.0) > 1e-6)[0]
             raise PlanError(f"layer {layer} expert {expert}: shares sum to {sums[layer, expert]}, "
                             f"not 1 (tokens not conserved)", field="assignment.weights")
+        if self.group_weights is None:
+            return
+        gw = self.group_weights
+        D = placement.devices
+        if self.group_size < 1 or D % self.group_size:
+            raise PlanError(f"group size {self.group_size} does not divide {D} devices",
+                            field="assignment.group_size")
+        if gw.shape != w.shape:
+            raise PlanError(f"group_weights shape {gw.shape} != {w.shape}",
+                            field="assignment.group_weights")
+        if not np.all(np.isfinite(gw)) or gw.min() < -_TOL:
+            raise PlanError("group weights must be finite and non-negative",
+                            field="assignment.group_weights")
+        off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, gw)
+        if off.max(initial=0.0) > _TOL:
+            layer, expert, device = np.argwhere(off > _TOL)[0]
+            raise PlanError(f"layer {layer} expert {expert}: group tokens sent to device "
+                            f"{device}, which holds no copy", field="assignment.group_weights")
+        gsum = self._group_sums()
+        bad = np.minimum(np.abs(gsum), np.abs(gsum - 1.0)) > 1e-6
+        if np.any(bad):
+            layer, expert, group = np.argwhere(bad)[0]
+            raise PlanError(f"layer {layer} expert {expert} group {group}: group shares sum to "
+                            f"{gsum[layer, expert, group]}, not 0 or 1",
+                            field="assignment.group_weights")
 
     def received(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`."""
         held = placement.holders()
         counts = np.asarray(counts, dtype=np.float64)
-        remote_total = np.where(held, 0.0, counts).sum(axis=1)  # [L, E]
-        return np.where(held, counts, 0.0) + (self.weights * remote_total[:, :, None]).transpose(
-            0, 2, 1)
+        remote = np.where(held, 0.0, counts)  # [L, D, E]
+        if not self.grouped:
+            remote_total = remote.sum(axis=1)  # [L, E]
+            return np.where(held, counts, 0.0) + (
+                self.weights * remote_total[:, :, None]).transpose(0, 2, 1)
+        assert self.group_weights is not None
+        L, D, E = remote.shape
+        G = self.group_size
+        local = self.local_mask().transpose(0, 2, 1)  # [L, D, E] per source
+        global_total = np.where(local, 0.0, remote).sum(axis=1)  # [L, E]
+        group_remote = np.repeat(remote.reshape(L, D // G, G, E).sum(axis=2), G, axis=1)
+        return (np.where(held, counts, 0.0)
+                + (self.weights * global_total[:, :, None]).transpose(0, 2, 1)
+                + self.group_weights.transpose(0, 2, 1) * group_remote)
 
     def split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """Integer routes `[L, D_src, E, D_dst]` for integer `counts[L, D, E]`: each source keeps
@@ -197,7 +314,7 @@ class Assignment:
         local_idx = np.nonzero(held)
         routes[local_idx[0], local_idx[1], local_idx[2], local_idx[1]] = counts[held]
         remote = np.where(held, 0, counts)  # [L, D, E]
-        ideal = remote[..., None] * self.weights[:, None, :, :]  # [L, D, E, D]
+        ideal = remote[..., None] * self.source_weights()  # [L, D, E, D]
         base = np.floor(ideal + 1e-9).astype(np.int64)
         short = remote - base.sum(axis=3)
         frac = ideal - base

@@ -52,7 +52,9 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     choice = np.argmin(total, axis=0)  # first minimum: `keep` wins ties
     home = np.stack([plans[c].placement.home[l] for l, c in enumerate(choice)])
     copies = np.stack([plans[c].placement.copies[l] for l, c in enumerate(choice)])
-    weights = np.stack([plans[c].assignment.weights[l] for l, c in enumerate(choice)])
+    # from_layers keeps group-local routing (hybrid) of the layers it picks.
+    assignment = Assignment.from_layers([(plans[c].assignment, layer)
+                                         for layer, c in enumerate(choice)])
     placement = Placement(home, copies, ctx.slots_per_device)
     chosen = [names[c] for c in choice]
     notes: dict[str, Any] = {
@@ -62,4 +64,4 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     for p in plans:
         for key, value in p.notes.items():
             notes.setdefault(f"{p.policy}.{key}", value)
-    return finish_plan("auto", placement, Assignment(weights), loads, previous, ctx, notes)
+    return finish_plan("auto", placement, assignment, loads, previous, ctx, notes)

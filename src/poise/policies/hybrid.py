@@ -1,0 +1,214 @@
+"""`hybrid`: HybridEP's hybrid expert/data transmission (Yang et al., arXiv 2510.19470;
+reconstructed from the published description, the paper body (its eq. 10-12) could not be read:
+the model below is ours, in its spirit).
+
+Devices are cut into *domains* (`cluster.domain_of()`): inside a domain, experts travel (an
+expert needed there is copied into the domain once and its tokens stay in the domain); across
+domains, tokens travel by all-to-all as in plain EP. A single-domain cluster whose inter-node
+link is slower per device than its intra-node link uses nodes as domains; otherwise the policy
+keeps the static layout (nothing to gain from moving experts).
+
+Stream model (after HybridEP eq. 10-12, reconstructed). Per layer, let T[g, e] be the tokens
+domain g sends to expert e homed outside g. Plain EP sends all of them across domains:
+X = sum T[g, e] tokens, 4 X B_t bytes a step (dispatch and combine, forward and backward).
+Replicating e into g instead moves W_e of weights in (Trans) and W_e of gradients out (Agg) and
+keeps 4 T[g, e] B_t bytes of tokens inside g. The data fraction still sent across domains is
+
+    p = 1 - sum_{(g, e) replicated} T[g, e] / X          (p = 1: plain EP, p = 0: all experts)
+
+Pairs (g, e) are taken greedily by saved bytes per moved byte, 4 T[g, e] B_t / (2 W_e),
+(descending, stable: lower domain, then heavier and lower-index expert first), subject to the
+domain's free slots; the cut k* (the number of pairs taken) minimises the cost model's layer time
+(`ctx.cost`: all-to-all per link level, expert compute, Trans and Agg under `ctx.cost.schedule`),
+and p* = p(k*) in [0, 1]. Each cut is priced incrementally on its layer (checked against
+`CostModel.price` in the tests).
+
+A domain holds one replica of each expert moved into it, on the device of the domain that sends
+most tokens to that expert among those with a free slot (lowest index on ties); every device of
+the domain sends its tokens for that expert to that replica (`Assignment.group_local`: group
+weights route inside the domain, other sources go to the home). One replica per domain keeps
+the wide-area Trans to one copy per domain, which the cost model (direct home-to-replica Trans,
+no relay inside the domain) prices best; copies on every device of the domain would multiply it.
+
+Notes: `p_star[l]`, `domain_level` ("domain", "node" or None), `domain_size` (devices),
+`replicated[l][g]` (experts moved into domain g, in greedy order), `replica_device[l][g]`,
+`hybrid_layer_s[l]` (predicted layer seconds at k = 0 and k*).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from poise.cost import CostModel
+from poise.placement import Assignment, Placement, Plan
+from poise.policies.base import PlanContext, finish_plan, register, start_placement
+from poise.policies.prophet import LayerState
+from poise.topology import Cluster
+
+NAME = "hybrid"
+
+
+def domain_grouping(cluster: Cluster) -> tuple[str | None, int]:
+    """`(level, devices per domain)` HybridEP partitions on: the cluster's domains, nodes when a
+    single domain's inter-node link is the per-device bottleneck, else `(None, 0)`."""
+    if cluster.domains > 1:
+        return "domain", cluster.devices_per_domain
+    if cluster.num_nodes > 1 and (
+        cluster.inter_node.per_device_bw_Bps < cluster.intra_node.per_device_bw_Bps
+    ):
+        return "node", cluster.devices_per_node
+    return None, 0
+
+
+def choose_pairs(
+    counts: np.ndarray,
+    home: np.ndarray,
+    free: np.ndarray,
+    size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy candidates for one layer: `(group, expert, device, tokens)` arrays in the order
+    they are taken. `counts[D, E]`, `home[E]`, `free[D]` free slots, `size` devices per group."""
+    D, E = counts.shape
+    G = D // size
+    T = counts.reshape(G, size, E).sum(axis=1)  # [G, E] tokens each group sends to e
+    home_group = home // size
+    free = free.copy()
+    gs, es, ds, ts = [], [], [], []
+    for g in range(G):
+        devs = np.arange(g * size, (g + 1) * size)
+        room = int(free[devs].sum())
+        if room <= 0:
+            continue
+        wanted = (home_group != g) & (T[g] > 0)
+        idx = np.flatnonzero(wanted)
+        idx = idx[np.argsort(-T[g, idx], kind="stable")][:room]
+        for e in idx:
+            open_devs = devs[free[devs] > 0]
+            d = int(open_devs[np.argmax(counts[open_devs, e])])  # first max: lowest device
+            free[d] -= 1
+            gs.append(g)
+            es.append(int(e))
+            ds.append(d)
+            ts.append(float(T[g, e]))
+    g_arr, e_arr = np.array(gs, dtype=np.int64), np.array(es, dtype=np.int64)
+    d_arr, t_arr = np.array(ds, dtype=np.int64), np.array(ts, dtype=np.float64)
+    order = np.argsort(-t_arr, kind="stable")  # W_e is the same for all: ratio order = T order
+    return g_arr[order], e_arr[order], d_arr[order], t_arr[order]
+
+
+def cut_times(
+    cost: CostModel,
+    placement: Placement,
+    counts: np.ndarray,
+    size: int,
+    groups: np.ndarray,
+    experts: np.ndarray,
+    devices: np.ndarray,
+    tokens: np.ndarray,
+) -> np.ndarray:
+    """`[K + 1]` layer seconds with the first k pairs replicated, k = 0..K, for one layer
+    (`placement` of one layer with homes only, `counts[D, E]`)."""
+    state = LayerState(cost, placement, counts)
+    cluster = cost.cluster
+    D, _ = counts.shape
+    K = len(groups)
+    home = placement.home[0]
+    h = home[experts]  # [K]
+    src = groups[:, None] * size + np.arange(size)[None, :]  # [K, m] sources of each pair
+    tok = counts[src, experts[:, None]]  # [K, m]
+    lv_sh = cluster.level_between(src, h[:, None])
+    lv_sr = cluster.level_between(src, devices[:, None])
+    stays = lv_sr >= 0  # sources other than the replica device itself
+    k_idx = np.repeat(np.arange(K), size).reshape(K, size)
+    d_send = np.zeros((K, 3, D))
+    d_recv = np.zeros((K, 3, D))
+    np.add.at(d_send, (k_idx, lv_sh, src), -tok)
+    np.add.at(d_recv, (k_idx, lv_sh, h[:, None] + 0 * src), -tok)
+    np.add.at(d_send, (k_idx[stays], lv_sr[stays], src[stays]), tok[stays])
+    np.add.at(
+        d_recv, (k_idx[stays], lv_sr[stays], devices[:, None].repeat(size, 1)[stays]), tok[stays]
+    )
+    lv_hr = cluster.level_between(h, devices)
+    W_e = cost.spec.expert_bytes
+    d_psend = np.zeros((K, 3, D))
+    d_precv = np.zeros((K, 3, D))
+    np.add.at(d_psend, (np.arange(K), lv_hr, h), W_e)
+    np.add.at(d_precv, (np.arange(K), lv_hr, devices), W_e)
+    # Compute: the replica takes the whole group's tokens; the home loses them.
+    order = np.argsort(experts, kind="stable")
+    se, st = experts[order], tokens[order]
+    cum = np.cumsum(st)
+    first = np.searchsorted(se, se, side="left")
+    before_sorted = cum - st - np.where(first > 0, cum[first - 1], 0.0)
+    before = np.empty(K)
+    before[order] = before_sorted  # tokens of e moved away from its home by earlier pairs
+    r_home = state.R[h, experts] - before
+    d_comp = np.zeros((K, D))
+    np.add.at(d_comp, (np.arange(K), devices), state.comp_s(tokens))
+    np.add.at(
+        d_comp,
+        (np.arange(K), h),
+        state.comp_s(np.maximum(r_home - tokens, 0.0)) - state.comp_s(r_home),
+    )
+
+    def run(base: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        return base + np.concatenate([np.zeros((1, *delta.shape[1:])), np.cumsum(delta, 0)])
+
+    return state.layer_s(
+        run(state.comp, d_comp),
+        run(state.tok_send, d_send),
+        run(state.tok_recv, d_recv),
+        run(state.par_send, d_psend),
+        run(state.par_recv, d_precv),
+    )
+
+
+@register(NAME)
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    """`loads[L, D, E]` predicted tokens -> Plan with HybridEP's per-domain expert replicas."""
+    L, D, _ = loads.shape
+    start = start_placement(previous, ctx, L)
+    placement = Placement.from_homes(start.home, D, ctx.slots_per_device)
+    level, size = domain_grouping(ctx.cluster)
+    notes: dict[str, Any] = {"domain_level": level, "domain_size": size}
+    if level is None:
+        notes.update(
+            p_star=[1.0] * L,
+            replicated=[[] for _ in range(L)],
+            replica_device=[[] for _ in range(L)],
+        )
+        return finish_plan(
+            NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes
+        )
+    G = D // size
+    p_star: list[float] = []
+    replicated: list[list[list[int]]] = []
+    replica_device: list[list[list[int]]] = []
+    layer_s: list[list[float]] = []
+    for layer in range(L):
+        counts = loads[layer]
+        home = placement.home[layer]
+        free = ctx.slots_per_device - placement.copies[layer].sum(axis=1)
+        groups, experts, devices, tokens = choose_pairs(counts, home, free, size)
+        one = placement.take_layers([layer])
+        times = cut_times(ctx.cost, one, counts, size, groups, experts, devices, tokens)
+        k = int(np.argmin(times))  # first minimum: the fewest pairs on ties
+        placement.copies[layer, devices[:k], experts[:k]] = 1
+        T = counts.reshape(G, size, -1).sum(axis=1)
+        cross = float(np.where(home[None, :] // size != np.arange(G)[:, None], T, 0.0).sum())
+        p_star.append(1.0 - float(tokens[:k].sum()) / cross if cross > 0 else 1.0)
+        reps: list[list[int]] = [[] for _ in range(G)]
+        devs: list[list[int]] = [[] for _ in range(G)]
+        for g, e, d in zip(groups[:k], experts[:k], devices[:k], strict=True):
+            reps[int(g)].append(int(e))
+            devs[int(g)].append(int(d))
+        replicated.append(reps)
+        replica_device.append(devs)
+        layer_s.append([float(times[0]), float(times[k])])
+    notes.update(
+        p_star=p_star, replicated=replicated, replica_device=replica_device, hybrid_layer_s=layer_s
+    )
+    assignment = Assignment.group_local(placement, size)
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)

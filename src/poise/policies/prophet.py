@@ -1,0 +1,236 @@
+"""`prophet`: Pro-Prophet's planner, locality-based lightweight placement (Wang et al.,
+arXiv 2411.10003, §IV "planner", Algorithm 1; reconstructed from the published description, the
+paper body could not be read: equation shapes are ours, not quotations).
+
+Lightweight placement: a hot expert's weights are sent (Trans) from its home to some of the
+devices that hold its tokens; each such device computes its own tokens for the expert locally and
+returns the gradients to the home (Agg). Homes never move, so nothing migrates. Sources without a
+local copy send to the home (`Assignment.to_home`).
+
+Greedy (after Pro-Prophet Algorithm 1, reconstructed), per layer, experts in descending total
+load (stable: lower index first on ties):
+
+1. candidates: the devices that send tokens to the expert (non-holders with tokens and a free
+   slot), sorted by how many tokens they send (descending, lower device first on ties);
+2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced;
+3. the best n is kept if it makes the layer strictly faster than without it; the first expert that
+   brings no gain ends the search. Experts whose every sender is out of slots are skipped (the
+   paper has no slot limit).
+
+The price is the cost model's layer time under Pro-Prophet's block-wise schedule (after its
+eq. 8, reconstructed; `schedule.Schedule("prophet")`): Trans of a block's replicas hides under
+the block before it's forward expert and non-expert compute, Agg under the backward compute,
+
+    T = FNEC + BNEC + 2 (A_d + A_c) + FEC + BEC
+        + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
+
+with FEC = max_d sum_e R[d, e] F_t / rate(R[d, e]) (eq. 1-2 style), A the hierarchical all-to-all
+and Trans = Agg the replicas' weight traffic (`cost.py`). `ctx.cost` is used when its schedule is
+`prophet`, otherwise a `prophet`-scheduled model on the same cluster and model. Each candidate is
+priced incrementally on its layer alone; the result equals `CostModel.price` on that layer (the
+tests check it). The returned plan is priced by `ctx.cost` like every other policy, so that
+`auto` compares like with like; the prophet-schedule layer times are in
+`notes["prophet_layer_s"]`, the replicated experts (in the order chosen) and their replica
+devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from poise.cost import CostModel, PhaseTimes, level_traffic, replica_traffic
+from poise.placement import Assignment, Placement, Plan
+from poise.policies.base import PlanContext, finish_plan, register, start_placement
+from poise.schedule import Schedule
+
+NAME = "prophet"
+
+
+def prophet_cost(ctx: PlanContext) -> CostModel:
+    """The cost model the planner searches with: `ctx.cost` if it already uses the prophet
+    schedule, else the same cluster and model under `Schedule("prophet")`."""
+    if ctx.cost.schedule.kind == "prophet":
+        return ctx.cost
+    return CostModel(ctx.cluster, ctx.spec, Schedule("prophet"))
+
+
+class LayerState:
+    """One layer's per-device quantities, enough to price a lightweight placement change.
+
+    `comp[D]` forward expert seconds, `tok_send/tok_recv[3, D]` dispatch tokens per link level,
+    `par_send/par_recv[3, D]` Trans bytes per level, `R[D, E]` computed tokens."""
+
+    def __init__(self, cost: CostModel, placement: Placement, counts: np.ndarray) -> None:
+        self.cost = cost
+        cluster, spec = cost.cluster, cost.spec
+        assignment = Assignment.to_home(placement)
+        self.R = assignment.received(placement, counts[None])[0]
+        self.comp = self.comp_s(self.R).sum(axis=1)
+        send, recv = level_traffic(cluster, placement, assignment, counts[None])
+        self.tok_send, self.tok_recv = send[:, 0], recv[:, 0]
+        p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        self.par_send, self.par_recv = p_send[:, 0], p_recv[:, 0]
+        self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        links = cluster.links()
+        self.inv_bw = np.array([1.0 / k.per_device_bw_Bps for k in links])[:, None]
+        self.lat = np.array([k.lat_s for k in links])[:, None]
+
+    def comp_s(self, rows: np.ndarray) -> np.ndarray:
+        """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
+        `CostModel.expert_compute_s`."""
+        spec, cluster = self.cost.spec, self.cost.cluster
+        return rows * spec.flops_per_token_fwd / cluster.gemm_rate(np.maximum(rows, 1.0))
+
+    def links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+        """`[..., 3, D]` bytes -> `[...]` seconds, slowest device (`cost.link_time`)."""
+        moved = np.maximum(send, recv)
+        per_level = moved * self.inv_bw + np.where(moved > 0, self.lat, 0.0)
+        return per_level.sum(axis=-2).max(axis=-1)
+
+    def layer_s(
+        self,
+        comp: np.ndarray,
+        tok_send: np.ndarray,
+        tok_recv: np.ndarray,
+        par_send: np.ndarray,
+        par_recv: np.ndarray,
+    ) -> np.ndarray:
+        """Layer seconds under the cost model's schedule for a batch of states
+        (`comp[M, D]`, the rest `[M, 3, D]`)."""
+        tb = self.cost.spec.token_bytes
+        a2a = self.links_s(tok_send * tb, tok_recv * tb)
+        trans = self.links_s(par_send, par_recv)
+        fec = comp.max(axis=-1)
+        fnec = np.full_like(fec, self.fnec)
+        phases = PhaseTimes(
+            dispatch_s=a2a,
+            combine_s=a2a,
+            expert_fwd_s=fec,
+            expert_bwd_s=2.0 * fec,
+            non_moe_fwd_s=fnec,
+            non_moe_bwd_s=2.0 * fnec,
+            trans_s=trans,
+            agg_s=trans,
+            migrate_s=np.zeros_like(fec),
+        )
+        return self.cost.schedule.layer_time(phases)
+
+    def current_s(self) -> float:
+        return float(
+            self.layer_s(
+                self.comp[None],
+                self.tok_send[None],
+                self.tok_recv[None],
+                self.par_send[None],
+                self.par_recv[None],
+            )[0]
+        )
+
+
+def _candidates(
+    state: LayerState, counts: np.ndarray, e: int, h: int, level: np.ndarray, cands: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """States after replicating expert e (home h) on each prefix of `cands` (heaviest first):
+    arrays with a leading axis of length m (prefix lengths 1..m)."""
+    m = len(cands)
+    D = counts.shape[0]
+    W_e = state.cost.spec.expert_bytes
+    rows = np.arange(m)
+    tok = counts[cands, e]  # [m]
+    lv = level[cands]  # link level between home and each candidate
+    # Per added replica: its tokens no longer go to the home.
+    d_send = np.zeros((m, 3, D))
+    d_send[rows, lv, cands] = -tok
+    d_recv = np.zeros((m, 3, D))
+    d_recv[rows, lv, h] = -tok
+    d_psend = np.zeros((m, 3, D))
+    d_psend[rows, lv, h] = W_e
+    d_precv = np.zeros((m, 3, D))
+    d_precv[rows, lv, cands] = W_e
+    d_comp = np.zeros((m, D))
+    d_comp[rows, cands] = state.comp_s(tok)
+    comp = state.comp + np.cumsum(d_comp, axis=0)
+    left = state.R[h, e] - np.cumsum(tok)  # tokens the home still computes
+    comp[:, h] += state.comp_s(np.maximum(left, 0.0)) - state.comp_s(state.R[h, e])
+    return (
+        comp,
+        state.tok_send + np.cumsum(d_send, axis=0),
+        state.tok_recv + np.cumsum(d_recv, axis=0),
+        state.par_send + np.cumsum(d_psend, axis=0),
+        state.par_recv + np.cumsum(d_precv, axis=0),
+    )
+
+
+def plan_layer(
+    cost: CostModel,
+    placement: Placement,
+    counts: np.ndarray,
+    slots: int,
+) -> tuple[Placement, list[int], list[list[int]], float, float]:
+    """Algorithm 1 (reconstructed) on one layer. `placement`: one layer, homes only (modified in
+    place); `counts[D, E]`. Returns the placement, the replicated experts, their replica devices,
+    and the layer seconds before and after."""
+    D = counts.shape[0]
+    state = LayerState(cost, placement, counts)
+    best = before = state.current_s()
+    home = placement.home[0]
+    copies = placement.copies[0]  # [D, E], a view: edits go into the placement
+    level_to = cost.cluster.level_between(home[:, None], np.arange(D)[None, :])  # [E, D]
+    order = np.argsort(-counts.sum(axis=0), kind="stable")
+    replicated: list[int] = []
+    devices: list[list[int]] = []
+    for e in order:
+        e = int(e)
+        h = int(home[e])
+        free = copies.sum(axis=1) < slots
+        ok = (counts[:, e] > 0) & (copies[:, e] == 0) & free
+        if not ok.any():
+            if counts[:, e].sum() <= 0:
+                break  # no tokens left to balance
+            continue  # every sender is out of slots: skip
+        idx = np.flatnonzero(ok)
+        cands = idx[np.argsort(-counts[idx, e], kind="stable")]
+        states = _candidates(state, counts, e, h, level_to[e], cands)
+        times = state.layer_s(*states)  # times[j]: the j + 1 heaviest senders
+        j = int(np.argmin(times))
+        if not times[j] < best:
+            break  # first expert without gain ends the search
+        best = float(times[j])
+        chosen = cands[: j + 1]
+        copies[chosen, e] = 1
+        state.comp, state.tok_send, state.tok_recv = states[0][j], states[1][j], states[2][j]
+        state.par_send, state.par_recv = states[3][j], states[4][j]
+        state.R[chosen, e] = counts[chosen, e]
+        state.R[h, e] -= counts[chosen, e].sum()
+        replicated.append(e)
+        devices.append([int(d) for d in chosen])
+    return placement, replicated, devices, before, best
+
+
+@register(NAME)
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement."""
+    L, D, _ = loads.shape
+    cost = prophet_cost(ctx)
+    start = start_placement(previous, ctx, L)
+    placement = Placement.from_homes(start.home, D, ctx.slots_per_device)
+    replicated: list[list[int]] = []
+    replica_devices: list[list[list[int]]] = []
+    layer_s: list[list[float]] = []
+    for layer in range(L):
+        one = placement.take_layers([layer])
+        one.copies = one.copies.copy()
+        _, reps, devs, before, after = plan_layer(cost, one, loads[layer], ctx.slots_per_device)
+        placement.copies[layer] = one.copies[0]
+        replicated.append(reps)
+        replica_devices.append(devs)
+        layer_s.append([before, after])
+    notes: dict[str, Any] = {
+        "replicated": replicated,
+        "replica_devices": replica_devices,
+        "prophet_layer_s": layer_s,
+        "schedule": cost.schedule.name,
+    }
+    return finish_plan(NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes)

@@ -1,0 +1,237 @@
+"""HybridEP (`policies/hybrid.py`) and the group-local routing it needs (`Assignment`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poise.cost import CostModel, level_traffic
+from poise.errors import PlanError
+from poise.placement import Assignment, Placement
+from poise.policies import PlanContext, make_plan
+from poise.policies.hybrid import domain_grouping
+from poise.spec import ModelSpec
+from poise.topology import get_cluster
+
+from .helpers import toy_cluster, toy_spec
+
+# 16 bf16 experts 1024 -> 1024 -> 1024: W_e = 2*1024*1024*2 = 4 MiB, B_t = 2 KiB.
+SPEC = ModelSpec(
+    "h",
+    d_model=1024,
+    d_expert=1024,
+    experts=16,
+    top_k=1,
+    moe_layers=1,
+    dtype_bytes=2,
+    tokens_per_device=4096,
+)
+
+
+def _cross_skew() -> np.ndarray:
+    """`[1, 16, 16]` on 2 domains of 8: every device of domain 1 sends 1000 tokens to each of
+    experts 0-3 (homed on devices 0-3, domain 0) and 10 to every other expert; domain 0 sends 10
+    to every expert."""
+    loads = np.full((1, 16, 16), 10.0)
+    loads[0, 8:, :4] = 1000.0
+    return loads
+
+
+def _ctx(cluster, spec=SPEC, slots: int = 2) -> PlanContext:
+    return PlanContext.create(cluster, spec, slots_per_device=slots, cost=CostModel(cluster, spec))
+
+
+def _cross_domain_tokens(plan, cluster, loads) -> float:
+    send, _ = level_traffic(cluster, plan.placement, plan.assignment, loads)
+    return float(send[2].sum())
+
+
+def test_heavy_cross_domain_skew_moves_experts_into_the_domain() -> None:
+    cluster = get_cluster("a800-eth10")  # 2 domains x 8 A800, 10 Gb/s WAN shared by 8
+    loads = _cross_skew()
+    ctx = _ctx(cluster)
+    plan = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
+    assert plan.notes["domain_level"] == "domain" and plan.notes["domain_size"] == 8
+    # T[1, e] = 8 * 1000 = 8000 for e = 0..3 (the heaviest pairs, 16 MB of tokens per
+    # all-to-all for 4 MiB of expert): all four are moved into domain 1, each on the lowest
+    # free device of domain 1 (all tie at 1000 tokens): 8, 9, 10, 11.
+    reps = plan.notes["replicated"][0][1]
+    assert reps[:4] == [0, 1, 2, 3]
+    assert plan.notes["replica_device"][0][1][:4] == [8, 9, 10, 11]
+    # Cross-domain tokens: X = 4 * 8000 + 4 * 80 + 8 * 80 = 32960 under static; at most the
+    # 960 light ones remain: p* <= 960 / 32960 = 0.0291.
+    x_static = _cross_domain_tokens(static, cluster, loads)
+    assert x_static == pytest.approx(32960)
+    x_hybrid = _cross_domain_tokens(plan, cluster, loads)
+    assert x_hybrid <= 960 + 1e-9
+    assert 0.0 <= plan.notes["p_star"][0] <= 960 / 32960 + 1e-12
+    assert plan.notes["p_star"][0] == pytest.approx(x_hybrid / x_static)
+    assert plan.cost.step_s < 0.5 * static.cost.step_s
+    # Domain 1's other devices send their expert-0..3 tokens inside the domain.
+    received = plan.assignment.received(plan.placement, loads)
+    assert received[0, 8, 0] == pytest.approx(8000.0)
+    # The incremental pricing of the cut equals the cost model.
+    np.testing.assert_allclose(plan.notes["hybrid_layer_s"][0][1], plan.cost.layer_s[0], rtol=1e-9)
+
+
+def test_fast_network_changes_little() -> None:
+    # The same skew on 2 domains joined at 400 GB/s: the WAN is not a bottleneck any more, and
+    # whatever the policy moves gains under 15 % (on a800-eth10 it gains over 50 %).
+    cluster = toy_cluster(8, 1, 2, bw=4e11, wan_bw=4e11, lat=1e-6, flops=2e14)
+    loads = _cross_skew()
+    ctx = _ctx(cluster)
+    plan = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
+    assert plan.cost.step_s <= static.cost.step_s
+    assert plan.cost.step_s > 0.85 * static.cost.step_s
+
+
+@pytest.mark.parametrize("inter_bw", [4e11, 1e12])
+def test_single_domain_without_slow_inter_node_link_keeps_static(inter_bw: float) -> None:
+    cluster = toy_cluster(8, 2, 1, bw=4e11, inter_bw=inter_bw)
+    assert domain_grouping(cluster) == (None, 0)
+    plan = make_plan("hybrid", _cross_skew(), None, _ctx(cluster))
+    assert plan.notes["p_star"] == [1.0]
+    assert not plan.placement.replicas().any()
+
+
+def test_single_domain_with_slow_inter_node_link_uses_nodes() -> None:
+    cluster = toy_cluster(8, 2, 1, bw=4e11, inter_bw=1.25e9 / 8)
+    assert domain_grouping(cluster) == ("node", 8)
+    loads = _cross_skew()
+    plan = make_plan("hybrid", loads, None, _ctx(cluster))
+    assert plan.notes["replicated"][0][1][:4] == [0, 1, 2, 3]
+    assert plan.notes["p_star"][0] < 0.05
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_p_star_in_unit_interval_and_never_slower(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    cluster = toy_cluster(
+        2, 1 + seed % 2, 2 + seed % 3, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-5, flops=1e13
+    )
+    D = cluster.num_devices
+    spec = toy_spec(experts=12, layers=3, d_model=128, d_expert=256, tokens=1024)
+    scale = [0.0, 1.0, 50.0, 1e4][seed % 4]
+    loads = np.floor(rng.zipf(1.3, size=(3, D, 12)) * scale)
+    ctx = _ctx(cluster, spec, slots=-(-12 // D) + 1 + seed % 2)
+    plan = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
+    assert all(0.0 <= p <= 1.0 for p in plan.notes["p_star"])
+    assert np.all(plan.cost.layer_s <= static.cost.layer_s * (1 + 1e-12))
+    np.testing.assert_allclose(
+        np.array(plan.notes["hybrid_layer_s"])[:, 1], plan.cost.layer_s, rtol=1e-9
+    )
+
+
+# ------------------------------------------------------------------ group-local routing
+
+
+def _brute_force_levels(cluster, placement, assignment, counts):
+    """`(send, recv)` `[3, L, D]` from the full source x destination matrix."""
+    L, D, _ = counts.shape
+    held = placement.holders()
+    remote = np.where(held, 0.0, counts)
+    routes = remote[..., None] * assignment.source_weights()  # [L, Ds, E, Dd]
+    flow = routes.sum(axis=2)  # [L, Ds, Dd]
+    level = cluster.level_between(np.arange(D)[:, None], np.arange(D)[None, :])
+    send = np.zeros((3, L, D))
+    recv = np.zeros((3, L, D))
+    for v in range(3):
+        send[v] = np.where(level == v, flow, 0.0).sum(axis=2)
+        recv[v] = np.where(level == v, flow, 0.0).sum(axis=1)
+    return send, recv
+
+
+@pytest.mark.parametrize(
+    ("dpn", "nodes", "domains", "group"),
+    [(2, 2, 2, 4), (2, 2, 2, 2), (4, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 2)],
+)
+def test_group_local_traffic_matches_brute_force(dpn, nodes, domains, group) -> None:
+    rng = np.random.default_rng(dpn * 100 + nodes * 10 + domains + group)
+    cluster = toy_cluster(dpn, nodes, domains)
+    D, E, L = cluster.num_devices, 5, 2
+    home = rng.integers(0, D, size=(L, E))
+    placement = Placement.from_homes(home, D, slots_per_device=E + 2)
+    extra = rng.random((L, D, E)) < 0.25
+    placement.copies = np.maximum(placement.copies, extra.astype(np.int32))
+    counts = rng.integers(0, 50, size=(L, D, E)).astype(float)
+    assignment = Assignment.group_local(placement, group, base=Assignment.even(placement))
+    assignment.validate(placement)
+    got = level_traffic(cluster, placement, assignment, counts)
+    want = _brute_force_levels(cluster, placement, assignment, counts)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-9)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-9)
+    received = assignment.received(placement, counts)
+    routes = assignment.split(placement, counts.astype(np.int64))  # [L, Ds, E, Dd]
+    np.testing.assert_allclose(received.sum(axis=1), counts.sum(axis=1))
+    np.testing.assert_array_equal(routes.sum(axis=3), counts)  # every source's tokens conserved
+    landed = routes.sum(axis=1).transpose(0, 2, 1)  # [L, Dd, E]
+    assert not landed[~placement.holders()].any()  # only holders receive
+    # A non-holding source whose group holds e never sends e's tokens out of its group.
+    grp = np.arange(D) // group
+    out = grp[:, None] != grp[None, :]  # [Ds, Dd]
+    local = assignment.local_mask().transpose(0, 2, 1)  # [L, Ds, E]
+    leaving = (routes * out[None, :, None, :]).sum(axis=3)
+    assert not leaving[local & ~placement.holders()].any()
+
+
+def test_group_routing_without_groups_is_the_plain_rule() -> None:
+    cluster = toy_cluster(2, 2, 2)
+    D = cluster.num_devices
+    placement = Placement.from_homes(np.array([[0, 3, 5]]), D, 2)
+    placement.copies[0, 6, 0] = 1
+    counts = np.arange(1, 1 + D * 3, dtype=float).reshape(1, D, 3)
+    plain = Assignment.to_home(placement)
+    grouped = Assignment(plain.weights, np.zeros_like(plain.weights), 4)  # no group opts in
+    for a, b in zip(
+        level_traffic(cluster, placement, plain, counts),
+        level_traffic(cluster, placement, grouped, counts),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b)
+    np.testing.assert_allclose(
+        plain.received(placement, counts), grouped.received(placement, counts)
+    )
+    # Domain 1 (devices 4-7) holds expert 0 on device 6: with group_local its sources send
+    # there instead of to the home on device 0.
+    local = Assignment.group_local(placement, 4)
+    r = local.received(placement, counts)
+    assert r[0, 6, 0] == counts[0, 4:, 0].sum()
+    assert r[0, 0, 0] == counts[0, :4, 0].sum()
+
+
+def test_group_weights_validation_and_stacking() -> None:
+    placement = Placement.from_homes(np.array([[0, 3], [1, 2]]), 4, 2)
+    placement.copies[0, 2, 0] = 1
+    a = Assignment.group_local(placement, 2)
+    a.validate(placement)
+    bad = Assignment(a.weights, a.group_weights * 0.5, 2)
+    with pytest.raises(PlanError, match="group shares"):
+        bad.validate(placement)
+    with pytest.raises(PlanError, match="does not divide"):
+        Assignment(a.weights, a.group_weights, 3).validate(placement)
+    plain = Assignment.to_home(placement)
+    mixed = Assignment.from_layers([(a, 0), (plain, 1)])
+    assert mixed.group_size == 2
+    np.testing.assert_array_equal(mixed.group_weights[1], 0.0)
+    np.testing.assert_array_equal(mixed.group_weights[0], a.group_weights[0])
+    assert Assignment.from_layers([(plain, 0), (plain, 1)]).group_weights is None
+    assert a.take_layers([0]).group_weights.shape == (1, 2, 4)
+
+
+def test_auto_keeps_hybrid_routing() -> None:
+    cluster = get_cluster("a800-eth10")
+    loads = _cross_skew()
+    ctx = PlanContext.create(
+        cluster,
+        SPEC,
+        slots_per_device=2,
+        cost=CostModel(cluster, SPEC),
+        options={"auto": {"candidates": ["static", "hybrid"]}},
+    )
+    auto = make_plan("auto", loads, None, ctx)
+    hybrid = make_plan("hybrid", loads, None, ctx)
+    assert auto.notes["chosen"] == ["hybrid"]
+    np.testing.assert_allclose(auto.cost.layer_s, hybrid.cost.layer_s)
