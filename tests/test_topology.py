@@ -77,7 +77,7 @@ def test_bad_yaml_names_file_and_field(tmp_path, mutate, field: str) -> None:
 def test_unreadable_yaml(tmp_path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text("links: [unclosed\n")
-    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
         Cluster.load(path)
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):

@@ -1,4 +1,4 @@
-"""Poise: expert-parallel Mixture-of-Experts training that stays balanced under skewed, drifting load.
+"""Poise: expert-parallel MoE training that stays balanced under skewed, drifting load.
 
 Glossary (used exactly throughout the code):
 

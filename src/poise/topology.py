@@ -23,7 +23,14 @@ import yaml
 
 from poise.atomic import atomic_write_text
 from poise.errors import ConfigError
-from poise.fields import get_int, get_mapping, get_number, get_str, read_mapping_file, reject_unknown
+from poise.fields import (
+    get_int,
+    get_mapping,
+    get_number,
+    get_str,
+    read_mapping_file,
+    reject_unknown,
+)
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 GIB = 2**30
@@ -33,8 +40,8 @@ LEVELS = ("intra_node", "inter_node", "inter_domain")
 
 @dataclass(frozen=True)
 class Link:
-    """One level of the network. `bw_Bps`: bytes/s of one link per direction; `lat_s`: seconds
-    per message; `shared_by`: devices that send through one such link at the same time."""
+    """One level of the network. `bw_Bps`: bytes/s of one link per direction; `lat_s`:
+    seconds per message; `shared_by`: devices that send through one such link at once."""
 
     bw_Bps: float
     lat_s: float
@@ -248,7 +255,7 @@ PRESETS: dict[str, Cluster] = _presets()
 
 
 def get_cluster(spec: str) -> Cluster:
-    """A preset name, `preset:N` (N nodes, or N domains for multi-domain presets), or a YAML path."""
+    """A preset name, `preset:N` (N nodes; N domains for multi-domain presets) or a YAML path."""
     name, _, count = spec.partition(":")
     if name in PRESETS:
         cluster = PRESETS[name]

@@ -9,10 +9,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from poise.atomic import atomic_write_bytes  # noqa: E402
+from poise.atomic import atomic_write_bytes
 
 
 def _save(fig: plt.Figure, path: str | Path) -> None:
