@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         assert runs["static"].device_load is not None and runs["auto"].device_load is not None
         device_load_heatmaps({"static": runs["static"].device_load,
                               "auto": runs["auto"].device_load}, png,
-                             f"{label} on {cluster.name}: device load per step")
+                             f"{label} on {cluster.name}: device load per step, all layers "
+                             "summed")
         console.print(f"heatmap: {png}")
     console.print(f"demo finished in {time.perf_counter() - started:.1f} s")
     return 0
