@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from poise.cost import CostModel
+from poise.cost_incremental import LayerState
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
-from poise.policies.prophet import LayerState
 from poise.topology import Cluster
 
 NAME = "hybrid"

@@ -1,0 +1,67 @@
+"""The incremental layer pricers (`cost_incremental.py`) equal `CostModel.price` on the layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poise.cost import CostModel
+from poise.cost_incremental import LayerState
+from poise.placement import Assignment, Placement
+from poise.schedule import Schedule
+from poise.spec import MODELS
+from poise.topology import get_cluster
+
+from .helpers import toy_cluster, toy_spec
+
+SCHEDULES = [Schedule("sync"), Schedule("pipelined", 4), Schedule("prophet")]
+
+
+def _random_layer(
+    rng: np.random.Generator, devices: int, experts: int, slots: int, replicas: int
+) -> tuple[Placement, np.ndarray]:
+    """One layer: homes round-robin, `replicas` random extra copies within slots; Zipf-ish
+    counts `[D, E]` with some zeros."""
+    home = (np.arange(experts) % devices)[None, :]
+    placement = Placement.from_homes(home, devices, slots)
+    copies = placement.copies[0]
+    for _ in range(replicas):
+        d, e = int(rng.integers(devices)), int(rng.integers(experts))
+        if copies[d].sum() < slots and copies[d, e] == 0:
+            copies[d, e] = 1
+    p = 1.0 / np.arange(1, experts + 1) ** 0.9
+    counts = rng.multinomial(200 * experts, rng.permutation(p / p.sum()), size=devices)
+    counts[rng.random(counts.shape) < 0.1] = 0
+    return placement, counts.astype(np.float64)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "cluster", [get_cluster("dgx-h100:4"), toy_cluster(2, 2, 2, bw=1e9, inter_bw=2e8, wan_bw=1e7)]
+)
+def test_layer_state_matches_price(cluster, schedule: Schedule) -> None:
+    spec = MODELS["zipf-256"].with_(experts=64, moe_layers=1)
+    cost = CostModel(cluster, spec, schedule)
+    rng = np.random.default_rng(3)
+    for replicas in (0, 5, 40):
+        placement, counts = _random_layer(rng, cluster.num_devices, 64, 6, replicas)
+        state = LayerState(cost, placement, counts)
+        full = cost.price(placement, Assignment.to_home(placement), counts[None])
+        assert state.current_s() == pytest.approx(float(full.layer_s[0]), rel=1e-12)
+        np.testing.assert_allclose(state.R.sum(axis=1), full.device_load[0], rtol=1e-12)
+
+
+def test_layer_state_toy_counts_by_hand() -> None:
+    # 2 devices, expert 0 homed on device 0 gets 30 tokens from device 1: the all-to-all moves
+    # 30 tokens of 16 bytes each way, device 0 computes 40 tokens.
+    cluster = toy_cluster(2, 1, 1, bw=1e9, flops=1e12)
+    spec = toy_spec(experts=2)
+    cost = CostModel(cluster, spec)
+    placement = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    counts = np.array([[10.0, 0.0], [30.0, 5.0]])
+    state = LayerState(cost, placement, counts)
+    assert state.R.tolist() == [[40.0, 0.0], [0.0, 5.0]]
+    assert state.tok_send[0].tolist() == [0.0, 30.0]
+    assert state.tok_recv[0].tolist() == [30.0, 0.0]
+    full = cost.price(placement, Assignment.to_home(placement), counts[None])
+    assert state.current_s() == pytest.approx(float(full.layer_s[0]), rel=1e-12)
