@@ -85,8 +85,10 @@ class Placement:
             raise PlanError("home must be [L, E] and copies [L, D, E]", field="placement")
         L, E = self.home.shape
         if self.copies.shape[0] != L or self.copies.shape[2] != E:
-            raise PlanError(f"copies shape {self.copies.shape} disagrees with home {self.home.shape}",
-                            field="placement.copies")
+            raise PlanError(
+                f"copies shape {self.copies.shape} disagrees with home {self.home.shape}",
+                field="placement.copies",
+            )
         D = self.devices
         if self.home.size and (self.home.min() < 0 or self.home.max() >= D):
             raise PlanError(f"home device out of range [0, {D})", field="placement.home")
@@ -95,13 +97,17 @@ class Placement:
         homes_held = np.take_along_axis(self.copies, self.home[:, None, :], axis=1)[:, 0, :]
         if np.any(homes_held < 1):
             layer, expert = np.argwhere(homes_held < 1)[0]
-            raise PlanError(f"layer {layer} expert {expert}: home device holds no copy",
-                            field="placement.home")
+            raise PlanError(
+                f"layer {layer} expert {expert}: home device holds no copy", field="placement.home"
+            )
         used = self.slots_used()
         if used.size and used.max() > self.slots_per_device:
             layer, device = np.unravel_index(int(used.argmax()), used.shape)
-            raise PlanError(f"layer {layer} device {device} holds {int(used.max())} copies, more "
-                            f"than {self.slots_per_device} slots", field="placement.slots")
+            raise PlanError(
+                f"layer {layer} device {device} holds {int(used.max())} copies, more "
+                f"than {self.slots_per_device} slots",
+                field="placement.slots",
+            )
 
 
 @dataclass
@@ -155,15 +161,18 @@ class Assignment:
         return np.where(local, gw, w)
 
     @classmethod
-    def group_local(cls, placement: Placement, group_size: int,
-                    base: Assignment | None = None) -> Assignment:
+    def group_local(
+        cls, placement: Placement, group_size: int, base: Assignment | None = None
+    ) -> Assignment:
         """Every group holding a copy of e routes its sources' tokens for e to those copies (split
         by copies); sources in groups without a copy follow `base` (default: `to_home`)."""
         base = base if base is not None else cls.to_home(placement)
         L, D, E = placement.copies.shape
         if group_size < 1 or D % group_size:
-            raise PlanError(f"group size {group_size} does not divide {D} devices",
-                            field="assignment.group_size")
+            raise PlanError(
+                f"group size {group_size} does not divide {D} devices",
+                field="assignment.group_size",
+            )
         c = placement.copies.transpose(0, 2, 1).astype(np.float64)  # [L, E, D]
         per_group = c.reshape(L, E, D // group_size, group_size).sum(axis=3)
         denom = np.repeat(per_group, group_size, axis=2)
@@ -196,27 +205,7 @@ class Assignment:
         local = np.where(held, loads, 0.0).transpose(0, 2, 1)  # [L, E, D]
         remote = np.where(held, 0.0, loads).sum(axis=1)  # [L, E]
         copies = placement.copies.transpose(0, 2, 1).astype(np.float64)
-        held_t = copies > 0
-        # level[l, e] solves sum_d copies * max(0, level - local/copies) = remote over holders.
-        per_copy = np.where(held_t, local / np.maximum(copies, 1), np.inf)
-        order = np.sort(per_copy, axis=2)
-        sorted_idx = np.argsort(per_copy, axis=2, kind="stable")
-        c_sorted = np.take_along_axis(copies, sorted_idx, axis=2)
-        cum_c = np.cumsum(c_sorted, axis=2)
-        cum_cl = np.cumsum(np.where(np.isfinite(order), order, 0.0) * c_sorted, axis=2)
-        # Filling the first k holders up to order[k] costs order[k] * cum_c[k-1] - cum_cl[k-1].
-        fill_to_next = np.where(np.isfinite(order[..., 1:]),
-                                order[..., 1:] * cum_c[..., :-1] - cum_cl[..., :-1], np.inf)
-        k = (fill_to_next < remote[..., None]).sum(axis=2)  # holders below the final level - 1
-        k = np.minimum(k, held_t.sum(axis=2) - 1)
-        cc = np.take_along_axis(cum_c, k[..., None], axis=2)[..., 0]
-        ccl = np.take_along_axis(cum_cl, k[..., None], axis=2)[..., 0]
-        level = (remote + ccl) / np.maximum(cc, 1e-300)
-        share = np.where(held_t, np.maximum(0.0, level[..., None] * copies - local), 0.0)
-        total = share.sum(axis=2, keepdims=True)
-        fallback = copies / np.maximum(copies.sum(axis=2, keepdims=True), 1e-300)
-        weights = np.where(total > _TOL, share / np.where(total > _TOL, total, 1.0), fallback)
-        return cls(weights)
+        return cls(balanced_weights(local, remote, copies))
 
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
         idx = np.asarray(layers)
@@ -233,55 +222,79 @@ class Assignment:
         if not sizes:
             return cls(weights)
         if len(sizes) > 1:
-            raise PlanError(f"cannot stack group sizes {sorted(sizes)}",
-                            field="assignment.group_size")
-        gw = np.stack([a.group_weights[layer] if a.grouped and a.group_weights is not None
-                       else np.zeros_like(a.weights[layer]) for a, layer in picks])
+            raise PlanError(
+                f"cannot stack group sizes {sorted(sizes)}", field="assignment.group_size"
+            )
+        gw = np.stack(
+            [
+                a.group_weights[layer]
+                if a.grouped and a.group_weights is not None
+                else np.zeros_like(a.weights[layer])
+                for a, layer in picks
+            ]
+        )
         return cls(weights, gw, sizes.pop())
 
     def validate(self, placement: Placement) -> None:
         w = self.weights
         L, E = placement.home.shape
         if w.shape != (L, E, placement.devices):
-            raise PlanError(f"weights shape {w.shape} != {(L, E, placement.devices)}",
-                            field="assignment.weights")
+            raise PlanError(
+                f"weights shape {w.shape} != {(L, E, placement.devices)}",
+                field="assignment.weights",
+            )
         if not np.all(np.isfinite(w)) or w.min() < -_TOL:
             raise PlanError("weights must be finite and non-negative", field="assignment.weights")
         off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, w)
         if off.max(initial=0.0) > _TOL:
             layer, expert, device = np.argwhere(off > _TOL)[0]
-            raise PlanError(f"layer {layer} expert {expert}: tokens sent to device {device}, "
-                            f"which holds no copy", field="assignment.weights")
+            raise PlanError(
+                f"layer {layer} expert {expert}: tokens sent to device {device}, "
+                f"which holds no copy",
+                field="assignment.weights",
+            )
         sums = w.sum(axis=2)
         if np.any(np.abs(sums - 1.0) > 1e-6):
             layer, expert = np.argwhere(np.abs(sums - 1.0) > 1e-6)[0]
-            raise PlanError(f"layer {layer} expert {expert}: shares sum to {sums[layer, expert]}, "
-                            f"not 1 (tokens not conserved)", field="assignment.weights")
+            raise PlanError(
+                f"layer {layer} expert {expert}: shares sum to {sums[layer, expert]}, "
+                f"not 1 (tokens not conserved)",
+                field="assignment.weights",
+            )
         if self.group_weights is None:
             return
         gw = self.group_weights
         D = placement.devices
         if self.group_size < 1 or D % self.group_size:
-            raise PlanError(f"group size {self.group_size} does not divide {D} devices",
-                            field="assignment.group_size")
+            raise PlanError(
+                f"group size {self.group_size} does not divide {D} devices",
+                field="assignment.group_size",
+            )
         if gw.shape != w.shape:
-            raise PlanError(f"group_weights shape {gw.shape} != {w.shape}",
-                            field="assignment.group_weights")
+            raise PlanError(
+                f"group_weights shape {gw.shape} != {w.shape}", field="assignment.group_weights"
+            )
         if not np.all(np.isfinite(gw)) or gw.min() < -_TOL:
-            raise PlanError("group weights must be finite and non-negative",
-                            field="assignment.group_weights")
+            raise PlanError(
+                "group weights must be finite and non-negative", field="assignment.group_weights"
+            )
         off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, gw)
         if off.max(initial=0.0) > _TOL:
             layer, expert, device = np.argwhere(off > _TOL)[0]
-            raise PlanError(f"layer {layer} expert {expert}: group tokens sent to device "
-                            f"{device}, which holds no copy", field="assignment.group_weights")
+            raise PlanError(
+                f"layer {layer} expert {expert}: group tokens sent to device "
+                f"{device}, which holds no copy",
+                field="assignment.group_weights",
+            )
         gsum = self._group_sums()
         bad = np.minimum(np.abs(gsum), np.abs(gsum - 1.0)) > 1e-6
         if np.any(bad):
             layer, expert, group = np.argwhere(bad)[0]
-            raise PlanError(f"layer {layer} expert {expert} group {group}: group shares sum to "
-                            f"{gsum[layer, expert, group]}, not 0 or 1",
-                            field="assignment.group_weights")
+            raise PlanError(
+                f"layer {layer} expert {expert} group {group}: group shares sum to "
+                f"{gsum[layer, expert, group]}, not 0 or 1",
+                field="assignment.group_weights",
+            )
 
     def received(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`."""
@@ -291,16 +304,19 @@ class Assignment:
         if not self.grouped:
             remote_total = remote.sum(axis=1)  # [L, E]
             return np.where(held, counts, 0.0) + (
-                self.weights * remote_total[:, :, None]).transpose(0, 2, 1)
+                self.weights * remote_total[:, :, None]
+            ).transpose(0, 2, 1)
         assert self.group_weights is not None
         L, D, E = remote.shape
         G = self.group_size
         local = self.local_mask().transpose(0, 2, 1)  # [L, D, E] per source
         global_total = np.where(local, 0.0, remote).sum(axis=1)  # [L, E]
         group_remote = np.repeat(remote.reshape(L, D // G, G, E).sum(axis=2), G, axis=1)
-        return (np.where(held, counts, 0.0)
-                + (self.weights * global_total[:, :, None]).transpose(0, 2, 1)
-                + self.group_weights.transpose(0, 2, 1) * group_remote)
+        return (
+            np.where(held, counts, 0.0)
+            + (self.weights * global_total[:, :, None]).transpose(0, 2, 1)
+            + self.group_weights.transpose(0, 2, 1) * group_remote
+        )
 
     def split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """Integer routes `[L, D_src, E, D_dst]` for integer `counts[L, D, E]`: each source keeps
@@ -321,10 +337,55 @@ class Assignment:
         # Hand the leftover tokens to the largest remainders (stable: lower device first on ties).
         order = np.argsort(-frac, axis=3, kind="stable")
         rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(D)[None, None, None, :].repeat(E, 2).repeat(
-            D, 1).repeat(L, 0), axis=3)
+        np.put_along_axis(
+            rank,
+            order,
+            np.arange(D)[None, None, None, :].repeat(E, 2).repeat(D, 1).repeat(L, 0),
+            axis=3,
+        )
         base += (rank < short[..., None]).astype(np.int64)
         return routes + base
+
+
+def balanced_weights(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) -> np.ndarray:
+    """Water-filling of `Assignment.balanced` on any leading shape: `local[..., D]` tokens each
+    holder keeps (zero off the holders), `remote[...]` tokens to split, `copies[..., D]` float
+    copy counts -> `weights[..., D]` (shares of `remote`, summing to one over the holders).
+
+    `level` solves sum_d copies * max(0, level - local / copies) = remote over the holders; each
+    holder gets its copies' shortfall below that level. Shared by `Assignment.balanced` (`[L, E,
+    D]`) and planners that re-route one expert at a time (`[K, D]`)."""
+    if copies.ndim == 2:  # rows indexed directly: cheaper than take_along_axis, same values
+        rows = np.arange(copies.shape[0])[:, None]
+
+        def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return a[rows, idx]
+    else:
+
+        def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(a, idx, axis=-1)
+
+    held_t = copies > 0
+    per_copy = np.where(held_t, local / np.maximum(copies, 1), np.inf)
+    sorted_idx = np.argsort(per_copy, axis=-1, kind="stable")
+    order = take(per_copy, sorted_idx)
+    c_sorted = take(copies, sorted_idx)
+    cum_c = np.cumsum(c_sorted, axis=-1)
+    finite = np.isfinite(order)
+    cum_cl = np.cumsum(np.where(finite, order, 0.0) * c_sorted, axis=-1)
+    # Filling the first k holders up to order[k] costs order[k] * cum_c[k-1] - cum_cl[k-1].
+    fill_to_next = np.where(
+        finite[..., 1:], order[..., 1:] * cum_c[..., :-1] - cum_cl[..., :-1], np.inf
+    )
+    k = (fill_to_next < remote[..., None]).sum(axis=-1)  # holders below the final level - 1
+    k = np.minimum(k, held_t.sum(axis=-1) - 1)[..., None]
+    cc = take(cum_c, k)[..., 0]
+    ccl = take(cum_cl, k)[..., 0]
+    level = (remote + ccl) / np.maximum(cc, 1e-300)
+    share = np.where(held_t, np.maximum(0.0, level[..., None] * copies - local), 0.0)
+    total = share.sum(axis=-1, keepdims=True)
+    fallback = copies / np.maximum(copies.sum(axis=-1, keepdims=True), 1e-300)
+    return np.where(total > _TOL, share / np.where(total > _TOL, total, 1.0), fallback)
 
 
 @dataclass
@@ -357,12 +418,15 @@ def transfers_between(previous: Placement | None, new: Placement, spec: ModelSpe
         moved = np.zeros((0, 4), dtype=np.int64)
     else:
         layer, expert = np.nonzero(previous.home != new.home)
-        moved = np.stack([layer, expert, previous.home[layer, expert], new.home[layer, expert]],
-                         axis=1).astype(np.int64)
-    migrate = np.bincount(moved[:, 0], minlength=new.layers).astype(np.float64) * \
-        spec.migration_bytes
-    return Transfers(trans_bytes=trans, agg_bytes=trans.copy(), migrate_bytes=migrate,
-                     migrations=moved)
+        moved = np.stack(
+            [layer, expert, previous.home[layer, expert], new.home[layer, expert]], axis=1
+        ).astype(np.int64)
+    migrate = (
+        np.bincount(moved[:, 0], minlength=new.layers).astype(np.float64) * spec.migration_bytes
+    )
+    return Transfers(
+        trans_bytes=trans, agg_bytes=trans.copy(), migrate_bytes=migrate, migrations=moved
+    )
 
 
 @dataclass

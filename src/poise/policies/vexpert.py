@@ -18,9 +18,11 @@ Our choices (the paper's exact values and rules were not available to us):
 - hottest expert = largest load per copy among the experts held by the most loaded device (the
   one that sets the step), coldest = smallest load per copy among experts with more than one
   copy (lowest id on ties); per layer, each round prices these candidates on that
-  layer alone with `ctx.cost.price` (the schedule, Trans/Agg and migrations from the previous
-  placement included) and applies the one with the lowest predicted layer time, if it is strictly
-  (relative 1e-12) below the current one:
+  layer alone with the cost model (the schedule, Trans/Agg and migrations from the previous
+  placement included; incrementally, `cost_incremental.ExpertColumns`: only the changed experts
+  are re-routed and re-priced) and applies the one with the lowest predicted layer time, if it is
+  strictly (relative 1e-12) below the current one; candidates within relative 1e-12 of each other
+  count as tied and the earlier one wins:
     * expand: a copy of the hottest on the least-loaded device with a free slot not holding it;
     * replace: shrink then expand in one move (FlexMoE's Expand into a slot freed by Shrink),
       needed once every slot is full;
@@ -44,34 +46,16 @@ Options (`ctx.option("vexpert", ...)`): `threshold` (1.1), `max_moves` (4 E).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
-from poise.placement import Assignment, Placement, Plan
+from poise.cost_incremental import ROW_R, ExpertColumns
+from poise.placement import Assignment, Plan, balanced_weights
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 
 _REL_TOL = 1e-12
 
-
-def _layer_time(
-    ctx: PlanContext,
-    home: np.ndarray,
-    copies: np.ndarray,
-    loads_l: np.ndarray,
-    prev_home: np.ndarray | None,
-) -> float:
-    """Predicted seconds of one layer: `home[E]`, `copies[D, E]`, `loads_l[1, D, E]`."""
-    placement = Placement(home[None], copies[None], ctx.slots_per_device)
-    assignment = Assignment.balanced(placement, loads_l)
-    migrations = None
-    if prev_home is not None:
-        moved = np.nonzero(prev_home != home)[0]
-        if moved.size:
-            migrations = np.stack(
-                [np.zeros_like(moved), moved, prev_home[moved], home[moved]], axis=1
-            ).astype(np.int64)
-    return float(ctx.cost.price(placement, assignment, loads_l, migrations).layer_s[0])
+# A column change: (expert, its new copies `[D]`, its new home).
+Change = tuple[int, np.ndarray, int]
 
 
 def _pick_min(values: np.ndarray, allowed: np.ndarray) -> int | None:
@@ -86,8 +70,9 @@ def _candidates(
     copies: np.ndarray,
     received: np.ndarray,
     slots: int,
-) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """The moves of one round: `(name, home[E], copies[D, E])`, each a fresh copy."""
+) -> list[tuple[str, list[Change]]]:
+    """The moves of one round, in order, each as the expert columns it changes: `home[E]`,
+    `copies[D, E]`, `received[D, E]` tokens computed under the current routing."""
     total = received.sum(axis=0)  # [E]
     ncopies = copies.sum(axis=0)
     per_copy = total / ncopies
@@ -100,43 +85,58 @@ def _candidates(
     cold = _pick_min(per_copy, multi)
     if cold == hot:
         cold = None
+    moves: list[tuple[str, list[Change]]] = []
+    hot_col = copies[:, hot]
+    hot_home = int(home[hot])
 
-    target = _pick_min(dev_load, (free > 0) & (copies[:, hot] == 0))
+    target = _pick_min(dev_load, (free > 0) & (hot_col == 0))
     if target is not None:
-        c = copies.copy()
-        c[target, hot] += 1
-        yield "expand", home.copy(), c
+        c = hot_col.copy()
+        c[target] += 1
+        moves.append(("expand", [(hot, c, hot_home)]))
 
-    shrink_from = None
+    shrink: Change | None = None
     if cold is not None:
-        per_copy_on = received[:, cold] / np.maximum(copies[:, cold], 1)
-        not_home = np.arange(copies.shape[0]) != home[cold]
-        shrink_from = _pick_min(per_copy_on, (copies[:, cold] > 0) & not_home)
-        if shrink_from is None and copies[home[cold], cold] > 1:
-            shrink_from = int(home[cold])
-    if shrink_from is not None:
-        shrunk = copies.copy()
-        shrunk[shrink_from, cold] -= 1
-        free_after = slots - shrunk.sum(axis=1)
-        # Loads after the shrink are not re-routed here; the cost model prices the real move.
-        swap_to = _pick_min(dev_load, (free_after > 0) & (shrunk[:, hot] == 0))
-        if swap_to is not None:
-            c = shrunk.copy()
-            c[swap_to, hot] += 1
-            yield "replace", home.copy(), c
+        cold_col = copies[:, cold]
+        cold_home = int(home[cold])
+        per_copy_on = received[:, cold] / np.maximum(cold_col, 1)
+        not_home = np.arange(copies.shape[0]) != cold_home
+        shrink_from = _pick_min(per_copy_on, (cold_col > 0) & not_home)
+        if shrink_from is None and cold_col[cold_home] > 1:
+            shrink_from = cold_home
+        if shrink_from is not None:
+            shrunk = cold_col.copy()
+            shrunk[shrink_from] -= 1
+            shrink = (cold, shrunk, cold_home)
+            free_after = free.copy()
+            free_after[shrink_from] += 1
+            # Loads after the shrink are not re-routed here; the cost model prices the real move.
+            swap_to = _pick_min(dev_load, (free_after > 0) & (hot_col == 0))
+            if swap_to is not None:
+                c = hot_col.copy()
+                c[swap_to] += 1
+                moves.append(("replace", [shrink, (hot, c, hot_home)]))
 
     source = hot_device
     if target is not None and dev_load[target] < dev_load[source]:
-        c = copies.copy()
-        h = home.copy()
-        c[source, hot] -= 1
-        c[target, hot] += 1
-        if h[hot] == source and c[source, hot] == 0:
-            h[hot] = target
-        yield "migrate", h, c
+        c = hot_col.copy()
+        c[source] -= 1
+        c[target] += 1
+        h = target if hot_home == source and c[source] == 0 else hot_home
+        moves.append(("migrate", [(hot, c, h)]))
 
-    if shrink_from is not None:
-        yield "shrink", home.copy(), shrunk
+    if shrink is not None:
+        moves.append(("shrink", [shrink]))
+    return moves
+
+
+def _route(counts_t: np.ndarray, copies_t: np.ndarray) -> np.ndarray:
+    """`Assignment.balanced` per expert column: `counts_t[K, D]` loads, `copies_t[K, D]` copies
+    -> shares `[K, D]` of each expert's remote tokens."""
+    held = copies_t > 0
+    local = np.where(held, counts_t, 0.0)
+    remote = np.where(held, 0.0, counts_t).sum(axis=1)
+    return balanced_weights(local, remote, copies_t.astype(np.float64))
 
 
 def search_layer(
@@ -149,31 +149,61 @@ def search_layer(
     max_moves: int,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """FlexMoE's adjustment loop on one layer: `home[E]`, `copies[D, E]`, `loads_l[1, D, E]`
-    -> `(home, copies, moves)`."""
+    -> `(home, copies, moves)` (`home`, `copies` are updated in place).
+
+    Candidates are priced with `ExpertColumns`: only the changed experts' columns are re-routed
+    and re-priced; the result equals `ctx.cost.price` of the layer under `Assignment.balanced`
+    with the migrations from `prev_home`."""
     slots = ctx.slots_per_device
-
-    def route(h: np.ndarray, c: np.ndarray) -> np.ndarray:
-        placement = Placement(h[None], c[None], slots)
-        return Assignment.balanced(placement, loads_l).received(placement, loads_l)[0]
-
-    received = route(home, copies)
+    counts = loads_l[0]
+    counts_t = np.ascontiguousarray(counts.T)  # [E, D]
+    weights = _route(counts_t, copies.T)  # [E, D]
+    received = np.where(copies > 0, counts, 0.0) + weights.T * np.where(
+        copies > 0, 0.0, counts
+    ).sum(axis=0)
     dev_load = received.sum(axis=1)
     mean = dev_load.mean()
     if mean <= 0 or dev_load.max() / mean <= threshold:
         return home, copies, []
-    best = _layer_time(ctx, home, copies, loads_l, prev_home)
+    layer = ExpertColumns(ctx.cost, counts, home, copies, weights, prev_home)
+    best = float(layer.price(layer.totals[None])[0])
+    received = np.ascontiguousarray(layer.terms[:, ROW_R].T)  # [D, E]
     moves: list[str] = []
     while len(moves) < max_moves:
+        cands = _candidates(home, copies, received, slots)
+        if not cands:
+            break
+        changes = [change for _, cols in cands for change in cols]
+        experts = np.array([e for e, _, _ in changes], dtype=np.int64)
+        new_copies = np.stack([c for _, c, _ in changes])  # [K, D]
+        new_home = np.array([h for _, _, h in changes], dtype=np.int64)
+        terms = layer.column_terms(
+            experts, new_home, new_copies, _route(counts_t[experts], new_copies)
+        )
+        select = np.zeros((len(cands), len(changes)), dtype=bool)
+        k = 0
+        for m, (_, cols) in enumerate(cands):
+            select[m, k : k + len(cols)] = True
+            k += len(cols)
+        totals = layer.candidates(experts, terms, select)
+        times = layer.price(totals)
         choice = None
-        for name, h, c in _candidates(home, copies, received, slots):
-            t = _layer_time(ctx, h, c, loads_l, prev_home)
-            if t < best * (1.0 - _REL_TOL) and (choice is None or t < choice[0]):
-                choice = (t, name, h, c)
+        for m in range(len(cands)):
+            t = float(times[m])
+            if t < best * (1.0 - _REL_TOL) and (
+                choice is None or t < times[choice] * (1.0 - _REL_TOL)
+            ):
+                choice = m
         if choice is None:
             break
-        best, name, home, copies = choice
-        moves.append(name)
-        received = route(home, copies)
+        best = float(times[choice])
+        cols = select[choice]
+        layer.apply(experts[cols], terms[cols], totals[choice])
+        for e, c, h in (changes[k] for k in np.flatnonzero(cols)):
+            copies[:, e] = c
+            home[e] = h
+        received[:, experts[cols]] = terms[cols, ROW_R].T
+        moves.append(cands[choice][0])
     return home, copies, moves
 
 
