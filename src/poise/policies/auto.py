@@ -14,14 +14,18 @@ any candidate. Ties go to `keep`, then to the candidate order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
-from poise.placement import Assignment, Placement, Plan
-from poise.policies.base import REGISTRY, PlanContext, finish_plan, register
+from poise.cost import PhaseTimes, PlanCost
+from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.policies.base import REGISTRY, PlanContext, register
 
 DEFAULT_HORIZON = 10
+PHASE_NAMES = [f.name for f in fields(PhaseTimes)]
 
 
 def candidate_names(ctx: PlanContext) -> list[str]:
@@ -37,11 +41,15 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     L = loads.shape[0]
     plans: list[Plan] = []
     names: list[str] = []
-    if previous is not None and previous.placement.home.shape == (L, ctx.experts) \
-            and previous.placement.devices == ctx.devices:
+    if (
+        previous is not None
+        and previous.placement.home.shape == (L, ctx.experts)
+        and previous.placement.devices == ctx.devices
+    ):
         keep_cost = ctx.cost.price(previous.placement, previous.assignment, loads)
-        plans.append(Plan("keep", previous.placement, previous.assignment, previous.transfers,
-                          keep_cost))
+        plans.append(
+            Plan("keep", previous.placement, previous.assignment, previous.transfers, keep_cost)
+        )
         names.append("keep")
     for name in candidate_names(ctx):
         plans.append(REGISTRY[name](loads, previous, ctx))
@@ -50,11 +58,13 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     moving = np.stack([p.cost.phases.migrate_s for p in plans])
     total = horizon * recurring + moving
     choice = np.argmin(total, axis=0)  # first minimum: `keep` wins ties
-    home = np.stack([plans[c].placement.home[l] for l, c in enumerate(choice)])
-    copies = np.stack([plans[c].placement.copies[l] for l, c in enumerate(choice)])
+    layers = np.arange(L)
+    home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
+    copies = np.stack([plans[c].placement.copies[layer] for layer, c in enumerate(choice)])
     # from_layers keeps group-local routing (hybrid) of the layers it picks.
-    assignment = Assignment.from_layers([(plans[c].assignment, layer)
-                                         for layer, c in enumerate(choice)])
+    assignment = Assignment.from_layers(
+        [(plans[c].assignment, layer) for layer, c in enumerate(choice)]
+    )
     placement = Placement(home, copies, ctx.slots_per_device)
     chosen = [names[c] for c in choice]
     notes: dict[str, Any] = {
@@ -64,4 +74,32 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     for p in plans:
         for key, value in p.notes.items():
             notes.setdefault(f"{p.policy}.{key}", value)
-    return finish_plan("auto", placement, assignment, loads, previous, ctx, notes)
+    placement.validate()
+    assignment.validate(placement)
+    prev_placement = previous.placement if previous is not None else None
+    transfers = transfers_between(prev_placement, placement, ctx.spec)
+    # Layers are priced independently and each candidate was priced (with its migrations from
+    # `previous`, per layer too) on these loads, so the plan's cost is the chosen layers' costs.
+    costs = [p.cost for p in plans]
+
+    def pick(get: Callable[[PlanCost], np.ndarray]) -> np.ndarray:
+        """`[L, ...]` the chosen candidate's row of `get(cost)` for each layer."""
+        return np.stack([get(c) for c in costs])[choice, layers]
+
+    phases = PhaseTimes(
+        **{name: pick(lambda c, n=name: getattr(c.phases, n)) for name in PHASE_NAMES}
+    )
+    cost = PlanCost(
+        phases=phases,
+        layer_s=pick(lambda c: c.layer_s),
+        schedule=ctx.cost.schedule.name,
+        device_load=pick(lambda c: c.device_load),
+    )
+    return Plan(
+        policy="auto",
+        placement=placement,
+        assignment=assignment,
+        transfers=transfers,
+        cost=cost,
+        notes=notes,
+    )
