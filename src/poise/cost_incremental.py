@@ -146,8 +146,7 @@ class ExpertColumns:
         self.prev_home = prev_home
         self.dpn, self.dpd = cluster.devices_per_node, cluster.devices_per_domain
         self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
-        dev = np.arange(D)
-        self.level = cluster.level_between(dev[:, None], dev[None, :])  # [D, D], -1 on diagonal
+        self.devices = np.arange(D)
         self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
         links = cluster.links()
         self.bw = np.array([k.per_device_bw_Bps for k in links])[:, None]  # [3, 1]
@@ -190,7 +189,7 @@ class ExpertColumns:
         out[:, 12] = weights * (r_dom - r_node)
         out[:, 13] = weights * (r_all - r_dom)
         # Trans: each replica receives W_e from the home, over the level between them.
-        lv = self.level[home]  # [K, D]
+        lv = cluster.level_between(home[:, None], self.devices[None, :])  # [K, D], -1 at home
         rep = held & (lv >= 0)
         at = rep[:, None, :] & (lv[:, None, :] == np.arange(3)[None, :, None])  # [K, 3, D]
         w_e = spec.expert_bytes
@@ -201,7 +200,7 @@ class ExpertColumns:
             old = self.prev_home[experts]
             k = np.flatnonzero(old != home)
             if k.size:
-                lv_m = self.level[old[k], home[k]]
+                lv_m = cluster.level_between(old[k], home[k])
                 out[k, 8 + lv_m, old[k]] = spec.migration_bytes
                 out[k, 17 + lv_m, home[k]] = spec.migration_bytes
         # Shares that are differences of sums (1 - w_dom, w_dom - w_node) leave rounding residues
