@@ -107,3 +107,15 @@ def test_bad_loads_rejected() -> None:
         model().price(p, Assignment.to_home(p), np.ones((1, 3, 2)))
     with pytest.raises(PlanError, match="non-negative"):
         model().price(p, Assignment.to_home(p), -np.ones((1, 2, 2)))
+
+
+def test_float_residue_pays_no_latency() -> None:
+    from poise.cost import link_time
+
+    cluster = toy_cluster(devices_per_node=2, nodes=2, lat=1e-5)
+    send = np.zeros((3, 1, 4))
+    recv = np.zeros((3, 1, 4))
+    send[2, 0, 0] = 3e-10  # residue of 1 - (in-domain share) on a one-domain cluster
+    assert link_time(cluster, send, recv)[0] == 0.0
+    send[1, 0, 0] = 16.0  # one real token of 16 bytes pays bandwidth and latency
+    assert link_time(cluster, send, recv)[0] == pytest.approx(16 / 1e9 + 1e-5)

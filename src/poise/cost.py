@@ -162,12 +162,18 @@ def _group_local_traffic(cluster: Cluster, group_size: int, remote_loc: np.ndarr
     return send, recv
 
 
+MIN_TRAFFIC_BYTES = 1.0  # less than one byte on a level is float residue, not a message
+
+
 def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
     """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency.
-    `send_bytes`, `recv_bytes`: `[3, L, D]`."""
+    `send_bytes`, `recv_bytes`: `[3, L, D]`. A level pays its latency only when at least
+    `MIN_TRAFFIC_BYTES` cross it: shares computed as differences (1 - in-domain share) leave
+    rounding residues near 1e-13 that are not traffic."""
     total = np.zeros(send_bytes.shape[1:])
     for v, link in enumerate(cluster.links()):
         moved = np.maximum(send_bytes[v], recv_bytes[v])
+        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
         total += moved / link.per_device_bw_Bps + np.where(moved > 0, link.lat_s, 0.0)
     return total.max(axis=1)
 

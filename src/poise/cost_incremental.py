@@ -15,10 +15,11 @@ pricers here keep those sums and evaluate batches of candidate changes; their re
   migrations; keeps each expert's terms, prices batches of candidates that change a few experts
   (FlexMoE's vExpert search).
 
-One deliberate difference: `CostModel.price` charges a link level's latency wherever the summed
-traffic is > 0, which includes float residues of ~1e-13 tokens (e.g. `1 - sum of shares` on a
-one-domain cluster); `ExpertColumns` charges it only where some expert really moves more than
-1e-9 tokens or bytes. The two agree except where the cost model prices such phantom traffic.
+Float residues: `CostModel.price` charges a link level's latency only where at least
+`cost.MIN_TRAFFIC_BYTES` (one byte) cross it, so residues of ~1e-13 tokens (e.g. `1 - sum of
+shares` on a one-domain cluster) are not traffic; `ExpertColumns` charges it where some expert
+moves more than 1e-9 tokens or bytes. The two agree unless a level carries real traffic of less
+than one byte, which integer token counts never produce.
 """
 
 from __future__ import annotations
