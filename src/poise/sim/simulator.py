@@ -56,6 +56,9 @@ def replay(counts: np.ndarray, ctx: PlanContext, policies: Sequence[str], *,
     S, L, D, E = counts.shape
     forecasts = predictor.predict_all(counts)  # row t: forecast for step t + 1
     uniform = np.broadcast_to(counts[0].sum(axis=(1, 2), keepdims=True) / (D * E), (L, D, E))
+    # `auto` weighs a move against the steps until the next re-plan unless told otherwise.
+    options = {k: dict(v) for k, v in ctx.options.items()}
+    options.setdefault("auto", {}).setdefault("horizon", replan_every)
     runs: dict[str, PolicyRun] = {}
     for name in policies:
         plan: Plan | None = None
@@ -71,7 +74,7 @@ def replay(counts: np.ndarray, ctx: PlanContext, policies: Sequence[str], *,
                 loads = uniform if s == 0 else forecasts[s - 1]
                 window = counts[max(0, s - replan_every):s]
                 step_ctx = PlanContext(ctx.cluster, ctx.spec, ctx.cost, ctx.slots_per_device,
-                                       history=window, options=ctx.options)
+                                       history=window, options=options)
                 t0 = time.perf_counter()
                 plan = make_plan(name, np.array(loads), plan, step_ctx)
                 plan_ms.append((time.perf_counter() - t0) * 1e3 / L)
