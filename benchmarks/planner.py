@@ -40,8 +40,9 @@ def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
     device_load = plan.cost.device_load  # [L, D]
     expert_load = loads.sum(axis=1)  # [L, E]
     copies = plan.placement.copies.sum(axis=1)  # [L, E]
-    lb = np.maximum(expert_load.sum(axis=1) / device_load.shape[1],
-                    (expert_load / copies).max(axis=1))
+    lb = np.maximum(
+        expert_load.sum(axis=1) / device_load.shape[1], (expert_load / copies).max(axis=1)
+    )
     return float(np.mean(device_load.max(axis=1) / np.where(lb > 0, lb, 1.0)))
 
 
@@ -55,16 +56,21 @@ def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 3) -
             plan = make_plan(policy, loads, None, ctx)
             times.append((time.perf_counter() - t0) * 1e3 / layers)
         assert plan is not None
-        print(json.dumps({
-            "bench": "planner",
-            "case": case,
-            "policy": policy,
-            "max_over_mean": round(plan.cost.max_over_mean, 4),
-            "max_over_lb": round(max_over_lb(plan, loads), 4),
-            "step_time_s": plan.cost.step_s,
-            "bytes_moved": plan.transfers.total_bytes,
-            "plan_ms_per_layer": round(float(np.median(times)), 3),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "planner",
+                    "case": case,
+                    "policy": policy,
+                    "max_over_mean": round(plan.cost.max_over_mean, 4),
+                    "max_over_lb": round(max_over_lb(plan, loads), 4),
+                    "step_time_s": plan.cost.step_s,
+                    "bytes_moved": plan.transfers.total_bytes,
+                    "plan_ms_per_layer": round(float(np.median(times)), 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -75,20 +81,40 @@ def main() -> None:
 
     sample = load_any(str(Path(args.data) / "smartmoe-ae-sample"))
     cluster = get_cluster("v100-ib50")
-    spec = ModelSpec("smartmoe-gpt", d_model=1024, d_expert=2048, experts=sample.experts,
-                     top_k=sample.top_k, moe_layers=sample.layers, dtype_bytes=2,
-                     tokens_per_device=8192)
+    spec = ModelSpec(
+        "smartmoe-gpt",
+        d_model=1024,
+        d_expert=2048,
+        experts=sample.experts,
+        top_k=sample.top_k,
+        moe_layers=sample.layers,
+        dtype_bytes=2,
+        tokens_per_device=8192,
+    )
     loads = sample.counts[-1].astype(np.float64)  # iteration 5001
     ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec))
     run_case("smartmoe-sample", loads, ctx)
 
     cluster = get_cluster("dgx-h100:4")
     spec = MODELS["zipf-256"]
-    trace = generate("zipf", steps=1, layers=spec.moe_layers, devices=cluster.num_devices,
-                     experts=spec.experts, top_k=spec.top_k,
-                     tokens_per_device=spec.tokens_per_device, seed=0, s=0.8)
-    ctx = PlanContext.create(cluster, spec, slots_per_device=9, cost=CostModel(cluster, spec),
-                             options={"eplb": {"mode": "global"}})
+    trace = generate(
+        "zipf",
+        steps=1,
+        layers=spec.moe_layers,
+        devices=cluster.num_devices,
+        experts=spec.experts,
+        top_k=spec.top_k,
+        tokens_per_device=spec.tokens_per_device,
+        seed=0,
+        s=0.8,
+    )
+    ctx = PlanContext.create(
+        cluster,
+        spec,
+        slots_per_device=9,
+        cost=CostModel(cluster, spec),
+        options={"eplb": {"mode": "global"}},
+    )
     run_case("zipf-256x32", trace.counts[0].astype(np.float64), ctx)
 
 

@@ -6,21 +6,49 @@ from poise.spec import ModelSpec
 from poise.topology import Cluster, Link
 
 
-def toy_cluster(devices_per_node: int = 2, nodes: int = 1, domains: int = 1, bw: float = 1e9,
-                inter_bw: float | None = None, wan_bw: float | None = None, lat: float = 0.0,
-                flops: float = 1e9) -> Cluster:
+def toy_cluster(
+    devices_per_node: int = 2,
+    nodes: int = 1,
+    domains: int = 1,
+    bw: float = 1e9,
+    inter_bw: float | None = None,
+    wan_bw: float | None = None,
+    lat: float = 0.0,
+    flops: float = 1e9,
+) -> Cluster:
     """Round numbers for hand computation: no small-GEMM loss, latency `lat` on every level."""
     return Cluster(
-        name="toy", devices_per_node=devices_per_node, nodes_per_domain=nodes, domains=domains,
-        gemm_flops=flops, memory_bytes=1e12,
-        intra_node=Link(bw, lat), inter_node=Link(inter_bw or bw, lat),
+        name="toy",
+        devices_per_node=devices_per_node,
+        nodes_per_domain=nodes,
+        domains=domains,
+        gemm_flops=flops,
+        memory_bytes=1e12,
+        intra_node=Link(bw, lat),
+        inter_node=Link(inter_bw or bw, lat),
         inter_domain=Link(wan_bw or inter_bw or bw, lat),
     )
 
 
-def toy_spec(experts: int = 2, layers: int = 1, d_model: int = 4, d_expert: int = 8,
-             top_k: int = 1, tokens: int = 100, non_moe: float = 0.0) -> ModelSpec:
+def toy_spec(
+    experts: int = 2,
+    layers: int = 1,
+    d_model: int = 4,
+    d_expert: int = 8,
+    top_k: int = 1,
+    tokens: int = 100,
+    non_moe: float = 0.0,
+) -> ModelSpec:
     """fp32 GELU experts: expert bytes = 2*d_model*d_expert*4, token bytes = 4*d_model."""
-    return ModelSpec(name="toy", d_model=d_model, d_expert=d_expert, experts=experts,
-                     top_k=top_k, moe_layers=layers, dtype_bytes=4, tokens_per_device=tokens,
-                     non_moe_flops_per_token=non_moe, optimizer_bytes_per_param=8.0)
+    return ModelSpec(
+        name="toy",
+        d_model=d_model,
+        d_expert=d_expert,
+        experts=experts,
+        top_k=top_k,
+        moe_layers=layers,
+        dtype_bytes=4,
+        tokens_per_device=tokens,
+        non_moe_flops_per_token=non_moe,
+        optimizer_bytes_per_param=8.0,
+    )

@@ -15,8 +15,22 @@ from poise.trace_generate import generate
 def test_plan_on_smartmoe_sample_with_eplb_export(smartmoe_dir, tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     eplb = tmp_path / "eplb"
-    code = main(["plan", str(smartmoe_dir), "--policy", "auto", "--cluster", "v100-ib50",
-                 "--slots", "3", "--out", str(out), "--eplb", str(eplb)])
+    code = main(
+        [
+            "plan",
+            str(smartmoe_dir),
+            "--policy",
+            "auto",
+            "--cluster",
+            "v100-ib50",
+            "--slots",
+            "3",
+            "--out",
+            str(out),
+            "--eplb",
+            str(eplb),
+        ]
+    )
     assert code == 0
     plan = json.loads(out.read_text())
     assert plan["policy"] == "auto" and plan["devices"] == 16 and len(plan["layers"]) == 24
@@ -38,11 +52,23 @@ def test_plan_every_policy_on_generated_trace(tmp_path) -> None:
     trace = generate("zipf", steps=2, layers=2, devices=8, experts=16, top_k=2, seed=1, s=1.2)
     path = tmp_path / "t.npz"
     trace.save(path)
-    for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid",
-                   "auto"):
+    for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid", "auto"):
         out = tmp_path / f"{policy}.json"
-        assert main(["plan", str(path), "--policy", policy, "--cluster", "dgx-h100:1",
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    str(path),
+                    "--policy",
+                    policy,
+                    "--cluster",
+                    "dgx-h100:1",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert json.loads(out.read_text())["policy"] == policy
 
 
@@ -75,8 +101,7 @@ def test_demo_quick(tmp_path, shared_data, capsys) -> None:
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--data", str(shared_data)]) == 0
     printed = capsys.readouterr().out
-    for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid",
-                   "auto"):
+    for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid", "auto"):
         assert policy in printed
     assert "smartmoe-sample" in printed and "zipf-drift" in printed
     for name in ("device-load-smartmoe-sample.png", "device-load-zipf-drift.png"):

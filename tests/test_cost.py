@@ -77,8 +77,9 @@ def test_migration_is_priced() -> None:
     before = Placement.from_homes(np.array([[0, 1]]), 2, 2)
     after = Placement.from_homes(np.array([[1, 1]]), 2, 2)
     moves = transfers_between(before, after, spec).migrations
-    phases, _ = CostModel(toy_cluster(), spec).phases(after, Assignment.to_home(after), COUNTS,
-                                                      moves)
+    phases, _ = CostModel(toy_cluster(), spec).phases(
+        after, Assignment.to_home(after), COUNTS, moves
+    )
     assert phases.migrate_s[0] == pytest.approx(spec.migration_bytes / 1e9)
 
 

@@ -31,10 +31,16 @@ def planning_case(draw):
     rng = np.random.default_rng(seed)
     skew = rng.zipf(1.5, size=(layers, devices, experts)).astype(float)
     loads = np.floor(rng.random((layers, devices, experts)) * scale * skew / skew.max())
-    cluster = toy_cluster(devices_per_node, nodes, domains, bw=1e9, inter_bw=2e8, wan_bw=1e7,
-                          lat=1e-6, flops=1e12)
-    spec = toy_spec(experts=experts, layers=layers, d_model=64, d_expert=128,
-                    tokens=max(1, int(loads.sum(axis=2).max())))
+    cluster = toy_cluster(
+        devices_per_node, nodes, domains, bw=1e9, inter_bw=2e8, wan_bw=1e7, lat=1e-6, flops=1e12
+    )
+    spec = toy_spec(
+        experts=experts,
+        layers=layers,
+        d_model=64,
+        d_expert=128,
+        tokens=max(1, int(loads.sum(axis=2).max())),
+    )
     slots = -(-experts // devices) + extra_slots
     return cluster, spec, slots, loads
 
@@ -44,8 +50,9 @@ def planning_case(draw):
 @given(case=planning_case())
 def test_policy_keeps_invariants(policy: str, case) -> None:
     cluster, spec, slots, loads = case
-    ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=CostModel(cluster, spec),
-                             history=loads[None])
+    ctx = PlanContext.create(
+        cluster, spec, slots_per_device=slots, cost=CostModel(cluster, spec), history=loads[None]
+    )
     plan = make_plan(policy, loads, None, ctx)
     plan.validate()
     p = plan.placement

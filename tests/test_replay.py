@@ -15,13 +15,24 @@ from .helpers import toy_cluster, toy_spec
 
 
 def test_replay_prices_actual_loads_and_beats_static_on_drift() -> None:
-    trace = generate("drift", steps=12, layers=2, devices=8, experts=8, top_k=2,
-                     tokens_per_device=512, seed=3, s=1.5, rate=0.05)
+    trace = generate(
+        "drift",
+        steps=12,
+        layers=2,
+        devices=8,
+        experts=8,
+        top_k=2,
+        tokens_per_device=512,
+        seed=3,
+        s=1.5,
+        rate=0.05,
+    )
     cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
     spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
     ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec))
-    runs = replay(trace.counts, ctx, ["static", "auto"], replan_every=3,
-                  predictor=Predictor("last"))
+    runs = replay(
+        trace.counts, ctx, ["static", "auto"], replan_every=3, predictor=Predictor("last")
+    )
     static = make_plan("static", np.ones((2, 8, 8)), None, ctx)
     for s in range(trace.steps):
         expected = ctx.cost.price(static.placement, static.assignment, trace.counts[s]).step_s

@@ -59,8 +59,10 @@ def test_yaml_roundtrip(tmp_path, name: str) -> None:
         (lambda d: d["links"]["intra_node"].__setitem__("bw_Bps", 0), "links.intra_node.bw_Bps"),
         (lambda d: d["links"].pop("intra_node"), "links.intra_node"),
         (lambda d: d.__setitem__("colour", "red"), "colour"),
-        (lambda d: d["links"]["inter_node"].__setitem__("shared_by", 0),
-         "links.inter_node.shared_by"),
+        (
+            lambda d: d["links"]["inter_node"].__setitem__("shared_by", 0),
+            "links.inter_node.shared_by",
+        ),
     ],
 )
 def test_bad_yaml_names_file_and_field(tmp_path, mutate, field: str) -> None:

@@ -91,8 +91,9 @@ def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
     return x.reshape(L, groups, D // groups, *rest).sum(axis=2)
 
 
-def level_traffic(cluster: Cluster, placement: Placement, assignment: Assignment,
-                  counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def level_traffic(
+    cluster: Cluster, placement: Placement, assignment: Assignment, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokens each device sends and receives in the dispatch all-to-all, per link level.
 
     Returns `(send, recv)`, each `[3, L, D]` for levels intra-node, inter-node, inter-domain.
@@ -113,31 +114,39 @@ def level_traffic(cluster: Cluster, placement: Placement, assignment: Assignment
     # Share of a source's remote tokens that stays in its node / its domain.
     in_node = w_node[:, node_of, :]
     in_dom = w_dom[:, domain_of, :]
-    send = np.stack([
-        (remote_glob * in_node).sum(axis=2),
-        (remote_glob * (in_dom - in_node)).sum(axis=2),
-        (remote_glob * (1.0 - in_dom)).sum(axis=2),
-    ])
+    send = np.stack(
+        [
+            (remote_glob * in_node).sum(axis=2),
+            (remote_glob * (in_dom - in_node)).sum(axis=2),
+            (remote_glob * (1.0 - in_dom)).sum(axis=2),
+        ]
+    )
     r_node = _group_sum(remote_glob, n_nodes)[:, node_of, :]  # remote tokens of my node
     r_dom = _group_sum(remote_glob, n_domains)[:, domain_of, :]
     r_all = remote_glob.sum(axis=1, keepdims=True)
-    recv = np.stack([
-        (w * r_node).sum(axis=2),
-        (w * (r_dom - r_node)).sum(axis=2),
-        (w * (r_all - r_dom)).sum(axis=2),
-    ])
+    recv = np.stack(
+        [
+            (w * r_node).sum(axis=2),
+            (w * (r_dom - r_node)).sum(axis=2),
+            (w * (r_all - r_dom)).sum(axis=2),
+        ]
+    )
     if local is not None:
         assert assignment.group_weights is not None
-        send_l, recv_l = _group_local_traffic(cluster, assignment.group_size,
-                                              np.where(local, remote, 0.0),
-                                              assignment.group_weights.transpose(0, 2, 1))
+        send_l, recv_l = _group_local_traffic(
+            cluster,
+            assignment.group_size,
+            np.where(local, remote, 0.0),
+            assignment.group_weights.transpose(0, 2, 1),
+        )
         send = send + send_l
         recv = recv + recv_l
     return np.maximum(send, 0.0), np.maximum(recv, 0.0)
 
 
-def _group_local_traffic(cluster: Cluster, group_size: int, remote_loc: np.ndarray,
-                         gw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _group_local_traffic(
+    cluster: Cluster, group_size: int, remote_loc: np.ndarray, gw: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """`(send, recv)` `[3, L, D]` of the tokens routed inside their group: `remote_loc[L, D, E]`
     tokens of sources that route locally, `gw[L, D, E]` group weights (per group summing to one)."""
     dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
@@ -157,8 +166,11 @@ def _group_local_traffic(cluster: Cluster, group_size: int, remote_loc: np.ndarr
         recv[0] = (gw * r_node).sum(axis=2)
         recv[1] = (gw * (group_remote - r_node)).sum(axis=2)
     else:
-        raise PlanError(f"group size {group_size} does not nest with nodes of {dpn} and domains "
-                        f"of {dpd} devices", field="assignment.group_size")
+        raise PlanError(
+            f"group size {group_size} does not nest with nodes of {dpn} and domains "
+            f"of {dpd} devices",
+            field="assignment.group_size",
+        )
     return send, recv
 
 
@@ -178,8 +190,9 @@ def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) 
     return total.max(axis=1)
 
 
-def replica_traffic(cluster: Cluster, placement: Placement,
-                    bytes_per_copy: float) -> tuple[np.ndarray, np.ndarray]:
+def replica_traffic(
+    cluster: Cluster, placement: Placement, bytes_per_copy: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
     replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
     L, D, E = placement.copies.shape
@@ -196,8 +209,9 @@ def replica_traffic(cluster: Cluster, placement: Placement,
     return send, recv
 
 
-def migration_traffic(cluster: Cluster, migrations: np.ndarray, layers: int,
-                      bytes_per_move: float) -> tuple[np.ndarray, np.ndarray]:
+def migration_traffic(
+    cluster: Cluster, migrations: np.ndarray, layers: int, bytes_per_move: float
+) -> tuple[np.ndarray, np.ndarray]:
     """`(send, recv)` `[3, L, D]` bytes for migration rows (layer, expert, old home, new home)."""
     D = cluster.num_devices
     send = np.zeros((3, layers, D))
@@ -221,11 +235,13 @@ class CostModel:
         counts = np.asarray(counts, dtype=np.float64)
         D, E = self.cluster.num_devices, self.spec.experts
         if counts.ndim != 3 or counts.shape[1:] != (D, E):
-            raise PlanError(f"loads must be [layers, devices={D}, experts={E}], got "
-                            f"{counts.shape}", source=source, field="loads")
+            raise PlanError(
+                f"loads must be [layers, devices={D}, experts={E}], got {counts.shape}",
+                source=source,
+                field="loads",
+            )
         if not np.all(np.isfinite(counts)) or (counts.size and counts.min() < 0):
-            raise PlanError("loads must be finite and non-negative", source=source,
-                            field="loads")
+            raise PlanError("loads must be finite and non-negative", source=source, field="loads")
         return counts
 
     def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
@@ -233,8 +249,13 @@ class CostModel:
         rate = self.cluster.gemm_rate(np.maximum(received, 1.0))
         return (received * self.spec.flops_per_token_fwd / rate).sum(axis=2)
 
-    def phases(self, placement: Placement, assignment: Assignment, counts: np.ndarray,
-               migrations: np.ndarray | None = None) -> tuple[PhaseTimes, np.ndarray]:
+    def phases(
+        self,
+        placement: Placement,
+        assignment: Assignment,
+        counts: np.ndarray,
+        migrations: np.ndarray | None = None,
+    ) -> tuple[PhaseTimes, np.ndarray]:
         """Phase times `[L]` and the per-device computed tokens `[L, D]`."""
         counts = self.check_loads(counts)
         L = counts.shape[0]
@@ -251,13 +272,30 @@ class CostModel:
         else:
             mig = np.zeros(L)
         fnec = np.full(L, spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops)
-        phases = PhaseTimes(dispatch_s=a2a, combine_s=a2a.copy(), expert_fwd_s=fec,
-                            expert_bwd_s=2.0 * fec, non_moe_fwd_s=fnec, non_moe_bwd_s=2.0 * fnec,
-                            trans_s=trans, agg_s=trans.copy(), migrate_s=mig)
+        phases = PhaseTimes(
+            dispatch_s=a2a,
+            combine_s=a2a.copy(),
+            expert_fwd_s=fec,
+            expert_bwd_s=2.0 * fec,
+            non_moe_fwd_s=fnec,
+            non_moe_bwd_s=2.0 * fnec,
+            trans_s=trans,
+            agg_s=trans.copy(),
+            migrate_s=mig,
+        )
         return phases, received.sum(axis=2)
 
-    def price(self, placement: Placement, assignment: Assignment, counts: np.ndarray,
-              migrations: np.ndarray | None = None) -> PlanCost:
+    def price(
+        self,
+        placement: Placement,
+        assignment: Assignment,
+        counts: np.ndarray,
+        migrations: np.ndarray | None = None,
+    ) -> PlanCost:
         phases, device_load = self.phases(placement, assignment, counts, migrations)
-        return PlanCost(phases=phases, layer_s=self.schedule.layer_time(phases),
-                        schedule=self.schedule.name, device_load=device_load)
+        return PlanCost(
+            phases=phases,
+            layer_s=self.schedule.layer_time(phases),
+            schedule=self.schedule.name,
+            device_load=device_load,
+        )

@@ -32,15 +32,24 @@ def read_mapping_file(path: str | Path, error: type[PoiseError] = ConfigError) -
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, ValueError, RecursionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise error(f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}",
-                    source=str(path)) from None
+        raise error(
+            f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}", source=str(path)
+        ) from None
     if not isinstance(data, dict):
         raise error(f"top level must be a mapping, got {type(data).__name__}", source=str(path))
     return data
 
 
-def get_number(m: Mapping[str, Any], key: str, source: str, *, default: Any = _MISSING,
-               positive: bool = False, non_negative: bool = False, prefix: str = "") -> float:
+def get_number(
+    m: Mapping[str, Any],
+    key: str,
+    source: str,
+    *,
+    default: Any = _MISSING,
+    positive: bool = False,
+    non_negative: bool = False,
+    prefix: str = "",
+) -> float:
     """A finite real number; `positive` / `non_negative` add range checks."""
     field = f"{prefix}{key}"
     if key not in m:
@@ -60,8 +69,16 @@ def get_number(m: Mapping[str, Any], key: str, source: str, *, default: Any = _M
     return value
 
 
-def get_int(m: Mapping[str, Any], key: str, source: str, *, default: Any = _MISSING,
-            minimum: int | None = None, maximum: int | None = None, prefix: str = "") -> int:
+def get_int(
+    m: Mapping[str, Any],
+    key: str,
+    source: str,
+    *,
+    default: Any = _MISSING,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    prefix: str = "",
+) -> int:
     """An integer (floats with an integral value are refused: they usually hide a typo)."""
     field = f"{prefix}{key}"
     if key not in m:
@@ -78,8 +95,15 @@ def get_int(m: Mapping[str, Any], key: str, source: str, *, default: Any = _MISS
     return value
 
 
-def get_str(m: Mapping[str, Any], key: str, source: str, *, default: Any = _MISSING,
-            choices: tuple[str, ...] | None = None, prefix: str = "") -> str:
+def get_str(
+    m: Mapping[str, Any],
+    key: str,
+    source: str,
+    *,
+    default: Any = _MISSING,
+    choices: tuple[str, ...] | None = None,
+    prefix: str = "",
+) -> str:
     field = f"{prefix}{key}"
     if key not in m:
         if default is _MISSING:
@@ -89,13 +113,15 @@ def get_str(m: Mapping[str, Any], key: str, source: str, *, default: Any = _MISS
     if not isinstance(value, str):
         raise ConfigError(f"must be a string, got {value!r}", source=source, field=field)
     if choices is not None and value not in choices:
-        raise ConfigError(f"must be one of {', '.join(choices)}; got {value!r}",
-                          source=source, field=field)
+        raise ConfigError(
+            f"must be one of {', '.join(choices)}; got {value!r}", source=source, field=field
+        )
     return value
 
 
-def get_mapping(m: Mapping[str, Any], key: str, source: str, *, prefix: str = "",
-                default: Any = _MISSING) -> Mapping[str, Any]:
+def get_mapping(
+    m: Mapping[str, Any], key: str, source: str, *, prefix: str = "", default: Any = _MISSING
+) -> Mapping[str, Any]:
     field = f"{prefix}{key}"
     if key not in m:
         if default is _MISSING:
@@ -103,8 +129,9 @@ def get_mapping(m: Mapping[str, Any], key: str, source: str, *, prefix: str = ""
         return default
     value = m[key]
     if not isinstance(value, Mapping):
-        raise ConfigError(f"must be a mapping, got {type(value).__name__}", source=source,
-                          field=field)
+        raise ConfigError(
+            f"must be a mapping, got {type(value).__name__}", source=source, field=field
+        )
     return value
 
 
@@ -112,5 +139,8 @@ def reject_unknown(m: Mapping[str, Any], allowed: set[str], source: str, prefix:
     """Unknown keys are almost always typos; refuse them by name."""
     for key in m:
         if key not in allowed:
-            raise ConfigError(f"unknown field (expected one of {', '.join(sorted(allowed))})",
-                              source=source, field=f"{prefix}{key}")
+            raise ConfigError(
+                f"unknown field (expected one of {', '.join(sorted(allowed))})",
+                source=source,
+                field=f"{prefix}{key}",
+            )

@@ -29,14 +29,20 @@ def fit_devices(counts: np.ndarray, devices: int, source: str = "trace") -> np.n
         rest = counts - base * k  # 0 <= rest < k: the first `rest` parts get one more
         parts = base[..., None, :] + (np.arange(k)[:, None] < rest[..., None, :])
         return parts.reshape(*counts.shape[:-2], devices, counts.shape[-1])
-    raise ConfigError(f"trace has {d_trace} source devices and the cluster {devices}; one must "
-                      f"divide the other", source=source, field="devices")
+    raise ConfigError(
+        f"trace has {d_trace} source devices and the cluster {devices}; one must divide the other",
+        source=source,
+        field="devices",
+    )
 
 
 def spec_for_trace(spec: ModelSpec, trace: Trace, *, explicit: bool, source: str) -> ModelSpec:
     """The model shape to plan `trace` with. A model the user named must agree with the trace on
     experts; a default model takes the trace's experts, top-k and layer count."""
     if explicit and spec.experts != trace.experts:
-        raise ConfigError(f"model {spec.name!r} has {spec.experts} experts but the trace has "
-                          f"{trace.experts}", source=source, field="experts")
+        raise ConfigError(
+            f"model {spec.name!r} has {spec.experts} experts but the trace has {trace.experts}",
+            source=source,
+            field="experts",
+        )
     return spec.with_(experts=trace.experts, top_k=trace.top_k, moe_layers=trace.layers)

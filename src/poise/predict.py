@@ -33,24 +33,27 @@ class Predictor:
         if self.window < 1:
             raise ConfigError("must be >= 1", source=str(self.window), field="predictor.window")
         if not 0.0 < self.alpha <= 1.0:
-            raise ConfigError("must be in (0, 1]", source=str(self.alpha),
-                              field="predictor.alpha")
+            raise ConfigError("must be in (0, 1]", source=str(self.alpha), field="predictor.alpha")
 
     @property
     def name(self) -> str:
-        return {"last": "last", "window": f"window({self.window})",
-                "ema": f"ema({self.alpha:g})"}[self.kind]
+        return {"last": "last", "window": f"window({self.window})", "ema": f"ema({self.alpha:g})"}[
+            self.kind
+        ]
 
     def predict(self, history: np.ndarray) -> np.ndarray:
         """`history[T, L, D, E]` -> `[L, D, E]` float."""
         history = np.asarray(history, dtype=np.float64)
         if history.ndim != 4 or history.shape[0] == 0:
-            raise ConfigError(f"history must be [T >= 1, L, D, E], got {history.shape}",
-                              source=self.name, field="history")
+            raise ConfigError(
+                f"history must be [T >= 1, L, D, E], got {history.shape}",
+                source=self.name,
+                field="history",
+            )
         if self.kind == "last":
             return history[-1].copy()
         if self.kind == "window":
-            return history[-self.window:].mean(axis=0)
+            return history[-self.window :].mean(axis=0)
         return self.predict_all(history)[-1]
 
     def predict_all(self, history: np.ndarray) -> np.ndarray:
@@ -84,8 +87,9 @@ def parse_predictor(text: str) -> Predictor:
         if kind == "ema":
             return Predictor("ema", alpha=float(arg) if arg else 0.5)
     except ValueError:
-        raise ConfigError(f"bad predictor argument {arg!r}", source=text,
-                          field="predictor") from None
+        raise ConfigError(
+            f"bad predictor argument {arg!r}", source=text, field="predictor"
+        ) from None
     return Predictor(kind)
 
 
@@ -93,8 +97,11 @@ def prediction_error(counts: np.ndarray, predictor: Predictor) -> float:
     """Mean relative L1 error of one-step-ahead predictions over `counts[S, L, D, E]` (S >= 2)."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.shape[0] < 2:
-        raise ConfigError("need at least 2 steps to measure prediction error",
-                          source=predictor.name, field="steps")
+        raise ConfigError(
+            "need at least 2 steps to measure prediction error",
+            source=predictor.name,
+            field="steps",
+        )
     pred = predictor.predict_all(counts)[:-1]
     actual = counts[1:]
     total = actual.sum()

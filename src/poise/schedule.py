@@ -73,5 +73,6 @@ def parse_schedule(text: str) -> Schedule:
         if chunks < 1:
             raise ConfigError("pipeline chunks must be >= 1", source=text, field="schedule")
         return Schedule("pipelined", chunks)
-    raise ConfigError("unknown schedule (known: sync, pipelined(n), prophet)", source=text,
-                      field="schedule")
+    raise ConfigError(
+        "unknown schedule (known: sync, pipelined(n), prophet)", source=text, field="schedule"
+    )

@@ -40,14 +40,25 @@ class ModelSpec:
     activation: str = "gelu"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_expert", "experts", "top_k", "moe_layers", "dtype_bytes",
-                     "tokens_per_device"):
+        for name in (
+            "d_model",
+            "d_expert",
+            "experts",
+            "top_k",
+            "moe_layers",
+            "dtype_bytes",
+            "tokens_per_device",
+        ):
             if getattr(self, name) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", source=self.name,
-                                  field=name)
+                raise ConfigError(
+                    f"must be >= 1, got {getattr(self, name)}", source=self.name, field=name
+                )
         if self.top_k > self.experts:
-            raise ConfigError(f"top_k {self.top_k} exceeds experts {self.experts}",
-                              source=self.name, field="top_k")
+            raise ConfigError(
+                f"top_k {self.top_k} exceeds experts {self.experts}",
+                source=self.name,
+                field="top_k",
+            )
         if self.activation not in ("gelu", "swiglu"):
             raise ConfigError("must be gelu or swiglu", source=self.name, field="activation")
 
@@ -94,14 +105,18 @@ class ModelSpec:
         for key in ("d_model", "d_expert", "experts", "top_k", "moe_layers"):
             kwargs[key] = get_int(data, key, source, minimum=1)
         kwargs["dtype_bytes"] = get_int(data, "dtype_bytes", source, default=2, minimum=1)
-        kwargs["tokens_per_device"] = get_int(data, "tokens_per_device", source, default=4096,
-                                              minimum=1)
-        kwargs["non_moe_flops_per_token"] = get_number(data, "non_moe_flops_per_token", source,
-                                                       default=None, non_negative=True)
-        kwargs["optimizer_bytes_per_param"] = get_number(data, "optimizer_bytes_per_param", source,
-                                                         default=12.0, non_negative=True)
-        kwargs["activation"] = get_str(data, "activation", source, default="gelu",
-                                       choices=("gelu", "swiglu"))
+        kwargs["tokens_per_device"] = get_int(
+            data, "tokens_per_device", source, default=4096, minimum=1
+        )
+        kwargs["non_moe_flops_per_token"] = get_number(
+            data, "non_moe_flops_per_token", source, default=None, non_negative=True
+        )
+        kwargs["optimizer_bytes_per_param"] = get_number(
+            data, "optimizer_bytes_per_param", source, default=12.0, non_negative=True
+        )
+        kwargs["activation"] = get_str(
+            data, "activation", source, default="gelu", choices=("gelu", "swiglu")
+        )
         return cls(**kwargs)
 
     @classmethod
@@ -112,22 +127,67 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     # The SmartMoE-AE trace's model: GPT-style, 24 MoE layers, 32 experts, top-2; the planner
     # benchmark's shape (d_model 1024, d_expert 2048, fp16, 8,192 tokens per device).
-    "smartmoe-gpt": ModelSpec("smartmoe-gpt", d_model=1024, d_expert=2048, experts=32, top_k=2,
-                              moe_layers=24, dtype_bytes=2, tokens_per_device=8192),
+    "smartmoe-gpt": ModelSpec(
+        "smartmoe-gpt",
+        d_model=1024,
+        d_expert=2048,
+        experts=32,
+        top_k=2,
+        moe_layers=24,
+        dtype_bytes=2,
+        tokens_per_device=8192,
+    ),
     # Pro-Prophet's GPT-S/M/L (16 experts, one MoE layer per block).
-    "gpt-s": ModelSpec("gpt-s", d_model=768, d_expert=3072, experts=16, top_k=1, moe_layers=12,
-                       tokens_per_device=8192),
-    "gpt-m": ModelSpec("gpt-m", d_model=1024, d_expert=4096, experts=16, top_k=1, moe_layers=24,
-                       tokens_per_device=8192),
-    "gpt-l": ModelSpec("gpt-l", d_model=1536, d_expert=6144, experts=16, top_k=1, moe_layers=24,
-                       tokens_per_device=8192),
+    "gpt-s": ModelSpec(
+        "gpt-s",
+        d_model=768,
+        d_expert=3072,
+        experts=16,
+        top_k=1,
+        moe_layers=12,
+        tokens_per_device=8192,
+    ),
+    "gpt-m": ModelSpec(
+        "gpt-m",
+        d_model=1024,
+        d_expert=4096,
+        experts=16,
+        top_k=1,
+        moe_layers=24,
+        tokens_per_device=8192,
+    ),
+    "gpt-l": ModelSpec(
+        "gpt-l",
+        d_model=1536,
+        d_expert=6144,
+        experts=16,
+        top_k=1,
+        moe_layers=24,
+        tokens_per_device=8192,
+    ),
     # A 256-expert, 8-layer model for the Zipf planner case.
-    "zipf-256": ModelSpec("zipf-256", d_model=2048, d_expert=1408, experts=256, top_k=8,
-                          moe_layers=8, dtype_bytes=2, tokens_per_device=8192,
-                          activation="swiglu"),
+    "zipf-256": ModelSpec(
+        "zipf-256",
+        d_model=2048,
+        d_expert=1408,
+        experts=256,
+        top_k=8,
+        moe_layers=8,
+        dtype_bytes=2,
+        tokens_per_device=8192,
+        activation="swiglu",
+    ),
     # The `tiny` training preset (2 CPU ranks).
-    "tiny": ModelSpec("tiny", d_model=128, d_expert=512, experts=8, top_k=2, moe_layers=4,
-                      dtype_bytes=4, tokens_per_device=2048),
+    "tiny": ModelSpec(
+        "tiny",
+        d_model=128,
+        d_expert=512,
+        experts=8,
+        top_k=2,
+        moe_layers=4,
+        dtype_bytes=4,
+        tokens_per_device=2048,
+    ),
 }
 
 
@@ -138,5 +198,6 @@ def get_model(spec: str) -> ModelSpec:
     path = Path(spec)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         return ModelSpec.load(path)
-    raise ConfigError(f"unknown model (known: {', '.join(MODELS)}) and no such file",
-                      source=spec, field="model")
+    raise ConfigError(
+        f"unknown model (known: {', '.join(MODELS)}) and no such file", source=spec, field="model"
+    )

@@ -77,16 +77,21 @@ class Cluster:
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "nodes_per_domain", "domains"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", source=self.name,
-                                  field=name)
+                raise ConfigError(
+                    f"must be >= 1, got {getattr(self, name)}", source=self.name, field=name
+                )
         if self.gemm_flops <= 0 or self.memory_bytes <= 0:
-            raise ConfigError("device gemm_flops and memory_bytes must be > 0", source=self.name,
-                              field="device")
+            raise ConfigError(
+                "device gemm_flops and memory_bytes must be > 0", source=self.name, field="device"
+            )
         for level in LEVELS:
             link: Link = getattr(self, level)
             if link.bw_Bps <= 0 or link.lat_s < 0 or link.shared_by < 1:
-                raise ConfigError("bw_Bps must be > 0, lat_s >= 0, shared_by >= 1",
-                                  source=self.name, field=f"links.{level}")
+                raise ConfigError(
+                    "bw_Bps must be > 0, lat_s >= 0, shared_by >= 1",
+                    source=self.name,
+                    field=f"links.{level}",
+                )
 
     @property
     def num_devices(self) -> int:
@@ -128,8 +133,13 @@ class Cluster:
             return np.full_like(rows, self.gemm_flops)
         return self.gemm_flops * rows / (rows + self.gemm_half_rows)
 
-    def resized(self, *, nodes_per_domain: int | None = None, domains: int | None = None,
-                name: str | None = None) -> Cluster:
+    def resized(
+        self,
+        *,
+        nodes_per_domain: int | None = None,
+        domains: int | None = None,
+        name: str | None = None,
+    ) -> Cluster:
         return dataclasses.replace(
             self,
             name=name or self.name,
@@ -157,23 +167,28 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> Cluster:
-        reject_unknown(data, {"name", "devices_per_node", "nodes_per_domain", "domains",
-                              "device", "links"}, source)
+        reject_unknown(
+            data,
+            {"name", "devices_per_node", "nodes_per_domain", "domains", "device", "links"},
+            source,
+        )
         dpn = get_int(data, "devices_per_node", source, minimum=1)
         npd = get_int(data, "nodes_per_domain", source, default=1, minimum=1)
         domains = get_int(data, "domains", source, default=1, minimum=1)
         if dpn * npd * domains > 10_000_000:
             raise ConfigError("more than 10 million devices", source=source, field="domains")
         device = get_mapping(data, "device", source)
-        reject_unknown(device, {"gemm_flops", "memory_bytes", "gemm_half_rows"}, source,
-                       "device.")
+        reject_unknown(device, {"gemm_flops", "memory_bytes", "gemm_half_rows"}, source, "device.")
         links_raw = get_mapping(data, "links", source)
         reject_unknown(links_raw, set(LEVELS), source, "links.")
         links: dict[str, Link] = {}
         previous: Link | None = None
         for level in LEVELS:
-            needed = (level == "intra_node" or (level == "inter_node" and npd > 1)
-                      or (level == "inter_domain" and domains > 1))
+            needed = (
+                level == "intra_node"
+                or (level == "inter_node" and npd > 1)
+                or (level == "inter_domain" and domains > 1)
+            )
             if level not in links_raw:
                 if needed or previous is None:
                     raise ConfigError("missing link level", source=source, field=f"links.{level}")
@@ -194,10 +209,12 @@ class Cluster:
             nodes_per_domain=npd,
             domains=domains,
             gemm_flops=get_number(device, "gemm_flops", source, positive=True, prefix="device."),
-            memory_bytes=get_number(device, "memory_bytes", source, positive=True,
-                                    prefix="device."),
-            gemm_half_rows=get_number(device, "gemm_half_rows", source, default=0.0,
-                                      non_negative=True, prefix="device."),
+            memory_bytes=get_number(
+                device, "memory_bytes", source, positive=True, prefix="device."
+            ),
+            gemm_half_rows=get_number(
+                device, "gemm_half_rows", source, default=0.0, non_negative=True, prefix="device."
+            ),
             **links,
         )
 
@@ -206,11 +223,30 @@ class Cluster:
         return cls.from_dict(read_mapping_file(path), str(path))
 
 
-def _uniform(name: str, dpn: int, npd: int, domains: int, flops: float, mem: float,
-             intra: Link, inter: Link, wan: Link | None = None, half_rows: float = 0.0) -> Cluster:
-    return Cluster(name=name, devices_per_node=dpn, nodes_per_domain=npd, domains=domains,
-                   gemm_flops=flops, memory_bytes=mem, intra_node=intra, inter_node=inter,
-                   inter_domain=wan or inter, gemm_half_rows=half_rows)
+def _uniform(
+    name: str,
+    dpn: int,
+    npd: int,
+    domains: int,
+    flops: float,
+    mem: float,
+    intra: Link,
+    inter: Link,
+    wan: Link | None = None,
+    half_rows: float = 0.0,
+) -> Cluster:
+    return Cluster(
+        name=name,
+        devices_per_node=dpn,
+        nodes_per_domain=npd,
+        domains=domains,
+        gemm_flops=flops,
+        memory_bytes=mem,
+        intra_node=intra,
+        inter_node=inter,
+        inter_domain=wan or inter,
+        gemm_half_rows=half_rows,
+    )
 
 
 def _presets() -> dict[str, Cluster]:
@@ -222,32 +258,84 @@ def _presets() -> dict[str, Cluster]:
     h100 = 989e12 * 0.7
     return {
         # Two local processes on this kind of machine; `poise calibrate` measures the real figures.
-        "cpu-2": _uniform("cpu-2", 2, 1, 1, 5e10, 8 * GIB,
-                          Link(4e9, 30e-6), Link(4e9, 30e-6), half_rows=16),
+        "cpu-2": _uniform(
+            "cpu-2", 2, 1, 1, 5e10, 8 * GIB, Link(4e9, 30e-6), Link(4e9, 30e-6), half_rows=16
+        ),
         # FasterMoE "johnny": 2 nodes x 8 V100 on PCIe 3.0, one 50 Gb/s InfiniBand NIC per node.
-        "v100-ib50": _uniform("v100-ib50", 8, 2, 1, v100, 32 * GIB,
-                              Link(12e9, 10e-6), Link(50 * GBIT, 5e-6, shared_by=8),
-                              half_rows=256),
+        "v100-ib50": _uniform(
+            "v100-ib50",
+            8,
+            2,
+            1,
+            v100,
+            32 * GIB,
+            Link(12e9, 10e-6),
+            Link(50 * GBIT, 5e-6, shared_by=8),
+            half_rows=256,
+        ),
         # FasterMoE "trevor": 16 nodes x 4 V100 with NVLink, one 100 Gb/s InfiniBand NIC per node.
-        "v100-nvlink-ib100": _uniform("v100-nvlink-ib100", 4, 16, 1, v100, 32 * GIB,
-                                      Link(50e9, 5e-6), Link(100 * GBIT, 5e-6, shared_by=4),
-                                      half_rows=256),
+        "v100-nvlink-ib100": _uniform(
+            "v100-nvlink-ib100",
+            4,
+            16,
+            1,
+            v100,
+            32 * GIB,
+            Link(50e9, 5e-6),
+            Link(100 * GBIT, 5e-6, shared_by=4),
+            half_rows=256,
+        ),
         # Pro-Prophet: nodes of 4 RTX 3090 on PCIe, 100 Gb/s InfiniBand; 4 nodes (also :8).
-        "rtx3090-ib100": _uniform("rtx3090-ib100", 4, 4, 1, rtx3090, 24 * GIB,
-                                  Link(16e9, 10e-6), Link(100 * GBIT, 5e-6, shared_by=4),
-                                  half_rows=256),
+        "rtx3090-ib100": _uniform(
+            "rtx3090-ib100",
+            4,
+            4,
+            1,
+            rtx3090,
+            24 * GIB,
+            Link(16e9, 10e-6),
+            Link(100 * GBIT, 5e-6, shared_by=4),
+            half_rows=256,
+        ),
         # HybridEP: nodes of 8 A800 at 128 Gb/s inside, 10 Gb/s Ethernet between; each node is a
         # domain (the low-bandwidth boundary HybridEP partitions on); 2 nodes (also :4).
-        "a800-eth10": _uniform("a800-eth10", 8, 1, 2, a800, 80 * GIB,
-                               Link(128 * GBIT, 10e-6), Link(128 * GBIT, 10e-6),
-                               Link(10 * GBIT, 100e-6, shared_by=8), half_rows=256),
+        "a800-eth10": _uniform(
+            "a800-eth10",
+            8,
+            1,
+            2,
+            a800,
+            80 * GIB,
+            Link(128 * GBIT, 10e-6),
+            Link(128 * GBIT, 10e-6),
+            Link(10 * GBIT, 100e-6, shared_by=8),
+            half_rows=256,
+        ),
         # DGX H100: 8 GPUs on NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU.
-        "dgx-h100": _uniform("dgx-h100", 8, 8, 1, h100, 80 * GIB,
-                             Link(450e9, 3e-6), Link(400 * GBIT, 5e-6), half_rows=512),
+        "dgx-h100": _uniform(
+            "dgx-h100",
+            8,
+            8,
+            1,
+            h100,
+            80 * GIB,
+            Link(450e9, 3e-6),
+            Link(400 * GBIT, 5e-6),
+            half_rows=512,
+        ),
         # 1,000 datacentres of one 8-GPU node each, joined by 10 Gb/s wide-area links, 20 ms away.
-        "cross-dc-1000": _uniform("cross-dc-1000", 8, 1, 1000, h100, 80 * GIB,
-                                  Link(450e9, 3e-6), Link(400 * GBIT, 5e-6),
-                                  Link(10 * GBIT, 20e-3, shared_by=8), half_rows=512),
+        "cross-dc-1000": _uniform(
+            "cross-dc-1000",
+            8,
+            1,
+            1000,
+            h100,
+            80 * GIB,
+            Link(450e9, 3e-6),
+            Link(400 * GBIT, 5e-6),
+            Link(10 * GBIT, 20e-3, shared_by=8),
+            half_rows=512,
+        ),
     }
 
 
@@ -262,8 +350,11 @@ def get_cluster(spec: str) -> Cluster:
         if not count:
             return cluster
         if not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"size after ':' must be a positive integer, got {count!r}",
-                              source=spec, field="cluster")
+            raise ConfigError(
+                f"size after ':' must be a positive integer, got {count!r}",
+                source=spec,
+                field="cluster",
+            )
         n = int(count)
         if cluster.domains > 1:
             return cluster.resized(domains=n, name=spec)
@@ -271,5 +362,8 @@ def get_cluster(spec: str) -> Cluster:
     path = Path(spec)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         return Cluster.load(path)
-    raise ConfigError(f"unknown cluster preset (known: {', '.join(PRESETS)}) and no such file",
-                      source=spec, field="cluster")
+    raise ConfigError(
+        f"unknown cluster preset (known: {', '.join(PRESETS)}) and no such file",
+        source=spec,
+        field="cluster",
+    )

@@ -58,11 +58,16 @@ class Trace:
         src = source or self.name
         c = self.counts
         if not isinstance(c, np.ndarray) or c.ndim != 4:
-            raise TraceError(f"must be a 4-d array [steps, layers, devices, experts], got shape "
-                             f"{getattr(c, 'shape', None)}", source=src, field="counts")
+            raise TraceError(
+                f"must be a 4-d array [steps, layers, devices, experts], got shape "
+                f"{getattr(c, 'shape', None)}",
+                source=src,
+                field="counts",
+            )
         if min(c.shape) < 1:
-            raise TraceError(f"every dimension must be >= 1, got shape {c.shape}", source=src,
-                             field="counts")
+            raise TraceError(
+                f"every dimension must be >= 1, got shape {c.shape}", source=src, field="counts"
+            )
         if not np.issubdtype(c.dtype, np.integer):
             raise TraceError(f"must hold integers, got {c.dtype}", source=src, field="counts")
         if c.size and int(c.min()) < 0:
@@ -71,23 +76,28 @@ class Trace:
             self.counts = c.astype(np.int64)
         ids = np.asarray(self.step_ids)
         if ids.shape != (c.shape[0],) or not np.issubdtype(ids.dtype, np.integer):
-            raise TraceError(f"must be {c.shape[0]} integers, one per step", source=src,
-                             field="step_ids")
+            raise TraceError(
+                f"must be {c.shape[0]} integers, one per step", source=src, field="step_ids"
+            )
         if ids.size > 1 and np.any(np.diff(ids) <= 0):
             raise TraceError("must be strictly increasing", source=src, field="step_ids")
         self.step_ids = ids.astype(np.int64)
         if not (1 <= self.top_k <= c.shape[3]):
-            raise TraceError(f"must be in [1, experts={c.shape[3]}], got {self.top_k}",
-                             source=src, field="top_k")
+            raise TraceError(
+                f"must be in [1, experts={c.shape[3]}], got {self.top_k}", source=src, field="top_k"
+            )
         if self.tokens_per_device < 1:
-            raise TraceError(f"must be >= 1, got {self.tokens_per_device}", source=src,
-                             field="tokens_per_device")
+            raise TraceError(
+                f"must be >= 1, got {self.tokens_per_device}", source=src, field="tokens_per_device"
+            )
         row_max = int(c.sum(axis=3).max())
         if row_max > self.top_k * self.tokens_per_device:
             raise TraceError(
                 f"a source sends {row_max} assignments in one step and layer, more than "
                 f"top_k * tokens_per_device = {self.top_k * self.tokens_per_device}",
-                source=src, field="counts")
+                source=src,
+                field="counts",
+            )
 
     # ------------------------------------------------------------------ views
     def expert_load(self) -> np.ndarray:
@@ -95,8 +105,14 @@ class Trace:
         return self.counts.sum(axis=2)
 
     def slice_steps(self, start: int, stop: int | None = None) -> Trace:
-        return Trace(self.counts[start:stop], self.step_ids[start:stop], self.top_k,
-                     self.tokens_per_device, self.name, dict(self.meta))
+        return Trace(
+            self.counts[start:stop],
+            self.step_ids[start:stop],
+            self.top_k,
+            self.tokens_per_device,
+            self.name,
+            dict(self.meta),
+        )
 
     # ------------------------------------------------------------------ storage
     def save(self, path: str | Path) -> None:
@@ -129,8 +145,11 @@ class Trace:
                 raise TraceError("missing array", source=src, field=key)
         version = _scalar_int(data["schema_version"], src, "schema_version")
         if version != SCHEMA_VERSION:
-            raise TraceError(f"unsupported schema version {version} (this Poise reads "
-                             f"{SCHEMA_VERSION})", source=src, field="schema_version")
+            raise TraceError(
+                f"unsupported schema version {version} (this Poise reads {SCHEMA_VERSION})",
+                source=src,
+                field="schema_version",
+            )
         meta: dict[str, Any] = {}
         if "meta" in data:
             try:

@@ -19,17 +19,24 @@ from poise.policies.base import make_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="plan a placement from load statistics",
-                       description="Plan expert placement from a trace (.npz), a SmartMoE-AE "
-                                   "folder, an EPLB weight matrix (.npy/.json) or expert-count "
-                                   "JSON; loads are averaged over the trace's last --steps steps.")
+    p = sub.add_parser(
+        "plan",
+        help="plan a placement from load statistics",
+        description="Plan expert placement from a trace (.npz), a SmartMoE-AE "
+        "folder, an EPLB weight matrix (.npy/.json) or expert-count "
+        "JSON; loads are averaged over the trace's last --steps steps.",
+    )
     p.add_argument("loads", help="trace or load statistics file")
     p.add_argument("--policy", default="auto", help="balancing policy (default auto)")
     add_planning_args(p, cluster_default="v100-ib50")
     p.add_argument("--steps", type=int, default=None, help="average the last N steps (default all)")
     p.add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
-    p.add_argument("--eplb", metavar="DIR", default=None,
-                   help="also write phy2log/log2phy/logcnt (.npy and eplb.json) to DIR")
+    p.add_argument(
+        "--eplb",
+        metavar="DIR",
+        default=None,
+        help="also write phy2log/log2phy/logcnt (.npy and eplb.json) to DIR",
+    )
     p.set_defaults(run=run)
 
 
@@ -39,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = load_any(args.loads)
     cluster, spec, ctx = planning_context(args, trace, args.loads)
-    counts = trace.counts if args.steps is None else trace.counts[-max(1, args.steps):]
+    counts = trace.counts if args.steps is None else trace.counts[-max(1, args.steps) :]
     loads = fit_devices(counts, cluster.num_devices, args.loads).mean(axis=0).astype(np.float64)
     baseline = make_plan("static", loads, None, ctx)
     plan = make_plan(args.policy, loads, None, ctx)
@@ -52,9 +59,17 @@ def run(args: argparse.Namespace) -> int:
             buf = io.BytesIO()
             np.save(buf, arr)
             atomic_write_bytes(out / f"{name}.npy", buf.getvalue())
-        atomic_write_text(out / "eplb.json", json.dumps(
-            {"phy2log": phy2log.tolist(), "log2phy": log2phy.tolist(),
-             "logcnt": logcnt.tolist()}) + "\n")
+        atomic_write_text(
+            out / "eplb.json",
+            json.dumps(
+                {
+                    "phy2log": phy2log.tolist(),
+                    "log2phy": log2phy.tolist(),
+                    "logcnt": logcnt.tolist(),
+                }
+            )
+            + "\n",
+        )
         Console().print(f"EPLB arrays written to {out}/")
     Console().print(f"plan written to {args.out}")
     return 0
@@ -62,32 +77,51 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(plan, baseline, args: argparse.Namespace, cluster: str) -> None:
     console = Console()
-    table = Table(title=f"poise plan: {args.policy} on {cluster} ({plan.placement.devices} "
-                        f"devices, {plan.placement.slots_per_device} slots each)")
-    for col in ("layer", "replicas", "migrations", "max/mean static", "max/mean plan",
-                "static ms", "plan ms"):
+    table = Table(
+        title=f"poise plan: {args.policy} on {cluster} ({plan.placement.devices} "
+        f"devices, {plan.placement.slots_per_device} slots each)"
+    )
+    for col in (
+        "layer",
+        "replicas",
+        "migrations",
+        "max/mean static",
+        "max/mean plan",
+        "static ms",
+        "plan ms",
+    ):
         table.add_column(col, justify="right")
     chosen = plan.notes.get("chosen")
     if chosen:
         table.add_column("chosen", justify="left")
     reps = plan.placement.replicas().sum(axis=(1, 2))
-    moved = np.bincount(plan.transfers.migrations[:, 0], minlength=plan.placement.layers) \
-        if len(plan.transfers.migrations) else np.zeros(plan.placement.layers, dtype=int)
+    moved = (
+        np.bincount(plan.transfers.migrations[:, 0], minlength=plan.placement.layers)
+        if len(plan.transfers.migrations)
+        else np.zeros(plan.placement.layers, dtype=int)
+    )
 
     def ratio(load: np.ndarray) -> float:
         mean = load.mean()
         return float(load.max() / mean) if mean > 0 else 1.0
 
     for layer in range(plan.placement.layers):
-        row = [str(layer), str(int(reps[layer])), str(int(moved[layer])),
-               f"{ratio(baseline.cost.device_load[layer]):.2f}",
-               f"{ratio(plan.cost.device_load[layer]):.2f}",
-               f"{baseline.cost.layer_s[layer] * 1e3:.2f}", f"{plan.cost.layer_s[layer] * 1e3:.2f}"]
+        row = [
+            str(layer),
+            str(int(reps[layer])),
+            str(int(moved[layer])),
+            f"{ratio(baseline.cost.device_load[layer]):.2f}",
+            f"{ratio(plan.cost.device_load[layer]):.2f}",
+            f"{baseline.cost.layer_s[layer] * 1e3:.2f}",
+            f"{plan.cost.layer_s[layer] * 1e3:.2f}",
+        ]
         if chosen:
             row.append(chosen[layer])
         table.add_row(*row)
     console.print(table)
-    console.print(f"predicted step time: static {baseline.cost.step_s * 1e3:.1f} ms -> "
-                  f"{args.policy} {plan.cost.step_s * 1e3:.1f} ms "
-                  f"({baseline.cost.step_s / plan.cost.step_s:.2f}x); device max/mean "
-                  f"{baseline.cost.max_over_mean:.2f} -> {plan.cost.max_over_mean:.2f}")
+    console.print(
+        f"predicted step time: static {baseline.cost.step_s * 1e3:.1f} ms -> "
+        f"{args.policy} {plan.cost.step_s * 1e3:.1f} ms "
+        f"({baseline.cost.step_s / plan.cost.step_s:.2f}x); device max/mean "
+        f"{baseline.cost.max_over_mean:.2f} -> {plan.cost.max_over_mean:.2f}"
+    )

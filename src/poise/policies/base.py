@@ -54,17 +54,33 @@ class PlanContext:
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, cluster: Cluster, spec: ModelSpec, *, slots_per_device: int | None = None,
-               cost: CostModel | None = None, history: np.ndarray | None = None,
-               options: Mapping[str, Mapping[str, Any]] | None = None) -> PlanContext:
+    def create(
+        cls,
+        cluster: Cluster,
+        spec: ModelSpec,
+        *,
+        slots_per_device: int | None = None,
+        cost: CostModel | None = None,
+        history: np.ndarray | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> PlanContext:
         D, E = cluster.num_devices, spec.experts
         needed = max(1, math.ceil(E / D))
         slots = needed if slots_per_device is None else slots_per_device
         if slots < needed:
-            raise ConfigError(f"{E} experts on {D} devices need at least {needed} slots per "
-                              f"device, got {slots}", source=cluster.name, field="slots")
-        return cls(cluster=cluster, spec=spec, cost=cost or CostModel(cluster, spec),
-                   slots_per_device=slots, history=history, options=options or {})
+            raise ConfigError(
+                f"{E} experts on {D} devices need at least {needed} slots per device, got {slots}",
+                source=cluster.name,
+                field="slots",
+            )
+        return cls(
+            cluster=cluster,
+            spec=spec,
+            cost=cost or CostModel(cluster, spec),
+            slots_per_device=slots,
+            history=history,
+            options=options or {},
+        )
 
     @property
     def devices(self) -> int:
@@ -99,15 +115,24 @@ def static_placement(layers: int, experts: int, devices: int, slots: int) -> Pla
 
 def start_placement(previous: Plan | None, ctx: PlanContext, layers: int) -> Placement:
     """The placement a policy starts from: the previous one, or the static layout."""
-    if previous is not None and previous.placement.home.shape == (layers, ctx.experts) \
-            and previous.placement.devices == ctx.devices:
+    if (
+        previous is not None
+        and previous.placement.home.shape == (layers, ctx.experts)
+        and previous.placement.devices == ctx.devices
+    ):
         return previous.placement.copy()
     return static_placement(layers, ctx.experts, ctx.devices, ctx.slots_per_device)
 
 
-def finish_plan(name: str, placement: Placement, assignment: Assignment, loads: np.ndarray,
-                previous: Plan | None, ctx: PlanContext, notes: dict[str, Any] | None = None,
-                ) -> Plan:
+def finish_plan(
+    name: str,
+    placement: Placement,
+    assignment: Assignment,
+    loads: np.ndarray,
+    previous: Plan | None,
+    ctx: PlanContext,
+    notes: dict[str, Any] | None = None,
+) -> Plan:
     """Check the invariants, work out the transfers from `previous`, price on `loads`."""
     placement.slots_per_device = ctx.slots_per_device
     placement.validate()
@@ -115,8 +140,14 @@ def finish_plan(name: str, placement: Placement, assignment: Assignment, loads: 
     prev_placement = previous.placement if previous is not None else None
     transfers = transfers_between(prev_placement, placement, ctx.spec)
     cost = ctx.cost.price(placement, assignment, loads, transfers.migrations)
-    return Plan(policy=name, placement=placement, assignment=assignment, transfers=transfers,
-                cost=cost, notes=notes or {})
+    return Plan(
+        policy=name,
+        placement=placement,
+        assignment=assignment,
+        transfers=transfers,
+        cost=cost,
+        notes=notes or {},
+    )
 
 
 def check_loads(loads: np.ndarray, ctx: PlanContext) -> np.ndarray:
@@ -127,8 +158,9 @@ def get_policy(name: str) -> PolicyFn:
     from poise import policies  # noqa: F401  (imports every policy module, filling REGISTRY)
 
     if name not in REGISTRY:
-        raise ConfigError(f"unknown policy (known: {', '.join(sorted(REGISTRY))})", source=name,
-                          field="policy")
+        raise ConfigError(
+            f"unknown policy (known: {', '.join(sorted(REGISTRY))})", source=name, field="policy"
+        )
     return REGISTRY[name]
 
 

@@ -32,12 +32,14 @@ def device_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, titl
         mean = x.mean(axis=1, keepdims=True)
         ratios[name] = np.divide(x, mean, out=np.ones_like(x), where=mean > 0)
     vmax = max(2.0, max(float(r.max()) for r in ratios.values()))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True
+    )
     image = None
     for ax, name in zip(axes[0], names, strict=True):
-        image = ax.imshow(ratios[name], aspect="auto", cmap="magma", vmin=0, vmax=vmax,
-                          interpolation="nearest")
+        image = ax.imshow(
+            ratios[name], aspect="auto", cmap="magma", vmin=0, vmax=vmax, interpolation="nearest"
+        )
         ax.set_title(f"{name}: max/mean {ratios[name].max(axis=1).mean():.2f}")
         ax.set_xlabel("device")
     axes[0][0].set_ylabel("step")

@@ -47,9 +47,15 @@ class PolicyRun:
         return float(np.mean(self.plan_ms)) if self.plan_ms else 0.0
 
 
-def replay(counts: np.ndarray, ctx: PlanContext, policies: Sequence[str], *,
-           replan_every: int = 10, predictor: Predictor | None = None,
-           progress: Callable[[int, int], None] | None = None) -> dict[str, PolicyRun]:
+def replay(
+    counts: np.ndarray,
+    ctx: PlanContext,
+    policies: Sequence[str],
+    *,
+    replan_every: int = 10,
+    predictor: Predictor | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, PolicyRun]:
     """Replay `counts[S, L, D, E]` (D = ctx devices) under each policy."""
     predictor = predictor or Predictor("ema", alpha=0.5)
     counts = np.asarray(counts, dtype=np.float64)
@@ -72,9 +78,15 @@ def replay(counts: np.ndarray, ctx: PlanContext, policies: Sequence[str], *,
             migrations = None
             if s % replan_every == 0:
                 loads = uniform if s == 0 else forecasts[s - 1]
-                window = counts[max(0, s - replan_every):s]
-                step_ctx = PlanContext(ctx.cluster, ctx.spec, ctx.cost, ctx.slots_per_device,
-                                       history=window, options=options)
+                window = counts[max(0, s - replan_every) : s]
+                step_ctx = PlanContext(
+                    ctx.cluster,
+                    ctx.spec,
+                    ctx.cost,
+                    ctx.slots_per_device,
+                    history=window,
+                    options=options,
+                )
                 t0 = time.perf_counter()
                 plan = make_plan(name, np.array(loads), plan, step_ctx)
                 plan_ms.append((time.perf_counter() - t0) * 1e3 / L)
