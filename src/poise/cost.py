@@ -55,6 +55,29 @@ class PhaseTimes:
     agg_s: np.ndarray
     migrate_s: np.ndarray
 
+    @classmethod
+    def from_parts(
+        cls,
+        a2a: np.ndarray,
+        fec: np.ndarray,
+        fnec: np.ndarray,
+        trans: np.ndarray,
+        migrate: np.ndarray,
+    ) -> PhaseTimes:
+        """The step's phases from one all-to-all, forward compute, Trans and migration: combine
+        mirrors dispatch, backward compute is twice forward, Agg mirrors Trans."""
+        return cls(
+            dispatch_s=a2a,
+            combine_s=a2a.copy(),
+            expert_fwd_s=fec,
+            expert_bwd_s=2.0 * fec,
+            non_moe_fwd_s=fnec,
+            non_moe_bwd_s=2.0 * fnec,
+            trans_s=trans,
+            agg_s=trans.copy(),
+            migrate_s=migrate,
+        )
+
     def as_dict(self) -> dict[str, float]:
         """Totals over layers, seconds."""
         return {k: float(np.sum(v)) for k, v in self.__dict__.items()}
@@ -272,17 +295,7 @@ class CostModel:
         else:
             mig = np.zeros(L)
         fnec = np.full(L, spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops)
-        phases = PhaseTimes(
-            dispatch_s=a2a,
-            combine_s=a2a.copy(),
-            expert_fwd_s=fec,
-            expert_bwd_s=2.0 * fec,
-            non_moe_fwd_s=fnec,
-            non_moe_bwd_s=2.0 * fnec,
-            trans_s=trans,
-            agg_s=trans.copy(),
-            migrate_s=mig,
-        )
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
         return phases, received.sum(axis=2)
 
     def price(

@@ -78,17 +78,7 @@ class LayerState:
         trans = self.links_s(par_send, par_recv)
         fec = comp.max(axis=-1)
         fnec = np.full_like(fec, self.fnec)
-        phases = PhaseTimes(
-            dispatch_s=a2a,
-            combine_s=a2a,
-            expert_fwd_s=fec,
-            expert_bwd_s=2.0 * fec,
-            non_moe_fwd_s=fnec,
-            non_moe_bwd_s=2.0 * fnec,
-            trans_s=trans,
-            agg_s=trans,
-            migrate_s=np.zeros_like(fec),
-        )
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, np.zeros_like(fec))
         return self.cost.schedule.layer_time(phases)
 
     def current_s(self) -> float:
@@ -221,17 +211,7 @@ class ExpertColumns:
         a2a, trans, mig = link_s[:, 0], link_s[:, 1], link_s[:, 2]
         fec = totals[:, ROW_COMP].max(axis=1)
         fnec = np.full(M, self.fnec)
-        phases = PhaseTimes(
-            dispatch_s=a2a,
-            combine_s=a2a,
-            expert_fwd_s=fec,
-            expert_bwd_s=2.0 * fec,
-            non_moe_fwd_s=fnec,
-            non_moe_bwd_s=2.0 * fnec,
-            trans_s=trans,
-            agg_s=trans,
-            migrate_s=mig,
-        )
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
         return self.cost.schedule.layer_time(phases)
 
     def candidates(self, experts: np.ndarray, terms: np.ndarray, select: np.ndarray) -> np.ndarray:
