@@ -110,6 +110,17 @@ class Placement:
             )
 
 
+def _check_only_holders(w: np.ndarray, placement: Placement, what: str, field: str) -> None:
+    """Refuse shares `w[L, E, D]` that send tokens to a device holding no copy of the expert."""
+    off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, w)
+    if off.max(initial=0.0) > _TOL:
+        layer, expert, device = np.argwhere(off > _TOL)[0]
+        raise PlanError(
+            f"layer {layer} expert {expert}: {what} sent to device {device}, which holds no copy",
+            field=field,
+        )
+
+
 @dataclass
 class Assignment:
     """`weights[l, e, d]`: share of a non-holding source's tokens for expert e sent to device d.
@@ -245,14 +256,7 @@ class Assignment:
             )
         if not np.all(np.isfinite(w)) or w.min() < -_TOL:
             raise PlanError("weights must be finite and non-negative", field="assignment.weights")
-        off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, w)
-        if off.max(initial=0.0) > _TOL:
-            layer, expert, device = np.argwhere(off > _TOL)[0]
-            raise PlanError(
-                f"layer {layer} expert {expert}: tokens sent to device {device}, "
-                f"which holds no copy",
-                field="assignment.weights",
-            )
+        _check_only_holders(w, placement, "tokens", "assignment.weights")
         sums = w.sum(axis=2)
         if np.any(np.abs(sums - 1.0) > 1e-6):
             layer, expert = np.argwhere(np.abs(sums - 1.0) > 1e-6)[0]
@@ -278,14 +282,7 @@ class Assignment:
             raise PlanError(
                 "group weights must be finite and non-negative", field="assignment.group_weights"
             )
-        off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, gw)
-        if off.max(initial=0.0) > _TOL:
-            layer, expert, device = np.argwhere(off > _TOL)[0]
-            raise PlanError(
-                f"layer {layer} expert {expert}: group tokens sent to device "
-                f"{device}, which holds no copy",
-                field="assignment.group_weights",
-            )
+        _check_only_holders(gw, placement, "group tokens", "assignment.group_weights")
         gsum = self._group_sums()
         bad = np.minimum(np.abs(gsum), np.abs(gsum - 1.0)) > 1e-6
         if np.any(bad):
