@@ -94,7 +94,10 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
     prev = home.copy()
     prev[:4] = (prev[:4] + 9) % cluster.num_devices
     counts_t = np.ascontiguousarray(counts.T)
-    layer = ExpertColumns(cost, counts, home, copies, _route(counts_t, copies.T), prev)
+    layer = ExpertColumns(
+        cost, counts[None], home[None], copies[None], _route(counts_t, copies.T)[None], prev[None]
+    )
+    zero = np.zeros(1, dtype=np.int64)
 
     def full() -> float:
         p = Placement(home[None].copy(), copies[None].copy(), 6)
@@ -104,7 +107,7 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
             cost.price(p, Assignment.balanced(p, counts[None]), counts[None], mig).layer_s[0]
         )
 
-    assert layer.price(layer.totals[None])[0] == pytest.approx(full(), rel=1e-12)
+    assert layer.price(layer.totals)[0] == pytest.approx(full(), rel=1e-12)
     for _ in range(20):
         e = int(rng.integers(64))
         col = copies[:, e].copy()
@@ -112,10 +115,9 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
         col[d] = 1 - col[d] if d != home[e] else 1
         h = int(rng.choice(np.flatnonzero(col)))
         experts = np.array([e])
-        terms = layer.column_terms(
-            experts, np.array([h]), col[None], _route(counts_t[experts], col[None])
-        )
-        totals = layer.candidates(experts, terms, np.ones((1, 1), dtype=bool))
+        shares = _route(counts_t[experts], col[None])
+        terms = layer.column_terms(zero, experts, np.array([h]), col[None], shares)
+        totals = layer.candidates(zero, experts[None], terms[None], np.ones((1, 1), dtype=bool))
         copies[:, e], home[e] = col, h
-        assert layer.price(totals)[0] == pytest.approx(full(), rel=1e-12)
-        layer.apply(experts, terms, totals[0])
+        assert layer.price(totals[0])[0] == pytest.approx(full(), rel=1e-12)
+        layer.apply(zero, experts, np.array([h]), col[None], shares, zero, totals[:, 0])

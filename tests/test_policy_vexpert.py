@@ -99,3 +99,30 @@ def test_deterministic_and_valid_on_zipf() -> None:
         ),
     )
     assert max(capped.notes["moves_per_layer"]) <= 1
+
+
+def test_layers_in_lockstep_match_layers_alone() -> None:
+    """The search runs every layer's loop in one batch; each layer must end where it would
+    alone, including with a previous plan in force (migrations priced) and layers that never
+    trigger."""
+    rng = np.random.default_rng(11)
+    cluster = get_cluster("dgx-h100:4")
+    spec = MODELS["zipf-256"].with_(experts=64, moe_layers=4)
+    p = 1.0 / np.arange(1, 65) ** 1.1
+    loads = np.stack(
+        [rng.multinomial(4096, rng.permutation(p / p.sum()), size=32) for _ in range(4)]
+    ).astype(np.float64)
+    loads[2] = 128.0  # uniform: below the trigger
+    ctx = PlanContext.create(cluster, spec, slots_per_device=3)
+    first = make_plan("vexpert", loads[::-1].copy(), None, ctx)
+    together = make_plan("vexpert", loads, first, ctx)
+    one = spec.with_(moe_layers=1)
+    ctx_one = PlanContext.create(cluster, one, slots_per_device=3)
+    for layer in range(4):
+        prev_one = make_plan("vexpert", loads[::-1][layer : layer + 1].copy(), None, ctx_one)
+        alone = make_plan("vexpert", loads[layer : layer + 1], prev_one, ctx_one)
+        assert np.array_equal(alone.placement.copies[0], together.placement.copies[layer])
+        assert np.array_equal(alone.placement.home[0], together.placement.home[layer])
+        assert alone.notes["moves_per_layer"][0] == together.notes["moves_per_layer"][layer]
+    assert first.notes["moves_per_layer"][1] == 0  # loads[2], uniform, from the static layout
+    assert sum(together.notes["moves_per_layer"]) > 0

@@ -114,6 +114,20 @@ def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
     return x.reshape(L, groups, D // groups, *rest).sum(axis=2)
 
 
+def _within_groups(remote: np.ndarray, w: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[L, D]` for `groups` contiguous device groups: send[d] = sum_e remote[d, e]
+    * (share of e's remote tokens landing in d's group); recv[d] = sum_e w[d, e] * (remote
+    tokens of e from d's group). `remote`, `w`: `[L, D, E]`."""
+    L, D, E = remote.shape
+    r4 = remote.reshape(L, groups, D // groups, E)
+    w4 = w.reshape(L, groups, D // groups, E)
+    w_group = w4.sum(axis=2)[:, :, :, None]  # [L, G, E, 1]
+    r_group = r4.sum(axis=2)[:, :, :, None]
+    send = np.matmul(r4, w_group).reshape(L, D)
+    recv = np.matmul(w4, r_group).reshape(L, D)
+    return send, recv
+
+
 def level_traffic(
     cluster: Cluster, placement: Placement, assignment: Assignment, counts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -129,31 +143,17 @@ def level_traffic(
     remote = np.where(held, 0.0, counts)  # [L, D, E]: tokens that must leave their source
     local = assignment.local_mask().transpose(0, 2, 1) if assignment.grouped else None
     remote_glob = remote if local is None else np.where(local, 0.0, remote)
-    w = assignment.weights.transpose(0, 2, 1)  # [L, D, E] share of remote tokens landing on d
-    node_of, domain_of = cluster.node_of(), cluster.domain_of()
-    n_nodes, n_domains = cluster.num_nodes, cluster.domains
-    w_node = _group_sum(w, n_nodes)  # [L, N, E]
-    w_dom = _group_sum(w, n_domains)  # [L, G, E]
-    # Share of a source's remote tokens that stays in its node / its domain.
-    in_node = w_node[:, node_of, :]
-    in_dom = w_dom[:, domain_of, :]
-    send = np.stack(
-        [
-            (remote_glob * in_node).sum(axis=2),
-            (remote_glob * (in_dom - in_node)).sum(axis=2),
-            (remote_glob * (1.0 - in_dom)).sum(axis=2),
-        ]
-    )
-    r_node = _group_sum(remote_glob, n_nodes)[:, node_of, :]  # remote tokens of my node
-    r_dom = _group_sum(remote_glob, n_domains)[:, domain_of, :]
-    r_all = remote_glob.sum(axis=1, keepdims=True)
-    recv = np.stack(
-        [
-            (w * r_node).sum(axis=2),
-            (w * (r_dom - r_node)).sum(axis=2),
-            (w * (r_all - r_dom)).sum(axis=2),
-        ]
-    )
+    # [L, D, E] share of remote tokens landing on d
+    w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
+    # Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
+    # remote * the share of e's copies in that node / domain); per holder: its share of the
+    # remote tokens of its node's / domain's / all sources. Devices are numbered node-major, so
+    # a node or domain is a contiguous run and reshapes replace D x D matrices.
+    send_node, recv_node = _within_groups(remote_glob, w, cluster.num_nodes)
+    send_dom, recv_dom = _within_groups(remote_glob, w, cluster.domains)
+    send_all, recv_all = _within_groups(remote_glob, w, 1)
+    send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
+    recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
     if local is not None:
         assert assignment.group_weights is not None
         send_l, recv_l = _group_local_traffic(
@@ -218,17 +218,29 @@ def replica_traffic(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
     replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
-    L, D, E = placement.copies.shape
+    L, D, _ = placement.copies.shape
     rep = placement.replicas()  # [L, D, E]
-    level = cluster.level_between(placement.home[:, None, :], np.arange(D)[None, :, None])
-    send = np.zeros((3, L, D))
-    recv = np.zeros((3, L, D))
-    layer_idx = np.repeat(np.arange(L), E).reshape(L, E)
-    for v in range(3):
-        at_level = rep & (level == v)
-        recv[v] = at_level.sum(axis=2) * bytes_per_copy
-        per_expert = at_level.sum(axis=1).astype(np.float64) * bytes_per_copy  # [L, E]
-        np.add.at(send[v], (layer_idx, placement.home), per_expert)
+    node_of, domain_of = cluster.node_of(), cluster.domain_of()
+    same_node = node_of[None, :, None] == node_of[placement.home][:, None, :]  # [L, D, E]
+    same_dom = domain_of[None, :, None] == domain_of[placement.home][:, None, :]
+    in_node = rep & same_node
+    in_dom = rep & same_dom
+    # Replicas per expert at each level: [3, L, E]; per holder device: [3, L, D].
+    masks = [m.view(np.uint8) for m in (in_node, in_dom, rep)]  # bool sums are slow as bool
+    per_expert = np.stack([m.sum(axis=1, dtype=np.int64) for m in masks])
+    per_device = np.stack([m.sum(axis=2, dtype=np.int64) for m in masks])
+    per_expert[2] -= per_expert[1]
+    per_expert[1] -= per_expert[0]
+    per_device[2] -= per_device[1]
+    per_device[1] -= per_device[0]
+    recv = per_device * float(bytes_per_copy)
+    flat = (np.arange(L)[:, None] * D + placement.home).ravel()  # home of (l, e) in [L * D]
+    send = np.stack(
+        [
+            np.bincount(flat, weights=per_expert[v].ravel(), minlength=L * D).reshape(L, D)
+            for v in range(3)
+        ]
+    ) * float(bytes_per_copy)
     return send, recv
 
 

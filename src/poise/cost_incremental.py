@@ -12,21 +12,27 @@ pricers here keep those sums and evaluate batches of candidate changes; their re
 - `LayerState`: replicas that serve only their own device's tokens (`Assignment.to_home`,
   Pro-Prophet, HybridEP); the caller builds the per-candidate deltas.
 - `ExpertColumns`: any per-expert routing (e.g. `Assignment.balanced`), home moves with their
-  migrations; keeps each expert's terms, prices batches of candidates that change a few experts
-  (FlexMoE's vExpert search).
+  migrations; keeps per-layer totals, prices batches of candidates that change a few experts, in
+  several layers at once (FlexMoE's vExpert search).
 
-Float residues: `CostModel.price` charges a link level's latency only where at least
-`cost.MIN_TRAFFIC_BYTES` (one byte) cross it, so residues of ~1e-13 tokens (e.g. `1 - sum of
-shares` on a one-domain cluster) are not traffic; `ExpertColumns` charges it where some expert
-moves more than 1e-9 tokens or bytes. The two agree unless a level carries real traffic of less
-than one byte, which integer token counts never produce.
+Float residues: both pricers and `CostModel.price` charge a link level's latency only where at
+least `cost.MIN_TRAFFIC_BYTES` (one byte) cross it, so residues of ~1e-13 tokens left by
+differences of sums (e.g. `1 - sum of shares` on a one-domain cluster, or totals updated by
+deltas) are not traffic.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from poise.cost import CostModel, PhaseTimes, level_traffic, replica_traffic
+from poise.cost import (
+    MIN_TRAFFIC_BYTES,
+    CostModel,
+    PhaseTimes,
+    level_traffic,
+    migration_traffic,
+    replica_traffic,
+)
 from poise.placement import Assignment, Placement
 
 
@@ -98,28 +104,27 @@ ROW_R = 0  # tokens computed per device
 ROW_COMP = 1  # forward expert seconds per device
 ROW_SEND = slice(2, 11)  # bytes / tokens sent: dispatch tokens, Trans, migration x 3 levels
 ROW_RECV = slice(11, 20)  # the same, received
-# 1 where the expert sends or receives anything there: summed, how many experts use each
-# (kind, level, device) link, so that latency is charged exactly where `CostModel.price` sees
-# traffic (a difference of floats could leave a residue of 1e-12 tokens where there is none).
-ROW_ACTIVE = slice(20, 29)
-TERMS = 29
-_NOISE = 1e-9  # tokens or bytes below this are float residue, not traffic
+TERMS = 20
 
 
 class ExpertColumns:
-    """One layer kept as per-expert columns, for searches that change one or two experts at a
-    time under any assignment that routes each expert independently (no group-local routing).
+    """Layers kept as per-device totals, for searches that change one or two experts of a layer
+    at a time under any assignment that routes each expert independently (no group-local
+    routing). Several layers are searched in lockstep: every array has a leading layer axis.
 
-    Expert e's *terms* `[TERMS, D]` are its share of every per-device sum the cost model takes
-    over experts: computed tokens R, forward expert seconds, dispatch tokens, Trans bytes and
-    migration bytes sent and received per link level (rows `ROW_*`). The layer's totals are their
-    sum over experts; a candidate's totals are the totals plus (new terms - old terms) of the
-    experts it changes, and `price` turns a batch of totals into layer seconds exactly as
-    `CostModel.price` does (the schedule, Trans/Agg and the migrations from `prev_home`
-    included).
+    Expert e's *terms* in layer l `[TERMS, D]` are its share of every per-device sum the cost
+    model takes over experts: computed tokens R, forward expert seconds, dispatch tokens, Trans
+    bytes and migration bytes sent and received per link level (rows `ROW_*`). A layer's
+    `totals[l]` `[TERMS, D]` are their sum over experts (computed once with the cost model's own
+    vectorised functions); a candidate's totals are its layer's totals plus (new terms - current
+    terms) of the experts it changes, the current terms re-derived from the columns in force.
+    `price` turns a batch of totals into layer seconds exactly as `CostModel.price` does (the
+    schedule, Trans/Agg, the migrations from `prev_home`, a level's latency charged where at least
+    `cost.MIN_TRAFFIC_BYTES` cross it).
 
-    `counts[D, E]` loads, `home[E]`, `copies[D, E]`, `weights[E, D]` (the assignment's shares of
-    remote tokens), `prev_home[E]` the homes in force (None: nothing migrates)."""
+    `counts[L, D, E]` loads, `home[L, E]`, `copies[L, D, E]`, `weights[L, E, D]` (the
+    assignment's shares of remote tokens), `prev_home[L, E]` the homes in force (None: nothing
+    migrates). Memory: O(L * E * D)."""
 
     def __init__(
         self,
@@ -132,8 +137,11 @@ class ExpertColumns:
     ) -> None:
         self.cost = cost
         cluster, spec = cost.cluster, cost.spec
-        D, E = counts.shape
-        self.counts_t = np.ascontiguousarray(counts.T)  # [E, D]
+        L, D, _ = counts.shape
+        self.counts_t = np.ascontiguousarray(counts.transpose(0, 2, 1))  # [L, E, D]
+        self.home = home.copy()
+        self.copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1))  # [L, E, D]
+        self.weights = weights.copy()
         self.prev_home = prev_home
         self.dpn, self.dpd = cluster.devices_per_node, cluster.devices_per_domain
         self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
@@ -144,29 +152,50 @@ class ExpertColumns:
         self.lat = np.array([k.lat_s for k in links])[:, None]
         # Tokens are priced in bytes; Trans and migration rows already are.
         self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
-        self.terms = self.column_terms(np.arange(E), home, copies.T, weights)  # [E, TERMS, D]
-        self.totals = self.terms.sum(axis=0)  # [TERMS, D]
+        placement = Placement(home, copies, 0)
+        assignment = Assignment(weights)
+        R = assignment.received(placement, counts)  # [L, D, E]
+        tok_send, tok_recv = level_traffic(cluster, placement, assignment, counts)
+        par_send, par_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        mig_send = np.zeros((3, L, D))
+        mig_recv = np.zeros((3, L, D))
+        if prev_home is not None:
+            layer, expert = np.nonzero(prev_home != home)
+            rows = np.stack([layer, expert, prev_home[layer, expert], home[layer, expert]], 1)
+            mig_send, mig_recv = migration_traffic(cluster, rows, L, spec.migration_bytes)
+        totals = np.empty((L, TERMS, D))
+        totals[:, ROW_R] = R.sum(axis=2)
+        totals[:, ROW_COMP] = self.comp_s(R).sum(axis=2)
+        totals[:, ROW_SEND] = np.concatenate([tok_send, par_send, mig_send]).transpose(1, 0, 2)
+        totals[:, ROW_RECV] = np.concatenate([tok_recv, par_recv, mig_recv]).transpose(1, 0, 2)
+        self.totals = totals
+
+    def comp_s(self, rows: np.ndarray) -> np.ndarray:
+        """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
+        `CostModel.expert_compute_s`."""
+        spec, cluster = self.cost.spec, self.cost.cluster
+        return rows * spec.flops_per_token_fwd / cluster.gemm_rate(np.maximum(rows, 1.0))
 
     def column_terms(
         self,
+        layers: np.ndarray,
         experts: np.ndarray,
         home: np.ndarray,
         copies: np.ndarray,
         weights: np.ndarray,
     ) -> np.ndarray:
-        """Terms `[K, TERMS, D]` of experts `experts[K]` with homes `home[K]`, copies
-        `copies[K, D]` and assignment shares `weights[K, D]`."""
+        """Terms `[K, TERMS, D]` of experts `experts[K]` of layers `layers[K]` with homes
+        `home[K]`, copies `copies[K, D]` and assignment shares `weights[K, D]`."""
         spec, cluster = self.cost.spec, self.cost.cluster
         K, D = copies.shape
-        c = self.counts_t[experts]  # [K, D]
+        c = self.counts_t[layers, experts]  # [K, D]
         held = copies > 0
         remote = np.where(held, 0.0, c)
         r_all = remote.sum(axis=1, keepdims=True)  # [K, 1]
         out = np.zeros((K, TERMS, D))
         R = np.where(held, c, 0.0) + weights * r_all
         out[:, ROW_R] = R
-        rate = cluster.gemm_rate(np.maximum(R, 1.0))
-        out[:, ROW_COMP] = R * spec.flops_per_token_fwd / rate
+        out[:, ROW_COMP] = self.comp_s(R)
         # Dispatch: a source's remote tokens split by the share of e's copies in its node/domain;
         # a holder receives its share of the remote tokens of each level's sources.
         w_node = weights.reshape(K, -1, self.dpn).sum(axis=2)[:, self.node_of]
@@ -188,25 +217,33 @@ class ExpertColumns:
         out[np.arange(K), 5:8, home] = at.sum(axis=2) * w_e
         # Migration: M_e from the home in force to the new home.
         if self.prev_home is not None:
-            old = self.prev_home[experts]
+            old = self.prev_home[layers, experts]
             k = np.flatnonzero(old != home)
             if k.size:
                 lv_m = cluster.level_between(old[k], home[k])
                 out[k, 8 + lv_m, old[k]] = spec.migration_bytes
                 out[k, 17 + lv_m, home[k]] = spec.migration_bytes
-        # Shares that are differences of sums (1 - w_dom, w_dom - w_node) leave rounding residues
-        # of ~1e-16 of a token where nothing moves: they are not traffic.
-        out[:, ROW_ACTIVE] = (out[:, ROW_SEND] > _NOISE) | (out[:, ROW_RECV] > _NOISE)
         return out
+
+    def current_terms(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """Terms `[K, TERMS, D]` of the columns in force of experts `experts[K]` of `layers[K]`."""
+        return self.column_terms(
+            layers,
+            experts,
+            self.home[layers, experts],
+            self.copies_t[layers, experts],
+            self.weights[layers, experts],
+        )
 
     def price(self, totals: np.ndarray) -> np.ndarray:
         """Layer seconds `[M]` for a batch of totals `[M, TERMS, D]`, as `CostModel.price`."""
         M, _, D = totals.shape
         send = totals[:, ROW_SEND].reshape(M, 3, 3, D)  # [M, kind, level, D]
         recv = totals[:, ROW_RECV].reshape(M, 3, 3, D)
-        active = totals[:, ROW_ACTIVE].reshape(M, 3, 3, D) > 0.5
-        moved = np.maximum(np.maximum(send, recv), 0.0) * self.scale
-        per_level = moved / self.bw + np.where(active, self.lat, 0.0)
+        moved = np.maximum(send, recv) * self.scale
+        # Below one byte is float residue of the differences, not traffic (as in CostModel).
+        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
+        per_level = moved / self.bw + np.where(moved > 0, self.lat, 0.0)
         link_s = per_level.sum(axis=2).max(axis=2)  # [M, kind]
         a2a, trans, mig = link_s[:, 0], link_s[:, 1], link_s[:, 2]
         fec = totals[:, ROW_COMP].max(axis=1)
@@ -214,16 +251,33 @@ class ExpertColumns:
         phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
         return self.cost.schedule.layer_time(phases)
 
-    def candidates(self, experts: np.ndarray, terms: np.ndarray, select: np.ndarray) -> np.ndarray:
-        """Totals `[M, TERMS, D]` of M candidates: candidate m replaces the terms of the experts
-        `experts[k]` with `terms[k]` (`[K, TERMS, D]`) for every k with `select[m, k]` true
-        (each expert at most once per candidate)."""
-        delta = terms - self.terms[experts]  # [K, TERMS, D]
-        M, K = select.shape
-        picked = select.astype(np.float64) @ delta.reshape(K, -1)
-        return self.totals[None] + picked.reshape(M, TERMS, -1)
+    def candidates(
+        self, layers: np.ndarray, experts: np.ndarray, terms: np.ndarray, select: np.ndarray
+    ) -> np.ndarray:
+        """Totals `[B, M, TERMS, D]` of M candidates in each of B layers: the K changed columns
+        are grouped per layer, `layers[B]`, `experts[B, K]`, `terms[B, K, TERMS, D]`; candidate m
+        of layer b replaces the terms of `experts[b, k]` with `terms[b, k]` for every k with
+        `select[m, k]` true (each expert at most once per candidate)."""
+        B, K = experts.shape
+        flat_layers = np.repeat(layers, K)
+        current = self.current_terms(flat_layers, experts.reshape(-1)).reshape(terms.shape)
+        delta = terms - current  # [B, K, TERMS, D]
+        picked = np.matmul(select.astype(np.float64), delta.reshape(B, K, -1))  # [B, M, T * D]
+        return self.totals[layers][:, None] + picked.reshape(B, select.shape[0], TERMS, -1)
 
-    def apply(self, experts: np.ndarray, terms: np.ndarray, totals: np.ndarray) -> None:
-        """Make a candidate current: experts `experts[k]` take `terms[k]`, the layer `totals`."""
-        self.terms[experts] = terms
-        self.totals = totals
+    def apply(
+        self,
+        layers: np.ndarray,
+        experts: np.ndarray,
+        home: np.ndarray,
+        copies: np.ndarray,
+        weights: np.ndarray,
+        changed: np.ndarray,
+        totals: np.ndarray,
+    ) -> None:
+        """Make candidates current: expert `experts[k]` of layer `layers[k]` takes `home[k]`,
+        `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`."""
+        self.home[layers, experts] = home
+        self.copies_t[layers, experts] = copies
+        self.weights[layers, experts] = weights
+        self.totals[changed] = totals

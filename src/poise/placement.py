@@ -351,22 +351,27 @@ def balanced_weights(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) 
 
     `level` solves sum_d copies * max(0, level - local / copies) = remote over the holders; each
     holder gets its copies' shortfall below that level. Shared by `Assignment.balanced` (`[L, E,
-    D]`) and planners that re-route one expert at a time (`[K, D]`)."""
-    if copies.ndim == 2:  # rows indexed directly: cheaper than take_along_axis, same values
-        rows = np.arange(copies.shape[0])[:, None]
+    D]`) and planners that re-route one expert at a time (`[K, D]`). An expert with one holder
+    sends it everything; only rows with several holders are water-filled."""
+    D = copies.shape[-1]
+    held = copies > 0
+    out = held.astype(np.float64).reshape(-1, D)
+    multi = np.flatnonzero(held.reshape(-1, D).sum(axis=1) > 1)
+    if multi.size:
+        out[multi] = _water_fill(
+            local.reshape(-1, D)[multi], remote.reshape(-1)[multi], copies.reshape(-1, D)[multi]
+        )
+    return out.reshape(copies.shape)
 
-        def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            return a[rows, idx]
-    else:
 
-        def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-            return np.take_along_axis(a, idx, axis=-1)
-
+def _water_fill(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) -> np.ndarray:
+    """`balanced_weights` on rows `[N, D]` (`remote[N]`)."""
+    rows = np.arange(copies.shape[0])[:, None]
     held_t = copies > 0
     per_copy = np.where(held_t, local / np.maximum(copies, 1), np.inf)
     sorted_idx = np.argsort(per_copy, axis=-1, kind="stable")
-    order = take(per_copy, sorted_idx)
-    c_sorted = take(copies, sorted_idx)
+    order = per_copy[rows, sorted_idx]
+    c_sorted = copies[rows, sorted_idx]
     cum_c = np.cumsum(c_sorted, axis=-1)
     finite = np.isfinite(order)
     cum_cl = np.cumsum(np.where(finite, order, 0.0) * c_sorted, axis=-1)
@@ -376,8 +381,8 @@ def balanced_weights(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) 
     )
     k = (fill_to_next < remote[..., None]).sum(axis=-1)  # holders below the final level - 1
     k = np.minimum(k, held_t.sum(axis=-1) - 1)[..., None]
-    cc = take(cum_c, k)[..., 0]
-    ccl = take(cum_cl, k)[..., 0]
+    cc = cum_c[rows, k][..., 0]
+    ccl = cum_cl[rows, k][..., 0]
     level = (remote + ccl) / np.maximum(cc, 1e-300)
     share = np.where(held_t, np.maximum(0.0, level[..., None] * copies - local), 0.0)
     total = share.sum(axis=-1, keepdims=True)

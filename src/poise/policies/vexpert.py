@@ -46,165 +46,210 @@ Options (`ctx.option("vexpert", ...)`): `threshold` (1.1), `max_moves` (4 E).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from poise.cost_incremental import ROW_R, ExpertColumns
+from poise.cost_incremental import ROW_R, TERMS, ExpertColumns
 from poise.placement import Assignment, Plan, balanced_weights
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 
 _REL_TOL = 1e-12
+MOVES = ("expand", "replace", "migrate", "shrink")
+# The four changed columns of a round, per layer: the hot expert expanded, the hot expert
+# expanded into the slot the shrink frees, the hot expert migrated, the cold expert shrunk.
+_EXPAND, _SWAP, _MIGRATE, _SHRINK = range(4)
+# select[m, k]: move m (in MOVES order) changes column k.
+_SELECT = np.array(
+    [
+        [1, 0, 0, 0],  # expand
+        [0, 1, 0, 1],  # replace = shrink the cold expert + expand the hot one
+        [0, 0, 1, 0],  # migrate
+        [0, 0, 0, 1],  # shrink
+    ],
+    dtype=bool,
+)
+_LAYER_BYTES = 256 * 2**20  # terms kept per lockstep batch of layers, at most
 
-# A column change: (expert, its new copies `[D]`, its new home).
-Change = tuple[int, np.ndarray, int]
+
+def _argmin_where(values: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `[B, N]`: index of the smallest allowed value (lowest index on ties) and
+    whether any value is allowed (the index is 0 where none is)."""
+    return np.where(allowed, values, np.inf).argmin(axis=1), allowed.any(axis=1)
 
 
-def _pick_min(values: np.ndarray, allowed: np.ndarray) -> int | None:
-    """Index of the smallest allowed value (lowest index on ties), None if none is allowed."""
-    if not allowed.any():
-        return None
-    return int(np.where(allowed, values, np.inf).argmin())
+@dataclass
+class Round:
+    """The candidate columns of one round for B layers: `experts[B, 4]`, `homes[B, 4]`,
+    `copies[B, 4, D]` in column order (expand, swap, migrate, shrink) and `valid[B, 4]` per move
+    (MOVES order)."""
+
+    experts: np.ndarray
+    homes: np.ndarray
+    copies: np.ndarray
+    valid: np.ndarray
 
 
-def _candidates(
-    home: np.ndarray,
-    copies: np.ndarray,
-    received: np.ndarray,
-    slots: int,
-) -> list[tuple[str, list[Change]]]:
-    """The moves of one round, in order, each as the expert columns it changes: `home[E]`,
-    `copies[D, E]`, `received[D, E]` tokens computed under the current routing."""
-    total = received.sum(axis=0)  # [E]
-    ncopies = copies.sum(axis=0)
+def candidates(home: np.ndarray, copies: np.ndarray, received: np.ndarray, slots: int) -> Round:
+    """The moves of one round in B layers: `home[B, E]`, `copies[B, D, E]`, `received[B, D, E]`
+    tokens computed under the current routing. A move that does not exist in a layer is marked
+    invalid (its columns repeat the current ones)."""
+    B, D, _ = copies.shape
+    rows = np.arange(B)
+    devices = np.arange(D)[None, :]
+    total = received.sum(axis=1)  # [B, E]
+    ncopies = copies.sum(axis=1)
     per_copy = total / ncopies
-    dev_load = received.sum(axis=1)  # [D]
-    free = slots - copies.sum(axis=1)
-    hot_device = int(dev_load.argmax())
-    hot = _pick_min(-per_copy, copies[hot_device] > 0)
-    assert hot is not None  # the most loaded device holds at least one expert
+    dev_load = received.sum(axis=2)  # [B, D]
+    free = slots - copies.sum(axis=2)
+    hot_device = dev_load.argmax(axis=1)
+    # The most loaded device holds at least one expert, so `hot` always exists.
+    hot, _ = _argmin_where(-per_copy, copies[rows, hot_device] > 0)
     multi = ncopies > 1
-    cold = _pick_min(per_copy, multi)
-    if cold == hot:
-        cold = None
-    moves: list[tuple[str, list[Change]]] = []
-    hot_col = copies[:, hot]
-    hot_home = int(home[hot])
+    cold, has_cold = _argmin_where(per_copy, multi)
+    has_cold &= cold != hot
+    hot_col = copies[rows, :, hot]  # [B, D]
+    hot_home = home[rows, hot]
 
-    target = _pick_min(dev_load, (free > 0) & (hot_col == 0))
-    if target is not None:
-        c = hot_col.copy()
-        c[target] += 1
-        moves.append(("expand", [(hot, c, hot_home)]))
+    target, has_target = _argmin_where(dev_load, (free > 0) & (hot_col == 0))
+    expand = hot_col.copy()
+    expand[rows, target] += has_target
 
-    shrink: Change | None = None
-    if cold is not None:
-        cold_col = copies[:, cold]
-        cold_home = int(home[cold])
-        per_copy_on = received[:, cold] / np.maximum(cold_col, 1)
-        not_home = np.arange(copies.shape[0]) != cold_home
-        shrink_from = _pick_min(per_copy_on, (cold_col > 0) & not_home)
-        if shrink_from is None and cold_col[cold_home] > 1:
-            shrink_from = cold_home
-        if shrink_from is not None:
-            shrunk = cold_col.copy()
-            shrunk[shrink_from] -= 1
-            shrink = (cold, shrunk, cold_home)
-            free_after = free.copy()
-            free_after[shrink_from] += 1
-            # Loads after the shrink are not re-routed here; the cost model prices the real move.
-            swap_to = _pick_min(dev_load, (free_after > 0) & (hot_col == 0))
-            if swap_to is not None:
-                c = hot_col.copy()
-                c[swap_to] += 1
-                moves.append(("replace", [shrink, (hot, c, hot_home)]))
+    cold_col = copies[rows, :, cold]
+    cold_home = home[rows, cold]
+    per_copy_on = received[rows, :, cold] / np.maximum(cold_col, 1)
+    allowed = (cold_col > 0) & (devices != cold_home[:, None]) & has_cold[:, None]
+    shrink_from, has_shrink = _argmin_where(per_copy_on, allowed)
+    at_home = ~has_shrink & has_cold & (cold_col[rows, cold_home] > 1)
+    shrink_from = np.where(at_home, cold_home, shrink_from)
+    has_shrink |= at_home
+    shrunk = cold_col.copy()
+    shrunk[rows, shrink_from] -= has_shrink
+    free_after = free.copy()
+    free_after[rows, shrink_from] += has_shrink
+    # Loads after the shrink are not re-routed here; the cost model prices the real move.
+    swap_to, has_swap = _argmin_where(dev_load, (free_after > 0) & (hot_col == 0))
+    has_swap &= has_shrink
+    swap = hot_col.copy()
+    swap[rows, swap_to] += has_swap
 
     source = hot_device
-    if target is not None and dev_load[target] < dev_load[source]:
-        c = hot_col.copy()
-        c[source] -= 1
-        c[target] += 1
-        h = target if hot_home == source and c[source] == 0 else hot_home
-        moves.append(("migrate", [(hot, c, h)]))
+    has_migrate = has_target & (dev_load[rows, target] < dev_load[rows, source])
+    migrate = hot_col.copy()
+    migrate[rows, source] -= has_migrate
+    migrate[rows, target] += has_migrate
+    home_moves = has_migrate & (hot_home == source) & (migrate[rows, source] == 0)
+    migrate_home = np.where(home_moves, target, hot_home)
 
-    if shrink is not None:
-        moves.append(("shrink", [shrink]))
-    return moves
+    return Round(
+        experts=np.stack([hot, hot, hot, cold], axis=1),
+        homes=np.stack([hot_home, hot_home, migrate_home, cold_home], axis=1),
+        copies=np.stack([expand, swap, migrate, shrunk], axis=1),
+        valid=np.stack([has_target, has_swap, has_migrate, has_shrink], axis=1),
+    )
 
 
 def _route(counts_t: np.ndarray, copies_t: np.ndarray) -> np.ndarray:
-    """`Assignment.balanced` per expert column: `counts_t[K, D]` loads, `copies_t[K, D]` copies
-    -> shares `[K, D]` of each expert's remote tokens."""
+    """`Assignment.balanced` per expert column: `counts_t[..., D]` loads, `copies_t[..., D]`
+    copies -> shares `[..., D]` of each expert's remote tokens."""
     held = copies_t > 0
     local = np.where(held, counts_t, 0.0)
-    remote = np.where(held, 0.0, counts_t).sum(axis=1)
+    remote = np.where(held, 0.0, counts_t).sum(axis=-1)
     return balanced_weights(local, remote, copies_t.astype(np.float64))
 
 
-def search_layer(
+def _choose(times: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """Per layer, the move to make (-1: none): the first in MOVES order strictly (relative
+    1e-12) below `best[B]`, replaced by a later one only if strictly below it. `times[B, 4]`."""
+    choice = np.full(times.shape[0], -1)
+    chosen_t = np.full(times.shape[0], np.inf)
+    for m in range(times.shape[1]):
+        t = times[:, m]
+        better = (t < best * (1.0 - _REL_TOL)) & ((choice < 0) | (t < chosen_t * (1.0 - _REL_TOL)))
+        choice = np.where(better, m, choice)
+        chosen_t = np.where(better, t, chosen_t)
+    return choice
+
+
+def search_layers(
     ctx: PlanContext,
     home: np.ndarray,
     copies: np.ndarray,
-    loads_l: np.ndarray,
+    loads: np.ndarray,
     prev_home: np.ndarray | None,
     threshold: float,
     max_moves: int,
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """FlexMoE's adjustment loop on one layer: `home[E]`, `copies[D, E]`, `loads_l[1, D, E]`
-    -> `(home, copies, moves)` (`home`, `copies` are updated in place).
+) -> list[list[str]]:
+    """FlexMoE's adjustment loop on L layers in lockstep: `home[L, E]`, `copies[L, D, E]` (updated
+    in place), `loads[L, D, E]`, `prev_home[L, E]` -> the moves made per layer.
 
-    Candidates are priced with `ExpertColumns`: only the changed experts' columns are re-routed
-    and re-priced; the result equals `ctx.cost.price` of the layer under `Assignment.balanced`
-    with the migrations from `prev_home`."""
+    Each layer runs its own loop; a round prices the open layers' candidates together with
+    `ExpertColumns` (only the changed experts' columns are re-routed and re-priced); the result
+    equals `ctx.cost.price` of each layer under `Assignment.balanced` with the migrations from
+    `prev_home`."""
     slots = ctx.slots_per_device
-    counts = loads_l[0]
-    counts_t = np.ascontiguousarray(counts.T)  # [E, D]
-    weights = _route(counts_t, copies.T)  # [E, D]
-    received = np.where(copies > 0, counts, 0.0) + weights.T * np.where(
-        copies > 0, 0.0, counts
-    ).sum(axis=0)
-    dev_load = received.sum(axis=1)
-    mean = dev_load.mean()
-    if mean <= 0 or dev_load.max() / mean <= threshold:
-        return home, copies, []
-    layer = ExpertColumns(ctx.cost, counts, home, copies, weights, prev_home)
-    best = float(layer.price(layer.totals[None])[0])
-    received = np.ascontiguousarray(layer.terms[:, ROW_R].T)  # [D, E]
-    moves: list[str] = []
-    while len(moves) < max_moves:
-        cands = _candidates(home, copies, received, slots)
-        if not cands:
+    L, D, _ = loads.shape
+    counts_t = np.ascontiguousarray(loads.transpose(0, 2, 1))  # [L, E, D]
+    weights = _route(counts_t, copies.transpose(0, 2, 1))  # [L, E, D]
+    held = copies > 0
+    received = np.where(held, loads, 0.0) + weights.transpose(0, 2, 1) * np.where(
+        held, 0.0, loads
+    ).sum(axis=1, keepdims=True)
+    dev_load = received.sum(axis=2)  # [L, D]
+    mean = dev_load.mean(axis=1)
+    moves: list[list[str]] = [[] for _ in range(L)]
+    open_layers = np.flatnonzero((mean > 0) & (dev_load.max(axis=1) > threshold * mean))
+    if not open_layers.size or max_moves <= 0:
+        return moves
+    prev = None if prev_home is None else prev_home[open_layers]
+    cols = ExpertColumns(
+        ctx.cost,
+        loads[open_layers],
+        home[open_layers],
+        copies[open_layers],
+        weights[open_layers],
+        prev,
+    )
+    best = cols.price(cols.totals)  # [B] layer seconds, index into open_layers
+    received = received[open_layers]  # [B, D, E]
+    active = np.arange(open_layers.size)  # rows of `cols` still searching
+    for _ in range(max_moves):
+        layers = open_layers[active]
+        rnd = candidates(home[layers], copies[layers], received[active], slots)
+        B = active.size
+        flat_layers = np.repeat(active, 4)
+        flat_experts = rnd.experts.reshape(-1)
+        flat_copies = rnd.copies.reshape(B * 4, D)
+        shares = _route(cols.counts_t[flat_layers, flat_experts], flat_copies)
+        terms = cols.column_terms(
+            flat_layers, flat_experts, rnd.homes.reshape(-1), flat_copies, shares
+        ).reshape(B, 4, TERMS, D)
+        totals = cols.candidates(active, rnd.experts, terms, _SELECT)  # [B, 4, TERMS, D]
+        times = cols.price(totals.reshape(B * 4, TERMS, D)).reshape(B, 4)
+        times = np.where(rnd.valid, times, np.inf)
+        choice = _choose(times, best[active])
+        moved = np.flatnonzero(choice >= 0)
+        if not moved.size:
             break
-        changes = [change for _, cols in cands for change in cols]
-        experts = np.array([e for e, _, _ in changes], dtype=np.int64)
-        new_copies = np.stack([c for _, c, _ in changes])  # [K, D]
-        new_home = np.array([h for _, _, h in changes], dtype=np.int64)
-        terms = layer.column_terms(
-            experts, new_home, new_copies, _route(counts_t[experts], new_copies)
-        )
-        select = np.zeros((len(cands), len(changes)), dtype=bool)
-        k = 0
-        for m, (_, cols) in enumerate(cands):
-            select[m, k : k + len(cols)] = True
-            k += len(cols)
-        totals = layer.candidates(experts, terms, select)
-        times = layer.price(totals)
-        choice = None
-        for m in range(len(cands)):
-            t = float(times[m])
-            if t < best * (1.0 - _REL_TOL) and (
-                choice is None or t < times[choice] * (1.0 - _REL_TOL)
-            ):
-                choice = m
-        if choice is None:
-            break
-        best = float(times[choice])
-        cols = select[choice]
-        layer.apply(experts[cols], terms[cols], totals[choice])
-        for e, c, h in (changes[k] for k in np.flatnonzero(cols)):
-            copies[:, e] = c
-            home[e] = h
-        received[:, experts[cols]] = terms[cols, ROW_R].T
-        moves.append(cands[choice][0])
-    return home, copies, moves
+        b = active[moved]
+        picked = _SELECT[choice[moved]]  # [n, 4] columns each chosen move changes
+        row, col = np.nonzero(picked)
+        lb = b[row]  # rows of `cols` per changed column
+        layer_ids = open_layers[lb]
+        experts = rnd.experts[moved[row], col]
+        new_copies = rnd.copies[moved[row], col]
+        new_homes = rnd.homes[moved[row], col]
+        new_terms = terms[moved[row], col]
+        new_weights = shares.reshape(B, 4, D)[moved[row], col]
+        cols.apply(lb, experts, new_homes, new_copies, new_weights, b, totals[moved, choice[moved]])
+        copies[layer_ids, :, experts] = new_copies
+        home[layer_ids, experts] = new_homes
+        received[lb, :, experts] = new_terms[:, ROW_R]
+        best[b] = times[moved, choice[moved]]
+        for layer, m in zip(open_layers[b], choice[moved], strict=True):
+            moves[layer].append(MOVES[m])
+        active = b
+    return moves
 
 
 @register("vexpert")
@@ -221,21 +266,25 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         and previous.placement.devices == D
         else None
     )
+    # Layers in lockstep batches whose per-expert terms fit in _LAYER_BYTES.
+    batch = max(1, _LAYER_BYTES // (E * TERMS * D * 8))
     moves: list[list[str]] = []
-    for layer in range(L):
-        home, copies, done = search_layer(
+    for start in range(0, L, batch):
+        part = slice(start, min(L, start + batch))
+        home = placement.home[part].copy()
+        copies = placement.copies[part].copy()
+        moves += search_layers(
             ctx,
-            placement.home[layer].copy(),
-            placement.copies[layer].copy(),
-            loads[layer : layer + 1],
-            None if prev is None else prev.home[layer],
+            home,
+            copies,
+            loads[part],
+            None if prev is None else prev.home[part],
             threshold,
             max_moves,
         )
-        placement.home[layer] = home
-        placement.copies[layer] = copies
-        moves.append(done)
-    counts = {k: sum(m.count(k) for m in moves) for k in ("expand", "replace", "migrate", "shrink")}
+        placement.home[part] = home
+        placement.copies[part] = copies
+    counts = {k: sum(m.count(k) for m in moves) for k in MOVES}
     notes = {"moves_per_layer": [len(m) for m in moves], "moves": counts, "threshold": threshold}
     return finish_plan(
         "vexpert", placement, Assignment.balanced(placement, loads), loads, previous, ctx, notes
