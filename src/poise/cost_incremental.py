@@ -36,6 +36,13 @@ from poise.cost import (
 from poise.placement import Assignment, Placement
 
 
+def expert_seconds(cost: CostModel, rows: np.ndarray) -> np.ndarray:
+    """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
+    `CostModel.expert_compute_s`."""
+    rate = cost.cluster.gemm_rate(np.maximum(rows, 1.0))
+    return rows * cost.spec.flops_per_token_fwd / rate
+
+
 class LayerState:
     """One layer's per-device quantities, enough to price a lightweight placement change.
 
@@ -43,29 +50,44 @@ class LayerState:
     `par_send/par_recv[3, D]` Trans bytes per level, `R[D, E]` computed tokens."""
 
     def __init__(self, cost: CostModel, placement: Placement, counts: np.ndarray) -> None:
-        self.cost = cost
+        """One layer: `placement` of one layer, `counts[D, E]`."""
+        (state,) = LayerState.for_layers(cost, placement, counts[None])
+        self.__dict__.update(state.__dict__)
+
+    @classmethod
+    def for_layers(
+        cls, cost: CostModel, placement: Placement, counts: np.ndarray
+    ) -> list[LayerState]:
+        """One state per layer of `placement`, `counts[L, D, E]`, priced in one vectorised pass."""
         cluster, spec = cost.cluster, cost.spec
         assignment = Assignment.to_home(placement)
-        self.R = assignment.received(placement, counts[None])[0]
-        self.comp = self.comp_s(self.R).sum(axis=1)
-        send, recv = level_traffic(cluster, placement, assignment, counts[None])
-        self.tok_send, self.tok_recv = send[:, 0], recv[:, 0]
+        R = assignment.received(placement, counts)  # [L, D, E]
+        send, recv = level_traffic(cluster, placement, assignment, counts)
         p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        self.par_send, self.par_recv = p_send[:, 0], p_recv[:, 0]
-        self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
         links = cluster.links()
-        self.inv_bw = np.array([1.0 / k.per_device_bw_Bps for k in links])[:, None]
-        self.lat = np.array([k.lat_s for k in links])[:, None]
+        inv_bw = np.array([1.0 / k.per_device_bw_Bps for k in links])[:, None]
+        lat = np.array([k.lat_s for k in links])[:, None]
+        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        states = []
+        for layer in range(counts.shape[0]):
+            state = cls.__new__(cls)
+            state.cost = cost
+            state.R = R[layer]
+            state.comp = state.comp_s(state.R).sum(axis=1)
+            state.tok_send, state.tok_recv = send[:, layer], recv[:, layer]
+            state.par_send, state.par_recv = p_send[:, layer], p_recv[:, layer]
+            state.fnec, state.inv_bw, state.lat = fnec, inv_bw, lat
+            states.append(state)
+        return states
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
-        """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
-        `CostModel.expert_compute_s`."""
-        spec, cluster = self.cost.spec, self.cost.cluster
-        return rows * spec.flops_per_token_fwd / cluster.gemm_rate(np.maximum(rows, 1.0))
+        """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
+        return expert_seconds(self.cost, rows)
 
     def links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """`[..., 3, D]` bytes -> `[...]` seconds, slowest device (`cost.link_time`)."""
         moved = np.maximum(send, recv)
+        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)  # as in `cost.link_time`
         per_level = moved * self.inv_bw + np.where(moved > 0, self.lat, 0.0)
         return per_level.sum(axis=-2).max(axis=-1)
 
@@ -171,10 +193,8 @@ class ExpertColumns:
         self.totals = totals
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
-        """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
-        `CostModel.expert_compute_s`."""
-        spec, cluster = self.cost.spec, self.cost.cluster
-        return rows * spec.flops_per_token_fwd / cluster.gemm_rate(np.maximum(rows, 1.0))
+        """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
+        return expert_seconds(self.cost, rows)
 
     def column_terms(
         self,

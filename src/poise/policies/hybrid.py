@@ -107,10 +107,13 @@ def cut_times(
     experts: np.ndarray,
     devices: np.ndarray,
     tokens: np.ndarray,
+    state: LayerState | None = None,
 ) -> np.ndarray:
     """`[K + 1]` layer seconds with the first k pairs replicated, k = 0..K, for one layer
-    (`placement` of one layer with homes only, `counts[D, E]`)."""
-    state = LayerState(cost, placement, counts)
+    (`placement` of one layer with homes only, `counts[D, E]`, `state` its `LayerState` if
+    already built)."""
+    if state is None:
+        state = LayerState(cost, placement, counts)
     cluster = cost.cluster
     D, _ = counts.shape
     K = len(groups)
@@ -187,13 +190,16 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     replicated: list[list[list[int]]] = []
     replica_device: list[list[list[int]]] = []
     layer_s: list[list[float]] = []
+    states = LayerState.for_layers(ctx.cost, placement, loads)
     for layer in range(L):
         counts = loads[layer]
         home = placement.home[layer]
         free = ctx.slots_per_device - placement.copies[layer].sum(axis=1)
         groups, experts, devices, tokens = choose_pairs(counts, home, free, size)
         one = placement.take_layers([layer])
-        times = cut_times(ctx.cost, one, counts, size, groups, experts, devices, tokens)
+        times = cut_times(
+            ctx.cost, one, counts, size, groups, experts, devices, tokens, states[layer]
+        )
         k = int(np.argmin(times))  # first minimum: the fewest pairs on ties
         placement.copies[layer, devices[:k], experts[:k]] = 1
         T = counts.reshape(G, size, -1).sum(axis=1)

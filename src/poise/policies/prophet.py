@@ -96,12 +96,15 @@ def plan_layer(
     placement: Placement,
     counts: np.ndarray,
     slots: int,
+    state: LayerState | None = None,
 ) -> tuple[Placement, list[int], list[list[int]], float, float]:
     """Algorithm 1 (reconstructed) on one layer. `placement`: one layer, homes only (modified in
-    place); `counts[D, E]`. Returns the placement, the replicated experts, their replica devices,
-    and the layer seconds before and after."""
+    place); `counts[D, E]`; `state`: the layer's `LayerState` if already built (it is updated).
+    Returns the placement, the replicated experts, their replica devices, and the layer seconds
+    before and after."""
     D = counts.shape[0]
-    state = LayerState(cost, placement, counts)
+    if state is None:
+        state = LayerState(cost, placement, counts)
     best = before = state.current_s()
     home = placement.home[0]
     copies = placement.copies[0]  # [D, E], a view: edits go into the placement
@@ -147,10 +150,13 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     replicated: list[list[int]] = []
     replica_devices: list[list[list[int]]] = []
     layer_s: list[list[float]] = []
+    states = LayerState.for_layers(cost, placement, loads)
     for layer in range(L):
         one = placement.take_layers([layer])
         one.copies = one.copies.copy()
-        _, reps, devs, before, after = plan_layer(cost, one, loads[layer], ctx.slots_per_device)
+        _, reps, devs, before, after = plan_layer(
+            cost, one, loads[layer], ctx.slots_per_device, states[layer]
+        )
         placement.copies[layer] = one.copies[0]
         replicated.append(reps)
         replica_devices.append(devs)
