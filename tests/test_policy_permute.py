@@ -14,7 +14,10 @@ SPEC = ModelSpec("four", d_model=64, d_expert=128, experts=4, top_k=1, moe_layer
 
 def _ctx(history: np.ndarray | None = None, **options: object) -> PlanContext:
     return PlanContext.create(
-        get_cluster("cpu-2"), SPEC, history=history, options={"permute": options}
+        get_cluster("cpu-2"),
+        SPEC,
+        history=None if history is None else history.sum(axis=2),
+        options={"permute": options},
     )
 
 
@@ -81,7 +84,7 @@ def test_history_window_and_layers_independent() -> None:
 
     def plan_with(window: int, hist: np.ndarray) -> object:
         ctx = PlanContext.create(
-            get_cluster("cpu-2"), spec2, history=hist, options={"permute": {"window": window}}
+            get_cluster("cpu-2"), spec2, history=hist.sum(axis=2), options={"permute": {"window": window}}
         )
         return make_plan("permute", loads, None, ctx)
 

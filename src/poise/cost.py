@@ -121,10 +121,10 @@ def _within_groups(remote: np.ndarray, w: np.ndarray, groups: int) -> tuple[np.n
     L, D, E = remote.shape
     r4 = remote.reshape(L, groups, D // groups, E)
     w4 = w.reshape(L, groups, D // groups, E)
-    w_group = w4.sum(axis=2)[:, :, :, None]  # [L, G, E, 1]
-    r_group = r4.sum(axis=2)[:, :, :, None]
-    send = np.matmul(r4, w_group).reshape(L, D)
-    recv = np.matmul(w4, r_group).reshape(L, D)
+    w_group = w4.sum(axis=2)  # [L, G, E]
+    r_group = r4.sum(axis=2)
+    send = np.einsum("lgde,lge->lgd", r4, w_group).reshape(L, D)
+    recv = np.einsum("lgde,lge->lgd", w4, r_group).reshape(L, D)
     return send, recv
 
 

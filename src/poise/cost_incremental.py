@@ -43,6 +43,43 @@ def expert_seconds(cost: CostModel, rows: np.ndarray) -> np.ndarray:
     return rows * cost.spec.flops_per_token_fwd / rate
 
 
+PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
+PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
+
+
+def prefix_cuts(steps: int) -> np.ndarray:
+    """Prefix lengths `[G]` (ascending, from 0 to `steps`) at which a greedy that adds `steps`
+    changes one by one is priced: all of them when there are few, else 0..PREFIX_EXACT and a
+    geometric grid up to `steps`, so pricing stays O(PREFIX_POINTS * D) on 8,192 devices."""
+    if steps + 1 <= PREFIX_EXACT + PREFIX_POINTS:
+        return np.arange(steps + 1)
+    grid = np.geomspace(PREFIX_EXACT, steps, PREFIX_POINTS).round().astype(np.int64)
+    return np.unique(np.concatenate([np.arange(PREFIX_EXACT + 1), grid, [steps]]))
+
+
+def prefix_states(
+    base: np.ndarray,
+    step: np.ndarray,
+    index: tuple[np.ndarray, ...],
+    value: np.ndarray,
+    cuts: np.ndarray,
+) -> np.ndarray:
+    """States after the first `cuts[g]` changes: `[G, *base.shape]`.
+
+    Change entries are sparse: entry i belongs to change `step[i]` and adds `value[i]` at
+    `base[index][i]`; state g = base + the sum of the entries with step < cuts[g]. Entries are
+    summed per segment between cuts and the segments accumulated, O(entries + G * base.size)."""
+    G = len(cuts)
+    seg = np.searchsorted(cuts, step, side="right")  # first g that counts the entry
+    flat = np.ravel_multi_index(index, base.shape)
+    size = base.size
+    keep = seg < G
+    sums = np.bincount(
+        seg[keep] * size + flat[keep], weights=value[keep], minlength=G * size
+    ).reshape(G, *base.shape)
+    return base[None] + np.cumsum(sums, axis=0)
+
+
 class LayerState:
     """One layer's per-device quantities, enough to price a lightweight placement change.
 

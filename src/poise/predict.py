@@ -78,6 +78,42 @@ class Predictor:
         return out
 
 
+class OnlineForecast:
+    """A predictor fed one step at a time (memory: one step, or `window` steps), for replays too
+    large to hold whole: `update(x[L, D, E])` after each step, `forecast()` for the next one.
+    Equals `Predictor.predict_all` row by row."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = predictor
+        self._recent: list[np.ndarray] = []
+        self._acc: np.ndarray | None = None
+        self.seen = 0
+
+    def update(self, x: np.ndarray) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        self.seen += 1
+        kind = self.predictor.kind
+        if kind == "ema":
+            a = self.predictor.alpha
+            self._acc = x.copy() if self._acc is None else a * x + (1.0 - a) * self._acc
+        else:
+            keep = 1 if kind == "last" else self.predictor.window
+            self._recent = [*self._recent[-(keep - 1) :], x] if keep > 1 else [x]
+
+    def forecast(self) -> np.ndarray:
+        """`[L, D, E]` the prediction for the next step; needs at least one update."""
+        if self.seen == 0:
+            raise ConfigError(
+                "no step observed yet", source=self.predictor.name, field="history"
+            )
+        if self.predictor.kind == "ema":
+            assert self._acc is not None
+            return self._acc
+        if self.predictor.kind == "last":
+            return self._recent[-1]
+        return np.mean(self._recent, axis=0)
+
+
 def parse_predictor(text: str) -> Predictor:
     """`last`, `window`, `window:20`, `ema`, `ema:0.3`."""
     kind, _, arg = text.partition(":")

@@ -14,8 +14,14 @@ into the time a layer adds to one training step (forward + backward):
   hides under the forward expert and non-expert compute of the block before it, Agg under the
   backward compute:
       T = sync terms without Trans/Agg + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
+  Planning for the next step hides under the step's all-to-alls (`planning_s`).
+- `hybrid` (HybridEP's overlap, reconstructed from its description): the expert all-gather inside
+  a domain (Trans) starts as the layer does and hides under the pre-expert (non-MoE) forward
+  compute; the gradients' reduction back (Agg) under the non-MoE backward compute:
+      T = sync terms without Trans/Agg + max(0, Trans - FNEC) + max(0, Agg - BNEC)
 
-Migration is never hidden: it moves optimizer state between steps.
+Migration is never hidden: it moves optimizer state between steps. Planning is charged in full
+except under `prophet`.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Schedule:
-    """`kind` is sync, pipelined or prophet; `chunks` the pipeline depth (pipelined, prophet)."""
+    """`kind` is sync, pipelined, prophet or hybrid; `chunks` the pipeline depth (pipelined)."""
 
     kind: str = "sync"
     chunks: int = 1
@@ -53,7 +59,19 @@ class Schedule:
             hidden_trans = np.maximum(0.0, p.trans_s - p.expert_fwd_s - p.non_moe_fwd_s)
             hidden_agg = np.maximum(0.0, p.agg_s - p.expert_bwd_s - p.non_moe_bwd_s)
             return base + hidden_trans + hidden_agg
+        if self.kind == "hybrid":
+            exposed_trans = np.maximum(0.0, p.trans_s - p.non_moe_fwd_s)
+            exposed_agg = np.maximum(0.0, p.agg_s - p.non_moe_bwd_s)
+            return base + exposed_trans + exposed_agg
         return base + p.trans_s + p.agg_s
+
+    def planning_s(self, plan_s: float, a2a_s: float) -> float:
+        """Seconds a planner run of `plan_s` adds to the step it is made in, given the step's
+        all-to-all time `a2a_s` (all layers, forward and backward). Pro-Prophet's scheduler runs
+        the planner under the all-to-all; the other schedules wait for it."""
+        if self.kind == "prophet":
+            return max(0.0, plan_s - a2a_s)
+        return plan_s
 
 
 def _pipeline(a: np.ndarray, c: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
@@ -63,9 +81,9 @@ def _pipeline(a: np.ndarray, c: np.ndarray, b: np.ndarray, n: int) -> np.ndarray
 
 
 def parse_schedule(text: str) -> Schedule:
-    """`sync`, `prophet`, `pipelined`, `pipelined(4)` or `pipelined:4`."""
+    """`sync`, `prophet`, `hybrid`, `pipelined`, `pipelined(4)` or `pipelined:4`."""
     text = text.strip()
-    if text in ("sync", "prophet"):
+    if text in ("sync", "prophet", "hybrid"):
         return Schedule(text, 1)
     m = re.fullmatch(r"pipelined(?:\((\d+)\)|:(\d+))?", text)
     if m:
@@ -74,5 +92,5 @@ def parse_schedule(text: str) -> Schedule:
             raise ConfigError("pipeline chunks must be >= 1", source=text, field="schedule")
         return Schedule("pipelined", chunks)
     raise ConfigError(
-        "unknown schedule (known: sync, pipelined(n), prophet)", source=text, field="schedule"
+        "unknown schedule (known: sync, pipelined(n), prophet, hybrid)", source=text, field="schedule"
     )

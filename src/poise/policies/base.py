@@ -43,7 +43,8 @@ def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
 class PlanContext:
     """Everything a policy may look at besides the loads.
 
-    `history[T, L, D, E]`: the last observed loads, oldest first (may be empty);
+    `history[T, L, E]`: tokens routed to each expert (summed over sources) in the last observed
+    steps, oldest first (may be empty);
     `options[policy][key]`: per-policy settings (thresholds, windows)."""
 
     cluster: Cluster

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from poise.cost import CostModel
-from poise.cost_incremental import LayerState
+from poise.cost_incremental import LayerState, prefix_cuts, prefix_states
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 from poise.topology import Cluster
@@ -108,15 +108,16 @@ def cut_times(
     devices: np.ndarray,
     tokens: np.ndarray,
     state: LayerState | None = None,
-) -> np.ndarray:
-    """`[K + 1]` layer seconds with the first k pairs replicated, k = 0..K, for one layer
-    (`placement` of one layer with homes only, `counts[D, E]`, `state` its `LayerState` if
-    already built)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(cuts[G], seconds[G])`: layer seconds with the first k pairs replicated for k in `cuts`
+    (every k = 0..K when K is small, else a grid: `cost_incremental.prefix_cuts`), for one
+    layer (`placement` of one layer with homes only, `counts[D, E]`, `state` its `LayerState`
+    if already built)."""
     if state is None:
         state = LayerState(cost, placement, counts)
     cluster = cost.cluster
-    D, _ = counts.shape
     K = len(groups)
+    cuts = prefix_cuts(K)
     home = placement.home[0]
     h = home[experts]  # [K]
     src = groups[:, None] * size + np.arange(size)[None, :]  # [K, m] sources of each pair
@@ -125,20 +126,21 @@ def cut_times(
     lv_sr = cluster.level_between(src, devices[:, None])
     stays = lv_sr >= 0  # sources other than the replica device itself
     k_idx = np.repeat(np.arange(K), size).reshape(K, size)
-    d_send = np.zeros((K, 3, D))
-    d_recv = np.zeros((K, 3, D))
-    np.add.at(d_send, (k_idx, lv_sh, src), -tok)
-    np.add.at(d_recv, (k_idx, lv_sh, h[:, None] + 0 * src), -tok)
-    np.add.at(d_send, (k_idx[stays], lv_sr[stays], src[stays]), tok[stays])
-    np.add.at(
-        d_recv, (k_idx[stays], lv_sr[stays], devices[:, None].repeat(size, 1)[stays]), tok[stays]
-    )
+    # Pair k: its group's sources stop sending e's tokens to the home and send them to the
+    # replica device instead (the replica device's own tokens stay local).
+    dst = devices[:, None].repeat(size, 1)
+    send_step = np.concatenate([k_idx.ravel(), k_idx[stays]])
+    send_lv = np.concatenate([lv_sh.ravel(), lv_sr[stays]])
+    send_dev = np.concatenate([src.ravel(), src[stays]])
+    recv_dev = np.concatenate([(h[:, None] + 0 * src).ravel(), dst[stays]])
+    delta = np.concatenate([-tok.ravel(), tok[stays]])
+    tok_send = prefix_states(state.tok_send, send_step, (send_lv, send_dev), delta, cuts)
+    tok_recv = prefix_states(state.tok_recv, send_step, (send_lv, recv_dev), delta, cuts)
     lv_hr = cluster.level_between(h, devices)
-    W_e = cost.spec.expert_bytes
-    d_psend = np.zeros((K, 3, D))
-    d_precv = np.zeros((K, 3, D))
-    np.add.at(d_psend, (np.arange(K), lv_hr, h), W_e)
-    np.add.at(d_precv, (np.arange(K), lv_hr, devices), W_e)
+    W_e = np.full(K, cost.spec.expert_bytes)
+    pairs = np.arange(K)
+    par_send = prefix_states(state.par_send, pairs, (lv_hr, h), W_e, cuts)
+    par_recv = prefix_states(state.par_recv, pairs, (lv_hr, devices), W_e, cuts)
     # Compute: the replica takes the whole group's tokens; the home loses them.
     order = np.argsort(experts, kind="stable")
     se, st = experts[order], tokens[order]
@@ -148,24 +150,16 @@ def cut_times(
     before = np.empty(K)
     before[order] = before_sorted  # tokens of e moved away from its home by earlier pairs
     r_home = state.R[h, experts] - before
-    d_comp = np.zeros((K, D))
-    np.add.at(d_comp, (np.arange(K), devices), state.comp_s(tokens))
-    np.add.at(
-        d_comp,
-        (np.arange(K), h),
-        state.comp_s(np.maximum(r_home - tokens, 0.0)) - state.comp_s(r_home),
+    comp_step = np.concatenate([pairs, pairs])
+    comp_dev = np.concatenate([devices, h])
+    comp_delta = np.concatenate(
+        [
+            state.comp_s(tokens),
+            state.comp_s(np.maximum(r_home - tokens, 0.0)) - state.comp_s(r_home),
+        ]
     )
-
-    def run(base: np.ndarray, delta: np.ndarray) -> np.ndarray:
-        return base + np.concatenate([np.zeros((1, *delta.shape[1:])), np.cumsum(delta, 0)])
-
-    return state.layer_s(
-        run(state.comp, d_comp),
-        run(state.tok_send, d_send),
-        run(state.tok_recv, d_recv),
-        run(state.par_send, d_psend),
-        run(state.par_recv, d_precv),
-    )
+    comp = prefix_states(state.comp, comp_step, (comp_dev,), comp_delta, cuts)
+    return cuts, state.layer_s(comp, tok_send, tok_recv, par_send, par_recv)
 
 
 @register(NAME)
@@ -197,10 +191,11 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         free = ctx.slots_per_device - placement.copies[layer].sum(axis=1)
         groups, experts, devices, tokens = choose_pairs(counts, home, free, size)
         one = placement.take_layers([layer])
-        times = cut_times(
+        cuts, times = cut_times(
             ctx.cost, one, counts, size, groups, experts, devices, tokens, states[layer]
         )
-        k = int(np.argmin(times))  # first minimum: the fewest pairs on ties
+        best = int(np.argmin(times))  # first minimum: the fewest pairs on ties
+        k = int(cuts[best])
         placement.copies[layer, devices[:k], experts[:k]] = 1
         T = counts.reshape(G, size, -1).sum(axis=1)
         cross = float(np.where(home[None, :] // size != np.arange(G)[:, None], T, 0.0).sum())
@@ -212,7 +207,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             devs[int(g)].append(int(d))
         replicated.append(reps)
         replica_device.append(devs)
-        layer_s.append([float(times[0]), float(times[k])])
+        layer_s.append([float(times[0]), float(times[best])])
     notes.update(
         p_star=p_star, replicated=replicated, replica_device=replica_device, hybrid_layer_s=layer_s
     )

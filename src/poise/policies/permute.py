@@ -2,8 +2,9 @@
 
 As in the public SmartMoE artifact's greedy mapping, per layer:
 
-1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[T, L, D, E]`, summed
-   over sources (with no history, `loads[L, D, E]` summed over sources).
+1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[T, L, E]` (tokens
+   per expert and step, summed over sources); with no history, `loads[L, D, E]` summed over
+   sources.
 2. Experts sorted by `h` descending. Tie order (our choice; the artifact's unstable
    `argsort` leaves it unspecified): a stable sort, so the lower expert id goes first.
 3. Longest-processing-time greedy with `ceil(E / D)` expert slots per device: each expert goes
@@ -44,16 +45,12 @@ from poise.policies.base import (
 
 
 def expert_loads(loads: np.ndarray, history: np.ndarray | None, window: int) -> np.ndarray:
-    """`h[L, E]`: the mean over the last `window` steps of `history[T, L, D, E]` summed over
-    sources, or `loads[L, D, E]` summed over sources when there is no history."""
-    if (
-        history is not None
-        and np.asarray(history).ndim == 4
-        and len(history) > 0
-        and np.asarray(history).shape[1:] == loads.shape
-    ):
+    """`h[L, E]`: the mean over the last `window` steps of `history[T, L, E]` (tokens routed to
+    each expert per step), or `loads[L, D, E]` summed over sources when there is no history."""
+    L, _, E = loads.shape
+    if history is not None and len(history) > 0 and np.asarray(history).shape[1:] == (L, E):
         recent = np.asarray(history, dtype=np.float64)[-max(1, int(window)) :]
-        return recent.sum(axis=2).mean(axis=0)
+        return recent.mean(axis=0)
     return np.asarray(loads, dtype=np.float64).sum(axis=1)
 
 

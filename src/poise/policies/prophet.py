@@ -12,7 +12,9 @@ load (stable: lower index first on ties):
 
 1. candidates: the devices that send tokens to the expert (non-holders with tokens and a free
    slot), sorted by how many tokens they send (descending, lower device first on ties);
-2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced;
+2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced (with
+   more than 80 candidates, on large clusters, the kept prefix lengths 1..16 and a geometric
+   grid of 64 more up to m: `cost_incremental.prefix_cuts`; our bound on planner work);
 3. the best n is kept if it makes the layer strictly faster than without it; the first expert that
    brings no gain ends the search. Experts whose every sender is out of slots are skipped (the
    paper has no slot limit).
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from poise.cost import CostModel
-from poise.cost_incremental import LayerState
+from poise.cost_incremental import LayerState, prefix_cuts, prefix_states
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 from poise.schedule import Schedule
@@ -59,36 +61,25 @@ def prophet_cost(ctx: PlanContext) -> CostModel:
 
 def _candidates(
     state: LayerState, counts: np.ndarray, e: int, h: int, level: np.ndarray, cands: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """States after replicating expert e (home h) on each prefix of `cands` (heaviest first):
-    arrays with a leading axis of length m (prefix lengths 1..m)."""
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """States after replicating expert e (home h) on prefixes of `cands` (heaviest first):
+    `(lengths[G], states)`, each state array with a leading axis G, one row per prefix length
+    (all of 1..m when m is small, else a grid: `cost_incremental.prefix_cuts`)."""
     m = len(cands)
-    D = counts.shape[0]
+    cuts = prefix_cuts(m)[1:]  # prefix lengths >= 1
     W_e = state.cost.spec.expert_bytes
-    rows = np.arange(m)
+    steps = np.arange(m)
     tok = counts[cands, e]  # [m]
     lv = level[cands]  # link level between home and each candidate
-    # Per added replica: its tokens no longer go to the home.
-    d_send = np.zeros((m, 3, D))
-    d_send[rows, lv, cands] = -tok
-    d_recv = np.zeros((m, 3, D))
-    d_recv[rows, lv, h] = -tok
-    d_psend = np.zeros((m, 3, D))
-    d_psend[rows, lv, h] = W_e
-    d_precv = np.zeros((m, 3, D))
-    d_precv[rows, lv, cands] = W_e
-    d_comp = np.zeros((m, D))
-    d_comp[rows, cands] = state.comp_s(tok)
-    comp = state.comp + np.cumsum(d_comp, axis=0)
-    left = state.R[h, e] - np.cumsum(tok)  # tokens the home still computes
+    # Per added replica: its tokens no longer go to the home; the home sends it W_e.
+    tok_send = prefix_states(state.tok_send, steps, (lv, cands), -tok, cuts)
+    tok_recv = prefix_states(state.tok_recv, steps, (lv, np.full(m, h)), -tok, cuts)
+    par_send = prefix_states(state.par_send, steps, (lv, np.full(m, h)), np.full(m, W_e), cuts)
+    par_recv = prefix_states(state.par_recv, steps, (lv, cands), np.full(m, W_e), cuts)
+    comp = prefix_states(state.comp, steps, (cands,), state.comp_s(tok), cuts)
+    left = state.R[h, e] - np.cumsum(tok)[cuts - 1]  # tokens the home still computes
     comp[:, h] += state.comp_s(np.maximum(left, 0.0)) - state.comp_s(state.R[h, e])
-    return (
-        comp,
-        state.tok_send + np.cumsum(d_send, axis=0),
-        state.tok_recv + np.cumsum(d_recv, axis=0),
-        state.par_send + np.cumsum(d_psend, axis=0),
-        state.par_recv + np.cumsum(d_precv, axis=0),
-    )
+    return cuts, (comp, tok_send, tok_recv, par_send, par_recv)
 
 
 def plan_layer(
@@ -123,13 +114,13 @@ def plan_layer(
             continue  # every sender is out of slots: skip
         idx = np.flatnonzero(ok)
         cands = idx[np.argsort(-counts[idx, e], kind="stable")]
-        states = _candidates(state, counts, e, h, level_to[e], cands)
-        times = state.layer_s(*states)  # times[j]: the j + 1 heaviest senders
+        lengths, states = _candidates(state, counts, e, h, level_to[e], cands)
+        times = state.layer_s(*states)  # times[j]: the lengths[j] heaviest senders
         j = int(np.argmin(times))
         if not times[j] < best:
             break  # first expert without gain ends the search
         best = float(times[j])
-        chosen = cands[: j + 1]
+        chosen = cands[: lengths[j]]
         copies[chosen, e] = 1
         state.comp, state.tok_send, state.tok_recv = states[0][j], states[1][j], states[2][j]
         state.par_send, state.par_recv = states[3][j], states[4][j]

@@ -1,41 +1,63 @@
-"""Trace replay: for each step, plan from predicted loads, price on the step's actual loads.
+"""The simulator: replay a routing trace step by step on a modelled cluster under every policy.
 
-`replay(trace_counts, ctx, policies, replan_every, predictor)`:
+`simulate(trace, cluster, spec, policies, schedule, replan_every, predictor)`:
 
 - every `replan_every` steps each policy plans from the predictor's forecast made from the steps
-  before (step 0 has no history: policies see uniform loads), with its own previous plan;
-- each step is priced on its *actual* loads, so stale plans cost what they cost; the step where a
-  new plan takes effect pays its migration;
-- planning wall time is measured per call.
+  before (step 0 has no history: policies see uniform loads), with its own plan in force as
+  `previous` and the recent per-expert totals as `ctx.history`;
+- each step is priced on its *actual* loads, so stale plans cost what they cost; the step where
+  a new plan takes effect pays its migration;
+- planning wall time is measured per call and charged to the step it is made in, unless the
+  schedule hides it (`Schedule.planning_s`: Pro-Prophet plans under the all-to-all);
+- a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
+  source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step.
 
-Result per policy: step time `[S]`, phase totals `[S, phases]`, device max/mean `[S]`, bytes
-moved `[S]` and planner milliseconds per re-plan.
+Result (`SimResult`): per policy (`PolicyRun`) and step, the step time, the per-layer phase
+breakdown `[S, L]`, device max/mean, bytes moved and the device loads `[S, D]`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
+from poise.cost import CostModel, PhaseTimes
+from poise.errors import ConfigError
 from poise.placement import Plan
-from poise.policies.base import PlanContext, make_plan
-from poise.predict import Predictor
+from poise.policies.base import PlanContext, get_policy, make_plan
+from poise.predict import OnlineForecast, Predictor, parse_predictor
+from poise.schedule import Schedule, parse_schedule
+from poise.sim.scaling import ScaledTrace
+from poise.spec import ModelSpec
+from poise.topology import Cluster
+from poise.trace import Trace
+
+PHASES = [f.name for f in fields(PhaseTimes)]
+HISTORY_STEPS = 100  # per-expert totals kept for policies that look back (SmartMoE's window)
 
 
 @dataclass
 class PolicyRun:
-    """What one policy did over a replay. Arrays are per step `[S]` unless noted."""
+    """What one policy did over a replay. Arrays are per step `[S]` unless noted.
+
+    `step_s` includes the planning time charged (`plan_s`); `layer_s[S, L]` and
+    `phases[name][S, L]` are the cost model's per-layer times (without planning);
+    `plan_wall_s[S]` the measured planner time at re-planning steps (0 elsewhere)."""
 
     policy: str
     step_s: np.ndarray
+    layer_s: np.ndarray
+    phases: dict[str, np.ndarray]
+    plan_s: np.ndarray
+    plan_wall_s: np.ndarray
     max_over_mean: np.ndarray
     bytes_moved: np.ndarray
-    phases: dict[str, np.ndarray]
-    plan_ms: list[float] = field(default_factory=list)
-    device_load: np.ndarray | None = None  # [S, D] tokens per device summed over layers
+    device_load: np.ndarray  # [S, D] tokens per device summed over layers
+    plan_ms: list[float] = field(default_factory=list)  # per re-plan: ms per layer
     last_plan: Plan | None = None
 
     @property
@@ -46,6 +68,202 @@ class PolicyRun:
     def plan_ms_per_layer(self) -> float:
         return float(np.mean(self.plan_ms)) if self.plan_ms else 0.0
 
+    def phase_totals(self) -> dict[str, float]:
+        """Mean seconds per step of each phase (summed over layers), plus `planning_s`."""
+        out = {k: float(v.sum(axis=1).mean()) for k, v in self.phases.items()}
+        out["planning_s"] = float(self.plan_s.mean())
+        return out
+
+
+@dataclass
+class SimResult:
+    """A whole simulation: the runs per policy and what was simulated."""
+
+    runs: dict[str, PolicyRun]
+    cluster: Cluster
+    spec: ModelSpec
+    schedule: Schedule
+    predictor: Predictor
+    replan_every: int
+    steps: int
+    scaling: str
+    trace_name: str = ""
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One row per policy, fastest first: the figures every output shows."""
+        static = self.runs["static"].mean_step_s if "static" in self.runs else None
+        rows = []
+        for name, r in sorted(self.runs.items(), key=lambda kv: kv[1].mean_step_s):
+            rows.append(
+                {
+                    "policy": name,
+                    "mean_step_s": r.mean_step_s,
+                    "speedup_vs_static": (static / r.mean_step_s) if static else None,
+                    "max_over_mean": float(r.max_over_mean.mean()),
+                    "bytes_moved_per_step": float(r.bytes_moved.mean()),
+                    "planning_s_per_step": float(r.plan_s.mean()),
+                    "plan_ms_per_layer": r.plan_ms_per_layer,
+                }
+            )
+        return rows
+
+
+def _as_counts(trace: Trace | np.ndarray) -> tuple[np.ndarray, str]:
+    if isinstance(trace, Trace):
+        return trace.counts, trace.name
+    counts = np.asarray(trace)
+    if counts.ndim != 4:
+        raise ConfigError(
+            f"trace counts must be [steps, layers, devices, experts], got {counts.shape}",
+            source="trace",
+            field="counts",
+        )
+    return counts, "array"
+
+
+def _check(counts: np.ndarray, cluster: Cluster, spec: ModelSpec, source: str) -> None:
+    S, L, _, E = counts.shape
+    if E != spec.experts:
+        raise ConfigError(
+            f"trace has {E} experts but model {spec.name} has {spec.experts}",
+            source=source,
+            field="experts",
+        )
+    if L != spec.moe_layers:
+        raise ConfigError(
+            f"trace has {L} MoE layers but model {spec.name} has {spec.moe_layers}",
+            source=source,
+            field="layers",
+        )
+    if S < 1:
+        raise ConfigError("trace has no steps", source=source, field="steps")
+
+
+def simulate(
+    trace: Trace | np.ndarray,
+    cluster: Cluster,
+    spec: ModelSpec,
+    policies: Sequence[str],
+    schedule: Schedule | str = "sync",
+    replan_every: int = 10,
+    predictor: Predictor | str = "ema",
+    *,
+    slots_per_device: int | None = None,
+    steps: int | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+    seed: int = 0,
+    count_planning: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
+
+    `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
+    the trace; `options` are per-policy settings (`auto`'s horizon defaults to `replan_every`);
+    `progress(done, total)` is called after each priced step of each policy."""
+    counts, source = _as_counts(trace)
+    _check(counts, cluster, spec, source)
+    if replan_every < 1:
+        raise ConfigError("must be >= 1", source=str(replan_every), field="replan_every")
+    names = list(dict.fromkeys(policies))
+    if not names:
+        raise ConfigError("no policy given", source="policies", field="policies")
+    for name in names:
+        get_policy(name)  # unknown names fail before any work
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError("must be >= 1", source=str(steps), field="steps")
+        counts = counts[:steps]
+    schedule = parse_schedule(schedule) if isinstance(schedule, str) else schedule
+    predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
+    D, E = cluster.num_devices, spec.experts
+    scaled = ScaledTrace.create(counts, D, seed)
+    cost = CostModel(cluster, spec, schedule)
+    slots = slots_per_device if slots_per_device is not None else -(-E // D) + 1
+    base_ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=cost)
+    opts = {k: dict(v) for k, v in (options or {}).items()}
+    opts.setdefault("auto", {}).setdefault("horizon", replan_every)
+    S, L = scaled.steps, spec.moe_layers
+    runs = {name: _empty_run(name, S, L, D) for name in names}
+    plans: dict[str, Plan | None] = dict.fromkeys(names)
+    forecast = OnlineForecast(predictor)
+    history: list[np.ndarray] = []  # [L, E] per observed step
+    done, total = 0, S * len(names)
+    for s in range(S):
+        actual = scaled.step(s)  # [L, D, E]
+        replan = s % replan_every == 0
+        if replan:
+            if forecast.seen:
+                loads = forecast.forecast()
+            else:
+                # Step 0: nothing observed yet; each layer's tokens spread evenly.
+                per_cell = actual.sum(axis=(1, 2), keepdims=True) / (D * E)
+                loads = np.broadcast_to(per_cell, actual.shape).copy()
+            ctx = PlanContext(
+                cluster,
+                spec,
+                cost,
+                base_ctx.slots_per_device,
+                history=np.array(history) if history else None,
+                options=opts,
+            )
+        for name in names:
+            run = runs[name]
+            migrations = None
+            if replan:
+                t0 = time.perf_counter()
+                plan = make_plan(name, loads, plans[name], ctx)
+                wall = time.perf_counter() - t0
+                plans[name] = plan
+                run.plan_wall_s[s] = wall
+                run.plan_ms.append(wall * 1e3 / L)
+                migrations = plan.transfers.migrations
+                run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
+            plan = plans[name]
+            assert plan is not None
+            priced = cost.price(plan.placement, plan.assignment, actual, migrations)
+            for k in PHASES:
+                run.phases[k][s] = getattr(priced.phases, k)
+            run.layer_s[s] = priced.layer_s
+            a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
+            if replan and count_planning:
+                run.plan_s[s] = schedule.planning_s(run.plan_wall_s[s], a2a)
+            run.step_s[s] = priced.step_s + run.plan_s[s]
+            run.max_over_mean[s] = priced.max_over_mean
+            run.bytes_moved[s] += plan.transfers.total_step_bytes
+            run.device_load[s] = priced.device_load.sum(axis=0)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        forecast.update(actual)
+        history = [*history[-(HISTORY_STEPS - 1) :], actual.sum(axis=1)]
+    for name in names:
+        runs[name].last_plan = plans[name]
+    return SimResult(
+        runs=runs,
+        cluster=cluster,
+        spec=spec,
+        schedule=schedule,
+        predictor=predictor,
+        replan_every=replan_every,
+        steps=S,
+        scaling=scaled.describe(),
+        trace_name=source,
+    )
+
+
+def _empty_run(name: str, S: int, L: int, D: int) -> PolicyRun:
+    return PolicyRun(
+        policy=name,
+        step_s=np.zeros(S),
+        layer_s=np.zeros((S, L)),
+        phases={k: np.zeros((S, L)) for k in PHASES},
+        plan_s=np.zeros(S),
+        plan_wall_s=np.zeros(S),
+        max_over_mean=np.zeros(S),
+        bytes_moved=np.zeros(S),
+        device_load=np.zeros((S, D)),
+    )
+
 
 def replay(
     counts: np.ndarray,
@@ -55,52 +273,22 @@ def replay(
     replan_every: int = 10,
     predictor: Predictor | None = None,
     progress: Callable[[int, int], None] | None = None,
+    count_planning: bool = False,
 ) -> dict[str, PolicyRun]:
-    """Replay `counts[S, L, D, E]` (D = ctx devices) under each policy."""
-    predictor = predictor or Predictor("ema", alpha=0.5)
-    counts = np.asarray(counts, dtype=np.float64)
-    S, L, D, E = counts.shape
-    forecasts = predictor.predict_all(counts)  # row t: forecast for step t + 1
-    uniform = np.broadcast_to(counts[0].sum(axis=(1, 2), keepdims=True) / (D * E), (L, D, E))
-    # `auto` weighs a move against the steps until the next re-plan unless told otherwise.
-    options = {k: dict(v) for k, v in ctx.options.items()}
-    options.setdefault("auto", {}).setdefault("horizon", replan_every)
-    runs: dict[str, PolicyRun] = {}
-    for name in policies:
-        plan: Plan | None = None
-        step_s = np.zeros(S)
-        ratio = np.zeros(S)
-        moved = np.zeros(S)
-        phase_rows: list[dict[str, float]] = []
-        plan_ms: list[float] = []
-        device_load = np.zeros((S, D))
-        for s in range(S):
-            migrations = None
-            if s % replan_every == 0:
-                loads = uniform if s == 0 else forecasts[s - 1]
-                window = counts[max(0, s - replan_every) : s]
-                step_ctx = PlanContext(
-                    ctx.cluster,
-                    ctx.spec,
-                    ctx.cost,
-                    ctx.slots_per_device,
-                    history=window,
-                    options=options,
-                )
-                t0 = time.perf_counter()
-                plan = make_plan(name, np.array(loads), plan, step_ctx)
-                plan_ms.append((time.perf_counter() - t0) * 1e3 / L)
-                migrations = plan.transfers.migrations
-                moved[s] += plan.transfers.migrate_bytes.sum()
-            assert plan is not None
-            cost = ctx.cost.price(plan.placement, plan.assignment, counts[s], migrations)
-            step_s[s] = cost.step_s
-            ratio[s] = cost.max_over_mean
-            moved[s] += plan.transfers.total_step_bytes
-            phase_rows.append(cost.phases.as_dict())
-            device_load[s] = cost.device_load.sum(axis=0)
-            if progress is not None:
-                progress(1, S * len(policies))
-        phases = {k: np.array([row[k] for row in phase_rows]) for k in phase_rows[0]}
-        runs[name] = PolicyRun(name, step_s, ratio, moved, phases, plan_ms, device_load, plan)
-    return runs
+    """`simulate` with a ready `PlanContext` (its cluster, model, cost model's schedule, slots
+    and options), counts `[S, L, D, E]` with D the cluster's devices. Planning time is not
+    charged by default (the demo compares placements)."""
+    result = simulate(
+        np.asarray(counts),
+        ctx.cluster,
+        ctx.spec,
+        policies,
+        ctx.cost.schedule,
+        replan_every,
+        predictor or Predictor("ema", alpha=0.5),
+        slots_per_device=ctx.slots_per_device,
+        options={k: dict(v) for k, v in ctx.options.items()},
+        count_planning=count_planning,
+        progress=progress,
+    )
+    return result.runs
