@@ -84,7 +84,10 @@ def test_history_window_and_layers_independent() -> None:
 
     def plan_with(window: int, hist: np.ndarray) -> object:
         ctx = PlanContext.create(
-            get_cluster("cpu-2"), spec2, history=hist.sum(axis=2), options={"permute": {"window": window}}
+            get_cluster("cpu-2"),
+            spec2,
+            history=hist.sum(axis=2),
+            options={"permute": {"window": window}},
         )
         return make_plan("permute", loads, None, ctx)
 

@@ -103,9 +103,7 @@ class OnlineForecast:
     def forecast(self) -> np.ndarray:
         """`[L, D, E]` the prediction for the next step; needs at least one update."""
         if self.seen == 0:
-            raise ConfigError(
-                "no step observed yet", source=self.predictor.name, field="history"
-            )
+            raise ConfigError("no step observed yet", source=self.predictor.name, field="history")
         if self.predictor.kind == "ema":
             assert self._acc is not None
             return self._acc

@@ -92,5 +92,7 @@ def parse_schedule(text: str) -> Schedule:
             raise ConfigError("pipeline chunks must be >= 1", source=text, field="schedule")
         return Schedule("pipelined", chunks)
     raise ConfigError(
-        "unknown schedule (known: sync, pipelined(n), prophet, hybrid)", source=text, field="schedule"
+        "unknown schedule (known: sync, pipelined(n), prophet, hybrid)",
+        source=text,
+        field="schedule",
     )

@@ -46,3 +46,52 @@ def device_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, titl
     fig.suptitle(title)
     fig.colorbar(image, ax=axes[0].tolist(), label="device load / mean")
     _save(fig, path)
+
+
+def step_time_plot(step_s: Mapping[str, np.ndarray], path: str | Path, title: str) -> None:
+    """Step time (seconds) per policy over the replayed steps: `step_s[name]` is `[S]`."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    for name, series in step_s.items():
+        ax.plot(np.arange(len(series)), series, label=name, linewidth=1.4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (s)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(title)
+    _save(fig, path)
+
+
+def breakdown_plot(
+    phases: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    title: str,
+    step_s: Mapping[str, float] | None = None,
+) -> None:
+    """Stacked bars: mean seconds of work per step in each phase (`phases[policy][phase]`), one
+    bar per policy in the given order; `step_s[policy]`, if given, is marked on each bar (under
+    an overlapping schedule the step is shorter than the work)."""
+    names = list(phases)
+    keys = [k for k in next(iter(phases.values())) if any(phases[n][k] > 0 for n in names)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2.5), 4.2))
+    bottom = np.zeros(len(names))
+    colors = plt.get_cmap("tab20")
+    for i, key in enumerate(keys):
+        values = np.array([phases[n][key] for n in names])
+        ax.bar(names, values, bottom=bottom, label=key.removesuffix("_s"), color=colors(i))
+        bottom += values
+    if step_s is not None:
+        ax.scatter(
+            names,
+            [step_s[n] for n in names],
+            marker="_",
+            s=600,
+            color="black",
+            zorder=3,
+            label="step time",
+        )
+    ax.set_ylabel("seconds per step")
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    ax.set_title(title)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    _save(fig, path)

@@ -50,11 +50,8 @@ class ScaledTrace:
     @classmethod
     def create(cls, counts: np.ndarray, devices: int, seed: int = 0) -> ScaledTrace:
         observed = counts.shape[2]
-        if devices == observed:
-            rows = np.arange(observed)
-        else:
-            rows = source_rows(observed, devices, seed)
-        return cls(counts, rows)
+        same = devices == observed
+        return cls(counts, np.arange(observed) if same else source_rows(observed, devices, seed))
 
     @property
     def steps(self) -> int:

@@ -69,8 +69,13 @@ class PolicyRun:
         return float(np.mean(self.plan_ms)) if self.plan_ms else 0.0
 
     def phase_totals(self) -> dict[str, float]:
-        """Mean seconds per step of each phase (summed over layers), plus `planning_s`."""
+        """Mean seconds of work per step in each phase (summed over layers), as a step performs
+        it: dispatch and combine run once forward and once backward, so each counts twice;
+        plus `planning_s` charged. Under overlapping schedules the step takes less than the sum
+        (`step_s`)."""
         out = {k: float(v.sum(axis=1).mean()) for k, v in self.phases.items()}
+        out["dispatch_s"] *= 2.0
+        out["combine_s"] *= 2.0
         out["planning_s"] = float(self.plan_s.mean())
         return out
 
@@ -123,13 +128,13 @@ def _as_counts(trace: Trace | np.ndarray) -> tuple[np.ndarray, str]:
 
 def _check(counts: np.ndarray, cluster: Cluster, spec: ModelSpec, source: str) -> None:
     S, L, _, E = counts.shape
-    if E != spec.experts:
+    if spec.experts != E:
         raise ConfigError(
             f"trace has {E} experts but model {spec.name} has {spec.experts}",
             source=source,
             field="experts",
         )
-    if L != spec.moe_layers:
+    if spec.moe_layers != L:
         raise ConfigError(
             f"trace has {L} MoE layers but model {spec.name} has {spec.moe_layers}",
             source=source,

@@ -1,0 +1,232 @@
+"""`poise simulate TRACE`: replay a routing trace on a modelled cluster under every policy.
+
+Prints a table (rich), writes `summary.json`, `steps.csv` (per step and policy), `layers.csv`
+(per step, layer and policy: the phase breakdown) and plots (`step_time.png`, `breakdown.png`,
+`device_load.png`) to `--out`. A trace recorded on fewer ranks than the cluster has devices is
+scaled by resampling its source rows; the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from poise.atomic import atomic_write_text
+from poise.commands.options import DEFAULT_MODEL, parse_options
+from poise.errors import ConfigError
+from poise.loads import spec_for_trace
+from poise.policies import REGISTRY
+from poise.predict import parse_predictor
+from poise.schedule import parse_schedule
+from poise.sim.simulator import PHASES, SimResult, simulate
+from poise.spec import get_model
+from poise.topology import get_cluster
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay a routing trace on a modelled cluster under every policy",
+        description="Replay TRACE (.npz, SmartMoE-AE folder, EPLB weights, expert-count JSON) "
+        "step by step: each policy re-plans from predicted loads every --replan-every steps and "
+        "is priced on each step's actual loads.",
+    )
+    p.add_argument("trace", help="routing trace")
+    p.add_argument("--cluster", default="v100-ib50", help="preset, preset:N or YAML")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model preset or YAML (default {DEFAULT_MODEL} with the trace's experts)",
+    )
+    p.add_argument(
+        "--policies", default="all", help="comma-separated policies (default all registered)"
+    )
+    p.add_argument("--schedule", default="sync", help="sync, pipelined(n), prophet or hybrid")
+    p.add_argument("--replan-every", type=int, default=10, help="steps between re-plans")
+    p.add_argument("--steps", type=int, default=None, help="replay the first N steps")
+    p.add_argument("--predictor", default="ema", help="last, window[:w] or ema[:alpha]")
+    p.add_argument("--slots", type=int, default=None, help="slots per device")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace scaling")
+    p.add_argument(
+        "--no-planning-time",
+        action="store_true",
+        help="do not charge measured planner time to the steps",
+    )
+    p.add_argument(
+        "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"
+    )
+    p.add_argument("--out", default="poise-out/simulate", help="output folder")
+    p.set_defaults(run=run)
+
+
+def _policies(text: str) -> list[str]:
+    from poise import policies  # noqa: F401  (fills the registry)
+
+    if text == "all":
+        return sorted(REGISTRY)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("no policy named", source=text, field="--policies")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from poise.report.plots import breakdown_plot, device_load_heatmaps, step_time_plot
+    from poise.trace_import import load_any
+
+    console = Console(stderr=True)
+    trace = load_any(args.trace)
+    cluster = get_cluster(args.cluster)
+    spec = spec_for_trace(
+        get_model(args.model or DEFAULT_MODEL),
+        trace,
+        explicit=args.model is not None,
+        source=args.trace,
+    )
+    names = _policies(args.policies)
+    schedule = parse_schedule(args.schedule)
+    predictor = parse_predictor(args.predictor)
+    steps = trace.steps if args.steps is None else min(args.steps, trace.steps)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create output folder: {exc}", source=args.out, field="--out"
+        ) from None
+    columns = (
+        TextColumn("simulating"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} policy-steps"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("simulate", total=steps * len(names))
+        result = simulate(
+            trace,
+            cluster,
+            spec,
+            names,
+            schedule,
+            args.replan_every,
+            predictor,
+            slots_per_device=args.slots,
+            steps=args.steps,
+            options=parse_options(args.option),
+            seed=args.seed,
+            count_planning=not args.no_planning_time,
+            progress=lambda done, total: bar.update(task, completed=done),
+        )
+    Console().print(_table(result))
+    console.print(result.scaling)
+    _write_outputs(result, out, args.trace)
+    title = f"{Path(args.trace).name} on {cluster.name} ({schedule.name})"
+    step_time_plot({k: r.step_s for k, r in result.runs.items()}, out / "step_time.png", title)
+    order = [row["policy"] for row in result.summary_rows()]
+    breakdown_plot(
+        {k: result.runs[k].phase_totals() for k in order},
+        out / "breakdown.png",
+        title,
+        {k: result.runs[k].mean_step_s for k in order},
+    )
+    shown = [k for k in ("static", order[0]) if k in result.runs]
+    device_load_heatmaps(
+        {k: result.runs[k].device_load for k in dict.fromkeys(shown)},
+        out / "device_load.png",
+        f"{title}: device load per step",
+    )
+    console.print(f"wrote {out}/summary.json, steps.csv, layers.csv and 3 plots")
+    return 0
+
+
+def _table(result: SimResult) -> Table:
+    c, s = result.cluster, result.spec
+    table = Table(
+        title=f"{result.trace_name}: {result.steps} steps on {c.name} ({c.num_devices} devices), "
+        f"{s.experts} experts top-{s.top_k}, schedule {result.schedule.name}, "
+        f"re-plan every {result.replan_every}, predictor {result.predictor.name}"
+    )
+    for col in (
+        "policy",
+        "step time (ms)",
+        "vs static",
+        "device max/mean",
+        "GB moved/step",
+        "planning ms/step",
+        "planner ms/layer",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for row in result.summary_rows():
+        speedup = row["speedup_vs_static"]
+        table.add_row(
+            row["policy"],
+            f"{row['mean_step_s'] * 1e3:.1f}",
+            "" if speedup is None else f"{speedup:.2f}x",
+            f"{row['max_over_mean']:.2f}",
+            f"{row['bytes_moved_per_step'] / 1e9:.3f}",
+            f"{row['planning_s_per_step'] * 1e3:.1f}",
+            f"{row['plan_ms_per_layer']:.2f}",
+        )
+    return table
+
+
+def _csv(rows: list[list[object]], header: list[str]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _write_outputs(result: SimResult, out: Path, trace_path: str) -> None:
+    summary = {
+        "trace": trace_path,
+        "cluster": result.cluster.name,
+        "devices": result.cluster.num_devices,
+        "model": result.spec.name,
+        "experts": result.spec.experts,
+        "layers": result.spec.moe_layers,
+        "schedule": result.schedule.name,
+        "predictor": result.predictor.name,
+        "replan_every": result.replan_every,
+        "steps": result.steps,
+        "scaling": result.scaling,
+        "policies": result.summary_rows(),
+    }
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    step_rows: list[list[object]] = []
+    layer_rows: list[list[object]] = []
+    for name, r in result.runs.items():
+        for s in range(result.steps):
+            step_rows.append(
+                [
+                    s,
+                    name,
+                    f"{r.step_s[s]:.6g}",
+                    f"{r.plan_s[s]:.6g}",
+                    f"{r.max_over_mean[s]:.6g}",
+                    f"{r.bytes_moved[s]:.6g}",
+                ]
+            )
+            for layer in range(r.layer_s.shape[1]):
+                layer_rows.append(
+                    [s, layer, name, f"{r.layer_s[s, layer]:.6g}"]
+                    + [f"{r.phases[k][s, layer]:.6g}" for k in PHASES]
+                )
+    atomic_write_text(
+        out / "steps.csv",
+        _csv(
+            step_rows,
+            ["step", "policy", "step_s", "planning_s", "max_over_mean", "bytes_moved"],
+        ),
+    )
+    atomic_write_text(
+        out / "layers.csv", _csv(layer_rows, ["step", "layer", "policy", "layer_s", *PHASES])
+    )
