@@ -1,0 +1,179 @@
+"""`poise calibrate`: measure this machine into a cluster file the simulator accepts.
+
+poise calibrate [--out FILE.yaml] [--quick] [--d-model N] [--d-expert N] [--threads N]
+
+Times expert-shaped GEMMs (forward and backward) with torch on the CPU and the all-to-all and
+all-reduce between 2 local gloo ranks, fits the cluster model's curves (`poise.calibrate`), and
+writes `FILE.yaml` (a 2-device cluster: `--cluster FILE.yaml` anywhere a preset is accepted) and
+`FILE.measurements.json` (raw timings and fits) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from poise.calibrate import Calibration
+
+DEFAULT_OUT = "poise-out/calibrated.yaml"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's GEMM rate and collective bandwidths into a cluster file",
+        description="Time expert GEMMs (torch, CPU) and all-to-all / all-reduce between 2 "
+        "local gloo ranks; fit the simulator's curves; write a cluster YAML and a JSON of the "
+        "measurements beside it.",
+    )
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="FILE.yaml",
+        help=f"cluster YAML to write (default {DEFAULT_OUT})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and few repeats (a few seconds)"
+    )
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert input width (default 1024; quick 256)",
+    )
+    parser.add_argument(
+        "--d-expert",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert hidden width (default 2048; quick 512)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the GEMMs (default: torch's)",
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from poise import calibrate as cal
+
+    config = cal.CalibrationConfig.preset(
+        quick=args.quick, d_model=args.d_model, d_expert=args.d_expert, threads=args.threads
+    )
+    out = cal.check_output(args.out)
+    cal.check_memory(config)
+    err = Console(stderr=True)
+    warning = cal.busy_warning()
+    if warning:
+        err.print(f"[yellow]warning: {warning}[/yellow]")
+    started = time.perf_counter()
+    steps = 2 * len(config.rows) + 2 * len(config.message_bytes)
+    with Progress(
+        TextColumn("[bold]calibrate[/bold] {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        auto_refresh=False,  # no refresh thread: it would steal a core from the timed work
+    ) as progress:
+        task = progress.add_task("starting", total=steps)
+
+        def step(message: str) -> None:
+            progress.update(task, advance=1, description=message, refresh=True)
+
+        progress.update(
+            task,
+            description=f"GEMM d_model={config.d_model} d_expert={config.d_expert}",
+            refresh=True,
+        )
+        gemm_points = cal.measure_gemm(config, step)
+        progress.update(task, description="spawning 2 gloo ranks", refresh=True)
+        comm_points = cal.measure_collectives(config, step)
+    calibration = cal.fit_all(config, gemm_points, comm_points, cal.host_info(config))
+    cluster, json_path = cal.write_outputs(calibration, out)
+    console = Console()
+    console.print(gemm_table(calibration))
+    console.print(comm_table(calibration))
+    console.print(fit_table(calibration))
+    console.print(
+        f"wrote {out} (cluster {cluster.name!r}) and {json_path} "
+        f"in {time.perf_counter() - started:.1f} s",
+        soft_wrap=True,
+    )
+    return 0
+
+
+def gemm_table(c: Calibration) -> Table:
+    """Measured forward / backward rates per row count beside the forward+backward fit."""
+    cfg = c.config
+    table = Table(title=f"expert FFN GEMMs, d_model={cfg.d_model}, d_expert={cfg.d_expert} (fp32)")
+    for col in ("rows", "fwd ms", "fwd GFLOP/s", "bwd ms", "bwd GFLOP/s", "fit GFLOP/s"):
+        table.add_column(col, justify="right")
+    by = {(p.phase, p.rows): p for p in c.gemm_points}
+    for n in cfg.rows:
+        f, b = by[("forward", n)], by[("backward", n)]
+        table.add_row(
+            str(n),
+            f"{f.seconds * 1e3:.3f}",
+            f"{f.rate / 1e9:.1f}",
+            f"{b.seconds * 1e3:.3f}",
+            f"{b.rate / 1e9:.1f}",
+            f"{float(c.gemm.rate(n)) / 1e9:.1f}",
+        )
+    return table
+
+
+def comm_table(c: Calibration) -> Table:
+    """Measured collective times and bandwidths per message size."""
+    table = Table(title="collectives, 2 gloo ranks (all-to-all: bytes each rank sends)")
+    for col in ("bytes", "all-to-all ms", "a2a GB/s", "all-reduce ms", "ar GB/s"):
+        table.add_column(col, justify="right")
+    by = {(p.collective, p.nbytes): p for p in c.comm_points}
+    for size in c.config.message_bytes:
+        a, r = by[("all_to_all", size)], by[("all_reduce", size)]
+        table.add_row(
+            _bytes(size),
+            f"{a.seconds * 1e3:.3f}",
+            f"{a.bw_Bps / 1e9:.3f}",
+            f"{r.seconds * 1e3:.3f}",
+            f"{r.bw_Bps / 1e9:.3f}",
+        )
+    return table
+
+
+def fit_table(c: Calibration) -> Table:
+    """Fitted F, h per GEMM phase and lat, bw per collective; * marks what the cluster uses."""
+    table = Table(title="fits (* = written to the cluster file)")
+    for col in ("model", "rate / bandwidth", "half rows / latency", "note"):
+        table.add_column(col, justify="left" if col in ("model", "note") else "right")
+    for phase, g in c.gemm_fits.items():
+        mark = " *" if phase == "forward+backward" else ""
+        table.add_row(
+            f"GEMM {phase}{mark}", f"{g.gemm_flops / 1e9:.1f} GFLOP/s", f"{g.half_rows:.1f}", g.note
+        )
+    for collective, f in c.link_fits.items():
+        mark = " *" if collective == "all_to_all" else ""
+        table.add_row(
+            f"{collective}{mark}", f"{f.bw_Bps / 1e9:.3f} GB/s", f"{f.lat_s * 1e6:.1f} µs", f.note
+        )
+    return table
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"

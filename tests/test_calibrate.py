@@ -1,0 +1,250 @@
+"""`poise calibrate`: the two fits recover their own models exactly, bad input is refused with
+one line, the expert backward GEMMs are the true gradients, and a real quick calibration writes
+a cluster file that `get_cluster` loads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from poise.calibrate import (
+    CalibrationConfig,
+    CalibrationError,
+    GemmPoint,
+    expert_ffn_ops,
+    expert_ffn_tensors,
+    fit_gemm_curve,
+    fit_latency_bandwidth,
+    measurements_path,
+)
+from poise.cli import main
+from poise.errors import ConfigError, PoiseError
+from poise.topology import Cluster, Link, get_cluster
+
+ROWS = np.array([8, 32, 128, 512, 2048], dtype=float)
+SIZES = np.array([4 * 2**10 * 4**i for i in range(7)], dtype=float)
+
+
+def gemm_seconds(rows: np.ndarray, flops: np.ndarray, F: float, h: float) -> np.ndarray:
+    """The model: time(n) = flops(n) * (n + h) / (F * n)."""
+    return flops * (rows + h) / (F * rows)
+
+
+# ----------------------------------------------------------------------------- GEMM curve fit
+@pytest.mark.parametrize(("F", "h"), [(2.5e11, 64.0), (5e10, 16.0), (1e15, 512.0), (3e9, 0.0)])
+def test_gemm_fit_recovers_its_own_model(F: float, h: float) -> None:
+    flops = 4.0 * ROWS * 1024 * 2048  # forward FLOPs of a 1024 x 2048 expert
+    fit = fit_gemm_curve(ROWS, gemm_seconds(ROWS, flops, F, h), flops)
+    assert fit.gemm_flops == pytest.approx(F, rel=1e-9)
+    assert fit.half_rows == pytest.approx(h, rel=1e-9, abs=1e-6)
+    # and agrees with the cluster's own efficiency curve
+    cluster = Cluster("c", 2, 1, 1, fit.gemm_flops, 1e9, *[Link(1e9, 0.0)] * 3, fit.half_rows)
+    np.testing.assert_allclose(cluster.gemm_rate(ROWS), F * ROWS / (ROWS + h), rtol=1e-9)
+
+
+def test_gemm_fit_mixes_operations_of_different_flops() -> None:
+    """Forward and backward points (backward has twice the FLOPs) fit one curve."""
+    rows = np.concatenate([ROWS, ROWS])
+    flops = np.concatenate([4.0 * ROWS, 8.0 * ROWS]) * 256 * 512
+    fit = fit_gemm_curve(rows, gemm_seconds(rows, flops, 7e10, 40.0), flops)
+    assert (fit.gemm_flops, fit.half_rows) == pytest.approx((7e10, 40.0), rel=1e-9)
+    assert fit.note == ""
+
+
+def test_gemm_fit_two_points_is_exact() -> None:
+    rows, flops = np.array([10.0, 1000.0]), np.array([1e6, 1e8])
+    fit = fit_gemm_curve(rows, gemm_seconds(rows, flops, 1e9, 100.0), flops)
+    assert (fit.gemm_flops, fit.half_rows) == pytest.approx((1e9, 100.0), rel=1e-12)
+
+
+def test_gemm_fit_bounds_negative_half_rows_to_zero() -> None:
+    """A rate that falls as n grows (cache effects) cannot be a half-rows curve: h = 0 and F
+    the (relative least-squares) constant rate."""
+    flops = ROWS * 1e6
+    rates = np.array([1.2e11, 1.1e11, 1.0e11, 0.95e11, 0.9e11])
+    fit = fit_gemm_curve(ROWS, flops / rates, flops)
+    assert fit.half_rows == 0.0
+    assert rates.min() < fit.gemm_flops < rates.max()
+    assert "bounded" in fit.note
+
+
+def test_gemm_fit_bounds_missing_peak_to_highest_rate() -> None:
+    """A rate that still grows linearly in n (pure per-call overhead) has no finite peak."""
+    flops = ROWS * 1e6
+    seconds = np.full_like(ROWS, 1e-3)  # constant time: rate grows with n without bound
+    fit = fit_gemm_curve(ROWS, seconds, flops)
+    assert fit.gemm_flops == pytest.approx((flops / seconds).max())
+    assert fit.half_rows >= 0
+    assert "no finite peak" in fit.note
+
+
+@pytest.mark.parametrize(
+    ("rows", "seconds", "flops", "match"),
+    [
+        ([8.0], [1e-3], [1e6], "2 distinct row counts"),
+        ([8.0, 8.0, 8.0], [1e-3, 2e-3, 3e-3], [1e6, 1e6, 1e6], "2 distinct row counts"),
+        ([8.0, 16.0], [1e-3, 0.0], [1e6, 2e6], "seconds must be finite and > 0"),
+        ([8.0, 16.0], [1e-3, float("nan")], [1e6, 2e6], "seconds must be finite and > 0"),
+        ([8.0, -16.0], [1e-3, 2e-3], [1e6, 2e6], "rows must be finite and > 0"),
+        ([8.0, 16.0], [1e-3, 2e-3], [1e6, 0.0], "flops must be finite and > 0"),
+        ([8.0, 16.0, 32.0], [1e-3, 2e-3], [1e6, 2e6, 4e6], "one length"),
+        ([], [], [], "2 distinct row counts"),
+    ],
+)
+def test_gemm_fit_rejects_degenerate_input(
+    rows: list[float], seconds: list[float], flops: list[float], match: str
+) -> None:
+    with pytest.raises(CalibrationError, match=match) as info:
+        fit_gemm_curve(rows, seconds, flops)
+    assert isinstance(info.value, PoiseError)
+    assert info.value.source == "gemm fit"
+
+
+# ----------------------------------------------------------------------- latency-bandwidth fit
+@pytest.mark.parametrize(("lat", "bw"), [(30e-6, 4e9), (1e-3, 1.25e9), (0.0, 2e9), (2e-2, 1e6)])
+def test_link_fit_recovers_its_own_model(lat: float, bw: float) -> None:
+    fit = fit_latency_bandwidth(SIZES, lat + SIZES / bw)
+    assert fit.bw_Bps == pytest.approx(bw, rel=1e-9)
+    assert fit.lat_s == pytest.approx(lat, rel=1e-9, abs=1e-15)
+    np.testing.assert_allclose(fit.seconds(SIZES), lat + SIZES / bw, rtol=1e-9)
+    link = fit.link()
+    assert (link.bw_Bps, link.lat_s) == (fit.bw_Bps, fit.lat_s)
+
+
+def test_link_fit_bounds_negative_latency_to_zero() -> None:
+    seconds = SIZES / 2e9 - 1e-6 * (SIZES / SIZES.max())  # slightly superlinear: lat < 0 fits
+    seconds[0] = SIZES[0] / 2e9 * 0.5
+    fit = fit_latency_bandwidth(SIZES, seconds)
+    assert fit.lat_s == 0.0
+    assert fit.bw_Bps > 0
+    assert "bounded" in fit.note
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "seconds", "match"),
+    [
+        ([4096.0], [1e-4], "2 distinct message sizes"),
+        ([4096.0, 4096.0], [1e-4, 2e-4], "2 distinct message sizes"),
+        ([4096.0, 8192.0], [2e-4, 1e-4], "does not grow with message size"),
+        ([4096.0, 8192.0], [1e-4, 1e-4], "does not grow with message size"),
+        ([4096.0, 8192.0], [1e-4, -1e-4], "seconds must be finite and > 0"),
+        ([0.0, 8192.0], [1e-4, 2e-4], "bytes must be finite and > 0"),
+        ([4096.0, 8192.0], [1e-4, math.inf], "seconds must be finite and > 0"),
+        ([[4096.0, 8192.0]], [[1e-4, 2e-4]], "1-D columns"),
+    ],
+)
+def test_link_fit_rejects_degenerate_input(nbytes: list, seconds: list, match: str) -> None:
+    with pytest.raises(CalibrationError, match=match):
+        fit_latency_bandwidth(nbytes, seconds)
+
+
+# ------------------------------------------------------------------------------ measured work
+def test_expert_backward_gemms_are_the_true_gradients() -> None:
+    """The timed backward computes dX, dW1, dW2 of sum(y * dY) exactly as autograd does, and the
+    timed forward is the expert FFN."""
+    t = expert_ffn_tensors(d_model=16, d_expert=24, rows=5, seed=3)
+    forward, backward = expert_ffn_ops(t)
+    dX, dW1, dW2 = backward()
+    x, W1, W2 = (t[k].clone().requires_grad_(True) for k in ("x", "W1", "W2"))
+    y = torch.nn.functional.gelu(x @ W1) @ W2
+    (y * t["dY"]).sum().backward()
+    torch.testing.assert_close(forward(), y.detach())
+    for mine, ref in ((dX, x.grad), (dW1, W1.grad), (dW2, W2.grad)):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_point_rate() -> None:
+    assert GemmPoint("forward", 8, 2e-3, 4e9).rate == pytest.approx(2e12)
+
+
+# ---------------------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"d_model": 0}, "d_model"),
+        ({"d_expert": -4}, "d_expert"),
+        ({"threads": 0}, "threads"),
+        ({"rows": (8, 8)}, "rows"),
+        ({"message_bytes": (4096, 4098)}, "message_bytes"),
+        ({"gemm_repeats": 0}, "gemm_repeats"),
+        ({"warmup": -1}, "warmup"),
+        ({"min_time_s": -1.0}, "min_time_s"),
+    ],
+)
+def test_config_rejects_bad_sizes(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CalibrationConfig(**kwargs)
+    assert (info.value.source, info.value.field) == ("calibrate", field)
+
+
+def test_quick_preset_keeps_explicit_widths() -> None:
+    cfg = CalibrationConfig.preset(quick=True, d_model=64, threads=1)
+    assert (cfg.d_model, cfg.d_expert, cfg.threads) == (64, 512, 1)
+    assert len(cfg.rows) < len(CalibrationConfig().rows)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--d-model", "0"],
+        ["--d-expert", "-1"],
+        ["--threads", "0"],
+        ["--d-model", "100000", "--d-expert", "100000"],  # more memory than the machine has
+    ],
+)
+def test_cli_bad_sizes_exit_2_with_one_line(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / "c.yaml"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("poise: error: calibrate: ")
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "c.yaml").exists()
+
+
+@pytest.mark.parametrize("out", ["blocker/c.yaml", "c.txt"])
+def test_cli_bad_output_exits_2(out: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--out" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_measurements_sit_beside_the_cluster_file() -> None:
+    assert measurements_path("x/calibrated.yaml") == Path("x/calibrated.measurements.json")
+
+
+# ------------------------------------------------------------------------------- end to end
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_quick_calibration_writes_a_loadable_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sub" / "calibrated.yaml"
+    assert main(["calibrate", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out) in printed and "all_to_all" in printed
+
+    cluster = get_cluster(str(out))
+    assert cluster.num_devices == 2
+    assert cluster.name.startswith("calibrated-")
+    assert cluster.gemm_flops > 0 and cluster.gemm_half_rows >= 0
+    assert cluster.memory_bytes > 0
+    assert cluster.intra_node.bw_Bps > 1e6
+    assert 0 <= cluster.intra_node.lat_s < 1.0
+
+    data = json.loads(measurements_path(out).read_text())
+    assert data["cluster"] == cluster.to_dict()
+    assert {p["phase"] for p in data["gemm"]} == {"forward", "backward"}
+    assert {p["collective"] for p in data["collectives"]} == {"all_to_all", "all_reduce"}
+    assert set(data["link_fits"]) == {"all_to_all", "all_reduce"}
+    fit = data["gemm_fits"]["forward+backward"]
+    assert (fit["gemm_flops"], fit["half_rows"]) == (cluster.gemm_flops, cluster.gemm_half_rows)
+    a2a = data["link_fits"]["all_to_all"]
+    assert (a2a["bw_Bps"], a2a["lat_s"]) == (cluster.intra_node.bw_Bps, cluster.intra_node.lat_s)
