@@ -11,7 +11,7 @@ import sys
 from poise import __version__
 from poise.errors import PoiseError
 
-COMMANDS = ("demo", "plan", "trace")
+COMMANDS = ("calibrate", "demo", "plan", "simulate", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
