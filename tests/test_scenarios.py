@@ -1,0 +1,210 @@
+"""`poise.sim.scenarios` and `poise scenarios`: the papers' setups in reduced (--quick) form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poise.cli import main
+from poise.errors import ConfigError
+from poise.policies import REGISTRY
+from poise.sim.scenarios import (
+    HYBRIDEP_PUBLISHED,
+    PROPHET_TABLE_IV,
+    PROPHET_TABLE_V,
+    SCENARIOS,
+    Scenario,
+    ScenarioResult,
+    build_trace,
+    get_scenario,
+    hybridep_spec,
+    markdown_table,
+    run_scenario,
+)
+from poise.sim.simulator import simulate
+
+TOL = 1e-9  # auto "never slower": equal plans price equal up to float summation order
+
+QUICK = [name for name in SCENARIOS if name != "cross-dc-1000"]
+
+
+def small_cross_dc() -> Scenario:
+    """The 1,000-datacentre scenario on 25 datacentres (200 devices): same code path, seconds."""
+    s = SCENARIOS["cross-dc-1000"]
+    cases = tuple(dataclasses.replace(c, cluster="cross-dc-1000:25") for c in s.cases)
+    return dataclasses.replace(s, cases=cases)
+
+
+def check_result(res: ScenarioResult) -> None:
+    assert res.rows, "every scenario yields at least one figure"
+    for row in res.rows:
+        assert math.isfinite(row.ours) and row.ours > 0, row
+        assert math.isfinite(row.auto) and row.auto > 0, row
+        assert row.source.startswith("paper-figures.md §"), row.source
+        assert row.published_text
+    for case, by_schedule in res.means.items():
+        for schedule, means in by_schedule.items():
+            assert "auto" in means and len(means) >= 3, (case, schedule)
+            assert all(math.isfinite(v) and v > 0 for v in means.values())
+    # Figures are recomputed from the mean step times they report.
+    for row in res.rows:
+        f = next(
+            f
+            for f in res.scenario.figures
+            if f.label == row.comparison and row.cases[0] in (f.cases or row.cases)
+        )
+        for case in row.cases:
+            m = res.means[case]
+            base = np.mean([m[s][p] for s, p in f.baselines])
+            assert row.per_case[case] == pytest.approx(base / m[f.system[0]][f.system[1]])
+            assert row.per_case_auto[case] == pytest.approx(base / m[f.system[0]]["auto"])
+
+
+# Runs of the quick forms where auto is slower than another policy on the cost model's own time
+# (planning excluded), all with one cause (docs/scenarios.md, "Where auto is not the fastest"):
+# at step 0 every candidate ties on the uniform forecast and auto keeps the first in its order,
+# eplb, which fills every spare slot with replicas; vexpert is a local search from the plan in
+# force, so auto's vexpert candidate starts from that layout and stalls above what vexpert alone
+# (starting from static) reaches. Listed so that the test fails when this changes either way.
+KNOWN_AUTO_SLOWER = {
+    "pro-prophet": {("8 GPUs, GPT-S, k=2", "pipelined(4)")},
+}
+
+
+def auto_slower(res: ScenarioResult) -> set[tuple[str, str]]:
+    """Runs where auto's mean step time exceeds the fastest other policy's, on the cost model's
+    time (planning wall time is machine noise: reported in `checks` and the table, not
+    asserted)."""
+    return {
+        (c.case, c.schedule) for c in res.checks if c.auto_priced_s > c.best_priced_s * (1 + TOL)
+    }
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_each_scenario_quick_form(name: str) -> None:
+    res = run_scenario(SCENARIOS[name], quick=True)
+    check_result(res)
+    assert auto_slower(res) == KNOWN_AUTO_SLOWER.get(name, set())
+    assert len(res.checks) == len(res.scenario.cases_for(True)) * len(res.scenario.runs)
+    assert res.wall_s < 20
+
+
+def test_cross_dc_reduced() -> None:
+    res = run_scenario(small_cross_dc(), quick=True)
+    check_result(res)
+    assert not auto_slower(res)
+    assert not res.scenario.count_planning  # stated in the setup line
+    assert "planning not charged" in markdown_table([res])
+
+
+@pytest.mark.slow
+def test_cross_dc_1000_quick_form() -> None:
+    res = run_scenario(SCENARIOS["cross-dc-1000"], quick=True)
+    check_result(res)
+    assert not auto_slower(res)
+    assert res.means["1000 DCs x 8 H100"]["hybrid"]["static"] > 0
+
+
+def test_auto_slower_on_fastermoe_gpt_l_and_why() -> None:
+    """The largest loss of auto in the full run, in quick form, and its cause: with `static`
+    first in auto's candidate order (so that the step-0 tie keeps the static layout) auto is no
+    longer slower than vexpert."""
+    s = dataclasses.replace(SCENARIOS["fastermoe"], quick_cases=("MoE-GPT-L",))
+    res = run_scenario(s, quick=True)
+    check = {c.schedule: c for c in res.checks}["pipelined(4)"]
+    assert check.best_priced == "vexpert" and check.ratio_priced > 1.05
+    case = s.cases_for(True)[0]
+    trace, _ = build_trace(case, True, None)
+    order = ["static"] + [n for n in sorted(REGISTRY) if n not in ("auto", "static")]
+    result = simulate(
+        trace,
+        case.get_cluster(),
+        case.spec,
+        ["vexpert", "auto"],
+        "pipelined(4)",
+        s.replan_every,
+        s.predictor,
+        options={"auto": {"candidates": order}},
+        count_planning=False,
+    )
+    w = s.warmup_steps
+    auto, vexpert = (result.runs[n].step_s[w:].mean() for n in ("auto", "vexpert"))
+    assert auto <= vexpert
+
+
+def test_registry_carries_the_published_tables() -> None:
+    assert list(SCENARIOS) == [
+        "fastermoe",
+        "pro-prophet",
+        "smartmoe",
+        "flexmoe",
+        "hybridep",
+        "cross-dc-1000",
+    ]
+    pp = SCENARIOS["pro-prophet"]
+    assert len(pp.cases) == len(PROPHET_TABLE_IV) + len(PROPHET_TABLE_V) == 18
+    assert {f.published for f in pp.figures} >= {1.98, 2.62, 0.96, 1.94}
+    he = SCENARIOS["hybridep"]
+    assert [f.published for f in he.figures] == [
+        v for row in HYBRIDEP_PUBLISHED.values() for v in row.values()
+    ]
+    for s in SCENARIOS.values():
+        assert s.figures and s.cases and s.runs
+        labels = {c.label for c in s.cases}
+        assert set(s.quick_cases) <= labels
+        for f in s.figures:
+            assert set(f.cases) <= labels and f.aggregate in ("one", "max", "mean")
+            scheds = {r.schedule for r in s.runs}
+            assert f.system[0] in scheds and all(b[0] in scheds for b in f.baselines)
+
+
+def test_hybridep_sizes_follow_table_v() -> None:
+    spec = hybridep_spec(6)
+    assert spec.expert_bytes == pytest.approx(0.36e6, rel=0.002)
+    dispatched = spec.tokens_per_device * spec.top_k * spec.token_bytes
+    assert dispatched == pytest.approx(6e6, rel=1e-3)
+    assert hybridep_spec(192).tokens_per_device == pytest.approx(32 * spec.tokens_per_device, 1e-3)
+
+
+def test_smartmoe_trace_uses_the_sample(smartmoe_dir: Path) -> None:
+    case = SCENARIOS["smartmoe"].cases[1]
+    trace, note = build_trace(case, False, smartmoe_dir.parent)
+    assert trace.counts.shape == (20, 16, 16, 32)  # 2 snapshots x 10, 16 layers, 16 ranks
+    assert trace.meta["iterations"] == [1001] * 10 + [5001] * 10
+    assert "SmartMoE-AE sample" in note and "NOT FOUND" not in note
+    fallback, note = build_trace(case, False, None)
+    assert fallback.counts.shape == trace.counts.shape and "NOT FOUND" in note
+    assert fallback.meta["generator"] == "drift"
+
+
+def test_unknown_scenario_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown scenario"):
+        get_scenario("nope")
+
+
+def test_cli_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main(["scenarios", "--only", "smartmoe", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| scenario | setup | system vs baseline | ours | auto | published | source |" in printed
+    assert "SmartMoE vs FasterMoE" in printed and "1.88" in printed
+    assert (out / "scenarios.md").read_text() == printed
+    data = json.loads((out / "scenarios.json").read_text())
+    (s,) = data["scenarios"]
+    assert s["name"] == "smartmoe" and s["quick"] and len(s["rows"]) == 2
+    assert all(math.isfinite(r["ours"]) for r in s["rows"])
+    assert {c["schedule"] for c in s["checks"]} == {"sync", "pipelined(4)"}
+
+
+def test_cli_unknown_scenario_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scenarios", "--only", "fastermoe", "nope", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("poise: error: nope")
+    assert "unknown scenario" in lines[0] and captured.out == ""
+    assert not (tmp_path / "scenarios.md").exists()
