@@ -51,7 +51,10 @@ def planning_case(draw):
 def test_policy_keeps_invariants(policy: str, case) -> None:
     cluster, spec, slots, loads = case
     ctx = PlanContext.create(
-        cluster, spec, slots_per_device=slots, cost=CostModel(cluster, spec),
+        cluster,
+        spec,
+        slots_per_device=slots,
+        cost=CostModel(cluster, spec),
         history=loads.sum(axis=1)[None],
     )
     plan = make_plan(policy, loads, None, ctx)
