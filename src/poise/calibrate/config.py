@@ -1,0 +1,117 @@
+"""What a calibration measures (sizes, repeats) and its errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from poise.errors import ConfigError, PoiseError
+
+KIB = 1024
+MIB = 1024 * KIB
+
+WORLD_SIZE = 2
+MAX_CALLS = 1000  # timed calls per measured point, at most
+DIST_TIMEOUT_S = 120.0  # the gloo ranks must finish within this (warm-up and spawn included)
+
+FULL_ROWS = (8, 32, 128, 512, 2048)
+QUICK_ROWS = (8, 64, 512)
+FULL_MESSAGE_BYTES = tuple(4 * KIB * 4**i for i in range(7))  # 4 KiB .. 16 MiB
+QUICK_MESSAGE_BYTES = (4 * KIB, 64 * KIB, MIB)
+
+
+class CalibrationError(PoiseError):
+    """Measurements that cannot be fitted, or ranks that did not finish."""
+
+
+# --------------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What to measure. `rows`: token counts n of the expert GEMMs; `message_bytes`: sizes of
+    the collectives (bytes each rank sends for the all-to-all, buffer bytes for the all-reduce).
+    Each point is the median of at least `gemm_repeats` / `comm_repeats` timed calls, and of
+    enough calls to last `min_time_s`, after `warmup` untimed calls. `threads`: torch intra-op
+    threads for the GEMMs (None: torch's default). Invalid values raise `ConfigError`."""
+
+    d_model: int = 1024
+    d_expert: int = 2048
+    rows: tuple[int, ...] = FULL_ROWS
+    message_bytes: tuple[int, ...] = FULL_MESSAGE_BYTES
+    gemm_repeats: int = 5
+    comm_repeats: int = 10
+    warmup: int = 2
+    min_time_s: float = 0.2
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_expert", "gemm_repeats", "comm_repeats"):
+            _check_positive(getattr(self, name), name)
+        if self.warmup < 0:
+            raise ConfigError(
+                f"must be >= 0, got {self.warmup}", source="calibrate", field="warmup"
+            )
+        if not 0 <= self.min_time_s <= 60:
+            raise ConfigError(
+                f"must be in [0, 60], got {self.min_time_s}", source="calibrate", field="min_time_s"
+            )
+        if self.threads is not None:
+            _check_positive(self.threads, "threads")
+        for name in ("rows", "message_bytes"):
+            values = getattr(self, name)
+            if len(set(values)) < 2:
+                raise ConfigError(
+                    f"need at least 2 distinct sizes, got {list(values)}",
+                    source="calibrate",
+                    field=name,
+                )
+            for v in values:
+                _check_positive(v, name)
+            if name == "message_bytes" and any(v % 4 for v in values):
+                raise ConfigError(
+                    "message sizes must be multiples of 4 bytes (float32)",
+                    source="calibrate",
+                    field=name,
+                )
+
+    @classmethod
+    def preset(
+        cls,
+        *,
+        quick: bool,
+        d_model: int | None = None,
+        d_expert: int | None = None,
+        threads: int | None = None,
+    ) -> CalibrationConfig:
+        """The full or `quick` sizes, with explicit widths and threads taking precedence."""
+        if quick:
+            base = cls(
+                d_model=256,
+                d_expert=512,
+                rows=QUICK_ROWS,
+                message_bytes=QUICK_MESSAGE_BYTES,
+                gemm_repeats=3,
+                comm_repeats=5,
+                warmup=1,
+                min_time_s=0.03,
+            )
+        else:
+            base = cls()
+        return replace(
+            base,
+            d_model=base.d_model if d_model is None else d_model,
+            d_expert=base.d_expert if d_expert is None else d_expert,
+            threads=threads,
+        )
+
+    def gemm_bytes(self) -> int:
+        """float32 bytes the GEMM benchmark holds at its largest row count: weights and their
+        gradients (4 d_model d_expert) and activations (x, y, dY, dX: 4 n d_model; h, a, gelu'(h),
+        dA, dH: 5 n d_expert)."""
+        n = max(self.rows)
+        return 4 * (4 * self.d_model * self.d_expert + n * (4 * self.d_model + 5 * self.d_expert))
+
+
+def _check_positive(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"must be a positive integer, got {value!r}", source="calibrate", field=name
+        )

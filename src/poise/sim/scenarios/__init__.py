@@ -1,0 +1,86 @@
+"""The published setups of the systems Poise compares with, replayed in the simulator.
+
+Modules: `core` (types, traces, the runner), `papers` (the six setups and their published
+figures), `report` (markdown and JSON).
+
+A `Scenario` is one paper's evaluation, reduced to what the simulator can model: a cluster
+preset, a model shape, a routing trace recipe, the schedules the systems ran with, the policies
+compared, and the published figures (copied from `docs/paper-figures.md`, with their source).
+`run_scenario` replays every case with `simulate` and returns our figures beside theirs.
+
+Conventions (the same in every scenario, so the rows can be read together):
+
+- "speedup of X over Y" = mean step time of Y / mean step time of X (papers: time(Y) / time(X));
+- each system is a policy under the schedule it ships with: FastMoE and DeepSpeed-MoE =
+  `static` + `sync`; Tutel = `static` + `pipelined(4)`; FasterMoE = `shadow` + `pipelined(4)`
+  (dynamic shadowing and smart scheduling both on, its default); SmartMoE = `permute` + `sync`;
+  FlexMoE = `vexpert` + `sync`; Pro-Prophet = `prophet` + `prophet`; HybridEP = `hybrid` +
+  `hybrid`;
+- every run of a scenario (one schedule) replays the *same* trace under every registered policy,
+  `auto` included, so `auto` is checked against all of them under each schedule; `auto`'s
+  figure beside a system's is `auto` under that system's schedule over the same baseline;
+- the first `warmup` steps (default: the first re-planning interval, whose plan was made before
+  any load was observed, so that every policy plans on uniform loads) are replayed but left out
+  of the means, as the papers report steady-state iteration times;
+- planning wall time is charged (`simulate(count_planning=True)`: the papers' iteration times
+  include their planners) unless a scenario says otherwise and why; `checks` report `auto`
+  both ways whatever the setting.
+
+`ScenarioResult.rows` has one row per published figure (`Row`); `checks` has, for every case and
+run, `auto`'s mean step time beside the fastest other policy's, with and without planning time.
+"""
+
+from __future__ import annotations
+
+from poise.sim.scenarios.core import (
+    Case,
+    Check,
+    Figure,
+    Row,
+    Run,
+    Scenario,
+    ScenarioResult,
+    TraceRecipe,
+    build_trace,
+    find_shared_data,
+    run_scenario,
+    step_times,
+)
+from poise.sim.scenarios.papers import (
+    HYBRIDEP_PUBLISHED,
+    HYBRIDEP_TABLE_V,
+    PROPHET_TABLE_IV,
+    PROPHET_TABLE_V,
+    SCENARIOS,
+    get_scenario,
+    hybridep_spec,
+    prophet_spec,
+    smartmoe_spec,
+)
+from poise.sim.scenarios.report import markdown_table, results_json
+
+__all__ = [
+    "HYBRIDEP_PUBLISHED",
+    "HYBRIDEP_TABLE_V",
+    "PROPHET_TABLE_IV",
+    "PROPHET_TABLE_V",
+    "SCENARIOS",
+    "Case",
+    "Check",
+    "Figure",
+    "Row",
+    "Run",
+    "Scenario",
+    "ScenarioResult",
+    "TraceRecipe",
+    "build_trace",
+    "find_shared_data",
+    "get_scenario",
+    "hybridep_spec",
+    "markdown_table",
+    "prophet_spec",
+    "results_json",
+    "run_scenario",
+    "smartmoe_spec",
+    "step_times",
+]

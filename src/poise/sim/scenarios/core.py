@@ -1,0 +1,499 @@
+"""Scenario data types, trace recipes and the runner that replays a scenario's cases with
+`simulate` and sets our figures beside the published ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poise.errors import ConfigError
+from poise.policies.base import REGISTRY, get_policy
+from poise.sim.simulator import SimResult, simulate
+from poise.spec import ModelSpec
+from poise.topology import Cluster, get_cluster
+from poise.trace import Trace
+
+MB = 1e6  # HybridEP's sizes are decimal megabytes
+SMARTMOE_SAMPLE = "smartmoe-ae-sample"
+SMARTMOE_SAMPLE_RANKS = 16  # the sample's ranks (a generated stand-in has as many rows)
+DRIFT = {"s": 1.0, "rate": 0.05}  # the generated traces' Zipf skew and per-step drift
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class TraceRecipe:
+    """How a case's routing trace is made.
+
+    `kind="generate"`: `trace_generate.generate(generator, ...)` with the model's experts, top-k,
+    layers and tokens per device, on `devices` source rows (None: the cluster's devices; fewer are
+    resampled onto the cluster by the simulator), `params` (default `DRIFT`) and `seed`.
+
+    `kind="smartmoe"`: the SmartMoE-AE sample (`load_any`), the iterations `snapshots`, each
+    replayed `hold` steps in a row (the sample has three snapshots, 1,000 and 4,000 iterations
+    apart; holding one for a few steps models loads that drift slowly between them), layers cut
+    to the model's MoE layers; resampled onto the cluster's devices by the simulator."""
+
+    kind: str = "generate"
+    steps: int = 40
+    quick_steps: int = 20
+    generator: str = "drift"
+    params: tuple[tuple[str, float], ...] = tuple(DRIFT.items())
+    devices: int | None = None
+    seed: int = 0
+    snapshots: tuple[int, ...] = ()
+    hold: int = 1
+
+    def describe(self, quick: bool) -> str:
+        steps = self.quick_steps if quick else self.steps
+        if self.kind == "smartmoe":
+            its = ", ".join(str(s) for s in self.snapshots)
+            return (
+                f"SmartMoE-AE sample, iterations {its}, each held {self.hold} steps "
+                f"({self.steps_for(quick)} steps)"
+            )
+        params = ", ".join(f"{k}={v:g}" for k, v in self.params)
+        rows = f", {self.devices} source rows resampled" if self.devices else ""
+        return f"generated {self.generator}({params}), {steps} steps, seed {self.seed}{rows}"
+
+    def steps_for(self, quick: bool) -> int:
+        if self.kind == "smartmoe":
+            return len(self.snapshots) * self.hold
+        return self.quick_steps if quick else self.steps
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `simulate` call per case: a schedule and the policies it must include."""
+
+    schedule: str
+    policies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A published figure and how to compute ours.
+
+    `system` and each of `baselines` are `(schedule, policy)`; ours = mean step time of the
+    baselines (averaged, as HybridEP's "avg. speedup") / that of the system. `cases`: the case
+    labels it covers (empty: all); `aggregate`: `one` (a single case), `max` ("up to") or `mean`
+    ("on average") over the cases' speedups. `published` is the number; `published_text` how the
+    paper states it."""
+
+    label: str
+    system: tuple[str, str]
+    baselines: tuple[tuple[str, str], ...]
+    published: float | None
+    published_text: str
+    source: str
+    cases: tuple[str, ...] = ()
+    aggregate: str = "one"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration of a scenario: label, cluster preset, model, trace."""
+
+    label: str
+    cluster: str
+    spec: ModelSpec
+    trace: TraceRecipe
+    cluster_obj: Cluster | None = None  # a cluster not among the presets (Pro-Prophet's LPWNV)
+
+    def get_cluster(self) -> Cluster:
+        return self.cluster_obj if self.cluster_obj is not None else get_cluster(self.cluster)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A paper's setup: cases x runs, the figures to compare, and the replay settings."""
+
+    name: str
+    paper: str
+    summary: str
+    cases: tuple[Case, ...]
+    runs: tuple[Run, ...]
+    figures: tuple[Figure, ...]
+    replan_every: int = 10
+    predictor: str = "ema"
+    warmup: int | None = None  # None: replan_every
+    count_planning: bool = True
+    planning_note: str = (
+        "planning wall time charged (the papers' iteration times include their planners)"
+    )
+    all_policies: bool = True
+    quick_cases: tuple[str, ...] = ()  # cases kept by --quick (empty: all)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.replan_every if self.warmup is None else self.warmup
+
+    def cases_for(self, quick: bool) -> tuple[Case, ...]:
+        if quick and self.quick_cases:
+            return tuple(c for c in self.cases if c.label in self.quick_cases)
+        return self.cases
+
+
+@dataclass
+class Row:
+    """One line of the table: a published figure and ours."""
+
+    scenario: str
+    setup: str
+    comparison: str
+    ours: float
+    auto: float
+    published: float | None
+    published_text: str
+    source: str
+    cases: list[str]
+    per_case: dict[str, float] = field(default_factory=dict)
+    per_case_auto: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        """ours / published (None without a published number)."""
+        if self.published is None or self.published <= 0:
+            return None
+        return self.ours / self.published
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ratio_to_published"] = self.ratio
+        return d
+
+
+@dataclass
+class Check:
+    """`auto` against the fastest other policy of one run (one case, one schedule), mean step
+    seconds over the measured steps, both with the planning wall time charged as the schedule
+    charges it (`Schedule.planning_s`: in full, or what the all-to-all does not hide under
+    `prophet`) and without it (the cost model's time alone). The scenario's figures use the
+    first when `count_planning`, else the second."""
+
+    scenario: str
+    case: str
+    schedule: str
+    count_planning: bool
+    auto_charged_s: float
+    best_charged: str
+    best_charged_s: float
+    auto_priced_s: float
+    best_priced: str
+    best_priced_s: float
+    auto_planning_s: float  # mean planning seconds per measured step, as charged
+    auto_chosen: list[str]  # the candidate auto kept per layer in its last plan
+
+    @property
+    def ratio_charged(self) -> float:
+        return self.auto_charged_s / self.best_charged_s
+
+    @property
+    def ratio_priced(self) -> float:
+        return self.auto_priced_s / self.best_priced_s
+
+    @property
+    def auto_fastest(self) -> bool:
+        """What the scenario's figures see: charged when `count_planning`, else priced."""
+        return (self.ratio_charged if self.count_planning else self.ratio_priced) <= 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ratio_charged"] = self.ratio_charged
+        d["ratio_priced"] = self.ratio_priced
+        d["auto_fastest"] = self.auto_fastest
+        return d
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    rows: list[Row]
+    checks: list[Check]
+    means: dict[str, dict[str, dict[str, float]]]  # case -> schedule -> policy -> mean step s
+    wall_s: float
+    quick: bool
+    trace_notes: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.scenario
+        return {
+            "name": s.name,
+            "paper": s.paper,
+            "summary": s.summary,
+            "replan_every": s.replan_every,
+            "predictor": s.predictor,
+            "warmup_steps": s.warmup_steps,
+            "count_planning": s.count_planning,
+            "planning_note": s.planning_note,
+            "quick": self.quick,
+            "wall_s": self.wall_s,
+            "cases": {
+                c.label: {
+                    "cluster": c.cluster,
+                    "devices": c.get_cluster().num_devices,
+                    "model": dataclasses.asdict(c.spec),
+                    "trace": self.trace_notes.get(c.label, c.trace.describe(self.quick)),
+                }
+                for c in s.cases_for(self.quick)
+            },
+            "rows": [r.as_dict() for r in self.rows],
+            "checks": [c.as_dict() for c in self.checks],
+            "mean_step_s": self.means,
+            "notes": list(s.notes),
+        }
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def find_shared_data(explicit: str | Path | None = None) -> Path | None:
+    """The folder holding `smartmoe-ae-sample/`: `explicit`, `$POISE_SHARED_DATA`,
+    `../shared/data`, or the workspace's `shared/data` next to the repository."""
+    candidates = [
+        str(explicit) if explicit else None,
+        os.environ.get("POISE_SHARED_DATA"),
+        "../shared/data",
+        str(Path(__file__).resolve().parents[3].parent / "shared" / "data"),
+    ]
+    for c in candidates:
+        if c and (Path(c) / SMARTMOE_SAMPLE).is_dir():
+            return Path(c)
+    return None
+
+
+def build_trace(case: Case, quick: bool, data: Path | None) -> tuple[Trace, str]:
+    """The case's trace `[S, L, D0, E]` and one line saying what it is."""
+    from poise.trace_generate import generate
+    from poise.trace_import import load_any
+
+    r, spec = case.trace, case.spec
+    if r.kind == "smartmoe":
+        folder = data / SMARTMOE_SAMPLE if data is not None else None
+        if folder is not None and folder.is_dir():
+            sample = load_any(folder)
+            index = {int(it): i for i, it in enumerate(sample.step_ids)}
+            missing = [s for s in r.snapshots if s not in index]
+            if missing:
+                raise ConfigError(
+                    f"iterations {missing} not in the sample (it has {sorted(index)})",
+                    source=str(folder),
+                    field="snapshots",
+                )
+            if sample.layers < spec.moe_layers or sample.experts != spec.experts:
+                raise ConfigError(
+                    f"sample has {sample.layers} layers x {sample.experts} experts; model "
+                    f"{spec.name} needs {spec.moe_layers} x {spec.experts}",
+                    source=str(folder),
+                    field="model",
+                )
+            rows = [index[s] for s in r.snapshots for _ in range(r.hold)]
+            counts = sample.counts[rows][:, : spec.moe_layers]
+            trace = Trace(
+                np.ascontiguousarray(counts),
+                np.arange(len(rows), dtype=np.int64),
+                sample.top_k,
+                sample.tokens_per_device,
+                name="smartmoe-ae-sample",
+                meta={**sample.meta, "iterations": [int(sample.step_ids[i]) for i in rows]},
+            )
+            return trace, r.describe(quick) + f", first {spec.moe_layers} of {sample.layers} layers"
+        # No sample: a generated trace of the same shape, said so in the setup.
+        recipe = dataclasses.replace(
+            r,
+            kind="generate",
+            steps=r.steps_for(quick),
+            quick_steps=r.steps_for(quick),
+            devices=SMARTMOE_SAMPLE_RANKS,
+        )
+        trace, text = build_trace(dataclasses.replace(case, trace=recipe), quick, None)
+        return trace, f"SmartMoE-AE sample NOT FOUND; {text}"
+    devices = r.devices or case.get_cluster().num_devices
+    trace = generate(
+        r.generator,
+        steps=r.steps_for(quick),
+        layers=spec.moe_layers,
+        devices=devices,
+        experts=spec.experts,
+        top_k=spec.top_k,
+        tokens_per_device=spec.tokens_per_device,
+        seed=r.seed,
+        **dict(r.params),
+    )
+    return trace, r.describe(quick)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _policies(scenario: Scenario, run: Run, figures: Sequence[Figure]) -> list[str]:
+    names: list[str] = []
+    if scenario.all_policies:
+        get_policy("static")  # fills REGISTRY
+        names.extend(sorted(REGISTRY))
+    names.extend(run.policies)
+    for f in figures:
+        for sched, pol in (f.system, *f.baselines):
+            if sched == run.schedule:
+                names.append(pol)
+    names.append("auto")
+    return list(dict.fromkeys(names))
+
+
+def step_times(result: SimResult, policy: str) -> tuple[np.ndarray, np.ndarray]:
+    """`(charged, priced)` seconds per step `[S]`: the cost model's step time with the planner's
+    measured wall time charged as the schedule charges it, and without it (whatever
+    `count_planning` the replay used)."""
+    run = result.runs[policy]
+    priced = run.step_s - run.plan_s
+    a2a = 2.0 * (run.phases["dispatch_s"] + run.phases["combine_s"]).sum(axis=1)
+    plan = np.array(
+        [
+            result.schedule.planning_s(float(w), float(a)) if w > 0 else 0.0
+            for w, a in zip(run.plan_wall_s, a2a, strict=True)
+        ]
+    )
+    return priced + plan, priced
+
+
+def _window(x: np.ndarray, warmup: int) -> float:
+    return float(x[min(warmup, len(x) - 1) :].mean())
+
+
+def run_scenario(
+    scenario: Scenario,
+    *,
+    quick: bool = False,
+    data: str | Path | None = None,
+    progress: Progress | None = None,
+) -> ScenarioResult:
+    """Replay every case of `scenario` under each of its runs and compute the figures."""
+    started = time.perf_counter()
+    data_dir = find_shared_data(data)
+    cases = scenario.cases_for(quick)
+    warmup = scenario.warmup_steps
+    means: dict[str, dict[str, dict[str, float]]] = {}
+    checks: list[Check] = []
+    trace_notes: dict[str, str] = {}
+    total = len(cases) * len(scenario.runs)
+    done = 0
+    for case in cases:
+        trace, note = build_trace(case, quick, data_dir)
+        trace_notes[case.label] = note
+        cluster = case.get_cluster()
+        means[case.label] = {}
+        for run in scenario.runs:
+            names = _policies(scenario, run, scenario.figures)
+            what = f"{scenario.name}: {case.label}, {run.schedule}"
+            if progress is not None:
+                progress(what, done, total)
+            result = simulate(
+                trace,
+                cluster,
+                case.spec,
+                names,
+                run.schedule,
+                scenario.replan_every,
+                scenario.predictor,
+                count_planning=scenario.count_planning,
+            )
+            charged, priced = {}, {}
+            for n in names:
+                c, p = step_times(result, n)
+                charged[n], priced[n] = _window(c, warmup), _window(p, warmup)
+            means[case.label][run.schedule] = charged if scenario.count_planning else priced
+            checks.append(_check(scenario, case.label, run.schedule, result, charged, priced))
+            done += 1
+            if progress is not None:
+                progress(what, done, total)
+    rows = [_row(scenario, f, cases, means) for f in scenario.figures]
+    rows = [r for r in rows if r is not None]
+    return ScenarioResult(
+        scenario=scenario,
+        rows=rows,
+        checks=checks,
+        means=means,
+        wall_s=time.perf_counter() - started,
+        quick=quick,
+        trace_notes=trace_notes,
+    )
+
+
+def _check(
+    scenario: Scenario,
+    case: str,
+    schedule: str,
+    result: SimResult,
+    charged: dict[str, float],
+    priced: dict[str, float],
+) -> Check:
+    others = [n for n in result.runs if n != "auto"]
+    best_c = min(others, key=lambda n: charged[n])
+    best_p = min(others, key=lambda n: priced[n])
+    auto_plan = result.runs["auto"].last_plan
+    chosen = list(auto_plan.notes.get("chosen", [])) if auto_plan is not None else []
+    return Check(
+        scenario=scenario.name,
+        case=case,
+        schedule=schedule,
+        count_planning=scenario.count_planning,
+        auto_charged_s=charged["auto"],
+        best_charged=best_c,
+        best_charged_s=charged[best_c],
+        auto_priced_s=priced["auto"],
+        best_priced=best_p,
+        best_priced_s=priced[best_p],
+        auto_planning_s=charged["auto"] - priced["auto"],
+        auto_chosen=chosen,
+    )
+
+
+def _speedup(f: Figure, means: dict[str, dict[str, float]], system_policy: str) -> float:
+    base = float(np.mean([means[s][p] for s, p in f.baselines]))
+    return base / means[f.system[0]][system_policy]
+
+
+def _row(
+    scenario: Scenario,
+    f: Figure,
+    cases: Sequence[Case],
+    means: dict[str, dict[str, dict[str, float]]],
+) -> Row | None:
+    labels = [c.label for c in cases if not f.cases or c.label in f.cases]
+    if not labels:
+        return None  # a --quick run left this figure's cases out
+    ours = {c: _speedup(f, means[c], f.system[1]) for c in labels}
+    auto = {c: _speedup(f, means[c], "auto") for c in labels}
+    if f.aggregate == "max":
+        o, a = max(ours.values()), max(auto.values())
+        setup = f"max over {', '.join(labels)}" if len(labels) > 1 else labels[0]
+    elif f.aggregate == "mean":
+        o, a = float(np.mean(list(ours.values()))), float(np.mean(list(auto.values())))
+        setup = f"mean over {', '.join(labels)}" if len(labels) > 1 else labels[0]
+    else:
+        o, a = ours[labels[0]], auto[labels[0]]
+        setup = ", ".join(labels)
+    return Row(
+        scenario=scenario.name,
+        setup=setup,
+        comparison=f.label,
+        ours=o,
+        auto=a,
+        published=f.published,
+        published_text=f.published_text,
+        source=f.source,
+        cases=labels,
+        per_case=ours,
+        per_case_auto=auto,
+    )

@@ -1,0 +1,480 @@
+"""The six published setups (FasterMoE, Pro-Prophet, SmartMoE, FlexMoE, HybridEP, 1,000
+datacentres) as `Scenario`s with their published figures, and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from poise.errors import ConfigError
+from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
+from poise.spec import ModelSpec
+from poise.topology import Cluster, get_cluster
+
+# --------------------------------------------------------------------------- the scenarios
+
+FASTMOE = ("sync", "static")
+DEEPSPEED = ("sync", "static")
+TUTEL = ("pipelined(4)", "static")
+FASTERMOE = ("pipelined(4)", "shadow")
+SMARTMOE = ("sync", "permute")
+FLEXMOE = ("sync", "vexpert")
+PROPHET = ("prophet", "prophet")
+HYBRIDEP = ("hybrid", "hybrid")
+
+
+def _fastermoe() -> Scenario:
+    src = "paper-figures.md §1: FasterMoE (PPoPP'22) §5.5, Fig. 13 (johnny)"
+    # Table 2 (α = 2), 16 experts on 16 V100; top-2, fp32 and the per-rank batch (1,024 rows for
+    # GPT, 2,048 for BERT) from the artifact's benchmark scripts.
+    models = [
+        ("MoE-GPT-S", 12, 1024, 1024),
+        ("MoE-GPT-L", 12, 4096, 1024),
+        ("MoE-BERT-Deep", 24, 1024, 2048),
+        ("MoE-BERT-Deep-L", 24, 4096, 2048),
+    ]
+    cases = tuple(
+        Case(
+            name,
+            "v100-ib50",
+            ModelSpec(
+                name.lower(),
+                d_model=h,
+                d_expert=2 * h,
+                experts=16,
+                top_k=2,
+                moe_layers=layers,
+                dtype_bytes=4,
+                tokens_per_device=tokens,
+            ),
+            TraceRecipe(steps=40, quick_steps=20, seed=11),
+        )
+        for name, layers, h, tokens in models
+    )
+    figures = (
+        Figure(
+            "dynamic shadowing alone vs FastMoE",
+            ("sync", "shadow"),
+            (FASTMOE,),
+            1.95,
+            "up to 1.95×",
+            src,
+            aggregate="max",
+        ),
+        Figure(
+            "smart scheduling alone vs FastMoE",
+            ("pipelined(4)", "static"),
+            (FASTMOE,),
+            1.40,
+            "up to 1.40×",
+            src,
+            aggregate="max",
+        ),
+        Figure(
+            "shadowing + smart scheduling (FasterMoE) vs FastMoE",
+            FASTERMOE,
+            (FASTMOE,),
+            2.20,
+            "2.20× (max of Fig. 13)",
+            src,
+            aggregate="max",
+        ),
+    )
+    return Scenario(
+        name="fastermoe",
+        paper="FasterMoE (He et al., PPoPP 2022)",
+        summary="16 V100 (2 nodes, PCIe, one 50 Gb/s IB NIC per node: `v100-ib50`); MoE-GPT-S/L, "
+        "MoE-BERT-Deep/-Deep-L (16 experts, top-2, fp32); FastMoE = static + sync",
+        cases=cases,
+        runs=(Run("sync", ("static", "shadow")), Run("pipelined(4)", ("static", "shadow"))),
+        figures=figures,
+        quick_cases=("MoE-GPT-S",),
+    )
+
+
+# Pro-Prophet Table III: (layers, d_model, FFN hidden); experts = GPUs.
+PROPHET_MODELS = {
+    "GPT-S": (12, 512, 1024),
+    "GPT-M": (12, 1024, 2048),
+    "GPT-L": (12, 2048, 4096),
+    "GPT-DS": (24, 512, 1024),
+    "GPT-DM": (24, 1024, 2048),
+}
+# Table IV (16 GPUs) and Table V (8 GPUs): (k, model) -> (FasterMoE, Pro-Prophet) vs DeepSpeed.
+PROPHET_TABLE_IV = {
+    (1, "GPT-S"): (1.63, 1.98),
+    (1, "GPT-M"): (1.99, 2.22),
+    (1, "GPT-L"): (1.62, 1.80),
+    (1, "GPT-DS"): (1.34, 1.70),
+    (1, "GPT-DM"): (1.68, 2.26),
+    (2, "GPT-S"): (2.31, 2.62),
+    (2, "GPT-M"): (1.82, 2.10),
+    (2, "GPT-L"): (1.94, 2.23),
+    (2, "GPT-DS"): (1.77, 1.94),
+    (2, "GPT-DM"): (1.84, 2.07),
+}
+PROPHET_TABLE_V = {
+    (1, "GPT-S"): (1.20, 1.30),
+    (1, "GPT-M"): (1.02, 1.18),
+    (1, "GPT-DS"): (1.12, 1.30),
+    (1, "GPT-DM"): (0.96, 1.26),
+    (2, "GPT-S"): (1.56, 1.91),
+    (2, "GPT-M"): (1.29, 1.94),
+    (2, "GPT-DS"): (1.44, 1.64),
+    (2, "GPT-DM"): (1.25, 1.58),
+}
+
+
+def prophet_spec(model: str, top_k: int, experts: int, tokens_per_device: int) -> ModelSpec:
+    """Pro-Prophet's MoE-GPT-* (Table III): every FFN an MoE layer, experts = GPUs; fp32 (it is
+    built on the FasterMoE artifact, whose default is fp32)."""
+    layers, d_model, hidden = PROPHET_MODELS[model]
+    return ModelSpec(
+        f"pro-prophet-{model.lower()}-k{top_k}",
+        d_model=d_model,
+        d_expert=hidden,
+        experts=experts,
+        top_k=top_k,
+        moe_layers=layers,
+        dtype_bytes=4,
+        tokens_per_device=tokens_per_device,
+    )
+
+
+def lpwnv_cluster() -> Cluster:
+    """Pro-Prophet's LPWNV: "same as HPWNV except GPU type": 2 nodes of 4 RTX 2080 Ti. The GEMM
+    rate is the RTX 3090 preset's scaled by the cards' fp32 peak ratio (13.4 / 35.6 TFLOP/s),
+    memory 11 GiB."""
+    base = get_cluster("rtx3090-ib100:2")
+    return dataclasses.replace(
+        base,
+        name="rtx2080ti-ib100:2",
+        gemm_flops=base.gemm_flops * 13.4 / 35.6,
+        memory_bytes=11 * 2**30,
+    )
+
+
+def _pro_prophet() -> Scenario:
+    cases: list[Case] = []
+    figures: list[Figure] = []
+    tables = (
+        ("IV", PROPHET_TABLE_IV, "rtx3090-ib100", None, 16, 16_384),
+        ("V", PROPHET_TABLE_V, "rtx2080ti-ib100:2", lpwnv_cluster(), 8, 4_096),
+    )
+    for table, data, cluster, obj, gpus, tokens in tables:
+        src = f"paper-figures.md §2: Pro-Prophet (arXiv 2411.10003) Table {table}"
+        for (k, model), (faster, prophet) in data.items():
+            label = f"{gpus} GPUs, {model}, k={k}"
+            cases.append(
+                Case(
+                    label,
+                    cluster,
+                    prophet_spec(model, k, gpus, tokens // gpus),
+                    TraceRecipe(steps=40, quick_steps=20, seed=21 + k),
+                    cluster_obj=obj,
+                )
+            )
+            figures.append(
+                Figure(
+                    "Pro-Prophet vs DeepSpeed-MoE",
+                    PROPHET,
+                    (DEEPSPEED,),
+                    prophet,
+                    f"{prophet:.2f}×",
+                    src,
+                    cases=(label,),
+                )
+            )
+            figures.append(
+                Figure(
+                    "FasterMoE vs DeepSpeed-MoE",
+                    FASTERMOE,
+                    (DEEPSPEED,),
+                    faster,
+                    f"{faster:.2f}×",
+                    src,
+                    cases=(label,),
+                )
+            )
+    return Scenario(
+        name="pro-prophet",
+        paper="Pro-Prophet (Wang et al., arXiv 2411.10003)",
+        summary="Table IV: 16 RTX 3090 (4 nodes of 4, PCIe, 100 Gb/s IB: `rtx3090-ib100`; the "
+        "paper's HPNV nodes also bridge GPU pairs with NVLink), 16,384 tokens per iteration; "
+        "Table V: 8 RTX 2080 Ti (LPWNV, 2 nodes), 4,096 tokens; MoE-GPT-S/M/L/DS/DM, experts = "
+        "GPUs, k = 1, 2, fp32; DeepSpeed-MoE = static + sync",
+        cases=tuple(cases),
+        runs=(
+            Run("sync", ("static",)),
+            Run("pipelined(4)", ("shadow",)),
+            Run("prophet", ("prophet",)),
+        ),
+        figures=tuple(figures),
+        quick_cases=("16 GPUs, GPT-S, k=1", "8 GPUs, GPT-S, k=2"),
+    )
+
+
+def smartmoe_spec(experts: int = 32) -> ModelSpec:
+    """SmartMoE-AE's inky model GPT-L16-H2560 (Megatron: FFN 4 h, fp16); the sample's experts
+    and top-2, and its 8,192 tokens per rank and step (inky's batch gives 16 x 1,024 per GPU)."""
+    return ModelSpec(
+        "smartmoe-gpt-l16-h2560",
+        d_model=2560,
+        d_expert=4 * 2560,
+        experts=experts,
+        top_k=2,
+        moe_layers=16,
+        dtype_bytes=2,
+        tokens_per_device=8192,
+    )
+
+
+def _smartmoe() -> Scenario:
+    src = "paper-figures.md §3: SmartMoE (ATC'23) abstract, §1 (headline maximum)"
+    recipe = TraceRecipe(kind="smartmoe", snapshots=(1001, 5001), hold=10)
+    cases = (
+        Case("16 GPUs", "v100-ib50", smartmoe_spec(), recipe),
+        Case("32 GPUs", "v100-ib50:4", smartmoe_spec(), recipe),
+    )
+    figures = tuple(
+        Figure(
+            "SmartMoE vs FasterMoE",
+            SMARTMOE,
+            (FASTERMOE,),
+            1.88,
+            "up to 1.88× (headline)",
+            src,
+            cases=(c.label,),
+        )
+        for c in cases
+    )
+    return Scenario(
+        name="smartmoe",
+        paper="SmartMoE (Zhai et al., USENIX ATC 2023)",
+        summary="GPT-L16-H2560 (16 MoE layers, fp16) on 16 and 32 V100 in nodes of 8 with one "
+        "50 Gb/s NIC per node (`v100-ib50`, `v100-ib50:4`; inky's hardware is not stated); the "
+        "shipped SmartMoE-AE routing sample (16 ranks, 32 experts, top-2), resampled to 32 "
+        "devices; FasterMoE = shadow + pipelined(4) (inky logs: shadowing and smart schedule on)",
+        cases=cases,
+        runs=(Run("sync", ("permute",)), Run("pipelined(4)", ("shadow",))),
+        figures=figures,
+        replan_every=5,
+        notes=(
+            "The sample's iteration 1 (an untrained, nearly uniform router) is not replayed; "
+            "iterations 1,001 and 5,001 are held 10 steps each, so the plan made at step 10 "
+            "from 1,001's loads is priced on 5,001's.",
+        ),
+    )
+
+
+def _flexmoe() -> Scenario:
+    src = "paper-figures.md §4: FlexMoE (SIGMOD'23) abstract"
+    models = [("GPT-MoE", 12, 1024), ("BERT-MoE", 24, 1024)]
+    cases = tuple(
+        Case(
+            f"64 GPUs, {name}",
+            "v100-nvlink-ib100",
+            ModelSpec(
+                name.lower(),
+                d_model=h,
+                d_expert=4 * h,
+                experts=64,
+                top_k=2,
+                moe_layers=layers,
+                dtype_bytes=2,
+                tokens_per_device=4096,
+            ),
+            TraceRecipe(steps=40, quick_steps=20, seed=31),
+        )
+        for name, layers, h in models
+    )
+    figures = (
+        Figure("FlexMoE vs DeepSpeed-MoE", FLEXMOE, (DEEPSPEED,), 1.70, "1.70× on average", src,
+               aggregate="mean"),
+        Figure("FlexMoE vs DeepSpeed-MoE", FLEXMOE, (DEEPSPEED,), 2.10, "up to 2.10×", src,
+               aggregate="max"),
+        Figure("FlexMoE vs FasterMoE", FLEXMOE, (FASTERMOE,), 1.30, "1.30× on average", src,
+               aggregate="mean"),
+        Figure("FlexMoE vs FasterMoE", FLEXMOE, (FASTERMOE,), 1.45, "up to 1.45×", src,
+               aggregate="max"),
+    )  # fmt: skip
+    return Scenario(
+        name="flexmoe",
+        paper="FlexMoE (Nie et al., SIGMOD 2023)",
+        summary="FlexMoE's cluster and models were not found (abstract only): ours is 64 V100 "
+        "(16 nodes of 4, NVLink, 100 Gb/s IB: `v100-nvlink-ib100`), a GPT- and a BERT-shaped "
+        "MoE (d_model 1024, FFN 4 h, 64 experts, top-2, fp16, 4,096 tokens per GPU)",
+        cases=cases,
+        runs=(Run("sync", ("static", "vexpert")), Run("pipelined(4)", ("shadow",))),
+        figures=figures,
+        quick_cases=("64 GPUs, GPT-MoE",),
+    )
+
+
+# HybridEP Table V: data traffic (MB) -> (Tutel, FasterMoE, SmartMoE, HybridEP) seconds.
+HYBRIDEP_TABLE_V = {
+    2: {
+        6: (2.52, 2.58, 2.59, 2.48),
+        12: (4.26, 4.37, 4.34, 2.63),
+        24: (5.82, 5.90, 5.97, 2.74),
+        48: (7.62, 7.81, 7.80, 2.82),
+        96: (12.65, 12.80, 12.68, 3.01),
+        192: (20.35, 20.82, 20.91, 3.78),
+    },
+    4: {
+        6: (3.74, 3.86, 3.82, 3.49),
+        12: (7.30, 7.50, 7.46, 3.53),
+        24: (10.69, 11.09, 10.94, 3.54),
+        48: (13.54, 13.88, 14.08, 3.85),
+        96: (18.59, 19.32, 19.25, 4.24),
+        192: (28.46, 29.43, 29.53, 5.20),
+    },
+}
+HYBRIDEP_PUBLISHED = {
+    2: {6: 1.03, 12: 1.64, 24: 2.15, 48: 2.75, 96: 4.22, 192: 5.47},
+    4: {6: 1.09, 12: 2.10, 24: 3.08, 48: 3.59, 96: 4.49, 192: 5.60},
+}
+
+
+def hybridep_spec(data_mb: float, top_k: int = 2) -> ModelSpec:
+    """HybridEP's Table V setting: 32 experts, 12 layers, H = 512 (Table III), fp16, the expert
+    fixed at 0.36 MB (2 x 512 x 176 x 2 bytes = 0.360 MB), and `data_mb` of dispatched data per
+    GPU and MoE layer (its model's D): tokens per GPU = D / (top_k x 512 x 2 bytes)."""
+    d_model, dtype = 512, 2
+    tokens = round(data_mb * MB / (top_k * d_model * dtype))
+    return ModelSpec(
+        f"hybridep-{data_mb:g}mb",
+        d_model=d_model,
+        d_expert=176,
+        experts=32,
+        top_k=top_k,
+        moe_layers=12,
+        dtype_bytes=dtype,
+        tokens_per_device=tokens,
+    )
+
+
+def _hybridep() -> Scenario:
+    src = "paper-figures.md §5: HybridEP (arXiv 2510.19470) Table V"
+    cases: list[Case] = []
+    figures: list[Figure] = []
+    for dcs, row in HYBRIDEP_PUBLISHED.items():
+        for data_mb, pub in row.items():
+            label = f"{dcs} DCs x 8 A800, {data_mb} MB"
+            cluster = "a800-eth10" if dcs == 2 else f"a800-eth10:{dcs}"
+            cases.append(
+                Case(
+                    label,
+                    cluster,
+                    hybridep_spec(data_mb),
+                    TraceRecipe(steps=20, quick_steps=12, seed=41),
+                )
+            )
+            figures.append(
+                Figure(
+                    "HybridEP vs mean of Tutel, FasterMoE, SmartMoE",
+                    HYBRIDEP,
+                    (TUTEL, FASTERMOE, SMARTMOE),
+                    pub,
+                    f"{pub:.2f}×",
+                    src,
+                    cases=(label,),
+                )
+            )
+    return Scenario(
+        name="hybridep",
+        paper="HybridEP (Yang et al., arXiv 2510.19470)",
+        summary="2 and 4 datacentres of 8 A800 (128 Gb/s inside, 10 Gb/s Ethernet between: "
+        "`a800-eth10`, `a800-eth10:4`); 32 experts, 12 layers, top-2, expert 0.36 MB, data per "
+        "GPU and layer 6-192 MB; Tutel = static + pipelined(4), FasterMoE = shadow + "
+        "pipelined(4), SmartMoE = permute + sync",
+        cases=tuple(cases),
+        runs=(
+            Run("pipelined(4)", ("static", "shadow")),
+            Run("sync", ("permute",)),
+            Run("hybrid", ("hybrid",)),
+        ),
+        figures=tuple(figures),
+        replan_every=5,
+        quick_cases=("2 DCs x 8 A800, 6 MB", "4 DCs x 8 A800, 192 MB"),
+    )
+
+
+def cross_dc_spec() -> ModelSpec:
+    """HybridEP's GPT-Medium widths (Table II: H 1024, expert 8.4 M parameters = 2 x 1024 x
+    4096, 32 experts), fp16, 4,096 tokens per GPU; 4 MoE layers (cut from 12 to keep an
+    8,000-device replay within the time budget: layers are priced independently, so the
+    speedup is an average over layers either way)."""
+    return ModelSpec(
+        "hybridep-gpt-medium-4l",
+        d_model=1024,
+        d_expert=4096,
+        experts=32,
+        top_k=2,
+        moe_layers=4,
+        dtype_bytes=2,
+        tokens_per_device=4096,
+    )
+
+
+def _cross_dc() -> Scenario:
+    src = "paper-figures.md §5: HybridEP §V-G, Fig. 17 (SimAI simulation, 1000 DCs)"
+    case = Case(
+        "1000 DCs x 8 H100",
+        "cross-dc-1000",
+        cross_dc_spec(),
+        TraceRecipe(steps=6, quick_steps=4, seed=51, devices=64),
+    )
+    figures = (
+        Figure(
+            "HybridEP vs EP (S_ED fixed)",
+            HYBRIDEP,
+            (("hybrid", "static"),),
+            1.45,
+            "1.05-1.45×",
+            src,
+            aggregate="max",
+        ),
+        Figure(
+            "HybridEP vs EP (p fixed)",
+            HYBRIDEP,
+            (("hybrid", "static"),),
+            3.76,
+            "1.31-3.76×",
+            src,
+            aggregate="max",
+        ),
+    )
+    return Scenario(
+        name="cross-dc-1000",
+        paper="HybridEP large-scale simulation (arXiv 2510.19470 §V-G)",
+        summary="1,000 datacentres of one 8-GPU node (`cross-dc-1000`: 8,000 H100, NVLink "
+        "inside, 10 Gb/s wide-area links 20 ms apart); a drifting trace generated on 64 ranks "
+        "and resampled to 8,000 devices; GPT-Medium widths, 32 experts (so DeepSpeed's static "
+        "layout keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers",
+        cases=(case,),
+        runs=(Run("hybrid", ("static", "hybrid")),),
+        figures=figures,
+        replan_every=2,
+        count_planning=False,
+        planning_note="planning not charged: the published figures come from a SimAI "
+        "simulation of communication and compute, with no planner in the loop",
+    )
+
+
+def _registry() -> dict[str, Scenario]:
+    out = {}
+    for make in (_fastermoe, _pro_prophet, _smartmoe, _flexmoe, _hybridep, _cross_dc):
+        s = make()
+        out[s.name] = s
+    return out
+
+
+SCENARIOS: dict[str, Scenario] = _registry()
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise ConfigError(
+            f"unknown scenario (known: {', '.join(SCENARIOS)})", source=name, field="scenario"
+        )
+    return SCENARIOS[name]
