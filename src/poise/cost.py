@@ -200,17 +200,39 @@ def _group_local_traffic(
 MIN_TRAFFIC_BYTES = 1.0  # less than one byte on a level is float residue, not a message
 
 
+def level_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """`(bw_Bps[3], lat_s[3])`: per-device bandwidth and latency of each link level."""
+    links = cluster.links()
+    return (
+        np.array([k.per_device_bw_Bps for k in links]),
+        np.array([k.lat_s for k in links]),
+    )
+
+
+def level_seconds(moved: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndarray:
+    """Seconds to move `moved` bytes over a level (elementwise; `bw`, `lat` broadcast along the
+    level axis): moved / bw + latency. A level pays its latency only when at least
+    `MIN_TRAFFIC_BYTES` cross it, and less counts as nothing: shares computed as differences
+    (1 - in-domain share, totals updated by deltas) leave rounding residues near 1e-13 that are
+    not traffic. Every pricer (`link_time`, `cost_incremental`) goes through here."""
+    moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
+    return moved / bw + np.where(moved > 0, lat, 0.0)
+
+
 def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
-    """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency.
-    `send_bytes`, `recv_bytes`: `[3, L, D]`. A level pays its latency only when at least
-    `MIN_TRAFFIC_BYTES` cross it: shares computed as differences (1 - in-domain share) leave
-    rounding residues near 1e-13 that are not traffic."""
-    total = np.zeros(send_bytes.shape[1:])
-    for v, link in enumerate(cluster.links()):
-        moved = np.maximum(send_bytes[v], recv_bytes[v])
-        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
-        total += moved / link.per_device_bw_Bps + np.where(moved > 0, link.lat_s, 0.0)
-    return total.max(axis=1)
+    """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency
+    (`level_seconds`). `send_bytes`, `recv_bytes`: `[3, L, D]`."""
+    bw, lat = level_links(cluster)
+    moved = np.maximum(send_bytes, recv_bytes)
+    per_level = level_seconds(moved, bw[:, None, None], lat[:, None, None])
+    return per_level.sum(axis=0).max(axis=1)
+
+
+def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.ndarray:
+    """Forward seconds of one expert GEMM over `rows` tokens (elementwise):
+    rows * F_t / rate(rows), rate(n) = gemm_flops * n / (n + gemm_half_rows)."""
+    rate = cluster.gemm_rate(np.maximum(rows, 1.0))
+    return rows * spec.flops_per_token_fwd / rate
 
 
 def replica_traffic(
@@ -281,8 +303,7 @@ class CostModel:
 
     def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
         """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens."""
-        rate = self.cluster.gemm_rate(np.maximum(received, 1.0))
-        return (received * self.spec.flops_per_token_fwd / rate).sum(axis=2)
+        return expert_seconds(self.cluster, self.spec, received).sum(axis=2)
 
     def phases(
         self,

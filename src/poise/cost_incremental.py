@@ -26,22 +26,16 @@ from __future__ import annotations
 import numpy as np
 
 from poise.cost import (
-    MIN_TRAFFIC_BYTES,
     CostModel,
     PhaseTimes,
+    expert_seconds,
+    level_links,
+    level_seconds,
     level_traffic,
     migration_traffic,
     replica_traffic,
 )
 from poise.placement import Assignment, Placement
-
-
-def expert_seconds(cost: CostModel, rows: np.ndarray) -> np.ndarray:
-    """Forward seconds of one expert GEMM over `rows` tokens (elementwise), as in
-    `CostModel.expert_compute_s`."""
-    rate = cost.cluster.gemm_rate(np.maximum(rows, 1.0))
-    return rows * cost.spec.flops_per_token_fwd / rate
-
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
@@ -101,9 +95,7 @@ class LayerState:
         R = assignment.received(placement, counts)  # [L, D, E]
         send, recv = level_traffic(cluster, placement, assignment, counts)
         p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        links = cluster.links()
-        inv_bw = np.array([1.0 / k.per_device_bw_Bps for k in links])[:, None]
-        lat = np.array([k.lat_s for k in links])[:, None]
+        bw, lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
         states = []
         for layer in range(counts.shape[0]):
@@ -113,19 +105,17 @@ class LayerState:
             state.comp = state.comp_s(state.R).sum(axis=1)
             state.tok_send, state.tok_recv = send[:, layer], recv[:, layer]
             state.par_send, state.par_recv = p_send[:, layer], p_recv[:, layer]
-            state.fnec, state.inv_bw, state.lat = fnec, inv_bw, lat
+            state.fnec, state.bw, state.lat = fnec, bw, lat
             states.append(state)
         return states
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
         """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
-        return expert_seconds(self.cost, rows)
+        return expert_seconds(self.cost.cluster, self.cost.spec, rows)
 
     def links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """`[..., 3, D]` bytes -> `[...]` seconds, slowest device (`cost.link_time`)."""
-        moved = np.maximum(send, recv)
-        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)  # as in `cost.link_time`
-        per_level = moved * self.inv_bw + np.where(moved > 0, self.lat, 0.0)
+        per_level = level_seconds(np.maximum(send, recv), self.bw, self.lat)
         return per_level.sum(axis=-2).max(axis=-1)
 
     def layer_s(
@@ -206,9 +196,7 @@ class ExpertColumns:
         self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
         self.devices = np.arange(D)
         self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
-        links = cluster.links()
-        self.bw = np.array([k.per_device_bw_Bps for k in links])[:, None]  # [3, 1]
-        self.lat = np.array([k.lat_s for k in links])[:, None]
+        self.bw, self.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         # Tokens are priced in bytes; Trans and migration rows already are.
         self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
         placement = Placement(home, copies, 0)
@@ -231,7 +219,7 @@ class ExpertColumns:
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
         """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
-        return expert_seconds(self.cost, rows)
+        return expert_seconds(self.cost.cluster, self.cost.spec, rows)
 
     def column_terms(
         self,
@@ -297,10 +285,7 @@ class ExpertColumns:
         M, _, D = totals.shape
         send = totals[:, ROW_SEND].reshape(M, 3, 3, D)  # [M, kind, level, D]
         recv = totals[:, ROW_RECV].reshape(M, 3, 3, D)
-        moved = np.maximum(send, recv) * self.scale
-        # Below one byte is float residue of the differences, not traffic (as in CostModel).
-        moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
-        per_level = moved / self.bw + np.where(moved > 0, self.lat, 0.0)
+        per_level = level_seconds(np.maximum(send, recv) * self.scale, self.bw, self.lat)
         link_s = per_level.sum(axis=2).max(axis=2)  # [M, kind]
         a2a, trans, mig = link_s[:, 0], link_s[:, 1], link_s[:, 2]
         fec = totals[:, ROW_COMP].max(axis=1)
