@@ -1,0 +1,1 @@
+"""The expert-parallel MoE layer: router, experts, dispatcher, slots (torch)."""
