@@ -1,0 +1,1 @@
+"""Live balancing on torch.distributed: launching ranks, transfers, the Balancer."""

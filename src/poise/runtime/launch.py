@@ -1,0 +1,121 @@
+"""Run a function on W local gloo ranks in spawned processes and collect what each returns.
+
+Used by the multi-rank tests, the benchmarks and `poise calibrate`: every rank gets a gloo
+process group on 127.0.0.1 (with a collective timeout, so a disagreeing rank is an error, not a
+hang), one intra-op thread by default, and its return value is pickled back to the parent. A rank
+that raises fails the whole run with that rank's traceback; a run past `timeout_s` is ended.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from poise.errors import PoiseError
+
+
+class RankFailedError(PoiseError):
+    """A spawned rank raised, or the ranks did not finish in time."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    out_dir: str,
+    threads: int,
+    collective_timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    result_path = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        try:
+            payload = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        result_path.write_bytes(pickle.dumps(payload))
+        raise
+    result_path.write_bytes(pickle.dumps(payload))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads: int = 1,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; return the results
+    in rank order. `fn` and `args` must be picklable (a module-level function)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="poise-ranks-") as out_dir:
+        procs = mp.start_processes(
+            _rank_main,
+            args=(fn, world_size, free_port(), out_dir, threads, collective_timeout_s, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not procs.join(timeout=0.1):
+                if time.monotonic() > deadline:
+                    raise RankFailedError(f"ranks did not finish within {timeout_s:.0f} s")
+        except mp.ProcessRaisedException as exc:
+            raise RankFailedError(_first_error(out_dir, world_size) or str(exc)) from None
+        except mp.ProcessExitedException as exc:
+            raise RankFailedError(_first_error(out_dir, world_size) or str(exc)) from None
+        finally:
+            for proc in procs.processes:
+                if proc.is_alive():
+                    proc.kill()
+        results = []
+        for rank in range(world_size):
+            status, value = pickle.loads((Path(out_dir) / f"rank{rank}.pkl").read_bytes())
+            if status != "ok":
+                raise RankFailedError(f"rank {rank}: {value}")
+            results.append(value)
+        return results
+
+
+def _first_error(out_dir: str, world_size: int) -> str | None:
+    for rank in range(world_size):
+        path = Path(out_dir) / f"rank{rank}.pkl"
+        if path.exists():
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                return f"rank {rank}: {value}"
+    return None
+
+
+__all__ = ["RankFailedError", "free_port", "run_ranks"]
