@@ -1,0 +1,485 @@
+"""Trans, Agg and migration: moving expert rows between the slots of the ranks of one layer.
+
+Every rank holds the layer's experts as stacked tensors with one row per slot (`w_in [S, D, H]`,
+`w_gate [S, D, H]`, `w_out [S, H, D]`); which expert a slot holds is the layer's `SlotMap` on
+that rank (`poise.nn.slots`). All ranks derive the same maps from the same plan, so each rank
+works out, without talking to the others, which rows it sends where and which it receives.
+
+- Trans (`trans`, `trans_async`): each replica slot gets its home's current weights.
+- Agg (`agg`, `agg_async`): each home slot's gradient gains the sum of its replicas' gradients
+  (added in ascending rank of the replica holder, so the sum is deterministic); replica gradients
+  become zero, so the optimizer leaves the owner's mathematics exactly that of static EP.
+- Migration (`migrate`): a new placement takes effect. Each new home slot gets the old home's
+  weights and optimizer moments (every state tensor shaped like the parameter: AdamW's
+  `exp_avg`, `exp_avg_sq`); each replica slot gets the old home's weights and zero moments;
+  empty slots become zero. Per-tensor step counts are untouched (every rank steps every tensor).
+
+Each is one `all_to_all_single` per layer with variable split sizes on the existing process
+group: the rows of all tensors (weights, moments) for one peer are packed into one flat buffer.
+Rows that stay on a rank are copied locally; a layer with nothing to send issues no collective
+(all ranks agree on that, since they share the maps). The `*_async` variants return a `Pending`
+whose `wait()` finishes the transfer, so Trans of layer l+1 can run under layer l's forward and
+Agg under the backward of earlier layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from poise.errors import PoiseError
+from poise.nn.slots import SlotMap
+
+Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]
+"""Receives rows: `sink(dst_slots[n], rows)` with one `[n, ...]` tensor per stream tensor."""
+
+
+class TransferError(PoiseError):
+    """Slot maps or tensors that a transfer cannot work with (no home, shapes that disagree)."""
+
+
+# ------------------------------------------------------------------------------------ routes
+@dataclass(frozen=True)
+class Routes:
+    """Rows that move between slots: row i goes from slot `src_slot[i]` of rank `src_rank[i]` to
+    slot `dst_slot[i]` of rank `dst_rank[i]` (all `[N]` int64). Sorted by (src_rank, dst_rank,
+    dst_slot), so sender and receiver list the rows of one pair of ranks in the same order."""
+
+    src_rank: np.ndarray
+    src_slot: np.ndarray
+    dst_rank: np.ndarray
+    dst_slot: np.ndarray
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, int, int]]) -> Routes:
+        """From `(src_rank, src_slot, dst_rank, dst_slot)` tuples in any order."""
+        a = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        order = np.lexsort((a[:, 3], a[:, 2], a[:, 0]))
+        a = a[order]
+        return cls(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+
+    def __len__(self) -> int:
+        return int(self.src_rank.shape[0])
+
+    def between(self, src: int, dst: int) -> np.ndarray:
+        """`[n]` indices of the rows going from rank `src` to rank `dst`, in route order."""
+        return np.nonzero((self.src_rank == src) & (self.dst_rank == dst))[0]
+
+    def remote_rows(self) -> int:
+        """Rows that cross between two different ranks (all ranks together)."""
+        return int(np.count_nonzero(self.src_rank != self.dst_rank))
+
+    def swapped(self) -> Routes:
+        """The same rows travelling the other way."""
+        return Routes.build(
+            list(zip(self.dst_rank, self.dst_slot, self.src_rank, self.src_slot, strict=True))
+        )
+
+    def select(self, mask: np.ndarray) -> Routes:
+        return Routes(
+            self.src_rank[mask], self.src_slot[mask], self.dst_rank[mask], self.dst_slot[mask]
+        )
+
+
+def home_slots(maps: Sequence[SlotMap]) -> dict[int, tuple[int, int]]:
+    """`{expert: (rank, slot)}` of each held expert's home copy. Raises `TransferError` when an
+    expert held somewhere has no home, or two."""
+    homes: dict[int, tuple[int, int]] = {}
+    held: set[int] = set()
+    for rank, m in enumerate(maps):
+        for slot, (expert, is_home) in enumerate(zip(m.expert, m.home, strict=True)):
+            if expert < 0:
+                continue
+            held.add(int(expert))
+            if is_home:
+                if int(expert) in homes:
+                    raise TransferError(f"expert {expert} has two homes", field="slots.home")
+                homes[int(expert)] = (rank, slot)
+    missing = sorted(held - homes.keys())
+    if missing:
+        raise TransferError(f"experts {missing} are held but have no home", field="slots.home")
+    return homes
+
+
+def trans_routes(maps: Sequence[SlotMap]) -> Routes:
+    """Home slot -> every replica slot of the same expert."""
+    homes = home_slots(maps)
+    rows = []
+    for rank, m in enumerate(maps):
+        for slot in np.nonzero((m.expert >= 0) & ~m.home)[0]:
+            src_rank, src_slot = homes[int(m.expert[slot])]
+            rows.append((src_rank, src_slot, rank, int(slot)))
+    return Routes.build(rows)
+
+
+def agg_routes(maps: Sequence[SlotMap]) -> Routes:
+    """Replica slot -> its expert's home slot (Trans travelling back)."""
+    return trans_routes(maps).swapped()
+
+
+def migration_routes(
+    old_maps: Sequence[SlotMap], new_maps: Sequence[SlotMap]
+) -> tuple[Routes, Routes]:
+    """`(homes, replicas)`: every slot of `new_maps` filled from the expert's home in
+    `old_maps`; `homes` are the rows that become homes (they carry optimizer state)."""
+    if len(old_maps) != len(new_maps):
+        raise TransferError(
+            f"{len(old_maps)} old slot maps but {len(new_maps)} new", field="slots.ranks"
+        )
+    old_homes = home_slots(old_maps)
+    home_slots(new_maps)  # the new maps must be consistent too
+    homes, replicas = [], []
+    for rank, m in enumerate(new_maps):
+        for slot in np.nonzero(m.expert >= 0)[0]:
+            expert = int(m.expert[slot])
+            if expert not in old_homes:
+                raise TransferError(
+                    f"expert {expert} has no home in the old placement", field="slots.home"
+                )
+            src_rank, src_slot = old_homes[expert]
+            (homes if m.home[slot] else replicas).append((src_rank, src_slot, rank, int(slot)))
+    return Routes.build(homes), Routes.build(replicas)
+
+
+# ---------------------------------------------------------------------------------- exchange
+@dataclass
+class Stream:
+    """Rows of `sources` (each `[S, ...]`) moving along `routes`; `sink` places received rows."""
+
+    routes: Routes
+    sources: list[torch.Tensor]
+    sink: Sink
+
+    def row_numel(self) -> int:
+        return sum(_row_numel(t) for t in self.sources)
+
+    def row_bytes(self) -> int:
+        return sum(_row_numel(t) * t.element_size() for t in self.sources)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return int(np.prod(t.shape[1:], dtype=np.int64))
+
+
+@dataclass
+class Pending:
+    """A transfer in flight. `wait()` completes it (idempotent). `sent_bytes`/`received_bytes`:
+    this rank's traffic to and from other ranks; `total_bytes`: all ranks' traffic together."""
+
+    sent_bytes: int
+    received_bytes: int
+    total_bytes: int
+    _finish: Callable[[], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
+def exchange(
+    streams: Sequence[Stream],
+    rank: int,
+    world_size: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Pending:
+    """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks).
+
+    Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
+    time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
+    fixed order. Every rank must call this with streams built from the same routes."""
+    _check_streams(streams)
+    remote = any(s.routes.remote_rows() for s in streams)
+    dtype = _buffer_dtype(streams)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
+    recv_numel = [0] * world_size
+    sent = received = total = 0
+    for stream in streams:
+        r = stream.routes
+        total += stream.row_bytes() * r.remote_rows()
+        for peer in range(world_size):
+            out = r.between(rank, peer)
+            if out.size:
+                rows = [_take(t, r.src_slot[out]) for t in stream.sources]
+                if peer == rank:
+                    local.append((stream, _index(r.dst_slot[out], rows[0]), rows))
+                else:
+                    parts[peer].extend(x.reshape(-1).to(dtype) for x in rows)
+                    sent += stream.row_bytes() * out.size
+            if peer != rank:
+                n_in = r.between(peer, rank).size
+                recv_numel[peer] += n_in * stream.row_numel()
+                received += stream.row_bytes() * n_in
+
+    def place(recv: torch.Tensor | None) -> None:
+        offsets = np.concatenate([[0], np.cumsum(recv_numel)])
+        for peer in range(world_size):
+            if peer == rank:
+                for stream, dst, rows in local:
+                    stream.sink(dst, rows)
+                continue
+            if recv is None or recv_numel[peer] == 0:
+                continue
+            _unpack(streams, recv[offsets[peer] : offsets[peer + 1]], peer, rank)
+
+    if not remote:
+        return Pending(0, 0, 0, lambda: place(None))
+    device = streams[0].sources[0].device
+    send_numel = [sum(int(x.numel()) for x in p) for p in parts]
+    flat = [x for p in parts for x in p]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_numel), dtype=dtype, device=device)
+    work = dist.all_to_all_single(
+        recv, send, recv_numel, send_numel, group=group, async_op=async_op
+    )
+
+    def finish() -> None:
+        if work is not None:
+            work.wait()
+        place(recv)
+
+    return Pending(sent, received, total, finish)
+
+
+def _unpack(streams: Sequence[Stream], chunk: torch.Tensor, src: int, rank: int) -> None:
+    """Hand the rows one peer sent to each stream's sink, in the order they were packed."""
+    at = 0
+    for stream in streams:
+        r = stream.routes
+        idx = r.between(src, rank)
+        if not idx.size:
+            continue
+        rows = []
+        for t in stream.sources:
+            n = idx.size * _row_numel(t)
+            rows.append(chunk[at : at + n].reshape(idx.size, *t.shape[1:]).to(t.dtype))
+            at += n
+        stream.sink(_index(r.dst_slot[idx], chunk), rows)
+
+
+def _take(t: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    return t.detach().index_select(0, _index(slots, t))
+
+
+def _index(slots: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(slots, dtype=torch.long, device=like.device)
+
+
+def _buffer_dtype(streams: Sequence[Stream]) -> torch.dtype:
+    dtype: torch.dtype | None = None
+    for s in streams:
+        for t in s.sources:
+            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    return dtype or torch.float32
+
+
+def _check_streams(streams: Sequence[Stream]) -> None:
+    for s in streams:
+        if not s.sources:
+            raise TransferError("a stream needs at least one tensor", field="tensors")
+        slots = {int(t.shape[0]) for t in s.sources}
+        if len(slots) != 1:
+            raise TransferError(
+                f"tensors disagree on the slot count: {sorted(slots)}", field="tensors"
+            )
+
+
+# --------------------------------------------------------------------------------- Trans/Agg
+def trans_async(
+    params: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> Pending:
+    """Start Trans: every replica slot of `params` (each `[S, ...]`) receives its home's rows.
+    The replica rows are written at `wait()`. `routes` (from `trans_routes(maps)`) may be passed
+    to skip recomputing them each step."""
+    routes = routes if routes is not None else trans_routes(maps)
+    targets = list(params)
+
+    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, x in zip(targets, rows, strict=True):
+                t.index_copy_(0, dst, x)
+
+    stream = Stream(routes, targets, sink)
+    return exchange([stream], rank, len(maps), group=group, async_op=True)
+
+
+def trans(
+    params: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> Pending:
+    """Trans, completed before returning (the returned `Pending` carries the byte counts)."""
+    pending = trans_async(params, maps, rank, group=group, routes=routes)
+    pending.wait()
+    return pending
+
+
+def agg_async(
+    grads: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> Pending:
+    """Start Agg on gradients `grads` (each `[S, ...]`, same layout as the parameters).
+
+    Replica rows are packed and zeroed now, so gradients accumulated into them after this call
+    (a further micro-batch) are not lost; at `wait()` each home row gains its replicas' rows,
+    in ascending rank of the sender. `routes` defaults to `agg_routes(maps)`."""
+    routes = routes if routes is not None else agg_routes(maps)
+    targets = list(grads)
+
+    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, x in zip(targets, rows, strict=True):
+                t.index_add_(0, dst, x)
+
+    pending = exchange([Stream(routes, targets, sink)], rank, len(maps), group=group, async_op=True)
+    mine = routes.src_slot[routes.src_rank == rank]
+    if mine.size:
+        with torch.no_grad():
+            for t in targets:
+                t.index_fill_(0, _index(mine, t), 0.0)
+    return pending
+
+
+def agg(
+    grads: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> Pending:
+    """Agg, completed before returning."""
+    pending = agg_async(grads, maps, rank, group=group, routes=routes)
+    pending.wait()
+    return pending
+
+
+# --------------------------------------------------------------------------------- migration
+@dataclass(frozen=True)
+class Migration:
+    """What `migrate` moved. `home_*`: rows that became homes elsewhere (weights and optimizer
+    state); `replica_*`: replica fills (weights). `*_bytes`: this rank's outgoing traffic;
+    `*_total_bytes`: all ranks' together; `moved_homes`: experts whose home changed rank."""
+
+    home_bytes: int
+    replica_bytes: int
+    home_total_bytes: int
+    replica_total_bytes: int
+    moved_homes: int
+
+
+def state_tensors(
+    optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]
+) -> list[list[torch.Tensor]]:
+    """Per parameter, its optimizer state tensors shaped like it (AdamW: `exp_avg`,
+    `exp_avg_sq`), in key order. Scalars such as `step` are not included."""
+    out: list[list[torch.Tensor]] = []
+    for p in params:
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        out.append(
+            [
+                state[k]
+                for k in sorted(state, key=str)
+                if isinstance(state[k], torch.Tensor) and state[k].shape == p.shape
+            ]
+        )
+    return out
+
+
+def migrate(
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    old_maps: Sequence[SlotMap],
+    new_maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> Migration:
+    """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
+    `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
+
+    Afterwards every held slot has its expert's current weights (replicas too: no Trans is
+    needed), home slots have the old home's moments, other slots zero moments, empty slots zero
+    weights. Parameters and state tensors are updated in place (the optimizer keeps its
+    references). Works when homes change rank and when slots are reordered on one rank."""
+    params = list(params)
+    moments = state_tensors(optimizer, params)
+    _check_same_state(moments, group)
+    homes, replicas = migration_routes(old_maps, new_maps)
+    new_params = [torch.zeros_like(p) for p in params]
+    new_moments = [[torch.zeros_like(m) for m in ms] for ms in moments]
+    flat_moments = [m for ms in moments for m in ms]
+    flat_new_moments = [m for ms in new_moments for m in ms]
+
+    def fill(targets: list[torch.Tensor]) -> Sink:
+        def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+            for t, x in zip(targets, rows, strict=True):
+                t.index_copy_(0, dst, x)
+
+        return sink
+
+    with torch.no_grad():
+        streams = [
+            Stream(homes, [*params, *flat_moments], fill([*new_params, *flat_new_moments])),
+            Stream(replicas, list(params), fill(new_params)),
+        ]
+        pending = exchange(streams, rank, len(new_maps), group=group)
+        pending.wait()
+        for p, new in zip(params, new_params, strict=True):
+            p.copy_(new)
+        for m, new in zip(flat_moments, flat_new_moments, strict=True):
+            m.copy_(new)
+    home_row = streams[0].row_bytes()
+    replica_row = streams[1].row_bytes()
+    return Migration(
+        home_bytes=home_row * int(np.count_nonzero(_leaving(homes, rank))),
+        replica_bytes=replica_row * int(np.count_nonzero(_leaving(replicas, rank))),
+        home_total_bytes=home_row * homes.remote_rows(),
+        replica_total_bytes=replica_row * replicas.remote_rows(),
+        moved_homes=homes.remote_rows(),
+    )
+
+
+def _leaving(routes: Routes, rank: int) -> np.ndarray:
+    return (routes.src_rank == rank) & (routes.dst_rank != rank)
+
+
+def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGroup | None) -> None:
+    """Every rank must move the same number of state tensors, or the packed rows disagree."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    n = sum(len(ms) for ms in moments)
+    device = moments[0][0].device if n else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type == "cpu":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([n, -n], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != -int(t[1]):
+        raise TransferError(
+            f"ranks hold different optimizer state ({-int(t[1])} to {int(t[0])} tensors; this "
+            f"rank {n}): step every rank's optimizer before migrating",
+            field="optimizer.state",
+        )
