@@ -114,18 +114,81 @@ def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
     return x.reshape(L, groups, D // groups, *rest).sum(axis=2)
 
 
-def _within_groups(remote: np.ndarray, w: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+def _within_groups(
+    remote: np.ndarray, w: np.ndarray, w_group: np.ndarray, groups: int
+) -> tuple[np.ndarray, np.ndarray]:
     """`(send, recv)` `[L, D]` for `groups` contiguous device groups: send[d] = sum_e remote[d, e]
     * (share of e's remote tokens landing in d's group); recv[d] = sum_e w[d, e] * (remote
-    tokens of e from d's group). `remote`, `w`: `[L, D, E]`."""
+    tokens of e from d's group). `remote`, `w`: `[L, D, E]`; `w_group[L, G, E]`: `w` summed
+    over each group's devices."""
     L, D, E = remote.shape
     r4 = remote.reshape(L, groups, D // groups, E)
     w4 = w.reshape(L, groups, D // groups, E)
-    w_group = w4.sum(axis=2)  # [L, G, E]
     r_group = r4.sum(axis=2)
     send = np.einsum("lgde,lge->lgd", r4, w_group).reshape(L, D)
     recv = np.einsum("lgde,lge->lgd", w4, r_group).reshape(L, D)
     return send, recv
+
+
+class Routing:
+    """Where one placement and assignment send tokens, with everything that does not depend on
+    the loads computed once: the holder mask `held[L, D, E]`, the shares `w[L, D, E]` of each
+    expert's remote tokens landing on each device, and their sums per node, per domain and over
+    the cluster (`[L, G, E]`). `level_traffic` and `PlanPricer` go through here; a simulator
+    pricing one plan on many steps builds it once."""
+
+    def __init__(self, cluster: Cluster, placement: Placement, assignment: Assignment) -> None:
+        self.cluster = cluster
+        self.placement = placement
+        self.assignment = assignment
+        self.held = placement.holders()
+        self.w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
+        self.groups = (cluster.num_nodes, cluster.domains, 1)
+        L, D, E = self.w.shape
+        self.w_group = [self.w.reshape(L, g, D // g, E).sum(axis=2) for g in self.groups]
+        self.local = assignment.local_mask().transpose(0, 2, 1) if assignment.grouped else None
+
+    def remote(self, counts: np.ndarray) -> np.ndarray:
+        """`[L, D, E]` tokens that must leave their source (it holds no copy)."""
+        return np.where(self.held, 0.0, counts)
+
+    def received(self, counts: np.ndarray, remote: np.ndarray | None = None) -> np.ndarray:
+        """`[L, D, E]` tokens each device computes (`Assignment.received`)."""
+        if self.local is not None:
+            return self.assignment.received(self.placement, counts)
+        remote = self.remote(counts) if remote is None else remote
+        return np.where(self.held, counts, 0.0) + self.w * remote.sum(axis=1)[:, None, :]
+
+    def traffic(
+        self, counts: np.ndarray, remote: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`(send, recv)` tokens per device and link level, each `[3, L, D]` (`level_traffic`)."""
+        remote = self.remote(counts) if remote is None else remote
+        local = self.local
+        remote_glob = remote if local is None else np.where(local, 0.0, remote)
+        # Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
+        # remote * the share of e's copies in that node / domain); per holder: its share of the
+        # remote tokens of its node's / domain's / all sources. Devices are numbered node-major,
+        # so a node or domain is a contiguous run and reshapes replace D x D matrices.
+        parts = [
+            _within_groups(remote_glob, self.w, wg, g)
+            for wg, g in zip(self.w_group, self.groups, strict=True)
+        ]
+        (send_node, recv_node), (send_dom, recv_dom), (send_all, recv_all) = parts
+        send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
+        recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
+        if local is not None:
+            assignment = self.assignment
+            assert assignment.group_weights is not None
+            send_l, recv_l = _group_local_traffic(
+                self.cluster,
+                assignment.group_size,
+                np.where(local, remote, 0.0),
+                assignment.group_weights.transpose(0, 2, 1),
+            )
+            send = send + send_l
+            recv = recv + recv_l
+        return np.maximum(send, 0.0), np.maximum(recv, 0.0)
 
 
 def level_traffic(
@@ -139,32 +202,7 @@ def level_traffic(
     With group-local routing (`Assignment.group_weights`, HybridEP) a source whose group routes e
     locally sends inside its group; groups must nest with the cluster's levels (a group lies in
     one node, or is a run of whole nodes inside one domain)."""
-    held = placement.holders()
-    remote = np.where(held, 0.0, counts)  # [L, D, E]: tokens that must leave their source
-    local = assignment.local_mask().transpose(0, 2, 1) if assignment.grouped else None
-    remote_glob = remote if local is None else np.where(local, 0.0, remote)
-    # [L, D, E] share of remote tokens landing on d
-    w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
-    # Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
-    # remote * the share of e's copies in that node / domain); per holder: its share of the
-    # remote tokens of its node's / domain's / all sources. Devices are numbered node-major, so
-    # a node or domain is a contiguous run and reshapes replace D x D matrices.
-    send_node, recv_node = _within_groups(remote_glob, w, cluster.num_nodes)
-    send_dom, recv_dom = _within_groups(remote_glob, w, cluster.domains)
-    send_all, recv_all = _within_groups(remote_glob, w, 1)
-    send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
-    recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
-    if local is not None:
-        assert assignment.group_weights is not None
-        send_l, recv_l = _group_local_traffic(
-            cluster,
-            assignment.group_size,
-            np.where(local, remote, 0.0),
-            assignment.group_weights.transpose(0, 2, 1),
-        )
-        send = send + send_l
-        recv = recv + recv_l
-    return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+    return Routing(cluster, placement, assignment).traffic(counts)
 
 
 def _group_local_traffic(
@@ -305,6 +343,10 @@ class CostModel:
         """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens."""
         return expert_seconds(self.cluster, self.spec, received).sum(axis=2)
 
+    def pricer(self, placement: Placement, assignment: Assignment) -> PlanPricer:
+        """A pricer of this plan for many load matrices (see `PlanPricer`)."""
+        return PlanPricer(self, placement, assignment)
+
     def phases(
         self,
         placement: Placement,
@@ -313,23 +355,7 @@ class CostModel:
         migrations: np.ndarray | None = None,
     ) -> tuple[PhaseTimes, np.ndarray]:
         """Phase times `[L]` and the per-device computed tokens `[L, D]`."""
-        counts = self.check_loads(counts)
-        L = counts.shape[0]
-        spec, cluster = self.spec, self.cluster
-        received = assignment.received(placement, counts)
-        fec = self.expert_compute_s(received).max(axis=1)
-        send, recv = level_traffic(cluster, placement, assignment, counts)
-        a2a = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
-        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        trans = link_time(cluster, t_send, t_recv)
-        if migrations is not None and len(migrations):
-            m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
-            mig = link_time(cluster, m_send, m_recv)
-        else:
-            mig = np.zeros(L)
-        fnec = np.full(L, spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
-        return phases, received.sum(axis=2)
+        return self.pricer(placement, assignment).phases(counts, migrations)
 
     def price(
         self,
@@ -338,10 +364,56 @@ class CostModel:
         counts: np.ndarray,
         migrations: np.ndarray | None = None,
     ) -> PlanCost:
-        phases, device_load = self.phases(placement, assignment, counts, migrations)
+        return self.pricer(placement, assignment).price(counts, migrations)
+
+
+class PlanPricer:
+    """Prices one placement and assignment on any number of load matrices: what depends only on
+    the plan (its `Routing`, Trans and Agg seconds, the non-MoE compute) is computed once, so a
+    simulator replaying a plan for K steps pays for it once, not K times."""
+
+    def __init__(self, cost: CostModel, placement: Placement, assignment: Assignment) -> None:
+        self.cost = cost
+        cluster, spec = cost.cluster, cost.spec
+        self.layers = placement.layers
+        self.routing = Routing(cluster, placement, assignment)
+        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
+        self.fnec_s = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+
+    def phases(
+        self, counts: np.ndarray, migrations: np.ndarray | None = None
+    ) -> tuple[PhaseTimes, np.ndarray]:
+        """Phase times `[L]` and the per-device computed tokens `[L, D]` on `counts[L, D, E]`,
+        plus the one-off `migrations` rows (layer, expert, old home, new home)."""
+        cost = self.cost
+        counts = cost.check_loads(counts)
+        if counts.shape[0] != self.layers:
+            raise PlanError(
+                f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"
+            )
+        cluster, spec, L = cost.cluster, cost.spec, self.layers
+        remote = self.routing.remote(counts)
+        received = self.routing.received(counts, remote)
+        fec = cost.expert_compute_s(received).max(axis=1)
+        send, recv = self.routing.traffic(counts, remote)
+        a2a = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
+        if migrations is not None and len(migrations):
+            m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
+            mig = link_time(cluster, m_send, m_recv)
+        else:
+            mig = np.zeros(L)
+        fnec = np.full(L, self.fnec_s)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, self.trans_s.copy(), mig)
+        return phases, received.sum(axis=2)
+
+    def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:
+        """The plan's `PlanCost` on `counts[L, D, E]` under the cost model's schedule."""
+        phases, device_load = self.phases(counts, migrations)
+        schedule = self.cost.schedule
         return PlanCost(
             phases=phases,
-            layer_s=self.schedule.layer_time(phases),
-            schedule=self.schedule.name,
+            layer_s=schedule.layer_time(phases),
+            schedule=schedule.name,
             device_load=device_load,
         )

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel, PhaseTimes
+from poise.cost import CostModel, PhaseTimes, PlanPricer
 from poise.errors import ConfigError
 from poise.placement import Plan
 from poise.policies.base import PlanContext, get_policy, make_plan
@@ -190,6 +190,7 @@ def simulate(
     S, L = scaled.steps, spec.moe_layers
     runs = {name: _empty_run(name, S, L, D) for name in names}
     plans: dict[str, Plan | None] = dict.fromkeys(names)
+    pricers: dict[str, PlanPricer] = {}  # each policy's plan in force, priced step by step
     forecast = OnlineForecast(predictor)
     history: list[np.ndarray] = []  # [L, E] per observed step
     done, total = 0, S * len(names)
@@ -219,13 +220,14 @@ def simulate(
                 plan = make_plan(name, loads, plans[name], ctx)
                 wall = time.perf_counter() - t0
                 plans[name] = plan
+                pricers[name] = cost.pricer(plan.placement, plan.assignment)
                 run.plan_wall_s[s] = wall
                 run.plan_ms.append(wall * 1e3 / L)
                 migrations = plan.transfers.migrations
                 run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
             plan = plans[name]
             assert plan is not None
-            priced = cost.price(plan.placement, plan.assignment, actual, migrations)
+            priced = pricers[name].price(actual, migrations)
             for k in PHASES:
                 run.phases[k][s] = getattr(priced.phases, k)
             run.layer_s[s] = priced.layer_s
