@@ -85,3 +85,23 @@ def test_auto_never_slower_than_any_candidate() -> None:
     for name in POLICIES:
         other = make_plan(name, loads, None, ctx)
         assert auto.cost.step_s <= other.cost.step_s * (1 + 1e-12), name
+
+
+def test_auto_breaks_ties_toward_the_fewest_copies() -> None:
+    """A uniform forecast (the first step) prices many layouts alike; auto keeps the tied one
+    with the fewest copies, leaving free slots for later re-planning."""
+    cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)
+    spec = toy_spec(experts=16, layers=2, d_model=512, d_expert=1024, tokens=4096)
+    loads = np.full((2, 8, 16), 64.0)
+    ctx = PlanContext.create(cluster, spec, slots_per_device=4, cost=CostModel(cluster, spec))
+    auto = make_plan("auto", loads, None, ctx)
+    plans = {n: make_plan(n, loads, None, ctx) for n in POLICIES if n != "auto"}
+    for layer, chosen in enumerate(auto.notes["chosen"]):
+        best = min(p.cost.layer_s[layer] for p in plans.values())
+        tied = [
+            p.placement.copies[layer].sum()
+            for p in plans.values()
+            if p.cost.layer_s[layer] <= best * (1 + 1e-9)
+        ]
+        assert plans[chosen].placement.copies[layer].sum() == min(tied)
+    assert auto.placement.copies.sum() < plans["eplb"].placement.copies.sum()

@@ -12,7 +12,6 @@ import pytest
 
 from poise.cli import main
 from poise.errors import ConfigError
-from poise.policies import REGISTRY
 from poise.sim.scenarios import (
     HYBRIDEP_PUBLISHED,
     PROPHET_TABLE_IV,
@@ -65,17 +64,6 @@ def check_result(res: ScenarioResult) -> None:
             assert row.per_case_auto[case] == pytest.approx(base / m[f.system[0]]["auto"])
 
 
-# Runs of the quick forms where auto is slower than another policy on the cost model's own time
-# (planning excluded), all with one cause (docs/scenarios.md, "Where auto is not the fastest"):
-# at step 0 every candidate ties on the uniform forecast and auto keeps the first in its order,
-# eplb, which fills every spare slot with replicas; vexpert is a local search from the plan in
-# force, so auto's vexpert candidate starts from that layout and stalls above what vexpert alone
-# (starting from static) reaches. Listed so that the test fails when this changes either way.
-KNOWN_AUTO_SLOWER = {
-    "pro-prophet": {("8 GPUs, GPT-S, k=2", "pipelined(4)")},
-}
-
-
 def auto_slower(res: ScenarioResult) -> set[tuple[str, str]]:
     """Runs where auto's mean step time exceeds the fastest other policy's, on the cost model's
     time (planning wall time is machine noise: reported in `checks` and the table, not
@@ -89,7 +77,7 @@ def auto_slower(res: ScenarioResult) -> set[tuple[str, str]]:
 def test_each_scenario_quick_form(name: str) -> None:
     res = run_scenario(SCENARIOS[name], quick=True)
     check_result(res)
-    assert auto_slower(res) == KNOWN_AUTO_SLOWER.get(name, set())
+    assert not auto_slower(res)
     assert len(res.checks) == len(res.scenario.cases_for(True)) * len(res.scenario.runs)
     assert res.wall_s < 20
 
@@ -110,17 +98,17 @@ def test_cross_dc_1000_quick_form() -> None:
     assert res.means["1000 DCs x 8 H100"]["hybrid"]["static"] > 0
 
 
-def test_auto_slower_on_fastermoe_gpt_l_and_why() -> None:
-    """The largest loss of auto in the full run, in quick form, and its cause: with `static`
-    first in auto's candidate order (so that the step-0 tie keeps the static layout) auto is no
-    longer slower than vexpert."""
+def test_auto_keeps_room_for_vexpert_after_the_step_zero_tie() -> None:
+    """The largest loss of auto before ties went to the fewest copies, in quick form: at step 0
+    the uniform forecast made every layout price alike, auto kept eplb's replica-filled layout,
+    and its vexpert candidate (a local search from the plan in force) had no free slot left.
+    With the tie going to the layout with the fewest copies, auto is not slower than vexpert."""
     s = dataclasses.replace(SCENARIOS["fastermoe"], quick_cases=("MoE-GPT-L",))
     res = run_scenario(s, quick=True)
     check = {c.schedule: c for c in res.checks}["pipelined(4)"]
-    assert check.best_priced == "vexpert" and check.ratio_priced > 1.05
+    assert check.auto_priced_s <= check.best_priced_s * (1 + TOL)
     case = s.cases_for(True)[0]
     trace, _ = build_trace(case, True, None)
-    order = ["static"] + [n for n in sorted(REGISTRY) if n not in ("auto", "static")]
     result = simulate(
         trace,
         case.get_cluster(),
@@ -129,12 +117,11 @@ def test_auto_slower_on_fastermoe_gpt_l_and_why() -> None:
         "pipelined(4)",
         s.replan_every,
         s.predictor,
-        options={"auto": {"candidates": order}},
         count_planning=False,
     )
     w = s.warmup_steps
     auto, vexpert = (result.runs[n].step_s[w:].mean() for n in ("auto", "vexpert"))
-    assert auto <= vexpert
+    assert auto <= vexpert * (1 + TOL)
 
 
 def test_registry_carries_the_published_tables() -> None:

@@ -9,7 +9,10 @@ i.e. K steps of the candidate's recurring time plus its one-off migration from t
 force. `auto` keeps, per layer, the candidate with the least total; so it moves only when the
 gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
 step time is a sum over layers), so with no placement in force the result is never slower than
-any candidate. Ties go to `keep`, then to the candidate order.
+any candidate. Candidates within relative `TIE_REL` of the least total tie; ties go to `keep`,
+then to the layout with the fewest copies (it leaves the most free slots for later re-planning:
+a uniform forecast, as at the first step, makes every layout price alike, and a replica-filled
+one would leave local searches such as `vexpert` no room), then to the candidate order.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies.base import REGISTRY, PlanContext, register
 
 DEFAULT_HORIZON = 10
+TIE_REL = 1e-9  # totals this close (relative) count as equal
 PHASE_NAMES = [f.name for f in fields(PhaseTimes)]
 
 
@@ -57,8 +61,8 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])  # [C, L]
     moving = np.stack([p.cost.phases.migrate_s for p in plans])
     total = horizon * recurring + moving
-    choice = np.argmin(total, axis=0)  # first minimum: `keep` wins ties
     layers = np.arange(L)
+    choice = _choose(total, plans, names)
     home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
     copies = np.stack([plans[c].placement.copies[layer] for layer, c in enumerate(choice)])
     # from_layers keeps group-local routing (hybrid) of the layers it picks.
@@ -103,3 +107,15 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         cost=cost,
         notes=notes,
     )
+
+
+def _choose(total: np.ndarray, plans: list[Plan], names: list[str]) -> np.ndarray:
+    """`[L]` index of the candidate kept per layer: the least `total[C, L]`; among those within
+    `TIE_REL` of it, `keep` first, then the fewest copies, then the candidate order."""
+    best = total.min(axis=0)
+    tied = total <= best + TIE_REL * np.abs(best)
+    copies = np.stack([p.placement.copies.sum(axis=(1, 2)) for p in plans])  # [C, L]
+    is_keep = np.array([n == "keep" for n in names])[:, None]
+    # Lexicographic: not keep, then copies, then order (argmin takes the first of equal keys).
+    key = np.where(tied, (~is_keep) * (copies.max() + 1.0) + copies, np.inf)
+    return np.argmin(key, axis=0)
