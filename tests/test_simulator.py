@@ -73,6 +73,39 @@ def test_prophet_schedule_hides_planning_under_all_to_all() -> None:
     assert np.all(hidden.runs["prophet"].plan_wall_s[[0, 2]] > 0)
 
 
+def test_background_planning_applies_each_plan_one_step_later() -> None:
+    """A planner thread beside training: step 0 runs the static layout, the plan made at step s
+    prices from step s + 1, and planning is charged only beyond the step it runs beside."""
+    trace = drift_trace(steps=6)
+    cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
+    spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
+    args = (trace, cluster, spec, ["static", "eplb"], "sync", 2, "ema")
+    inline = simulate(*args, count_planning=False)
+    background = simulate(*args, count_planning=False, background_planning=True)
+    bg, il = background.runs["eplb"], inline.runs["eplb"]
+    np.testing.assert_allclose(bg.layer_s[0], background.runs["static"].layer_s[0])
+    # Plans are made from the same forecasts; the one made at step 2 is in force at 3 and 4
+    # in the background replay (paying its migration at 3), at 2 and 3 inline.
+    recurring_bg = bg.layer_s - bg.phases["migrate_s"]
+    np.testing.assert_allclose(recurring_bg[3], il.layer_s[3])
+    np.testing.assert_allclose(bg.phases["migrate_s"][3], il.phases["migrate_s"][2])
+    assert not np.allclose(bg.layer_s[2], il.layer_s[2])
+    assert np.all(bg.plan_s == 0)  # not charged, as asked
+    step = bg.layer_s.sum(axis=1)
+    expected = np.where(bg.plan_wall_s > 0, np.maximum(0.0, bg.plan_wall_s - step), 0.0)
+    np.testing.assert_allclose(bg.plan_charge_s, expected)
+    # A planner slower than the step it runs beside is charged the difference.
+    slow = toy_cluster(4, 2, bw=5e12, inter_bw=2e12, lat=1e-9, flops=1e18)
+    fast_steps = simulate(
+        trace, slow, spec, ["auto"], "sync", 2, "ema", background_planning=True
+    ).runs["auto"]
+    replans = fast_steps.plan_wall_s > 0
+    assert np.all(fast_steps.plan_s[replans] > 0)
+    np.testing.assert_allclose(
+        fast_steps.step_s, fast_steps.layer_s.sum(axis=1) + fast_steps.plan_s
+    )
+
+
 def test_scaling_keeps_expert_proportions_and_row_variation() -> None:
     trace = drift_trace(steps=3, devices=16, experts=8)
     scaled = ScaledTrace.create(trace.counts, 128, seed=1)

@@ -60,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="do not charge measured planner time to the steps",
     )
     p.add_argument(
+        "--background-planning",
+        action="store_true",
+        help="plan in a thread beside training: plans take effect one step later and only "
+        "planning time beyond that step is charged",
+    )
+    p.add_argument(
         "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"
     )
     p.add_argument("--out", default="poise-out/simulate", help="output folder")
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             options=parse_options(args.option),
             seed=args.seed,
             count_planning=not args.no_planning_time,
+            background_planning=args.background_planning,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))

@@ -9,6 +9,10 @@
   a new plan takes effect pays its migration;
 - planning wall time is measured per call and charged to the step it is made in, unless the
   schedule hides it (`Schedule.planning_s`: Pro-Prophet plans under the all-to-all);
+- `background_planning=True` models a planner thread beside training (the runtime's
+  `Balancer` in the background): the plan made at step s runs during step s, from the same
+  forecast, and takes effect at step s + 1 (step 0 runs the static layout); only planning time
+  beyond step s's own time is charged;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step.
 
@@ -46,7 +50,9 @@ class PolicyRun:
 
     `step_s` includes the planning time charged (`plan_s`); `layer_s[S, L]` and
     `phases[name][S, L]` are the cost model's per-layer times (without planning);
-    `plan_wall_s[S]` the measured planner time at re-planning steps (0 elsewhere)."""
+    `plan_wall_s[S]` the measured planner time at re-planning steps (0 elsewhere);
+    `plan_charge_s[S]` what planning costs the step under the replay's planning model, whether
+    or not it was charged (`plan_s` is it when charged, else zeros)."""
 
     policy: str
     step_s: np.ndarray
@@ -54,6 +60,7 @@ class PolicyRun:
     phases: dict[str, np.ndarray]
     plan_s: np.ndarray
     plan_wall_s: np.ndarray
+    plan_charge_s: np.ndarray
     max_over_mean: np.ndarray
     bytes_moved: np.ndarray
     device_load: np.ndarray  # [S, D] tokens per device summed over layers
@@ -158,13 +165,15 @@ def simulate(
     options: dict[str, dict[str, Any]] | None = None,
     seed: int = 0,
     count_planning: bool = True,
+    background_planning: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
     `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
     the trace; `options` are per-policy settings (`auto`'s horizon defaults to `replan_every`);
-    `progress(done, total)` is called after each priced step of each policy."""
+    `progress(done, total)` is called after each priced step of each policy;
+    `background_planning`: see the module docstring."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -190,7 +199,13 @@ def simulate(
     S, L = scaled.steps, spec.moe_layers
     runs = {name: _empty_run(name, S, L, D) for name in names}
     plans: dict[str, Plan | None] = dict.fromkeys(names)
-    pricers: dict[str, PlanPricer] = {}  # each policy's plan in force, priced step by step
+    active: dict[str, tuple[PlanPricer, Plan]] = {}  # the plan in force, with its pricer
+    pending: dict[str, Plan] = {}  # background: made this step, in force from the next
+    if background_planning:
+        ctx0 = PlanContext(cluster, spec, cost, base_ctx.slots_per_device, options=opts)
+        start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
+        start_pricer = cost.pricer(start.placement, start.assignment)
+        active = dict.fromkeys(names, (start_pricer, start))
     forecast = OnlineForecast(predictor)
     history: list[np.ndarray] = []  # [L, E] per observed step
     done, total = 0, S * len(names)
@@ -215,28 +230,41 @@ def simulate(
         for name in names:
             run = runs[name]
             migrations = None
+            if name in pending:  # a background plan made last step takes effect now
+                plan = pending.pop(name)
+                active[name] = (cost.pricer(plan.placement, plan.assignment), plan)
+                migrations = plan.transfers.migrations
+                run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
+            wall = 0.0
             if replan:
                 t0 = time.perf_counter()
                 plan = make_plan(name, loads, plans[name], ctx)
                 wall = time.perf_counter() - t0
                 plans[name] = plan
-                pricers[name] = cost.pricer(plan.placement, plan.assignment)
                 run.plan_wall_s[s] = wall
                 run.plan_ms.append(wall * 1e3 / L)
-                migrations = plan.transfers.migrations
-                run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
-            plan = plans[name]
-            assert plan is not None
-            priced = pricers[name].price(actual, migrations)
+                if background_planning:
+                    pending[name] = plan
+                else:
+                    active[name] = (cost.pricer(plan.placement, plan.assignment), plan)
+                    migrations = plan.transfers.migrations
+                    run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
+            pricer, in_force = active[name]
+            priced = pricer.price(actual, migrations)
             for k in PHASES:
                 run.phases[k][s] = getattr(priced.phases, k)
             run.layer_s[s] = priced.layer_s
-            a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
-            if replan and count_planning:
-                run.plan_s[s] = schedule.planning_s(run.plan_wall_s[s], a2a)
+            if replan:
+                if background_planning:
+                    run.plan_charge_s[s] = max(0.0, wall - priced.step_s)
+                else:
+                    a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
+                    run.plan_charge_s[s] = schedule.planning_s(wall, a2a)
+                if count_planning:
+                    run.plan_s[s] = run.plan_charge_s[s]
             run.step_s[s] = priced.step_s + run.plan_s[s]
             run.max_over_mean[s] = priced.max_over_mean
-            run.bytes_moved[s] += plan.transfers.total_step_bytes
+            run.bytes_moved[s] += in_force.transfers.total_step_bytes
             run.device_load[s] = priced.device_load.sum(axis=0)
             done += 1
             if progress is not None:
@@ -266,6 +294,7 @@ def _empty_run(name: str, S: int, L: int, D: int) -> PolicyRun:
         phases={k: np.zeros((S, L)) for k in PHASES},
         plan_s=np.zeros(S),
         plan_wall_s=np.zeros(S),
+        plan_charge_s=np.zeros(S),
         max_over_mean=np.zeros(S),
         bytes_moved=np.zeros(S),
         device_load=np.zeros((S, D)),

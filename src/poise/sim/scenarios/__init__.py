@@ -22,9 +22,11 @@ Conventions (the same in every scenario, so the rows can be read together):
 - the first `warmup` steps (default: the first re-planning interval, whose plan was made before
   any load was observed, so that every policy plans on uniform loads) are replayed but left out
   of the means, as the papers report steady-state iteration times;
-- planning wall time is charged (`simulate(count_planning=True)`: the papers' iteration times
-  include their planners) unless a scenario says otherwise and why; `checks` report `auto`
-  both ways whatever the setting.
+- planning runs in the background (`simulate(background_planning=True)`: a planner thread
+  beside training, as the runtime's `Balancer` can run it; each plan takes effect the step after
+  the one it is made in, the same for every policy) and the wall time it does not hide is
+  charged (`count_planning=True`: the papers' iteration times include their planners) unless a
+  scenario says otherwise and why; `checks` report `auto` both ways whatever the setting.
 
 `ScenarioResult.rows` has one row per published figure (`Row`); `checks` has, for every case and
 run, `auto`'s mean step time beside the fastest other policy's, with and without planning time.
