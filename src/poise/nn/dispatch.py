@@ -1,0 +1,601 @@
+"""Dispatch and combine: tokens to the ranks and slots holding their experts, and back.
+
+One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `W` ranks, `S` slots:
+
+1. Sort the `T * k` assignments by expert (stable, so token order is kept inside an expert).
+2. Route: `Layout.routes(counts)` gives the integer routes `[E, W]` of this rank's counts (the
+   `Assignment.split` rule: a rank holding a copy of e keeps its tokens for e; other ranks split
+   theirs by the assignment's weights, largest remainder). Inside an expert's run, the first
+   `routes[e, 0]` assignments go to rank 0, the next `routes[e, 1]` to rank 1, and so on.
+3. Exchange counts: one `all_to_all_single` of `[W, E + 2]` int64 (per destination: the counts
+   per expert, a non-finite-input flag and the layout's digest), so every rank knows what it
+   receives and every rank raises the same error on bad input or disagreeing layouts.
+4. Exchange tokens: `all_to_all_single` with split sizes, rows ordered by (destination, expert).
+   With `overlap_degree` n, every (destination, expert) block is cut into n near-equal parts and
+   part c of every block travels in chunk c: n token all-to-alls, launched asynchronously, each
+   chunk's expert compute starting as soon as it has landed and its results sent back at once.
+5. On the receiver, rows are regrouped from (source, expert) to (slot, source) order, the
+   experts run, rows go back to (source, expert) order and return by the reverse all-to-all.
+6. Combine: each token's `k` outputs are gathered back to token order and summed with the
+   router's weights in one batched GEMM (`[T, 1, k] @ [T, k, D]`).
+
+Every permutation is a gather (`index_select`) forward and backward: the inverse permutations
+are computed once on the host, so no `index_add`/scatter runs on activations. With one rank
+(no process group) steps 2-5 collapse to one sort by slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from poise.errors import ConfigError, PlanError, PoiseError
+from poise.nn.slots import SlotMap, slot_maps
+from poise.placement import Assignment, Placement
+
+ExpertFn = Callable[[torch.Tensor, torch.Tensor | list[int]], torch.Tensor]
+
+
+class NonFiniteInputError(PoiseError):
+    """NaN or infinity in an MoE layer's input (found in the router's logits)."""
+
+
+class LayoutMismatchError(PlanError):
+    """Ranks run one MoE layer under different layouts."""
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """One MoE layer's expert layout as rank `rank` sees it.
+
+    - `home [E]`: the owner rank of each expert; `copies [W, E]`: copies per rank;
+    - `weights [E, W]`: the share of this rank's tokens for expert e that go to each rank when
+      this rank holds no copy of e (`Assignment.source_weights()[layer, rank]`: the plain
+      per-expert weights, or the group-local ones where they apply);
+    - `slots`: this rank's `SlotMap` (which expert each of its S slots holds);
+    - `digest`: what every rank must agree on (home, copies, the assignment's global and group
+      weights), compared at every forward; computed from home, copies and weights if 0."""
+
+    rank: int
+    home: np.ndarray
+    copies: np.ndarray
+    weights: np.ndarray
+    slots: SlotMap
+    digest: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+        if not self.digest:
+            object.__setattr__(self, "digest", _digest(self.home, self.copies, self.weights))
+
+    @property
+    def world(self) -> int:
+        return int(self.copies.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.home.shape[0])
+
+    @property
+    def held(self) -> np.ndarray:
+        """`[E]` bool: this rank holds a copy of the expert."""
+        return self.copies[self.rank] > 0
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        """`[E]` the slot holding each expert on this rank, -1 where none does."""
+        return self.slots.slot_of(self.num_experts)
+
+    @classmethod
+    def from_plan(
+        cls,
+        placement: Placement,
+        assignment: Assignment,
+        slots: SlotMap,
+        rank: int,
+        layer: int = 0,
+    ) -> Layout:
+        """Layer `layer` of a plan's placement and assignment, for rank `rank`."""
+        weights = assignment.source_weights()[layer, rank]  # [E, W]
+        home = np.asarray(placement.home[layer], dtype=np.int64)
+        copies = np.asarray(placement.copies[layer], dtype=np.int64)
+        shared = [home, copies, np.asarray(assignment.weights[layer], dtype=np.float64)]
+        if assignment.grouped and assignment.group_weights is not None:
+            shared += [assignment.group_weights[layer], np.array([assignment.group_size])]
+        return cls(
+            rank=int(rank),
+            home=home,
+            copies=copies,
+            weights=np.asarray(weights, dtype=np.float64),
+            slots=slots,
+            digest=_digest(*shared),
+        )
+
+    @classmethod
+    def static(cls, num_experts: int, world: int, rank: int, num_slots: int) -> Layout:
+        """Static EP: experts in contiguous blocks (`e // (E / W)`); with more ranks than
+        experts, rank r holds expert `r * E // W` (the first rank of each block is the home, the
+        others replicas: expert-data parallelism) and tokens split evenly over the copies."""
+        e = np.arange(num_experts)
+        # ceil(e W / E) when W > E: the first rank of each expert's block.
+        homes = (
+            (e * world) // num_experts if world <= num_experts else -(-(e * world) // num_experts)
+        )
+        placement = Placement.from_homes(homes[None, :], world, num_slots)
+        if world > num_experts:
+            placement.copies[0, np.arange(world), (np.arange(world) * num_experts) // world] = 1
+        maps = slot_maps(placement, 0, num_slots)
+        return cls.from_plan(placement, Assignment.even(placement), maps[rank], rank)
+
+    def validate(self) -> None:
+        E, W = self.num_experts, self.world
+        if self.copies.shape != (W, E) or self.weights.shape != (E, W):
+            raise PlanError(
+                f"copies {self.copies.shape} / weights {self.weights.shape} do not fit "
+                f"{E} experts on {W} ranks",
+                field="layout",
+            )
+        if not 0 <= self.rank < W:
+            raise PlanError(f"rank {self.rank} outside {W} ranks", field="layout.rank")
+        slot_of = self.slot_of
+        held = self.held
+        if np.any(held != (slot_of >= 0)):
+            e = int(np.flatnonzero(held != (slot_of >= 0))[0])
+            raise PlanError(
+                f"rank {self.rank}: expert {e} is {'held' if held[e] else 'not held'} by the "
+                f"placement but {'not ' if held[e] else ''}in the slot map",
+                field="layout.slots",
+            )
+        if np.any((self.weights > 1e-9) & (self.copies.T == 0)):
+            raise PlanError("assignment sends tokens to a rank without a copy", field="layout")
+
+    def routes(self, counts: np.ndarray) -> np.ndarray:
+        """Integer routes `[E, W]` of this rank's `counts [E]`: held experts stay here, the
+        rest split by `weights` with largest-remainder rounding (lower rank first on ties),
+        exactly as `Assignment.split` does for this source."""
+        counts = np.asarray(counts, dtype=np.int64)
+        held = self.held
+        remote = np.where(held, 0, counts)
+        ideal = remote[:, None] * self.weights
+        base = np.floor(ideal + 1e-9).astype(np.int64)
+        short = remote - base.sum(axis=1)
+        order = np.argsort(-(ideal - base), axis=1, kind="stable")
+        rank_of = np.empty_like(order)
+        np.put_along_axis(rank_of, order, np.arange(self.world)[None, :].repeat(len(counts), 0), 1)
+        base += (rank_of < short[:, None]).astype(np.int64)
+        base[held, self.rank] += counts[held]
+        return base
+
+
+def _digest(*arrays: np.ndarray) -> int:
+    """A 62-bit digest of arrays (dtype, shape and bytes)."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+# ----------------------------------------------------------------------------- index helpers
+def gather_index(sizes: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Row indices that read the blocks `blocks` (flat block ids, in the wanted order) out of a
+    buffer of consecutive blocks of lengths `sizes` (flat, in buffer order)."""
+    sizes = np.asarray(sizes, dtype=np.int64).ravel()
+    starts = np.cumsum(sizes) - sizes
+    lens = sizes[blocks]
+    offsets = np.cumsum(lens) - lens
+    return np.repeat(starts[blocks] - offsets, lens) + np.arange(int(lens.sum()))
+
+
+def split_parts(sizes: np.ndarray, parts: int) -> np.ndarray:
+    """`[parts, *sizes.shape]`: each size cut into `parts` near-equal parts (earlier parts take
+    the remainder)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    c = np.arange(parts).reshape(-1, *([1] * sizes.ndim))
+    return sizes // parts + (c < sizes % parts)
+
+
+def inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.shape[0])
+    return inv
+
+
+# ----------------------------------------------------------------------------- autograd ops
+class _GatherTokens(torch.autograd.Function):
+    """`x [T, D]` -> `x[rows] [N, D]` where `rows = send_idx // k`; backward gathers with the
+    inverse `inv [T * k]` (N: dropped) and sums each token's k rows."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, rows: torch.Tensor, inv: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        ctx.shape = x.shape
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inv,) = ctx.saved_tensors
+        T, D = ctx.shape
+        if grad.shape[0] != inv.shape[0]:  # some assignments were dropped: read zeros
+            grad = torch.cat([grad, grad.new_zeros(1, D)])
+        g = grad.index_select(0, inv)
+        g = g.view(T, ctx.k, D).sum(1) if ctx.k > 1 else g.view(T, D)
+        return g, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """`x[perm]`; backward `grad[inv_perm]` (a bijection both ways)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inv_perm)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inv_perm,) = ctx.saved_tensors
+        return grad.index_select(0, inv_perm), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """`out [N, D]` (rows in send order), `w [T, k]`, `inv [T * k]`, `send_idx [N]` ->
+    `y [T, D] = sum_j w[t, j] * out[inv[t * k + j]]` (dropped assignments read a zero row)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, send_idx: torch.Tensor
+    ) -> torch.Tensor:
+        T, k = w.shape
+        D = out.shape[1]
+        if out.shape[0] != inv.shape[0]:
+            out = torch.cat([out, out.new_zeros(1, D)])
+        g = out.index_select(0, inv).view(T, k, D)
+        wc = w.to(out.dtype)
+        ctx.save_for_backward(g, wc, send_idx)
+        ctx.w_dtype = w.dtype
+        return torch.bmm(wc.unsqueeze(1), g).squeeze(1)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        g, wc, send_idx = ctx.saved_tensors
+        T, k, D = g.shape
+        gw = torch.bmm(g, gy.unsqueeze(2)).squeeze(2).to(ctx.w_dtype)
+        gg = (wc.unsqueeze(2) * gy.unsqueeze(1)).view(T * k, D)
+        return gg.index_select(0, send_idx), gw, None, None
+
+
+class _Pending:
+    """The work handles of one asynchronous all-to-all and of its backward."""
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+        self.grad: torch.Tensor | None = None
+        self.grad_work: dist.Work | None = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Launch `all_to_all_single` of `send [N, D]` asynchronously; returns the receive buffer
+    (valid once `_AllToAllWait` ran). Backward waits for the reverse exchange that
+    `_AllToAllWait.backward` launched and returns its result."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        send: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        pending: _Pending,
+    ) -> torch.Tensor:
+        send = send.contiguous()
+        recv = send.new_empty(sum(out_splits), *send.shape[1:])
+        pending.work = dist.all_to_all_single(
+            recv, send, out_splits, in_splits, group=group, async_op=True
+        )
+        ctx.pending = pending
+        return recv
+
+    @staticmethod
+    def backward(ctx: Any, _grad_recv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        pending = ctx.pending
+        pending.grad_work.wait()
+        grad = pending.grad
+        pending.grad = pending.grad_work = None
+        return grad, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Wait for `_AllToAllStart`'s exchange; backward launches the reverse exchange."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        recv: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        pending: _Pending,
+    ) -> torch.Tensor:
+        pending.work.wait()
+        pending.work = None
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        ctx.pending = pending
+        return recv.view_as(recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        grad = grad.contiguous()
+        pending = ctx.pending
+        pending.grad = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        pending.grad_work = dist.all_to_all_single(
+            pending.grad, grad, in_splits, out_splits, group=ctx.group, async_op=True
+        )
+        return grad, None, None, None, None
+
+
+_Started = tuple[torch.Tensor, tuple[list[int], list[int], Any, _Pending]]
+
+
+def _start(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> _Started:
+    pending = _Pending()
+    recv = _AllToAllStart.apply(send, out_splits, in_splits, group, pending)
+    return recv, (out_splits, in_splits, group, pending)
+
+
+def _wait(started: _Started) -> torch.Tensor:
+    recv, args = started
+    return _AllToAllWait.apply(recv, *args)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+@dataclass
+class _ChunkPlan:
+    """Host-side index plan of one token chunk on the receiver."""
+
+    in_splits: list[int]  # rows sent to each rank
+    out_splits: list[int]  # rows received from each rank
+    regroup: torch.Tensor | None  # (source, expert) -> (slot, source) order; None: identity
+    ungroup: torch.Tensor | None
+    tokens_per_slot: list[int]
+
+
+class Dispatcher:
+    """Moves tokens to the holders of their experts and back, for one layer on one rank.
+
+    `group`: the process group (None: the default group when one is initialised, else one
+    process). `overlap_degree`: token chunks pipelined with expert compute (1: none).
+    `seconds` holds the last forward's wall time per phase (`dispatch`, `experts`, `combine`)."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, group: Any = None, overlap_degree: int = 1
+    ) -> None:
+        if overlap_degree < 1:
+            raise ConfigError(f"must be >= 1, got {overlap_degree}", field="overlap_degree")
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.group = group
+        self.world, self.rank = world_and_rank(group)
+        self.overlap_degree = int(overlap_degree)
+        self.seconds: dict[str, float] = {}
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        keep: torch.Tensor | None,
+        layout: Layout,
+        expert_fn: ExpertFn,
+        nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """`x [T, D]`, `experts [T, k]`, `weights [T, k]`, `keep [T, k] | None` -> `y [T, D]`.
+
+        `expert_fn(rows [R, D], tokens_per_slot [S]) -> [R, D]` runs this rank's slots.
+        `nonfinite`: this rank's input had NaN/inf; with several ranks every rank raises
+        `NonFiniteInputError` after the count exchange (no rank is left waiting)."""
+        self.seconds = {}
+        if self.world == 1:
+            if nonfinite:
+                raise NonFiniteInputError(
+                    "NaN or infinity in the MoE layer's input", field="moe.input"
+                )
+            return self._local(x, experts, weights, keep, layout, expert_fn)
+        return self._distributed(x, experts, weights, keep, layout, expert_fn, nonfinite)
+
+    # ------------------------------------------------------------------ one process
+    def _local(
+        self,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        keep: torch.Tensor | None,
+        layout: Layout,
+        expert_fn: ExpertFn,
+    ) -> torch.Tensor:
+        t0 = time.perf_counter()
+        T, k = experts.shape
+        S = layout.slots.slots
+        slot_of = layout.slot_of
+        if np.array_equal(slot_of, np.arange(self.num_experts)):
+            key = experts.reshape(-1)
+        else:
+            key = torch.from_numpy(slot_of).to(experts.device)[experts.reshape(-1)]
+        if keep is not None:
+            key = torch.where(keep.reshape(-1), key, S)
+        order = torch.argsort(key, stable=True)
+        tokens_per_slot = torch.bincount(key, minlength=S + 1)[:S]
+        n = T * k
+        if keep is not None:
+            n = int(keep.sum())
+            order = order[:n]
+        inv = torch.full((T * k,), n, dtype=torch.long, device=x.device)
+        inv[order] = torch.arange(n, device=x.device)
+        xs = _GatherTokens.apply(x, order // k if k > 1 else order, inv, k)
+        t1 = time.perf_counter()
+        out = expert_fn(xs, tokens_per_slot)
+        t2 = time.perf_counter()
+        y = _Combine.apply(out, weights, inv, order)
+        t3 = time.perf_counter()
+        self.seconds = {"dispatch": t1 - t0, "experts": t2 - t1, "combine": t3 - t2}
+        return y
+
+    # ------------------------------------------------------------------ several ranks
+    def _distributed(
+        self,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        keep: torch.Tensor | None,
+        layout: Layout,
+        expert_fn: ExpertFn,
+        nonfinite: bool,
+    ) -> torch.Tensor:
+        t0 = time.perf_counter()
+        E, W, n = self.num_experts, self.world, self.overlap_degree
+        T, k = experts.shape
+        flat = experts.reshape(-1)
+        if keep is not None:
+            flat = torch.where(keep.reshape(-1), flat, E)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E + 1)[:E].cpu().numpy()
+        N = int(counts.sum())
+        routes = layout.routes(counts)  # [E, W]
+        recv_counts = self._exchange_counts(routes, layout, nonfinite, x.device)  # [W, E]
+        parts = split_parts(routes, n)  # [n, E, W]
+        # Sorted buffer: blocks (expert, destination, part); wanted: (part, destination, expert).
+        blocks = np.arange(E * W * n).reshape(E, W, n).transpose(2, 1, 0).ravel()
+        send_perm = gather_index(parts.transpose(1, 2, 0), blocks)
+        send_idx = order[:N]
+        if not np.array_equal(send_perm, np.arange(N)):
+            send_idx = send_idx.index_select(0, torch.from_numpy(send_perm).to(x.device))
+        inv = torch.full((T * k,), N, dtype=torch.long, device=x.device)
+        inv[send_idx] = torch.arange(N, device=x.device)
+        send = _GatherTokens.apply(x, send_idx // k if k > 1 else send_idx, inv, k)
+        chunks = [self._chunk_plan(parts[c], p, layout, x.device) for c, p in
+                  enumerate(split_parts(recv_counts, n))]  # fmt: skip
+        sends = send.split([sum(c.in_splits) for c in chunks])
+        started = [
+            _start(s, c.out_splits, c.in_splits, self.group)
+            for s, c in zip(sends, chunks, strict=True)
+        ]
+        t_dispatch, t_experts = time.perf_counter() - t0, 0.0
+        back = []
+        for plan, st in zip(chunks, started, strict=True):
+            t1 = time.perf_counter()
+            rows = _wait(st)
+            if plan.regroup is not None:
+                rows = _PermuteRows.apply(rows, plan.regroup, plan.ungroup)
+            t2 = time.perf_counter()
+            out = expert_fn(rows, plan.tokens_per_slot)
+            t3 = time.perf_counter()
+            if plan.regroup is not None:
+                out = _PermuteRows.apply(out, plan.ungroup, plan.regroup)
+            back.append(_start(out, plan.in_splits, plan.out_splits, self.group))
+            t_dispatch += t2 - t1
+            t_experts += t3 - t2
+        t4 = time.perf_counter()
+        outs = [_wait(b) for b in back]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        y = _Combine.apply(out, weights, inv, send_idx)
+        self.seconds = {
+            "dispatch": t_dispatch,
+            "experts": t_experts,
+            "combine": time.perf_counter() - t4,
+        }
+        return y
+
+    def _exchange_counts(
+        self, routes: np.ndarray, layout: Layout, nonfinite: bool, device: torch.device
+    ) -> np.ndarray:
+        """Send each rank its `[E]` counts plus (non-finite flag, layout digest); return the
+        received `[W, E]` counts. Raises the same error on every rank on bad input."""
+        E, W = self.num_experts, self.world
+        msg = np.zeros((W, E + 2), dtype=np.int64)
+        msg[:, :E] = routes.T
+        msg[:, E] = int(nonfinite)
+        msg[:, E + 1] = layout.digest
+        send = torch.from_numpy(msg).to(device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        got = recv.cpu().numpy()
+        bad = np.flatnonzero(got[:, E])
+        if bad.size:
+            raise NonFiniteInputError(
+                f"NaN or infinity in the MoE layer's input on rank(s) {bad.tolist()}",
+                field="moe.input",
+            )
+        if np.any(got[:, E + 1] != layout.digest):
+            other = np.flatnonzero(got[:, E + 1] != layout.digest).tolist()
+            raise LayoutMismatchError(
+                f"rank {self.rank}'s layout differs from that of rank(s) {other} "
+                "(set_layout must get the same plan on every rank)",
+                field="moe.layout",
+            )
+        return got[:, :E]
+
+    def _chunk_plan(
+        self, send_parts: np.ndarray, recv_parts: np.ndarray, layout: Layout, device: torch.device
+    ) -> _ChunkPlan:
+        """`send_parts [E, W]` this rank sends in a chunk, `recv_parts [W, E]` it receives."""
+        E, W = self.num_experts, self.world
+        unheld = ~layout.held
+        if recv_parts[:, unheld].any():
+            e = int(np.flatnonzero(recv_parts[:, unheld].any(axis=0))[0])
+            raise LayoutMismatchError(
+                f"rank {self.rank} received tokens for expert {np.flatnonzero(unheld)[e]}, "
+                "which it does not hold",
+                field="moe.layout",
+            )
+        slot_expert = layout.slots.expert
+        held_slots = np.flatnonzero(slot_expert >= 0)
+        tokens = np.zeros(layout.slots.slots, dtype=np.int64)
+        tokens[held_slots] = recv_parts[:, slot_expert[held_slots]].sum(axis=0)
+        # Received buffer: blocks (source, expert); wanted: (slot, source).
+        blocks = (np.arange(W)[None, :] * E + slot_expert[held_slots][:, None]).ravel()
+        perm = gather_index(recv_parts, blocks)
+        regroup = ungroup = None
+        if not np.array_equal(perm, np.arange(perm.shape[0])):
+            regroup = torch.from_numpy(perm).to(device)
+            ungroup = torch.from_numpy(inverse(perm)).to(device)
+        return _ChunkPlan(
+            in_splits=send_parts.sum(axis=0).tolist(),
+            out_splits=recv_parts.sum(axis=1).tolist(),
+            regroup=regroup,
+            ungroup=ungroup,
+            tokens_per_slot=tokens.tolist(),
+        )
+
+
+def world_and_rank(group: Any = None) -> tuple[int, int]:
+    """`(world size, rank)` of `group`; `(1, 0)` without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+__all__ = [
+    "Dispatcher",
+    "Layout",
+    "LayoutMismatchError",
+    "NonFiniteInputError",
+    "gather_index",
+    "inverse",
+    "split_parts",
+    "world_and_rank",
+]

@@ -1,0 +1,337 @@
+"""Experts: the FFNs of one rank's expert slots, held as stacked weights.
+
+Slot `i` holds `w_in[i] [D, H]`, `w_out[i] [H, D]` and, for SwiGLU, `w_gate[i] [D, H]`:
+
+    GELU:    y = gelu(x @ w_in[i]) @ w_out[i]
+    SwiGLU:  y = (silu(x @ w_gate[i]) * (x @ w_in[i])) @ w_out[i]
+
+`forward(x [T, D], tokens_per_slot [S])` takes the rows grouped by slot in slot order (the first
+`tokens_per_slot[0]` rows go to slot 0, ...). Every slot row of every parameter is independent:
+the runtime moves rows between ranks and reads or writes `param.data[i]`, `param.grad[i]` and the
+optimizer's state rows. Slots with zero tokens work forward and backward (their gradient rows
+are zero).
+
+Two implementations, same mathematics:
+
+- `"grouped"`: `torch._grouped_mm` (one call per weight). It needs float32, bfloat16 or float16
+  (bfloat16 only on CUDA) and row strides that are multiples of 16 bytes, i.e. `D` and `H`
+  multiples of 4 (fp32) or 8 (16-bit); `grouped_mm_problem` says why it cannot run.
+- `"loop"`: one `torch.mm` per slot inside a hand-written autograd function that runs each slot's
+  whole FFN while its activations are still in cache and writes straight into preallocated
+  outputs and gradients (no concatenation, no zero-filled gradient per slot).
+
+`"auto"` (the default) picks `"grouped"` on CUDA where it can run and `"loop"` elsewhere: on the
+CPU, torch's grouped GEMM is itself a loop of GEMMs over the whole `[T, H]` activation, and the
+per-slot fused loop measures faster (see `benchmarks/moe_layer.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from poise.errors import ConfigError, PoiseError
+
+Activation = Literal["swiglu", "gelu"]
+ExpertsImpl = Literal["auto", "grouped", "loop"]
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
+IMPLS: tuple[str, ...] = ("auto", "grouped", "loop")
+
+
+class ExpertsInputError(PoiseError):
+    """Rows and `tokens_per_slot` that do not fit the experts."""
+
+
+def grouped_mm_problem(
+    dtype: torch.dtype, device: torch.device, d_model: int, d_expert: int
+) -> str:
+    """Why `torch._grouped_mm` cannot run these experts ("" when it can)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    allowed = (torch.bfloat16,) if device.type == "cuda" else _GROUPED_CPU_DTYPES
+    if dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        return f"torch._grouped_mm on {device.type} needs {names}, not {dtype}"
+    size = torch.empty((), dtype=dtype).element_size()
+    for name, n in (("d_model", d_model), ("d_expert", d_expert)):
+        if (n * size) % 16:
+            return (
+                f"{name}={n} gives rows of {n * size} bytes; "
+                "torch._grouped_mm needs a multiple of 16"
+            )
+    return ""
+
+
+_GROUPED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Experts(nn.Module):
+    """`num_slots` expert FFNs with weights stacked over slots.
+
+    Parameters: `w_in [S, D, H]`, `w_gate [S, D, H]` (SwiGLU only; `None` for GELU),
+    `w_out [S, H, D]`, with `D = d_model`, `H = d_expert`. `impl`: `"auto"`, `"grouped"` or
+    `"loop"` (see the module docstring); it can be changed later through the attribute."""
+
+    w_gate: nn.Parameter | None
+
+    def __init__(
+        self,
+        num_slots: int,
+        d_model: int,
+        d_expert: int,
+        activation: Activation = "swiglu",
+        *,
+        impl: ExpertsImpl = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_slots", num_slots), ("d_model", d_model), ("d_expert", d_expert)):
+            if int(value) < 1:
+                raise ConfigError(f"must be >= 1, got {value}", field=f"experts.{name}")
+        if activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"must be one of {', '.join(ACTIVATIONS)}, got {activation!r}",
+                field="experts.activation",
+            )
+        self.num_slots = int(num_slots)
+        self.d_model = int(d_model)
+        self.d_expert = int(d_expert)
+        self.activation: Activation = activation
+        self.impl = impl
+        kw = {"device": device, "dtype": dtype}
+        S, D, H = self.num_slots, self.d_model, self.d_expert
+        self.w_in = nn.Parameter(torch.empty(S, D, H, **kw))
+        self.w_gate = nn.Parameter(torch.empty(S, D, H, **kw)) if activation == "swiglu" else None
+        self.w_out = nn.Parameter(torch.empty(S, H, D, **kw))
+        self.reset_parameters()
+
+    @property
+    def impl(self) -> ExpertsImpl:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: ExpertsImpl) -> None:
+        if value not in IMPLS:
+            raise ConfigError(
+                f"must be one of {', '.join(IMPLS)}, got {value!r}", field="experts.impl"
+            )
+        self._impl: ExpertsImpl = value
+
+    def weights(self) -> list[nn.Parameter]:
+        """The stacked parameters in a fixed order: `w_in`, `w_gate` (SwiGLU), `w_out`."""
+        return [w for w in (self.w_in, self.w_gate, self.w_out) if w is not None]
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Every slot drawn like `nn.Linear`: uniform in +-1/sqrt(fan_in)."""
+        for slot in range(self.num_slots):
+            self.init_slot(slot, generator)
+
+    @torch.no_grad()
+    def init_slot(self, slot: int, generator: torch.Generator | None = None) -> None:
+        """Draw slot `slot`'s weights (on the CPU from `generator`, then copied over)."""
+        for w in self.weights():
+            fan_in = w.shape[1]
+            bound = 1.0 / math.sqrt(fan_in)
+            row = torch.empty(w.shape[1:], dtype=torch.float32)
+            row.uniform_(-bound, bound, generator=generator)
+            w[slot].copy_(row)
+
+    def resolved_impl(self, x: torch.Tensor) -> Literal["grouped", "loop"]:
+        """The implementation `forward` uses for input `x`; raises `ConfigError` when
+        `"grouped"` is forced where it cannot run."""
+        problem = grouped_mm_problem(x.dtype, x.device, self.d_model, self.d_expert)
+        if self.impl == "grouped":
+            if problem:
+                raise ConfigError(problem, field="experts.impl")
+            return "grouped"
+        if self.impl == "loop" or problem or x.device.type != "cuda":
+            return "loop"
+        return "grouped"
+
+    def forward(
+        self, x: torch.Tensor, tokens_per_slot: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
+        """`x [T, D]` rows grouped by slot in slot order; `tokens_per_slot [S]` -> `[T, D]`."""
+        if x.dim() != 2 or x.shape[1] != self.d_model:
+            raise ExpertsInputError(
+                f"expected [T, {self.d_model}] rows, got {tuple(x.shape)}", field="experts.x"
+            )
+        x = x.contiguous()
+        impl = self.resolved_impl(x)
+        if impl == "grouped" and x.shape[0] > 0:
+            counts = torch.as_tensor(tokens_per_slot, device=x.device)
+            self._check_counts_shape(counts.shape[0])
+            return _grouped_ffn(x, counts, self.w_in, self.w_gate, self.w_out)
+        counts_list = _as_int_list(tokens_per_slot)
+        self._check_counts(counts_list, x.shape[0])
+        args = (x, counts_list, self.w_in, self.w_out, self.w_gate)
+        return _SlotLoopFFN.apply(*args)
+
+    def _check_counts_shape(self, n: int) -> None:
+        if n != self.num_slots:
+            raise ExpertsInputError(
+                f"tokens_per_slot has {n} entries for {self.num_slots} slots",
+                field="experts.tokens_per_slot",
+            )
+
+    def _check_counts(self, counts: list[int], rows: int) -> None:
+        self._check_counts_shape(len(counts))
+        if min(counts, default=0) < 0 or sum(counts) != rows:
+            raise ExpertsInputError(
+                f"tokens_per_slot {counts} must be >= 0 and sum to the {rows} rows",
+                field="experts.tokens_per_slot",
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_slots={self.num_slots}, d_model={self.d_model}, d_expert={self.d_expert}, "
+            f"activation={self.activation!r}, impl={self.impl!r}"
+        )
+
+
+def _as_int_list(counts: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(counts, torch.Tensor):
+        return [int(c) for c in counts.tolist()]
+    return [int(c) for c in counts]
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+def _grouped_ffn(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_out: torch.Tensor,
+) -> torch.Tensor:
+    """The FFN with `torch._grouped_mm`; `counts [S]` on x's device (no host sync)."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    if x.device.type != "cpu":
+        # Some GPUs' grouped GEMM writes non-zero gradients for empty groups (pytorch #172439).
+        nonempty = counts > 0
+        w_in = _ZeroEmptySlotGrad.apply(w_in, nonempty)
+        w_out = _ZeroEmptySlotGrad.apply(w_out, nonempty)
+        if w_gate is not None:
+            w_gate = _ZeroEmptySlotGrad.apply(w_gate, nonempty)
+    h = torch._grouped_mm(x, w_in, offs=offs)
+    a = F.gelu(h) if w_gate is None else F.silu(torch._grouped_mm(x, w_gate, offs=offs)) * h
+    y = torch._grouped_mm(a, w_out, offs=offs)
+    # _grouped_mm's backward refuses expanded gradients (e.g. from y.sum()).
+    return _ContiguousGrad.apply(y)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _ZeroEmptySlotGrad(torch.autograd.Function):
+    """Identity on `w [S, ...]` whose backward zeroes the gradient rows of empty slots."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, nonempty: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(nonempty)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (nonempty,) = ctx.saved_tensors
+        mask = nonempty.view(-1, *([1] * (grad.dim() - 1)))
+        return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
+
+
+# ----------------------------------------------------------------------------- per-slot loop
+def _slot_ranges(counts: list[int]) -> list[tuple[int, int, int]]:
+    """`(slot, start, stop)` of every slot with at least one row."""
+    out = []
+    start = 0
+    for slot, n in enumerate(counts):
+        if n:
+            out.append((slot, start, start + n))
+        start += n
+    return out
+
+
+class _SlotLoopFFN(torch.autograd.Function):
+    """The FFN slot by slot: `x [T, D]`, `counts` (host ints), `w_in [S, D, H]`,
+    `w_out [S, H, D]`, `w_gate [S, D, H] | None` -> `[T, D]`.
+
+    Saves `x` and the pre-activations (`[T, H]`, two for SwiGLU); the activation is recomputed
+    slot by slot in backward, where it is still in cache for the two GEMMs that need it."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        counts: list[int],
+        w_in: torch.Tensor,
+        w_out: torch.Tensor,
+        w_gate: torch.Tensor | None,
+    ) -> torch.Tensor:
+        T, H = x.shape[0], w_in.shape[2]
+        h = x.new_empty(T, H)
+        g = x.new_empty(T, H) if w_gate is not None else None
+        y = x.new_empty(T, x.shape[1])
+        for slot, s, e in _slot_ranges(counts):
+            xs = x[s:e]
+            torch.mm(xs, w_in[slot], out=h[s:e])
+            if g is None:
+                a = F.gelu(h[s:e])
+            else:
+                torch.mm(xs, w_gate[slot], out=g[s:e])
+                a = F.silu(g[s:e]).mul_(h[s:e])
+            torch.mm(a, w_out[slot], out=y[s:e])
+        ctx.counts = counts
+        ctx.save_for_backward(x, w_in, w_out, w_gate, h, g)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w_in, w_out, w_gate, h, g = ctx.saved_tensors
+        gy = gy.contiguous()
+        need_x = ctx.needs_input_grad[0]
+        gx = torch.empty_like(x) if need_x else None
+        gw_in, gw_out = torch.empty_like(w_in), torch.empty_like(w_out)
+        gw_gate = torch.empty_like(w_gate) if w_gate is not None else None
+        for slot, n in enumerate(ctx.counts):
+            if n == 0:
+                for gw in (gw_in, gw_out, gw_gate):
+                    if gw is not None:
+                        gw[slot].zero_()
+        for slot, s, e in _slot_ranges(ctx.counts):
+            xs, gys, hs = x[s:e], gy[s:e], h[s:e]
+            ga = torch.mm(gys, w_out[slot].t())  # d(activation) [n, H]
+            if g is None:
+                torch.mm(F.gelu(hs).t(), gys, out=gw_out[slot])
+                gh = torch.ops.aten.gelu_backward(ga, hs)
+                torch.mm(xs.t(), gh, out=gw_in[slot])
+                if need_x:
+                    torch.mm(gh, w_in[slot].t(), out=gx[s:e])
+                continue
+            gs = g[s:e]
+            silu = F.silu(gs)
+            torch.mm((silu * hs).t(), gys, out=gw_out[slot])
+            gg = torch.ops.aten.silu_backward(ga * hs, gs)
+            gh = ga.mul_(silu)
+            torch.mm(xs.t(), gh, out=gw_in[slot])
+            torch.mm(xs.t(), gg, out=gw_gate[slot])
+            if need_x:
+                out = gx[s:e]
+                torch.mm(gh, w_in[slot].t(), out=out)
+                out.addmm_(gg, w_gate[slot].t())
+        return gx, None, gw_in, gw_out, gw_gate
+
+
+__all__ = ["ACTIVATIONS", "IMPLS", "Experts", "ExpertsInputError", "grouped_mm_problem"]
