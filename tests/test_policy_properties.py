@@ -105,3 +105,26 @@ def test_auto_breaks_ties_toward_the_fewest_copies() -> None:
         ]
         assert plans[chosen].placement.copies[layer].sum() == min(tied)
     assert auto.placement.copies.sum() < plans["eplb"].placement.copies.sum()
+
+
+def test_auto_plans_the_same_with_candidates_in_threads(monkeypatch) -> None:
+    """On large problems auto's candidates plan in threads; the plan does not change, and the
+    helper threads' CPU time is reported for the planning charge."""
+    from poise.policies import auto as auto_module
+    from poise.policies.base import HELPER_CPU_NOTE
+
+    rng = np.random.default_rng(5)
+    cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)
+    spec = toy_spec(experts=16, layers=3, d_model=512, d_expert=1024, tokens=4096)
+    loads = rng.zipf(1.3, size=(3, 8, 16)).astype(float) * 50
+    ctx = PlanContext.create(cluster, spec, slots_per_device=4, cost=CostModel(cluster, spec))
+    alone = make_plan("auto", loads, None, ctx)
+    assert alone.notes[HELPER_CPU_NOTE] == 0.0
+    monkeypatch.setattr(auto_module, "PARALLEL_CELLS", 1)
+    monkeypatch.setattr(auto_module.os, "cpu_count", lambda: 2)
+    threaded = make_plan("auto", loads, None, ctx)
+    assert threaded.notes[HELPER_CPU_NOTE] > 0.0
+    assert threaded.notes["chosen"] == alone.notes["chosen"]
+    np.testing.assert_array_equal(threaded.placement.copies, alone.placement.copies)
+    np.testing.assert_array_equal(threaded.assignment.weights, alone.assignment.weights)
+    assert threaded.cost.step_s == alone.cost.step_s

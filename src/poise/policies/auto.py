@@ -17,7 +17,10 @@ one would leave local searches such as `vexpert` no room), then to the candidate
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -25,9 +28,10 @@ import numpy as np
 
 from poise.cost import PhaseTimes, PlanCost
 from poise.placement import Assignment, Placement, Plan, transfers_between
-from poise.policies.base import REGISTRY, PlanContext, register
+from poise.policies.base import HELPER_CPU_NOTE, REGISTRY, PlanContext, register
 
 DEFAULT_HORIZON = 10
+PARALLEL_CELLS = 2**21  # from this many load cells (L * D * E) candidates plan in threads
 TIE_REL = 1e-9  # totals this close (relative) count as equal
 PHASE_NAMES = [f.name for f in fields(PhaseTimes)]
 
@@ -37,6 +41,27 @@ def candidate_names(ctx: PlanContext) -> list[str]:
     if names is None:
         names = [n for n in sorted(REGISTRY) if n != "auto"]
     return list(names)
+
+
+def run_candidates(
+    names: list[str], loads: np.ndarray, previous: Plan | None, ctx: PlanContext
+) -> tuple[list[Plan], float]:
+    """Each candidate's plan, in `names` order, and the CPU seconds spent in helper threads.
+    Policies are pure, so on large problems (at least `PARALLEL_CELLS` load cells, where
+    NumPy's array work releases the GIL) they run in threads, one per CPU; small ones run one
+    after the other in the caller's thread (threads would only contend)."""
+    threads = min(len(names), os.cpu_count() or 1)
+    if loads.size < PARALLEL_CELLS or threads < 2:
+        return [REGISTRY[n](loads, previous, ctx) for n in names], 0.0
+
+    def one(name: str) -> tuple[Plan, float]:
+        t0 = time.thread_time()
+        plan = REGISTRY[name](loads, previous, ctx)
+        return plan, time.thread_time() - t0
+
+    with ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(one, names))
+    return [p for p, _ in done], sum(t for _, t in done)
 
 
 @register("auto")
@@ -55,9 +80,10 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             Plan("keep", previous.placement, previous.assignment, previous.transfers, keep_cost)
         )
         names.append("keep")
-    for name in candidate_names(ctx):
-        plans.append(REGISTRY[name](loads, previous, ctx))
-        names.append(name)
+    candidates = candidate_names(ctx)
+    names += candidates
+    made, helper_cpu_s = run_candidates(candidates, loads, previous, ctx)
+    plans += made
     recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])  # [C, L]
     moving = np.stack([p.cost.phases.migrate_s for p in plans])
     total = horizon * recurring + moving
@@ -74,6 +100,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     notes: dict[str, Any] = {
         "chosen": chosen,
         "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
+        HELPER_CPU_NOTE: helper_cpu_s,
     }
     for p in plans:
         for key, value in p.notes.items():

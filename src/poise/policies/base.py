@@ -95,6 +95,11 @@ class PlanContext:
         return self.options.get(policy, {}).get(key, default)
 
 
+# `Plan.notes` key: CPU seconds a policy spent in helper threads (`auto` on large problems), to
+# be added to the planning thread's own CPU time when planning is charged.
+HELPER_CPU_NOTE = "helper_cpu_s"
+
+
 def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
     """GShard / DeepSpeed-MoE layout `[L, E]`: contiguous blocks of experts per device
     (expert e on device floor(e * D / E)); with more devices than experts, device d serves expert

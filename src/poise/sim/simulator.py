@@ -22,8 +22,10 @@ breakdown `[S, L]`, device max/mean, bytes moved and the device loads `[S, D]`.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -32,7 +34,7 @@ import numpy as np
 from poise.cost import CostModel, PhaseTimes, PlanPricer
 from poise.errors import ConfigError
 from poise.placement import Plan
-from poise.policies.base import PlanContext, get_policy, make_plan
+from poise.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
 from poise.predict import OnlineForecast, Predictor, parse_predictor
 from poise.schedule import Schedule, parse_schedule
 from poise.sim.scaling import ScaledTrace
@@ -50,7 +52,9 @@ class PolicyRun:
 
     `step_s` includes the planning time charged (`plan_s`); `layer_s[S, L]` and
     `phases[name][S, L]` are the cost model's per-layer times (without planning);
-    `plan_wall_s[S]` the measured planner time at re-planning steps (0 elsewhere);
+    `plan_wall_s[S]` the measured planner time at re-planning steps (0 elsewhere; the CPU time
+    of the planner's thread plus its helper threads', so policies replayed at once do not
+    inflate each other's);
     `plan_charge_s[S]` what planning costs the step under the replay's planning model, whether
     or not it was charged (`plan_s` is it when charged, else zeros)."""
 
@@ -166,6 +170,7 @@ def simulate(
     seed: int = 0,
     count_planning: bool = True,
     background_planning: bool = False,
+    workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
@@ -173,7 +178,9 @@ def simulate(
     `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
     the trace; `options` are per-policy settings (`auto`'s horizon defaults to `replan_every`);
     `progress(done, total)` is called after each priced step of each policy;
-    `background_planning`: see the module docstring."""
+    `background_planning`: see the module docstring; `workers`: policies replayed at once in
+    threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
+    of the planner's thread, so other work on the machine does not inflate it."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -197,82 +204,48 @@ def simulate(
     opts = {k: dict(v) for k, v in (options or {}).items()}
     opts.setdefault("auto", {}).setdefault("horizon", replan_every)
     S, L = scaled.steps, spec.moe_layers
-    runs = {name: _empty_run(name, S, L, D) for name in names}
-    plans: dict[str, Plan | None] = dict.fromkeys(names)
-    active: dict[str, tuple[PlanPricer, Plan]] = {}  # the plan in force, with its pricer
-    pending: dict[str, Plan] = {}  # background: made this step, in force from the next
+    start: Plan | None = None
     if background_planning:
         ctx0 = PlanContext(cluster, spec, cost, base_ctx.slots_per_device, options=opts)
         start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
-        start_pricer = cost.pricer(start.placement, start.assignment)
-        active = dict.fromkeys(names, (start_pricer, start))
+    replays = [
+        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start)
+        for name in names
+    ]
     forecast = OnlineForecast(predictor)
     history: list[np.ndarray] = []  # [L, E] per observed step
     done, total = 0, S * len(names)
-    for s in range(S):
-        actual = scaled.step(s)  # [L, D, E]
-        replan = s % replan_every == 0
-        if replan:
-            if forecast.seen:
-                loads = forecast.forecast()
-            else:
-                # Step 0: nothing observed yet; each layer's tokens spread evenly.
-                per_cell = actual.sum(axis=(1, 2), keepdims=True) / (D * E)
-                loads = np.broadcast_to(per_cell, actual.shape).copy()
-            ctx = PlanContext(
-                cluster,
-                spec,
-                cost,
-                base_ctx.slots_per_device,
-                history=np.array(history) if history else None,
-                options=opts,
-            )
-        for name in names:
-            run = runs[name]
-            migrations = None
-            if name in pending:  # a background plan made last step takes effect now
-                plan = pending.pop(name)
-                active[name] = (cost.pricer(plan.placement, plan.assignment), plan)
-                migrations = plan.transfers.migrations
-                run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
-            wall = 0.0
-            if replan:
-                t0 = time.perf_counter()
-                plan = make_plan(name, loads, plans[name], ctx)
-                wall = time.perf_counter() - t0
-                plans[name] = plan
-                run.plan_wall_s[s] = wall
-                run.plan_ms.append(wall * 1e3 / L)
-                if background_planning:
-                    pending[name] = plan
+    threads = min(workers if workers is not None else (os.cpu_count() or 1), len(names))
+    with ThreadPoolExecutor(threads) as pool:
+        for s in range(S):
+            actual = scaled.step(s)  # [L, D, E]
+            loads, ctx = None, None
+            if s % replan_every == 0:
+                if forecast.seen:
+                    loads = forecast.forecast()
                 else:
-                    active[name] = (cost.pricer(plan.placement, plan.assignment), plan)
-                    migrations = plan.transfers.migrations
-                    run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
-            pricer, in_force = active[name]
-            priced = pricer.price(actual, migrations)
-            for k in PHASES:
-                run.phases[k][s] = getattr(priced.phases, k)
-            run.layer_s[s] = priced.layer_s
-            if replan:
-                if background_planning:
-                    run.plan_charge_s[s] = max(0.0, wall - priced.step_s)
-                else:
-                    a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
-                    run.plan_charge_s[s] = schedule.planning_s(wall, a2a)
-                if count_planning:
-                    run.plan_s[s] = run.plan_charge_s[s]
-            run.step_s[s] = priced.step_s + run.plan_s[s]
-            run.max_over_mean[s] = priced.max_over_mean
-            run.bytes_moved[s] += in_force.transfers.total_step_bytes
-            run.device_load[s] = priced.device_load.sum(axis=0)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        forecast.update(actual)
-        history = [*history[-(HISTORY_STEPS - 1) :], actual.sum(axis=1)]
-    for name in names:
-        runs[name].last_plan = plans[name]
+                    # Step 0: nothing observed yet; each layer's tokens spread evenly.
+                    per_cell = actual.sum(axis=(1, 2), keepdims=True) / (D * E)
+                    loads = np.broadcast_to(per_cell, actual.shape).copy()
+                ctx = PlanContext(
+                    cluster,
+                    spec,
+                    cost,
+                    base_ctx.slots_per_device,
+                    history=np.array(history) if history else None,
+                    options=opts,
+                )
+            step = _Step(s, actual, loads, ctx)
+            # Policies share nothing they write: several replay at once (NumPy frees the GIL).
+            for _ in pool.map(lambda r, step=step: r.advance(step), replays):
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            forecast.update(actual)
+            history = [*history[-(HISTORY_STEPS - 1) :], actual.sum(axis=1)]
+    runs = {r.run.policy: r.run for r in replays}
+    for r in replays:
+        r.run.last_plan = r.plan
     return SimResult(
         runs=runs,
         cluster=cluster,
@@ -284,6 +257,77 @@ def simulate(
         scaling=scaled.describe(),
         trace_name=source,
     )
+
+
+@dataclass
+class _Step:
+    """One step of a replay: its index, actual loads `[L, D, E]`, and at re-planning steps the
+    forecast `[L, D, E]` and the planning context (None elsewhere)."""
+
+    index: int
+    actual: np.ndarray
+    loads: np.ndarray | None
+    ctx: PlanContext | None
+
+
+class _PolicyReplay:
+    """One policy's replay: the plan it last made, the plan in force (with its pricer), a plan
+    made in the background waiting for the next step, and the `PolicyRun` being filled."""
+
+    def __init__(
+        self, name: str, run: PolicyRun, cost: CostModel, count_planning: bool, start: Plan | None
+    ) -> None:
+        self.name, self.run, self.cost, self.count_planning = name, run, cost, count_planning
+        self.background = start is not None
+        self.plan: Plan | None = None  # the last plan made (`previous` of the next)
+        self.pending: Plan | None = None
+        self.active: tuple[PlanPricer, Plan] | None = None
+        if start is not None:  # background planning: step 0 runs the static layout
+            self.active = (cost.pricer(start.placement, start.assignment), start)
+
+    def _activate(self, plan: Plan, s: int) -> np.ndarray:
+        """Put `plan` in force at step `s`; its migrations, paid at `s`."""
+        self.active = (self.cost.pricer(plan.placement, plan.assignment), plan)
+        self.run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
+        return plan.transfers.migrations
+
+    def advance(self, step: _Step) -> None:
+        """Plan (at re-planning steps) and price one step."""
+        run, s = self.run, step.index
+        migrations = None
+        if self.pending is not None:  # a background plan made last step takes effect now
+            migrations = self._activate(self.pending, s)
+            self.pending = None
+        wall = 0.0
+        if step.loads is not None and step.ctx is not None:
+            t0 = time.thread_time()
+            plan = make_plan(self.name, step.loads, self.plan, step.ctx)
+            wall = time.thread_time() - t0 + float(plan.notes.get(HELPER_CPU_NOTE, 0.0))
+            self.plan = plan
+            run.plan_wall_s[s] = wall
+            run.plan_ms.append(wall * 1e3 / step.loads.shape[0])
+            if self.background:
+                self.pending = plan
+            else:
+                migrations = self._activate(plan, s)
+        assert self.active is not None
+        pricer, in_force = self.active
+        priced = pricer.price(step.actual, migrations)
+        for k in PHASES:
+            run.phases[k][s] = getattr(priced.phases, k)
+        run.layer_s[s] = priced.layer_s
+        if step.loads is not None:
+            if self.background:
+                run.plan_charge_s[s] = max(0.0, wall - priced.step_s)
+            else:
+                a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
+                run.plan_charge_s[s] = self.cost.schedule.planning_s(wall, a2a)
+            if self.count_planning:
+                run.plan_s[s] = run.plan_charge_s[s]
+        run.step_s[s] = priced.step_s + run.plan_s[s]
+        run.max_over_mean[s] = priced.max_over_mean
+        run.bytes_moved[s] += in_force.transfers.total_step_bytes
+        run.device_load[s] = priced.device_load.sum(axis=0)
 
 
 def _empty_run(name: str, S: int, L: int, D: int) -> PolicyRun:
