@@ -115,8 +115,32 @@ class LayerState:
 
     def links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """`[..., 3, D]` bytes -> `[...]` seconds, slowest device (`cost.link_time`)."""
+        return self.device_links_s(send, recv).max(axis=-1)
+
+    def device_links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+        """`[..., 3, D]` bytes -> `[..., D]` each device's seconds summed over the levels."""
         per_level = level_seconds(np.maximum(send, recv), self.bw, self.lat)
-        return per_level.sum(axis=-2).max(axis=-1)
+        return per_level.sum(axis=-2)
+
+    def device_terms(
+        self,
+        comp: np.ndarray,
+        tok_send: np.ndarray,
+        tok_recv: np.ndarray,
+        par_send: np.ndarray,
+        par_recv: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per device `(compute, all-to-all, Trans)` seconds `[..., D]` whose maxima over devices
+        give a layer's FEC, all-to-all and Trans times (`comp[..., D]`, the rest `[..., 3, D]`)."""
+        tb = self.cost.spec.token_bytes
+        a2a = self.device_links_s(tok_send * tb, tok_recv * tb)
+        return comp, a2a, self.device_links_s(par_send, par_recv)
+
+    def layer_s_from_max(self, fec: np.ndarray, a2a: np.ndarray, trans: np.ndarray) -> np.ndarray:
+        """Layer seconds `[M]` from the slowest device's compute, all-to-all and Trans `[M]`."""
+        fnec = np.full_like(fec, self.fnec)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, np.zeros_like(fec))
+        return self.cost.schedule.layer_time(phases)
 
     def layer_s(
         self,
@@ -128,13 +152,9 @@ class LayerState:
     ) -> np.ndarray:
         """Layer seconds under the cost model's schedule for a batch of states
         (`comp[M, D]`, the rest `[M, 3, D]`)."""
-        tb = self.cost.spec.token_bytes
-        a2a = self.links_s(tok_send * tb, tok_recv * tb)
-        trans = self.links_s(par_send, par_recv)
-        fec = comp.max(axis=-1)
-        fnec = np.full_like(fec, self.fnec)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, np.zeros_like(fec))
-        return self.cost.schedule.layer_time(phases)
+        terms = self.device_terms(comp, tok_send, tok_recv, par_send, par_recv)
+        fec, a2a, trans = (t.max(axis=-1) for t in terms)
+        return self.layer_s_from_max(fec, a2a, trans)
 
     def current_s(self) -> float:
         return float(

@@ -38,12 +38,13 @@ devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from poise.cost import CostModel
-from poise.cost_incremental import LayerState, prefix_cuts, prefix_states
+from poise.cost_incremental import LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 from poise.schedule import Schedule
@@ -59,27 +60,102 @@ def prophet_cost(ctx: PlanContext) -> CostModel:
     return CostModel(ctx.cluster, ctx.spec, Schedule("prophet"))
 
 
-def _candidates(
+@dataclass
+class _Prefixes:
+    """Replicating expert e (home h) on prefixes of `cands[m]` (heaviest first): the prefix
+    lengths `cuts[G]` priced (all of 1..m when m is small, else a grid:
+    `cost_incremental.prefix_cuts`), the layer seconds `times[G]`, and what the home's state
+    becomes after each prefix (`tok_recv[G, 3]`, `par_send[G, 3]`, `comp[G]`)."""
+
+    cuts: np.ndarray
+    times: np.ndarray
+    home_tok_recv: np.ndarray
+    home_par_send: np.ndarray
+    home_comp: np.ndarray
+
+
+def _prefix_times(
     state: LayerState, counts: np.ndarray, e: int, h: int, level: np.ndarray, cands: np.ndarray
-) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """States after replicating expert e (home h) on prefixes of `cands` (heaviest first):
-    `(lengths[G], states)`, each state array with a leading axis G, one row per prefix length
-    (all of 1..m when m is small, else a grid: `cost_incremental.prefix_cuts`)."""
+) -> _Prefixes:
+    """Layer seconds after replicating e on each priced prefix of `cands`, in O(D + m).
+
+    Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute change
+    once, at its step) and receives W_e; the home h receives fewer tokens and sends one more
+    W_e at every step. So for a prefix of length c the slowest device is the slowest of: the
+    home in its state after c steps, the candidates before c in their changed state (a running
+    maximum), the candidates from c on and every other device in their current state (a
+    suffix maximum and a constant). Equal to pricing each prefix's full state
+    (`LayerState.layer_s`); no `[G, 3, D]` state is built."""
     m = len(cands)
     cuts = prefix_cuts(m)[1:]  # prefix lengths >= 1
     W_e = state.cost.spec.expert_bytes
     steps = np.arange(m)
     tok = counts[cands, e]  # [m]
     lv = level[cands]  # link level between home and each candidate
-    # Per added replica: its tokens no longer go to the home; the home sends it W_e.
-    tok_send = prefix_states(state.tok_send, steps, (lv, cands), -tok, cuts)
-    tok_recv = prefix_states(state.tok_recv, steps, (lv, np.full(m, h)), -tok, cuts)
-    par_send = prefix_states(state.par_send, steps, (lv, np.full(m, h)), np.full(m, W_e), cuts)
-    par_recv = prefix_states(state.par_recv, steps, (lv, cands), np.full(m, W_e), cuts)
-    comp = prefix_states(state.comp, steps, (cands,), state.comp_s(tok), cuts)
+    base = state.device_terms(
+        state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv
+    )  # 3 x [D]
+    tok_send = state.tok_send[:, cands].copy()
+    tok_send[lv, steps] -= tok
+    par_recv = state.par_recv[:, cands].copy()
+    par_recv[lv, steps] += W_e
+    after = state.device_terms(
+        state.comp[cands] + state.comp_s(tok),
+        tok_send,
+        state.tok_recv[:, cands],
+        state.par_send[:, cands],
+        par_recv,
+    )  # 3 x [m]
+    per_step = np.zeros((m, 3))
+    per_step[steps, lv] = -tok
+    home_tok_recv = state.tok_recv[:, h][None, :] + np.cumsum(per_step, axis=0)[cuts - 1]
+    per_step[steps, lv] = W_e
+    home_par_send = state.par_send[:, h][None, :] + np.cumsum(per_step, axis=0)[cuts - 1]
     left = state.R[h, e] - np.cumsum(tok)[cuts - 1]  # tokens the home still computes
-    comp[:, h] += state.comp_s(np.maximum(left, 0.0)) - state.comp_s(state.R[h, e])
-    return cuts, (comp, tok_send, tok_recv, par_send, par_recv)
+    home_comp = state.comp[h] + state.comp_s(np.maximum(left, 0.0)) - state.comp_s(state.R[h, e])
+    G = len(cuts)
+    home = state.device_terms(
+        home_comp[:, None],
+        np.broadcast_to(state.tok_send[:, h][None, :, None], (G, 3, 1)),
+        home_tok_recv[:, :, None],
+        home_par_send[:, :, None],
+        np.broadcast_to(state.par_recv[:, h][None, :, None], (G, 3, 1)),
+    )  # 3 x [G, 1]
+    others = np.ones(state.comp.shape[0], dtype=bool)
+    others[cands] = False
+    others[h] = False
+    slowest = []
+    for b, a, hm in zip(base, after, home, strict=True):
+        rest = b[others].max(initial=-np.inf)
+        changed = np.maximum.accumulate(a)[cuts - 1]  # candidates before the cut
+        later = np.maximum.accumulate(b[cands][::-1])[::-1]  # candidates from each index on
+        unchanged = np.append(later, -np.inf)[cuts]
+        slowest.append(np.maximum(np.maximum(hm[:, 0], rest), np.maximum(changed, unchanged)))
+    times = state.layer_s_from_max(*slowest)
+    return _Prefixes(cuts, times, home_tok_recv, home_par_send, home_comp)
+
+
+def _apply_prefix(
+    state: LayerState,
+    counts: np.ndarray,
+    e: int,
+    h: int,
+    level: np.ndarray,
+    chosen: np.ndarray,
+    prefixes: _Prefixes,
+    j: int,
+) -> None:
+    """Update `state` in place to e replicated on `chosen` (the prefix `prefixes.cuts[j]`)."""
+    tok = counts[chosen, e]
+    lv = level[chosen]
+    state.tok_send[lv, chosen] -= tok
+    state.par_recv[lv, chosen] += state.cost.spec.expert_bytes
+    state.comp[chosen] += state.comp_s(tok)
+    state.tok_recv[:, h] = prefixes.home_tok_recv[j]
+    state.par_send[:, h] = prefixes.home_par_send[j]
+    state.comp[h] = prefixes.home_comp[j]
+    state.R[chosen, e] = tok
+    state.R[h, e] -= tok.sum()
 
 
 def plan_layer(
@@ -114,18 +190,14 @@ def plan_layer(
             continue  # every sender is out of slots: skip
         idx = np.flatnonzero(ok)
         cands = idx[np.argsort(-counts[idx, e], kind="stable")]
-        lengths, states = _candidates(state, counts, e, h, level_to[e], cands)
-        times = state.layer_s(*states)  # times[j]: the lengths[j] heaviest senders
-        j = int(np.argmin(times))
-        if not times[j] < best:
+        prefixes = _prefix_times(state, counts, e, h, level_to[e], cands)
+        j = int(np.argmin(prefixes.times))  # times[j]: the cuts[j] heaviest senders
+        if not prefixes.times[j] < best:
             break  # first expert without gain ends the search
-        best = float(times[j])
-        chosen = cands[: lengths[j]]
+        best = float(prefixes.times[j])
+        chosen = cands[: prefixes.cuts[j]]
         copies[chosen, e] = 1
-        state.comp, state.tok_send, state.tok_recv = states[0][j], states[1][j], states[2][j]
-        state.par_send, state.par_recv = states[3][j], states[4][j]
-        state.R[chosen, e] = counts[chosen, e]
-        state.R[h, e] -= counts[chosen, e].sum()
+        _apply_prefix(state, counts, e, h, level_to[e], chosen, prefixes, j)
         replicated.append(e)
         devices.append([int(d) for d in chosen])
     return placement, replicated, devices, before, best
