@@ -1,1 +1,49 @@
-"""Live balancing on torch.distributed: launching ranks, transfers, the Balancer."""
+"""Live balancing on torch.distributed: launching ranks, transfers, the Balancer.
+
+    from poise.runtime import Balancer
+    balancer = Balancer(model, optimizer, policy="auto", every=10)   # then train as usual
+
+- `launch`: `run_ranks(fn, world_size, *args)` on spawned gloo ranks (tests, benchmarks);
+- `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
+  `migrate`, their async variants and byte counts);
+- `balancer`: `Balancer`, which records loads, plans and applies plans between steps;
+- `stats`: `StepStats`, what the Balancer records per step.
+
+Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Balancer": "balancer",
+    "PlanMismatchError": "balancer",
+    "default_cluster": "balancer",
+    "spec_from_layers": "balancer",
+    "LayerLoads": "stats",
+    "StepStats": "stats",
+    "layer_loads": "stats",
+    "Migration": "transfers",
+    "Pending": "transfers",
+    "Routes": "transfers",
+    "TransferError": "transfers",
+    "agg": "transfers",
+    "agg_async": "transfers",
+    "migrate": "transfers",
+    "trans": "transfers",
+    "trans_async": "transfers",
+    "RankFailedError": "launch",
+    "run_ranks": "launch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'poise.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"poise.runtime.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

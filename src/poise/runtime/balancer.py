@@ -1,0 +1,522 @@
+"""The Balancer: live load balancing of a model's `poise.nn.MoE` layers between training steps.
+
+    model = MyModel(...)        # poise.nn.MoE layers built with spare slots (num_slots > E / W)
+    opt = torch.optim.AdamW(model.parameters(), ...)
+    balancer = Balancer(model, opt, policy="auto", every=10)      # on every rank, collective
+    for batch in data:
+        loss = model(batch).loss
+        loss.backward()
+        sync_router_grads(model)  # + the data-parallel all-reduce of other non-expert gradients
+        opt.step()                # the Balancer's step hooks: Agg before the step; Trans, or
+        opt.zero_grad()           # re-planning and migration, after it
+
+That is the whole call pattern: the Balancer hooks into the optimizer (a step pre-hook runs
+`before_step`, a post-hook `after_step`) and into the layers (forward hooks record counts and wait
+for Trans; gradient hooks launch Agg as soon as a layer's expert gradients are ready). Code that
+reads gradients between `backward()` and `opt.step()` (gradient clipping, logging norms) must call
+`balancer.before_step()` first, so that replica gradients are already summed into their homes;
+`before_step` is idempotent within a step. With `hooks=False` nothing is registered on the
+optimizer, and the loop calls `before_step()` before and `after_step()` after `opt.step()`.
+
+Each step:
+
+- the layers' `last_counts[E]` (tokens this rank routed to each expert) are accumulated over the
+  step's forwards, then gathered (`all_gather`) so every rank holds `counts[L, W, E]`; a window of
+  the last `history` steps is kept;
+- before the optimizer step: Agg (replica gradients summed into their homes, zeroed);
+- after it: every `every` steps the predictor forecasts `[L, W, E]` from the window and the
+  policy plans; every rank plans from the same data with the same deterministic code, and a hash
+  of the plan is compared across ranks (`PlanMismatchError` if they disagree). The plan takes
+  effect at once: `migrate` (weights and AdamW moments to new homes, replicas filled) and the
+  layers' new layouts. On other steps, Trans refreshes the replicas, launched asynchronously and
+  awaited by each layer just before it uses its experts.
+
+Replica rows are never the master copy: homes carry weights and optimizer state, and the
+optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
+and parameters up to float summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from poise.errors import ConfigError, PoiseError
+from poise.nn.moe import MoE, moe_layers
+from poise.nn.slots import SlotMap, slot_maps
+from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.policies.base import PlanContext, get_policy, make_plan
+from poise.predict import Predictor, parse_predictor
+from poise.runtime import transfers as tr
+from poise.runtime.stats import StepStats, layer_loads
+from poise.spec import ModelSpec
+from poise.topology import PRESETS, Cluster
+
+LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
+
+
+class PlanMismatchError(PoiseError):
+    """Ranks computed different plans from the same gathered loads."""
+
+
+def find_moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's `poise.nn.MoE` layers in module order (the order of `model.modules()`)."""
+    return moe_layers(model)
+
+
+def expert_params(layer: MoE) -> list[nn.Parameter]:
+    """The layer's stacked per-slot expert tensors, each `[S, ...]`: `w_in [S, D, H]`,
+    `w_gate [S, D, H]` (SwiGLU only), `w_out [S, H, D]`."""
+    return list(layer.experts.weights())
+
+
+def default_cluster(world_size: int) -> Cluster:
+    """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node."""
+    base = PRESETS["cpu-2"]
+    if world_size == base.num_devices:
+        return base
+    return dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
+
+
+def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
+    """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [S, D, H]`),
+    its expert count and top-k, the number of layers, the parameters' dtype, AdamW's two moments
+    in the parameters' dtype, `tokens_per_device` tokens entering a layer per rank and step."""
+    first = layers[0]
+    w_in = first.experts.w_in
+    dtype_bytes = w_in.element_size()
+    return ModelSpec(
+        name="live",
+        d_model=int(w_in.shape[1]),
+        d_expert=int(w_in.shape[2]),
+        experts=first.num_experts,
+        top_k=first.top_k,
+        moe_layers=len(layers),
+        dtype_bytes=dtype_bytes,
+        tokens_per_device=max(1, int(tokens_per_device)),
+        optimizer_bytes_per_param=2.0 * dtype_bytes,
+        activation=first.experts.activation,
+    )
+
+
+def plan_hash(plan: Plan) -> int:
+    """A 63-bit digest of a plan's placement and assignment (what the ranks must agree on)."""
+    h = hashlib.blake2b(digest_size=8)
+    a = plan.assignment
+    parts = [plan.placement.home, plan.placement.copies, a.weights]
+    if a.group_weights is not None:
+        parts.append(a.group_weights)
+    for x in parts:
+        arr = np.ascontiguousarray(x)
+        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
+        h.update(arr.tobytes())
+    h.update(str(a.group_size).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _same_maps(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
+    return all(
+        np.array_equal(x.expert, y.expert) and np.array_equal(x.home, y.home)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+class _LayerState:
+    """What the Balancer keeps per layer: slot maps of every rank, cached routes, transfers in
+    flight, the step's counts and the layer's expert tensors."""
+
+    def __init__(self, layer: nn.Module, index: int) -> None:
+        self.layer = layer
+        self.index = index
+        self.params = expert_params(layer)
+        self.maps: list[SlotMap] = []
+        self.trans_routes = tr.Routes.build([])
+        self.agg_routes = tr.Routes.build([])
+        self.trans: tr.Pending | None = None
+        self.aggs: list[tr.Pending] = []
+        self.counts = torch.zeros(0, dtype=torch.long)
+        self.grads_ready: set[int] = set()
+
+    @property
+    def has_replicas(self) -> bool:
+        return len(self.trans_routes) > 0
+
+    def set_maps(self, maps: list[SlotMap]) -> None:
+        self.maps = maps
+        self.trans_routes = tr.trans_routes(maps)
+        self.agg_routes = self.trans_routes.swapped()
+
+
+class Balancer:
+    """Records loads, plans and applies plans for every `poise.nn.MoE` layer of `model`.
+
+    - `policy`: a registered policy name (`auto`, `static`, `shadow`, `prophet`, `vexpert`,
+      `eplb`, `permute`, `hybrid`);
+    - `every`: re-plan every K steps (the first plan after K observed steps);
+    - `cluster`: the modelled cluster the cost model prices (default: `default_cluster(W)`, or
+      the file `poise calibrate` writes);
+    - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
+      from the observed counts);
+    - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);
+    - `options`: per-policy settings (`auto`'s horizon defaults to `every`);
+    - `history`: steps of counts kept for the predictor and the policies' look-back;
+    - `hooks`: register the optimizer step hooks (else call `before_step`/`after_step`);
+    - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
+      (else both run at the step boundary);
+    - `check_plans`: compare a hash of every plan across ranks.
+
+    Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: str = "auto",
+        every: int = 10,
+        *,
+        cluster: Cluster | None = None,
+        spec: ModelSpec | None = None,
+        predictor: Predictor | str = "ema",
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        history: int = 100,
+        hooks: bool = True,
+        overlap: bool = True,
+        check_plans: bool = True,
+        group: dist.ProcessGroup | None = None,
+        keep_stats: int = 10_000,
+    ) -> None:
+        if every < 1:
+            raise ConfigError("must be >= 1", source=str(every), field="every")
+        get_policy(policy)  # unknown names fail here
+        modules = find_moe_layers(model)
+        if not modules:
+            raise ConfigError("the model has no poise.nn.MoE layer", field="model")
+        self.model = model
+        self.optimizer = optimizer
+        self.policy = policy
+        self.every = every
+        self.group = group if group is not None else modules[0].group
+        self.world_size, self.rank = modules[0].world, modules[0].rank
+        self.layers = [_LayerState(m, i) for i, m in enumerate(modules)]
+        self.slots = self._slots()
+        self.cluster = cluster or default_cluster(self.world_size)
+        if self.cluster.num_devices != self.world_size:
+            raise ConfigError(
+                f"cluster has {self.cluster.num_devices} devices but {self.world_size} ranks run",
+                source=self.cluster.name,
+                field="cluster",
+            )
+        self._spec = spec
+        self.num_experts = modules[0].num_experts
+        self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
+        self.options = {k: dict(v) for k, v in (options or {}).items()}
+        self.options.setdefault("auto", {}).setdefault("horizon", every)
+        self.check_plans = check_plans
+        self.overlap = overlap
+        self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, W, E] per step
+        self.stats: deque[StepStats] = deque(maxlen=keep_stats)
+        self.step = 0
+        self.plan = self._initial_plan()
+        self._current = StepStats(step=0, policy=policy)
+        self._prepared = False
+        self._handles: list[Any] = []
+        self._apply_layout(self.plan)
+        for state in self.layers:  # replicas of the initial layout start from their homes
+            if state.has_replicas:
+                tr.trans(state.params, state.maps, self.rank, group=self.group,
+                         routes=state.trans_routes)  # fmt: skip
+        self._register_layer_hooks()
+        if hooks:
+            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_step()))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_step()))
+
+    # ----------------------------------------------------------------------------- set-up
+    def _slots(self) -> int:
+        slots = {int(s.params[0].shape[0]) for s in self.layers}
+        if len(slots) != 1:
+            raise ConfigError(
+                f"MoE layers have different slot counts {sorted(slots)}", field="slots"
+            )
+        return slots.pop()
+
+    def _initial_plan(self) -> Plan:
+        """The plan the layers run now (their `layout`: the static one for fresh layers).
+
+        A layout's weights are this rank's source shares, so this assumes plain (not
+        group-local) routing, which is all a layer's own default layout uses."""
+        layouts = [s.layer.layout for s in self.layers]
+        if len({x.num_experts for x in layouts}) != 1:
+            raise ConfigError("MoE layers have different expert counts", field="num_experts")
+        placement = Placement(
+            home=np.stack([x.home for x in layouts]).astype(np.int64),
+            copies=np.stack([x.copies for x in layouts]).astype(np.int32),
+            slots_per_device=self.slots,
+        )
+        placement.validate()
+        assignment = Assignment(np.stack([x.weights for x in layouts]).astype(np.float64))
+        for state, layout in zip(self.layers, layouts, strict=True):
+            mine = slot_maps(placement, state.index, self.slots)[self.rank]
+            if not np.array_equal(mine.expert, layout.slots.expert):
+                raise ConfigError(
+                    f"MoE layer {state.index}'s slots are not in the order slot_maps derives "
+                    "from its placement (homes, then replicas, then empty)",
+                    field="layout.slots",
+                )
+        return Plan(
+            policy="initial",
+            placement=placement,
+            assignment=assignment,
+            transfers=transfers_between(None, placement, self.spec()),
+        )
+
+    def spec(self) -> ModelSpec:
+        """The model shape the planner prices, tokens per device from the counts seen so far."""
+        if self._spec is not None:
+            return self._spec
+        tokens = 1
+        if self.window:
+            top_k = self.layers[0].layer.top_k
+            tokens = int(np.mean([c[0].sum() for c in self.window]) / (self.world_size * top_k))
+        return spec_from_layers([s.layer for s in self.layers], tokens)
+
+    def _register_layer_hooks(self) -> None:
+        for state in self.layers:
+            self._handles.append(
+                state.layer.register_forward_hook(lambda m, a, o, s=state: self._record(s))
+            )
+            if not self.overlap:
+                continue
+            self._handles.append(
+                state.layer.register_forward_pre_hook(lambda m, a, s=state: self._wait(s))
+            )
+            for i, p in enumerate(state.params):
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, s=state, i=i: self._grad_ready(s, i)
+                    )
+                )
+
+    def close(self) -> None:
+        """Finish transfers in flight and remove every hook the Balancer registered."""
+        for state in self.layers:
+            self._wait(state)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------------ layer hooks
+    def _record(self, state: _LayerState) -> None:
+        """Forward hook: add the layer's `last_counts[E]` to this step's counts and its phase
+        seconds (`last_seconds`: gate, dispatch, experts, combine) to the step's statistics."""
+        if not state.layer.training:
+            return
+        counts = state.layer.last_counts.detach().to("cpu", torch.long)
+        state.counts = counts.clone() if state.counts.numel() == 0 else state.counts + counts
+        for phase, seconds in state.layer.last_seconds.items():
+            if phase in LAYER_PHASES:
+                self._current.add_seconds(phase, float(seconds))
+
+    def _wait(self, state: _LayerState) -> None:
+        """Layer pre-hook: the layer's Trans must have landed before it runs."""
+        if state.trans is not None:
+            t0 = time.perf_counter()
+            state.trans.wait()
+            state.trans = None
+            self._current.add_seconds("transfers", time.perf_counter() - t0)
+
+    def _grad_ready(self, state: _LayerState, index: int) -> None:
+        """Gradient hook: once all of a layer's expert tensors have their gradient from this
+        backward, launch its Agg."""
+        state.grads_ready.add(index)
+        if len(state.grads_ready) < len(state.params) or not state.has_replicas:
+            return
+        state.grads_ready.clear()
+        self._launch_agg(state)
+
+    def _launch_agg(self, state: _LayerState) -> None:
+        t0 = time.perf_counter()
+        grads = [_grad_of(p) for p in state.params]
+        pending = tr.agg_async(
+            grads, state.maps, self.rank, group=self.group, routes=state.agg_routes
+        )
+        state.aggs.append(pending)
+        self._current.agg_bytes += pending.total_bytes
+        self._current.add_seconds("transfers", time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------- step boundary
+    def before_step(self) -> None:
+        """Agg (finish those launched from gradient hooks, run the rest) and gather the step's
+        counts. Call before anything that reads expert gradients; idempotent within a step."""
+        if self._prepared:
+            return
+        t0 = time.perf_counter()
+        for state in self.layers:
+            for p in state.params:
+                if p.grad is None:  # every rank steps every tensor: keep AdamW's state in step
+                    p.grad = torch.zeros_like(p)
+            if state.has_replicas and not state.aggs:
+                self._launch_agg(state)
+            for pending in state.aggs:
+                pending.wait()
+            state.aggs.clear()
+            state.grads_ready.clear()
+        self._current.add_seconds("transfers", time.perf_counter() - t0)
+        self._gather_counts()
+        self._prepared = True
+
+    def after_step(self) -> None:
+        """Re-plan and apply every `every` steps; otherwise launch Trans for the next forward."""
+        if not self._prepared:
+            self.before_step()
+        self.step += 1
+        stats = self._current
+        if self.step % self.every == 0 and self.window:
+            self._replan(stats)
+        else:
+            t0 = time.perf_counter()
+            for state in self.layers:
+                self._wait(state)
+                if state.has_replicas:
+                    state.trans = tr.trans_async(
+                        state.params, state.maps, self.rank, group=self.group,
+                        routes=state.trans_routes,
+                    )  # fmt: skip
+                    stats.trans_bytes += state.trans.total_bytes
+            stats.add_seconds("transfers", time.perf_counter() - t0)
+            if not self.overlap:
+                for state in self.layers:
+                    self._wait(state)
+        self.stats.append(stats)
+        self._current = StepStats(step=self.step, policy=self.policy)
+        self._prepared = False
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.stats[-1] if self.stats else None
+
+    # ----------------------------------------------------------------------------- loads
+    def _gather_counts(self) -> None:
+        """All ranks' counts of this step: `[L, W, E]` appended to the window."""
+        E = self.num_experts
+        local = torch.stack(
+            [
+                s.counts if s.counts.numel() else torch.zeros(E, dtype=torch.long)
+                for s in self.layers
+            ]
+        )  # [L, E]
+        for s in self.layers:
+            s.counts = torch.zeros(0, dtype=torch.long)
+        if self.world_size > 1:
+            local = local.to(_comm_device(self.group))
+            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(parts, local, group=self.group)
+            gathered = torch.stack(parts, dim=1).cpu().numpy()  # [L, W, E]
+        else:
+            gathered = local.cpu().numpy()[:, None, :]
+        self.window.append(gathered)
+        self._current.set_loads(layer_loads(self.plan.placement, self.plan.assignment, gathered))
+
+    # -------------------------------------------------------------------------- planning
+    def plan_next(self) -> Plan:
+        """The policy's plan from the window (every rank computes the same one)."""
+        history = np.stack(self.window)  # [T, L, W, E]
+        loads = self.predictor.predict(history)
+        ctx = PlanContext.create(
+            self.cluster,
+            self.spec(),
+            slots_per_device=self.slots,
+            history=history.sum(axis=2).astype(np.float64),
+            options=self.options,
+        )
+        plan = make_plan(self.policy, loads, self.plan, ctx)
+        if self.check_plans and self.world_size > 1:
+            self.verify_plan(plan)
+        return plan
+
+    def verify_plan(self, plan: Plan) -> None:
+        """Raise `PlanMismatchError` on every rank unless all ranks hold the same plan (one
+        all-reduce of a 63-bit hash). Collective."""
+        if self.world_size == 1:
+            return
+        h = plan_hash(plan)
+        t = torch.tensor([h, -h], dtype=torch.long, device=_comm_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) != -int(t[1]):
+            raise PlanMismatchError(
+                f"ranks computed different plans at step {self.step} (policy {self.policy!r}): "
+                "the planner saw different inputs or is not deterministic on these machines",
+                source=f"rank {self.rank}",
+                field="plan",
+            )
+
+    def _replan(self, stats: StepStats) -> None:
+        t0 = time.perf_counter()
+        plan = self.plan_next()
+        stats.add_seconds("plan", time.perf_counter() - t0)
+        self.apply(plan, stats)
+        stats.replanned = True
+
+    def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
+        """Make `plan` the layout of every layer now: migrate weights and optimizer state where
+        the slot maps change (replicas filled too), Trans where they do not. Collective."""
+        stats = stats if stats is not None else self._current
+        t0 = time.perf_counter()
+        for state in self.layers:
+            self._wait(state)
+            new_maps = slot_maps(plan.placement, state.index, self.slots)
+            if _same_maps(state.maps, new_maps):
+                if state.has_replicas:
+                    done = tr.trans(state.params, state.maps, self.rank, group=self.group,
+                                    routes=state.trans_routes)  # fmt: skip
+                    stats.trans_bytes += done.total_bytes
+                continue
+            moved = tr.migrate(
+                state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group
+            )
+            stats.migrate_bytes += moved.home_total_bytes
+            stats.trans_bytes += moved.replica_total_bytes
+            stats.moved_homes += moved.moved_homes
+        self._apply_layout(plan)
+        self.plan = plan
+        stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    def _apply_layout(self, plan: Plan) -> None:
+        """Tell each layer its placement, assignment and this rank's slot map."""
+        for state in self.layers:
+            maps = slot_maps(plan.placement, state.index, self.slots)
+            state.set_maps(maps)
+            state.layer.set_layout(
+                plan.placement, plan.assignment, maps[self.rank], layer=state.index
+            )
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = [
+    "Balancer",
+    "PlanMismatchError",
+    "default_cluster",
+    "expert_params",
+    "find_moe_layers",
+    "plan_hash",
+    "spec_from_layers",
+]

@@ -1,0 +1,81 @@
+"""What the Balancer records per step, for logs and for checking the simulator.
+
+- Loads under the plan in force: from the gathered routing counts `counts[L, W, E]` (tokens each
+  source rank routed to each expert) and the plan's `Placement`/`Assignment`, the tokens each
+  rank computes per layer, `[L, W]`, their max/mean per layer, and the tokens the dispatcher
+  moves to another rank.
+- Bytes moved at the step boundary: Trans (weights to replicas), Agg (replica gradients to
+  homes), migration (weights and optimizer state of experts whose home changed); all ranks
+  together.
+- Seconds this rank spent per phase: the layer's own phases where it reports them (gate,
+  dispatch, experts, combine), transfers (launching and waiting for Trans/Agg/migration), and
+  planning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from poise.placement import Assignment, Placement
+
+
+@dataclass(frozen=True)
+class LayerLoads:
+    """`device_tokens[L, W]` tokens (token-expert pairs) each rank computes per layer;
+    `max_over_mean[L]` their max over mean (1.0: perfectly balanced; 1.0 for an idle layer);
+    `tokens_moved[L]` tokens the dispatcher sends to another rank (all sources together)."""
+
+    device_tokens: np.ndarray
+    max_over_mean: np.ndarray
+    tokens_moved: np.ndarray
+
+
+def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray) -> LayerLoads:
+    """Loads of `counts[L, W, E]` routed by `assignment` onto `placement` (integer routes, as
+    the dispatcher sends them)."""
+    routes = assignment.split(placement, counts)  # [L, W_src, E, W_dst]
+    device = routes.sum(axis=(1, 2)).astype(np.float64)  # [L, W]
+    mean = device.mean(axis=1)
+    ratio = np.where(mean > 0, device.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+    W = counts.shape[1]
+    off_rank = ~np.eye(W, dtype=bool)[None, :, None, :]
+    moved = np.where(off_rank, routes, 0).sum(axis=(1, 2, 3))
+    return LayerLoads(device, ratio, moved.astype(np.int64))
+
+
+@dataclass
+class StepStats:
+    """One training step as the Balancer saw it (this rank's view of the timings).
+
+    `max_over_mean[L]`, `device_tokens[L][W]`, `tokens_moved[L]`: loads under the plan in force
+    (see `LayerLoads`); `trans_bytes`, `agg_bytes`, `migrate_bytes`: all ranks together, moved
+    at this step's boundary; `seconds`: this rank's time per phase (`gate`, `dispatch`,
+    `experts`, `combine` when the layers report them; `transfers`, `plan`); `replanned`: a new
+    plan took effect after this step, with `moved_homes` experts changing rank."""
+
+    step: int
+    policy: str
+    max_over_mean: list[float] = field(default_factory=list)
+    device_tokens: list[list[float]] = field(default_factory=list)
+    tokens_moved: list[int] = field(default_factory=list)
+    trans_bytes: int = 0
+    agg_bytes: int = 0
+    migrate_bytes: int = 0
+    moved_homes: int = 0
+    replanned: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add_seconds(self, phase: str, s: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+
+    def set_loads(self, loads: LayerLoads) -> None:
+        self.max_over_mean = [float(x) for x in loads.max_over_mean]
+        self.device_tokens = loads.device_tokens.tolist()
+        self.tokens_moved = [int(x) for x in loads.tokens_moved]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (for a log line)."""
+        return asdict(self)

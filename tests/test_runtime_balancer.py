@@ -1,0 +1,290 @@
+"""The Balancer changes where experts live, never the mathematics.
+
+On 2 and 4 gloo ranks (one spawn each, every policy inside it): 20 AdamW steps of a two-layer
+MoE stack with skewed routing, re-planning every 2 steps, end with the parameters and losses of
+plain static EP (no Balancer) within 1e-5 under every policy that replicates or moves experts.
+A forced change of every home moves the AdamW moments with the weights; ranks that disagree on
+a plan get one clear error. One-process tests cover the helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poise.errors import ConfigError
+from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.runtime.launch import run_ranks
+
+POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto"]
+E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY = 8, 8, 16, 64, 20, 2
+TOL = 1e-5
+
+
+def _build(W: int, seed: int = 0):
+    """A residual stack of two MoE layers with spare slots, routers skewed to experts 0 and 1."""
+    import torch
+
+    from poise.nn import MoE
+
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(
+        [MoE(D_MODEL, D_EXPERT, E, 2, num_slots=E // W + 2, init_seed=i) for i in range(2)]
+    )
+    with torch.no_grad():
+        for block in model.blocks:
+            block.router.weight[:2] += 0.5
+    # eps well above the smallest expert gradients: AdamW would otherwise turn float-order
+    # noise on a near-zero gradient into a full step.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    return model, opt
+
+
+def _train(model, opt, rank: int, steps: int) -> list[float]:
+    """This rank's loss per step."""
+    import torch
+
+    from poise.nn import sync_router_grads
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(TOKENS, D_MODEL, generator=gen) + 1.0
+        target = torch.randn(TOKENS, D_MODEL, generator=gen)
+        y = x
+        for block in model.blocks:
+            y = y + block(y)
+        loss = ((y - target) ** 2).mean()
+        loss.backward()
+        sync_router_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _home_rows(model, opt, rank: int) -> dict:
+    """`{(layer, expert, tensor): (weights, exp_avg, exp_avg_sq)}` of the experts homed here."""
+    out = {}
+    for li, block in enumerate(model.blocks):
+        slots = block.layout.slots
+        for slot, e in enumerate(slots.expert.tolist()):
+            if e < 0 or not slots.home[slot]:
+                continue
+            for k, w in enumerate(block.experts.weights()):
+                state = opt.state.get(w, {})
+                moments = [state[n][slot].numpy().copy() for n in ("exp_avg", "exp_avg_sq")]
+                out[(li, e, k)] = (w[slot].detach().numpy().copy(), *moments)
+    return out
+
+
+def _equivalence(rank: int, W: int) -> dict:
+    from poise.runtime.balancer import Balancer
+    from tests.helpers import toy_cluster
+
+    model, opt = _build(W)
+    result = {"reference": (_train(model, opt, rank, STEPS), _home_rows(model, opt, rank))}
+    result["routers"] = {"reference": [b.router.weight.detach().numpy() for b in model.blocks]}
+    # Fast links and slow GEMMs: every policy finds balancing worth its transfers.
+    cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
+    for policy in POLICIES:
+        model, opt = _build(W)
+        balancer = Balancer(model, opt, policy, every=EVERY, cluster=cluster)
+        losses = _train(model, opt, rank, STEPS)
+        balancer.close()
+        stats = list(balancer.stats)
+        result[policy] = (losses, _home_rows(model, opt, rank))
+        result["routers"][policy] = [b.router.weight.detach().numpy() for b in model.blocks]
+        result[f"{policy}.moved"] = (
+            sum(s.trans_bytes for s in stats),
+            sum(s.migrate_bytes for s in stats),
+            sum(s.replanned for s in stats),
+            float(np.mean(stats[-1].max_over_mean)),
+            float(np.mean(stats[0].max_over_mean)),
+        )
+    if W == 2:
+        result["forced"] = _forced_home_change(rank, W, cluster)
+        result["mismatch"] = _mismatch(rank, W)
+    return result
+
+
+def _forced_home_change(rank: int, W: int, cluster) -> dict:
+    """Train 3 steps, then move every expert's home to the other rank (and reorder slots)."""
+    from poise.runtime.balancer import Balancer
+
+    model, opt = _build(W)
+    balancer = Balancer(model, opt, "static", every=1000, cluster=cluster)
+    _train(model, opt, rank, 3)
+    before = _home_rows(model, opt, rank)
+    steps_before = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
+    home = (balancer.plan.placement.home + 1) % W  # every home changes rank
+    placement = Placement.from_homes(home, W, balancer.slots)
+    for layer in range(placement.layers):  # and each rank holds one replica (slots reorder)
+        for r in range(W):
+            placement.copies[layer, r, int(np.flatnonzero(home[layer] != r)[-1])] = 1
+    plan = Plan("forced", placement, Assignment.even(placement),
+                transfers_between(balancer.plan.placement, placement, balancer.spec()))  # fmt: skip
+    balancer.apply(plan)
+    after = _home_rows(model, opt, rank)
+    steps_after = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
+    losses = _train(model, opt, rank, 1)  # the new layout trains
+    balancer.close()
+    return {"before": before, "after": after, "steps": (steps_before, steps_after), "loss": losses}
+
+
+def _mismatch(rank: int, W: int) -> str:
+    from poise.runtime.balancer import Balancer, PlanMismatchError
+
+    model, opt = _build(W)
+    balancer = Balancer(model, opt, "static", every=1000)
+    plan = balancer.plan
+    if rank == 1:
+        placement = plan.placement.copy()
+        placement.copies[0, 0, -1] = 1
+        plan = Plan("other", placement, Assignment.even(placement), plan.transfers)
+    try:
+        balancer.verify_plan(plan)
+    except PlanMismatchError as exc:
+        return str(exc)
+    finally:
+        balancer.close()
+    return ""
+
+
+def _merge(results: list[dict], key: str) -> dict:
+    merged: dict = {}
+    for r in results:
+        merged.update(r[key][1])
+    return merged
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The 2-rank spawn, shared by the tests that read its results."""
+    return run_ranks(_equivalence, 2)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -> None:
+    if world_size == 2:
+        results = request.getfixturevalue("two_ranks")
+    else:
+        results = run_ranks(_equivalence, world_size)
+    reference = _merge(results, "reference")
+    assert len(reference) == 2 * E * 3
+    for policy in POLICIES:
+        params = _merge(results, policy)
+        assert params.keys() == reference.keys()
+        worst = max(float(np.abs(params[k][0] - reference[k][0]).max()) for k in reference)
+        assert worst <= TOL, (policy, worst)
+        for r in results:
+            np.testing.assert_allclose(r[policy][0], r["reference"][0], rtol=TOL, atol=TOL)
+        routers = zip(
+            results[0]["routers"][policy], results[0]["routers"]["reference"], strict=True
+        )
+        for a, b in routers:
+            np.testing.assert_allclose(a, b, atol=TOL)
+        trans, migrate, replans, balance_end, balance_start = results[0][f"{policy}.moved"]
+        assert replans == STEPS // EVERY
+        if policy != "static":
+            assert trans + migrate > 0, policy  # the policy really replicated or moved experts
+            assert balance_end < balance_start, policy
+        else:
+            assert trans == migrate == 0
+
+
+def _check_forced(results: list[dict]) -> None:
+    before, after = {}, {}
+    for r in results:
+        before.update(r["forced"]["before"])
+        after.update(r["forced"]["after"])
+    assert before.keys() == after.keys()
+    # the moments are not trivially zero (an expert without tokens so far has zero moments)
+    assert sum(bool(np.abs(v[1]).max() > 0) for v in before.values()) > len(before) // 2
+    for key in before:
+        for old, new in zip(before[key], after[key], strict=True):
+            np.testing.assert_array_equal(new, old)  # weights, exp_avg, exp_avg_sq moved exactly
+    for r in results:
+        steps_before, steps_after = r["forced"]["steps"]
+        assert steps_before == steps_after == [3.0] * len(steps_before)
+        assert np.isfinite(r["forced"]["loss"]).all()
+
+
+@pytest.mark.dist
+def test_forced_home_change_moves_adamw_moments(two_ranks: list[dict]) -> None:
+    _check_forced(two_ranks)
+
+
+@pytest.mark.dist
+def test_ranks_with_different_plans_get_one_clear_error(two_ranks: list[dict]) -> None:
+    for r in two_ranks:
+        assert "ranks computed different plans" in r["mismatch"]
+
+
+# ------------------------------------------------------------------------- one process
+def test_plan_hash_sees_every_part_of_a_plan() -> None:
+    from poise.runtime.balancer import plan_hash
+
+    placement = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
+    plan = Plan("p", placement, Assignment.even(placement), None)  # type: ignore[arg-type]
+    same = Plan("q", placement.copy(), Assignment.even(placement), None)  # type: ignore[arg-type]
+    assert plan_hash(plan) == plan_hash(same)
+    moved = placement.copy()
+    moved.copies[0, 1, 0] = 1
+    assert plan_hash(Plan("r", moved, plan.assignment, None)) != plan_hash(plan)  # type: ignore[arg-type]
+    assert 0 <= plan_hash(plan) < 2**63
+
+
+def test_layer_loads_follow_the_assignment() -> None:
+    from poise.runtime.stats import layer_loads
+
+    placement = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    placement.copies[0, 1, 0] = 1  # rank 1 holds a replica of expert 0
+    counts = np.array([[[6, 2], [4, 0]]])  # [L, W, E]
+    loads = layer_loads(placement, Assignment.even(placement), counts)
+    assert loads.device_tokens.tolist() == [[6.0, 6.0]]  # rank 1: its 4 for e0 + rank 0's 2 for e1
+    assert loads.max_over_mean.tolist() == [1.0]
+    assert loads.tokens_moved.tolist() == [2]
+
+
+def test_one_process_balancer_records_and_plans() -> None:
+    import torch
+
+    from poise.nn import MoE
+    from poise.runtime.balancer import Balancer, default_cluster, spec_from_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(8, 16, 4, 2, num_slots=5), MoE(8, 16, 4, 2, num_slots=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", every=2, cluster=default_cluster(1))
+    for _ in range(4):
+        model(torch.randn(16, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    stats = list(balancer.stats)
+    assert [s.replanned for s in stats] == [False, True, False, True]
+    assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
+    assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
+    assert stats[-1].as_dict()["step"] == 3
+    spec = spec_from_layers([model[0], model[1]], 16)
+    assert (spec.d_model, spec.d_expert, spec.experts, spec.moe_layers) == (8, 16, 4, 2)
+    assert spec.activation == "swiglu" and spec.dtype_bytes == 4
+    balancer.close()
+    assert default_cluster(4).num_devices == 4
+
+
+def test_bad_arguments_are_config_errors() -> None:
+    import torch
+
+    from poise.nn import MoE
+    from poise.runtime.balancer import Balancer
+
+    model = torch.nn.Sequential(MoE(8, 16, 4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="unknown policy"):
+        Balancer(model, opt, "nope")
+    with pytest.raises(ConfigError, match="every"):
+        Balancer(model, opt, every=0)
+    with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):
+        Balancer(torch.nn.Linear(2, 2), opt)
