@@ -356,11 +356,28 @@ def balanced_weights(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) 
     D = copies.shape[-1]
     held = copies > 0
     out = held.astype(np.float64).reshape(-1, D)
-    multi = np.flatnonzero(held.reshape(-1, D).sum(axis=1) > 1)
-    if multi.size:
-        out[multi] = _water_fill(
-            local.reshape(-1, D)[multi], remote.reshape(-1)[multi], copies.reshape(-1, D)[multi]
-        )
+    n_held = held.reshape(-1, D).sum(axis=1)
+    multi = np.flatnonzero(n_held > 1)
+    if not multi.size:
+        return out.reshape(copies.shape)
+    local_m, copies_m = local.reshape(-1, D)[multi], copies.reshape(-1, D)[multi]
+    remote_m = remote.reshape(-1)[multi]
+    width = int(n_held[multi].max())
+    if 2 * width > D:
+        out[multi] = _water_fill(local_m, remote_m, copies_m)
+        return out.reshape(copies.shape)
+    # Few holders per row (e.g. thousands of devices): fill on the holders only, packed left in
+    # device order (ties still go to the lower device), then scatter back.
+    rows, cols = np.nonzero(copies_m > 0)
+    slot = np.arange(rows.size) - np.searchsorted(rows, rows)  # position among the row's holders
+    packed_local = np.zeros((multi.size, width))
+    packed_copies = np.zeros((multi.size, width))
+    packed_local[rows, slot] = local_m[rows, cols]
+    packed_copies[rows, slot] = copies_m[rows, cols]
+    shares = _water_fill(packed_local, remote_m, packed_copies)
+    filled = np.zeros((multi.size, D))
+    filled[rows, cols] = shares[rows, slot]
+    out[multi] = filled
     return out.reshape(copies.shape)
 
 

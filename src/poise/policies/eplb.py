@@ -47,6 +47,8 @@ Options (`ctx.option("eplb", ...)`): `groups` (default: nodes if experts divide 
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from poise.eplb_format import placement_from_eplb
@@ -87,6 +89,8 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     if per_pack == 1:
         return np.tile(np.arange(n, dtype=np.int64), (X, 1)), np.zeros((X, n), dtype=np.int64)
     order = np.argsort(-w, axis=1, kind="stable")
+    if num_packs >= HEAP_PACKS:
+        return _packing_by_heap(w, order, num_packs, per_pack)
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
     pack_w = np.zeros((X, num_packs))
@@ -99,6 +103,33 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         rank_in_pack[rows, item] = pack_n[rows, pack]
         pack_w[rows, pack] += w[rows, item]
         pack_n[rows, pack] += 1
+    return pack_index, rank_in_pack
+
+
+HEAP_PACKS = 256  # from this many packs a heap per row beats a vectorised scan of all packs
+
+
+def _packing_by_heap(
+    w: np.ndarray, order: np.ndarray, num_packs: int, per_pack: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`balanced_packing`'s greedy with a heap of (pack sum, pack index) per row: the same
+    choices (lightest non-full pack, lowest index on ties) in O(n log packs) instead of
+    O(n * packs); for thousands of devices."""
+    X, n = w.shape
+    pack_index = np.empty((X, n), dtype=np.int64)
+    rank_in_pack = np.empty((X, n), dtype=np.int64)
+    for x in range(X):
+        heap = [(0.0, p) for p in range(num_packs)]  # already a heap: sums equal, index order
+        filled = [0] * num_packs
+        weights = w[x].tolist()
+        packs, ranks = [0] * n, [0] * n
+        for item in order[x].tolist():
+            load, pack = heapq.heappop(heap)
+            packs[item], ranks[item] = pack, filled[pack]
+            filled[pack] += 1
+            if filled[pack] < per_pack:
+                heapq.heappush(heap, (load + weights[item], pack))
+        pack_index[x], rank_in_pack[x] = packs, ranks
     return pack_index, rank_in_pack
 
 
