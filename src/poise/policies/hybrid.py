@@ -72,28 +72,34 @@ def choose_pairs(
     they are taken. `counts[D, E]`, `home[E]`, `free[D]` free slots, `size` devices per group."""
     D, E = counts.shape
     G = D // size
-    T = counts.reshape(G, size, E).sum(axis=1)  # [G, E] tokens each group sends to e
-    home_group = home // size
-    free = free.copy()
-    gs, es, ds, ts = [], [], [], []
-    for g in range(G):
-        devs = np.arange(g * size, (g + 1) * size)
-        room = int(free[devs].sum())
-        if room <= 0:
-            continue
-        wanted = (home_group != g) & (T[g] > 0)
-        idx = np.flatnonzero(wanted)
-        idx = idx[np.argsort(-T[g, idx], kind="stable")][:room]
-        for e in idx:
-            open_devs = devs[free[devs] > 0]
-            d = int(open_devs[np.argmax(counts[open_devs, e])])  # first max: lowest device
-            free[d] -= 1
-            gs.append(g)
-            es.append(int(e))
-            ds.append(d)
-            ts.append(float(T[g, e]))
-    g_arr, e_arr = np.array(gs, dtype=np.int64), np.array(es, dtype=np.int64)
-    d_arr, t_arr = np.array(ds, dtype=np.int64), np.array(ts, dtype=np.float64)
+    per_group = counts.reshape(G, size, E)
+    T = per_group.sum(axis=1)  # [G, E] tokens each group sends to e
+    groups = np.arange(G)
+    wanted = (home[None, :] // size != groups[:, None]) & (T > 0)  # [G, E]
+    # Each group's wanted experts, most tokens first (stable: lower expert first).
+    ranked = np.argsort(np.where(wanted, -T, np.inf), axis=1, kind="stable")
+    free = free.reshape(G, size).copy()
+    take = np.minimum(free.sum(axis=1), wanted.sum(axis=1))  # pairs per group
+    gs, es, ds, ranks = [], [], [], []
+    # All groups in lockstep: the i-th pick of every group that still takes one. Within a group
+    # the picks stay sequential (each takes a free slot the next cannot).
+    for i in range(int(take.max(initial=0))):
+        g = np.flatnonzero(take > i)
+        e = ranked[g, i]
+        on_open = np.where(free[g] > 0, per_group[g, :, e], -np.inf)  # [A, size]
+        j = on_open.argmax(axis=1)  # first max: lowest device
+        free[g, j] -= 1
+        gs.append(g)
+        es.append(e)
+        ds.append(g * size + j)
+        ranks.append(np.full(g.size, i))
+    if not gs:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, np.zeros(0)
+    g_arr, e_arr, d_arr = (np.concatenate(x).astype(np.int64) for x in (gs, es, ds))
+    group_major = np.lexsort((np.concatenate(ranks), g_arr))  # group by group, picks in order
+    g_arr, e_arr, d_arr = g_arr[group_major], e_arr[group_major], d_arr[group_major]
+    t_arr = T[g_arr, e_arr].astype(np.float64)
     order = np.argsort(-t_arr, kind="stable")  # W_e is the same for all: ratio order = T order
     return g_arr[order], e_arr[order], d_arr[order], t_arr[order]
 
