@@ -120,3 +120,27 @@ def test_float_residue_pays_no_latency() -> None:
     assert link_time(cluster, send, recv)[0] == 0.0
     send[1, 0, 0] = 16.0  # one real token of 16 bytes pays bandwidth and latency
     assert link_time(cluster, send, recv)[0] == pytest.approx(16 / 1e9 + 1e-5)
+
+
+def test_pricing_layers_in_chunks_gives_the_same_cost(monkeypatch) -> None:
+    """Large problems are priced a few layers at a time; the result does not change, with
+    group-local routing (hybrid) and with replicas and migrations (eplb from a previous plan)."""
+    from poise import cost as cost_module
+    from poise.policies import PlanContext, make_plan
+
+    cluster = toy_cluster(2, 2, 2, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13)
+    spec = toy_spec(experts=8, layers=5, d_model=64, d_expert=128, tokens=256)
+    rng = np.random.default_rng(4)
+    loads = rng.zipf(1.4, size=(5, 8, 8)).astype(float)
+    model = CostModel(cluster, spec)
+    ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=model)
+    first = make_plan("eplb", loads, None, ctx)
+    plans = [make_plan("hybrid", loads, None, ctx), make_plan("eplb", loads[::-1], first, ctx)]
+    assert plans[0].assignment.grouped and len(plans[1].transfers.migrations) > 0
+    whole = [model.price(p.placement, p.assignment, loads, p.transfers.migrations) for p in plans]
+    monkeypatch.setattr(cost_module, "PRICE_CHUNK_CELLS", 2 * 8 * 8)  # two layers at a time
+    for p, ref in zip(plans, whole, strict=True):
+        got = model.price(p.placement, p.assignment, loads, p.transfers.migrations)
+        np.testing.assert_array_equal(got.layer_s, ref.layer_s)
+        np.testing.assert_array_equal(got.device_load, ref.device_load)
+        assert got.phases.migrate_s.sum() == ref.phases.migrate_s.sum()
