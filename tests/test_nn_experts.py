@@ -129,3 +129,19 @@ def test_bad_inputs():
     with pytest.raises(ConfigError, match="impl"):
         experts.impl = "fast"  # type: ignore[assignment]
     assert experts.w_gate is None and len(experts.weights()) == 2
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_loop_blocks_of_rows_match_one_block(activation: str, monkeypatch: pytest.MonkeyPatch):
+    import poise.nn.experts as experts_module
+
+    torch.manual_seed(4)
+    experts = Experts(3, 8, 16, activation, impl="loop")  # type: ignore[arg-type]
+    counts = [40, 0, 23]
+    x = torch.randn(63, 8)
+    whole = grads_of(experts, x, counts, use_naive=False)
+    monkeypatch.setattr(experts_module, "BLOCK_BYTES", 16 * 16 * 4)  # 16-row blocks
+    assert experts_module.block_rows(16, torch.float32) == 16
+    blocked = grads_of(experts, x, counts, use_naive=False)
+    for a, b in zip(blocked, whole, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

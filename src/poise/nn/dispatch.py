@@ -211,28 +211,68 @@ def inverse(perm: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- autograd ops
+@dataclass
+class TokenIndex:
+    """Where each of the `T * k` assignments sits among the `N` rows sent (send order).
+
+    - `send_idx [N]`: the flat assignment (`t * k + j`) of each row; `rows [N]`: its token;
+    - `by_choice [k, T]`: the row of assignment (t, j), or `N` where it was dropped.
+    Built once per forward from the one sort; every permutation below is a gather with it."""
+
+    send_idx: torch.Tensor
+    rows: torch.Tensor
+    by_choice: torch.Tensor
+    tokens: int
+    top_k: int
+
+    @classmethod
+    def build(cls, send_idx: torch.Tensor, tokens: int, top_k: int) -> TokenIndex:
+        n = send_idx.shape[0]
+        inv = torch.full((tokens * top_k,), n, dtype=torch.long, device=send_idx.device)
+        inv[send_idx] = torch.arange(n, device=send_idx.device)
+        rows = send_idx // top_k if top_k > 1 else send_idx
+        return cls(send_idx, rows, inv.view(tokens, top_k).t().contiguous(), tokens, top_k)
+
+    @property
+    def dropped(self) -> bool:
+        """Some assignments were not sent (capacity)."""
+        return self.send_idx.shape[0] != self.tokens * self.top_k
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+
+
+def _sum_by_token(
+    rows: torch.Tensor, index: TokenIndex, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[T, D]`: for each token, the sum over its k choices j of `rows[by_choice[j, t]]`
+    (times `weights[t, j]` when given); dropped choices read zero. k gathers, no scatter."""
+    if index.dropped:
+        rows = _with_zero_row(rows)
+    out = rows.index_select(0, index.by_choice[0])
+    if weights is not None:
+        out.mul_(weights[:, 0:1])
+    for j in range(1, index.top_k):
+        part = rows.index_select(0, index.by_choice[j])
+        if weights is None:
+            out.add_(part)
+        else:
+            out.addcmul_(part, weights[:, j : j + 1])
+    return out
+
+
 class _GatherTokens(torch.autograd.Function):
-    """`x [T, D]` -> `x[rows] [N, D]` where `rows = send_idx // k`; backward gathers with the
-    inverse `inv [T * k]` (N: dropped) and sums each token's k rows."""
+    """`x [T, D]` -> `x[index.rows] [N, D]`; backward sums each token's rows (`_sum_by_token`)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, rows: torch.Tensor, inv: torch.Tensor, k: int
-    ) -> torch.Tensor:
-        ctx.save_for_backward(inv)
-        ctx.k = k
-        ctx.shape = x.shape
-        return x.index_select(0, rows)
+    def forward(ctx: Any, x: torch.Tensor, index: TokenIndex) -> torch.Tensor:
+        ctx.index = index
+        return x.index_select(0, index.rows)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (inv,) = ctx.saved_tensors
-        T, D = ctx.shape
-        if grad.shape[0] != inv.shape[0]:  # some assignments were dropped: read zeros
-            grad = torch.cat([grad, grad.new_zeros(1, D)])
-        g = grad.index_select(0, inv)
-        g = g.view(T, ctx.k, D).sum(1) if ctx.k > 1 else g.view(T, D)
-        return g, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _sum_by_token(grad.contiguous(), ctx.index), None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -252,30 +292,31 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """`out [N, D]` (rows in send order), `w [T, k]`, `inv [T * k]`, `send_idx [N]` ->
-    `y [T, D] = sum_j w[t, j] * out[inv[t * k + j]]` (dropped assignments read a zero row)."""
+    """`out [N, D]` (rows in send order), router weights `w [T, k]` ->
+    `y [T, D] = sum_j w[t, j] * out[row of (t, j)]` (dropped assignments add nothing).
+
+    Backward, in send order: `grad_out[i] = w_i * gy[token_i]` and `grad_w_i = out[i] . gy[token_i]`
+    from one gather of `gy`."""
 
     @staticmethod
-    def forward(
-        ctx: Any, out: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, send_idx: torch.Tensor
-    ) -> torch.Tensor:
-        T, k = w.shape
-        D = out.shape[1]
-        if out.shape[0] != inv.shape[0]:
-            out = torch.cat([out, out.new_zeros(1, D)])
-        g = out.index_select(0, inv).view(T, k, D)
+    def forward(ctx: Any, out: torch.Tensor, w: torch.Tensor, index: TokenIndex) -> torch.Tensor:
         wc = w.to(out.dtype)
-        ctx.save_for_backward(g, wc, send_idx)
+        ctx.save_for_backward(out, wc)
+        ctx.index = index
         ctx.w_dtype = w.dtype
-        return torch.bmm(wc.unsqueeze(1), g).squeeze(1)
+        return _sum_by_token(out, index, wc)
 
     @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        g, wc, send_idx = ctx.saved_tensors
-        T, k, D = g.shape
-        gw = torch.bmm(g, gy.unsqueeze(2)).squeeze(2).to(ctx.w_dtype)
-        gg = (wc.unsqueeze(2) * gy.unsqueeze(1)).view(T * k, D)
-        return gg.index_select(0, send_idx), gw, None, None
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        out, wc = ctx.saved_tensors
+        index: TokenIndex = ctx.index
+        gyg = gy.contiguous().index_select(0, index.rows)  # [N, D]
+        gw_rows = torch.linalg.vecdot(out, gyg)  # [N]
+        if index.dropped:
+            gw_rows = torch.cat([gw_rows, gw_rows.new_zeros(1)])
+        gw = gw_rows[index.by_choice].t().contiguous().to(ctx.w_dtype)  # [T, k]
+        w_rows = wc.view(-1).index_select(0, index.send_idx)
+        return gyg.mul_(w_rows.unsqueeze(1)), gw, None
 
 
 class _Pending:
@@ -440,17 +481,14 @@ class Dispatcher:
             key = torch.where(keep.reshape(-1), key, S)
         order = torch.argsort(key, stable=True)
         tokens_per_slot = torch.bincount(key, minlength=S + 1)[:S]
-        n = T * k
         if keep is not None:
-            n = int(keep.sum())
-            order = order[:n]
-        inv = torch.full((T * k,), n, dtype=torch.long, device=x.device)
-        inv[order] = torch.arange(n, device=x.device)
-        xs = _GatherTokens.apply(x, order // k if k > 1 else order, inv, k)
+            order = order[: int(keep.sum())]
+        index = TokenIndex.build(order, T, k)
+        xs = _GatherTokens.apply(x, index)
         t1 = time.perf_counter()
         out = expert_fn(xs, tokens_per_slot)
         t2 = time.perf_counter()
-        y = _Combine.apply(out, weights, inv, order)
+        y = _Combine.apply(out, weights, index)
         t3 = time.perf_counter()
         self.seconds = {"dispatch": t1 - t0, "experts": t2 - t1, "combine": t3 - t2}
         return y
@@ -484,9 +522,8 @@ class Dispatcher:
         send_idx = order[:N]
         if not np.array_equal(send_perm, np.arange(N)):
             send_idx = send_idx.index_select(0, torch.from_numpy(send_perm).to(x.device))
-        inv = torch.full((T * k,), N, dtype=torch.long, device=x.device)
-        inv[send_idx] = torch.arange(N, device=x.device)
-        send = _GatherTokens.apply(x, send_idx // k if k > 1 else send_idx, inv, k)
+        index = TokenIndex.build(send_idx, T, k)
+        send = _GatherTokens.apply(x, index)
         chunks = [self._chunk_plan(parts[c], p, layout, x.device) for c, p in
                   enumerate(split_parts(recv_counts, n))]  # fmt: skip
         sends = send.split([sum(c.in_splits) for c in chunks])
@@ -512,7 +549,7 @@ class Dispatcher:
         t4 = time.perf_counter()
         outs = [_wait(b) for b in back]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        y = _Combine.apply(out, weights, inv, send_idx)
+        y = _Combine.apply(out, weights, index)
         self.seconds = {
             "dispatch": t_dispatch,
             "experts": t_experts,

@@ -16,13 +16,15 @@ Two implementations, same mathematics:
 - `"grouped"`: `torch._grouped_mm` (one call per weight). It needs float32, bfloat16 or float16
   (bfloat16 only on CUDA) and row strides that are multiples of 16 bytes, i.e. `D` and `H`
   multiples of 4 (fp32) or 8 (16-bit); `grouped_mm_problem` says why it cannot run.
-- `"loop"`: one `torch.mm` per slot inside a hand-written autograd function that runs each slot's
-  whole FFN while its activations are still in cache and writes straight into preallocated
-  outputs and gradients (no concatenation, no zero-filled gradient per slot).
+- `"loop"`: `torch.mm` per slot inside a hand-written autograd function that runs each slot's
+  whole FFN in blocks of rows (`block_rows`: a `[rows, H]` activation of `BLOCK_BYTES`) while
+  the block is still in cache, writing straight into preallocated outputs and gradients (no
+  concatenation, no zero-filled gradient per slot).
 
 `"auto"` (the default) picks `"grouped"` on CUDA where it can run and `"loop"` elsewhere: on the
-CPU, torch's grouped GEMM is itself a loop of GEMMs over the whole `[T, H]` activation, and the
-per-slot fused loop measures faster (see `benchmarks/moe_layer.py`).
+CPU, torch's grouped GEMM is itself a loop of GEMMs over the whole `[T, H]` activation (fresh,
+cache-cold memory every step), and the blocked loop measures faster (`benchmarks/moe_layer.py
+--experts-impl grouped`, figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -253,23 +255,45 @@ class _ZeroEmptySlotGrad(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- per-slot loop
-def _slot_ranges(counts: list[int]) -> list[tuple[int, int, int]]:
-    """`(slot, start, stop)` of every slot with at least one row."""
+def _slot_ranges(counts: list[int], max_rows: int) -> list[tuple[int, int, int]]:
+    """`(slot, start, stop)` blocks of rows: each slot with rows cut into near-equal blocks of
+    at most `max_rows` rows (in row order)."""
     out = []
     start = 0
     for slot, n in enumerate(counts):
-        if n:
-            out.append((slot, start, start + n))
+        blocks = -(-n // max_rows)
+        for b in range(blocks):
+            lo, hi = start + n * b // blocks, start + n * (b + 1) // blocks
+            out.append((slot, lo, hi))
         start += n
     return out
+
+
+BLOCK_BYTES = 4 << 20  # one block's [rows, H] activation: well inside this CPU's L3 (32 MiB)
+
+
+def block_rows(d_expert: int, dtype: torch.dtype) -> int:
+    """Rows per block of the per-slot loop: `[rows, d_expert]` activations of `BLOCK_BYTES`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(16, BLOCK_BYTES // (d_expert * size))
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 class _SlotLoopFFN(torch.autograd.Function):
     """The FFN slot by slot: `x [T, D]`, `counts` (host ints), `w_in [S, D, H]`,
     `w_out [S, H, D]`, `w_gate [S, D, H] | None` -> `[T, D]`.
 
-    Saves `x` and the pre-activations (`[T, H]`, two for SwiGLU); the activation is recomputed
-    slot by slot in backward, where it is still in cache for the two GEMMs that need it."""
+    Rows run in blocks (a slot's rows cut into blocks of at most `block_rows`): each block's
+    GEMMs and activation run back to back while its `[rows, H]` activation is in cache. Saves
+    what autograd would (`x`, pre-activations, activations), one tensor per block: buffers of a
+    block's size are recycled by the allocator from step to step, where one `[T, H]` buffer
+    would be fresh memory (page faults) every step. SwiGLU recomputes `silu(g)` in backward."""
 
     @staticmethod
     def forward(
@@ -280,57 +304,63 @@ class _SlotLoopFFN(torch.autograd.Function):
         w_out: torch.Tensor,
         w_gate: torch.Tensor | None,
     ) -> torch.Tensor:
-        T, H = x.shape[0], w_in.shape[2]
-        h = x.new_empty(T, H)
-        g = x.new_empty(T, H) if w_gate is not None else None
-        y = x.new_empty(T, x.shape[1])
-        for slot, s, e in _slot_ranges(counts):
+        y = x.new_empty(x.shape)
+        saved: list[torch.Tensor] = []
+        blocks = _slot_ranges(counts, block_rows(w_in.shape[2], x.dtype))
+        for slot, s, e in blocks:
             xs = x[s:e]
-            torch.mm(xs, w_in[slot], out=h[s:e])
-            if g is None:
-                a = F.gelu(h[s:e])
+            h = torch.mm(xs, w_in[slot])
+            if w_gate is None:
+                a = F.gelu(h)
+                saved += [h, a]
             else:
-                torch.mm(xs, w_gate[slot], out=g[s:e])
-                a = F.silu(g[s:e]).mul_(h[s:e])
+                g = torch.mm(xs, w_gate[slot])
+                a = F.silu(g).mul_(h)
+                saved += [h, a, g]
             torch.mm(a, w_out[slot], out=y[s:e])
-        ctx.counts = counts
-        ctx.save_for_backward(x, w_in, w_out, w_gate, h, g)
+        ctx.counts, ctx.blocks = counts, blocks
+        ctx.save_for_backward(x, w_in, w_out, w_gate, *saved)
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w_in, w_out, w_gate, h, g = ctx.saved_tensors
+        x, w_in, w_out, w_gate, *saved = ctx.saved_tensors
+        per_slot = 2 if w_gate is None else 3
         gy = gy.contiguous()
         need_x = ctx.needs_input_grad[0]
         gx = torch.empty_like(x) if need_x else None
-        gw_in, gw_out = torch.empty_like(w_in), torch.empty_like(w_out)
-        gw_gate = torch.empty_like(w_gate) if w_gate is not None else None
+        grads = [torch.empty_like(w_in), torch.empty_like(w_out)]
+        if w_gate is not None:
+            grads.append(torch.empty_like(w_gate))
+        gw_in, gw_out = grads[0], grads[1]
         for slot, n in enumerate(ctx.counts):
             if n == 0:
-                for gw in (gw_in, gw_out, gw_gate):
-                    if gw is not None:
-                        gw[slot].zero_()
-        for slot, s, e in _slot_ranges(ctx.counts):
-            xs, gys, hs = x[s:e], gy[s:e], h[s:e]
+                for gw in grads:
+                    gw[slot].zero_()
+        first = {}
+        for i, (slot, s, e) in enumerate(ctx.blocks):
+            first.setdefault(slot, i)
+            acc = first[slot] != i  # later blocks of a slot add to its weight gradients
+            h, a, *rest = saved[i * per_slot : (i + 1) * per_slot]
+            xs, gys = x[s:e], gy[s:e]
+            _mm_into(gw_out[slot], a.t(), gys, acc)
             ga = torch.mm(gys, w_out[slot].t())  # d(activation) [n, H]
-            if g is None:
-                torch.mm(F.gelu(hs).t(), gys, out=gw_out[slot])
-                gh = torch.ops.aten.gelu_backward(ga, hs)
-                torch.mm(xs.t(), gh, out=gw_in[slot])
+            if w_gate is None:
+                gh = torch.ops.aten.gelu_backward(ga, h)
+                _mm_into(gw_in[slot], xs.t(), gh, acc)
                 if need_x:
                     torch.mm(gh, w_in[slot].t(), out=gx[s:e])
                 continue
-            gs = g[s:e]
-            silu = F.silu(gs)
-            torch.mm((silu * hs).t(), gys, out=gw_out[slot])
-            gg = torch.ops.aten.silu_backward(ga * hs, gs)
-            gh = ga.mul_(silu)
-            torch.mm(xs.t(), gh, out=gw_in[slot])
-            torch.mm(xs.t(), gg, out=gw_gate[slot])
+            (g,) = rest
+            gg = torch.ops.aten.silu_backward(ga * h, g)
+            gh = ga.mul_(F.silu(g))
+            _mm_into(gw_in[slot], xs.t(), gh, acc)
+            _mm_into(grads[2][slot], xs.t(), gg, acc)
             if need_x:
                 out = gx[s:e]
                 torch.mm(gh, w_in[slot].t(), out=out)
                 out.addmm_(gg, w_gate[slot].t())
+        gw_gate = grads[2] if w_gate is not None else None
         return gx, None, gw_in, gw_out, gw_gate
 
 
