@@ -111,10 +111,23 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     return seen
 
 
-def _cases(rank: int, world: int, cases: list[Case]) -> tuple[dict, dict]:
+def _hook_fires(overlap: int) -> list[int]:
+    """How often each expert weight's post-accumulate-grad hook fires in one backward."""
+    from poise.nn import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 6, 2, overlap_degree=overlap)
+    fires = [0] * len(moe.experts.weights())
+    for i, w in enumerate(moe.experts.weights()):
+        w.register_post_accumulate_grad_hook(lambda _p, i=i: fires.__setitem__(i, fires[i] + 1))
+    moe(torch.randn(12, 8, requires_grad=True)).sum().backward()
+    return fires
+
+
+def _cases(rank: int, world: int, cases: list[Case]) -> tuple[dict, dict, list[int]]:
     torch.manual_seed(0)
     results = {c.name: run_case(c, rank, world) for c in cases}
-    return results, _errors(rank, world)
+    return results, _errors(rank, world), _hook_fires(overlap=3)
 
 
 OVERLAP = [
@@ -143,6 +156,7 @@ def test_three_ranks_overlap_and_errors():
         assert seen["router"].startswith("ConfigError") and "router weights" in seen["router"]
         assert seen["world"].startswith("ConfigError") and "do not fit" in seen["world"]
         assert seen["after"] == "no error", (rank, seen["after"])
+        assert per_rank[rank][2] == [1, 1, 1]  # one gradient accumulation per weight
 
 
 def test_world_size_errors_name_the_field():

@@ -17,7 +17,9 @@ changes where experts live and where tokens go with `set_layout(placement, assig
 slot_map)`, which takes effect at the next forward; it moves no weights (the runtime's Trans and
 migration fill the slots). `last_counts [E]` holds the assignments this rank's router produced in
 the last forward (before dispatch and drops), for the balancer to gather; nothing else in
-`forward` has balancing side effects.
+`forward` has balancing side effects. Each expert weight's gradient is accumulated once per
+backward (its post-accumulate-grad hooks fire once), also with `overlap_degree > 1`, where
+each token chunk runs the experts (autograd sums the chunks' gradients before accumulating).
 
 Checks: the layer's configuration (and router weights) are compared across ranks at the first
 forward (`ConfigError` instead of a hang in a collective); inputs with NaN or infinity raise
