@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from poise.calibrate.config import (
     CalibrationConfig,
     CalibrationError,
 )
+from poise.runtime.launch import free_port
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -153,13 +153,6 @@ def measure_gemm(config: CalibrationConfig, progress: Progress = _no_progress) -
     finally:
         torch.set_num_threads(previous)
     return points
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _collective_worker(
