@@ -286,5 +286,7 @@ def test_bad_arguments_are_config_errors() -> None:
         Balancer(model, opt, "nope")
     with pytest.raises(ConfigError, match="every"):
         Balancer(model, opt, every=0)
+    with pytest.raises(ConfigError, match="2 devices but 1 ranks"):
+        Balancer(model, opt, cluster="cpu-2")
     with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):
         Balancer(torch.nn.Linear(2, 2), opt)

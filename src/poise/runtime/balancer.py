@@ -59,7 +59,7 @@ from poise.predict import Predictor, parse_predictor
 from poise.runtime import transfers as tr
 from poise.runtime.stats import StepStats, layer_loads
 from poise.spec import ModelSpec
-from poise.topology import PRESETS, Cluster
+from poise.topology import PRESETS, Cluster, get_cluster
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 
@@ -162,8 +162,8 @@ class Balancer:
     - `policy`: a registered policy name (`auto`, `static`, `shadow`, `prophet`, `vexpert`,
       `eplb`, `permute`, `hybrid`);
     - `every`: re-plan every K steps (the first plan after K observed steps);
-    - `cluster`: the modelled cluster the cost model prices (default: `default_cluster(W)`, or
-      the file `poise calibrate` writes);
+    - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
+      YAML path (the file `poise calibrate` writes); default `default_cluster(W)`;
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
     - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);
@@ -183,7 +183,7 @@ class Balancer:
         policy: str = "auto",
         every: int = 10,
         *,
-        cluster: Cluster | None = None,
+        cluster: Cluster | str | None = None,
         spec: ModelSpec | None = None,
         predictor: Predictor | str = "ema",
         options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -208,6 +208,8 @@ class Balancer:
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [_LayerState(m, i) for i, m in enumerate(modules)]
         self.slots = self._slots()
+        if isinstance(cluster, str):
+            cluster = get_cluster(cluster)
         self.cluster = cluster or default_cluster(self.world_size)
         if self.cluster.num_devices != self.world_size:
             raise ConfigError(
