@@ -124,10 +124,22 @@ def _hook_fires(overlap: int) -> list[int]:
     return fires
 
 
-def _cases(rank: int, world: int, cases: list[Case]) -> tuple[dict, dict, list[int]]:
+def _bias_update(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's counts, the expert bias after one update from the counts of all ranks)."""
+    from poise.nn import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 6, 2, expert_bias=True)
+    moe(torch.randn(10 + 7 * rank, 8))
+    counts = moe.last_counts.clone()
+    moe.update_bias(0.5)
+    return counts, moe.router.expert_bias.clone()
+
+
+def _cases(rank: int, world: int, cases: list[Case]) -> tuple:
     torch.manual_seed(0)
     results = {c.name: run_case(c, rank, world) for c in cases}
-    return results, _errors(rank, world), _hook_fires(overlap=3)
+    return results, _errors(rank, world), _hook_fires(overlap=3), _bias_update(rank)
 
 
 OVERLAP = [
@@ -157,6 +169,9 @@ def test_three_ranks_overlap_and_errors():
         assert seen["world"].startswith("ConfigError") and "do not fit" in seen["world"]
         assert seen["after"] == "no error", (rank, seen["after"])
         assert per_rank[rank][2] == [1, 1, 1]  # one gradient accumulation per weight
+    total = sum(r[3][0] for r in per_rank).float()  # the bias follows the counts of all ranks
+    for r in per_rank:
+        torch.testing.assert_close(r[3][1], 0.5 * torch.sign(total.mean() - total))
 
 
 def test_world_size_errors_name_the_field():

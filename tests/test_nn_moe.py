@@ -242,6 +242,20 @@ def test_batch_shape_last_counts_and_losses():
     assert set(moe.last_seconds) == {"gate", "dispatch", "experts", "combine"}
 
 
+def test_replay_router_drives_the_layer():
+    from poise.nn import ReplayRouter
+    from poise.trace import Trace
+
+    counts = np.array([[[[30, 10, 0, 20]]], [[[0, 0, 40, 20]]]])  # [steps, 1, 1, 4]
+    trace = Trace(counts, np.arange(2), top_k=2, tokens_per_device=30)
+    moe = MoE(16, 32, 4, 2, router=ReplayRouter(16, 4, 2, trace))
+    moe(torch.randn(30, 16))
+    assert moe.last_counts.tolist() == [30, 10, 0, 20]
+    moe.router.set_step(1)
+    moe(torch.randn(15, 16))
+    assert moe.last_counts.tolist() == [0, 0, 15, 15]  # 40:20 scaled to 30, capped at 15
+
+
 def test_nan_input_is_one_clear_error_and_can_be_switched_off():
     moe = MoE(16, 32, 4, 2)
     x = torch.randn(6, 16)
