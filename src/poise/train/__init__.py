@@ -1,0 +1,46 @@
+"""Training GPT-MoE models with live expert-parallel balancing.
+
+    from poise.train import TrainConfig, train, load_config
+    result = train(load_config("configs/tiny.yaml").replace(steps=100))
+
+- `model`: `GPTMoE`, `GPTConfig`, presets `tiny`, `small`, `medium`;
+- `data`: byte-level corpus (the Python standard library by default), cached and memory-mapped;
+- `config`: `TrainConfig` with YAML load/save and validation;
+- `checkpoint`: placement-independent checkpoints, atomic writes, resume at any world size;
+- `loop`: `train()` on torch.distributed (`torchrun -m poise.train CONFIG` or `poise train`).
+
+Names are imported lazily, so `import poise.train` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GPTConfig": "model",
+    "GPTMoE": "model",
+    "MODEL_PRESETS": "model",
+    "model_config": "model",
+    "Corpus": "data",
+    "DataError": "data",
+    "Sampler": "data",
+    "build_corpus": "data",
+    "TrainConfig": "config",
+    "load_config": "config",
+    "save_config": "config",
+    "CheckpointError": "checkpoint",
+    "TrainResult": "loop",
+    "lr_at": "loop",
+    "train": "loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'poise.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"poise.train.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

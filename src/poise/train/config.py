@@ -1,0 +1,287 @@
+"""`TrainConfig`: everything one training run needs, loaded from and saved to YAML.
+
+    cfg = load_config("configs/tiny.yaml")             # unknown keys, wrong types and
+    cfg = cfg.replace(policy="static", steps=100)      # impossible values: one ConfigError
+    save_config(cfg, "poise-out/train/config.yaml")    # naming the file and the field
+
+A YAML file holds any subset of the fields below (the rest keep their defaults); `model` is a
+preset of `poise.train.model.MODEL_PRESETS` and `model_args` overrides its shapes
+(`{d_model: 256, num_experts: 16}`). `batch` is the global batch in sequences (split evenly over
+the ranks), `context` the sequence length (default: the preset's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poise.atomic import atomic_write_text
+from poise.errors import ConfigError
+from poise.fields import read_mapping_file
+
+POLICIES = ("static", "shadow", "prophet", "vexpert", "permute", "eplb", "hybrid", "auto")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Groups: model, data, optimisation, MoE routing, balancing, run."""
+
+    # model
+    model: str = "tiny"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    context: int | None = None
+    # data
+    data: str | None = None
+    data_glob: str | None = None
+    cache_dir: str | None = None
+    val_fraction: float = 0.005
+    # optimisation
+    steps: int = 500
+    batch: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # MoE routing
+    aux_loss: float = 0.01
+    z_loss: float = 0.0
+    bias_rate: float = 0.0
+    # balancing
+    policy: str = "auto"
+    replan_every: int = 10
+    spare_slots: int = 1
+    predictor: str = "ema"
+    cluster: str | None = None
+    # run
+    seed: int = 0
+    out: str = "poise-out/train"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    record_trace: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+    device: str = "auto"
+    precision: str = "fp32"
+    threads: int = 0
+    experts_impl: str = "auto"
+    overlap_degree: int = 1
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = check_value(f.name, getattr(self, f.name), "TrainConfig")
+            object.__setattr__(self, f.name, value)
+        _check_combined(self, "TrainConfig")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes`, validated like a file (source "override")."""
+        merged = {**self.to_dict(), **changes}
+        return config_from_mapping(merged, source="override")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def model_config(self):
+        """The `GPTConfig` of this run (preset, overrides, context)."""
+        from poise.train.model import model_config
+
+        overrides = dict(self.model_args)
+        if self.context is not None:
+            overrides["context"] = self.context
+        return model_config(self.model, overrides, source="config")
+
+    @property
+    def balancing(self) -> bool:
+        """Whether the policy can replicate or move experts (static cannot)."""
+        return self.policy != "static"
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+# -------------------------------------------------------------------------------- schema
+# kind, minimum, maximum, choices: one rule per field.
+_INT, _NUM, _STR, _BOOL, _MAP = "integer", "number", "string", "boolean", "mapping"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str
+    nullable: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low excluded
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+
+
+def _rules() -> dict[str, _Rule]:
+    from poise.train.model import MODEL_PRESETS
+
+    return {
+        "model": _Rule(_STR, choices=tuple(MODEL_PRESETS)),
+        "model_args": _Rule(_MAP),
+        "context": _Rule(_INT, nullable=True, low=1),
+        "data": _Rule(_STR, nullable=True),
+        "data_glob": _Rule(_STR, nullable=True),
+        "cache_dir": _Rule(_STR, nullable=True),
+        "val_fraction": _Rule(_NUM, low=0, high=1, low_open=True, high_open=True),
+        "steps": _Rule(_INT, low=1),
+        "batch": _Rule(_INT, low=1),
+        "lr": _Rule(_NUM, low=0, low_open=True),
+        "min_lr_ratio": _Rule(_NUM, low=0, high=1),
+        "warmup": _Rule(_INT, low=0),
+        "clip": _Rule(_NUM, low=0),
+        "weight_decay": _Rule(_NUM, low=0),
+        "beta1": _Rule(_NUM, low=0, high=1, high_open=True),
+        "beta2": _Rule(_NUM, low=0, high=1, high_open=True),
+        "eps": _Rule(_NUM, low=0, low_open=True),
+        "aux_loss": _Rule(_NUM, low=0),
+        "z_loss": _Rule(_NUM, low=0),
+        "bias_rate": _Rule(_NUM, low=0),
+        "policy": _Rule(_STR, choices=POLICIES),
+        "replan_every": _Rule(_INT, low=1),
+        "spare_slots": _Rule(_INT, low=0),
+        "predictor": _Rule(_STR),
+        "cluster": _Rule(_STR, nullable=True),
+        "seed": _Rule(_INT, low=0),
+        "out": _Rule(_STR),
+        "checkpoint_every": _Rule(_INT, low=0),
+        "keep_checkpoints": _Rule(_INT, low=1),
+        "log_every": _Rule(_INT, low=1),
+        "eval_every": _Rule(_INT, low=0),
+        "eval_batches": _Rule(_INT, low=1),
+        "record_trace": _Rule(_BOOL),
+        "tensorboard": _Rule(_BOOL),
+        "progress": _Rule(_BOOL),
+        "device": _Rule(_STR, choices=("auto", "cpu", "cuda")),
+        "precision": _Rule(_STR, choices=("fp32", "bf16")),
+        "threads": _Rule(_INT, low=0),
+        "experts_impl": _Rule(_STR, choices=("auto", "grouped", "loop")),
+        "overlap_degree": _Rule(_INT, low=1),
+        "collective_timeout_s": _Rule(_NUM, low=0, low_open=True),
+    }
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def check_value(name: str, value: Any, source: str) -> Any:
+    """`value` for field `name` checked against its rule; returns it (ints as floats for number
+    fields). Raises `ConfigError(source=source, field=name)`."""
+    rules = _rules()
+    if name not in rules:
+        raise ConfigError(f"unknown field (known: {', '.join(rules)})", source=source, field=name)
+    rule = rules[name]
+    if value is None:
+        if rule.nullable:
+            return None
+        raise ConfigError(f"must be {_a(rule.kind)}, got null", source=source, field=name)
+    ok = {
+        _INT: isinstance(value, int) and not isinstance(value, bool),
+        _NUM: isinstance(value, (int, float)) and not isinstance(value, bool),
+        _STR: isinstance(value, str),
+        _BOOL: isinstance(value, bool),
+        _MAP: isinstance(value, Mapping),
+    }[rule.kind]
+    if not ok:
+        raise ConfigError(f"must be {_a(rule.kind)}, got {value!r}", source=source, field=name)
+    if rule.kind == _NUM:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"must be finite, got {value!r}", source=source, field=name)
+    if rule.kind in (_INT, _NUM):
+        if rule.low is not None and (value <= rule.low if rule.low_open else value < rule.low):
+            op = ">" if rule.low_open else ">="
+            raise ConfigError(
+                f"must be {op} {rule.low:g}, got {value!r}", source=source, field=name
+            )
+        if rule.high is not None and (value >= rule.high if rule.high_open else value > rule.high):
+            op = "<" if rule.high_open else "<="
+            raise ConfigError(
+                f"must be {op} {rule.high:g}, got {value!r}", source=source, field=name
+            )
+    if rule.choices is not None and value not in rule.choices:
+        raise ConfigError(
+            f"must be one of {', '.join(rule.choices)}; got {value!r}", source=source, field=name
+        )
+    if rule.kind == _MAP:
+        value = dict(value)
+    return value
+
+
+def config_from_mapping(m: Mapping[str, Any], source: str = "config") -> TrainConfig:
+    """Build and validate a `TrainConfig` from a mapping (a parsed YAML file)."""
+    values = {str(k): check_value(str(k), v, source) for k, v in m.items()}
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:  # a combined check: name the file, not the class
+        raise ConfigError(exc.message, source=source, field=exc.field) from None
+
+
+def _check_combined(cfg: TrainConfig, source: str) -> None:
+    """What single fields cannot say: the model shapes (preset, `model_args`, `context`) and
+    the predictor."""
+    from poise.predict import parse_predictor
+    from poise.train.model import model_config
+
+    overrides = dict(cfg.model_args)
+    if cfg.context is not None:
+        overrides["context"] = cfg.context
+    model_config(cfg.model, overrides, source=source)
+    try:
+        parse_predictor(cfg.predictor)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, source=source, field="predictor") from None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a YAML (or JSON) config file; every error names the file and the field."""
+    return config_from_mapping(read_mapping_file(path), source=str(path))
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write `cfg` as YAML (atomically): every field, so the file alone reproduces the run."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write_text(path, text)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`KEY=VALUE` (VALUE read as YAML: `3`, `0.1`, `null`, `{d_model: 64}`) -> (key, value)."""
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ConfigError("expected KEY=VALUE", source=item, field="--set")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+__all__ = [
+    "POLICIES",
+    "TrainConfig",
+    "check_value",
+    "config_from_mapping",
+    "load_config",
+    "parse_override",
+    "save_config",
+]
