@@ -1,0 +1,125 @@
+"""`python -m poise.train CONFIG [options]`: the entry point of every training rank.
+
+    torchrun --nproc-per-node 2 -m poise.train configs/tiny.yaml --policy auto
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m poise.train configs/small.yaml
+
+`poise train CONFIG --nproc N` starts N local ranks running this same module. CONFIG is a YAML
+file (see `poise.train.config`) or the name of a model preset (`tiny`, `small`, `medium`) with
+default settings. Bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from poise.errors import ConfigError, PoiseError
+
+# command-line option -> config field
+OVERRIDES = {
+    "policy": "policy",
+    "replan_every": "replan_every",
+    "steps": "steps",
+    "out": "out",
+    "data": "data",
+    "seed": "seed",
+}
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `poise train` and `python -m poise.train` share."""
+    p.add_argument("config", metavar="CONFIG", help="a YAML config file or a model preset name")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="static, shadow, prophet, vexpert, permute, eplb, hybrid or auto",
+    )
+    p.add_argument(
+        "--replan-every", type=int, default=None, metavar="K", help="re-plan every K steps"
+    )
+    p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument("--out", default=None, help="output folder")
+    p.add_argument("--data", default=None, help="a text file or folder (default: Python stdlib)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH",
+        help="a checkpoint file, or a run / checkpoints folder (its latest)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config field, e.g. --set aux_loss=0 (repeatable)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no console output")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The `TrainConfig` of CONFIG with the command-line overrides applied and checked (each bad
+    override is named by its option)."""
+    from poise.train.config import (
+        TrainConfig,
+        check_value,
+        config_from_mapping,
+        load_config,
+        parse_override,
+    )
+    from poise.train.model import MODEL_PRESETS
+
+    path = Path(args.config)
+    if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
+        cfg = load_config(path)
+    elif args.config in MODEL_PRESETS:
+        cfg = TrainConfig(model=args.config)
+    else:
+        raise ConfigError(
+            f"no such config file, nor a model preset ({', '.join(MODEL_PRESETS)})",
+            source=args.config,
+            field="CONFIG",
+        )
+    merged = cfg.to_dict()
+    for opt, name in OVERRIDES.items():
+        value = getattr(args, opt)
+        if value is not None:
+            merged[name] = check_value(name, value, source=f"--{opt.replace('_', '-')}")
+    for item in args.set:
+        key, value = parse_override(item)
+        merged[key] = check_value(key, value, source=f"--set {key}")
+    return config_from_mapping(merged, source=str(args.config))
+
+
+def rank_label() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f"rank {os.environ.get('RANK', '0')}: " if world > 1 else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m poise.train",
+        description="One rank of Poise training (run it under torchrun, or use `poise train`).",
+    )
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        from poise.train.loop import train
+
+        cfg = config_from_args(args)
+        train(cfg, resume=args.resume, quiet=args.quiet)
+    except PoiseError as exc:
+        print(f"poise: error: {rank_label()}{exc.one_line()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"poise: {rank_label()}interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

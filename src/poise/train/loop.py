@@ -1,0 +1,638 @@
+"""The training loop: GPT-MoE with expert parallelism over torch.distributed, balanced live.
+
+    from poise.train import TrainConfig, train
+    result = train(TrainConfig(steps=200, policy="auto"))     # on every rank
+    result.losses, result.tokens_per_s, result.trace_path
+
+`train` runs on every rank of the default process group (gloo on the CPU, NCCL with CUDA). It
+creates the group itself from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`MASTER_ADDR`, `MASTER_PORT`) when none exists, or trains in one process without one.
+
+Parallelism: every rank holds the replicated ("dense") parameters (embedding, attention, norms,
+dense FFNs, routers) and its expert slots (expert parallelism over all ranks: `E / W` experts
+each, plus `spare_slots` for replicas when the policy balances). Each rank reads its shard of the
+global batch. After `backward`, the dense gradients are summed over the ranks in one
+all-reduce; the loss on each rank is its tokens' cross-entropy sum divided by the global token
+count (and the routers' auxiliary loss divided by W), so the summed gradients are those of the
+global mean loss whatever the number of ranks. Expert gradients need no all-reduce: the
+dispatcher's backward brings every rank's contribution to the slot that computed it, and the
+`poise.runtime.Balancer` sums replica gradients into their homes (Agg).
+
+One step: data -> forward -> backward -> dense all-reduce -> `balancer.before_step()` (Agg,
+gather the routing counts) -> global gradient norm and clipping -> AdamW step (the balancer's
+hook then re-plans every `replan_every` steps, or launches Trans) -> log. The learning rate
+warms up linearly for `warmup` steps, then follows a cosine down to `lr * min_lr_ratio` at
+`steps`.
+
+Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
+`config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
+load, plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing
+counts `[steps, layers, ranks, experts]` as a `poise.trace.Trace`, at checkpoints and at the
+end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboard is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+from poise.atomic import atomic_write_text
+from poise.errors import ConfigError
+from poise.nn.moe import check_world, default_slots, install_bias_update, moe_layers
+from poise.trace import Trace
+from poise.train import checkpoint as ckpt_io
+from poise.train.config import TrainConfig, save_config
+from poise.train.data import Corpus, Sampler, build_corpus, shard_rows
+from poise.train.model import GPTMoE
+
+PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
+
+
+@dataclass
+class TrainResult:
+    """What one `train` call did (identical on every rank). `steps[i]` is the 1-based step of
+    `losses[i]` (global mean cross-entropy, nats per byte); `val` holds `(step, loss)`;
+    `tokens_per_s` the median over the measured steps (the first `min(3, n // 4)` excluded as
+    warm-up); `phase_s` total seconds by phase on rank 0."""
+
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    val: list[tuple[int, float]] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    tokens_per_step: int = 0
+    plan_changes: int = 0
+    max_over_mean: list[float] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=dict)
+    world_size: int = 1
+    start_step: int = 0
+    out: str = ""
+    trace_path: str | None = None
+    checkpoint: str | None = None
+    resumed_plan: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- set-up helpers
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of 0-based step `step`: linear warm-up, then cosine to `lr*min_lr_ratio`."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def init_distributed(cfg: TrainConfig) -> bool:
+    """Create the default process group from torchrun's environment if there is none and
+    `WORLD_SIZE` > 1; returns whether it did. NCCL when CUDA is usable, else gloo."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA was requested but is not available", field="device")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.collective_timeout_s)
+    )
+    return True
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA was requested but is not available", field="device")
+        if dist.is_initialized() and not nccl:
+            return torch.device("cpu")  # a gloo group (tests, CPU launches): stay on the CPU
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return device
+    return torch.device("cpu")
+
+
+def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
+    """Build the corpus cache on each node's local rank 0 first, then read it everywhere."""
+    kw = {"glob": cfg.data_glob, "cache_dir": cfg.cache_dir, "val_fraction": cfg.val_fraction}
+    if world == 1:
+        return build_corpus(cfg.data, **kw)
+    corpus = None
+    if local_rank == 0:
+        corpus = build_corpus(cfg.data, **kw)
+    dist.barrier()
+    return corpus if corpus is not None else build_corpus(cfg.data, **kw)
+
+
+def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (and expert tensors), none on norm weights."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def make_cluster(cfg: TrainConfig, world: int):
+    from poise.runtime.balancer import default_cluster
+    from poise.topology import get_cluster
+
+    if cfg.cluster is None:
+        return default_cluster(world)
+    cluster = get_cluster(cfg.cluster)
+    if cluster.num_devices != world:
+        raise ConfigError(
+            f"has {cluster.num_devices} devices but {world} ranks run",
+            source=cfg.cluster,
+            field="cluster",
+        )
+    return cluster
+
+
+# ------------------------------------------------------------------------------- logging
+class RunLog:
+    """Rank 0's outputs: console (a rich progress bar on a terminal, plain lines otherwise),
+    `metrics.jsonl`, TensorBoard when installed. Other ranks log nothing."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, active: bool, start: int, quiet: bool):
+        self.cfg, self.out, self.active, self.quiet = cfg, out, active, quiet
+        self.progress = None
+        self.task = None
+        self.tb = None
+        self.metrics = None
+        if not active:
+            return
+        from rich.console import Console
+
+        self.console = Console(stderr=False, highlight=False)
+        path = out / "metrics.jsonl"
+        kept = []
+        if start > 0 and path.exists():  # resuming: drop lines of steps after the checkpoint
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= start:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue
+        atomic_write_text(path, "".join(x + "\n" for x in kept))
+        self.metrics = path.open("a", encoding="utf-8")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
+            except Exception:  # tensorboard not installed: skip quietly
+                self.tb = None
+        if cfg.progress and not quiet and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=cfg.steps, completed=start, info="")
+            self.progress.start()
+
+    def print(self, text: str) -> None:
+        if self.active and not self.quiet:
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        assert self.metrics is not None
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        s = record["step"]
+        if self.tb is not None:
+            self.tb.add_scalar("loss/train", record["loss"], s)
+            self.tb.add_scalar("tokens_per_s", record["tokens_per_s"], s)
+            self.tb.add_scalar("lr", record["lr"], s)
+            if record["max_over_mean"]:
+                self.tb.add_scalar("load/max_over_mean", float(np.mean(record["max_over_mean"])), s)
+            if "val_loss" in record:
+                self.tb.add_scalar("loss/val", record["val_loss"], s)
+        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=s, info=info)
+        if s % self.cfg.log_every == 0 or s == self.cfg.steps or "val_loss" in record:
+            loads = " ".join(f"{x:.2f}" for x in record["max_over_mean"])
+            line = (
+                f"step {s}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  max/mean [{loads}]  "
+                f"plan changes {record['plan_changes']}"
+            )
+            if "val_loss" in record:
+                line += f"  val {record['val_loss']:.4f}"
+            self.print(line)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ----------------------------------------------------------------------------- the loop
+class _Trainer:
+    """State of one run on one rank; `run()` does the steps."""
+
+    def __init__(self, cfg: TrainConfig, resume: str | None, quiet: bool) -> None:
+        from poise.runtime.balancer import Balancer
+
+        self.cfg = cfg
+        self.world, self.rank = (
+            (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        )
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = pick_device(cfg)
+        self.mcfg = cfg.model_config()
+        check_world(self.mcfg.num_experts, self.world)
+        self.rows = shard_rows(cfg.batch, self.rank, self.world)
+        self.out = Path(cfg.out)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        seed_everything(cfg.seed)
+
+        corpus = load_corpus(cfg, self.local_rank, self.world)
+        self.corpus = corpus
+        self.sampler = Sampler(corpus.train, self.mcfg.context, seed=cfg.seed)
+        self.val_sampler = Sampler(corpus.val, self.mcfg.context, shuffle=False)
+
+        self.slots = default_slots(self.mcfg.num_experts, self.world)
+        if cfg.balancing and self.world > 1:
+            self.slots += cfg.spare_slots
+        group = dist.group.WORLD if self.world > 1 else None
+        self.model = GPTMoE(
+            self.mcfg,
+            group=group,
+            num_slots=self.slots,
+            balance_coef=cfg.aux_loss,
+            z_loss_coef=cfg.z_loss,
+            expert_bias=cfg.bias_rate > 0,
+            experts_impl=cfg.experts_impl,
+            overlap_degree=cfg.overlap_degree,
+            seed=cfg.seed,
+            device=self.device,
+        )
+        self.dense = [p for _, p in self.model.dense_named_parameters()]
+        self.experts = self.model.expert_parameters()
+        self.optimizer = make_optimizer(self.model, cfg)
+
+        self.ckpt = ckpt_io.load(resume) if resume else None
+        self.start = 0
+        self.position = 0
+        if self.ckpt is not None:
+            ckpt_io.restore(self.model, self.optimizer, self.ckpt)
+            self.start = int(self.ckpt["step"])
+            self.position = int(self.ckpt["data_position"])
+            if self.start >= cfg.steps:
+                raise ConfigError(
+                    f"the checkpoint is at step {self.start}, nothing left of {cfg.steps} steps",
+                    source=self.ckpt["path"],
+                    field="steps",
+                )
+        self.balancer = Balancer(
+            self.model,
+            self.optimizer,
+            policy=cfg.policy,
+            every=cfg.replan_every,
+            cluster=make_cluster(cfg, self.world),
+            predictor=cfg.predictor,
+            group=group,
+        )
+        self.resumed_plan = False
+        if self.ckpt is not None:
+            self.resumed_plan = ckpt_io.restore_plan(self.balancer, self.ckpt)
+            ckpt_io.restore_rng(self.ckpt, self.rank)
+        if cfg.bias_rate > 0:
+            install_bias_update(self.optimizer, self.model, cfg.bias_rate)
+        self.log = RunLog(cfg, self.out, self.rank == 0, self.start, quiet)
+        self.trace_counts, self.trace_steps = self._previous_trace()
+        self.plan_changes = int(self.ckpt["extra"].get("plan_changes", 0)) if self.ckpt else 0
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if cfg.precision == "bf16"
+            else nullcontext()
+        )
+
+    # ----------------------------------------------------------------------------- pieces
+    def _previous_trace(self) -> tuple[list[np.ndarray], list[int]]:
+        """On resume, the recorded trace up to the checkpoint (same ranks and layers only)."""
+        if self.ckpt is None or not self.cfg.record_trace:
+            return [], []
+        path = Path(self.ckpt["path"]).parent.parent / "trace.npz"
+        try:
+            trace = Trace.load(path)
+        except Exception:
+            return [], []
+        keep = trace.step_ids < self.start
+        L = len(moe_layers(self.model))
+        if trace.counts.shape[1:] != (L, self.world, self.mcfg.num_experts):
+            return [], []
+        return list(trace.counts[keep]), [int(s) for s in trace.step_ids[keep]]
+
+    def _sync_dense(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum the dense gradients and `stats` over the ranks in one all-reduce."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
+        if self.world == 1:
+            return stats
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().reshape(-1)])
+        buf = flat.to(_comm_device(self.device))
+        dist.all_reduce(buf)
+        flat = buf.to(self.device)
+        offset = 0
+        for p, g in zip(self.dense, grads, strict=True):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
+            offset += n
+        return flat[offset:]
+
+    def _grad_norm_and_clip(self) -> float:
+        """Global gradient norm (dense gradients once, expert home slots summed over the ranks:
+        replica and empty slots hold no gradient of their own); clip in place."""
+        dev = self.device
+        dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for p in self.dense:
+            if p.grad is not None:
+                dense_sq += p.grad.double().square().sum()
+        expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for moe in moe_layers(self.model):
+            slots = moe.layout.slots
+            home = torch.as_tensor(slots.home & (slots.expert >= 0), device=dev)
+            for w in moe.experts.weights():
+                if w.grad is not None:
+                    expert_sq += w.grad.double().square().flatten(1).sum(1)[home].sum()
+        if self.world > 1:
+            t = expert_sq.to(_comm_device(dev))
+            dist.all_reduce(t)
+            expert_sq = t.to(dev)
+        norm = float((dense_sq + expert_sq).sqrt())
+        if self.cfg.clip > 0 and norm > self.cfg.clip:
+            scale = self.cfg.clip / (norm + 1e-6)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, scale)
+        return norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy over `eval_batches` fixed validation batches (all ranks)."""
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for j in range(self.cfg.eval_batches):
+            x, y = self.val_sampler.batch(j * self.cfg.batch, self.rows, self.device)
+            with self.autocast:
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            total += torch.tensor([float(loss), y.numel()], dtype=torch.float64)
+        if self.world > 1:
+            t = total.to(_comm_device(self.device))
+            dist.all_reduce(t)
+            total = t.cpu()
+        self.model.train()
+        return float(total[0] / total[1])
+
+    def save_trace(self) -> str | None:
+        if not self.cfg.record_trace or not self.trace_counts or self.rank != 0:
+            return None
+        trace = Trace(
+            counts=np.stack(self.trace_counts).astype(np.int64),
+            step_ids=np.asarray(self.trace_steps, dtype=np.int64),
+            top_k=self.mcfg.top_k,
+            tokens_per_device=len(self.rows) * self.mcfg.context,
+            name=f"train-{self.cfg.policy}",
+            meta={
+                "source": "poise train",
+                "policy": self.cfg.policy,
+                "model": self.cfg.model,
+                "world_size": self.world,
+                "batch": self.cfg.batch,
+                "context": self.mcfg.context,
+                "seed": self.cfg.seed,
+            },
+        )
+        path = self.out / "trace.npz"
+        trace.save(path)
+        return str(path)
+
+    def checkpoint(self, step: int) -> str:
+        path = ckpt_io.save(
+            self.model,
+            self.optimizer,
+            self.balancer,
+            self.out,
+            step=step,
+            data_position=self.position,
+            config=self.cfg.to_dict(),
+            extra={"plan_changes": self.plan_changes},
+            keep=self.cfg.keep_checkpoints,
+        )
+        self.save_trace()
+        return str(path)
+
+    # ------------------------------------------------------------------------------ run
+    def header(self) -> None:
+        n = self.model.num_parameters()
+        c = self.mcfg
+        self.log.print(
+            f"poise train: {self.cfg.model} ({n['dense'] / 1e6:.2f} M dense + "
+            f"{n['experts'] / 1e6:.2f} M expert parameters; {c.layers} layers, "
+            f"{c.moe_layers} MoE with {c.num_experts} experts top-{c.top_k}) on {self.world} "
+            f"rank(s) ({self.device.type}), policy {self.cfg.policy} every "
+            f"{self.cfg.replan_every}, {self.slots} slots/rank; corpus {self.corpus.source}: "
+            f"{len(self.corpus.tokens):,} bytes in {self.corpus.files} files"
+        )
+        if self.cfg.precision == "bf16" and self.device.type == "cpu":
+            self.log.print("note: bf16 autocast on the CPU is slow; it is meant for GPUs")
+        if self.ckpt is not None:
+            how = "saved placement" if self.resumed_plan else "static placement"
+            self.log.print(
+                f"resumed from {self.ckpt['path']} at step {self.start} "
+                f"({self.ckpt['world_size']} ranks then, {self.world} now; {how})"
+            )
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        res = TrainResult(
+            world_size=self.world,
+            start_step=self.start,
+            out=str(self.out),
+            resumed_plan=self.resumed_plan,
+        )
+        tokens = cfg.batch * self.mcfg.context
+        res.tokens_per_step = tokens
+        if self.rank == 0:
+            save_config(cfg, self.out / "config.yaml")
+        self.header()
+        inv_tokens = 1.0 / tokens
+        totals = dict.fromkeys(PHASES, 0.0)
+        prev_hash = _plan_key(self.balancer.plan)
+        self.model.train()
+        try:
+            for step in range(self.start, cfg.steps):
+                ph: dict[str, float] = {}
+                t_start = t = time.perf_counter()
+                lr = lr_at(step, cfg)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+                x, y = self.sampler.batch(self.position, self.rows, self.device)
+                t = _lap(ph, "data", t)
+                with self.autocast:
+                    logits = self.model(x)
+                ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+                aux = self.model.aux_loss()
+                loss = ce * inv_tokens + aux / self.world
+                t = _lap(ph, "forward", t)
+                loss.backward()
+                t = _lap(ph, "backward", t)
+                summed = self._sync_dense(torch.stack([ce.detach(), aux.detach()]).double())
+                t = _lap(ph, "grad_sync", t)
+                self.balancer.before_step()
+                t = _lap(ph, "balance", t)
+                norm = self._grad_norm_and_clip()
+                t = _lap(ph, "clip", t)
+                self.optimizer.step()  # the balancer's hook re-plans or launches Trans
+                self.optimizer.zero_grad(set_to_none=True)
+                t = _lap(ph, "optimizer", t)
+                step_s = t - t_start
+                self.position += cfg.batch
+                done = step + 1
+
+                stats = self.balancer.last_stats
+                key = _plan_key(self.balancer.plan)
+                changed = key != prev_hash
+                prev_hash = key
+                self.plan_changes += int(changed)
+                if cfg.record_trace and self.balancer.window:
+                    self.trace_counts.append(self.balancer.window[-1].copy())
+                    self.trace_steps.append(step)
+                loss_value = float(summed[0]) * inv_tokens
+                record: dict[str, Any] = {
+                    "step": done,
+                    "loss": loss_value,
+                    "aux_loss": float(summed[1]) / self.world,
+                    "lr": lr,
+                    "grad_norm": norm,
+                    "tokens": tokens,
+                    "step_s": step_s,
+                    "tokens_per_s": tokens / step_s,
+                    "max_over_mean": list(stats.max_over_mean) if stats else [],
+                    "device_tokens": stats.device_tokens if stats else [],
+                    "tokens_moved": stats.tokens_moved if stats else [],
+                    "replanned": bool(stats.replanned) if stats else False,
+                    "plan_changed": changed,
+                    "plan_changes": self.plan_changes,
+                    "moved_homes": stats.moved_homes if stats else 0,
+                    "trans_bytes": stats.trans_bytes if stats else 0,
+                    "agg_bytes": stats.agg_bytes if stats else 0,
+                    "migrate_bytes": stats.migrate_bytes if stats else 0,
+                    "phases_s": ph,
+                    "moe_s": dict(stats.seconds) if stats else {},
+                }
+                for k, v in ph.items():
+                    totals[k] += v
+                res.steps.append(done)
+                res.losses.append(loss_value)
+                res.step_seconds.append(step_s)
+                res.max_over_mean.append(
+                    float(np.mean(stats.max_over_mean)) if stats and stats.max_over_mean else 1.0
+                )
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {done}")
+                if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    record["val_loss"] = self.evaluate()
+                    res.val.append((done, record["val_loss"]))
+                self.log.step(record)
+                if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+                    res.checkpoint = self.checkpoint(done)
+        finally:
+            self.log.close()
+            self.balancer.close()
+        res.trace_path = self.save_trace()
+        if res.trace_path is None and cfg.record_trace:
+            res.trace_path = str(self.out / "trace.npz")
+        res.plan_changes = self.plan_changes
+        res.phase_s = totals
+        warm = min(3, len(res.step_seconds) // 4)
+        measured = res.step_seconds[warm:] or res.step_seconds
+        res.tokens_per_s = tokens / float(np.median(measured)) if measured else 0.0
+        if self.rank == 0:
+            summary = res.as_dict()
+            summary.update(policy=cfg.policy, model=cfg.model, device=self.device.type)
+            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")
+            self.log.print(
+                f"done: {len(res.losses)} steps, final loss {res.losses[-1]:.4f}"
+                + (f", val {res.val[-1][1]:.4f}" if res.val else "")
+                + f", {res.tokens_per_s:,.0f} tok/s (median), {res.plan_changes} plan changes;"
+                f" outputs in {self.out}"
+            )
+        return res
+
+
+def _lap(phases: dict[str, float], name: str, t: float) -> float:
+    now = time.perf_counter()
+    phases[name] = phases.get(name, 0.0) + now - t
+    return now
+
+
+def _plan_key(plan: Any) -> int:
+    from poise.runtime.balancer import plan_hash
+
+    return plan_hash(plan)
+
+
+def train(cfg: TrainConfig, *, resume: str | None = None, quiet: bool = False) -> TrainResult:
+    """Train on every rank of the default process group (created from torchrun's environment
+    when needed, destroyed again if this call created it). `resume`: a checkpoint file or
+    folder. `quiet`: no console output (files are still written)."""
+    created = init_distributed(cfg)
+    try:
+        return _Trainer(cfg, resume, quiet).run()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+__all__ = ["PHASES", "RunLog", "TrainResult", "init_distributed", "lr_at", "train"]

@@ -1,0 +1,226 @@
+"""Training on gloo ranks: every policy trains, balancing never changes the losses, checkpoints
+resume exactly (same ranks) and re-shard (4 ranks onto 2), `poise train --nproc 2` runs.
+
+Two spawns carry the multi-rank checks: 4 ranks train 6 steps with a checkpoint at step 3; then
+2 ranks run everything else (each policy for 4 steps, static and auto for 30, a resume of the auto
+run from step 20, and the 4-rank checkpoint resumed on 2 ranks). The `tiny` model with context 32
+and a global batch of 8 sequences keeps it quick."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poise.runtime.launch import run_ranks
+
+pytestmark = pytest.mark.dist
+
+TOL = 1e-5
+POLICIES = ["shadow", "prophet", "vexpert", "permute", "eplb", "hybrid"]
+
+
+def _cfg(root: str, name: str, **kw):
+    from poise.train import TrainConfig
+
+    base = dict(
+        model="tiny",
+        context=32,
+        batch=8,
+        warmup=3,
+        lr=1e-3,
+        aux_loss=0.0,
+        spare_slots=2,
+        replan_every=2,
+        eval_every=0,
+        checkpoint_every=0,
+        log_every=1000,
+        progress=False,
+        tensorboard=False,
+        cache_dir=f"{root}/cache",
+        out=f"{root}/{name}",
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _four_ranks(rank: int, world: int, root: str) -> dict:
+    from poise.train import train
+
+    r = train(_cfg(root, "four", steps=6, policy="auto", checkpoint_every=3), quiet=True)
+    return {"losses": r.losses, "steps": r.steps}
+
+
+def _two_ranks(rank: int, world: int, root: str) -> dict:
+    from poise.train import train
+
+    out: dict = {}
+    for policy in POLICIES:
+        r = train(_cfg(root, policy, steps=4, policy=policy), quiet=True)
+        out[policy] = (r.losses, r.plan_changes)
+    static = train(_cfg(root, "static", steps=30, policy="static"), quiet=True)
+    auto_cfg = _cfg(root, "auto", steps=30, policy="auto", checkpoint_every=10, keep_checkpoints=5)
+    auto = train(auto_cfg, quiet=True)
+    resumed = train(
+        auto_cfg.replace(out=f"{root}/auto-resumed"),
+        resume=f"{root}/auto/checkpoints/step-00000020.pt",
+        quiet=True,
+    )
+    moved = train(
+        _cfg(root, "four-on-two", steps=6, policy="auto", checkpoint_every=3),
+        resume=f"{root}/four/checkpoints/step-00000003.pt",
+        quiet=True,
+    )
+    out["static"] = (static.losses, static.plan_changes, static.tokens_per_s)
+    out["auto"] = (auto.losses, auto.plan_changes, auto.tokens_per_s, auto.max_over_mean)
+    out["resumed"] = (resumed.steps, resumed.losses, resumed.resumed_plan)
+    out["four-on-two"] = (moved.steps, moved.losses, moved.resumed_plan)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
+    root = tmp_path_factory.mktemp("train")
+    four = run_ranks(_four_ranks, 4, str(root), timeout_s=300)
+    two = run_ranks(_two_ranks, 2, str(root), timeout_s=400)
+    for key in two[0]:  # every rank reports the same global losses
+        assert two[0][key][0] == two[1][key][0], key
+    assert four[0]["losses"] == four[3]["losses"]
+    return root, four[0], two[0]
+
+
+def test_every_policy_trains_with_the_same_losses(runs):
+    _, _, two = runs
+    reference = np.array(two["shadow"][0])
+    assert len(reference) == 4 and np.all(np.isfinite(reference))
+    for policy in POLICIES:
+        losses, _ = two[policy]
+        assert np.max(np.abs(np.array(losses) - reference)) <= TOL, policy
+
+
+def test_static_and_auto_give_the_same_losses(runs):
+    root, _, two = runs
+    static, auto = np.array(two["static"][0]), np.array(two["auto"][0])
+    assert static.shape == auto.shape == (30,)
+    assert np.max(np.abs(static - auto)) <= TOL
+    assert two["static"][1] == 0
+    assert two["auto"][1] >= 1  # auto really replicated or moved experts
+    assert static[-1] < static[0] - 1.0  # and the model learns
+    from poise.trace import Trace
+
+    trace = Trace.load(root / "auto" / "trace.npz")
+    assert trace.counts.shape == (30, 4, 2, 8)
+    assert np.all(trace.counts.sum(axis=3) == 2 * 4 * 32)  # top-2 of 4 x 32 tokens per rank
+    lines = (root / "auto" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 30
+
+
+def _model_tensors(path: Path) -> dict:
+    from poise.train.checkpoint import read_file
+
+    ckpt = read_file(path)
+    flat = {f"dense.{k}": v for k, v in ckpt["model"]["dense"].items()}
+    for layer, ws in ckpt["model"]["experts"].items():
+        flat.update({f"{layer}.{k}": v for k, v in ws.items()})
+    return flat
+
+
+def test_resume_equals_an_uninterrupted_run(runs):
+    root, _, two = runs
+    steps, losses, resumed_plan = two["resumed"]
+    assert steps == list(range(21, 31))
+    assert resumed_plan
+    assert np.max(np.abs(np.array(losses) - np.array(two["auto"][0][20:]))) <= TOL
+    final = _model_tensors(root / "auto" / "checkpoints" / "step-00000030.pt")
+    again = _model_tensors(root / "auto-resumed" / "checkpoints" / "step-00000030.pt")
+    assert final.keys() == again.keys()
+    for k in final:
+        assert float((final[k] - again[k]).abs().max()) <= TOL, k
+    from poise.trace import Trace
+
+    a = Trace.load(root / "auto" / "trace.npz")
+    b = Trace.load(root / "auto-resumed" / "trace.npz")
+    np.testing.assert_array_equal(a.counts, b.counts)
+
+
+def test_resume_four_ranks_onto_two(runs):
+    _, four, two = runs
+    steps, losses, resumed_plan = two["four-on-two"]
+    assert steps == [4, 5, 6]
+    assert not resumed_plan  # a different world restarts from the static layout
+    assert np.max(np.abs(np.array(losses) - np.array(four["losses"][3:]))) <= TOL
+
+
+def test_checkpoint_write_is_atomic(runs, monkeypatch):
+    """A crash while serialising or renaming leaves the previous checkpoint readable."""
+    from poise.train import checkpoint as ck
+
+    root, _, _ = runs
+    path = root / "auto" / "checkpoints" / "step-00000030.pt"
+    before = path.read_bytes()
+    payload = ck.read_file(path)
+    payload.pop("path", None)
+
+    def half_then_crash(obj, fh):
+        fh.write(before[: len(before) // 2])
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(ck, "_serialize", half_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        ck.write_file(payload, path)
+    monkeypatch.undo()
+
+    def rename_fails(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(ck, "_replace", rename_fails)
+    with pytest.raises(OSError):
+        ck.write_file(payload, path)
+    monkeypatch.undo()
+
+    assert path.read_bytes() == before
+    assert ck.read_file(path)["step"] == 30
+    assert ck.resolve(root / "auto") == path  # `latest` still names it
+    assert not list(path.parent.glob(".*.tmp"))
+    # a damaged file is one clear error, not a traceback from deep inside torch
+    broken = path.parent / "step-99999999.pt"
+    broken.write_bytes(before[:1000])
+    with pytest.raises(ck.CheckpointError, match="cannot read"):
+        ck.read_file(broken)
+
+
+def test_poise_train_launches_ranks(tmp_path, capsys):
+    """`poise train --nproc 2` starts two `python -m poise.train` ranks on a free port."""
+    from poise.cli import main
+
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "tiny",
+            "--nproc",
+            "2",
+            "--steps",
+            "2",
+            "--policy",
+            "auto",
+            "--out",
+            str(out),
+            "--set",
+            "context=32",
+            "--set",
+            "batch=4",
+            "--set",
+            "eval_every=2",
+            "--set",
+            f"cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "checkpoint_every=2",
+        ]
+    )
+    assert code == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert (out / "trace.npz").exists() and (out / "summary.json").exists()
+    assert (out / "checkpoints" / "step-00000002.pt").exists()
