@@ -224,3 +224,26 @@ def test_poise_train_launches_ranks(tmp_path, capsys):
     assert len(lines) == 2
     assert (out / "trace.npz").exists() and (out / "summary.json").exists()
     assert (out / "checkpoints" / "step-00000002.pt").exists()
+
+
+def test_checkpoint_loads_in_one_process_and_refuses_another_model(runs):
+    """Experts are stored by id: a 2-rank checkpoint fills a one-process model (all 8 experts);
+    a model of other shapes is refused with one clear error."""
+    import torch
+
+    from poise.train import checkpoint as ck
+    from poise.train.loop import make_optimizer
+    from poise.train.model import GPTMoE
+
+    root, _, _ = runs
+    ckpt = ck.load(root / "auto")
+    cfg = _cfg(str(root), "unused")
+    model = GPTMoE(cfg.model_config(), seed=5)
+    opt = make_optimizer(model, cfg)
+    ck.restore(model, opt, ckpt)
+    saved = ckpt["model"]["experts"]["blocks.0.ffn"]["w_in"]
+    assert torch.equal(model.blocks[0].ffn.experts.w_in.detach(), saved)
+    assert len(opt.state) == len(list(model.parameters()))
+    other = GPTMoE(cfg.replace(model_args={"d_expert": 128}).model_config())
+    with pytest.raises(ck.CheckpointError, match=r"layer blocks\.0\.ffn: .*w_in must be"):
+        ck.restore(other, make_optimizer(other, cfg), ckpt)

@@ -44,7 +44,7 @@ class TrainConfig:
     # optimisation
     steps: int = 500
     batch: int = 16
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 20
     clip: float = 1.0

@@ -608,6 +608,11 @@ class _Trainer:
                 + f", {res.tokens_per_s:,.0f} tok/s (median), {res.plan_changes} plan changes;"
                 f" outputs in {self.out}"
             )
+            spent = sum(totals.values()) or 1.0
+            self.log.print(
+                "time by phase: "
+                + ", ".join(f"{k} {100 * v / spent:.0f}%" for k, v in totals.items() if v)
+            )
         return res
 
 
