@@ -145,3 +145,40 @@ def test_loop_blocks_of_rows_match_one_block(activation: str, monkeypatch: pytes
     blocked = grads_of(experts, x, counts, use_naive=False)
     for a, b in zip(blocked, whole, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_experts_run_under_bf16_autocast_with_fp32_weights() -> None:
+    """Mixed precision: under autocast the expert GEMMs run in bf16 like nn.Linear's would,
+    gradients reach the fp32 parameters, and the result is close to the fp32 one."""
+    import torch
+
+    from poise.nn.experts import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(3, 16, 32, activation="swiglu")
+    x = torch.randn(10, 16)
+    counts = [4, 0, 6]
+    ref = experts(x, counts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x, counts)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert experts.w_in.grad is not None and experts.w_in.grad.dtype == torch.float32
+    assert torch.all(experts.w_in.grad[1] == 0)  # the empty slot gets no gradient
+    torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.05)
+
+
+def test_moe_layer_runs_under_bf16_autocast() -> None:
+    import torch
+
+    from poise.nn import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(d_model=32, d_expert=64, num_experts=4, top_k=2)
+    x = torch.randn(2, 8, 32)
+    ref = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    (y.float().sum() + moe.aux_loss).backward()
+    assert moe.experts.w_out.grad is not None
+    torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.05)

@@ -165,15 +165,35 @@ class Experts(nn.Module):
                 f"expected [T, {self.d_model}] rows, got {tuple(x.shape)}", field="experts.x"
             )
         x = x.contiguous()
+        w_in, w_gate, w_out = self.w_in, self.w_gate, self.w_out
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Under autocast the GEMMs run in the autocast dtype, as nn.Linear's would: cast the
+            # rows and the weights once (gradients flow back to the fp32 parameters) and run
+            # the kernels with autocast off, so every buffer has one dtype.
+            dtype = torch.get_autocast_dtype(device_type)
+            with torch.autocast(device_type, enabled=False):
+                x, w_in, w_out = x.to(dtype), w_in.to(dtype), w_out.to(dtype)
+                w_gate = None if w_gate is None else w_gate.to(dtype)
+                return self._run(x, tokens_per_slot, w_in, w_gate, w_out)
+        return self._run(x, tokens_per_slot, w_in, w_gate, w_out)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        tokens_per_slot: torch.Tensor | Sequence[int],
+        w_in: torch.Tensor,
+        w_gate: torch.Tensor | None,
+        w_out: torch.Tensor,
+    ) -> torch.Tensor:
         impl = self.resolved_impl(x)
         if impl == "grouped" and x.shape[0] > 0:
             counts = torch.as_tensor(tokens_per_slot, device=x.device)
             self._check_counts_shape(counts.shape[0])
-            return _grouped_ffn(x, counts, self.w_in, self.w_gate, self.w_out)
+            return _grouped_ffn(x, counts, w_in, w_gate, w_out)
         counts_list = _as_int_list(tokens_per_slot)
         self._check_counts(counts_list, x.shape[0])
-        args = (x, counts_list, self.w_in, self.w_out, self.w_gate)
-        return _SlotLoopFFN.apply(*args)
+        return _SlotLoopFFN.apply(x, counts_list, w_in, w_out, w_gate)
 
     def _check_counts_shape(self, n: int) -> None:
         if n != self.num_slots:
