@@ -205,13 +205,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
-        h = self.norm2(x)
-        if isinstance(self.ffn, MoE) and torch.is_autocast_enabled(h.device.type):
-            # The expert kernels run at the parameters' dtype (they write into preallocated
-            # outputs, which autocast cannot retype): the MoE FFN leaves autocast.
-            with torch.autocast(h.device.type, enabled=False):
-                return x + self.ffn(h.float()).to(x.dtype)
-        return x + self.ffn(h)
+        return x + self.ffn(self.norm2(x))
 
 
 class GPTMoE(nn.Module):
