@@ -1,4 +1,4 @@
-"""`poise plan` and `poise demo` end to end, in-process."""
+"""`poise plan` end to end, in-process, and the trace replays of `poise demo`."""
 
 from __future__ import annotations
 
@@ -97,13 +97,18 @@ def test_plan_bad_input_is_one_line(tmp_path, capsys, args: list[str], needle: s
     assert "Traceback" not in err[0]
 
 
-def test_demo_quick(tmp_path, shared_data, capsys) -> None:
-    out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out), "--data", str(shared_data)]) == 0
-    printed = capsys.readouterr().out
-    for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid", "auto"):
-        assert policy in printed
-    assert "smartmoe-sample" in printed and "zipf-drift" in printed
-    for name in ("device-load-smartmoe-sample.png", "device-load-zipf-drift.png"):
-        png = (out / name).read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+def test_demo_trace_replays(shared_data) -> None:
+    """The replay section of `poise demo`'s report: the SmartMoE-AE sample and the synthetic
+    drifting trace through every policy (the demo's training runs are tested in test_demo)."""
+    from rich.console import Console
+
+    from poise.commands.demo import QUICK, replay_sections
+
+    sections = replay_sections(str(shared_data), QUICK, Console(quiet=True))
+    assert [s.key for s in sections] == ["smartmoe-sample", "zipf-drift"]
+    for section in sections:
+        assert set(section.runs) == {
+            "static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid", "auto"
+        }  # fmt: skip
+        assert section.runs["static"].device_load is not None
+        assert section.runs["auto"].mean_step_s <= section.runs["static"].mean_step_s

@@ -95,3 +95,115 @@ def breakdown_plot(
     ax.set_title(title)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     _save(fig, path)
+
+
+def loss_curves_plot(
+    curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | Path, title: str
+) -> None:
+    """Training loss per run (`curves[name] = (steps, losses)`) on top; below, each later run's
+    absolute difference from the first run's loss at the same steps (log scale; exact zeros are
+    drawn at the bottom of the axis)."""
+    names = list(curves)
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7.5, 5.6), sharex=True, gridspec_kw={"height_ratios": [2.2, 1]}
+    )
+    styles = ["-", "--", ":", "-."]
+    for i, name in enumerate(names):
+        steps, losses = (np.asarray(a, dtype=float) for a in curves[name])
+        top.plot(steps, losses, styles[i % len(styles)], label=name, linewidth=1.6)
+    top.set_ylabel("training loss (nats/byte)")
+    top.grid(True, alpha=0.3)
+    top.legend()
+    top.set_title(title)
+    ref_steps, ref = (np.asarray(a, dtype=float) for a in curves[names[0]])
+    floor = 1e-9
+    for name in names[1:]:
+        steps, losses = (np.asarray(a, dtype=float) for a in curves[name])
+        common, i_ref, i_run = np.intersect1d(ref_steps, steps, return_indices=True)
+        diff = np.abs(losses[i_run] - ref[i_ref])
+        bottom.plot(
+            common,
+            np.maximum(diff, floor),
+            ".-",
+            markersize=3,
+            linewidth=1.0,
+            label=f"|{name} - {names[0]}|",
+        )
+    bottom.set_yscale("log")
+    bottom.set_ylim(bottom=floor)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("|difference|")
+    bottom.grid(True, which="both", alpha=0.3)
+    if len(names) > 1:
+        bottom.legend(fontsize=8)
+    _save(fig, path)
+
+
+def train_speed_plot(
+    step_s: Mapping[str, np.ndarray],
+    tokens_per_s: Mapping[str, float],
+    path: str | Path,
+    title: str,
+) -> None:
+    """Measured training speed: step time (ms) per step for each policy (left) and the median
+    tokens/s per policy (right). `step_s[name]` is `[S]` seconds."""
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(10.5, 3.9), gridspec_kw={"width_ratios": [2.4, 1]}
+    )
+    for name, series in step_s.items():
+        series = np.asarray(series, dtype=float) * 1e3
+        left.plot(np.arange(1, len(series) + 1), series, label=name, linewidth=1.0, alpha=0.85)
+    left.set_xlabel("step")
+    left.set_ylabel("step time (ms)")
+    left.grid(True, alpha=0.3)
+    left.legend()
+    names = list(tokens_per_s)
+    values = [tokens_per_s[n] for n in names]
+    bars = right.bar(names, values, color=[plt.get_cmap("tab10")(i) for i in range(len(names))])
+    right.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=8)
+    right.set_ylabel("tokens/s (median step)")
+    right.margins(y=0.15)
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+def layer_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, title: str) -> None:
+    """Measured load over time, one heatmap per run: `loads[name]` is `[S, L, W]` tokens each
+    rank computed per layer and step; each cell is shown as a ratio to its layer's mean over the
+    ranks, columns grouped by layer (L0 r0, L0 r1, L1 r0, ...), one shared colour scale."""
+    names = list(loads)
+    ratios = {}
+    for name in names:
+        x = np.asarray(loads[name], dtype=float)
+        mean = x.mean(axis=2, keepdims=True)
+        ratios[name] = np.divide(x, mean, out=np.ones_like(x), where=mean > 0)
+    vmax = max(2.0, max(float(r.max()) for r in ratios.values()))
+    _, L, W = next(iter(ratios.values())).shape
+    fig, axes = plt.subplots(
+        1,
+        len(names),
+        figsize=(max(4.2, 0.45 * L * W + 1.8) * len(names), 4.2),
+        squeeze=False,
+        sharey=True,
+    )
+    image = None
+    for ax, name in zip(axes[0], names, strict=True):
+        r = ratios[name]
+        image = ax.imshow(
+            r.reshape(r.shape[0], -1),
+            aspect="auto",
+            cmap="magma",
+            vmin=0,
+            vmax=vmax,
+            interpolation="nearest",
+            extent=(-0.5, L * W - 0.5, r.shape[0] + 0.5, 0.5),
+        )
+        for b in range(1, L):
+            ax.axvline(b * W - 0.5, color="white", linewidth=0.8)
+        ax.set_xticks(range(L * W), [f"L{i // W}\nr{i % W}" for i in range(L * W)], fontsize=7)
+        ax.set_title(f"{name}: slowest rank / mean {r.max(axis=2).mean():.2f}")
+        ax.set_xlabel("layer, rank")
+    axes[0][0].set_ylabel("step")
+    fig.suptitle(title)
+    fig.colorbar(image, ax=axes[0].tolist(), label="rank load / layer mean")
+    _save(fig, path)

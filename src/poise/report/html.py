@@ -1,0 +1,544 @@
+"""The HTML report of `poise demo`: measured training runs beside their simulated replays.
+
+    runs = {p: MeasuredRun.load(f"poise-out/train-{p}") for p in ("static", "auto")}
+    page = write_demo_report(DemoData(runs=runs, sims=[...], replays=[...]), "poise-out")
+
+`MeasuredRun.load` reads what `poise train` writes into its folder (`config.yaml`,
+`metrics.jsonl`, `summary.json`, `trace.npz`). `write_demo_report` draws the plots as PNG files
+next to `report.html` and writes the page atomically: loss curves and their largest difference,
+measured step time and tokens/s per policy, measured time by phase, device-load heatmaps over
+time, and per simulated cluster the time breakdown per policy and the table. `HtmlPage` is the
+small page builder underneath (escaped text, tables, figures, one inline style sheet).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from poise.atomic import atomic_write_text
+from poise.errors import ConfigError
+
+# Largest loss difference (nats/byte) still called "float summation order" between two runs of
+# the same seed: the training tests hold static and auto to 1e-5 over 30 steps; a long run lets
+# rounding differences grow a little through the optimizer.
+LOSS_AGREEMENT_TOL = 1e-3
+
+
+# ------------------------------------------------------------------------------ measured runs
+@dataclass
+class MeasuredRun:
+    """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
+
+    `device_tokens[S, L, W]`: token-expert pairs each rank computed per MoE layer (under the plan
+    in force); `phases[name][S]`: rank 0's seconds per step phase (data, forward, backward,
+    grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
+    layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
+    `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary."""
+
+    policy: str
+    path: Path
+    steps: np.ndarray
+    losses: np.ndarray
+    step_s: np.ndarray
+    tokens_per_step: int
+    tokens_per_s: float
+    device_tokens: np.ndarray
+    phases: dict[str, np.ndarray]
+    moe_phases: dict[str, np.ndarray]
+    bytes_moved: np.ndarray
+    plan_changes: int
+    val: list[tuple[int, float]]
+    config: dict[str, Any]
+    world_size: int
+    trace_path: Path | None
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredRun:
+        """Read a run folder; a missing or unreadable file is one `ConfigError` naming it."""
+        path = Path(path)
+        metrics = path / "metrics.jsonl"
+        records = []
+        try:
+            for line in metrics.read_text().splitlines():
+                if line.strip():
+                    records.append(json.loads(line))
+            summary = json.loads((path / "summary.json").read_text())
+            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(
+                f"cannot read the training run: {exc}", source=str(path), field="run"
+            ) from None
+        if not records:
+            raise ConfigError("no steps logged", source=str(metrics), field="metrics")
+        phase_names = list(records[0].get("phases_s", {}))
+        moe_names = sorted({k for r in records for k in r.get("moe_s", {})})
+        trace = path / "trace.npz"
+        return cls(
+            policy=str(config.get("policy", summary.get("policy", path.name))),
+            path=path,
+            steps=np.array([r["step"] for r in records], dtype=np.int64),
+            losses=np.array([r["loss"] for r in records], dtype=float),
+            step_s=np.array([r["step_s"] for r in records], dtype=float),
+            tokens_per_step=int(records[0].get("tokens", summary.get("tokens_per_step", 0))),
+            tokens_per_s=float(summary.get("tokens_per_s", 0.0)),
+            device_tokens=np.array([r.get("device_tokens", []) for r in records], dtype=float),
+            phases={k: np.array([r["phases_s"].get(k, 0.0) for r in records]) for k in phase_names},
+            moe_phases={
+                k: np.array([r.get("moe_s", {}).get(k, 0.0) for r in records]) for k in moe_names
+            },
+            bytes_moved=np.array(
+                [
+                    r.get("trans_bytes", 0) + r.get("agg_bytes", 0) + r.get("migrate_bytes", 0)
+                    for r in records
+                ],
+                dtype=float,
+            ),
+            plan_changes=int(summary.get("plan_changes", records[-1].get("plan_changes", 0))),
+            val=[(int(s), float(v)) for s, v in summary.get("val", [])],
+            config=config,
+            world_size=int(summary.get("world_size", 1)),
+            trace_path=trace if trace.is_file() else None,
+        )
+
+    def warm(self) -> slice:
+        """The measured steps: the first `min(3, S // 4)` are warm-up (as `TrainResult`)."""
+        return slice(min(3, len(self.step_s) // 4), None)
+
+    @property
+    def median_step_s(self) -> float:
+        return float(np.median(self.step_s[self.warm()]))
+
+    @property
+    def max_over_mean(self) -> float:
+        """Slowest rank's load over the mean rank load, averaged over layers and steps."""
+        x = self.device_tokens
+        if x.ndim != 3 or x.size == 0:
+            return 1.0
+        mean = x.mean(axis=2)
+        return float(
+            np.mean(np.divide(x.max(axis=2), mean, out=np.ones_like(mean), where=mean > 0))
+        )
+
+    def moe_phase_mean(self, name: str) -> float:
+        """Mean seconds per measured step of one `moe_phases` entry (0 when not logged)."""
+        series = self.moe_phases.get(name)
+        return float(series[self.warm()].mean()) if series is not None else 0.0
+
+    def phase_means(self) -> dict[str, float]:
+        """Mean seconds per measured step by phase (rank 0), `_s` suffixed for the plots."""
+        w = self.warm()
+        return {f"{k}_s": float(v[w].mean()) for k, v in self.phases.items()}
+
+
+def loss_difference(a: MeasuredRun, b: MeasuredRun) -> tuple[float, int]:
+    """Largest absolute difference of the training losses at the steps both logged, and how many
+    steps that is."""
+    common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+    if len(common) == 0:
+        return float("nan"), 0
+    return float(np.max(np.abs(a.losses[ia] - b.losses[ib]))), len(common)
+
+
+def agreement_sentence(diff: float, steps: int, a: str, b: str) -> str:
+    """The report's statement about two loss curves of the same seed."""
+    if steps == 0 or not np.isfinite(diff):
+        return f"The {a} and {b} runs share no logged step, so their losses cannot be compared."
+    if diff <= LOSS_AGREEMENT_TOL:
+        return (
+            f"The {a} and {b} loss curves agree to float summation order: the largest "
+            f"difference over {steps} steps is {diff:.2e} nats/byte. Balancing moves and "
+            f"replicates experts but never changes the mathematics of training; only the order "
+            f"in which expert outputs and gradients are summed differs."
+        )
+    return (
+        f"The {a} and {b} loss curves differ by up to {diff:.2e} nats/byte over {steps} steps, "
+        f"more than float summation order explains (tolerance {LOSS_AGREEMENT_TOL:.0e}): "
+        f"something changed the training."
+    )
+
+
+# ------------------------------------------------------------------------------- page builder
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto;
+       max-width: 70em; padding: 0 1.2em; color: #1d1d1f; line-height: 1.45; }
+h1 { font-size: 1.7em; margin-bottom: 0.2em; }
+h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.92em; }
+th, td { border: 1px solid #d0d0d0; padding: 0.25em 0.7em; }
+th { background: #f2f2f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+caption { text-align: left; font-weight: 600; padding-bottom: 0.3em; }
+figure { margin: 1em 0; }
+figure img { max-width: 100%; border: 1px solid #e0e0e0; }
+figcaption { font-size: 0.9em; color: #555; }
+.note { color: #555; font-size: 0.92em; }
+.ok { color: #176317; font-weight: 600; }
+.bad { color: #a31515; font-weight: 600; }
+code { background: #f4f4f6; padding: 0 0.2em; }
+"""
+
+
+class HtmlPage:
+    """A self-contained HTML page built from escaped parts."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.parts: list[str] = []
+
+    def heading(self, text: str, level: int = 2, anchor: str | None = None) -> None:
+        ident = f' id="{html.escape(anchor)}"' if anchor else ""
+        self.parts.append(f"<h{level}{ident}>{html.escape(text)}</h{level}>")
+
+    def paragraph(self, text: str, cls: str | None = None) -> None:
+        """`text` is escaped; `code` spans in backticks become `<code>`."""
+        escaped = html.escape(text)
+        pieces = escaped.split("`")
+        body = "".join(p if i % 2 == 0 else f"<code>{p}</code>" for i, p in enumerate(pieces))
+        klass = f' class="{cls}"' if cls else ""
+        self.parts.append(f"<p{klass}>{body}</p>")
+
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        caption: str | None = None,
+        numeric_from: int = 1,
+    ) -> None:
+        """Columns from index `numeric_from` on are right-aligned."""
+        out = ["<table>"]
+        if caption:
+            out.append(f"<caption>{html.escape(caption)}</caption>")
+        out.append("<tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in columns) + "</tr>")
+        for row in rows:
+            cells = []
+            for i, v in enumerate(row):
+                cls = ' class="num"' if i >= numeric_from else ""
+                cells.append(f"<td{cls}>{html.escape(str(v))}</td>")
+            out.append("<tr>" + "".join(cells) + "</tr>")
+        out.append("</table>")
+        self.parts.append("\n".join(out))
+
+    def figure(self, src: str, caption: str) -> None:
+        self.parts.append(
+            f'<figure><img src="{html.escape(src)}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+
+    def render(self) -> str:
+        body = "\n".join(self.parts)
+        return (
+            '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            f"<title>{html.escape(self.title)}</title>\n<style>{_CSS}</style>\n</head>\n"
+            f"<body>\n<h1>{html.escape(self.title)}</h1>\n{body}\n</body>\n</html>\n"
+        )
+
+    def write(self, path: str | Path) -> None:
+        atomic_write_text(path, self.render())
+
+
+# ------------------------------------------------------------------------------- demo report
+@dataclass
+class SimSection:
+    """One simulated replay for the report: `key` names its files, `seconds` its wall time."""
+
+    key: str
+    title: str
+    result: Any  # poise.sim.simulator.SimResult
+    seconds: float
+    note: str = ""
+
+
+@dataclass
+class ReplaySection:
+    """A trace replayed through every policy (`runs[policy]`: `poise.sim.simulator.PolicyRun`)."""
+
+    key: str
+    title: str
+    runs: dict[str, Any]
+    note: str = ""
+
+
+@dataclass
+class DemoData:
+    """Everything the demo's page shows. `settings`: label -> value lines for the first table;
+    `notes`: extra paragraphs under it; `wall_s`: what took how long."""
+
+    runs: dict[str, MeasuredRun]
+    sims: list[SimSection] = field(default_factory=list)
+    replays: list[ReplaySection] = field(default_factory=list)
+    settings: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    wall_s: dict[str, float] = field(default_factory=dict)
+
+
+SIM_COLUMNS = (
+    "policy",
+    "step time (ms)",
+    "vs static",
+    "device max/mean",
+    "GB moved/step",
+    "planning ms/step",
+    "planner ms/layer",
+)
+
+
+def sim_rows(result: Any) -> list[list[str]]:
+    """Rows of `SIM_COLUMNS` for a `SimResult`, fastest policy first."""
+    rows = []
+    for row in result.summary_rows():
+        speedup = row["speedup_vs_static"]
+        rows.append(
+            [
+                row["policy"],
+                f"{row['mean_step_s'] * 1e3:,.2f}",
+                "" if speedup is None else f"{speedup:.2f}x",
+                f"{row['max_over_mean']:.2f}",
+                f"{row['bytes_moved_per_step'] / 1e9:,.3f}",
+                f"{row['planning_s_per_step'] * 1e3:.2f}",
+                f"{row['plan_ms_per_layer']:.2f}",
+            ]
+        )
+    return rows
+
+
+REPLAY_COLUMNS = (
+    "policy",
+    "device max/mean",
+    "step time (ms)",
+    "speedup",
+    "GB moved/step",
+    "planner ms/layer",
+)
+
+
+def replay_rows(runs: dict[str, Any]) -> list[list[str]]:
+    """Rows of `REPLAY_COLUMNS` for `PolicyRun`s, fastest first."""
+    static = runs["static"].mean_step_s if "static" in runs else None
+    rows = []
+    for name, r in sorted(runs.items(), key=lambda kv: kv[1].mean_step_s):
+        rows.append(
+            [
+                name,
+                f"{r.max_over_mean.mean():.2f}",
+                f"{r.mean_step_s * 1e3:,.1f}",
+                f"{static / r.mean_step_s:.2f}x" if static else "",
+                f"{np.mean(r.bytes_moved) / 1e9:.3f}",
+                f"{r.plan_ms_per_layer:.2f}",
+            ]
+        )
+    return rows
+
+
+MEASURED_COLUMNS = (
+    "policy",
+    "steps",
+    "final loss",
+    "val loss",
+    "median step (ms)",
+    "tokens/s",
+    "vs static",
+    "rank max/mean",
+    "plan changes",
+    "MB moved/step",
+)
+
+
+def measured_rows(runs: dict[str, MeasuredRun]) -> list[list[str]]:
+    """Rows of `MEASURED_COLUMNS`, in the order of `runs`."""
+    base = runs["static"].tokens_per_s if "static" in runs else None
+    rows = []
+    for name, r in runs.items():
+        rows.append(
+            [
+                name,
+                str(len(r.steps)),
+                f"{r.losses[-1]:.4f}",
+                f"{r.val[-1][1]:.4f}" if r.val else "",
+                f"{r.median_step_s * 1e3:,.1f}",
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.tokens_per_s / base:.3f}x" if base else "",
+                f"{r.max_over_mean:.3f}",
+                str(r.plan_changes),
+                f"{r.bytes_moved.mean() / 1e6:.2f}",
+            ]
+        )
+    return rows
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
+
+
+def write_demo_report(data: DemoData, out: str | Path) -> Path:
+    """Draw the plots (PNG files in `out`) and write `out/report.html` atomically; returns its
+    path."""
+    from poise.report.plots import (
+        breakdown_plot,
+        device_load_heatmaps,
+        layer_load_heatmaps,
+        loss_curves_plot,
+        train_speed_plot,
+    )
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = data.runs
+    names = list(runs)
+    page = HtmlPage("Poise demo: static against balanced expert parallelism")
+    page.paragraph(
+        f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}. Two training runs of the same model "
+        "from the same seed on the same data, one with the static expert-parallel layout and "
+        "one balanced live by Poise; their recorded routing traces replayed in the simulator on "
+        "large modelled clusters."
+    )
+    if data.settings:
+        page.table(("setting", "value"), list(data.settings.items()), numeric_from=99)
+    for note in data.notes:
+        page.paragraph(note, cls="note")
+
+    # Loss curves.
+    page.heading("Loss curves", anchor="loss")
+    loss_png = "demo-loss.png"
+    loss_curves_plot(
+        {n: (r.steps, r.losses) for n, r in runs.items()},
+        out / loss_png,
+        "training loss, " + " vs ".join(names),
+    )
+    page.figure(loss_png, "Training loss per step; below, the absolute difference between runs.")
+    if len(names) >= 2:
+        diff, steps = loss_difference(runs[names[0]], runs[names[1]])
+        ok = steps > 0 and diff <= LOSS_AGREEMENT_TOL
+        page.paragraph(
+            agreement_sentence(diff, steps, names[0], names[1]), cls="ok" if ok else "bad"
+        )
+        page.paragraph(f"Maximum loss difference: {diff:.3e} over {steps} steps.")
+
+    # Speed.
+    page.heading("Measured step time and tokens/s", anchor="speed")
+    page.table(MEASURED_COLUMNS, measured_rows(runs), caption="measured on this machine")
+    speed_png = "demo-speed.png"
+    train_speed_plot(
+        {n: r.step_s for n, r in runs.items()},
+        {n: r.tokens_per_s for n, r in runs.items()},
+        out / speed_png,
+        "measured training speed",
+    )
+    page.figure(speed_png, "Step time per step (left) and median tokens/s (right) per policy.")
+    phases_png = "demo-phases.png"
+    breakdown_plot(
+        {n: r.phase_means() for n, r in runs.items()},
+        out / phases_png,
+        "measured time by phase (rank 0, mean per step)",
+        {n: float(r.step_s[r.warm()].mean()) for n, r in runs.items()},
+    )
+    page.figure(phases_png, "Where a measured step's time goes, by phase of the training loop.")
+    moe_rows = []
+    for n, r in runs.items():
+        moe_rows.append(
+            [
+                n,
+                *(
+                    f"{r.moe_phase_mean(k) * 1e3:.1f}"
+                    for k in ("gate", "dispatch", "experts", "combine", "transfers", "plan")
+                ),
+            ]
+        )
+    page.table(
+        ("policy", "gate", "dispatch", "experts", "combine", "transfers", "plan"),
+        moe_rows,
+        caption="inside the MoE layers and the balancer, rank 0, ms per step "
+        "(gate, dispatch, experts, combine: forward pass only)",
+    )
+
+    # Heatmaps.
+    loads = {n: r.device_tokens for n, r in runs.items() if r.device_tokens.ndim == 3}
+    if loads:
+        page.heading("Device load over time (measured)", anchor="load")
+        heat_png = "demo-load.png"
+        layer_load_heatmaps(loads, out / heat_png, "tokens each rank computed, per layer and step")
+        page.figure(
+            heat_png,
+            "Each rank's expert load per MoE layer and step, as a ratio to the layer's mean "
+            "(1.0 is balanced); the slowest rank sets each layer's time.",
+        )
+
+    # Simulated clusters.
+    if data.sims:
+        page.heading("Simulated clusters", anchor="sim")
+    for sec in data.sims:
+        res = sec.result
+        page.heading(sec.title, level=3)
+        page.paragraph(
+            f"{res.cluster.num_devices:,} devices, model {res.spec.name} "
+            f"({res.spec.experts} experts top-{res.spec.top_k}, {res.spec.moe_layers} MoE "
+            f"layers), {res.steps} steps, schedule {res.schedule.name}, re-plan every "
+            f"{res.replan_every}, predictor {res.predictor.name}; {res.scaling}. "
+            f"Simulated in {sec.seconds:.1f} s."
+        )
+        if sec.note:
+            page.paragraph(sec.note, cls="note")
+        page.table(SIM_COLUMNS, sim_rows(res), caption=f"{sec.title}: mean over steps")
+        order = [row["policy"] for row in res.summary_rows()]
+        png = f"demo-sim-{_slug(sec.key)}.png"
+        breakdown_plot(
+            {k: res.runs[k].phase_totals() for k in order},
+            out / png,
+            f"{sec.title}: time by phase",
+            {k: res.runs[k].mean_step_s for k in order},
+        )
+        page.figure(
+            png,
+            f"Simulated seconds of work per step by phase on {res.cluster.name} "
+            "(the mark is the step time under the schedule).",
+        )
+
+    # Trace replays.
+    if data.replays:
+        page.heading("Trace replays", anchor="replay")
+    for rep in data.replays:
+        page.heading(rep.title, level=3)
+        if rep.note:
+            page.paragraph(rep.note, cls="note")
+        page.table(REPLAY_COLUMNS, replay_rows(rep.runs))
+        shown = {k: rep.runs[k].device_load for k in ("static", "auto") if k in rep.runs}
+        if shown:
+            png = f"demo-replay-{_slug(rep.key)}.png"
+            device_load_heatmaps(shown, out / png, f"{rep.title}: device load per step")
+            page.figure(png, "Modelled device load per step (all layers summed), static and auto.")
+
+    if data.wall_s:
+        page.heading("Wall time", anchor="time")
+        page.table(("part", "seconds"), [(k, f"{v:.1f}") for k, v in data.wall_s.items()])
+    files = [f"{n}: {r.path}" for n, r in runs.items()]
+    page.paragraph(
+        "Run folders (config.yaml, metrics.jsonl, trace.npz, summary.json): " + "; ".join(files),
+        cls="note",
+    )
+    path = out / "report.html"
+    page.write(path)
+    return path
+
+
+__all__ = [
+    "LOSS_AGREEMENT_TOL",
+    "DemoData",
+    "HtmlPage",
+    "MeasuredRun",
+    "ReplaySection",
+    "SimSection",
+    "agreement_sentence",
+    "loss_difference",
+    "measured_rows",
+    "replay_rows",
+    "sim_rows",
+    "write_demo_report",
+]
