@@ -1,0 +1,278 @@
+"""Training throughput of `auto` balancing over static expert parallelism, against the ideal.
+
+    .venv/bin/python benchmarks/train_speedup.py                    # tiny, ~4 min on 2 cores
+    .venv/bin/python benchmarks/train_speedup.py --settings tiny skewed   # and a skewed setting
+
+Each run is real training: `python -m poise.train` on 2 local gloo ranks (1 thread each),
+started by `poise train --nproc 2`'s launcher, the `tiny` GPT-MoE on the Python standard library,
+no auxiliary loss, seed 0, `--steps` steps. Static and auto alternate (static, auto, then auto,
+static, ...) for `--repeats` rounds so machine noise falls on both alike.
+
+Per run, the first `replan_every + 2` steps are warm-up; over the rest,
+`tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
+with their full cost). `static_tok_s`, `auto_tok_s` are medians over the repeats and
+`speedup = auto_tok_s / static_tok_s`.
+
+The ideal comes from the static runs' recorded loads. A MoE layer's ranks meet at its
+all-to-alls, so each layer costs its slowest rank's expert compute; perfectly balanced experts
+would cost the mean rank's. With `n[s, l, r]` the token-expert pairs rank r computes in layer l
+at step s and `c` the seconds per routed token of one expert's forward and backward (measured
+here: the tiny model's `poise.nn.Experts` at 1 thread, forward + backward over 1,024 to 4,096
+rows, the slope of a least-squares line):
+
+    excess[s]   = c * sum_l (max_r n[s, l, r] - mean_r n[s, l, r])
+    ideal[s]    = step_static[s] - excess[s]          (the non-expert part as measured)
+    ideal_speedup = sum_s step_static[s] / sum_s ideal[s]       (per static run; median)
+
+`fraction_of_ideal = speedup / ideal_speedup`; `gain_fraction = (speedup - 1) /
+(ideal_speedup - 1)` is the share of the possible gain achieved. The JSON line also gives the
+measured parts: non-expert ms per step, slowest-rank expert ms per step, the mean slowest/mean
+rank load, and auto's extra ms per step by phase over static.
+
+Settings (one JSON line each): `tiny` (the preset: 8 experts top-2, d_expert 256) and `skewed`
+(16 experts top-1, d_expert 1024: fewer, larger expert choices per token, so the router's skew
+weighs more in the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "skewed": {"num_experts": 16, "top_k": 1, "d_expert": 1024},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", nargs="+", default=["tiny"], choices=sorted(SETTINGS))
+    p.add_argument("--steps", type=int, default=60, help="training steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="static/auto pairs per setting")
+    p.add_argument("--replan-every", type=int, default=10)
+    p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------- training runs
+def run_config(policy: str, out: Path, steps: int, replan_every: int, model_args: dict, **kw):
+    """The `configs/tiny.yaml` settings without aux loss, for a timed run."""
+    from poise.train.config import TrainConfig
+
+    base = dict(
+        model="tiny",
+        model_args=dict(model_args),
+        context=128,
+        batch=16,
+        steps=steps,
+        lr=2e-3,
+        warmup=min(20, steps // 3),
+        aux_loss=0.0,
+        policy=policy,
+        replan_every=replan_every,
+        spare_slots=1,
+        seed=0,
+        out=str(out),
+        eval_every=0,
+        checkpoint_every=0,
+        log_every=10_000,
+        progress=False,
+        tensorboard=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def train(cfg) -> Any:
+    """Run `cfg` on 2 local ranks as `poise train --nproc 2` does; the loaded `MeasuredRun`."""
+    from poise.commands.train import launch
+    from poise.report.html import MeasuredRun
+    from poise.train.config import save_config
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    code = launch(2, out / "config.yaml", quiet=True)
+    if code != 0:
+        raise SystemExit(f"training {cfg.policy} in {out} failed with status {code}")
+    return MeasuredRun.load(out)
+
+
+# ------------------------------------------------------------------------------- expert cost
+def expert_seconds_per_token(d_model: int, d_expert: int, slots: int, repeats: int = 15) -> dict:
+    """Seconds per routed token of expert forward + backward at 1 thread (`poise.nn.Experts`,
+    SwiGLU, rows spread evenly over `slots`), from a line fitted over 1,024..4,096 rows."""
+    import torch
+
+    from poise.nn.experts import Experts
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    experts = Experts(slots, d_model, d_expert, "swiglu")
+    rows = [1024, 2048, 3072, 4096]
+    times = []
+    for n in rows:
+        counts = [n // slots] * slots
+        counts[0] += n - sum(counts)
+        x = torch.randn(n, d_model, requires_grad=True)
+        gy = torch.randn(n, d_model)
+        samples = []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            experts(x, counts).backward(gy)
+            if i >= 2:
+                samples.append(time.perf_counter() - t0)
+            experts.zero_grad(set_to_none=True)
+            x.grad = None
+        times.append(statistics.median(samples))
+    slope, intercept = np.polyfit(rows, times, 1)
+    return {"c_s": float(slope), "intercept_s": float(intercept), "rows": rows, "times_s": times}
+
+
+# ----------------------------------------------------------------------------------- figures
+def measured(run: Any, skip: int) -> slice:
+    return slice(min(skip, len(run.step_s) - 1), None)
+
+
+def tok_s(run: Any, skip: int) -> float:
+    w = measured(run, skip)
+    return float(run.tokens_per_step * len(run.step_s[w]) / run.step_s[w].sum())
+
+
+def ideal_of(static: Any, c: float, skip: int) -> dict[str, float]:
+    """The ideal (perfectly balanced expert compute) of one static run; see the module doc."""
+    w = measured(static, skip)
+    n = static.device_tokens[w]  # [S, L, W]
+    step = static.step_s[w]
+    slow = n.max(axis=2).sum(axis=1)  # slowest rank's pairs, summed over layers, [S]
+    mean = n.mean(axis=2).sum(axis=1)
+    excess = c * (slow - mean)
+    ideal = step - excess
+    return {
+        "ideal_speedup": float(step.sum() / ideal.sum()),
+        "non_expert_ms": float((step - c * slow).mean() * 1e3),
+        "slowest_expert_ms": float((c * slow).mean() * 1e3),
+        "balanced_expert_ms": float((c * mean).mean() * 1e3),
+        "max_over_mean": float((n.max(axis=2) / np.maximum(n.mean(axis=2), 1e-9)).mean()),
+    }
+
+
+def phase_ms(run: Any, skip: int) -> dict[str, float]:
+    w = measured(run, skip)
+    return {k: float(v[w].mean() * 1e3) for k, v in run.phases.items()}
+
+
+def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from poise.train.model import model_config
+
+    model_args = SETTINGS[name]
+    mcfg = model_config("tiny", dict(model_args), source=name)
+    skip = args.replan_every + 2
+    load_before = os.getloadavg()[0]
+    runs: dict[str, list[Any]] = {"static": [], "auto": []}
+    for r in range(args.repeats):
+        order = ("static", "auto") if r % 2 == 0 else ("auto", "static")
+        for policy in order:
+            cfg = run_config(
+                policy, root / f"{name}-{r}-{policy}", args.steps, args.replan_every, model_args
+            )
+            t0 = time.perf_counter()
+            run = train(cfg)
+            print(
+                f"{name} round {r} {policy}: {tok_s(run, skip):,.0f} tok/s "
+                f"({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+            )
+            runs[policy].append(run)
+    cost = expert_seconds_per_token(mcfg.d_model, mcfg.d_expert, mcfg.num_experts // 2)
+    c = cost["c_s"]
+    static_tok = [tok_s(x, skip) for x in runs["static"]]
+    auto_tok = [tok_s(x, skip) for x in runs["auto"]]
+    ideals = [ideal_of(x, c, skip) for x in runs["static"]]
+    static_tok_s = statistics.median(static_tok)
+    auto_tok_s = statistics.median(auto_tok)
+    speedup = auto_tok_s / static_tok_s
+    ideal_speedup = statistics.median(i["ideal_speedup"] for i in ideals)
+    # Cross-check of c from the runs: rank 0's forward expert seconds against its own load,
+    # times 3 (backward is twice forward).
+    st = runs["static"][0]
+    w = measured(st, skip)
+    fwd = st.moe_phases.get("experts", np.zeros(len(st.step_s)))[w]
+    own = st.device_tokens[w][:, :, 0].sum(axis=1)
+    c_run = 3.0 * float(np.polyfit(own, fwd, 1)[0]) if len(own) > 2 else float("nan")
+    static_ph = {
+        k: statistics.median(phase_ms(x, skip)[k] for x in runs["static"])
+        for k in runs["static"][0].phases
+    }
+    auto_ph = {
+        k: statistics.median(phase_ms(x, skip)[k] for x in runs["auto"])
+        for k in runs["auto"][0].phases
+    }
+    return {
+        "bench": "train_speedup",
+        "setting": name,
+        "static_tok_s": round(static_tok_s, 1),
+        "auto_tok_s": round(auto_tok_s, 1),
+        "speedup": round(speedup, 4),
+        "ideal_speedup": round(ideal_speedup, 4),
+        "fraction_of_ideal": round(speedup / ideal_speedup, 4),
+        "gain_fraction": round((speedup - 1) / (ideal_speedup - 1), 3)
+        if ideal_speedup > 1
+        else None,
+        "target_met": speedup / ideal_speedup >= 0.8,
+        "model": {
+            "experts": mcfg.num_experts,
+            "top_k": mcfg.top_k,
+            "d_model": mcfg.d_model,
+            "d_expert": mcfg.d_expert,
+            "layers": mcfg.moe_layers,
+        },
+        "steps": args.steps,
+        "measured_steps": args.steps - skip,
+        "repeats": args.repeats,
+        "replan_every": args.replan_every,
+        "static_tok_s_runs": [round(x, 1) for x in static_tok],
+        "auto_tok_s_runs": [round(x, 1) for x in auto_tok],
+        "ideal_speedup_runs": [round(i["ideal_speedup"], 4) for i in ideals],
+        "static_max_over_mean": round(statistics.median(i["max_over_mean"] for i in ideals), 3),
+        "auto_max_over_mean": round(statistics.median(x.max_over_mean for x in runs["auto"]), 3),
+        "expert_us_per_token": round(c * 1e6, 3),
+        "expert_us_per_token_from_run": round(c_run * 1e6, 3),
+        "non_expert_ms": round(statistics.median(i["non_expert_ms"] for i in ideals), 1),
+        "slowest_expert_ms": round(statistics.median(i["slowest_expert_ms"] for i in ideals), 1),
+        "balanced_expert_ms": round(statistics.median(i["balanced_expert_ms"] for i in ideals), 1),
+        "static_phase_ms": {k: round(v, 1) for k, v in static_ph.items()},
+        "auto_extra_phase_ms": {k: round(auto_ph[k] - static_ph[k], 1) for k in static_ph},
+        "auto_moe_ms": {
+            k: round(statistics.median(x.moe_phase_mean(k) for x in runs["auto"]) * 1e3, 1)
+            for k in ("transfers", "plan")
+        },
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from poise.train.data import build_corpus
+
+    build_corpus(None)  # the corpus cache, once, before any rank starts
+    with tempfile.TemporaryDirectory(prefix="poise-train-speedup-") as tmp:
+        root = Path(args.out) if args.out else Path(tmp)
+        for name in args.settings:
+            print(json.dumps(bench_setting(name, args, root)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
