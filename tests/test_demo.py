@@ -102,6 +102,7 @@ def test_report_builder_on_run_folders(tmp_path) -> None:
         png = (page.parent / name).read_bytes()
         assert png[:8] == PNG and len(png) > 5_000
     assert "agree to float summation order" in html and "3.00e-07" in html
+    assert "Maximum loss difference: 3.000e-07 over 8 steps" in html
     assert "tiny &lt;b&gt;" in html  # escaped
     assert "dgx-h100:1 (simulated)" in html and "a note" in html
     assert not list(page.parent.glob(".*.tmp"))  # atomic write left no temporary file
@@ -116,6 +117,21 @@ def test_report_says_when_losses_disagree(tmp_path) -> None:
     html = write_demo_report(DemoData(runs=runs), tmp_path / "r").read_text()
     assert "agree to float summation order" not in html
     assert "more than float summation order explains" in html
+
+
+def test_report_tells_amplified_rounding_from_a_real_difference(tmp_path) -> None:
+    """Equal to rounding over the first 30 steps, then drifting apart: the page says where the
+    difference first exceeds the tolerance and how large it becomes."""
+    losses = np.linspace(5.5, 2.0, 40)
+    drift = np.where(np.arange(40) < 33, 2e-7, 3e-3)
+    runs = {
+        "static": MeasuredRun.load(_fake_run(tmp_path, "static", losses, 0)),
+        "auto": MeasuredRun.load(_fake_run(tmp_path, "auto", losses + drift, 1)),
+    }
+    html = write_demo_report(DemoData(runs=runs), tmp_path / "r").read_text()
+    assert "agree to float summation order" in html
+    assert "first exceed 1e-05 at step 34" in html and "3.00e-03" in html
+    assert "Final validation loss: 3.5000 (static) and 3.5000 (auto)" in html
 
 
 def test_measured_run_missing_folder_is_one_error(tmp_path) -> None:
