@@ -1,7 +1,7 @@
 """Training throughput of `auto` balancing over static expert parallelism, against the ideal.
 
     .venv/bin/python benchmarks/train_speedup.py                    # tiny, ~4 min on 2 cores
-    .venv/bin/python benchmarks/train_speedup.py --settings tiny skewed   # and a skewed setting
+    .venv/bin/python benchmarks/train_speedup.py --settings tiny skewed   # and skewed, ~11 min
 
 Each run is real training: `python -m poise.train` on 2 local gloo ranks (1 thread each),
 started by `poise train --nproc 2`'s launcher, the `tiny` GPT-MoE on the Python standard library,
@@ -58,8 +58,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", nargs="+", default=["tiny"], choices=sorted(SETTINGS))
-    p.add_argument("--steps", type=int, default=60, help="training steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="static/auto pairs per setting")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run")
+    p.add_argument("--repeats", type=int, default=5, help="static/auto pairs per setting")
     p.add_argument("--replan-every", type=int, default=10)
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
     return p.parse_args(argv)
