@@ -251,7 +251,7 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
         copy_s = phases.get("trans_s", 0.0) + phases.get("agg_s", 0.0)
         if work > 0 and copy_s > 0.5 * work:
             note += (
-                f" {100 * copy_s / work:.0f}% of static's simulated work per step is Trans and "
+                f" {100 * copy_s / work:.1f}% of static's simulated work per step is Trans and "
                 "Agg of those copies: the cost model prices each copy's weights and gradients "
                 "as a direct transfer from and to its home, which overstates a broadcast or "
                 "reduction tree at this scale."
