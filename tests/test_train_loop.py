@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import poise.atomic
 from poise.runtime.launch import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -174,7 +175,7 @@ def test_checkpoint_write_is_atomic(runs, monkeypatch):
     def rename_fails(src, dst):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(ck, "_replace", rename_fails)
+    monkeypatch.setattr(poise.atomic, "_replace", rename_fails)
     with pytest.raises(OSError):
         ck.write_file(payload, path)
     monkeypatch.undo()

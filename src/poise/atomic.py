@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def _umask() -> int:
@@ -13,24 +15,49 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder and rename: readers never see half a file.
-    The file gets the permissions a plain `open(path, "w")` would give (0666 less the umask),
-    not `mkstemp`'s private 0600."""
+def atomic_write_stream(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Run `write(fh)` into a temporary file in `path`'s folder, fsync it, rename it to `path`
+    and fsync the folder: readers never see half a file, and a crash at any point leaves the
+    previous file (the temporary one is removed on failure). The file gets the permissions a
+    plain `open(path, "w")` would give (0666 less the umask), not `mkstemp`'s private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
+
+
+def _replace(src: str, dst: Path) -> None:
+    os.replace(src, dst)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable; folders that cannot be opened or synced are skipped."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """`atomic_write_stream` of `data`."""
+    atomic_write_stream(path, lambda fh: fh.write(data))
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

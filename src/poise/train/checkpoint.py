@@ -33,9 +33,7 @@ checkpoint (and the `latest` pointer to it) intact. Files are `step-XXXXXXXX.pt`
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.atomic import atomic_write_text
+from poise.atomic import atomic_write_stream, atomic_write_text
 from poise.errors import PoiseError
 from poise.nn.moe import MoE, moe_layers
 from poise.placement import Assignment, Placement, Plan, transfers_between
@@ -64,48 +62,9 @@ def _serialize(obj: Any, fh: BinaryIO) -> None:
     torch.save(obj, fh)
 
 
-def _replace(src: str, dst: Path) -> None:
-    os.replace(src, dst)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Run `write(fh)` into a temporary file next to `path`, fsync it and rename it to `path`
-    (then fsync the folder). On any failure the temporary file is removed and `path` keeps its
-    previous content."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """`poise.atomic.atomic_write_stream`: a crash mid-write leaves the previous file."""
+    atomic_write_stream(path, write)
 
 
 def write_file(payload: dict[str, Any], path: str | Path) -> None:
