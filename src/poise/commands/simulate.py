@@ -24,6 +24,7 @@ from poise.errors import ConfigError
 from poise.loads import spec_for_trace
 from poise.policies import REGISTRY
 from poise.predict import parse_predictor
+from poise.report.html import SIM_COLUMNS, sim_rows
 from poise.schedule import parse_schedule
 from poise.sim.simulator import PHASES, SimResult, simulate
 from poise.spec import get_model
@@ -160,27 +161,10 @@ def _table(result: SimResult) -> Table:
         f"{s.experts} experts top-{s.top_k}, schedule {result.schedule.name}, "
         f"re-plan every {result.replan_every}, predictor {result.predictor.name}"
     )
-    for col in (
-        "policy",
-        "step time (ms)",
-        "vs static",
-        "device max/mean",
-        "GB moved/step",
-        "planning ms/step",
-        "planner ms/layer",
-    ):
+    for col in SIM_COLUMNS:
         table.add_column(col, justify="left" if col == "policy" else "right")
-    for row in result.summary_rows():
-        speedup = row["speedup_vs_static"]
-        table.add_row(
-            row["policy"],
-            f"{row['mean_step_s'] * 1e3:.1f}",
-            "" if speedup is None else f"{speedup:.2f}x",
-            f"{row['max_over_mean']:.2f}",
-            f"{row['bytes_moved_per_step'] / 1e9:.3f}",
-            f"{row['planning_s_per_step'] * 1e3:.1f}",
-            f"{row['plan_ms_per_layer']:.2f}",
-        )
+    for row in sim_rows(result):
+        table.add_row(*row)
     return table
 
 

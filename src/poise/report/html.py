@@ -345,7 +345,8 @@ SIM_COLUMNS = (
 
 
 def sim_rows(result: Any) -> list[list[str]]:
-    """Rows of `SIM_COLUMNS` for a `SimResult`, fastest policy first."""
+    """Rows of `SIM_COLUMNS` for a `SimResult`, fastest policy first (the `poise simulate`
+    table, the demo's and the report's)."""
     rows = []
     for row in result.summary_rows():
         speedup = row["speedup_vs_static"]
