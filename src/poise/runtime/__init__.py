@@ -14,8 +14,7 @@ Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from poise.lazy import lazy_getattr
 
 _EXPORTS = {
     "Balancer": "balancer",
@@ -39,11 +38,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'poise.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"poise.runtime.{module}"), name)
-
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 __all__ = sorted(_EXPORTS)

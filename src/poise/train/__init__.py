@@ -14,8 +14,7 @@ Names are imported lazily, so `import poise.train` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from poise.lazy import lazy_getattr
 
 _EXPORTS = {
     "GPTConfig": "model",
@@ -36,11 +35,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'poise.train' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"poise.train.{module}"), name)
-
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 __all__ = sorted(_EXPORTS)
