@@ -27,7 +27,7 @@ number the run restarts from the static layout (the mathematics does not depend 
 
 Writes are atomic: rank 0 serialises into a temporary file in the same folder, flushes, fsyncs,
 renames it over the target and fsyncs the folder; a crash at any point leaves the previous
-checkpoint (and the `latest` pointer to it) intact. Files are `step-XXXXXXXX.pt` in
+checkpoint (and the `latest` pointer to it) intact. Files are `step-<step, 8 digits>.pt` in
 `<out>/checkpoints/`, `latest` names the newest, older ones beyond `keep` are removed.
 """
 
@@ -342,7 +342,8 @@ def save(
     keep: int = 2,
     group: Any = None,
 ) -> Path:
-    """Gather, write `<out>/checkpoints/step-XXXXXXXX.pt` atomically on rank 0, point `latest`
+    """Gather, write `<out>/checkpoints/step-NNNNNNNN.pt` (the step, 8 digits) atomically on
+    rank 0, point `latest`
     at it, prune old ones, and wait for rank 0 (collective). Returns the path."""
     payload = snapshot(
         model,
