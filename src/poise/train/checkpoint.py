@@ -343,8 +343,8 @@ def save(
     group: Any = None,
 ) -> Path:
     """Gather, write `<out>/checkpoints/step-NNNNNNNN.pt` (the step, 8 digits) atomically on
-    rank 0, point `latest`
-    at it, prune old ones, and wait for rank 0 (collective). Returns the path."""
+    rank 0, point `latest` at it, prune old ones, and wait for rank 0 (collective). Returns the
+    path."""
     payload = snapshot(
         model,
         optimizer,
