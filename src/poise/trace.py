@@ -171,5 +171,8 @@ class Trace:
 
 def _scalar_int(value: np.ndarray, source: str, field_name: str) -> int:
     if value.shape != () or not np.issubdtype(value.dtype, np.integer):
-        raise TraceError(f"must be one integer, got {value!r}", source=source, field=field_name)
+        got = f"{value!r}" if value.size == 1 else f"an array of shape {list(value.shape)}"
+        raise TraceError(
+            f"must be one integer, got {got} ({value.dtype})", source=source, field=field_name
+        )
     return int(value)
