@@ -341,6 +341,7 @@ def test_plan_cli_fuzz(scratch: Path, counts: Any, slots: str, policy: str, clus
     path = scratch / "loads.json"
     path.write_text(json.dumps({"weight": counts}))
     argv = ["plan", str(path), "--policy", policy, "--cluster", cluster, "--slots", slots]
+    argv += ["--out", str(scratch / "plan.json")]
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
