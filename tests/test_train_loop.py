@@ -1,5 +1,6 @@
 """Training on gloo ranks: every policy trains, balancing never changes the losses, checkpoints
-resume exactly (same ranks) and re-shard (4 ranks onto 2), `poise train --nproc 2` runs.
+resume exactly (same ranks: 2 onto 2, 4 onto 4) and re-shard (4 ranks onto 2), `poise train
+--nproc 2` runs.
 
 Two spawns carry the multi-rank checks: 4 ranks train 6 steps with a checkpoint at step 3; then
 2 ranks run everything else (each policy for 4 steps, static and auto for 30, a resume of the auto
@@ -49,8 +50,18 @@ def _cfg(root: str, name: str, **kw):
 def _four_ranks(rank: int, world: int, root: str) -> dict:
     from poise.train import train
 
-    r = train(_cfg(root, "four", steps=6, policy="auto", checkpoint_every=3), quiet=True)
-    return {"losses": r.losses, "steps": r.steps}
+    cfg = _cfg(root, "four", steps=6, policy="auto", checkpoint_every=3)
+    r = train(cfg, quiet=True)
+    again = train(
+        cfg.replace(out=f"{root}/four-on-four"),
+        resume=f"{root}/four/checkpoints/step-00000003.pt",
+        quiet=True,
+    )
+    return {
+        "losses": r.losses,
+        "steps": r.steps,
+        "four-on-four": (again.steps, again.losses, again.resumed_plan),
+    }
 
 
 def _two_ranks(rank: int, world: int, root: str) -> dict:
@@ -150,6 +161,14 @@ def test_resume_four_ranks_onto_two(runs):
     steps, losses, resumed_plan = two["four-on-two"]
     assert steps == [4, 5, 6]
     assert not resumed_plan  # a different world restarts from the static layout
+    assert np.max(np.abs(np.array(losses) - np.array(four["losses"][3:]))) <= TOL
+
+
+def test_resume_four_ranks_onto_four(runs):
+    _, four, _ = runs
+    steps, losses, resumed_plan = four["four-on-four"]
+    assert steps == [4, 5, 6]
+    assert resumed_plan  # the same world re-applies the saved placement
     assert np.max(np.abs(np.array(losses) - np.array(four["losses"][3:]))) <= TOL
 
 

@@ -4,7 +4,10 @@ With `--nproc 1` (the default) the run happens in this process. With N > 1 it ch
 and builds the corpus cache here (so bad input fails once, as one line), then starts N local
 ranks, each `python -m poise.train <out>/config.yaml` with torchrun's environment variables and a
 free port: the same entry point `torchrun -m poise.train` runs, so multi-node runs use torchrun's
-rendezvous instead. If a rank fails, the others are stopped and its exit status is returned.
+rendezvous instead. If a rank fails, the others are stopped and its exit status is returned;
+with `--max-restarts N` all ranks start again from the last complete checkpoint, up to N times
+(see `launch`). `--fail-at-step S --fail-rank R [--fail-phase P]` kills a rank on purpose
+(`poise.train.faults`), to test exactly that.
 """
 
 from __future__ import annotations
@@ -28,6 +31,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks (default 1)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a rank dies, restart all ranks from the last complete checkpoint, up to N "
+        "times (like torchrun's elastic agent; default 0)",
+    )
+    fault = p.add_argument_group("fault injection (tests; also POISE_FAIL_* variables)")
+    fault.add_argument("--fail-at-step", type=int, default=None, metavar="S", help="1-based step")
+    fault.add_argument("--fail-rank", type=int, default=0, metavar="R", help="rank to kill")
+    fault.add_argument(
+        "--fail-phase",
+        default="step",
+        help="step, forward, backward, agg, trans, migrate or checkpoint (default step)",
+    )
     p.set_defaults(run=run)
 
 
@@ -37,18 +56,29 @@ def run(args: argparse.Namespace) -> int:
     from poise.train.__main__ import config_from_args
     from poise.train.config import save_config
     from poise.train.data import build_corpus, shard_rows
+    from poise.train.faults import Fault
 
     cfg = config_from_args(args)
     n = args.nproc
     if n < 1:
         raise ConfigError(f"must be >= 1, got {n}", source="--nproc", field="nproc")
+    if args.max_restarts < 0:
+        raise ConfigError(
+            f"must be >= 0, got {args.max_restarts}", source="--max-restarts", field="max_restarts"
+        )
+    fault = None
+    if args.fail_at_step is not None:
+        fault = Fault(args.fail_at_step, args.fail_rank, args.fail_phase)
+        if fault.rank >= n:
+            raise ConfigError(f"rank {fault.rank} of {n}", source="--fail-rank", field="rank")
     check_world(cfg.model_config().num_experts, n)
     shard_rows(cfg.batch, 0, n)
     if args.resume:
         from poise.train.checkpoint import resolve
 
         args.resume = str(resolve(args.resume))
-    if n == 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    supervised = args.max_restarts > 0 or fault is not None
+    if n == 1 and not supervised and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         from poise.train.loop import train
 
         train(cfg, resume=args.resume, quiet=args.quiet)
@@ -58,7 +88,16 @@ def run(args: argparse.Namespace) -> int:
     )
     config_path = Path(cfg.out) / "config.yaml"
     save_config(cfg, config_path)
-    return launch(n, config_path, resume=args.resume, quiet=args.quiet, threads=cfg.threads)
+    return launch(
+        n,
+        config_path,
+        resume=args.resume,
+        quiet=args.quiet,
+        threads=cfg.threads,
+        max_restarts=args.max_restarts,
+        checkpoints=Path(cfg.out) / "checkpoints",
+        extra_env=fault.env() if fault else None,
+    )
 
 
 def launch(
@@ -68,10 +107,59 @@ def launch(
     resume: str | None = None,
     quiet: bool = False,
     threads: int = 0,
+    max_restarts: int = 0,
+    checkpoints: str | Path | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> int:
     """Start `nproc` local ranks of `python -m poise.train CONFIG` and wait for them all.
-    Returns 0, or the first failing rank's exit status (the others are then stopped)."""
+
+    When a rank fails, the others are stopped; then, as torchrun's elastic agent does, all ranks
+    start again (up to `max_restarts` times) from the newest complete checkpoint in
+    `checkpoints` (or from `resume`, or from the start, if there is none yet), with
+    `POISE_RESTART_COUNT` set to the attempt. Bad input (exit status 2) is not retried: it would
+    fail the same way. Returns 0, or the last failing rank's exit status."""
+    from poise.train.faults import ENV_RESTART
+
+    attempt = 0
+    while True:
+        env = {**(extra_env or {}), ENV_RESTART: str(attempt)}
+        code = _launch_once(nproc, config_path, resume, quiet, threads, env)
+        if code in (0, 2) or attempt >= max_restarts:
+            return code
+        attempt += 1
+        latest = _latest_checkpoint(checkpoints)
+        resume = latest or resume
+        where = f"checkpoint {latest}" if latest else (resume or "the start")
+        print(
+            f"poise: a rank failed (exit status {code}); restart {attempt}/{max_restarts} "
+            f"from {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _latest_checkpoint(checkpoints: str | Path | None) -> str | None:
+    """The newest complete checkpoint in the folder, or None."""
+    from poise.train.checkpoint import CheckpointError, resolve
+
+    if checkpoints is None or not Path(checkpoints).is_dir():
+        return None
+    try:
+        return str(resolve(checkpoints))
+    except CheckpointError:
+        return None
+
+
+def _launch_once(
+    nproc: int,
+    config_path: str | Path,
+    resume: str | None,
+    quiet: bool,
+    threads: int,
+    extra_env: dict[str, str],
+) -> int:
+    """One attempt: start the ranks, wait for all; 0, or the first failing rank's exit status
+    (the others are then stopped)."""
     from poise.runtime.launch import free_port
 
     port = free_port()
@@ -93,7 +181,7 @@ def launch(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
                 OMP_NUM_THREADS=str(per_rank),
-                **(extra_env or {}),
+                **extra_env,
             )
             procs.append(subprocess.Popen(cmd, env=env))
         while True:
@@ -101,13 +189,29 @@ def launch(
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _stop(procs)
-                return 2 if 2 in failed else int(failed[0])
+                return _first_failure(failed)
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
         raise
+
+
+def _first_failure(codes: list[int]) -> int:
+    """The status to report for the ranks that failed together: a death by signal first (the
+    cause; its peers fail after it), then any status but 2, and 2 (bad input) only if every
+    failing rank said so."""
+    killed = [c for c in codes if c < 0]
+    if killed:
+        return _exit_status(killed[0])
+    other = [c for c in codes if c != 2]
+    return other[0] if other else 2
+
+
+def _exit_status(code: int) -> int:
+    """A process's exit status as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

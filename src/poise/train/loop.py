@@ -33,6 +33,7 @@ end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -56,6 +57,7 @@ from poise.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, save_config
 from poise.train.data import Corpus, Sampler, build_corpus, shard_rows
+from poise.train.faults import Fault, FaultInjector
 from poise.train.model import GPTMoE
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
@@ -126,6 +128,32 @@ def pick_device(cfg: TrainConfig) -> torch.device:
             return torch.device("cpu")  # a gloo group (tests, CPU launches): stay on the CPU
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def config_digest(cfg: TrainConfig) -> int:
+    """A 62-bit digest of every config field (what all ranks must agree on)."""
+    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
+    """Compare the config digest across the ranks (one all-gather, under the process group's
+    timeout); a rank that disagrees is one `ConfigError` on every rank, not a hang later in a
+    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173)."""
+    if world <= 1:
+        return
+    mine = torch.tensor([config_digest(cfg)], dtype=torch.long)
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine)
+    digests = [int(t) for t in got]
+    others = [r for r, d in enumerate(digests) if d != digests[rank]]
+    if others:
+        raise ConfigError(
+            f"the training config on rank {rank} differs from rank(s) {others}: start every "
+            "rank with the same config and options",
+            source="config",
+            field="ranks",
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -286,6 +314,8 @@ class _Trainer:
         self.world, self.rank = (
             (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         )
+        check_config_agrees(cfg, self.world, self.rank)
+        self.faults = FaultInjector(Fault.from_env(), self.rank)
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = pick_device(cfg)
         self.mcfg = cfg.model_config()
@@ -510,8 +540,10 @@ class _Trainer:
         totals = dict.fromkeys(PHASES, 0.0)
         prev_hash = _plan_key(self.balancer.plan)
         self.model.train()
+        self.faults.install()
         try:
             for step in range(self.start, cfg.steps):
+                self.faults.at(step + 1, "step")
                 ph: dict[str, float] = {}
                 t_start = t = time.perf_counter()
                 lr = lr_at(step, cfg)
@@ -525,8 +557,10 @@ class _Trainer:
                 aux = self.model.aux_loss()
                 loss = ce * inv_tokens + aux / self.world
                 t = _lap(ph, "forward", t)
+                self.faults.at(step + 1, "forward")
                 loss.backward()
                 t = _lap(ph, "backward", t)
+                self.faults.at(step + 1, "backward")
                 summed = self._sync_dense(torch.stack([ce.detach(), aux.detach()]).double())
                 t = _lap(ph, "grad_sync", t)
                 self.balancer.before_step()
@@ -588,6 +622,7 @@ class _Trainer:
                 if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                     res.checkpoint = self.checkpoint(done)
         finally:
+            self.faults.uninstall()
             self.log.close()
             self.balancer.close()
         res.trace_path = self.save_trace()
