@@ -27,6 +27,7 @@ TOL = 1e-5
 # a migration needs a re-plan after the fault step, a checkpoint write one at or after it.
 STEP_RANGE = {
     "step": (2, STEPS),
+    "forward": (2, STEPS),
     "backward": (2, STEPS),
     "agg": (3, STEPS - 2),
     "trans": (3, STEPS - 2),
@@ -85,8 +86,10 @@ def reference(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("phase", ["step", "migrate", "trans", "checkpoint"])
+@pytest.mark.parametrize("phase", ["loop", "agg", "trans", "migrate", "checkpoint"])
 def test_killed_rank_restarts_to_the_same_model(reference: Path, phase: str, capsys) -> None:
+    if phase == "loop":  # the start of a step, after its forward or after its backward
+        phase = random.choice(["step", "forward", "backward"])
     low, high = STEP_RANGE[phase]
     step = random.Random().randint(low, high)
     rank = random.Random().randint(0, 1)
