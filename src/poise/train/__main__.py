@@ -118,7 +118,44 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"poise: {rank_label()}interrupted", file=sys.stderr)
         return 130
+    except (RuntimeError, dist_errors()) as exc:
+        if not peer_failure(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"poise: error: {rank_label()}a collective failed (another rank died or timed out): "
+            f"{first[:300]}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def dist_errors() -> type[BaseException]:
+    """torch.distributed's own error base class (`DistError`), or RuntimeError if absent."""
+    import torch.distributed as dist
+
+    return getattr(dist, "DistError", RuntimeError)
+
+
+PEER_FAILURE_WORDS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Timed out",
+    "timeout",
+)
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that broke because another rank died or stalled (gloo's
+    connection errors and timeouts, NCCL's watchdog) rather than a bug on this rank."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return any(w in str(exc) for w in PEER_FAILURE_WORDS)
 
 
 if __name__ == "__main__":
