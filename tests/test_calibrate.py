@@ -13,17 +13,25 @@ import pytest
 import torch
 
 from poise.calibrate import (
+    COLLECTIVES,
+    GROUP_COLLECTIVES,
     CalibrationConfig,
     CalibrationError,
+    CommPoint,
     GemmPoint,
     expert_ffn_ops,
     expert_ffn_tensors,
+    fit_all,
     fit_gemm_curve,
     fit_latency_bandwidth,
+    load_collective_fit,
+    measure_collectives,
     measurements_path,
+    write_outputs,
 )
 from poise.cli import main
 from poise.errors import ConfigError, PoiseError
+from poise.parm import GemmModel, ParmLayer, choose_schedule, layer_time
 from poise.topology import Cluster, Link, get_cluster
 
 ROWS = np.array([8, 32, 128, 512, 2048], dtype=float)
@@ -248,3 +256,104 @@ def test_quick_calibration_writes_a_loadable_cluster(
     assert (fit["gemm_flops"], fit["half_rows"]) == (cluster.gemm_flops, cluster.gemm_half_rows)
     a2a = data["link_fits"]["all_to_all"]
     assert (a2a["bw_Bps"], a2a["lat_s"]) == (cluster.intra_node.bw_Bps, cluster.intra_node.lat_s)
+
+
+# ------------------------------------------------- all-gather, reduce-scatter and CollectiveFit
+def synthetic_points(
+    lat_bw: dict[str, tuple[float, float]],
+) -> tuple[CalibrationConfig, list[GemmPoint], list[CommPoint]]:
+    """Exact `lat + bytes / bw` timings of each collective and exact GEMM timings."""
+    config = CalibrationConfig(rows=(8, 64), message_bytes=(4096, 65536, 1 << 20))
+    gemm = [
+        GemmPoint(phase, n, gemms * 2.0 * 256 * 512 * n / 1e10, gemms * 2.0 * 256 * 512 * n)
+        for n in config.rows
+        for phase, gemms in (("forward", 2), ("backward", 4))
+    ]
+    comm = [
+        CommPoint(c, size, lat + size / bw)
+        for c, (lat, bw) in lat_bw.items()
+        for size in config.message_bytes
+    ]
+    return config, gemm, comm
+
+
+FITTED = {
+    "all_to_all": (30e-6, 4e9),
+    "all_reduce": (50e-6, 2e9),
+    "all_gather": (40e-6, 3e9),
+    "reduce_scatter": (45e-6, 2.5e9),
+}
+
+
+def test_group_collectives_are_fitted_beside_the_existing_outputs() -> None:
+    config, gemm, comm = synthetic_points(FITTED)
+    cal = fit_all(config, gemm, comm, {"hostname": "h"})
+    assert set(cal.link_fits) == {"all_to_all", "all_reduce"}  # unchanged
+    assert set(cal.group_fits) == {"all_gather", "reduce_scatter"}
+    for c, (lat, bw) in FITTED.items():
+        f = {**cal.link_fits, **cal.group_fits}[c]
+        assert (f.lat_s, f.bw_Bps) == pytest.approx((lat, bw), rel=1e-9)
+    data = cal.to_dict()
+    assert {p["collective"] for p in data["collectives"]} == {"all_to_all", "all_reduce"}
+    assert {p["collective"] for p in data["group_collectives"]} == set(GROUP_COLLECTIVES)
+    assert set(data["group_fits"]) == set(GROUP_COLLECTIVES)
+    # the cluster the file holds still comes from the all-to-all alone
+    assert cal.cluster().intra_node.bw_Bps == pytest.approx(4e9)
+
+
+def test_collective_fit_reproduces_the_measured_times() -> None:
+    """Each collective's per-step alpha-beta on the 2 measured ranks gives back lat + bytes / bw
+    for the bytes `poise calibrate` records, and the choice of Parm runs from it."""
+    config, gemm, comm = synthetic_points(FITTED)
+    fit = fit_all(config, gemm, comm, {"hostname": "h"}).collective_fit()
+    assert fit.devices_per_node == 2 and fit.source == "calibrated-h"
+    assert {c for c, _ in fit.params} == set(COLLECTIVES)
+    for c, (lat, bw) in FITTED.items():
+        for m in (4096.0, 1e6):
+            recorded = m / 2 if c == "all_to_all" else m  # a2a: bytes sent to the other rank
+            assert fit.time(c, 2, m) == pytest.approx(lat + recorded / bw, rel=1e-9)
+    layer = ParmLayer(
+        batch=4, seq_len=64, d_model=64, d_expert=128, experts=4, top_k=2,
+        capacity_factor=1.0, mp=2, esp=2, ep=1,
+    )  # fmt: skip
+    assert choose_schedule(layer, fit) in ("s1", "s2")
+    assert layer_time(layer, "s1", fit, GemmModel(1e10)) > 0
+
+
+def test_collective_fit_is_written_and_read_back(tmp_path: Path) -> None:
+    config, gemm, comm = synthetic_points(FITTED)
+    cal = fit_all(config, gemm, comm, {"hostname": "h"})
+    out = tmp_path / "c.yaml"
+    write_outputs(cal, out)
+    assert load_collective_fit(out) == cal.collective_fit()
+    assert load_collective_fit(measurements_path(out)) == cal.collective_fit()
+    old = json.loads(measurements_path(out).read_text())
+    del old["collective_fit"]
+    measurements_path(out).write_text(json.dumps(old))
+    with pytest.raises(ConfigError) as info:
+        load_collective_fit(out)
+    assert info.value.field == "collective_fit"
+
+
+def test_measurements_without_group_collectives_still_fit() -> None:
+    """Timings of the two original collectives only (older runs) fit as before."""
+    config, gemm, comm = synthetic_points({k: FITTED[k] for k in ("all_to_all", "all_reduce")})
+    cal = fit_all(config, gemm, comm)
+    assert cal.group_fits == {}
+    assert {c for c, _ in cal.collective_fit().params} == {"all_to_all", "all_reduce"}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_all_gather_and_reduce_scatter_are_measured_on_gloo() -> None:
+    config = CalibrationConfig(
+        rows=(8, 16),
+        message_bytes=(4096, 262144),
+        comm_repeats=2,
+        warmup=1,
+        min_time_s=0.0,
+    )
+    points = measure_collectives(config)
+    assert [p.collective for p in points] == [c for c in COLLECTIVES for _ in (0, 1)]
+    for p in points:
+        assert p.seconds > 0 and p.nbytes in config.message_bytes

@@ -22,14 +22,19 @@ Two measurements, each followed by a least-squares fit of the model the simulato
    so that 1 / rate(n) = 1/F + (h/F) * (1/n) is linear in 1/n. `fit_gemm_curve` fits it.
 
 2. **Collectives** between 2 local gloo ranks (`torch.distributed`, spawned processes):
-   `all_to_all_single` and `all_reduce` at several message sizes, fitted by
-   `fit_latency_bandwidth` to
+   `all_to_all_single`, `all_reduce`, `all_gather` and `reduce_scatter` at several message
+   sizes, each fitted by `fit_latency_bandwidth` to
 
        time(bytes) = lat_s + bytes / bw_Bps.
 
    For the all-to-all, `bytes` counts what each rank sends to the other ranks (its input buffer
    times (W-1)/W), which is what `poise.cost.link_time` charges a link with. For the all-reduce,
-   `bytes` is the size of the reduced buffer on each rank (algorithm bandwidth).
+   `bytes` is the size of the reduced buffer on each rank (algorithm bandwidth); for the
+   all-gather the gathered output on each rank, for the reduce-scatter the reduced input.
+   The all-to-all's fit is the cluster file's link; all four, as the per-step alpha and beta of
+   `poise.collectives`, make `Calibration.collective_fit()`, which Parm's schedule choice
+   (`poise.parm.choose_schedule`) can run from, as Parm does from measured alpha and beta
+   (`load_collective_fit` reads it back from the measurements JSON).
 
 Both fits minimise relative residuals (each equation divided by its measured value), so a
 16 MiB message does not drown a 4 KiB one and a 2048-row GEMM does not drown an 8-row one. Times
@@ -50,6 +55,9 @@ from poise.calibrate.config import (
 )
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
 from poise.calibrate.measure import (
+    COLLECTIVES,
+    GROUP_COLLECTIVES,
+    LINK_COLLECTIVES,
     CommPoint,
     GemmPoint,
     expert_ffn_ops,
@@ -65,14 +73,18 @@ from poise.calibrate.outputs import (
     check_output,
     fit_all,
     host_info,
+    load_collective_fit,
     machine_memory_bytes,
     measurements_path,
     write_outputs,
 )
 
 __all__ = [
+    "COLLECTIVES",
     "FULL_MESSAGE_BYTES",
     "FULL_ROWS",
+    "GROUP_COLLECTIVES",
+    "LINK_COLLECTIVES",
     "QUICK_MESSAGE_BYTES",
     "QUICK_ROWS",
     "Calibration",
@@ -91,6 +103,7 @@ __all__ = [
     "fit_gemm_curve",
     "fit_latency_bandwidth",
     "host_info",
+    "load_collective_fit",
     "machine_memory_bytes",
     "measure_collectives",
     "measure_gemm",

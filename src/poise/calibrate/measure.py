@@ -26,6 +26,12 @@ from poise.runtime.launch import free_port
 KIB = 1024
 MIB = 1024 * KIB
 
+# the collectives timed, in order: the cluster file's two, then the ESP / MP pair Parm's schedule
+# choice needs (`poise.parm`); `nbytes` as `_collective_op` defines it
+LINK_COLLECTIVES = ("all_to_all", "all_reduce")
+GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")
+COLLECTIVES = LINK_COLLECTIVES + GROUP_COLLECTIVES
+
 
 # ----------------------------------------------------------------------------------- measurement
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ def _collective_worker(
     result_path: str,
     queue: Any,
 ) -> None:
-    """One gloo rank: time all_to_all_single and all_reduce at each size; rank 0 writes the
+    """One gloo rank: time each of `COLLECTIVES` at each size; rank 0 writes the
     medians (each repeat's time is the slowest rank's) as JSON to `result_path` and reports
     progress on `queue`."""
     from datetime import timedelta
@@ -184,7 +190,7 @@ def _collective_worker(
     try:
         _warm_up_ranks(sizes)
         results = []
-        for collective in ("all_to_all", "all_reduce"):
+        for collective in COLLECTIVES:
             for nbytes in sizes:
                 op = _collective_op(collective, nbytes)
                 t = _dist_median_seconds(op, repeats, warmup, min_time_s)
@@ -200,7 +206,9 @@ def _collective_worker(
 
 def _collective_op(collective: str, nbytes: int) -> Callable[[], Any]:
     """all_to_all: each rank sends `nbytes` to the others, so its buffer holds nbytes * W / (W-1);
-    all_reduce: a buffer of `nbytes` (sum)."""
+    all_reduce: a buffer of `nbytes` (sum); all_gather: `nbytes` gathered on each rank (each
+    contributes nbytes / W); reduce_scatter: `nbytes` reduced, each rank keeping nbytes / W
+    (sum). The last two round nbytes / W down to whole float32 elements (at least one)."""
     import torch
     import torch.distributed as dist
 
@@ -209,6 +217,13 @@ def _collective_op(collective: str, nbytes: int) -> Callable[[], Any]:
         send = torch.ones(elems)
         recv = torch.empty(elems)
         return lambda: dist.all_to_all_single(recv, send)
+    if collective in GROUP_COLLECTIVES:
+        chunk = max(1, nbytes // 4 // WORLD_SIZE)
+        piece = torch.ones(chunk)
+        pieces = [torch.ones(chunk) for _ in range(WORLD_SIZE)]
+        if collective == "all_gather":
+            return lambda: dist.all_gather(pieces, piece)
+        return lambda: dist.reduce_scatter(piece, pieces)
     buf = torch.ones(nbytes // 4)
     return lambda: dist.all_reduce(buf)
 
@@ -245,7 +260,7 @@ def _dist() -> Any:
 def _warm_up_ranks(sizes: tuple[int, ...]) -> None:
     """Open gloo's connections and fault in buffers before timing: the first collectives of a
     fresh group run several times slower than later ones. Fixed call counts keep ranks in step."""
-    for collective in ("all_to_all", "all_reduce"):
+    for collective in COLLECTIVES:
         for nbytes, calls in ((min(sizes), 50), (max(sizes), 2)):
             op = _collective_op(collective, nbytes)
             for _ in range(calls):
@@ -255,7 +270,8 @@ def _warm_up_ranks(sizes: tuple[int, ...]) -> None:
 def measure_collectives(
     config: CalibrationConfig, progress: Progress = _no_progress
 ) -> list[CommPoint]:
-    """Spawn `WORLD_SIZE` gloo ranks on 127.0.0.1 and time both collectives at each size."""
+    """Spawn `WORLD_SIZE` gloo ranks on 127.0.0.1 and time every one of `COLLECTIVES` at each
+    size."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -13,8 +13,10 @@ from typing import Any
 from poise.atomic import atomic_write_text
 from poise.calibrate.config import WORLD_SIZE, CalibrationConfig, CalibrationError
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
-from poise.calibrate.measure import CommPoint, GemmPoint
+from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoint, GemmPoint
+from poise.collectives import CollectiveFit, alpha_beta_from_link_fit
 from poise.errors import ConfigError
+from poise.fields import read_mapping_file
 from poise.topology import Cluster
 
 KIB = 1024
@@ -33,6 +35,7 @@ class Calibration:
     gemm_fits: dict[str, GemmFit] = field(default_factory=dict)
     link_fits: dict[str, LinkFit] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)
+    group_fits: dict[str, LinkFit] = field(default_factory=dict)  # all_gather, reduce_scatter
 
     @property
     def gemm(self) -> GemmFit:
@@ -59,14 +62,32 @@ class Calibration:
             gemm_half_rows=self.gemm.half_rows,
         )
 
+    def collective_fit(self) -> CollectiveFit:
+        """Every fitted collective as alpha-beta parameters at the intra-node level of a
+        `WORLD_SIZE`-rank node (`poise.collectives.alpha_beta_from_link_fit`), the form Parm's
+        schedule choice (`poise.parm.choose_schedule`) reads; fill the levels this machine
+        cannot measure with `CollectiveFit.filled_from(cluster)`."""
+        fits = {**self.link_fits, **self.group_fits}
+        params = {
+            (c, "intra_node"): alpha_beta_from_link_fit(c, f.lat_s, f.bw_Bps, WORLD_SIZE)
+            for c, f in fits.items()
+        }
+        name = f"calibrated-{self.host.get('hostname') or socket.gethostname()}"
+        return CollectiveFit(params, WORLD_SIZE, WORLD_SIZE, name)
+
     def to_dict(self) -> dict[str, Any]:
+        link = [p for p in self.comm_points if p.collective in LINK_COLLECTIVES]
+        group = [p for p in self.comm_points if p.collective not in LINK_COLLECTIVES]
         return {
             "host": self.host,
             "config": asdict(self.config),
             "gemm": [dict(asdict(p), rate_flops=p.rate) for p in self.gemm_points],
-            "collectives": [dict(asdict(p), bw_Bps=p.bw_Bps) for p in self.comm_points],
+            "collectives": [dict(asdict(p), bw_Bps=p.bw_Bps) for p in link],
             "gemm_fits": {k: asdict(v) for k, v in self.gemm_fits.items()},
             "link_fits": {k: asdict(v) for k, v in self.link_fits.items()},
+            "group_collectives": [dict(asdict(p), bw_Bps=p.bw_Bps) for p in group],
+            "group_fits": {k: asdict(v) for k, v in self.group_fits.items()},
+            "collective_fit": self.collective_fit().to_dict(),
         }
 
 
@@ -77,7 +98,8 @@ def fit_all(
     host: dict[str, Any] | None = None,
 ) -> Calibration:
     """GEMM fits per phase and for forward+backward summed per row count; a link fit per
-    collective."""
+    collective (`link_fits`: all-to-all and all-reduce; `group_fits`: all-gather and
+    reduce-scatter, those measured)."""
     gemm_fits = {}
     for phase in ("forward", "backward"):
         pts = [p for p in gemm_points if p.phase == phase]
@@ -94,7 +116,32 @@ def fit_all(
         link_fits[collective] = fit_latency_bandwidth(
             [p.nbytes for p in pts], [p.seconds for p in pts]
         )
-    return Calibration(config, gemm_points, comm_points, gemm_fits, link_fits, host or {})
+    group_fits = {}
+    for collective in GROUP_COLLECTIVES:
+        pts = [p for p in comm_points if p.collective == collective]
+        if pts:
+            group_fits[collective] = fit_latency_bandwidth(
+                [p.nbytes for p in pts], [p.seconds for p in pts]
+            )
+    return Calibration(
+        config, gemm_points, comm_points, gemm_fits, link_fits, host or {}, group_fits
+    )
+
+
+def load_collective_fit(path: str | Path) -> CollectiveFit:
+    """The `CollectiveFit` of a calibration: from its measurements JSON, or from the cluster
+    YAML it sits beside (`measurements_path`)."""
+    path = Path(path)
+    if path.suffix in (".yaml", ".yml"):
+        path = measurements_path(path)
+    data = read_mapping_file(path)
+    if "collective_fit" not in data:
+        raise ConfigError(
+            "no collective fit (written by an older poise calibrate: run it again)",
+            source=str(path),
+            field="collective_fit",
+        )
+    return CollectiveFit.from_dict(data["collective_fit"], str(path))
 
 
 def host_info(config: CalibrationConfig) -> dict[str, Any]:

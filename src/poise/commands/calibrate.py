@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         err.print(f"[yellow]warning: {warning}[/yellow]")
     started = time.perf_counter()
-    steps = 2 * len(config.rows) + 2 * len(config.message_bytes)
+    steps = 2 * len(config.rows) + len(cal.COLLECTIVES) * len(config.message_bytes)
     with Progress(
         TextColumn("[bold]calibrate[/bold] {task.description}"),
         BarColumn(),

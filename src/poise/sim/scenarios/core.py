@@ -137,6 +137,9 @@ class Scenario:
     all_policies: bool = True
     quick_cases: tuple[str, ...] = ()  # cases kept by --quick (empty: all)
     notes: tuple[str, ...] = ()
+    # A scenario that is not a trace replay (Parm's schedule grid) computes its own result:
+    # `runner(quick)` replaces the replay loop of `run_scenario`.
+    runner: Callable[[bool], ScenarioResult] | None = None
 
     @property
     def warmup_steps(self) -> int:
@@ -380,6 +383,8 @@ def run_scenario(
     progress: Progress | None = None,
 ) -> ScenarioResult:
     """Replay every case of `scenario` under each of its runs and compute the figures."""
+    if scenario.runner is not None:
+        return scenario.runner(quick)
     started = time.perf_counter()
     data_dir = find_shared_data(data)
     cases = scenario.cases_for(quick)

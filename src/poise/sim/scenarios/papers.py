@@ -7,6 +7,7 @@ import dataclasses
 
 from poise.errors import ConfigError
 from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
+from poise.sim.scenarios.parm import parm_scenario
 from poise.spec import ModelSpec
 from poise.topology import Cluster, get_cluster
 
@@ -463,7 +464,15 @@ def _cross_dc() -> Scenario:
 
 def _registry() -> dict[str, Scenario]:
     out = {}
-    for make in (_fastermoe, _pro_prophet, _smartmoe, _flexmoe, _hybridep, _cross_dc):
+    for make in (
+        _fastermoe,
+        _pro_prophet,
+        _smartmoe,
+        _flexmoe,
+        _hybridep,
+        _cross_dc,
+        parm_scenario,
+    ):
         s = make()
         out[s.name] = s
     return out
