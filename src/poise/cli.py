@@ -11,7 +11,7 @@ import sys
 from poise import __version__
 from poise.errors import PoiseError
 
-COMMANDS = ("calibrate", "demo", "plan", "scenarios", "simulate", "trace", "train")
+COMMANDS = ("calibrate", "demo", "layouts", "plan", "scenarios", "simulate", "trace", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,150 @@
+"""`poise layouts TRACE`: SmartMoE's offline pool of hybrid parallel layouts for a trace.
+
+Enumerates the layouts (pipeline stages, expert-parallel degree, expert-data-parallel replicas,
+experts per device) of the cluster and model, prices each on the trace's load distribution with
+`poise.layouts.rank_layouts` (with the expert placement the online `permute` would choose, unless
+`--static`), prints them ranked and marks the pool; `--json OUT` writes everything, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from poise.atomic import atomic_write_text
+from poise.commands.options import DEFAULT_MODEL
+from poise.layouts import LayoutSearch, LayoutSettings, rank_layouts
+from poise.loads import fit_devices, spec_for_trace
+from poise.schedule import parse_schedule
+from poise.spec import get_model
+from poise.topology import get_cluster
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "layouts",
+        help="rank hybrid parallel layouts (pipeline, expert, expert-data) on a trace",
+        description="SmartMoE's offline stage: price every layout of the cluster (pipeline "
+        "stages x expert-parallel groups x expert-data-parallel replicas) on TRACE's loads "
+        "(.npz, SmartMoE-AE folder, EPLB weights, expert-count JSON) and keep the best --pool.",
+    )
+    p.add_argument("trace", help="routing trace")
+    p.add_argument("--cluster", default="v100-ib50", help="preset, preset:N or YAML")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model preset or YAML (default {DEFAULT_MODEL} with the trace's experts, "
+        "top-k and layers)",
+    )
+    p.add_argument("--pool", type=int, default=4, help="layouts kept in the pool (default 4)")
+    p.add_argument(
+        "--micro-batches", type=int, default=4, help="pipeline micro-batches per step (default 4)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=32, help="price at most N evenly spaced steps (default 32)"
+    )
+    p.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree tried")
+    p.add_argument("--schedule", default="sync", help="sync, pipelined(n), prophet or hybrid")
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="price the static expert placement only (no online permute inside each layout)",
+    )
+    p.add_argument("--all", action="store_true", help="print every layout, not only the top 12")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the ranking as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from poise.trace_import import load_any
+
+    settings = LayoutSettings(
+        pool=args.pool,
+        micro_batches=args.micro_batches,
+        max_steps=args.steps,
+        online=not args.static,
+        max_pp=args.max_pp,
+        schedule=parse_schedule(args.schedule),
+    )
+    trace = load_any(args.trace)
+    cluster = get_cluster(args.cluster)
+    explicit = args.model is not None
+    spec = spec_for_trace(
+        get_model(args.model or DEFAULT_MODEL), trace, explicit=explicit, source=args.trace
+    )
+    loads = fit_devices(trace.counts, cluster.num_devices, args.trace)
+    search = rank_layouts(loads, cluster, spec, settings)
+    meta = {
+        "trace": str(args.trace),
+        "trace_devices": trace.devices,
+        "cluster": cluster.name,
+        "devices": cluster.num_devices,
+        "model": spec.name,
+    }
+    _print(search, meta, args.all)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({**meta, **search.to_dict()}, indent=1) + "\n")
+        Console().print(f"layouts written to {args.json}")
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _print(search: LayoutSearch, meta: dict[str, Any], show_all: bool) -> None:
+    console = Console()
+    s = search.settings
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title=f"poise layouts: {meta['model']} on {meta['cluster']} ({meta['devices']} "
+        f"devices), {search.steps_priced} step(s) priced, "
+        f"{'online permute' if s.online else 'static placement'}, {s.micro_batches} "
+        f"micro-batches",
+    )
+    columns = ("#", "layout", "step ms", "static ms", "a2a", "expert", "bubble", "EDP ar", "GiB")
+    for col in columns:
+        if col == "layout":
+            table.add_column(col, no_wrap=True, min_width=13)
+        else:
+            table.add_column(col, justify="right")
+    shown = search.ranked if show_all else search.ranked[: max(12, s.pool)]
+    for i, c in enumerate(shown):
+        table.add_row(
+            f"{i + 1}{'*' if i < s.pool else ''}",
+            c.layout.name,
+            _ms(c.step_s),
+            _ms(c.static_s),
+            _ms(c.a2a_s),
+            _ms(c.expert_s),
+            _ms(c.bubble_s),
+            _ms(c.edp_allreduce_s),
+            f"{c.memory_bytes / 2**30:.1f}",
+        )
+    console.print(table)
+    console.print(
+        "* in the pool. ms per step, mean over the priced steps; static: without the online "
+        "permute; a2a, expert: slowest stage, forward and backward; bubble: pipeline fill and "
+        "drain; EDP ar: expert gradient all-reduce; GiB: expert and dense state per device "
+        "(the JSON has every phase)"
+    )
+    hidden = len(search.ranked) - len(shown)
+    if hidden:
+        console.print(f"{hidden} slower layout(s) not shown (--all shows them)")
+    for layout, why in search.rejected:
+        console.print(f"rejected {layout.name}: {why}")
+    best = search.ranked[0]
+    console.print(f"pool: {', '.join(c.layout.name for c in search.pool)}")
+    console.print(f"best: {best.layout.describe()}")
+    pure_ep = next((c for c in search.ranked if c.layout.pp == 1 and c.layout.edp == 1), None)
+    if pure_ep is not None and pure_ep is not best:
+        console.print(
+            f"predicted step time: pure EP ({pure_ep.layout.name}) {_ms(pure_ep.step_s)} ms "
+            f"-> {best.layout.name} {_ms(best.step_s)} ms ({pure_ep.step_s / best.step_s:.2f}x)"
+        )
