@@ -11,12 +11,13 @@ first), per 1,000 steps, as a percentage of the RSS at the start of that span; t
 two ranks. `plans_identical`: both ranks held the same plan at every step (the Balancer would
 also have raised `PlanMismatchError` otherwise).
 
-Part 2 (kills): `--kills` times, `poise train --nproc 2` (real processes) continues one run
-(checkpoint every 3 steps, all kept) from its latest checkpoint, and one rank is killed by SIGKILL
+Part 2 (kills): `poise train --nproc 2` (real processes) continues one run (checkpoint every 3
+steps, all kept) from its latest checkpoint for 8 more steps, and one rank is killed by SIGKILL
 at a random step and phase (`poise.train.faults`: between steps, inside Agg, Trans, a migration
 or half-way through writing a checkpoint). After each kill, every checkpoint that existed before
-it must still load; `checkpoints_lost` counts those that do not, and `latest` must name a loadable
-one. The run then finishes without faults.
+it must still load; `checkpoints_lost` counts those that do not, and `latest` must name a
+loadable one. Rounds whose fault phase does not occur (no migration in those 8 steps, say)
+finish and do not count; rounds go on until `--kills` kills.
 
 One JSON line: `bench` ("soak"), `steps`, `rss_growth_pct_per_1k_steps`, `plans_identical`,
 `kills`, `checkpoints_lost`, plus `rss_mib` (start, end), `seconds`, `kill_phases`.
@@ -38,6 +39,7 @@ import numpy as np
 
 from poise.runtime.launch import run_ranks
 
+ROUND_STEPS = 8  # steps per kill round
 FAULT_PHASES = ("step", "forward", "backward", "agg", "trans", "migrate", "checkpoint")
 SETTINGS = {
     "context": 32,
@@ -128,40 +130,38 @@ def _loadable(path: Path) -> bool:
 
 
 def kill_rounds(root: Path, kills: int, seed: int) -> tuple[int, int, list[str]]:
-    """`(kills done, checkpoints lost, phases)`: continue one run `kills` times, each time with a
-    rank killed at a random step and phase, checking the checkpoints after each kill."""
+    """`(kills done, checkpoints lost, phases)`: continue one run until a rank has been killed
+    `kills` times, each round `ROUND_STEPS` steps long with a rank killed at a random step and
+    phase inside it (a fault whose phase does not occur in the round, e.g. no migration, lets the
+    round finish; the next round goes on from there), checking the checkpoints after each kill."""
     from poise.cli import main
     from poise.train.checkpoint import resolve
 
     rng = random.Random(seed)
-    steps_per_round = 8
-    total = steps_per_round * (kills + 1)
     folder = root / "killed" / "checkpoints"
     done, lost, phases = 0, 0, []
-    for k in range(kills):
+    for _ in range(4 * kills):
+        if done >= kills:
+            break
         before = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
         resume = ["--resume", str(folder)] if before else []
-        phase = rng.choice(FAULT_PHASES)
         start = int(before[-1].stem.split("-")[1]) if before else 0
-        step = start + rng.randint(1, steps_per_round)
+        phase = rng.choice(FAULT_PHASES)
+        step = start + rng.randint(1, ROUND_STEPS)
         fault = ["--fail-at-step", str(step), "--fail-rank", str(rng.randint(0, 1))]
         fault += ["--fail-phase", phase]
-        code = main(_argv(root, total, resume + fault))
+        code = main(_argv(root, start + ROUND_STEPS, resume + fault))
         if code == 0:
-            print(f"round {k}: {phase} at step {step} did not fire", file=sys.stderr)
+            print(f"{phase} at step {step} did not occur in this round", file=sys.stderr)
             continue
+        if code == 2:
+            raise RuntimeError(f"bad input in a kill round (exit 2), {phase} at step {step}")
         done += 1
         phases.append(phase)
         lost += sum(1 for p in before if not (p.exists() and _loadable(p)))
         if folder.is_dir() and any(folder.glob("step-*.pt")) and not _loadable(resolve(folder)):
             lost += 1
-        print(
-            f"kill {done}: {phase} at step {step} (exit {code}), lost so far {lost}",
-            file=sys.stderr,
-        )
-    resume = ["--resume", str(folder)] if folder.is_dir() else []
-    if main(_argv(root, total, resume)) != 0:
-        raise RuntimeError("the run did not finish after the kills")
+        print(f"kill {done}: {phase} at step {step} (exit {code}), lost {lost}", file=sys.stderr)
     return done, lost, phases
 
 
@@ -176,6 +176,7 @@ def main() -> None:
         root = Path(d)
         ranks = run_ranks(_soak_rank, 2, str(root), args.steps, timeout_s=6 * 3600)
         growth = max(growth_pct_per_1k(r["rss"]) for r in ranks)
+        print(f"part 1: RSS growth {growth:.3f}% per 1k steps", file=sys.stderr, flush=True)
         identical = ranks[0]["plans"] == ranks[1]["plans"] and len(ranks[0]["plans"]) == args.steps
         kills, lost, phases = kill_rounds(root, args.kills, args.seed)
     print(

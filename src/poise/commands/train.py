@@ -202,7 +202,7 @@ def _first_failure(codes: list[int]) -> int:
     """The status to report for the ranks that failed together: a death by signal first (the
     cause; its peers fail after it), then any status but 2, and 2 (bad input) only if every
     failing rank said so."""
-    killed = [c for c in codes if c < 0]
+    killed = sorted((c for c in codes if c < 0), key=lambda c: c != -9)  # SIGKILL: the cause
     if killed:
         return _exit_status(killed[0])
     other = [c for c in codes if c != 2]
