@@ -7,7 +7,10 @@
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
   `migrate`, their async variants and byte counts);
 - `balancer`: `Balancer`, which records loads, plans and applies plans between steps;
-- `stats`: `StepStats`, what the Balancer records per step.
+- `stats`: `StepStats`, what the Balancer records per step;
+- `parallel` (+ `parallel_groups`, `tensor_parallel`, `expert_shard`, `parallel_choice`): Parm's
+  MP + EP + ESP MoE layer with its schedules `baseline`, `s1`, `s2` and `auto`;
+- `layouts`: SmartMoE layouts at run time (EP groups, expert-data-parallel replicas).
 
 Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
 """
@@ -35,6 +38,18 @@ _EXPORTS = {
     "trans_async": "transfers",
     "RankFailedError": "launch",
     "run_ranks": "launch",
+    "ParallelGroups": "parallel_groups",
+    "check_degrees": "parallel_groups",
+    "ParallelMoE": "parallel",
+    "parallel_block": "parallel",
+    "load_full_state": "parallel",
+    "full_state": "parallel",
+    "sync_parallel_grads": "parallel",
+    "ParmChooser": "parallel_choice",
+    "ParmShape": "parallel_choice",
+    "LayoutGroups": "layouts",
+    "create_groups": "layouts",
+    "all_reduce_expert_grads": "layouts",
 }
 
 

@@ -1,0 +1,168 @@
+"""Expert-sharding parallelism (ESP): every expert's hidden dimension split over the MP group.
+
+Expert e (`E_loc = E / EP` experts per node) lives on node `e // E_loc`, slot `e % E_loc` of
+each of the node's `M` ranks; rank `local` of the node holds hidden units
+`[local H / M, (local + 1) H / M)` of it (`H = d_expert`):
+
+    w_in [E_loc, D, H / M], w_gate [E_loc, D, H / M]  (columns of W1)
+    w_out [E_loc, H / M, D]                           (rows of W2)
+
+so that `y_e(x) = sum_j y_e^(j)(x)`, the partial outputs of the M shards (GELU and SwiGLU act on
+each hidden unit alone). Two ways to bring a token to all M shards of its expert:
+
+- `EspExpertFn` (schedules "baseline" and "s1"): the EP all-to-all delivers each token to one
+  rank of the expert's node; `ESP-AllGather` over the MP group gives every rank the node's
+  tokens, each rank runs its shard, `ESP-ReduceScatter` sums the partial outputs and hands each
+  rank back the rows it received.
+- `virtual_experts` (schedule "s2"): shard j of expert e is a virtual expert
+  `v = (node(e) M + j) E_loc + e % E_loc` held by rank `node(e) M + j`; a token choosing e
+  chooses its M virtual experts with the same weight, so one all-to-all over the world sends
+  it to every shard (intra- and inter-node parts in one collective) and the combine sums the
+  partial outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from poise.errors import ConfigError
+from poise.nn.dispatch import gather_index, inverse
+from poise.nn.experts import Experts
+from poise.runtime.parallel_groups import ParallelGroups
+from poise.runtime.tensor_parallel import all_gather_rows, all_gather_stack, reduce_scatter_rows
+
+EXPERT_KEYS: tuple[str, ...] = ("w_in", "w_gate", "w_out")
+
+
+def hidden_dim(name: str) -> int:
+    """The axis of `[E, ...]` stacked weight `name` that ESP splits (W1 columns, W2 rows)."""
+    return 1 if name == "w_out" else 2
+
+
+def shard_experts(
+    full: Mapping[str, torch.Tensor], groups: ParallelGroups, names: Sequence[str] = EXPERT_KEYS
+) -> dict[str, torch.Tensor]:
+    """This rank's rows and hidden slice of full stacked weights `full[name] [E, ...]`."""
+    out = {}
+    for name in names:
+        w = full[name]
+        E, H = w.shape[0], w.shape[hidden_dim(name)]
+        e_loc, h_loc = E // groups.ep, H // groups.esp
+        rows = w[groups.node * e_loc : (groups.node + 1) * e_loc]
+        out[name] = rows.narrow(hidden_dim(name), groups.local * h_loc, h_loc)
+    return out
+
+
+def gather_experts(
+    experts: Experts, groups: ParallelGroups, grads: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full stacked weights (or gradients; None reads as zero) `[E, ...]` from every rank's
+    shard: all-gather over the MP group (hidden slices), then over the EP group (experts). A
+    collective over both groups."""
+    out = {}
+    for name in EXPERT_KEYS:
+        p = getattr(experts, name)
+        if p is None:
+            continue
+        t = p.detach() if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+        hid = hidden_dim(name)
+        slices = all_gather_stack(t, groups.mp_group)  # [M, E_loc, ...]
+        node = torch.cat(slices.unbind(0), dim=hid)  # [E_loc, ...full hidden]
+        every = all_gather_stack(node, groups.ep_group)  # [EP, E_loc, ...]
+        out[name] = every.reshape(-1, *node.shape[1:])
+    return out
+
+
+def check_full_experts(
+    full: Mapping[str, torch.Tensor], num_experts: int, d_model: int, d_expert: int, swiglu: bool
+) -> None:
+    """Refuse full expert weights of the wrong shape (`ConfigError` naming the key)."""
+    shapes = {"w_in": (num_experts, d_model, d_expert), "w_out": (num_experts, d_expert, d_model)}
+    if swiglu:
+        shapes["w_gate"] = (num_experts, d_model, d_expert)
+    for name, shape in shapes.items():
+        if name not in full:
+            raise ConfigError("missing from the full expert weights", field=name)
+        if tuple(full[name].shape) != shape:
+            raise ConfigError(f"must be {list(shape)}, got {list(full[name].shape)}", field=name)
+
+
+class _Permute(torch.autograd.Function):
+    """`x[perm]`, backward `grad[inv]`: a bijection of rows both ways (gathers, no scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+class EspExpertFn:
+    """The expert function of the EP dispatcher under ESP: `(rows [R, D] grouped by slot,
+    tokens_per_slot [S]) -> [R, D]`.
+
+    1. all-gather the `[S]` token counts of the M ranks of the MP group (`[M, S]`);
+    2. ESP-AllGather of the rows (`[sum R_i, D]`, blocks (rank, slot)), regrouped to (slot, rank);
+    3. this rank's shard of every slot (`experts`, hidden width H / M);
+    4. back to (rank, slot) order and ESP-ReduceScatter: each rank gets its own rows, summed
+       over the M shards.
+
+    `dup=True` is DeepSpeed-MoE's schedule, where the M ranks hold the same rows (see
+    `poise.runtime.tensor_parallel`). Every rank of the MP group calls it the same number of
+    times in the same order (the dispatchers of one node run the same number of chunks)."""
+
+    def __init__(self, experts: Experts, groups: ParallelGroups, dup: bool) -> None:
+        self.experts = experts
+        self.groups = groups
+        self.dup = dup
+
+    def __call__(
+        self, rows: torch.Tensor, tokens_per_slot: torch.Tensor | list[int]
+    ) -> torch.Tensor:
+        group = self.groups.mp_group
+        tps = torch.as_tensor(tokens_per_slot, dtype=torch.long).reshape(-1).to(rows.device)
+        every = all_gather_stack(tps, group).cpu().numpy()  # [M, S]
+        M, S = every.shape
+        sizes = every.sum(axis=1).tolist()
+        x = all_gather_rows(rows, sizes, group, dup=self.dup)
+        # gathered blocks (rank, slot); wanted (slot, rank)
+        blocks = (np.arange(M)[None, :] * S + np.arange(S)[:, None]).ravel()
+        perm = gather_index(every, blocks)
+        identity = np.array_equal(perm, np.arange(perm.shape[0]))
+        if not identity:
+            p = torch.from_numpy(perm).to(rows.device)
+            inv = torch.from_numpy(inverse(perm)).to(rows.device)
+            x = _Permute.apply(x, p, inv)
+        out = self.experts(x, every.sum(axis=0).tolist())
+        if not identity:
+            out = _Permute.apply(out, inv, p)
+        return reduce_scatter_rows(out, sizes, group, dup=self.dup)
+
+
+def virtual_experts(experts: torch.Tensor, experts_per_node: int, mp: int) -> torch.Tensor:
+    """`experts [T, k]` -> `[T, k M]`: each choice e replaced by its M shards' virtual experts
+    `(e // E_loc * M + j) * E_loc + e % E_loc`, j = 0..M-1 (choice-major, shard-minor)."""
+    node = experts // experts_per_node
+    slot = experts % experts_per_node
+    base = node * (mp * experts_per_node) + slot  # [T, k]
+    shards = torch.arange(mp, device=experts.device) * experts_per_node  # [M]
+    return (base.unsqueeze(-1) + shards).reshape(experts.shape[0], -1)
+
+
+__all__ = [
+    "EXPERT_KEYS",
+    "EspExpertFn",
+    "check_full_experts",
+    "gather_experts",
+    "hidden_dim",
+    "shard_experts",
+    "virtual_experts",
+]

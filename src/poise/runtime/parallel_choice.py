@@ -1,0 +1,113 @@
+"""Which Parm schedule a `ParallelMoE` runs under `schedule="auto"`.
+
+The integration point is one callable: `chooser(ParmShape) -> "s1" | "s2"` (or "baseline"),
+asked once per token count. The default, `ParmChooser`, is Parm's analytic choice
+(`poise.parm.choose_schedule(ParmLayer, costs)`: S2 when its unified all-to-alls cost less
+under the alpha-beta model than S1's EP all-to-alls plus ESP all-gather and reduce-scatter),
+imported on first use so that this module does not need the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from poise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParmShape:
+    """One MoE layer in one step, as a schedule chooser sees it.
+
+    `tokens`: tokens per MP group (node) and step (`B * S`, duplicated on its M ranks);
+    `capacity_factor`: None when dropless; `mp`, `esp`, `ep`: degrees (`world = ep * mp`);
+    `heads`: attention heads (None: unknown); `dtype_bytes`: bytes per activation element."""
+
+    tokens: int
+    d_model: int
+    d_expert: int
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None
+    mp: int
+    esp: int
+    ep: int
+    dtype_bytes: int
+    heads: int | None = None
+
+
+ScheduleChooser = Callable[[ParmShape], str]
+
+
+def local_cluster(shape: ParmShape) -> Any:
+    """The modelled cluster of this run when none is given: the `cpu-2` preset's rates with
+    one node per MP group (`mp` devices per node, `ep` nodes)."""
+    from poise.topology import PRESETS
+
+    return dataclasses.replace(
+        PRESETS["cpu-2"],
+        name=f"cpu-{shape.ep}x{shape.mp}",
+        devices_per_node=shape.mp,
+        nodes_per_domain=shape.ep,
+        domains=1,
+    )
+
+
+class ParmChooser:
+    """Parm's automatic choice as a `ScheduleChooser`.
+
+    `costs`: a `poise.topology.Cluster` or a measured `poise.collectives.CollectiveFit` (from
+    `poise calibrate`); None: `local_cluster`. A dropless layer is priced at capacity factor 1
+    (the volume of balanced dropless routing); the token count is rounded down to a multiple
+    of `mp` (the model's MP-Split cuts evenly)."""
+
+    def __init__(self, costs: Any = None) -> None:
+        self.costs = costs
+
+    def layer(self, shape: ParmShape) -> Any:
+        """The `poise.parm.ParmLayer` of `shape`."""
+        parm = _parm()
+        tokens = max(shape.tokens - shape.tokens % shape.mp, shape.mp)
+        return parm.ParmLayer(
+            batch=1,
+            seq_len=tokens,
+            d_model=shape.d_model,
+            d_expert=shape.d_expert,
+            experts=shape.num_experts,
+            top_k=shape.top_k,
+            capacity_factor=1.0 if shape.capacity_factor is None else shape.capacity_factor,
+            mp=shape.mp,
+            esp=shape.esp,
+            ep=shape.ep,
+            heads=shape.heads,
+            dtype_bytes=shape.dtype_bytes,
+            name="ParallelMoE",
+        )
+
+    def __call__(self, shape: ParmShape) -> str:
+        costs = self.costs if self.costs is not None else local_cluster(shape)
+        return str(_parm().choose_schedule(self.layer(shape), costs))
+
+
+def _parm() -> Any:
+    try:
+        parm = importlib.import_module("poise.parm")
+    except ImportError as exc:
+        raise ConfigError(
+            f"schedule 'auto' needs poise.parm ({exc}); pass schedule='s1' or 's2', or a chooser",
+            field="schedule",
+        ) from None
+    for name in ("ParmLayer", "choose_schedule"):
+        if not hasattr(parm, name):
+            raise ConfigError(
+                f"schedule 'auto' needs poise.parm.{name}; pass schedule='s1' or 's2', or a "
+                "chooser",
+                field="schedule",
+            )
+    return parm
+
+
+__all__ = ["ParmChooser", "ParmShape", "ScheduleChooser", "local_cluster"]
