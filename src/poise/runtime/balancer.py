@@ -34,6 +34,12 @@ Each step:
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
 and parameters up to float summation order.
+
+Compressed migration (HybridEP's parameter-efficient migration, off by default): with
+`compression=ratio`, Trans and the replica fills of a migration send each replica as the
+layer's shared expert plus the top-`ratio` share of its residual (`poise.runtime.compress`,
+`poise.runtime.domains_trans`). Replicas then compute with approximate weights, so the losses
+are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies.base import PlanContext, get_policy, make_plan
 from poise.predict import Predictor, parse_predictor
 from poise.runtime import transfers as tr
+from poise.runtime.compress import Compression
 from poise.runtime.stats import StepStats, layer_loads
 from poise.spec import ModelSpec
 from poise.topology import PRESETS, Cluster, get_cluster
@@ -172,7 +179,10 @@ class Balancer:
     - `hooks`: register the optimizer step hooks (else call `before_step`/`after_step`);
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
-    - `check_plans`: compare a hash of every plan across ranks.
+    - `check_plans`: compare a hash of every plan across ranks;
+    - `compression`: None (default: replicas get the exact weights), or a ratio in (0, 1] (or a
+      `Compression`): replicas get the shared expert plus that share of their residual's
+      entries (HybridEP's compressed migration; it changes the mathematics).
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`)."""
 
@@ -193,6 +203,7 @@ class Balancer:
         check_plans: bool = True,
         group: dist.ProcessGroup | None = None,
         keep_stats: int = 10_000,
+        compression: Compression | float | None = None,
     ) -> None:
         if every < 1:
             raise ConfigError("must be >= 1", source=str(every), field="every")
@@ -224,6 +235,8 @@ class Balancer:
         self.options.setdefault("auto", {}).setdefault("horizon", every)
         self.check_plans = check_plans
         self.overlap = overlap
+        self.compression = Compression.parse(compression)
+        self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, W, E] per step
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.step = 0
@@ -234,8 +247,7 @@ class Balancer:
         self._apply_layout(self.plan)
         for state in self.layers:  # replicas of the initial layout start from their homes
             if state.has_replicas:
-                tr.trans(state.params, state.maps, self.rank, group=self.group,
-                         routes=state.trans_routes)  # fmt: skip
+                self._start_trans(state, refresh=True).wait()
         self._register_layer_hooks()
         if hooks:
             self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_step()))
@@ -388,10 +400,7 @@ class Balancer:
             for state in self.layers:
                 self._wait(state)
                 if state.has_replicas:
-                    state.trans = tr.trans_async(
-                        state.params, state.maps, self.rank, group=self.group,
-                        routes=state.trans_routes,
-                    )  # fmt: skip
+                    state.trans = self._start_trans(state)
                     stats.trans_bytes += state.trans.total_bytes
             stats.add_seconds("transfers", time.perf_counter() - t0)
             if not self.overlap:
@@ -477,19 +486,52 @@ class Balancer:
             new_maps = slot_maps(plan.placement, state.index, self.slots)
             if _same_maps(state.maps, new_maps):
                 if state.has_replicas:
-                    done = tr.trans(state.params, state.maps, self.rank, group=self.group,
-                                    routes=state.trans_routes)  # fmt: skip
+                    done = self._start_trans(state, refresh=True)
+                    done.wait()
                     stats.trans_bytes += done.total_bytes
                 continue
             moved = tr.migrate(
-                state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group
-            )
+                state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
+                fill_replicas=self.compression is None,
+            )  # fmt: skip
             stats.migrate_bytes += moved.home_total_bytes
             stats.trans_bytes += moved.replica_total_bytes
             stats.moved_homes += moved.moved_homes
+            if self.compression is not None:  # replicas of the new layout, compressed
+                routes = tr.trans_routes(new_maps)
+                if len(routes):
+                    done = self._compressed_trans(state, new_maps, routes, refresh=True)
+                    done.wait()
+                    stats.trans_bytes += done.total_bytes
         self._apply_layout(plan)
         self.plan = plan
         stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------------- Trans
+    def _start_trans(self, state: _LayerState, refresh: bool = False) -> tr.Pending:
+        """Launch one layer's Trans under its current maps (compressed when `compression`;
+        `refresh`: recompute the layer's shared expert first)."""
+        if self.compression is None:
+            return tr.trans_async(
+                state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes
+            )
+        return self._compressed_trans(state, state.maps, state.trans_routes, refresh)
+
+    def _compressed_trans(
+        self, state: _LayerState, maps: list[SlotMap], routes: tr.Routes, refresh: bool
+    ) -> tr.Pending:
+        """Compressed Trans; the layer's shared expert is recomputed (one all-reduce) when
+        `refresh` or unknown, else reused: every rank refreshes at the same steps."""
+        from poise.runtime.domains_trans import trans_compressed_async
+
+        assert self.compression is not None
+        shared = None if refresh else self._shared.get(state.index)
+        pending = trans_compressed_async(
+            state.params, maps, self.rank, self.compression.ratio,
+            shared=shared, group=self.group, routes=routes,
+        )  # fmt: skip
+        self._shared[state.index] = pending.shared
+        return pending
 
     def _apply_layout(self, plan: Plan) -> None:
         """Tell each layer its placement, assignment and this rank's slot map."""

@@ -417,6 +417,7 @@ def migrate(
     rank: int,
     *,
     group: dist.ProcessGroup | None = None,
+    fill_replicas: bool = True,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
     `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
@@ -424,11 +425,16 @@ def migrate(
     Afterwards every held slot has its expert's current weights (replicas too: no Trans is
     needed), home slots have the old home's moments, other slots zero moments, empty slots zero
     weights. Parameters and state tensors are updated in place (the optimizer keeps its
-    references). Works when homes change rank and when slots are reordered on one rank."""
+    references). Works when homes change rank and when slots are reordered on one rank.
+
+    `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
+    fills them another way (the compressed Trans, `poise.runtime.domains_trans`)."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
     homes, replicas = migration_routes(old_maps, new_maps)
+    if not fill_replicas:
+        replicas = Routes.build([])
     new_params = [torch.zeros_like(p) for p in params]
     new_moments = [[torch.zeros_like(m) for m in ms] for ms in moments]
     flat_moments = [m for ms in moments for m in ms]

@@ -1,0 +1,197 @@
+"""HybridEP's parameter-efficient migration: expert rows sent as a shared expert plus a sparse
+residual (Yang et al., arXiv 2510.19470, §IV-B "SR-based expert compression").
+
+Every rank keeps the *shared expert* of a layer, the mean of its E experts (`shared_expert`),
+in sync. A replica row is then sent as the top-k entries (by magnitude) of the expert's
+*residual* `expert - shared`, in value-index form, and rebuilt as `shared + residual` with the
+other entries of the residual taken as zero. `ratio` is the fraction of a row's residual
+entries kept (HybridEP's compression ratio CR is `1 / ratio`; its Fig. 14 keeps the loss at
+CR = 50, `ratio = 0.02`).
+
+Wire format of one row of `n` entries (one tensor of one expert, e.g. `w_in [D, H]`), values in
+the parameters' dtype (`b_v` bytes) and indices int32 (`b_i` = 4; int64 for 8-byte values):
+
+    k = clamp(ceil(ratio * n), 1, n)                 (entries kept)
+    bytes = min(k (b_v + b_i), n b_v)                (sparse, or dense when that is smaller)
+
+Dense rows (`k (b_v + b_i) >= n b_v`, e.g. `ratio >= 0.5` for fp32, `ratio >= 1/3` for bf16, and
+always at `ratio = 1`) carry the expert itself and decode exactly: above that break-even a sparse
+residual would cost more bytes than the row. Sparse rows carry the residual's kept entries (its
+values, not the expert's) at sorted flat indices.
+
+Compression changes the mathematics of training (a replica computes with approximate weights;
+its gradient, taken at those weights, is still summed into the exact home by Agg), which is why
+the runtime leaves it off unless asked (`Balancer(..., compression=ratio)`).
+
+Pure tensor functions: no process group here (the collective part is
+`poise.runtime.domains_trans`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from poise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Compression:
+    """The compressed-migration setting: `ratio` in (0, 1], the fraction of each row's residual
+    entries sent (1 keeps everything: exact)."""
+
+    ratio: float
+
+    def __post_init__(self) -> None:
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 < float(r) <= 1.0:
+            raise ConfigError(f"must be a number in (0, 1], got {r!r}", field="compression.ratio")
+
+    @classmethod
+    def parse(cls, value: Compression | float | None) -> Compression | None:
+        """`None` (off), a ratio, or a `Compression`."""
+        if value is None or isinstance(value, Compression):
+            return value
+        return cls(value)
+
+
+def kept(numel: int, ratio: float) -> int:
+    """`k = clamp(ceil(ratio * n), 1, n)`: entries of an `n`-entry row that a ratio keeps."""
+    return max(1, min(int(numel), math.ceil(ratio * numel - 1e-9)))
+
+
+def index_dtype(value_dtype: torch.dtype) -> torch.dtype:
+    """Indices travel as int32 (int64 beside 8-byte values, so every row packs to whole
+    values)."""
+    return torch.int64 if _itemsize(value_dtype) == 8 else torch.int32
+
+
+def is_dense(numel: int, ratio: float, dtype: torch.dtype) -> bool:
+    """Whether a row is cheaper sent whole: `k (b_v + b_i) >= n b_v`."""
+    vb = _itemsize(dtype)
+    return kept(numel, ratio) * (vb + _itemsize(index_dtype(dtype))) >= numel * vb
+
+
+def row_wire_bytes(numel: int, ratio: float, dtype: torch.dtype) -> int:
+    """Bytes one row of `numel` entries takes on the wire: `min(k (b_v + b_i), n b_v)`."""
+    vb = _itemsize(dtype)
+    if is_dense(numel, ratio, dtype):
+        return int(numel) * vb
+    return kept(numel, ratio) * (vb + _itemsize(index_dtype(dtype)))
+
+
+@dataclass
+class Encoded:
+    """Rows of one tensor in value-index form. `values [n, k]` (the residual's kept entries;
+    for dense rows `[n, numel]`, the rows themselves), `indices [n, k]` sorted flat positions
+    (None for dense rows), `shape` one row's shape."""
+
+    values: torch.Tensor
+    indices: torch.Tensor | None
+    shape: tuple[int, ...]
+
+    @property
+    def dense(self) -> bool:
+        return self.indices is None
+
+    def nbytes(self) -> int:
+        """Bytes on the wire for all rows."""
+        n = self.values.numel() * self.values.element_size()
+        if self.indices is not None:
+            n += self.indices.numel() * self.indices.element_size()
+        return n
+
+
+def shared_expert(rows: torch.Tensor) -> torch.Tensor:
+    """`rows [E, *shape]` (every expert of a layer, one tensor) -> their mean `[*shape]`."""
+    return rows.mean(dim=0)
+
+
+def encode(rows: torch.Tensor, shared: torch.Tensor, ratio: float) -> Encoded:
+    """`rows [n, *shape]`, `shared [*shape]` (or `[n, *shape]`) -> the rows' top-k residuals.
+
+    `k = kept(numel, ratio)` entries per row, chosen by |rows - shared| (sorted by position);
+    dense rows (`is_dense`) are the rows themselves."""
+    shape = tuple(rows.shape[1:])
+    numel = math.prod(shape)
+    if is_dense(numel, ratio, rows.dtype):
+        return Encoded(rows.detach().reshape(rows.shape[0], numel).clone(), None, shape)
+    residual = (rows.detach() - shared).reshape(rows.shape[0], numel)
+    k = kept(numel, ratio)
+    idx = residual.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    values = residual.gather(1, idx)
+    return Encoded(values, idx.to(index_dtype(rows.dtype)), shape)
+
+
+def decode(enc: Encoded, shared: torch.Tensor) -> torch.Tensor:
+    """`shared + residual` rows `[n, *shape]` (dense rows: the rows as sent)."""
+    n = enc.values.shape[0]
+    if enc.indices is None:
+        return enc.values.reshape(n, *enc.shape)
+    numel = math.prod(enc.shape)
+    residual = torch.zeros(n, numel, dtype=enc.values.dtype, device=enc.values.device)
+    residual.scatter_(1, enc.indices.long(), enc.values)
+    return residual.reshape(n, *enc.shape) + shared
+
+
+def packed_bytes(shape: tuple[int, ...], ratio: float, dtype: torch.dtype) -> int:
+    """Bytes of one packed row (`pack`): `row_wire_bytes` of its `prod(shape)` entries."""
+    return row_wire_bytes(math.prod(shape), ratio, dtype)
+
+
+def pack(enc: Encoded) -> torch.Tensor:
+    """`Encoded` -> `uint8 [n, packed_bytes]`: each row's values, then its indices, as bytes."""
+    n = enc.values.shape[0]
+    parts = [enc.values.contiguous().view(torch.uint8).reshape(n, -1)]
+    if enc.indices is not None:
+        parts.append(enc.indices.contiguous().view(torch.uint8).reshape(n, -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def unpack(buf: torch.Tensor, shape: tuple[int, ...], ratio: float, dtype: torch.dtype) -> Encoded:
+    """`uint8 [n, packed_bytes]` (rows `pack` wrote for `shape`, `ratio`, `dtype`) -> `Encoded`."""
+    numel = math.prod(shape)
+    n = buf.shape[0]
+    if is_dense(numel, ratio, dtype):
+        return Encoded(buf.contiguous().view(dtype).reshape(n, numel), None, tuple(shape))
+    k = kept(numel, ratio)
+    split = k * _itemsize(dtype)
+    values = buf[:, :split].contiguous().view(dtype)
+    indices = buf[:, split:].contiguous().view(index_dtype(dtype))
+    return Encoded(values, indices, tuple(shape))
+
+
+def roundtrip(rows: torch.Tensor, shared: torch.Tensor, ratio: float) -> torch.Tensor:
+    """What a replica computes with: `decode(encode(rows, shared, ratio), shared)`."""
+    return decode(encode(rows, shared, ratio), shared)
+
+
+def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
+    """`||original - approx||_F / ||original||_F` in float64 (0 for an all-zero original)."""
+    a = original.detach().double()
+    norm = float(a.norm())
+    return float((a - approx.detach().double()).norm()) / norm if norm > 0 else 0.0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+__all__ = [
+    "Compression",
+    "Encoded",
+    "decode",
+    "encode",
+    "index_dtype",
+    "is_dense",
+    "kept",
+    "pack",
+    "packed_bytes",
+    "relative_error",
+    "roundtrip",
+    "row_wire_bytes",
+    "shared_expert",
+    "unpack",
+]

@@ -1,0 +1,103 @@
+"""Expert domains in the live runtime (HybridEP, arXiv 2510.19470 §IV-A): clusters whose ranks
+are cut into domains, and what the dispatcher really sends across them.
+
+With `Balancer(..., policy="hybrid", cluster=domain_cluster(...))` the `hybrid` policy copies
+experts into domains (one replica per domain and expert it chooses, filled by Trans from the
+home, possibly in another domain) and routes group-locally (`Assignment.group_local`): a
+source whose domain holds a copy of e sends e's tokens to that copy, inside the domain; every
+other token goes to e's home by the all-to-all, across domains. Nothing here changes that
+machinery; it builds the clusters and measures the traffic:
+
+- `domain_cluster`: a `Cluster` of `domains x nodes_per_domain x devices_per_node` ranks with
+  the `cpu-2` preset's device and link rates inside a domain and a slower link between domains
+  (what the planner prices: the rates of this machine do not matter for where tokens go);
+- `cross_domain_tokens`: from a layer's integer routes `[E, W]` (`Layout.routes`, the very
+  split the dispatcher sends), the tokens one rank sends to ranks of other domains, per expert;
+- `DomainTraffic`: forward hooks that record it for every MoE layer and forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from torch import nn
+
+from poise.errors import ConfigError
+from poise.nn.moe import MoE, moe_layers
+from poise.topology import PRESETS, Cluster, Link
+
+
+def domain_cluster(
+    domains: int,
+    nodes_per_domain: int = 1,
+    devices_per_node: int = 1,
+    *,
+    wan_bw_Bps: float = 1.25e8,
+    wan_lat_s: float = 1e-3,
+    name: str | None = None,
+) -> Cluster:
+    """`domains x nodes_per_domain x devices_per_node` local ranks: `cpu-2`'s device and
+    intra/inter-node links, `wan_bw_Bps` (default 1 Gb/s) and `wan_lat_s` between domains."""
+    base = PRESETS["cpu-2"]
+    if wan_bw_Bps <= 0 or wan_lat_s < 0:
+        raise ConfigError(
+            "wan_bw_Bps must be > 0 and wan_lat_s >= 0", source=name, field="inter_domain"
+        )
+    return dataclasses.replace(
+        base,
+        name=name or f"cpu-{domains}x{nodes_per_domain}x{devices_per_node}",
+        devices_per_node=devices_per_node,
+        nodes_per_domain=nodes_per_domain,
+        domains=domains,
+        inter_domain=Link(wan_bw_Bps, wan_lat_s),
+    )
+
+
+def cross_domain_tokens(routes: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """`[E]` tokens rank `rank` sends to ranks outside its domain (`size` ranks per domain),
+    from its integer routes `routes[E, W]`."""
+    W = routes.shape[1]
+    other = np.arange(W) // size != rank // size
+    return routes[:, other].sum(axis=1)
+
+
+class DomainTraffic:
+    """Records, at every training forward of each `MoE` layer of `model`, the tokens this rank
+    sends across domains per expert: `cross[i]` is `[L, E]` for forward i (layers in module
+    order). Reads the layer's `last_counts` and `layout`: the routes the dispatcher just used
+    (exactly, when the router drops nothing: `last_counts` are counted before capacity drops).
+    `close()` removes the hooks."""
+
+    def __init__(self, model: nn.Module, size: int) -> None:
+        self.layers: list[MoE] = moe_layers(model)
+        if not self.layers:
+            raise ConfigError("the model has no poise.nn.MoE layer", field="model")
+        if size < 1:
+            raise ConfigError(f"must be >= 1, got {size}", field="domain_size")
+        self.size = size
+        self.cross: list[np.ndarray] = []
+        self._row: list[np.ndarray] = []
+        self._handles = [
+            m.register_forward_hook(lambda mod, a, o, i=i: self._record(i, mod))
+            for i, m in enumerate(self.layers)
+        ]
+
+    def _record(self, index: int, layer: nn.Module) -> None:
+        assert isinstance(layer, MoE)
+        if not layer.training:
+            return
+        counts = layer.last_counts.detach().cpu().numpy()
+        routes = layer.layout.routes(counts)
+        self._row.append(cross_domain_tokens(routes, layer.rank, self.size))
+        if index == len(self.layers) - 1:
+            self.cross.append(np.stack(self._row))
+            self._row = []
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+__all__ = ["DomainTraffic", "cross_domain_tokens", "domain_cluster"]

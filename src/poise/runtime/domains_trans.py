@@ -1,0 +1,154 @@
+"""Compressed Trans: replicas filled with the shared expert plus each expert's top-k residual
+(HybridEP's parameter-efficient migration, arXiv 2510.19470 §IV-B), on the ranks of one layer.
+
+- `shared_experts`: every rank sums its home rows of each expert tensor, one `all_reduce` (SUM)
+  adds the ranks' sums, and the total is divided by E: every rank holds the same shared expert
+  `[*row]` per tensor, the mean of the layer's experts at their homes' current weights (an
+  all-reduce hands every rank the same bits; data parallelism relies on that too). Bytes, all
+  ranks together, counted as a ring all-reduce moves them: `2 (W - 1) sum_t numel(row_t) b_v`.
+- `trans_compressed_async`: one `all_to_all_single` (`transfers.exchange`) of each replica's
+  packed row (`compress.pack`: the residual's top-k values and indices, or the dense row above
+  the break-even); the receiver writes `shared + residual` into the replica slot. Sender and
+  receiver must use the same shared expert: pass the one a previous call returned
+  (`CompressedPending.shared`), or none to compute it afresh (a collective).
+
+HybridEP synchronises its shared expert every iteration, hidden under the backward pass. The
+Balancer refreshes it whenever a plan is applied (every `every` steps) and reuses it for the
+Trans in between, so the all-reduce is paid once per plan, not once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from poise.nn.slots import SlotMap
+from poise.runtime import compress as cz
+from poise.runtime.transfers import Pending, Routes, Stream, exchange, trans_routes
+
+
+@dataclass
+class CompressedPending(Pending):
+    """A compressed Trans in flight. Besides `Pending`'s counts (`total_bytes`: all ranks
+    together, shared-expert all-reduce included): `payload_bytes` (packed rows),
+    `shared_bytes` (the all-reduce, 0 when a shared expert was passed in), `dense_bytes` (what
+    the same rows cost uncompressed), `shared` (the shared expert used, one `[*row]` per
+    tensor)."""
+
+    payload_bytes: int = 0
+    shared_bytes: int = 0
+    dense_bytes: int = 0
+    shared: list[torch.Tensor] = field(default_factory=list)
+
+
+def shared_experts(
+    params: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[list[torch.Tensor], int]:
+    """`([shared [*row] per tensor], bytes)`: the mean over the layer's experts of their home
+    rows of `params` (each `[S, *row]`), the same on every rank; `bytes` moved by the
+    all-reduce (all ranks together, ring). Collective when `len(maps) > 1`."""
+    m = maps[rank]
+    experts = sum(int(np.count_nonzero(x.home & (x.expert >= 0))) for x in maps)
+    home = torch.as_tensor(np.flatnonzero(m.home & (m.expert >= 0)), device=params[0].device)
+    with torch.no_grad():
+        total = torch.cat([p.detach().index_select(0, home).sum(dim=0).reshape(-1) for p in params])
+    world = len(maps)
+    moved = 0
+    if world > 1:
+        dist.all_reduce(total, group=group)
+        moved = 2 * (world - 1) * total.numel() * total.element_size()
+    total /= max(experts, 1)
+    out, at = [], 0
+    for p in params:
+        n = int(np.prod(p.shape[1:], dtype=np.int64))
+        out.append(total[at : at + n].view(p.shape[1:]))
+        at += n
+    return out, moved
+
+
+def trans_compressed_async(
+    params: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    ratio: float,
+    *,
+    shared: Sequence[torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> CompressedPending:
+    """Start a compressed Trans of `params` (each `[S, *row]`): every replica slot receives
+    `shared + top-k residual` of its home's current row (`compress.encode`, `ratio` of each
+    row's entries). `shared`: the layer's shared expert, the same on every rank (None: computed
+    now by `shared_experts`). Replica rows are written at `wait()`. Collective (all ranks, same
+    maps, all passing a shared expert or none)."""
+    routes = routes if routes is not None else trans_routes(maps)
+    params = list(params)
+    world = len(maps)
+    shared_bytes = 0
+    if shared is None:
+        shared, shared_bytes = shared_experts(params, maps, rank, group=group)
+    shared = list(shared)
+    shapes = [tuple(p.shape[1:]) for p in params]
+    widths = [cz.packed_bytes(s, ratio, p.dtype) for s, p in zip(shapes, params, strict=True)]
+    offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+    slots = int(params[0].shape[0])
+    payload = torch.zeros(slots, int(offsets[-1]), dtype=torch.uint8, device=params[0].device)
+    mine = np.unique(routes.src_slot[routes.src_rank == rank])
+    if mine.size:
+        idx = torch.as_tensor(mine, device=params[0].device)
+        with torch.no_grad():
+            for i, (p, s) in enumerate(zip(params, shared, strict=True)):
+                enc = cz.encode(p.detach().index_select(0, idx), s, ratio)
+                payload[idx, offsets[i] : offsets[i + 1]] = cz.pack(enc)
+
+    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        buf = rows[0]
+        with torch.no_grad():
+            for i, (p, s) in enumerate(zip(params, shared, strict=True)):
+                enc = cz.unpack(buf[:, offsets[i] : offsets[i + 1]], shapes[i], ratio, p.dtype)
+                p.index_copy_(0, dst, cz.decode(enc, s))
+
+    pending = exchange([Stream(routes, [payload], sink)], rank, world, group=group, async_op=True)
+    dense_row = sum(
+        int(np.prod(s, dtype=np.int64)) * p.element_size()
+        for s, p in zip(shapes, params, strict=True)
+    )
+    return CompressedPending(
+        sent_bytes=pending.sent_bytes,
+        received_bytes=pending.received_bytes,
+        total_bytes=pending.total_bytes + shared_bytes,
+        _finish=pending.wait,
+        payload_bytes=pending.total_bytes,
+        shared_bytes=shared_bytes,
+        dense_bytes=dense_row * routes.remote_rows(),
+        shared=shared,
+    )
+
+
+def trans_compressed(
+    params: Sequence[torch.Tensor],
+    maps: Sequence[SlotMap],
+    rank: int,
+    ratio: float,
+    *,
+    shared: Sequence[torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+    routes: Routes | None = None,
+) -> CompressedPending:
+    """`trans_compressed_async`, completed before returning."""
+    pending = trans_compressed_async(
+        params, maps, rank, ratio, shared=shared, group=group, routes=routes
+    )
+    pending.wait()
+    return pending
+
+
+__all__ = ["CompressedPending", "shared_experts", "trans_compressed", "trans_compressed_async"]
