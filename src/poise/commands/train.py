@@ -7,7 +7,8 @@ free port: the same entry point `torchrun -m poise.train` runs, so multi-node ru
 rendezvous instead. If a rank fails, the others are stopped and its exit status is returned;
 with `--max-restarts N` all ranks start again from the last complete checkpoint, up to N times
 (see `launch`). `--fail-at-step S --fail-rank R [--fail-phase P]` kills a rank on purpose
-(`poise.train.faults`), to test exactly that.
+(`poise.train.faults`), to test exactly that. `--layout ep=K` trains in a SmartMoE layout; the
+world must be a multiple of K and K divide the experts (checked here, one line).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from poise.errors import ConfigError
-    from poise.nn.moe import check_world
     from poise.train.__main__ import config_from_args
     from poise.train.config import save_config
     from poise.train.data import build_corpus, shard_rows
     from poise.train.faults import Fault
+    from poise.train.layout import resolve_layout
 
     cfg = config_from_args(args)
     n = args.nproc
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         fault = Fault(args.fail_at_step, args.fail_rank, args.fail_phase)
         if fault.rank >= n:
             raise ConfigError(f"rank {fault.rank} of {n}", source="--fail-rank", field="rank")
-    check_world(cfg.model_config().num_experts, n)
+    resolve_layout(cfg, n, source=f"--nproc {n}")  # the world fits the experts / the layout
     shard_rows(cfg.batch, 0, n)
     if args.resume:
         from poise.train.checkpoint import resolve

@@ -6,7 +6,8 @@
 
 `poise train CONFIG --nproc N` starts N local ranks running this same module. CONFIG is a YAML
 file (see `poise.train.config`) or the name of a model preset (`tiny`, `small`, `medium`) with
-default settings. Bad input is one line on stderr and exit status 2.
+default settings. `--layout ep=2` trains in a SmartMoE layout (`poise.train.layout`). Bad input
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ OVERRIDES = {
     "out": "out",
     "data": "data",
     "seed": "seed",
+    "layout": "layout",
 }
 
 
@@ -45,6 +47,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python stdlib)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--layout",
+        default=None,
+        metavar="LAYOUT",
+        help="SmartMoE layout, e.g. ep=2 or pp1-ep2-edp2: EP groups of ep ranks, each holding "
+        "every expert, expert gradients summed over the W / ep replicas (`poise layouts` ranks "
+        "them; default: expert parallelism over all ranks)",
+    )
     p.add_argument(
         "--resume",
         default=None,

@@ -18,12 +18,19 @@ What a checkpoint holds (`torch.save` of plain tensors, lists and numbers; read 
   `balancer`: its step counter and load window `[T, L, W, E]`, so a resumed run re-plans exactly
   as an uninterrupted one would;
 - `rng`: every rank's torch, CUDA, NumPy and Python random states;
-- `world_size`, `config`, `format`, `version`.
+- `world_size`, `ep_size` (ranks of an expert-parallel group: the world, or a layout's ep),
+  `config`, `format`, `version`.
 
 Because experts are stored by id, a checkpoint loads on any number of ranks that fits the
 experts: each rank copies the rows of the experts its slots hold. With the same number of ranks
 `restore_plan` re-applies the saved placement (a migration from the static layout); with another
 number the run restarts from the static layout (the mathematics does not depend on placement).
+
+In a SmartMoE layout (`poise.train.layout`: EP groups of ep ranks, each holding every expert)
+the experts are gathered over one EP group, the one holding global rank 0 (`expert_group`; the
+other groups hold the same experts), the random states of all W ranks over the world, and rank 0
+writes. Such a checkpoint resumes in the same layout (with its placement) and, experts being
+stored by id, on plain expert parallelism at any world size that fits (static placement).
 
 Writes are atomic: rank 0 serialises into a temporary file in the same folder, flushes, fsyncs,
 renames it over the target and fsyncs the folder; a crash at any point leaves the previous
@@ -157,8 +164,18 @@ def _expert_param_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _holds_rank0(group: Any) -> bool:
+    """Whether global rank 0 belongs to `group` (None or the world: yes)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return True
+    if group is dist.group.WORLD:
+        return True
+    return 0 in dist.get_process_group_ranks(group)
+
+
 def _gather_rows(t: torch.Tensor, moe: MoE, group: Any, world: int) -> torch.Tensor:
-    """`[E, ...]` from `t [S, ...]`: each expert's row from its home slot, summed to rank 0."""
+    """`[E, ...]` from `t [S, ...]`: each expert's row from its home slot, summed to global
+    rank 0 over `group` (which must hold it)."""
     full = torch.zeros((moe.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
     slots = moe.layout.slots
     for slot, e in enumerate(slots.expert.tolist()):
@@ -260,9 +277,15 @@ def snapshot(
     config: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     group: Any = None,
+    expert_group: Any = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint payload (collective: call on every rank); rank 0 gets it, others None."""
+    """The checkpoint payload (collective: call on every rank of `group`, the world by default);
+    global rank 0 gets it, others None. `expert_group`: this rank's expert-parallel group
+    (default `group`); experts are gathered only over the one that holds rank 0."""
     world, rank = _world(group)
+    ep_group = group if expert_group is None else expert_group
+    ep_world = _world(ep_group)[0]
+    gather = _holds_rank0(ep_group)
     layers = expert_layer_names(model)
     expert_names = _expert_param_names(model)
     dense = {
@@ -281,19 +304,19 @@ def snapshot(
             }
     experts: dict[str, dict[str, torch.Tensor]] = {}
     experts_opt: dict[str, dict[str, Any]] = {}
-    for moe in moe_layers(model):
+    for moe in moe_layers(model) if gather else []:
         lname = layers[id(moe)]
         experts[lname] = {}
         for w_name in ("w_in", "w_gate", "w_out"):
             w = getattr(moe.experts, w_name)
             if w is None:
                 continue
-            experts[lname][w_name] = _gather_rows(w, moe, group, world)
+            experts[lname][w_name] = _gather_rows(w, moe, ep_group, ep_world)
             st = optimizer.state.get(w, {})
             entry: dict[str, Any] = {}
             for k, v in st.items():
                 if k in MOMENTS:
-                    entry[k] = _gather_rows(v, moe, group, world)
+                    entry[k] = _gather_rows(v, moe, ep_group, ep_world)
                 else:
                     entry[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
             experts_opt[f"{lname}.{w_name}"] = entry
@@ -311,6 +334,7 @@ def snapshot(
         "step": int(step),
         "data_position": int(data_position),
         "world_size": world,
+        "ep_size": ep_world,
         "config": dict(config or {}),
         "model": {"dense": dense, "experts": experts},
         "optimizer": {"dense": dense_opt, "experts": experts_opt},
@@ -341,10 +365,11 @@ def save(
     extra: dict[str, Any] | None = None,
     keep: int = 2,
     group: Any = None,
+    expert_group: Any = None,
 ) -> Path:
     """Gather, write `<out>/checkpoints/step-NNNNNNNN.pt` (the step, 8 digits) atomically on
-    rank 0, point `latest` at it, prune old ones, and wait for rank 0 (collective). Returns the
-    path."""
+    rank 0, point `latest` at it, prune old ones, and wait for rank 0 (collective over `group`;
+    `expert_group` as in `snapshot`). Returns the path."""
     payload = snapshot(
         model,
         optimizer,
@@ -354,6 +379,7 @@ def save(
         config=config,
         extra=extra,
         group=group,
+        expert_group=expert_group,
     )
     path = checkpoint_dir(out) / f"step-{step:08d}.pt"
     error = None
@@ -463,17 +489,21 @@ def _restore_optimizer(
         ) from None
 
 
-def restore_plan(balancer: Any, ckpt: dict[str, Any]) -> bool:
-    """Re-apply the saved placement and load window when the world size and slots match
-    (collective); returns whether it did. Always restores the balancer's step counter."""
+def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) -> bool:
+    """Re-apply the saved placement and load window when the world size (`world`, default the
+    balancer's), the expert-parallel group size and the slots match (collective over the
+    balancer's group); returns whether it did. Always restores the balancer's step counter."""
     saved = ckpt.get("balancer")
     if saved is not None:
         balancer.step = int(saved["step"])
     plan = ckpt.get("plan")
     if plan is None or saved is None:
         return False
+    world = balancer.world_size if world is None else int(world)
+    ep_size = int(ckpt.get("ep_size", ckpt["world_size"]))  # older checkpoints: plain EP
     if (
-        int(ckpt["world_size"]) != balancer.world_size
+        int(ckpt["world_size"]) != world
+        or ep_size != balancer.world_size
         or int(plan["slots_per_device"]) != balancer.slots
     ):
         return False

@@ -7,7 +7,9 @@
 A YAML file holds any subset of the fields below (the rest keep their defaults); `model` is a
 preset of `poise.train.model.MODEL_PRESETS` and `model_args` overrides its shapes
 (`{d_model: 256, num_experts: 16}`). `batch` is the global batch in sequences (split evenly over
-the ranks), `context` the sequence length (default: the preset's).
+the ranks), `context` the sequence length (default: the preset's). `layout` (None: expert
+parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
+`poise layouts` and `poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class TrainConfig:
     spare_slots: int = 1
     predictor: str = "ema"
     cluster: str | None = None
+    # parallelism
+    layout: str | None = None
     # run
     seed: int = 0
     out: str = "poise-out/train"
@@ -160,6 +164,7 @@ def _rules() -> dict[str, _Rule]:
         "spare_slots": _Rule(_INT, low=0),
         "predictor": _Rule(_STR),
         "cluster": _Rule(_STR, nullable=True),
+        "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),
         "checkpoint_every": _Rule(_INT, low=0),
@@ -237,15 +242,19 @@ def config_from_mapping(m: Mapping[str, Any], source: str = "config") -> TrainCo
 
 
 def _check_combined(cfg: TrainConfig, source: str) -> None:
-    """What single fields cannot say: the model shapes (preset, `model_args`, `context`) and
-    the predictor."""
+    """What single fields cannot say: the model shapes (preset, `model_args`, `context`), the
+    predictor, and the parts of `layout` that do not depend on the world size (syntax, pp = 1,
+    ep dividing the experts; `poise.train.layout.resolve_layout` checks the rest)."""
     from poise.predict import parse_predictor
+    from poise.train.layout import check_layout_text
     from poise.train.model import model_config
 
     overrides = dict(cfg.model_args)
     if cfg.context is not None:
         overrides["context"] = cfg.context
-    model_config(cfg.model, overrides, source=source)
+    mcfg = model_config(cfg.model, overrides, source=source)
+    if cfg.layout is not None:
+        check_layout_text(cfg.layout, mcfg.num_experts, mcfg.moe_layers, source)
     try:
         parse_predictor(cfg.predictor)
     except ConfigError as exc:

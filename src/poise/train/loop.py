@@ -18,8 +18,17 @@ global mean loss whatever the number of ranks. Expert gradients need no all-redu
 dispatcher's backward brings every rank's contribution to the slot that computed it, and the
 `poise.runtime.Balancer` sums replica gradients into their homes (Agg).
 
+In a SmartMoE layout (`layout: "ep=2"`; `poise.train.layout`) the MoE layers are expert
+parallel over EP groups of ep ranks (E / ep experts each, plus `spare_slots` when balancing),
+each group has its own Balancer over its ep ranks (a cluster of ep devices, planning on the
+counts summed over the expert-data-parallel group, so all groups plan alike), the expert
+gradients are summed over the EDP group after Agg, and the clipping norm sums the experts'
+squares over one EP group (each expert once). Data, loss scaling and dense gradients are as
+above, so the losses are those of plain expert parallelism.
+
 One step: data -> forward -> backward -> dense all-reduce -> `balancer.before_step()` (Agg,
-gather the routing counts) -> global gradient norm and clipping -> AdamW step (the balancer's
+gather the routing counts) -> [layout: EDP sum of expert gradients, EDP gather of the counts]
+-> global gradient norm and clipping -> AdamW step (the balancer's
 hook then re-plans every `replan_every` steps, or launches Trans) -> log. The learning rate
 warms up linearly for `warmup` steps, then follows a cosine down to `lr * min_lr_ratio` at
 `steps`.
@@ -52,12 +61,13 @@ import torch.nn.functional as F  # noqa: N812
 
 from poise.atomic import atomic_write_text
 from poise.errors import ConfigError
-from poise.nn.moe import check_world, default_slots, install_bias_update, moe_layers
+from poise.nn.moe import default_slots, install_bias_update, moe_layers
 from poise.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, save_config
 from poise.train.data import Corpus, Sampler, build_corpus, shard_rows
 from poise.train.faults import Fault, FaultInjector
+from poise.train.layout import edp_counts, install_edp_bias_sum, resolve_layout
 from poise.train.model import GPTMoE
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
@@ -68,7 +78,9 @@ class TrainResult:
     """What one `train` call did (identical on every rank). `steps[i]` is the 1-based step of
     `losses[i]` (global mean cross-entropy, nats per byte); `val` holds `(step, loss)`;
     `tokens_per_s` the median over the measured steps (the first `min(3, n // 4)` excluded as
-    warm-up); `phase_s` total seconds by phase on rank 0."""
+    warm-up); `phase_s` total seconds by phase on rank 0. In a layout: `layout` its name and
+    `replicas_agree` whether the expert-data-parallel replicas held identical expert weights at
+    the end (checked exactly; None without replicas)."""
 
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -85,6 +97,8 @@ class TrainResult:
     trace_path: str | None = None
     checkpoint: str | None = None
     resumed_plan: bool = False
+    layout: str | None = None
+    replicas_agree: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,16 +205,33 @@ def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def make_cluster(cfg: TrainConfig, world: int):
+def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
+    """The modelled cluster a Balancer plans on: `ep` devices (default `world`), the EP group.
+    `cfg.cluster` may name a cluster of `ep` devices, or of `world` devices, of which an EP group
+    (contiguous ranks) is a part (`poise.layouts.sub_cluster`)."""
+    from poise.layouts import sub_cluster
     from poise.runtime.balancer import default_cluster
     from poise.topology import get_cluster
 
+    ep = world if ep is None else ep
     if cfg.cluster is None:
-        return default_cluster(world)
+        return default_cluster(ep)
     cluster = get_cluster(cfg.cluster)
+    if ep != world and cluster.num_devices == world:
+        part = sub_cluster(cluster, ep)
+        if part is None:
+            raise ConfigError(
+                f"an EP group of {ep} ranks does not nest in its nodes and domains",
+                source=cfg.cluster,
+                field="cluster",
+            )
+        return part
+    if cluster.num_devices == ep != world:
+        return cluster
     if cluster.num_devices != world:
+        groups = f" (EP groups of {ep})" if ep != world else ""
         raise ConfigError(
-            f"has {cluster.num_devices} devices but {world} ranks run",
+            f"has {cluster.num_devices} devices but {world} ranks run{groups}",
             source=cfg.cluster,
             field="cluster",
         )
@@ -319,7 +350,14 @@ class _Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = pick_device(cfg)
         self.mcfg = cfg.model_config()
-        check_world(self.mcfg.num_experts, self.world)
+        self.layout = resolve_layout(cfg, self.world)  # None: plain EP over the world
+        self.groups = None
+        if self.layout is not None and self.world > 1:
+            from poise.runtime.layouts import create_groups
+
+            self.groups = create_groups(self.layout)  # collective, once
+        self.ep = self.layout.ep if self.layout is not None else self.world
+        self.edp_group = self.groups.edp if self.groups is not None else None
         self.rows = shard_rows(cfg.batch, self.rank, self.world)
         self.out = Path(cfg.out)
         if cfg.threads:
@@ -331,10 +369,13 @@ class _Trainer:
         self.sampler = Sampler(corpus.train, self.mcfg.context, seed=cfg.seed)
         self.val_sampler = Sampler(corpus.val, self.mcfg.context, shuffle=False)
 
-        self.slots = default_slots(self.mcfg.num_experts, self.world)
-        if cfg.balancing and self.world > 1:
+        self.slots = default_slots(self.mcfg.num_experts, self.ep)
+        if cfg.balancing and self.ep > 1:
             self.slots += cfg.spare_slots
         group = dist.group.WORLD if self.world > 1 else None
+        if self.groups is not None:
+            group = self.groups.ep  # the EP group (the world when ep = W)
+        self.ep_group = group
         self.model = GPTMoE(
             self.mcfg,
             group=group,
@@ -369,15 +410,16 @@ class _Trainer:
             self.optimizer,
             policy=cfg.policy,
             every=cfg.replan_every,
-            cluster=make_cluster(cfg, self.world),
+            cluster=make_cluster(cfg, self.world, self.ep),
             predictor=cfg.predictor,
             group=group,
         )
         self.resumed_plan = False
         if self.ckpt is not None:
-            self.resumed_plan = ckpt_io.restore_plan(self.balancer, self.ckpt)
+            self.resumed_plan = ckpt_io.restore_plan(self.balancer, self.ckpt, self.world)
             ckpt_io.restore_rng(self.ckpt, self.rank)
         if cfg.bias_rate > 0:
+            install_edp_bias_sum(self.optimizer, self.model, self.edp_group)  # runs first
             install_bias_update(self.optimizer, self.model, cfg.bias_rate)
         self.log = RunLog(cfg, self.out, self.rank == 0, self.start, quiet)
         self.trace_counts, self.trace_steps = self._previous_trace()
@@ -420,9 +462,30 @@ class _Trainer:
             offset += n
         return flat[offset:]
 
+    def _sync_experts(self, step: int) -> np.ndarray | None:
+        """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
+        group, and gather the step's counts over it; the Balancer's newest window row becomes
+        the counts summed over the EDP group (its planning input, alike in every EP group).
+        Returns the world's counts `[L, W, E]` for the trace (None without replicas)."""
+        if self.edp_group is None or self.groups is None:
+            return None
+        from poise.runtime.layouts import all_reduce_expert_grads
+
+        # slot maps only change when a balancing policy re-plans: check them then (and once)
+        all_reduce_expert_grads(
+            self.model, self.edp_group, check=self.cfg.balancing or step == self.start
+        )
+        if not (self.cfg.record_trace or self.cfg.balancing) or not self.balancer.window:
+            return None
+        summed, counts = edp_counts(self.balancer.window[-1], self.groups)
+        if self.cfg.balancing:
+            self.balancer.window[-1] = summed
+        return counts
+
     def _grad_norm_and_clip(self) -> float:
-        """Global gradient norm (dense gradients once, expert home slots summed over the ranks:
-        replica and empty slots hold no gradient of their own); clip in place."""
+        """Global gradient norm (dense gradients once, expert home slots summed over the ranks
+        of the EP group: replica and empty slots hold no gradient of their own, and with a
+        layout every EP group holds every expert); clip in place."""
         dev = self.device
         dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
         for p in self.dense:
@@ -435,9 +498,9 @@ class _Trainer:
             for w in moe.experts.weights():
                 if w.grad is not None:
                     expert_sq += w.grad.double().square().flatten(1).sum(1)[home].sum()
-        if self.world > 1:
+        if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
             t = expert_sq.to(_comm_device(dev))
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.ep_group)
             expert_sq = t.to(dev)
         norm = float((dense_sq + expert_sq).sqrt())
         if self.cfg.clip > 0 and norm > self.cfg.clip:
@@ -481,6 +544,7 @@ class _Trainer:
                 "batch": self.cfg.batch,
                 "context": self.mcfg.context,
                 "seed": self.cfg.seed,
+                "layout": self.layout.name if self.layout is not None else None,
             },
         )
         path = self.out / "trace.npz"
@@ -498,6 +562,7 @@ class _Trainer:
             config=self.cfg.to_dict(),
             extra={"plan_changes": self.plan_changes},
             keep=self.cfg.keep_checkpoints,
+            expert_group=self.ep_group if self.groups is not None else None,
         )
         self.save_trace()
         return str(path)
@@ -514,6 +579,8 @@ class _Trainer:
             f"{self.cfg.replan_every}, {self.slots} slots/rank; corpus {self.corpus.source}: "
             f"{len(self.corpus.tokens):,} bytes in {self.corpus.files} files"
         )
+        if self.layout is not None:
+            self.log.print(f"layout {self.layout.describe()}")
         if self.cfg.precision == "bf16" and self.device.type == "cpu":
             self.log.print("note: bf16 autocast on the CPU is slow; it is meant for GPUs")
         if self.ckpt is not None:
@@ -530,6 +597,7 @@ class _Trainer:
             start_step=self.start,
             out=str(self.out),
             resumed_plan=self.resumed_plan,
+            layout=self.layout.name if self.layout is not None else None,
         )
         tokens = cfg.batch * self.mcfg.context
         res.tokens_per_step = tokens
@@ -565,6 +633,8 @@ class _Trainer:
                 t = _lap(ph, "grad_sync", t)
                 self.balancer.before_step()
                 t = _lap(ph, "balance", t)
+                world_counts = self._sync_experts(step)
+                t = _lap(ph, "grad_sync", t)
                 norm = self._grad_norm_and_clip()
                 t = _lap(ph, "clip", t)
                 self.optimizer.step()  # the balancer's hook re-plans or launches Trans
@@ -579,7 +649,10 @@ class _Trainer:
                 changed = key != prev_hash
                 prev_hash = key
                 self.plan_changes += int(changed)
-                if cfg.record_trace and self.balancer.window:
+                if cfg.record_trace and world_counts is not None:
+                    self.trace_counts.append(world_counts)
+                    self.trace_steps.append(step)
+                elif cfg.record_trace and self.balancer.window:
                     self.trace_counts.append(self.balancer.window[-1].copy())
                     self.trace_steps.append(step)
                 loss_value = float(summed[0]) * inv_tokens
@@ -621,6 +694,10 @@ class _Trainer:
                 self.log.step(record)
                 if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                     res.checkpoint = self.checkpoint(done)
+            if self.edp_group is not None:
+                from poise.runtime.layouts import replicas_agree
+
+                res.replicas_agree = replicas_agree(self.model, self.edp_group)
         finally:
             self.faults.uninstall()
             self.log.close()
@@ -641,7 +718,12 @@ class _Trainer:
                 f"done: {len(res.losses)} steps, final loss {res.losses[-1]:.4f}"
                 + (f", val {res.val[-1][1]:.4f}" if res.val else "")
                 + f", {res.tokens_per_s:,.0f} tok/s (median), {res.plan_changes} plan changes;"
-                f" outputs in {self.out}"
+                + (
+                    f" EDP replicas {'identical' if res.replicas_agree else 'DIFFER'};"
+                    if res.replicas_agree is not None
+                    else ""
+                )
+                + f" outputs in {self.out}"
             )
             spent = sum(totals.values()) or 1.0
             self.log.print(

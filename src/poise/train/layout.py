@@ -1,0 +1,166 @@
+"""A training run in a SmartMoE layout: which layout, and the per-step pieces the loop adds.
+
+    layout = resolve_layout(cfg, world)           # None without `cfg.layout`; else checked
+    groups = create_groups(layout)                # poise.runtime.layouts: once, on every rank
+    model = GPTMoE(..., group=groups.ep, num_slots=E / ep [+ spare_slots when balancing])
+    ...
+    loss.backward(); dense all-reduce over the world; balancer.before_step()   # Agg done
+    all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
+    summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, W, E]
+
+`cfg.layout` is any text `poise.layouts.Layout.parse` reads (`"ep=2"`, `"pp1-ep2-edp2"`; the
+`poise layouts` command ranks them). On W ranks a layout of expert-parallel degree ep splits the
+ranks into edp = W / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
+rank) and routing only its own tokens; the ranks at one position of every group form an EDP group
+and sum their expert gradients each step (`poise.runtime.layouts`, which says why a SUM gives
+the gradient of the global batch). The dense part stays data parallel over all W ranks and each
+rank still reads its own share of the global batch, so the losses do not depend on the layout.
+
+Balancing inside a layout. Each EP group runs its own `poise.runtime.Balancer` over its ep
+ranks. If each planned on its own group's loads `[L, ep, E]`, the groups would choose different
+placements, the slot-by-slot EDP sum would add different experts' gradients and the replicas
+would diverge. So every step the loop all-gathers the groups' counts over the EDP group and
+gives every Balancer the same input, the counts summed over the EDP group,
+
+    summed[l, i, e] = sum_g counts[l, g ep + i, e]                               [L, ep, E]
+
+(position i of every group together: the tokens an EP group of ep ranks would route if it
+processed the whole global batch). The planners are deterministic, so every group plans alike,
+and `all_reduce_expert_grads` checks that the slot maps still agree before summing. The same
+gather gives the world's counts `[L, W, E]` for the routing trace. Absolute token counts seen by
+the planner are edp times a rank's own (the whole global batch on ep ranks); compute and
+all-to-all are priced for that load, parameter transfers (Trans, Agg, migration) at their true
+size, so with edp > 1 the cost model leans towards replication by at most that factor.
+
+The EDP gradient sum runs after `balancer.before_step()`: Agg, launched asynchronously from the
+gradient hooks, zeroes replica rows at launch and adds them into their homes at completion; a sum
+between the two would add homes without their replicas' share. Once Agg is done, replica rows
+are zero and homes hold their EP group's sums, and the slot-by-slot SUM over EDP completes them.
+
+The routers' aux-loss-free bias (`bias_rate > 0`) is updated from the counts summed over the EP
+group (`MoE.update_bias`); `install_edp_bias_sum` first sums them over the EDP group, so the
+bias sees the whole world's counts and stays identical on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from poise.errors import ConfigError, PoiseError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from poise.layouts import Layout
+    from poise.runtime.layouts import LayoutGroups
+    from poise.train.config import TrainConfig
+
+# Layout.parse's grammar: "ep=4", "pp=2,ep=4", "pp1-ep4-edp2"; read here only to check the
+# pipeline degree and to size the world-independent check (Layout.parse does the rest).
+_DEGREE = re.compile(r"(pp|ep|edp)\s*[=:]?\s*(\d+)")
+
+
+def check_layout_text(text: str, experts: int, moe_layers: int, source: str) -> None:
+    """What can be checked without the world size: the syntax, pp = 1 (Poise has no pipeline
+    executor) and ep dividing the `experts`. Raises one `ConfigError(source, field="layout")`."""
+    degrees = {k: int(v) for k, v in _DEGREE.findall(text)}
+    if degrees.get("pp", 1) != 1:
+        raise ConfigError(
+            f"{text!r}: pipeline degree {degrees['pp']}: Poise has no pipeline executor; use a "
+            "pp=1 layout (e.g. 'ep=2')",
+            source=source,
+            field="layout",
+        )
+    devices = max(1, degrees.get("ep", 1)) * max(1, degrees.get("edp", 1))
+    _parse(text, devices, experts, moe_layers, source, world=None)
+
+
+def resolve_layout(cfg: TrainConfig, world: int, source: str | None = None) -> Layout | None:
+    """The `Layout` of `cfg.layout` on `world` ranks (None without one, after checking that the
+    world fits the experts as plain expert parallelism needs). Raises one `ConfigError` naming
+    `source` (default "config") and the field `layout` when the layout does not fit: ep must
+    divide both the world and the number of experts, pp must be 1."""
+    from poise.nn.moe import check_world
+
+    mcfg = cfg.model_config()
+    if cfg.layout is None:
+        check_world(mcfg.num_experts, world)
+        return None
+    where = source or "config"
+    check_layout_text(cfg.layout, mcfg.num_experts, mcfg.moe_layers, where)
+    return _parse(cfg.layout, world, mcfg.num_experts, mcfg.moe_layers, where, world=world)
+
+
+def _parse(
+    text: str, devices: int, experts: int, layers: int, source: str, world: int | None
+) -> Layout:
+    from poise.layouts import Layout
+
+    try:
+        return Layout.parse(text, devices, experts, layers)
+    except PoiseError as exc:
+        on = f" on {world} ranks" if world is not None else ""
+        raise ConfigError(f"{text!r}{on}: {exc.message}", source=source, field="layout") from None
+
+
+def edp_counts(row: np.ndarray, groups: LayoutGroups) -> tuple[np.ndarray, np.ndarray]:
+    """This step's routing counts of every rank from this EP group's `row [L, ep, E]` (what its
+    Balancer gathered): one all-gather over the EDP group. Returns `summed [L, ep, E]` (summed
+    over the EDP group: the same on every rank, the Balancer's planning input) and `counts [L,
+    W, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
+    the EDP group; with edp = 1 both are `row`."""
+    import torch
+    import torch.distributed as dist
+
+    row = np.asarray(row, dtype=np.int64)
+    if groups.edp is None:
+        return row, row
+    local = torch.from_numpy(np.ascontiguousarray(row)).to(_comm_device(groups.edp))
+    parts = [torch.empty_like(local) for _ in groups.edp_ranks]
+    dist.all_gather(parts, local, group=groups.edp)
+    stacked = torch.stack(parts).cpu().numpy()  # [edp, L, ep, E], EDP rank g = EP group g
+    L, E = row.shape[0], row.shape[2]
+    counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, W, E]
+    return stacked.sum(axis=0), counts
+
+
+def install_edp_bias_sum(
+    optimizer: torch.optim.Optimizer, model: nn.Module, edp_group: Any
+) -> torch.utils.hooks.RemovableHandle | None:
+    """A step pre-hook that sums every MoE router's `bias_counts` over `edp_group` (one
+    all-reduce), so that `MoE.update_bias`, which sums them over the EP group, sees the world's
+    counts. Register it before `poise.nn.moe.install_bias_update`'s hook (pre-hooks run in
+    registration order). None when there is nothing to sum."""
+    import torch
+    import torch.distributed as dist
+
+    from poise.nn.moe import moe_layers
+
+    layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+    if edp_group is None or not layers:
+        return None
+
+    def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        local = torch.stack([m.bias_counts.to("cpu", torch.long) for m in layers])  # [L, E]
+        buf = local.to(_comm_device(edp_group))
+        dist.all_reduce(buf, group=edp_group)
+        for m, counts in zip(layers, buf.cpu(), strict=True):
+            m.bias_counts = counts.to(m.bias_counts.device)
+
+    return optimizer.register_step_pre_hook(hook)
+
+
+def _comm_device(group: Any) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = ["check_layout_text", "edp_counts", "install_edp_bias_sum", "resolve_layout"]
