@@ -37,6 +37,8 @@ def test_yaml_round_trip(tmp_path):
         ("model_args: {d_modle: 64}\n", "model_args.d_modle", "unknown model setting"),
         ("model_args: {heads: 3}\n", "model.heads", "must divide"),
         ("predictor: magic\n", "predictor", "last, window or ema"),
+        ("compression: 0\n", "compression", "> 0"),
+        ("compression: 1.5\n", "compression", "<= 1"),
         ("- a list\n", None, "top level must be a mapping"),
     ],
 )

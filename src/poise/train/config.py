@@ -10,6 +10,9 @@ preset of `poise.train.model.MODEL_PRESETS` and `model_args` overrides its shape
 the ranks), `context` the sequence length (default: the preset's). `layout` (None: expert
 parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
 `poise layouts` and `poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
+`compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
+expert plus this share (0, 1] of their residual's entries (`poise.runtime.compress`). It changes
+the mathematics (replicas compute with approximate weights), hence off by default.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class TrainConfig:
     spare_slots: int = 1
     predictor: str = "ema"
     cluster: str | None = None
+    compression: float | None = None
     # parallelism
     layout: str | None = None
     # run
@@ -164,6 +168,7 @@ def _rules() -> dict[str, _Rule]:
         "spare_slots": _Rule(_INT, low=0),
         "predictor": _Rule(_STR),
         "cluster": _Rule(_STR, nullable=True),
+        "compression": _Rule(_NUM, nullable=True, low=0, high=1, low_open=True),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),

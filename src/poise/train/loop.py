@@ -413,6 +413,7 @@ class _Trainer:
             cluster=make_cluster(cfg, self.world, self.ep),
             predictor=cfg.predictor,
             group=group,
+            compression=cfg.compression,
         )
         self.resumed_plan = False
         if self.ckpt is not None:
