@@ -19,7 +19,7 @@ from poise.parm import SCHEDULES
 from poise.sim.parm_grid import PARM_CLUSTERS, PUBLISHED_SPEEDUP, grid_size, run_grid
 from poise.sim.scenarios.core import Figure, Row, Scenario, ScenarioResult
 
-SOURCE = "Parm (arXiv 2407.00599) abstract: 1.13-5.77× over DeepSpeed-MoE on 1,296 layers"
+SOURCE = "paper-figures.md §7: Parm (arXiv 2407.00599) abstract, 1.13-5.77× on 1,296 layers"
 SYSTEM = ("parm", "choice")
 BASELINE = (("parm", "baseline"),)
 
