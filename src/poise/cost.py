@@ -145,8 +145,19 @@ class Routing:
         self.w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
         self.groups = (cluster.num_nodes, cluster.domains, 1)
         L, D, E = self.w.shape
-        self.w_group = [self.w.reshape(L, g, D // g, E).sum(axis=2) for g in self.groups]
-        self.local = assignment.local_mask().transpose(0, 2, 1) if assignment.grouped else None
+        sums: dict[int, np.ndarray] = {}  # a level with as many groups as another shares its sums
+        for g in self.groups:
+            if g not in sums:
+                sums[g] = self.w.reshape(L, g, D // g, E).sum(axis=2)
+        self.w_group = [sums[g] for g in self.groups]
+        # Group-local routing only: `local[L, D, E]` per source, routes e inside its group;
+        # `gw[L, D, E]` the group weights per device, contiguous like `w`.
+        self.local = self.gw = None
+        self._cells: np.ndarray | None = None  # flat indices of the holder cells, when needed
+        if assignment.grouped:
+            assert assignment.group_weights is not None
+            self.local = assignment.source_local()
+            self.gw = np.ascontiguousarray(assignment.group_weights.transpose(0, 2, 1))
 
     def take_layers(self, start: int, stop: int) -> Routing:
         """The routing of layers `start:stop` (views of this one's arrays)."""
@@ -158,49 +169,128 @@ class Routing:
         part.held, part.w = self.held[start:stop], self.w[start:stop]
         part.w_group = [wg[start:stop] for wg in self.w_group]
         part.local = None if self.local is None else self.local[start:stop]
+        part.gw = None if self.gw is None else self.gw[start:stop]
+        part._cells = None
         return part
 
     def remote(self, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` tokens that must leave their source (it holds no copy)."""
         return np.where(self.held, 0.0, counts)
 
-    def received(self, counts: np.ndarray, remote: np.ndarray | None = None) -> np.ndarray:
+    def split(self, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """`(global, local)` parts of `remote[L, D, E]` under group-local routing: the tokens
+        of sources that route by the global weights and of those that route inside their
+        group (None without groups). `received` and `traffic` take it to share the work."""
+        if self.local is None:
+            return None
+        remote_loc = np.where(self.local, remote, 0.0)
+        return remote - remote_loc, remote_loc  # = np.where(local, 0.0, remote), bit for bit
+
+    def received(
+        self,
+        counts: np.ndarray,
+        remote: np.ndarray | None = None,
+        split: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
         """`[L, D, E]` tokens each device computes (`Assignment.received`)."""
-        if self.local is not None:
-            return self.assignment.received(self.placement, counts)
         remote = self.remote(counts) if remote is None else remote
-        return np.where(self.held, counts, 0.0) + self.w * remote.sum(axis=1)[:, None, :]
+        if self.local is None:
+            return self._local_plus(counts, remote.sum(axis=1))
+        assert self.gw is not None
+        remote_glob, _ = self.split(remote) if split is None else split
+        L, D, E = remote.shape
+        size = self.assignment.group_size
+        out = self._local_plus(counts, remote_glob.sum(axis=1))
+        group_remote = remote.reshape(L, D // size, size, E).sum(axis=2)  # [L, D / size, E]
+        out += (self.gw.reshape(L, D // size, size, E) * group_remote[:, :, None, :]).reshape(
+            L, D, E
+        )
+        return out
+
+    def _local_plus(self, counts: np.ndarray, total: np.ndarray) -> np.ndarray:
+        """`np.where(held, counts, 0.0) + w * total[:, None, :]` (`total[L, E]`), bit for bit,
+        with one `[L, D, E]` array instead of three: `0.0 + x` is `x + 0.0` (which also turns
+        -0.0 into 0.0), and only the few holder cells add their own tokens."""
+        out = self.w * total[:, None, :]
+        out += 0.0
+        cells = self._held_cells()
+        flat = out.reshape(-1)
+        flat[cells] = np.asarray(counts, dtype=np.float64).reshape(-1)[cells] + flat[cells]
+        return out
+
+    def _held_cells(self) -> np.ndarray:
+        """Flat indices of the holder cells of `held` (computed once)."""
+        if self._cells is None:
+            self._cells = np.flatnonzero(self.held)
+        return self._cells
 
     def traffic(
-        self, counts: np.ndarray, remote: np.ndarray | None = None
+        self,
+        counts: np.ndarray,
+        remote: np.ndarray | None = None,
+        split: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`(send, recv)` tokens per device and link level, each `[3, L, D]` (`level_traffic`)."""
         remote = self.remote(counts) if remote is None else remote
-        local = self.local
-        remote_glob = remote if local is None else np.where(local, 0.0, remote)
-        # Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
-        # remote * the share of e's copies in that node / domain); per holder: its share of the
-        # remote tokens of its node's / domain's / all sources. Devices are numbered node-major,
-        # so a node or domain is a contiguous run and reshapes replace D x D matrices.
-        parts = [
-            _within_groups(remote_glob, self.w, wg, g)
-            for wg, g in zip(self.w_group, self.groups, strict=True)
-        ]
-        (send_node, recv_node), (send_dom, recv_dom), (send_all, recv_all) = parts
-        send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
-        recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
-        if local is not None:
-            assignment = self.assignment
-            assert assignment.group_weights is not None
-            send_l, recv_l = _group_local_traffic(
-                self.cluster,
-                assignment.group_size,
-                np.where(local, remote, 0.0),
-                assignment.group_weights.transpose(0, 2, 1),
-            )
-            send = send + send_l
-            recv = recv + recv_l
+        if self.local is None:
+            send, recv = _global_traffic(self.groups, remote, self.w, self.w_group)
+            return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+        remote_glob, remote_loc = self.split(remote) if split is None else split
+        send, recv = _global_traffic(self.groups, remote_glob, self.w, self.w_group)
+        assignment = self.assignment
+        assert assignment.group_weights is not None
+        send_l, recv_l = _group_local_traffic(
+            self.cluster,
+            assignment.group_size,
+            remote_loc,
+            assignment.group_weights.transpose(0, 2, 1),
+        )
+        send = send + send_l
+        recv = recv + recv_l
         return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def _global_traffic(
+    groups: tuple[int, int, int], remote: np.ndarray, w: np.ndarray, w_group: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` per link level (before clipping residues at 0) of `remote[L,
+    D, E]` tokens routed by the shares `w[L, D, E]`, with `w_group` their sums over the
+    `groups` (nodes, domains, 1) of contiguous devices.
+
+    Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
+    remote * the share of e's copies in that node / domain); per holder: its share of the
+    remote tokens of its node's / domain's / all sources. Devices are numbered node-major, so a
+    node or domain is a contiguous run and reshapes replace D x D matrices. Levels with as many
+    groups (one domain; one node) share one computation."""
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for wg, g in zip(w_group, groups, strict=True):
+        if g not in parts:
+            parts[g] = _within_groups(remote, w, wg, g)
+    (send_node, recv_node), (send_dom, recv_dom), (send_all, recv_all) = (parts[g] for g in groups)
+    send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
+    recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
+    return send, recv
+
+
+def homes_traffic(
+    cluster: Cluster, home: np.ndarray, remote: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`level_traffic` of `Placement.from_homes(home)` under `Assignment.to_home` (`home[L, E]`,
+    no replicas), given the tokens `remote[L, D, E]` that leave their source (all but the
+    home's own): the same arrays, bit for bit, with the shares built from the homes (one
+    holder per expert, share 1) instead of transposed and summed."""
+    L, D, E = remote.shape
+    layer, expert = np.arange(L)[:, None], np.arange(E)[None, :]
+    w = np.zeros((L, D, E))
+    w[layer, home, expert] = 1.0
+    groups = (cluster.num_nodes, cluster.domains, 1)
+    sums: dict[int, np.ndarray] = {}
+    for g in groups:
+        if g not in sums:
+            sums[g] = np.zeros((L, g, E))
+            sums[g][layer, home // (D // g), expert] = 1.0
+    send, recv = _global_traffic(groups, remote, w, [sums[g] for g in groups])
+    return np.maximum(send, 0.0), np.maximum(recv, 0.0)
 
 
 def level_traffic(
@@ -223,14 +313,21 @@ def _group_local_traffic(
     """`(send, recv)` `[3, L, D]` of the tokens routed inside their group: `remote_loc[L, D, E]`
     tokens of sources that route locally, `gw[L, D, E]` group weights (per group summing to one)."""
     dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
-    L, D, _ = remote_loc.shape
+    L, D, E = remote_loc.shape
     send = np.zeros((3, L, D))
     recv = np.zeros((3, L, D))
-    group_remote = np.repeat(_group_sum(remote_loc, D // group_size), group_size, axis=1)
+    n_groups = D // group_size
+    per_group = _group_sum(remote_loc, n_groups)  # [L, n_groups, E]
     if dpn % group_size == 0:  # the group lies inside one node: all its traffic is intra-node
         send[0] = remote_loc.sum(axis=2)
-        recv[0] = (gw * group_remote).sum(axis=2)
+        # gw * (the group's remote tokens, repeated over its devices), C order as the plain
+        # product of the two [L, D, E] arrays would be, summed over experts.
+        share = np.multiply(
+            gw.reshape(L, n_groups, group_size, E), per_group[:, :, None, :], order="C"
+        )
+        recv[0] = share.reshape(L, D, E).sum(axis=2)
     elif group_size % dpn == 0 and dpd % group_size == 0:  # whole nodes inside one domain
+        group_remote = np.repeat(per_group, group_size, axis=1)
         node_of = cluster.node_of()
         in_node = _group_sum(gw, cluster.num_nodes)[:, node_of, :]
         send[0] = (remote_loc * in_node).sum(axis=2)
@@ -293,7 +390,11 @@ def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.nd
     scale = spec.flops_per_token_fwd / cluster.gemm_flops
     if half == 0.0:
         return rows * scale
-    return (rows + half * np.minimum(rows, 1.0)) * scale
+    out = np.minimum(rows, 1.0)  # in place from here: one temporary instead of four
+    out *= half
+    out += rows
+    out *= scale
+    return out
 
 
 def replica_traffic(
@@ -302,29 +403,17 @@ def replica_traffic(
     """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
     replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
     L, D, _ = placement.copies.shape
-    rep = placement.replicas()  # [L, D, E]
-    node_of, domain_of = cluster.node_of(), cluster.domain_of()
-    same_node = node_of[None, :, None] == node_of[placement.home][:, None, :]  # [L, D, E]
-    same_dom = domain_of[None, :, None] == domain_of[placement.home][:, None, :]
-    in_node = rep & same_node
-    in_dom = rep & same_dom
-    # Replicas per expert at each level: [3, L, E]; per holder device: [3, L, D].
-    masks = [m.view(np.uint8) for m in (in_node, in_dom, rep)]  # bool sums are slow as bool
-    per_expert = np.stack([m.sum(axis=1, dtype=np.int64) for m in masks])
-    per_device = np.stack([m.sum(axis=2, dtype=np.int64) for m in masks])
-    per_expert[2] -= per_expert[1]
-    per_expert[1] -= per_expert[0]
-    per_device[2] -= per_device[1]
-    per_device[1] -= per_device[0]
-    recv = per_device * float(bytes_per_copy)
-    flat = (np.arange(L)[:, None] * D + placement.home).ravel()  # home of (l, e) in [L * D]
-    send = np.stack(
-        [
-            np.bincount(flat, weights=per_expert[v].ravel(), minlength=L * D).reshape(L, D)
-            for v in range(3)
-        ]
-    ) * float(bytes_per_copy)
-    return send, recv
+    # Replicas are few next to L * D * E cells: count them per (level, layer, device) from
+    # their coordinates, each at the level between its holder and its home.
+    E = placement.experts
+    flat = np.flatnonzero(placement.replicas())  # 1-D: much faster than a 3-D np.nonzero
+    layer, device, expert = flat // (D * E), flat // E % D, flat % E
+    home = placement.home[layer, expert]
+    level = cluster.level_between(device, home)  # 0, 1, 2 (a replica is not on its home)
+    cells = 3 * L * D
+    recv = np.bincount((level * L + layer) * D + device, minlength=cells).reshape(3, L, D)
+    send = np.bincount((level * L + layer) * D + home, minlength=cells).reshape(3, L, D)
+    return send * float(bytes_per_copy), recv * float(bytes_per_copy)
 
 
 def migration_traffic(
@@ -358,8 +447,12 @@ class CostModel:
                 source=source,
                 field="loads",
             )
-        if not np.all(np.isfinite(counts)) or (counts.size and counts.min() < 0):
-            raise PlanError("loads must be finite and non-negative", source=source, field="loads")
+        if counts.size:  # NaN and inf show in the minimum or the maximum
+            lo, hi = counts.min(), counts.max()
+            if not (np.isfinite(lo) and np.isfinite(hi) and lo >= 0):
+                raise PlanError(
+                    "loads must be finite and non-negative", source=source, field="loads"
+                )
         return counts
 
     def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
@@ -425,9 +518,10 @@ class PlanPricer:
             routing = self.routing if per_chunk >= L else self.routing.take_layers(start, stop)
             part = counts[start:stop]
             remote = routing.remote(part)
-            received = routing.received(part, remote)
+            split = routing.split(remote)
+            received = routing.received(part, remote, split)
             fec[start:stop] = cost.expert_compute_s(received).max(axis=1)
-            send, recv = routing.traffic(part, remote)
+            send, recv = routing.traffic(part, remote, split)
             a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
             device_load[start:stop] = received.sum(axis=2)
         if migrations is not None and len(migrations):

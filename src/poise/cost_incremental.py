@@ -29,6 +29,7 @@ from poise.cost import (
     CostModel,
     PhaseTimes,
     expert_seconds,
+    homes_traffic,
     level_links,
     level_seconds,
     level_traffic,
@@ -99,25 +100,66 @@ class LayerState:
     def for_layers(
         cls, cost: CostModel, placement: Placement, counts: np.ndarray
     ) -> list[LayerState]:
-        """One state per layer of `placement`, `counts[L, D, E]`, priced in one vectorised pass."""
+        """One state per layer of `placement`, `counts[L, D, E]`, priced in one vectorised pass
+        (each a view of `LayerState.stacked`)."""
+        stacked = cls.stacked(cost, placement, counts)
+        return [stacked.take(layer) for layer in range(counts.shape[0])]
+
+    @classmethod
+    def stacked(cls, cost: CostModel, placement: Placement, counts: np.ndarray) -> LayerState:
+        """All layers of `placement` (`counts[L, D, E]`) in one state whose arrays carry a
+        leading layer axis: `R[L, D, E]`, `comp[L, D]`, `tok_send/tok_recv/par_send/par_recv[L,
+        3, D]`. The batch methods (`device_terms`, `layer_s`, ...) take any leading axes, so
+        planners price candidates of every layer at once (`[L, M, 3, D]`); `take(l)` is layer
+        l's own state (views)."""
         cluster, spec = cost.cluster, cost.spec
         assignment = Assignment.to_home(placement)
         R = assignment.received(placement, counts)  # [L, D, E]
         send, recv = level_traffic(cluster, placement, assignment, counts)
         p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        bw, lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
-        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
-        states = []
-        for layer in range(counts.shape[0]):
-            state = cls.__new__(cls)
-            state.cost = cost
-            state.R = R[layer]
-            state.comp = state.comp_s(state.R).sum(axis=1)
-            state.tok_send, state.tok_recv = send[:, layer], recv[:, layer]
-            state.par_send, state.par_recv = p_send[:, layer], p_recv[:, layer]
-            state.fnec, state.bw, state.lat = fnec, bw, lat
-            states.append(state)
-        return states
+        state = cls.__new__(cls)
+        state.cost = cost
+        state.R = R
+        state.comp = state.comp_s(R).sum(axis=2)
+        state.tok_send, state.tok_recv = send.transpose(1, 0, 2), recv.transpose(1, 0, 2)
+        state.par_send, state.par_recv = p_send.transpose(1, 0, 2), p_recv.transpose(1, 0, 2)
+        state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
+        state.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        return state
+
+    @classmethod
+    def for_homes(cls, cost: CostModel, home: np.ndarray, counts: np.ndarray) -> LayerState:
+        """`stacked` for `Placement.from_homes(home)` (`home[L, E]`: no replicas, tokens to the
+        homes), from the homes directly: each expert's tokens land on its home only, so the
+        computed tokens, the traffic and the (zero) Trans come without the generic routing's
+        passes over `[L, D, E]`; the same numbers as `stacked`, bit for bit. `counts[L, D,
+        E]` float."""
+        cluster, spec = cost.cluster, cost.spec
+        home = np.asarray(home, dtype=np.int64)
+        L, D, E = counts.shape
+        layer, expert = np.arange(L)[:, None], np.arange(E)[None, :]
+        remote = np.array(counts, dtype=np.float64)  # tokens that leave their source
+        remote[layer, home, expert] = 0.0
+        R = np.zeros((L, D, E))  # the home computes its own tokens and all remote ones
+        R[layer, home, expert] = counts[layer, home, expert] + remote.sum(axis=1)
+        send, recv = homes_traffic(cluster, home, remote)
+        state = cls.__new__(cls)
+        state.cost = cost
+        state.R = R
+        state.comp = state.comp_s(R).sum(axis=2)
+        state.tok_send, state.tok_recv = send.transpose(1, 0, 2), recv.transpose(1, 0, 2)
+        state.par_send, state.par_recv = np.zeros((L, 3, D)), np.zeros((L, 3, D))
+        state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
+        state.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        return state
+
+    def take(self, layer: int | slice) -> LayerState:
+        """Layer `layer` (or a run of layers) of a `stacked` state; its arrays are views."""
+        state = LayerState.__new__(LayerState)
+        state.cost, state.fnec, state.bw, state.lat = self.cost, self.fnec, self.bw, self.lat
+        for name in ("R", "comp", "tok_send", "tok_recv", "par_send", "par_recv"):
+            setattr(state, name, getattr(self, name)[layer])
+        return state
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
         """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""

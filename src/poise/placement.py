@@ -54,8 +54,7 @@ class Placement:
         home = np.asarray(home, dtype=np.int64)
         L, E = home.shape
         copies = np.zeros((L, devices, E), dtype=np.int32)
-        layer_idx = np.repeat(np.arange(L), E)
-        np.add.at(copies, (layer_idx, home.ravel(), np.tile(np.arange(E), L)), 1)
+        copies[np.arange(L)[:, None], home, np.arange(E)[None, :]] = 1  # one home per (l, e)
         return cls(home=home, copies=copies, slots_per_device=slots_per_device)
 
     def holders(self) -> np.ndarray:
@@ -64,9 +63,10 @@ class Placement:
 
     def replicas(self) -> np.ndarray:
         """`[L, D, E]` bool: device d holds e and is not its home."""
-        held = self.copies > 0
-        is_home = np.arange(self.devices)[None, :, None] == self.home[:, None, :]
-        return held & ~is_home
+        rep = self.copies > 0
+        L, E = self.home.shape
+        rep[np.arange(L)[:, None], self.home, np.arange(E)[None, :]] = False
+        return rep
 
     def slots_used(self) -> np.ndarray:
         """`[L, D]` copies held per device."""
@@ -112,9 +112,9 @@ class Placement:
 
 def _check_only_holders(w: np.ndarray, placement: Placement, what: str, field: str) -> None:
     """Refuse shares `w[L, E, D]` that send tokens to a device holding no copy of the expert."""
-    off = np.where(placement.copies.transpose(0, 2, 1) > 0, 0.0, w)
-    if off.max(initial=0.0) > _TOL:
-        layer, expert, device = np.argwhere(off > _TOL)[0]
+    off = (w > _TOL) & (placement.copies.transpose(0, 2, 1) == 0)
+    if off.any():
+        layer, expert, device = np.argwhere(off)[0]
         raise PlanError(
             f"layer {layer} expert {expert}: {what} sent to device {device}, which holds no copy",
             field=field,
@@ -149,13 +149,21 @@ class Assignment:
         """`[L, E, n_groups]` sum of `group_weights` over each group's devices."""
         assert self.group_weights is not None
         L, E, D = self.group_weights.shape
-        return self.group_weights.reshape(L, E, D // self.group_size, self.group_size).sum(axis=3)
+        # einsum: several times faster than .sum over a short last axis.
+        by_group = self.group_weights.reshape(L, E, D // self.group_size, self.group_size)
+        return np.einsum("legi->leg", by_group)
 
     def local_mask(self) -> np.ndarray:
         """`[L, E, D]` bool: source d routes expert e inside its group (False without groups)."""
         if not self.grouped:
             return np.zeros(self.weights.shape, dtype=bool)
         return np.repeat(self._group_sums() > 0.5, self.group_size, axis=2)
+
+    def source_local(self) -> np.ndarray:
+        """`local_mask` as `[L, D, E]` (per source device), C-contiguous."""
+        if not self.grouped:
+            return np.zeros(self.weights.shape, dtype=bool).transpose(0, 2, 1)
+        return np.repeat((self._group_sums() > 0.5).transpose(0, 2, 1), self.group_size, axis=1)
 
     def source_weights(self) -> np.ndarray:
         """`[L, D_src, E, D_dst]` the share of each source's remote tokens sent to each device
@@ -184,10 +192,15 @@ class Assignment:
                 f"group size {group_size} does not divide {D} devices",
                 field="assignment.group_size",
             )
-        c = placement.copies.transpose(0, 2, 1).astype(np.float64)  # [L, E, D]
-        per_group = c.reshape(L, E, D // group_size, group_size).sum(axis=3)
-        denom = np.repeat(per_group, group_size, axis=2)
-        gw = np.where(denom > 0, c / np.where(denom > 0, denom, 1.0), 0.0)
+        copies = placement.copies
+        per_group = copies.reshape(L, D // group_size, group_size, E).sum(axis=2)  # [L, G, E]
+        # Holder d of e gets copies[d, e] / (copies of e in its group); zero elsewhere.
+        flat = np.flatnonzero(copies != 0)  # (a bool mask: np.flatnonzero of ints is slow)
+        layer, device, expert = flat // (D * E), flat // E % D, flat % E
+        gw = np.zeros((L, E, D))
+        gw[layer, expert, device] = copies.ravel()[flat].astype(np.float64) / per_group[
+            layer, device // group_size, expert
+        ].astype(np.float64)
         return cls(base.weights, gw, group_size)
 
     @classmethod
@@ -202,7 +215,7 @@ class Assignment:
         own device's tokens)."""
         L, E = placement.home.shape
         w = np.zeros((L, E, placement.devices))
-        np.put_along_axis(w, placement.home[:, :, None], 1.0, axis=2)
+        w[np.arange(L)[:, None], np.arange(E)[None, :], placement.home] = 1.0
         return cls(w)
 
     @classmethod
@@ -212,11 +225,29 @@ class Assignment:
         Holder d of expert e first keeps its own tokens `loads[l, d, e]`; the remote total is then
         water-filled onto the holders with the least tokens of e, so the most loaded copy of e
         carries as little as possible. `loads`: `[L, D, E]`."""
-        held = placement.holders()
-        local = np.where(held, loads, 0.0).transpose(0, 2, 1)  # [L, E, D]
-        remote = np.where(held, 0.0, loads).sum(axis=1)  # [L, E]
-        copies = placement.copies.transpose(0, 2, 1).astype(np.float64)
-        return cls(balanced_weights(local, remote, copies))
+        copies = placement.copies
+        L, D, E = copies.shape
+        held = copies > 0  # [L, D, E]
+        if L == 1 or D == 1:  # the memory layout `balanced_weights` gives these shapes
+            weights = np.zeros((L, D, E)).transpose(0, 2, 1).reshape(-1, D).reshape(L, E, D)
+        else:
+            weights = np.zeros((L, E, D))
+        flat = np.flatnonzero(held)
+        weights[flat // (D * E), flat % E, flat // E % D] = 1.0  # one holder: all to it
+        # Only experts with several holders are water-filled (`balanced_weights` on their rows
+        # alone gives the rows it gives them among all experts).
+        multi = np.flatnonzero((held.sum(axis=1) > 1).ravel())
+        if multi.size:
+            layer, expert = np.divmod(multi, E)
+            remote = np.where(held, 0.0, loads).sum(axis=1)[layer, expert]
+            by_device = np.asarray(loads).transpose(1, 0, 2)[:, layer, expert]  # [D, M]
+            held_m = copies.transpose(1, 0, 2)[:, layer, expert] > 0
+            local = np.ascontiguousarray(np.where(held_m, by_device, 0.0).T)  # [M, D]
+            copies_m = np.ascontiguousarray(
+                copies.transpose(1, 0, 2)[:, layer, expert].T.astype(np.float64)
+            )
+            weights[layer, expert] = balanced_weights(local, remote, copies_m)
+        return cls(weights)
 
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
         idx = np.asarray(layers)
@@ -254,10 +285,10 @@ class Assignment:
                 f"weights shape {w.shape} != {(L, E, placement.devices)}",
                 field="assignment.weights",
             )
-        if not np.all(np.isfinite(w)) or w.min() < -_TOL:
+        if not _finite_non_negative(w):
             raise PlanError("weights must be finite and non-negative", field="assignment.weights")
         _check_only_holders(w, placement, "tokens", "assignment.weights")
-        sums = w.sum(axis=2)
+        sums = np.einsum("led->le", w)  # a tolerance check: einsum beats .sum on short rows
         if np.any(np.abs(sums - 1.0) > 1e-6):
             layer, expert = np.argwhere(np.abs(sums - 1.0) > 1e-6)[0]
             raise PlanError(
@@ -278,7 +309,7 @@ class Assignment:
             raise PlanError(
                 f"group_weights shape {gw.shape} != {w.shape}", field="assignment.group_weights"
             )
-        if not np.all(np.isfinite(gw)) or gw.min() < -_TOL:
+        if not _finite_non_negative(gw):
             raise PlanError(
                 "group weights must be finite and non-negative", field="assignment.group_weights"
             )
@@ -300,20 +331,32 @@ class Assignment:
         remote = np.where(held, 0.0, counts)  # [L, D, E]
         if not self.grouped:
             remote_total = remote.sum(axis=1)  # [L, E]
-            return np.where(held, counts, 0.0) + (
-                self.weights * remote_total[:, :, None]
-            ).transpose(0, 2, 1)
+            out = np.subtract(counts, remote)  # = np.where(held, counts, 0.0), bit for bit
+            out += (self.weights * remote_total[:, :, None]).transpose(0, 2, 1)
+            return out
+        return self.received_grouped(held, counts, remote, self.source_local())
+
+    def received_grouped(
+        self, held: np.ndarray, counts: np.ndarray, remote: np.ndarray, local: np.ndarray
+    ) -> np.ndarray:
+        """`received` with group-local routing, from the holder mask `held[L, D, E]`, float
+        `counts[L, D, E]`, `remote[L, D, E]` (counts of non-holders) and `local[L, D, E]`
+        (`source_local`):
+
+            R[d, e] = c[d, e] h[d, e] + w[e, d] * sum_{s not local} remote[s, e]
+                      + gw[e, d] * sum_{s in g(d)} remote[s, e]"""
         assert self.group_weights is not None
         L, D, E = remote.shape
         G = self.group_size
-        local = self.local_mask().transpose(0, 2, 1)  # [L, D, E] per source
         global_total = np.where(local, 0.0, remote).sum(axis=1)  # [L, E]
-        group_remote = np.repeat(remote.reshape(L, D // G, G, E).sum(axis=2), G, axis=1)
-        return (
-            np.where(held, counts, 0.0)
-            + (self.weights * global_total[:, :, None]).transpose(0, 2, 1)
-            + self.group_weights.transpose(0, 2, 1) * group_remote
-        )
+        group_remote = remote.reshape(L, D // G, G, E).sum(axis=2)  # [L, D / G, E]
+        by_group = (
+            self.group_weights.reshape(L, E, D // G, G) * group_remote.transpose(0, 2, 1)[..., None]
+        )  # [L, E, D / G, G]
+        out = np.subtract(counts, remote)  # = np.where(held, counts, 0.0), bit for bit
+        out += (self.weights * global_total[:, :, None]).transpose(0, 2, 1)
+        out += by_group.reshape(L, E, D).transpose(0, 2, 1)
+        return out
 
     def split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """Integer routes `[L, D_src, E, D_dst]` for integer `counts[L, D, E]`: each source keeps
@@ -342,6 +385,14 @@ class Assignment:
         )
         base += (rank < short[..., None]).astype(np.int64)
         return routes + base
+
+
+def _finite_non_negative(x: np.ndarray) -> bool:
+    """Every entry finite and >= -_TOL (NaN and inf show in the minimum or the maximum)."""
+    if not x.size:
+        return True
+    lo, hi = x.min(), x.max()
+    return bool(np.isfinite(lo) and np.isfinite(hi) and lo >= -_TOL)
 
 
 def balanced_weights(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) -> np.ndarray:

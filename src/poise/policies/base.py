@@ -130,6 +130,17 @@ def start_placement(previous: Plan | None, ctx: PlanContext, layers: int) -> Pla
     return static_placement(layers, ctx.experts, ctx.devices, ctx.slots_per_device)
 
 
+def start_homes(previous: Plan | None, ctx: PlanContext, layers: int) -> np.ndarray:
+    """`start_placement(previous, ctx, layers).home` (`[L, E]`) without building its copies."""
+    if (
+        previous is not None
+        and previous.placement.home.shape == (layers, ctx.experts)
+        and previous.placement.devices == ctx.devices
+    ):
+        return previous.placement.home.copy()
+    return static_homes(layers, ctx.experts, ctx.devices)
+
+
 def finish_plan(
     name: str,
     placement: Placement,

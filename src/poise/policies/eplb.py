@@ -51,10 +51,10 @@ import heapq
 
 import numpy as np
 
-from poise.eplb_format import placement_from_eplb
 from poise.errors import PlanError
-from poise.placement import Assignment, Plan
+from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register
+from poise.policies.lpt import lpt_assign
 
 MODES = ("auto", "hierarchical", "global")
 
@@ -91,18 +91,12 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     order = np.argsort(-w, axis=1, kind="stable")
     if num_packs >= HEAP_PACKS:
         return _packing_by_heap(w, order, num_packs, per_pack)
+    # The greedy on all X rows at once, blocks of items solved together (`lpt.lpt_assign`).
+    packs, ranks = lpt_assign(np.take_along_axis(w, order, axis=1), num_packs, per_pack)
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
-    pack_w = np.zeros((X, num_packs))
-    pack_n = np.zeros((X, num_packs), dtype=np.int64)
-    rows = np.arange(X)
-    for i in range(n):  # one pass per item, vectorised over the X rows
-        item = order[:, i]
-        pack = np.where(pack_n < per_pack, pack_w, np.inf).argmin(axis=1)
-        pack_index[rows, item] = pack
-        rank_in_pack[rows, item] = pack_n[rows, pack]
-        pack_w[rows, pack] += w[rows, item]
-        pack_n[rows, pack] += 1
+    np.put_along_axis(pack_index, order, packs, axis=1)
+    np.put_along_axis(rank_in_pack, order, ranks, axis=1)
     return pack_index, rank_in_pack
 
 
@@ -157,6 +151,14 @@ def replicate_experts(
     phy2log[:, :num_log] = np.arange(num_log)
     rank = np.zeros((X, num_phy), dtype=np.int64)
     logcnt = np.ones((X, num_log), dtype=np.int64)
+    picks = _largest_quotients(w, num_phy - num_log)
+    if picks is not None:
+        expert, copy = picks
+        phy2log[:, num_log:] = expert
+        rank[:, num_log:] = copy
+        flat = (np.arange(X)[:, None] * num_log + expert).ravel()
+        logcnt += np.bincount(flat, minlength=X * num_log).reshape(X, num_log)
+        return phy2log, rank, logcnt
     rows = np.arange(X)
     for i in range(num_log, num_phy):
         e = np.argmax(w / logcnt, axis=1)
@@ -164,6 +166,38 @@ def replicate_experts(
         rank[:, i] = logcnt[rows, e]
         logcnt[rows, e] += 1
     return phy2log, rank, logcnt
+
+
+def _largest_quotients(w: np.ndarray, picks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`replicate_experts`' picks without its loop: `(expert[X, picks], copy[X, picks])`, or
+    None where this shortcut does not apply (fewer positive weights than picks).
+
+    Each pick takes the largest `w[e] / cnt[e]` (lowest e on ties) and raises cnt[e]; as an
+    expert's quotients w / 1 > w / 2 > ... fall, the picks are the `picks` largest quotients
+    w[e] / c over all (e, c >= 1), in order of value (ties: lower e, then lower c), each
+    expert's c-th pick being its copy number c (D'Hondt's method). The `picks`-th largest weight
+    t bounds them from below (the largest weights are quotients with c = 1), so only c <=
+    w[e] / t (+1 for rounding) need sorting."""
+    X, E = w.shape
+    if picks == 0:
+        return np.zeros((X, 0), dtype=np.int64), np.zeros((X, 0), dtype=np.int64)
+    if picks > E:
+        return None
+    floor = np.partition(w, E - picks, axis=1)[:, E - picks]  # the picks-th largest weight
+    if not np.all(floor > 0):
+        return None
+    count = np.minimum(np.floor(w / floor[:, None]).astype(np.int64) + 1, picks)  # [X, E]
+    per_row = count.sum(axis=1)
+    flat = count.ravel()
+    row = np.repeat(np.arange(X), per_row)
+    expert = np.repeat(np.tile(np.arange(E), X), flat)
+    start = np.repeat(np.cumsum(flat) - flat, flat)
+    copy = np.arange(row.size) - start + 1  # c = 1, 2, ... per expert
+    quotient = w[row, expert] / copy  # as `w / logcnt` computes it
+    order = np.lexsort((np.arange(row.size), -quotient, row))  # ties: lower (e, c) first
+    first = np.cumsum(per_row) - per_row
+    take = order[(first[:, None] + np.arange(picks)[None, :]).ravel()]
+    return expert[take].reshape(X, picks), copy[take].reshape(X, picks)
 
 
 def _inverse(perm: np.ndarray) -> np.ndarray:
@@ -281,6 +315,19 @@ def rebalance_experts(
     return phy2log, log2phy.reshape(L, E, maxcnt), logcnt
 
 
+def _placement(phy2log: np.ndarray, log2phy: np.ndarray, devices: int) -> Placement:
+    """`eplb_format.placement_from_eplb(phy2log, devices, log2phy=log2phy)` for a full
+    `rebalance_experts` result (every slot used, copy 0 of each expert in `log2phy[:, :, 0]`),
+    without its checks and its `np.add.at`: the same `Placement`."""
+    L, R = phy2log.shape
+    E = log2phy.shape[1]
+    S = R // devices
+    device = np.arange(R) // S  # slot p lives on device p // S
+    flat = ((np.arange(L)[:, None] * devices + device[None, :]) * E + phy2log).ravel()
+    copies = np.bincount(flat, minlength=L * devices * E).reshape(L, devices, E)
+    return Placement(home=log2phy[:, :, 0] // S, copies=copies.astype(np.int32), slots_per_device=S)
+
+
 @register("eplb")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """EPLB over every slot of the cluster; see the module docstring. `loads`: `[L, D, E]`."""
@@ -303,7 +350,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         )
     else:
         phy2log, log2phy, _ = rebalance_experts(weight, num_replicas, 1, 1, D, mode="global")
-    placement = placement_from_eplb(phy2log, D, log2phy=log2phy)
+    placement = _placement(phy2log, log2phy, D)
     routing = ctx.option("eplb", "routing", "balanced")
     if routing == "balanced":
         assignment = Assignment.balanced(placement, loads)

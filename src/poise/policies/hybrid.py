@@ -37,17 +37,18 @@ Notes: `p_star[l]`, `domain_level` ("domain", "node" or None), `domain_size` (de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel
-from poise.cost_incremental import LayerState, prefix_cuts, prefix_states
+from poise.cost_incremental import LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
-from poise.policies.base import PlanContext, finish_plan, register, start_placement
+from poise.policies.base import PlanContext, finish_plan, register, start_homes
 from poise.topology import Cluster
 
 NAME = "hybrid"
+_CHUNK_CELLS = 2**21  # prefix states (layers x cuts x 13 D) priced at once
 
 
 def domain_grouping(cluster: Cluster) -> tuple[str | None, int]:
@@ -62,101 +63,147 @@ def domain_grouping(cluster: Cluster) -> tuple[str | None, int]:
     return None, 0
 
 
-def choose_pairs(
-    counts: np.ndarray,
-    home: np.ndarray,
-    free: np.ndarray,
-    size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Greedy candidates for one layer: `(group, expert, device, tokens)` arrays in the order
-    they are taken. `counts[D, E]`, `home[E]`, `free[D]` free slots, `size` devices per group."""
-    D, E = counts.shape
+@dataclass
+class Pairs:
+    """Greedy candidates of L layers: pair i is `(group[i], expert[i], device[i])` of layer
+    `layer[i]` with `tokens[i]` = T[group, expert]; layer l's pairs are `start[l]:start[l + 1]`,
+    in the order they are taken. `T[L, G, E]`: tokens each group sends to each expert."""
+
+    layer: np.ndarray
+    group: np.ndarray
+    expert: np.ndarray
+    device: np.ndarray
+    tokens: np.ndarray
+    start: np.ndarray
+    T: np.ndarray
+
+
+def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: int) -> Pairs:
+    """Greedy candidates of every layer: `counts[L, D, E]`, `home[L, E]`, `free[L, D]` free
+    slots, `size` devices per group. Each group's wanted experts (homed outside it, with
+    tokens) most tokens first (stable: lower expert first), each on the group's device that
+    sends it most tokens among those with a free slot (lowest device on ties); a layer's pairs
+    are then ordered by T descending (stable: group by group, picks in order)."""
+    L, D, E = counts.shape
     G = D // size
-    per_group = counts.reshape(G, size, E)
-    T = per_group.sum(axis=1)  # [G, E] tokens each group sends to e
-    groups = np.arange(G)
-    wanted = (home[None, :] // size != groups[:, None]) & (T > 0)  # [G, E]
-    # Each group's wanted experts, most tokens first (stable: lower expert first).
-    ranked = np.argsort(np.where(wanted, -T, np.inf), axis=1, kind="stable")
-    free = free.reshape(G, size).copy()
-    take = np.minimum(free.sum(axis=1), wanted.sum(axis=1))  # pairs per group
-    gs, es, ds, ranks = [], [], [], []
-    # All groups in lockstep: the i-th pick of every group that still takes one. Within a group
-    # the picks stay sequential (each takes a free slot the next cannot).
+    per_group = counts.reshape(L, G, size, E)
+    T = per_group.sum(axis=2)  # [L, G, E] tokens each group sends to e
+    wanted = (home[:, None, :] // size != np.arange(G)[None, :, None]) & (T > 0)
+    ranked = np.argsort(np.where(wanted, -T, np.inf), axis=2, kind="stable")
+    free = free.reshape(L, G, size).copy()
+    take = np.minimum(free.sum(axis=2), wanted.sum(axis=2)).ravel()  # pairs per (layer, group)
+    ls, gs, es, js, ranks = [], [], [], [], []
+    # Every (layer, group) in lockstep: the i-th pick of each that still takes one. Within a
+    # group the picks stay sequential (each takes a free slot the next cannot).
     for i in range(int(take.max(initial=0))):
-        g = np.flatnonzero(take > i)
-        e = ranked[g, i]
-        on_open = np.where(free[g] > 0, per_group[g, :, e], -np.inf)  # [A, size]
+        lg = np.flatnonzero(take > i)
+        lyr, g = np.divmod(lg, G)
+        e = ranked[lyr, g, i]
+        on_open = np.where(free[lyr, g] > 0, per_group[lyr, g, :, e], -np.inf)  # [A, size]
         j = on_open.argmax(axis=1)  # first max: lowest device
-        free[g, j] -= 1
+        free[lyr, g, j] -= 1
+        ls.append(lyr)
         gs.append(g)
         es.append(e)
-        ds.append(g * size + j)
-        ranks.append(np.full(g.size, i))
-    if not gs:
+        js.append(j)
+        ranks.append(np.full(lg.size, i))
+    if not ls:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty, np.zeros(0)
-    g_arr, e_arr, d_arr = (np.concatenate(x).astype(np.int64) for x in (gs, es, ds))
-    group_major = np.lexsort((np.concatenate(ranks), g_arr))  # group by group, picks in order
-    g_arr, e_arr, d_arr = g_arr[group_major], e_arr[group_major], d_arr[group_major]
-    t_arr = T[g_arr, e_arr].astype(np.float64)
-    order = np.argsort(-t_arr, kind="stable")  # W_e is the same for all: ratio order = T order
-    return g_arr[order], e_arr[order], d_arr[order], t_arr[order]
+        return Pairs(empty, empty, empty, empty, np.zeros(0), np.zeros(L + 1, dtype=np.int64), T)
+    lyr, g, e, j, rank = (np.concatenate(x).astype(np.int64) for x in (ls, gs, es, js, ranks))
+    t = T[lyr, g, e]
+    # Per layer: T descending; W_e is the same for all, so ratio order = T order.
+    order = np.lexsort((rank, g, -t, lyr))
+    lyr, g, e, j, t = lyr[order], g[order], e[order], j[order], t[order]
+    start = np.searchsorted(lyr, np.arange(L + 1))
+    return Pairs(lyr, g, e, g * size + j, t, start, T)
+
+
+def _prefix_states(
+    base: np.ndarray, cell: np.ndarray, seg: np.ndarray, value: np.ndarray, cuts: int
+) -> np.ndarray:
+    """`[B, cuts, S]` states of B layers after each priced prefix: `base[B, S]`; entry i adds
+    `value[i]` to cell `cell[i]` of layer-and-prefix `seg[i]` (`b * cuts + first prefix that
+    counts it`) and of every later prefix of its layer (`cost_incremental.prefix_states` for
+    several layers and several state arrays side by side; per cell, the entries are summed in
+    the order given, the prefixes accumulated in order, then added to the base)."""
+    B, S = base.shape
+    sums = np.bincount(seg * S + cell, weights=value, minlength=B * cuts * S)
+    sums = sums.astype(np.float64, copy=False).reshape(B, cuts, S)  # (no entries: int zeros)
+    for g in range(1, cuts):  # np.cumsum(sums, axis=1), bit for bit, a row at a time
+        np.add(sums[:, g], sums[:, g - 1], out=sums[:, g])
+    sums += base[:, None]
+    return sums
 
 
 def cut_times(
-    cost: CostModel,
-    placement: Placement,
-    counts: np.ndarray,
-    size: int,
-    groups: np.ndarray,
-    experts: np.ndarray,
-    devices: np.ndarray,
-    tokens: np.ndarray,
-    state: LayerState | None = None,
+    state: LayerState, counts: np.ndarray, home: np.ndarray, size: int, pairs: Pairs
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`(cuts[G], seconds[G])`: layer seconds with the first k pairs replicated for k in `cuts`
-    (every k = 0..K when K is small, else a grid: `cost_incremental.prefix_cuts`), for one
-    layer (`placement` of one layer with homes only, `counts[D, E]`, `state` its `LayerState`
-    if already built)."""
-    if state is None:
-        state = LayerState(cost, placement, counts)
-    cluster = cost.cluster
-    K = len(groups)
-    cuts = prefix_cuts(K)
-    home = placement.home[0]
-    h = home[experts]  # [K]
-    src = groups[:, None] * size + np.arange(size)[None, :]  # [K, m] sources of each pair
-    tok = counts[src, experts[:, None]]  # [K, m]
+    """`(cuts[B, C], seconds[B, C])` for B layers: layer seconds with the first k pairs of each
+    layer replicated for every k in the layer's `prefix_cuts` (every k = 0..K when K is small,
+    else a grid), padded with -1 and inf after the layer's own cuts. `state`: the layers'
+    stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`, `pairs` of these
+    layers."""
+    cluster = state.cost.cluster
+    B, D, _ = counts.shape
+    start = pairs.start
+    K = np.diff(start)
+    cut_list = [prefix_cuts(int(k)) for k in K]
+    C = max(len(c) for c in cut_list)
+    cuts = np.full((B, C), -1, dtype=np.int64)
+    for b, c in enumerate(cut_list):
+        cuts[b, : len(c)] = c
+    # seg[i]: the first priced prefix of its layer that includes pair i.
+    seg = np.concatenate(
+        [
+            np.searchsorted(c, np.arange(int(k)), side="right")
+            for c, k in zip(cut_list, K, strict=True)
+        ]
+    ).astype(np.int64)
+    seg = pairs.layer * C + seg
+    lyr, groups, experts, devices, tokens = (
+        pairs.layer,
+        pairs.group,
+        pairs.expert,
+        pairs.device,
+        pairs.tokens,
+    )
+    N = len(experts)
+    h = home[lyr, experts]  # [N]
+    src = groups[:, None] * size + np.arange(size)[None, :]  # [N, m] sources of each pair
+    tok = counts[lyr[:, None], src, experts[:, None]]  # [N, m]
     lv_sh = cluster.level_between(src, h[:, None])
     lv_sr = cluster.level_between(src, devices[:, None])
     stays = lv_sr >= 0  # sources other than the replica device itself
-    k_idx = np.repeat(np.arange(K), size).reshape(K, size)
+    seg_m = np.repeat(seg, size).reshape(N, size)
     # Pair k: its group's sources stop sending e's tokens to the home and send them to the
     # replica device instead (the replica device's own tokens stay local).
     dst = devices[:, None].repeat(size, 1)
-    send_step = np.concatenate([k_idx.ravel(), k_idx[stays]])
+    send_seg = np.concatenate([seg_m.ravel(), seg_m[stays]])
     send_lv = np.concatenate([lv_sh.ravel(), lv_sr[stays]])
     send_dev = np.concatenate([src.ravel(), src[stays]])
     recv_dev = np.concatenate([(h[:, None] + 0 * src).ravel(), dst[stays]])
     delta = np.concatenate([-tok.ravel(), tok[stays]])
-    tok_send = prefix_states(state.tok_send, send_step, (send_lv, send_dev), delta, cuts)
-    tok_recv = prefix_states(state.tok_recv, send_step, (send_lv, recv_dev), delta, cuts)
     lv_hr = cluster.level_between(h, devices)
-    W_e = np.full(K, cost.spec.expert_bytes)
-    pairs = np.arange(K)
-    par_send = prefix_states(state.par_send, pairs, (lv_hr, h), W_e, cuts)
-    par_recv = prefix_states(state.par_recv, pairs, (lv_hr, devices), W_e, cuts)
-    # Compute: the replica takes the whole group's tokens; the home loses them.
-    order = np.argsort(experts, kind="stable")
-    se, st = experts[order], tokens[order]
-    cum = np.cumsum(st)
-    first = np.searchsorted(se, se, side="left")
-    before_sorted = cum - st - np.where(first > 0, cum[first - 1], 0.0)
-    before = np.empty(K)
-    before[order] = before_sorted  # tokens of e moved away from its home by earlier pairs
-    r_home = state.R[h, experts] - before
-    comp_step = np.concatenate([pairs, pairs])
+    W_e = np.full(N, state.cost.spec.expert_bytes)
+    # Compute: the replica takes the whole group's tokens; the home loses them. `before[i]`:
+    # tokens of e moved away from its home by the layer's earlier pairs (a running sum over the
+    # layer's pairs sorted by expert, stable).
+    pos = np.arange(N) - start[lyr]  # index of each pair in its layer
+    order = np.lexsort((pos, experts, lyr))
+    se, st, sl = experts[order], tokens[order], lyr[order]
+    run = np.ones(N, dtype=bool)
+    run[1:] = (se[1:] != se[:-1]) | (sl[1:] != sl[:-1])
+    first = np.maximum.accumulate(np.where(run, np.arange(N), 0)) - start[sl]
+    padded = np.zeros((B, int(K.max(initial=0))))
+    padded[sl, pos] = st  # pos of sorted entries: their index in the layer's sorted order
+    cum = np.cumsum(padded, axis=1)
+    cum_first = cum[sl, np.maximum(first - 1, 0)]
+    before_sorted = cum[sl, pos] - st - np.where(first > 0, cum_first, 0.0)
+    before = np.empty(N)
+    before[order] = before_sorted
+    r_home = state.R[lyr, h, experts] - before
+    comp_seg = np.concatenate([seg, seg])
     comp_dev = np.concatenate([devices, h])
     comp_delta = np.concatenate(
         [
@@ -164,16 +211,45 @@ def cut_times(
             state.comp_s(np.maximum(r_home - tokens, 0.0)) - state.comp_s(r_home),
         ]
     )
-    comp = prefix_states(state.comp, comp_step, (comp_dev,), comp_delta, cuts)
-    return cuts, state.layer_s(comp, tok_send, tok_recv, par_send, par_recv)
+    # All five per-device states side by side, [B, 13 D]: compute, then dispatch tokens sent
+    # and received, Trans bytes sent and received, each per link level.
+    base = np.concatenate(
+        [state.comp]
+        + [
+            x.reshape(B, 3 * D)
+            for x in (state.tok_send, state.tok_recv, state.par_send, state.par_recv)
+        ],
+        axis=1,
+    )
+    cell = np.concatenate(
+        [
+            comp_dev,
+            D + send_lv * D + send_dev,
+            4 * D + send_lv * D + recv_dev,
+            7 * D + lv_hr * D + h,
+            10 * D + lv_hr * D + devices,
+        ]
+    )
+    states = _prefix_states(
+        base,
+        cell,
+        np.concatenate([comp_seg, send_seg, send_seg, seg, seg]),
+        np.concatenate([comp_delta, delta, delta, W_e, W_e]),
+        C,
+    )
+    comp = states[..., :D]
+    tok_send, tok_recv, par_send, par_recv = (
+        states[..., (1 + 3 * i) * D : (4 + 3 * i) * D].reshape(B, C, 3, D) for i in range(4)
+    )
+    times = state.layer_s(comp, tok_send, tok_recv, par_send, par_recv)
+    return cuts, np.where(cuts >= 0, times, np.inf)
 
 
 @register(NAME)
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with HybridEP's per-domain expert replicas."""
     L, D, _ = loads.shape
-    start = start_placement(previous, ctx, L)
-    placement = Placement.from_homes(start.home, D, ctx.slots_per_device)
+    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     level, size = domain_grouping(ctx.cluster)
     notes: dict[str, Any] = {"domain_level": level, "domain_size": size}
     if level is None:
@@ -186,34 +262,56 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes
         )
     G = D // size
+    home = placement.home
+    free = ctx.slots_per_device - placement.copies.sum(axis=2)  # [L, D]
+    pairs = choose_pairs(loads, home, free, size)
+    state = LayerState.for_homes(ctx.cost, home, loads)
+    # Layers in chunks whose prefix states stay within _CHUNK_CELLS cells per array.
+    C = len(prefix_cuts(int(np.diff(pairs.start).max(initial=0))))
+    chunk = max(1, _CHUNK_CELLS // (C * 13 * D))
+    k = np.zeros(L, dtype=np.int64)
+    layer_s: list[list[float]] = []
+    for lo in range(0, L, chunk):
+        hi = min(L, lo + chunk)
+        a, b = pairs.start[lo], pairs.start[hi]
+        part = Pairs(
+            pairs.layer[a:b] - lo,
+            pairs.group[a:b],
+            pairs.expert[a:b],
+            pairs.device[a:b],
+            pairs.tokens[a:b],
+            pairs.start[lo : hi + 1] - a,
+            pairs.T[lo:hi],
+        )
+        cuts, times = cut_times(state.take(slice(lo, hi)), loads[lo:hi], home[lo:hi], size, part)
+        best = np.argmin(times, axis=1)  # first minimum: the fewest pairs on ties
+        rows = np.arange(hi - lo)
+        k[lo:hi] = cuts[rows, best]
+        layer_s += np.stack([times[:, 0], times[rows, best]], axis=1).tolist()
+    pos = np.arange(len(pairs.layer)) - pairs.start[pairs.layer]
+    taken = pos < k[pairs.layer]
+    placement.copies[pairs.layer[taken], pairs.device[taken], pairs.expert[taken]] = 1
+    cross_T = np.where(home[:, None, :] // size != np.arange(G)[None, :, None], pairs.T, 0.0)
     p_star: list[float] = []
     replicated: list[list[list[int]]] = []
     replica_device: list[list[list[int]]] = []
-    layer_s: list[list[float]] = []
-    states = LayerState.for_layers(ctx.cost, placement, loads)
     for layer in range(L):
-        counts = loads[layer]
-        home = placement.home[layer]
-        free = ctx.slots_per_device - placement.copies[layer].sum(axis=1)
-        groups, experts, devices, tokens = choose_pairs(counts, home, free, size)
-        one = placement.take_layers([layer])
-        cuts, times = cut_times(
-            ctx.cost, one, counts, size, groups, experts, devices, tokens, states[layer]
-        )
-        best = int(np.argmin(times))  # first minimum: the fewest pairs on ties
-        k = int(cuts[best])
-        placement.copies[layer, devices[:k], experts[:k]] = 1
-        T = counts.reshape(G, size, -1).sum(axis=1)
-        cross = float(np.where(home[None, :] // size != np.arange(G)[:, None], T, 0.0).sum())
-        p_star.append(1.0 - float(tokens[:k].sum()) / cross if cross > 0 else 1.0)
+        a = int(pairs.start[layer])
+        n = int(k[layer])
+        cross = float(cross_T[layer].sum())
+        p_star.append(1.0 - float(pairs.tokens[a : a + n].sum()) / cross if cross > 0 else 1.0)
         reps: list[list[int]] = [[] for _ in range(G)]
         devs: list[list[int]] = [[] for _ in range(G)]
-        for g, e, d in zip(groups[:k], experts[:k], devices[:k], strict=True):
-            reps[int(g)].append(int(e))
-            devs[int(g)].append(int(d))
+        for g, e, d in zip(
+            pairs.group[a : a + n].tolist(),
+            pairs.expert[a : a + n].tolist(),
+            pairs.device[a : a + n].tolist(),
+            strict=True,
+        ):
+            reps[g].append(e)
+            devs[g].append(d)
         replicated.append(reps)
         replica_device.append(devs)
-        layer_s.append([float(times[0]), float(times[best])])
     notes.update(
         p_star=p_star, replicated=replicated, replica_device=replica_device, hybrid_layer_s=layer_s
     )

@@ -39,9 +39,10 @@ from poise.policies.base import (
     PlanContext,
     finish_plan,
     register,
-    start_placement,
+    start_homes,
     static_placement,
 )
+from poise.policies.lpt import lpt_assign
 
 
 def expert_loads(loads: np.ndarray, history: np.ndarray | None, window: int) -> np.ndarray:
@@ -67,29 +68,24 @@ def greedy_homes(h: np.ndarray, current: np.ndarray, devices: int, capacity: int
     if capacity * devices < E:
         raise ValueError(f"{E} experts do not fit {devices} devices x {capacity}")
     order = np.argsort(-h, axis=1, kind="stable")
-    rows = np.arange(L)
-    dev_load = np.zeros((L, devices))
-    dev_count = np.zeros((L, devices), dtype=np.int64)
+    # Every layer at once, blocks of expert ranks solved together (`lpt.lpt_assign`).
+    devs, _ = lpt_assign(
+        np.take_along_axis(h, order, axis=1),
+        devices,
+        capacity,
+        sticky=np.take_along_axis(np.asarray(current, dtype=np.int64), order, axis=1),
+    )
     homes = np.empty((L, E), dtype=np.int64)
-    for i in range(E):  # one expert rank at a time, every layer at once
-        e = order[:, i]
-        masked = np.where(dev_count < capacity, dev_load, np.inf)
-        best = masked.argmin(axis=1)
-        cur = current[rows, e]
-        sticky = (dev_count[rows, cur] < capacity) & (dev_load[rows, cur] == masked[rows, best])
-        dev = np.where(sticky, cur, best)
-        homes[rows, e] = dev
-        dev_load[rows, dev] += h[rows, e]
-        dev_count[rows, dev] += 1
+    np.put_along_axis(homes, order, devs, axis=1)
     return homes
 
 
 def device_loads(h: np.ndarray, homes: np.ndarray, devices: int) -> np.ndarray:
     """`[L, D]` sum of `h[L, E]` over the experts homed on each device."""
-    L, E = h.shape
-    out = np.zeros((L, devices))
-    np.add.at(out, (np.repeat(np.arange(L), E), homes.ravel()), h.ravel())
-    return out
+    L = h.shape[0]
+    flat = (np.arange(L)[:, None] * devices + homes).ravel()
+    # bincount adds each device's loads in expert order from 0.0, as np.add.at did.
+    return np.bincount(flat, weights=h.ravel(), minlength=L * devices).reshape(L, devices)
 
 
 @register("permute")
@@ -109,7 +105,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         )
     window = int(ctx.option("permute", "window", 10))
     h = expert_loads(loads, ctx.history, window)
-    current = start_placement(previous, ctx, L).home
+    current = start_homes(previous, ctx, L)
     capacity = math.ceil(E / D)
     proposed = greedy_homes(h, current, D, capacity)
     cur_max = device_loads(h, current, D).max(axis=1)

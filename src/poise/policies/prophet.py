@@ -38,15 +38,14 @@ devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from poise.cost import CostModel
-from poise.cost_incremental import LayerState, prefix_cuts
+from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
-from poise.policies.base import PlanContext, finish_plan, register, start_placement
+from poise.policies.base import PlanContext, finish_plan, register, start_homes
 from poise.schedule import Schedule
 
 NAME = "prophet"
@@ -60,147 +59,190 @@ def prophet_cost(ctx: PlanContext) -> CostModel:
     return CostModel(ctx.cluster, ctx.spec, Schedule("prophet"))
 
 
-@dataclass
+def _padded_cuts(m: np.ndarray) -> np.ndarray:
+    """`[B, C]` the priced prefix lengths >= 1 of each row (`prefix_cuts(m[b])[1:]`), padded
+    with 0 (no prefix)."""
+    if int(m.max()) + 1 <= PREFIX_EXACT + PREFIX_POINTS:  # every length 1..m
+        lengths = np.arange(1, int(m.max()) + 1)
+        return np.where(lengths[None, :] <= m[:, None], lengths, 0)
+    rows = [prefix_cuts(int(n))[1:] for n in m]
+    cuts = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+    for b, r in enumerate(rows):
+        cuts[b, : len(r)] = r
+    return cuts
+
+
 class _Prefixes:
-    """Replicating expert e (home h) on prefixes of `cands[m]` (heaviest first): the prefix
-    lengths `cuts[G]` priced (all of 1..m when m is small, else a grid:
-    `cost_incremental.prefix_cuts`), the layer seconds `times[G]`, and what the home's state
-    becomes after each prefix (`tok_recv[G, 3]`, `par_send[G, 3]`, `comp[G]`)."""
+    """Replicating expert `expert[b]` (home `home[b]`) of layer `layer[b]` on prefixes of its
+    candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
+    `cuts[B, C]` priced (0-padded; all of 1..m when m is small, else a grid:
+    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and what
+    the home's state becomes after each prefix (`home_tok_recv[B, C, 3]`, `home_par_send[B, C,
+    3]`, `home_comp[B, C]`)."""
 
-    cuts: np.ndarray
-    times: np.ndarray
-    home_tok_recv: np.ndarray
-    home_par_send: np.ndarray
-    home_comp: np.ndarray
+    def __init__(
+        self,
+        state: LayerState,
+        counts: np.ndarray,
+        layer: np.ndarray,
+        expert: np.ndarray,
+        home: np.ndarray,
+        ok: np.ndarray,
+    ) -> None:
+        """Layer seconds after each priced prefix, in O(B (D + m)).
+
+        Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute
+        change once, at its step) and receives W_e; the home h receives fewer tokens and sends
+        one more W_e at every step. So for a prefix of length c the slowest device is the
+        slowest of: the home in its state after c steps, the candidates before c in their
+        changed state (a running maximum), the candidates from c on and every other device in
+        their current state (a suffix maximum and a constant). Equal to pricing each prefix's
+        full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
+        candidate senders of each layer's expert."""
+        cluster = state.cost.cluster
+        B, D = ok.shape
+        b_idx = np.arange(B)
+        rows = b_idx[:, None]
+        col = counts[layer, :, expert]  # [B, D]
+        m = ok.sum(axis=1)
+        M = int(m.max())
+        # Candidates: senders by tokens, descending (stable: lower device first).
+        cands = np.argsort(np.where(ok, -col, np.inf), axis=1, kind="stable")[:, :M]
+        valid = np.arange(M)[None, :] < m[:, None]  # [B, M]
+        cuts = _padded_cuts(m)
+        C = cuts.shape[1]
+        last = np.maximum(cuts - 1, 0)
+        W_e = state.cost.spec.expert_bytes
+        steps = np.arange(M)[None, :]
+        tok = np.where(valid, col[rows, cands], 0.0)  # [B, M]
+        lv = cluster.level_between(home[:, None], cands)  # link level home -> candidate
+        comp, tok_send, tok_recv = state.comp[layer], state.tok_send[layer], state.tok_recv[layer]
+        par_send, par_recv = state.par_send[layer], state.par_recv[layer]
+        # The home after each priced prefix.
+        per_step = np.zeros((B, M, 3))
+        per_step[rows, steps, lv] = -tok
+        self.home_tok_recv = (
+            tok_recv[b_idx, :, home][:, None, :] + np.cumsum(per_step, axis=1)[rows, last]
+        )  # [B, C, 3]
+        per_step[rows, steps, lv] = np.where(valid, W_e, 0.0)
+        self.home_par_send = (
+            par_send[b_idx, :, home][:, None, :] + np.cumsum(per_step, axis=1)[rows, last]
+        )
+        r_home = state.R[layer, home, expert]  # [B]
+        left = r_home[:, None] - np.cumsum(tok, axis=1)[rows, last]  # tokens the home computes
+        self.home_comp = (
+            comp[b_idx, home][:, None]
+            + state.comp_s(np.maximum(left, 0.0))
+            - state.comp_s(r_home)[:, None]
+        )
+        # Each candidate after its own step.
+        at = (rows[:, :, None], np.arange(3)[None, :, None], cands[:, None, :])  # -> [B, 3, M]
+        c_send = tok_send[at]
+        c_send[rows, lv, steps] -= tok
+        c_par_recv = par_recv[at]
+        c_par_recv[rows, lv, steps] += W_e
+
+        # Per-device terms of every device now [D], each candidate after its step [M] and the
+        # home after each prefix [C], side by side in one pass: [3 (compute, a2a, Trans), B, X].
+        def side(now: np.ndarray, cand: np.ndarray, home_after: np.ndarray) -> np.ndarray:
+            return np.concatenate([now, cand, home_after], axis=-1)
+
+        h_send = np.broadcast_to(tok_send[b_idx, :, home][:, :, None], (B, 3, C))
+        h_par_recv = np.broadcast_to(par_recv[b_idx, :, home][:, :, None], (B, 3, C))
+        terms = np.stack(
+            state.device_terms(
+                side(comp, comp[rows, cands] + state.comp_s(tok), self.home_comp),
+                side(tok_send, c_send, h_send),
+                side(tok_recv, tok_recv[at], self.home_tok_recv.transpose(0, 2, 1)),
+                side(par_send, par_send[at], self.home_par_send.transpose(0, 2, 1)),
+                side(par_recv, c_par_recv, h_par_recv),
+            )
+        )
+        now, after, home_after = terms[..., :D], terms[..., D : D + M], terms[..., D + M :]
+        others = np.ones((B, D), dtype=bool)
+        others[rows, cands] = ~valid
+        others[b_idx, home] = False
+        rest = np.where(others, now, -np.inf).max(axis=2)[..., None]  # [3, B, 1]
+        changed = np.maximum.accumulate(after, axis=2)[:, rows, last]  # candidates before the cut
+        cand_now = np.where(valid, now[:, rows, cands], -np.inf)
+        later = np.maximum.accumulate(cand_now[..., ::-1], axis=2)[..., ::-1]  # from each on
+        later = np.concatenate([later, np.full((3, B, 1), -np.inf)], axis=2)
+        unchanged = later[:, rows, cuts]
+        slowest = np.maximum(np.maximum(home_after, rest), np.maximum(changed, unchanged))
+        self.cuts = cuts
+        self.times = np.where(cuts > 0, state.layer_s_from_max(*slowest), np.inf)
+        self.cands, self.tok, self.lv = cands, tok, lv
 
 
-def _prefix_times(
-    state: LayerState, counts: np.ndarray, e: int, h: int, level: np.ndarray, cands: np.ndarray
-) -> _Prefixes:
-    """Layer seconds after replicating e on each priced prefix of `cands`, in O(D + m).
-
-    Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute change
-    once, at its step) and receives W_e; the home h receives fewer tokens and sends one more
-    W_e at every step. So for a prefix of length c the slowest device is the slowest of: the
-    home in its state after c steps, the candidates before c in their changed state (a running
-    maximum), the candidates from c on and every other device in their current state (a
-    suffix maximum and a constant). Equal to pricing each prefix's full state
-    (`LayerState.layer_s`); no `[G, 3, D]` state is built."""
-    m = len(cands)
-    cuts = prefix_cuts(m)[1:]  # prefix lengths >= 1
-    W_e = state.cost.spec.expert_bytes
-    steps = np.arange(m)
-    tok = counts[cands, e]  # [m]
-    lv = level[cands]  # link level between home and each candidate
-    base = state.device_terms(
+def search_layers(
+    cost: CostModel, placement: Placement, counts: np.ndarray, slots: int, state: LayerState
+) -> tuple[list[list[int]], list[list[list[int]]], list[list[float]]]:
+    """Algorithm 1 (reconstructed) on every layer in lockstep. `placement`: homes only (its
+    copies get the replicas); `counts[L, D, E]`; `state`: the layers' stacked `LayerState`
+    (updated). Each round takes the next expert of every layer still searching. Returns per
+    layer the replicated experts, their replica devices, and the layer seconds before and
+    after."""
+    L, _, E = counts.shape
+    W_e = cost.spec.expert_bytes
+    home, copies = placement.home, placement.copies
+    before = state.layer_s(
         state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv
-    )  # 3 x [D]
-    tok_send = state.tok_send[:, cands].copy()
-    tok_send[lv, steps] -= tok
-    par_recv = state.par_recv[:, cands].copy()
-    par_recv[lv, steps] += W_e
-    after = state.device_terms(
-        state.comp[cands] + state.comp_s(tok),
-        tok_send,
-        state.tok_recv[:, cands],
-        state.par_send[:, cands],
-        par_recv,
-    )  # 3 x [m]
-    per_step = np.zeros((m, 3))
-    per_step[steps, lv] = -tok
-    home_tok_recv = state.tok_recv[:, h][None, :] + np.cumsum(per_step, axis=0)[cuts - 1]
-    per_step[steps, lv] = W_e
-    home_par_send = state.par_send[:, h][None, :] + np.cumsum(per_step, axis=0)[cuts - 1]
-    left = state.R[h, e] - np.cumsum(tok)[cuts - 1]  # tokens the home still computes
-    home_comp = state.comp[h] + state.comp_s(np.maximum(left, 0.0)) - state.comp_s(state.R[h, e])
-    G = len(cuts)
-    home = state.device_terms(
-        home_comp[:, None],
-        np.broadcast_to(state.tok_send[:, h][None, :, None], (G, 3, 1)),
-        home_tok_recv[:, :, None],
-        home_par_send[:, :, None],
-        np.broadcast_to(state.par_recv[:, h][None, :, None], (G, 3, 1)),
-    )  # 3 x [G, 1]
-    others = np.ones(state.comp.shape[0], dtype=bool)
-    others[cands] = False
-    others[h] = False
-    slowest = []
-    for b, a, hm in zip(base, after, home, strict=True):
-        rest = b[others].max(initial=-np.inf)
-        changed = np.maximum.accumulate(a)[cuts - 1]  # candidates before the cut
-        later = np.maximum.accumulate(b[cands][::-1])[::-1]  # candidates from each index on
-        unchanged = np.append(later, -np.inf)[cuts]
-        slowest.append(np.maximum(np.maximum(hm[:, 0], rest), np.maximum(changed, unchanged)))
-    times = state.layer_s_from_max(*slowest)
-    return _Prefixes(cuts, times, home_tok_recv, home_par_send, home_comp)
-
-
-def _apply_prefix(
-    state: LayerState,
-    counts: np.ndarray,
-    e: int,
-    h: int,
-    level: np.ndarray,
-    chosen: np.ndarray,
-    prefixes: _Prefixes,
-    j: int,
-) -> None:
-    """Update `state` in place to e replicated on `chosen` (the prefix `prefixes.cuts[j]`)."""
-    tok = counts[chosen, e]
-    lv = level[chosen]
-    state.tok_send[lv, chosen] -= tok
-    state.par_recv[lv, chosen] += state.cost.spec.expert_bytes
-    state.comp[chosen] += state.comp_s(tok)
-    state.tok_recv[:, h] = prefixes.home_tok_recv[j]
-    state.par_send[:, h] = prefixes.home_par_send[j]
-    state.comp[h] = prefixes.home_comp[j]
-    state.R[chosen, e] = tok
-    state.R[h, e] -= tok.sum()
-
-
-def plan_layer(
-    cost: CostModel,
-    placement: Placement,
-    counts: np.ndarray,
-    slots: int,
-    state: LayerState | None = None,
-) -> tuple[Placement, list[int], list[list[int]], float, float]:
-    """Algorithm 1 (reconstructed) on one layer. `placement`: one layer, homes only (modified in
-    place); `counts[D, E]`; `state`: the layer's `LayerState` if already built (it is updated).
-    Returns the placement, the replicated experts, their replica devices, and the layer seconds
-    before and after."""
-    D = counts.shape[0]
-    if state is None:
-        state = LayerState(cost, placement, counts)
-    best = before = state.current_s()
-    home = placement.home[0]
-    copies = placement.copies[0]  # [D, E], a view: edits go into the placement
-    level_to = cost.cluster.level_between(home[:, None], np.arange(D)[None, :])  # [E, D]
-    order = np.argsort(-counts.sum(axis=0), kind="stable")
-    replicated: list[int] = []
-    devices: list[list[int]] = []
-    for e in order:
-        e = int(e)
-        h = int(home[e])
-        free = copies.sum(axis=1) < slots
-        ok = (counts[:, e] > 0) & (copies[:, e] == 0) & free
-        if not ok.any():
-            if counts[:, e].sum() <= 0:
-                break  # no tokens left to balance
-            continue  # every sender is out of slots: skip
-        idx = np.flatnonzero(ok)
-        cands = idx[np.argsort(-counts[idx, e], kind="stable")]
-        prefixes = _prefix_times(state, counts, e, h, level_to[e], cands)
-        j = int(np.argmin(prefixes.times))  # times[j]: the cuts[j] heaviest senders
-        if not prefixes.times[j] < best:
-            break  # first expert without gain ends the search
-        best = float(prefixes.times[j])
-        chosen = cands[: prefixes.cuts[j]]
-        copies[chosen, e] = 1
-        _apply_prefix(state, counts, e, h, level_to[e], chosen, prefixes, j)
-        replicated.append(e)
-        devices.append([int(d) for d in chosen])
-    return placement, replicated, devices, before, best
+    )
+    best = before.copy()
+    order = np.argsort(-counts.sum(axis=1), axis=1, kind="stable")  # [L, E]
+    used = copies.sum(axis=2)  # [L, D]
+    nxt = np.zeros(L, dtype=np.int64)  # each layer's next position in its order
+    replicated: list[list[int]] = [[] for _ in range(L)]
+    devices: list[list[list[int]]] = [[] for _ in range(L)]
+    active = np.arange(L)
+    while True:
+        active = active[nxt[active] < E]
+        if not active.size:
+            break
+        e = order[active, nxt[active]]
+        col = counts[active, :, e]  # [A, D]
+        ok = (col > 0) & (copies[active, :, e] == 0) & (used[active] < slots)
+        has = ok.any(axis=1)
+        # No candidate: skip the expert (every sender is out of slots), or stop when it has no
+        # tokens (nor has any later expert).
+        stop = ~has & (col.sum(axis=1) <= 0)
+        nxt[active[~has]] += 1
+        go = np.flatnonzero(has)
+        gain = np.zeros(active.size, dtype=bool)
+        if go.size:
+            lyr, eg = active[go], e[go]
+            hg = home[lyr, eg]
+            pre = _Prefixes(state, counts, lyr, eg, hg, ok[go])
+            j = np.argmin(pre.times, axis=1)  # times[b, j]: the cuts[b, j] heaviest senders
+            b_idx = np.arange(go.size)
+            t_best = pre.times[b_idx, j]
+            better = t_best < best[lyr]  # the first expert without gain ends the search
+            gain[go] = better
+            if better.any():
+                b = np.flatnonzero(better)
+                lb, eb, hb, jb = lyr[b], eg[b], hg[b], j[b]
+                n = pre.cuts[b, jb]
+                sel = np.arange(pre.cands.shape[1])[None, :] < n[:, None]  # [n_b, M]
+                rb, kb = np.nonzero(sel)
+                ll, dd = lb[rb], pre.cands[b[rb], kb]
+                tok, lv = pre.tok[b[rb], kb], pre.lv[b[rb], kb]
+                copies[ll, dd, eb[rb]] = 1
+                used[ll, dd] += 1
+                state.tok_send[ll, lv, dd] -= tok
+                state.par_recv[ll, lv, dd] += W_e
+                state.comp[ll, dd] += state.comp_s(tok)
+                state.tok_recv[lb, :, hb] = pre.home_tok_recv[b, jb]
+                state.par_send[lb, :, hb] = pre.home_par_send[b, jb]
+                state.comp[lb, hb] = pre.home_comp[b, jb]
+                # (R is not updated: each expert's column is read once, before it changes.)
+                best[lb] = t_best[b]
+                nxt[lb] += 1
+                chosen = pre.cands[b].tolist()
+                for i, (layer, ex) in enumerate(zip(lb.tolist(), eb.tolist(), strict=True)):
+                    replicated[layer].append(ex)
+                    devices[layer].append(chosen[i][: int(n[i])])
+        active = active[~stop & (gain | ~has)]
+    return replicated, devices, [[float(x), float(y)] for x, y in zip(before, best, strict=True)]
 
 
 @register(NAME)
@@ -208,22 +250,11 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement."""
     L, D, _ = loads.shape
     cost = prophet_cost(ctx)
-    start = start_placement(previous, ctx, L)
-    placement = Placement.from_homes(start.home, D, ctx.slots_per_device)
-    replicated: list[list[int]] = []
-    replica_devices: list[list[list[int]]] = []
-    layer_s: list[list[float]] = []
-    states = LayerState.for_layers(cost, placement, loads)
-    for layer in range(L):
-        one = placement.take_layers([layer])
-        one.copies = one.copies.copy()
-        _, reps, devs, before, after = plan_layer(
-            cost, one, loads[layer], ctx.slots_per_device, states[layer]
-        )
-        placement.copies[layer] = one.copies[0]
-        replicated.append(reps)
-        replica_devices.append(devs)
-        layer_s.append([before, after])
+    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
+    state = LayerState.for_homes(cost, placement.home, loads)
+    replicated, replica_devices, layer_s = search_layers(
+        cost, placement, loads, ctx.slots_per_device, state
+    )
     notes: dict[str, Any] = {
         "replicated": replicated,
         "replica_devices": replica_devices,

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from poise.placement import Assignment, Placement, Plan
-from poise.policies.base import PlanContext, finish_plan, register, start_placement
+from poise.policies.base import PlanContext, finish_plan, register, start_homes
 from poise.topology import Cluster
 
 NAME = "shadow"
@@ -75,30 +75,84 @@ def shadow_latencies(
     `counts[D, E]` tokens per source and expert; `home[E]`; `free[D]` free slots per device.
     Returns `(order[E], lat[K + 1])`: lat[k] is the model latency with `order[:k]` shadowed, for
     the K longest prefixes that fit in the slots."""
-    D, E = counts.shape
-    order = np.argsort(-counts.sum(axis=0), kind="stable")
-    is_home = np.arange(D)[:, None] == home[None, :]  # [D, E]
-    away = np.where(is_home, 0.0, counts)  # tokens that leave their source, [D, E]
-    remote_total = away.sum(axis=0)  # [E] tokens each home receives
-    homed_tokens = np.bincount(home, weights=counts.sum(axis=0), minlength=D)
-    recv0 = np.bincount(home, weights=remote_total, minlength=D)
-    send0 = away.sum(axis=1)
-    # Step k (shadow order[k]): every device computes its own tokens; the home stops receiving.
-    a = away[:, order].T  # [E, D]
-    home_hit = np.zeros((E, D))
-    home_hit[np.arange(E), home[order]] = remote_total[order]
-    d_comp = np.vstack([np.zeros(D), np.cumsum(a - home_hit, axis=0)])  # [E + 1, D]
-    d_send = np.vstack([np.zeros(D), np.cumsum(a, axis=0)])
-    d_recv = np.vstack([np.zeros(D), np.cumsum(home_hit, axis=0)])
-    comp = homed_tokens[None, :] + d_comp
-    crossing = np.maximum(send0[None, :] - d_send, recv0[None, :] - d_recv)
-    lat = (t_comp * comp + t_feat * np.maximum(crossing, 0.0)).max(axis=1)
-    lat = lat + t_shadow * np.arange(E + 1)
-    # Slots: shadowing order[k] takes a slot on every device but its home.
-    used = np.vstack([np.zeros(D), np.cumsum(~is_home[:, order].T, axis=0)])
-    fits = (used <= free[None, :]).all(axis=1)
-    K = int(np.argmin(fits)) - 1 if not fits.all() else E
-    return order, lat[: K + 1]
+    E = counts.shape[1]
+    walk = _Walk(counts[None], home[None], free[None], t_comp, t_feat, t_shadow)
+    lat, fits = walk.rows(E)
+    K = int(np.argmin(fits[0])) - 1 if not fits.all() else E
+    return walk.order[0], lat[0, : K + 1]
+
+
+class _Walk:
+    """The prefixes of FasterMoE's walk for L layers at once, computed a chunk of steps at a
+    time (`rows`): step k shadows `order[:, k]` (loads descending, stable). `counts[L, D, E]`,
+    `home[L, E]`, `free[L, D]`; the running sums carried between chunks are the cumulative
+    sums of one pass, so every row equals its value in a single pass over all E steps."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        home: np.ndarray,
+        free: np.ndarray,
+        t_comp: float,
+        t_feat: float,
+        t_shadow: float,
+    ) -> None:
+        L, D, _ = counts.shape
+        self.t_comp, self.t_feat, self.t_shadow = t_comp, t_feat, t_shadow
+        self.free = free
+        total = counts.sum(axis=1)  # [L, E]
+        self.order = np.argsort(-total, axis=1, kind="stable")
+        is_home = np.arange(D)[None, :, None] == home[:, None, :]  # [L, D, E]
+        self.away = np.where(is_home, 0.0, counts)  # tokens that leave their source
+        remote_total = self.away.sum(axis=1)  # [L, E] tokens each home receives
+        flat = (np.arange(L)[:, None] * D + home).ravel()
+        self.homed = np.bincount(flat, weights=total.ravel(), minlength=L * D).reshape(L, D)
+        self.recv0 = np.bincount(flat, weights=remote_total.ravel(), minlength=L * D).reshape(L, D)
+        self.send0 = self.away.sum(axis=2)
+        self.home_o = np.take_along_axis(home, self.order, axis=1)  # homes in walk order
+        self.remote_o = np.take_along_axis(remote_total, self.order, axis=1)
+        # Running sums after the steps done so far: compute, sent, received, slots used.
+        self.done = 0
+        self.d_comp = np.zeros((L, 1, D))
+        self.d_send = np.zeros((L, 1, D))
+        self.d_recv = np.zeros((L, 1, D))
+        self.used = np.zeros((L, 1, D), dtype=np.int64)
+
+    def _lat(self, d_comp: np.ndarray, d_send: np.ndarray, d_recv: np.ndarray) -> np.ndarray:
+        """Slowest device's latency `[L, n]` of rows `[L, n, D]` (without the shadow cost)."""
+        comp = self.homed[:, None, :] + d_comp
+        crossing = np.maximum(self.send0[:, None, :] - d_send, self.recv0[:, None, :] - d_recv)
+        return (self.t_comp * comp + self.t_feat * np.maximum(crossing, 0.0)).max(axis=2)
+
+    def first(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(lat[L, 1], fits[L, 1])` of row 0 (nothing shadowed)."""
+        lat = self._lat(self.d_comp, self.d_send, self.d_recv) + self.t_shadow * np.arange(1)
+        return lat, (self.used <= self.free[:, None, :]).all(axis=2)
+
+    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """`(lat[L, n + 1], fits[L, n + 1])` for rows done..done + n (row r: the first r experts
+        shadowed; lat[k] includes k t_shadow) and advance by n steps."""
+        r0, r1 = self.done, self.done + n
+        L, D, _ = self.away.shape
+        idx = self.order[:, r0:r1]
+        a = np.take_along_axis(self.away, idx[:, None, :], axis=2).transpose(0, 2, 1)  # [L, n, D]
+        hit = np.zeros((L, n, D))
+        hit[np.arange(L)[:, None], np.arange(n)[None, :], self.home_o[:, r0:r1]] = self.remote_o[
+            :, r0:r1
+        ]
+        # Step k: every device computes its own tokens; the home stops receiving.
+        d_comp = np.cumsum(np.concatenate([self.d_comp, a - hit], axis=1), axis=1)
+        d_send = np.cumsum(np.concatenate([self.d_send, a], axis=1), axis=1)
+        d_recv = np.cumsum(np.concatenate([self.d_recv, hit], axis=1), axis=1)
+        lat = self._lat(d_comp, d_send, d_recv) + self.t_shadow * np.arange(r0, r1 + 1)
+        # Slots: shadowing order[k] takes a slot on every device but its home.
+        away = self.home_o[:, r0:r1, None] != np.arange(D)[None, None, :]
+        used = np.cumsum(np.concatenate([self.used, away], axis=1), axis=1)
+        fits = (used <= self.free[:, None, :]).all(axis=2)
+        self.done = r1
+        self.d_comp, self.d_send = d_comp[:, -1:], d_send[:, -1:]
+        self.d_recv, self.used = d_recv[:, -1:], used[:, -1:]
+        return lat, fits
 
 
 def first_non_improvement(lat: np.ndarray) -> int:
@@ -107,33 +161,79 @@ def first_non_improvement(lat: np.ndarray) -> int:
     return int(np.argmin(improving)) if not improving.all() else len(improving)
 
 
+def shadow_layers(
+    counts: np.ndarray,
+    home: np.ndarray,
+    free: np.ndarray,
+    t_comp: float,
+    t_feat: float,
+    t_shadow: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """FasterMoE's walk on every layer: `counts[L, D, E]`, `home[L, E]`, `free[L, D]` ->
+    `(order[L, E], k[L], lat_0[L], lat_k[L])`: layer l shadows `order[l, :k[l]]`, the longest
+    prefix that fits in the slots along which each step strictly lowers the latency
+    (`shadow_latencies` then `first_non_improvement`). The walk stops at the first step that
+    does not help, so the rows are computed a chunk at a time (4, 16, 64, ... steps) until
+    every layer has stopped."""
+    L, _, E = counts.shape
+    walk = _Walk(counts, home, free, t_comp, t_feat, t_shadow)
+    lat0, fits0 = walk.first()
+    if not fits0.all():  # a layer over its slots from the start: price it all at once
+        lat, fits = walk.rows(E)
+        lat = np.concatenate([lat0, lat[:, 1:]], axis=1)
+        k = np.zeros(L, dtype=np.int64)
+        for layer in range(L):
+            K = int(np.argmin(fits[layer])) - 1 if not fits[layer].all() else E
+            k[layer] = first_non_improvement(lat[layer, : K + 1])
+        return walk.order, k, lat[:, 0], lat[np.arange(L), k]
+    k = np.full(L, -1, dtype=np.int64)
+    lat_k = lat0[:, 0].copy()
+    prev = lat0[:, 0]
+    step = 4
+    while walk.done < E and (k < 0).any():
+        r0 = walk.done
+        n = min(step, E - r0)
+        lat, fits = walk.rows(n)
+        # Row r + 1 stops the walk at r if it does not fit or does not lower the latency.
+        before = np.concatenate([prev[:, None], lat[:, 1:-1]], axis=1)
+        stop = ~fits[:, 1:] | ~(lat[:, 1:] < before)  # [L, n]
+        hit = (k < 0) & stop.any(axis=1)
+        first = stop.argmax(axis=1)
+        k = np.where(hit, r0 + first, k)
+        lat_k = np.where(hit, before[np.arange(L), first], lat_k)
+        prev = lat[:, -1]
+        step *= 4
+    open_layers = k < 0  # walked every expert
+    k[open_layers] = E
+    lat_k[open_layers] = prev[open_layers]
+    return walk.order, k, lat0[:, 0], lat_k
+
+
 @register(NAME)
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with the FasterMoE shadow set per layer."""
     L, D, _ = loads.shape
     cluster, spec = ctx.cluster, ctx.spec
-    start = start_placement(previous, ctx, L)
-    placement = Placement.from_homes(start.home, D, ctx.slots_per_device)
+    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     w_net = network_bw(cluster)
     factor = ctx.option(NAME, "shadow_cost_factor", None)
     factor = 1.0 + 2.0 * (D - 1) / D if factor is None else float(factor)
     t_comp = 3.0 * spec.flops_per_token_fwd / cluster.gemm_flops
     t_feat = 4.0 * spec.token_bytes / w_net
     t_shadow = spec.expert_bytes / w_net * factor
-    shadowed: list[list[int]] = []
-    lats: list[list[float]] = []
-    for layer in range(L):
-        home = placement.home[layer]
-        free = ctx.slots_per_device - placement.copies[layer].sum(axis=1)
-        if D == 1:
-            shadowed.append([])
-            lats.append([0.0, 0.0])
-            continue
-        order, lat = shadow_latencies(loads[layer], home, free, t_comp, t_feat, t_shadow)
-        k = first_non_improvement(lat)
-        chosen = order[:k]
-        placement.copies[layer][:, chosen] = np.maximum(placement.copies[layer][:, chosen], 1)
-        shadowed.append([int(e) for e in chosen])
-        lats.append([float(lat[0]), float(lat[k])])
+    if D == 1:
+        shadowed: list[list[int]] = [[] for _ in range(L)]
+        lats: list[list[float]] = [[0.0, 0.0] for _ in range(L)]
+    else:
+        free = ctx.slots_per_device - placement.copies.sum(axis=2)
+        order, k, lat0, lat_k = shadow_layers(loads, placement.home, free, t_comp, t_feat, t_shadow)
+        take = np.arange(order.shape[1])[None, :] < k[:, None]  # [L, E]
+        layer, rank = np.nonzero(take)
+        placement.copies[layer, :, order[layer, rank]] = np.maximum(
+            placement.copies[layer, :, order[layer, rank]], 1
+        )
+        order_list = order.tolist()
+        shadowed = [order_list[layer][:n] for layer, n in enumerate(k.tolist())]
+        lats = np.stack([lat0, lat_k], axis=1).tolist()
     notes: dict[str, Any] = {"shadowed": shadowed, "fastermoe_lat_s": lats, "w_net_Bps": w_net}
     return finish_plan(NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes)
