@@ -1,6 +1,4 @@
-"""`hybrid`: HybridEP's hybrid expert/data transmission (Yang et al., arXiv 2510.19470;
-reconstructed from the published description, the paper body (its eq. 10-12) could not be read:
-the model below is ours, in its spirit).
+"""`hybrid`: HybridEP's hybrid expert/data transmission (Yang et al., arXiv 2510.19470).
 
 Devices are cut into *domains* (`cluster.domain_of()`): inside a domain, experts travel (an
 expert needed there is copied into the domain once and its tokens stay in the domain); across
@@ -8,11 +6,26 @@ domains, tokens travel by all-to-all as in plain EP. A single-domain cluster who
 link is slower per device than its intra-node link uses nodes as domains; otherwise the policy
 keeps the static layout (nothing to gain from moving experts).
 
-Stream model (after HybridEP eq. 10-12, reconstructed). Per layer, let T[g, e] be the tokens
-domain g sends to expert e homed outside g. Plain EP sends all of them across domains:
-X = sum T[g, e] tokens, 4 X B_t bytes a step (dispatch and combine, forward and backward).
-Replicating e into g instead moves W_e of weights in (Trans) and W_e of gradients out (Agg) and
-keeps 4 T[g, e] B_t bytes of tokens inside g. The data fraction still sent across domains is
+The paper's stream model (§III; G GPUs, D bytes of data a GPU sends in an all-to-all, P_E bytes
+per expert, B bandwidth, Lat_PE the expert compute that can hide an all-gather). Definition 1:
+p is the fraction of a GPU's outgoing data chunks still sent by all-to-all, the rest replaced
+by gathering the experts instead. Volumes: all-to-all D (G - 1) / G p (eq. 3), all-gather
+P_E (G - 1) (1 - p) (eq. 4); time = all-gather + 2 all-to-all (eq. 5), the all-gather hidden up
+to Lat_PE (eq. 7), so
+
+    Lat(p) = Lat_PE + 2 D (G - 1) p / (G B)                   if p >= 1 - B Lat_PE / (P_E (G-1))
+    Lat(p) = p (G - 1) (2 D - G P_E) / (B G) + (G - 1) P_E / B    otherwise     (eq. 10-12)
+
+and the optimum is p* = 1 - B Lat_PE / (P_E (G - 1)) when 2 D < G P_E, else p* = 0. The paper
+assumes even routing and uniform chunks, gives every GPU of a domain every expert it gathers,
+and has no gradient return.
+
+What we do instead (the same trade, on measured loads and the full cost model). Per layer,
+let T[g, e] be the tokens domain g sends to expert e homed outside g. Plain EP sends all of them
+across domains: X = sum T[g, e] tokens, 4 X B_t bytes a step (dispatch and combine, forward
+and backward). Replicating e into g instead moves W_e of weights in (Trans) and W_e of gradients
+out (Agg) and keeps 4 T[g, e] B_t bytes of tokens inside g. The data fraction still sent across
+domains is, as in Definition 1,
 
     p = 1 - sum_{(g, e) replicated} T[g, e] / X          (p = 1: plain EP, p = 0: all experts)
 
@@ -21,7 +34,8 @@ Pairs (g, e) are taken greedily by saved bytes per moved byte, 4 T[g, e] B_t / (
 domain's free slots; the cut k* (the number of pairs taken) minimises the cost model's layer time
 (`ctx.cost`: all-to-all per link level, expert compute, Trans and Agg under `ctx.cost.schedule`),
 and p* = p(k*) in [0, 1]. Each cut is priced incrementally on its layer (checked against
-`CostModel.price` in the tests).
+`CostModel.price` in the tests). The paper's closed form, on the same layer's averages, is in
+the notes (`p_closed_form`) for comparison.
 
 A domain holds one replica of each expert moved into it, on the device of the domain that sends
 most tokens to that expert among those with a free slot (lowest index on ties); every device of
@@ -30,9 +44,17 @@ weights route inside the domain, other sources go to the home). One replica per 
 the wide-area Trans to one copy per domain, which the cost model (direct home-to-replica Trans,
 no relay inside the domain) prices best; copies on every device of the domain would multiply it.
 
-Notes: `p_star[l]`, `domain_level` ("domain", "node" or None), `domain_size` (devices),
-`replicated[l][g]` (experts moved into domain g, in greedy order), `replica_device[l][g]`,
-`hybrid_layer_s[l]` (predicted layer seconds at k = 0 and k*).
+More devices than experts: the static layout already holds expert-data-parallel copies of every
+expert (device d holds expert floor(d E / D)) in blocks, so a domain holds only some experts.
+There the policy keeps those copies, gives every domain a copy of each expert it lacks, heaviest
+first, while free slots last (the paper's p = 0 inside the domain), and routes each domain's
+tokens to its own copies (`group_local`, the rest split over all copies); in each layer where
+the cost model prices that above static's layout and split, the layer keeps static's (p* = 1).
+p* is reported as the cross-domain share of tokens left against static's.
+
+Notes: `p_star[l]`, `p_closed_form[l]`, `domain_level` ("domain", "node" or None),
+`domain_size` (devices), `replicated[l][g]` (experts moved into domain g, in greedy order),
+`replica_device[l][g]`, `hybrid_layer_s[l]` (predicted layer seconds at k = 0 and k*).
 """
 
 from __future__ import annotations
@@ -44,7 +66,13 @@ import numpy as np
 
 from poise.cost_incremental import LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
-from poise.policies.base import PlanContext, finish_plan, register, start_homes
+from poise.policies.base import (
+    PlanContext,
+    finish_plan,
+    register,
+    start_homes,
+    static_placement,
+)
 from poise.topology import Cluster
 
 NAME = "hybrid"
@@ -261,6 +289,8 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         return finish_plan(
             NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes
         )
+    if loads.shape[2] < D:  # more devices than experts
+        return _plan_with_edp_copies(loads, previous, ctx, notes, size)
     G = D // size
     home = placement.home
     free = ctx.slots_per_device - placement.copies.sum(axis=2)  # [L, D]
@@ -313,7 +343,115 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         replicated.append(reps)
         replica_device.append(devs)
     notes.update(
-        p_star=p_star, replicated=replicated, replica_device=replica_device, hybrid_layer_s=layer_s
+        p_star=p_star,
+        p_closed_form=p_closed_form(loads, home, size, ctx).tolist(),
+        replicated=replicated,
+        replica_device=replica_device,
+        hybrid_layer_s=layer_s,
     )
     assignment = Assignment.group_local(placement, size)
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
+
+
+def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanContext) -> np.ndarray:
+    """`[L]` HybridEP's optimum p* (eq. 10-12, see the module docstring) on each layer's
+    averages: G domains, D = the mean bytes a domain sends across domains per all-to-all, P_E =
+    expert bytes, B = the per-device bandwidth of the link between domains (times the domain's
+    devices), Lat_PE = the mean expert forward seconds per domain (what can hide the gather)."""
+    cluster, spec = ctx.cluster, ctx.spec
+    L, Dv, _ = loads.shape
+    G = Dv // size
+    if G < 2:
+        return np.ones(L)
+    dom = np.arange(Dv) // size
+    cross = loads * (dom[None, :, None] != dom[home][:, None, :])  # [L, Dv, E] leaving its domain
+    data = cross.sum(axis=(1, 2)) / G * spec.token_bytes  # [L] bytes per domain
+    link = cluster.inter_domain if cluster.domains > 1 else cluster.inter_node
+    bw = link.per_device_bw_Bps * size
+    p_e = float(spec.expert_bytes)
+    lat_pe = loads.sum(axis=(1, 2)) / G * spec.flops_per_token_fwd / (cluster.gemm_flops * size)
+    p = 1.0 - bw * lat_pe / (p_e * (G - 1))
+    return np.where(2.0 * data < G * p_e, np.clip(p, 0.0, 1.0), 0.0)
+
+
+def _fill_domains(
+    placement: Placement, loads: np.ndarray, size: int
+) -> list[list[list[tuple[int, int]]]]:
+    """Give every domain a copy of each expert it lacks, heaviest first (tokens the domain sends
+    to it), each on the domain's device with the most free slots (lowest index on ties), while
+    slots last; `placement.copies` is updated in place. Returns `[L][G]` lists of (expert,
+    device) added."""
+    L, D, _ = loads.shape
+    G = D // size
+    copies = placement.copies
+    added: list[list[list[tuple[int, int]]]] = []
+    for layer in range(L):
+        free = placement.slots_per_device - copies[layer].sum(axis=1)  # [D]
+        per_layer = []
+        for g in range(G):
+            devs = np.arange(g * size, (g + 1) * size)
+            held = copies[layer, devs].sum(axis=0) > 0  # [E]
+            demand = loads[layer, devs].sum(axis=0)  # [E]
+            missing = [e for e in np.argsort(-demand, kind="stable").tolist() if not held[e]]
+            got = []
+            for e in missing:
+                d = int(devs[np.argmax(free[devs])])
+                if free[d] <= 0:
+                    break
+                copies[layer, d, e] += 1
+                free[d] -= 1
+                got.append((e, d))
+            per_layer.append(got)
+        added.append(per_layer)
+    return added
+
+
+def _plan_with_edp_copies(
+    loads: np.ndarray,
+    previous: Plan | None,
+    ctx: PlanContext,
+    notes: dict[str, Any],
+    size: int,
+) -> Plan:
+    """More devices than experts: the static layout's expert-data-parallel copies plus a copy of
+    each expert a domain lacks, each domain's tokens kept on its own copies, per layer where
+    that prices below static (see the module docstring)."""
+    L, D, E = loads.shape
+    G = D // size
+    static = static_placement(L, E, D, ctx.slots_per_device)
+    even = Assignment.even(static)
+    placement = static.copy()
+    added = _fill_domains(placement, loads, size)
+    local = Assignment.group_local(placement, size, base=Assignment.even(placement))
+    # Per layer the cheaper layout (the gathered experts cost Trans and Agg over the slow link,
+    # and keeping tokens in their domain can pile them on few copies): never slower than static.
+    even_s = ctx.cost.price(static, even, loads).layer_s
+    local_s = ctx.cost.price(placement, local, loads).layer_s
+    use_local = local_s < even_s
+    placement.copies[~use_local] = static.copies[~use_local]
+    assignment = Assignment.from_layers(
+        [(local if use_local[layer] else even, layer) for layer in range(L)]
+    )
+    held = placement.copies.reshape(L, G, size, E).sum(axis=2) > 0  # [L, G, E]
+    per_domain = loads.reshape(L, G, size, E).sum(axis=2)  # [L, G, E] tokens from domain g
+    # Under the static split over all copies, a domain keeps the share of its tokens that lands
+    # on its own copies; the group-local routing keeps all tokens of experts it holds.
+    share = static.copies.reshape(L, G, size, E).sum(axis=2) / static.copies.sum(axis=1)[:, None, :]
+    static_cross = (per_domain * (1.0 - share)).sum(axis=(1, 2))
+    cross = (per_domain * ~held).sum(axis=(1, 2))
+    p_local = np.where(static_cross > 0, cross / np.where(static_cross > 0, static_cross, 1), 1.0)
+    notes.update(
+        p_star=np.where(use_local, p_local, 1.0).tolist(),
+        hybrid_layer_s=np.stack([even_s, np.minimum(even_s, local_s)], axis=1).tolist(),
+        p_closed_form=[None] * L,
+        replicated=[
+            [[e for e, _ in added[layer][g]] if use_local[layer] else [] for g in range(G)]
+            for layer in range(L)
+        ],
+        replica_device=[
+            [[d for _, d in added[layer][g]] if use_local[layer] else [] for g in range(G)]
+            for layer in range(L)
+        ],
+        edp_copies=True,
+    )
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
