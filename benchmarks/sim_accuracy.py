@@ -1,38 +1,69 @@
 """The simulator against measured training steps on this machine.
 
-    .venv/bin/python benchmarks/sim_accuracy.py          # ~2 min on 2 cores (3 runs per policy)
+    .venv/bin/python benchmarks/sim_accuracy.py          # ~3 min on 2 cores (3 runs per policy)
 
-1. `poise calibrate --d-model 128 --d-expert 256 --threads 1`: this machine's GEMM curve at the
-   tiny model's expert widths with 1 thread (what each training rank runs with on 2 cores) and
-   the gloo all-to-all between 2 local ranks, written as a 2-device cluster YAML.
+1. `poise calibrate --d-model 128 --d-expert 256 --threads 1 --model tiny`: this machine's
+   collectives between 2 local gloo ranks (the all-to-all is the cluster's link) and, on the 2
+   ranks at once as training runs them, the tiny model's own experts (the GEMM curve), its
+   non-MoE block (attention, norms, router and the head's share: a FLOP rate curve), the token
+   dispatcher's host work per routed row, AdamW and clipping per parameter over a rank's
+   tensors, and the all-reduce after compute (`poise.calibrate.host`), written as a 2-device
+   cluster YAML with `HostCosts`. With `--calibrate-every round` (the default) this is
+   repeated before each round of runs: the machine's speed changes by about 1.6x within
+   minutes when other jobs share its host, and a calibration stands for the machine only
+   while its speed lasts.
 2. Real training, 2 local gloo ranks (`poise train --nproc 2`'s launcher), the `tiny` GPT-MoE
    without aux loss, `--steps` steps under `static` and under `auto` (re-planning every
-   `--replan-every` steps, priced on the calibrated cluster), each recording its routing trace.
+   `--replan-every` steps, priced on the round's calibrated cluster), each recording its
+   routing trace.
 3. The simulator (`poise.sim.simulator.simulate`) replays each run's trace under its own policy
-   on the calibrated cluster with a `ModelSpec` of the tiny model, the same slots, re-planning
-   interval and predictor, synchronous schedule, planning time charged.
+   on the round's calibrated cluster with a `ModelSpec` of the tiny model, the same slots,
+   re-planning interval and predictor, synchronous schedule, planning time charged, and the
+   model's replicated parameters (`dense_params`, counted on the model), so each step also pays
+   the work outside the layers (`poise.step_overheads`).
+
+What the simulator prices per step (every term measured by `poise calibrate`; formulas in
+`poise.cost`, `poise.host_costs` and `poise.step_overheads`): per MoE layer the expert GEMMs of
+the slowest device on the model's experts' rate curve (forward and twice for backward), the
+token all-to-alls on the measured link (4 per layer), the non-MoE compute at its measured rate
+(FNEC, BNEC), the dispatcher's host work a + b (rows sent + received) of the slowest device
+(forward and backward), Trans, Agg, migration; per step the dense gradients' all-reduce, the
+gather of the routing counts, clipping and the AdamW step, and planning.
+
+`--ablation` also replays every run with the simulator's terms added one at a time on the
+round's calibration (`ablation_ms`, `ablation_abs_error` per policy): the expert FFN's GEMM curve
+and the links only (the cost model before host costs), then the model's own experts' curve,
+the non-MoE rate, the dispatcher's host work, and the work outside the layers (= the full
+prediction).
 
 Each policy runs `--repeats` times (static and auto alternating, so load from other work on the
-machine falls on both: step times here switch between two levels about 1.6x apart when other
-jobs run). Per run: the mean step time over the steps after the first `replan_every + 2`
-(rank 0's wall time per step, everything included) and the simulator's mean over the same
-steps. `measured_ms` and `predicted_ms` are medians over the runs, `abs_error = |predicted -
-measured| / measured`. The last
-line has `mean_abs_error` over the policies. Target: <= 0.15.
+machine falls on both). Per run: the mean step time over the steps after the first
+`replan_every + 2` (rank 0's wall time per step, everything included) and the simulator's mean
+over the same steps on that run's calibration; the run's error is |predicted - measured| /
+measured. Per policy, `abs_error` is the median of its runs' errors (`abs_error_runs`; each run
+is compared with the calibration made just before it, so a round the machine spent at another
+speed than its calibration is one outlier, not a shift of both medians), `measured_ms` and
+`predicted_ms` the medians over the runs (`abs_error_of_medians` compares those two), and
+`busy_before_run` the share of the cores other work kept busy just before each run. The last
+line has `mean_abs_error` over the policies (target: <= 0.15) and each calibration's figures
+with `busy_before` it.
 
 The tiny model's `ModelSpec`: d_model 128, d_expert 256, SwiGLU, 8 experts top-2, 4 MoE layers,
 fp32 (4 bytes), AdamW state 8 bytes per parameter, 1,024 tokens per rank and step (8 sequences
-of 128), and non-MoE forward FLOPs per token and block counted from the model: attention
-projections 8 d^2, causal attention 2 d (T + 1), router 2 d E, and the tied embedding head's
-2 V d shared over the layers.
+of 128), and non-MoE forward FLOPs per token and block from
+`poise.host_costs.gpt_non_moe_flops_per_token`: attention projections 8 d^2, causal attention
+2 d (T + 1), router 2 d E, and the tied embedding head's 2 V d shared over the layers.
 
 Each policy's JSON line also carries `phases_ms`: [measured (rank 0), predicted] ms per step for
 the parts both sides name: the forward pass, its non-MoE part (measured: forward minus the MoE
-layers' own gate, dispatch, experts and combine time) and its MoE part, the expert forward
-compute, the forward all-to-alls (measured: the dispatcher's dispatch and combine, which include
-sorting tokens and waiting for the slower rank), the backward pass, transfers and planning; and
-`not_modelled_ms`, measured phases the cost model does not price (dense gradient all-reduce,
-clipping, optimizer step, data). A large error shows up there as the phase that is missed.
+layers' dispatch, experts and combine time) and its MoE part, the expert forward compute
+(measured: rank 0's own; predicted: the slowest device's), the forward dispatch and combine
+(measured: the dispatcher's, which include waiting for the slower rank's experts; predicted:
+links and host work), the backward pass, the dense gradient sync, the balancer's phase before
+the optimizer (predicted: the routing counts' gather; for `auto` it also waits for Agg), clipping,
+the optimizer step (measured for `auto`: with the balancer's planning and Trans launch),
+transfers and planning; and `not_modelled_ms`, measured phases the simulator does not price
+(data loading).
 """
 
 from __future__ import annotations
@@ -59,11 +90,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=["static", "auto"])
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, alternating order")
     p.add_argument("--cluster", default=None, help="use this cluster YAML instead of calibrating")
+    p.add_argument(
+        "--calibrate-every",
+        choices=("once", "round"),
+        default="round",
+        help="calibrate once, or before each round of runs (the machine's speed drifts)",
+    )
     p.add_argument("--out", default=None, help="working folder (default: a temporary folder)")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also replay each run with the simulator's terms added one at a time",
+    )
     return p.parse_args(argv)
 
 
+CALIBRATE_TRIES = 3  # gloo ranks on a machine shared with other jobs' ranks can fail to start
+
+
+def busy_fraction() -> float | None:
+    """Share of this machine's cores busy over half a second (other jobs, before a run)."""
+    from poise.calibrate.outputs import cpu_busy_fraction
+
+    busy = cpu_busy_fraction(0.5)
+    return None if busy is None else round(busy, 2)
+
+
 def calibrate(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "calibrated.yaml"
     cmd = [
         sys.executable,
@@ -78,22 +132,32 @@ def calibrate(out: Path) -> Path:
         "256",
         "--threads",
         "1",
+        "--model",
+        "tiny",
     ]
-    subprocess.run(cmd, check=True, stdout=sys.stderr)
-    return path
+    for attempt in range(CALIBRATE_TRIES):
+        done = subprocess.run(cmd, stdout=sys.stderr)
+        if done.returncode == 0:
+            return path
+        print(
+            f"calibration failed (attempt {attempt + 1}), status {done.returncode}", file=sys.stderr
+        )
+    raise SystemExit(f"poise calibrate failed {CALIBRATE_TRIES} times")
 
 
 def tiny_spec(mcfg: Any, tokens_per_device: int) -> Any:
     """The `ModelSpec` of a GPT-MoE config (see the module docstring for the FLOPs)."""
+    from poise.host_costs import gpt_non_moe_flops_per_token
     from poise.spec import ModelSpec
 
-    d, T, E, V = mcfg.d_model, mcfg.context, mcfg.num_experts, mcfg.vocab_size
-    non_moe = 8 * d * d + 2 * d * (T + 1) + 2 * d * E + 2 * V * d / mcfg.moe_layers
+    non_moe = gpt_non_moe_flops_per_token(
+        mcfg.d_model, mcfg.context, mcfg.num_experts, mcfg.vocab_size, mcfg.moe_layers
+    )
     return ModelSpec(
         "tiny",
-        d_model=d,
+        d_model=mcfg.d_model,
         d_expert=mcfg.d_expert,
-        experts=E,
+        experts=mcfg.num_experts,
         top_k=mcfg.top_k,
         moe_layers=mcfg.moe_layers,
         dtype_bytes=4,
@@ -104,8 +168,17 @@ def tiny_spec(mcfg: Any, tokens_per_device: int) -> Any:
     )
 
 
-def compare(policy: str, run: Any, cluster: Any, spec: Any, args: argparse.Namespace) -> dict:
-    """Replay one run's trace under its policy; measured and predicted seconds of that run."""
+def dense_params(mcfg: Any) -> int:
+    """The replicated (non-expert) parameters of a GPT-MoE config, counted on the model."""
+    from poise.train.model import GPTMoE
+
+    return int(GPTMoE(mcfg).num_parameters()["dense"])
+
+
+def replay(
+    policy: str, run: Any, cluster: Any, spec: Any, dense: int | None, args: argparse.Namespace
+) -> Any:
+    """The simulator's `PolicyRun` of one run's trace under its policy on `cluster`."""
     from poise.sim.simulator import simulate
     from poise.trace import Trace
 
@@ -121,42 +194,112 @@ def compare(policy: str, run: Any, cluster: Any, spec: Any, args: argparse.Names
         run.config["predictor"],
         slots_per_device=slots,
         workers=1,
+        dense_params=dense,
     )
-    pr = res.runs[policy]
+    return res.runs[policy]
+
+
+ABLATION = ("gemm_ffn_and_links", "+model_experts", "+non_moe_rate", "+dispatcher", "+outside")
+
+
+def ablation_variants(cluster_path: Path, cluster: Any, dense: int) -> dict[str, tuple]:
+    """The calibrated cluster with the simulator's terms added one at a time (`ABLATION`):
+    the expert FFN's GEMM curve and the links only (the cost model before host costs), then
+    the model's own experts' GEMM curve, the non-MoE rate, the dispatcher's host work, and
+    the work outside the layers (the full prediction). Values: (cluster, dense_params)."""
+    import dataclasses
+
+    from poise.calibrate import measurements_path
+    from poise.topology import HostCosts
+
+    ffn = json.loads(measurements_path(cluster_path).read_text())["gemm_fits"]["forward+backward"]
+    h = cluster.host
+    dense_only = HostCosts(
+        dense_fwd_flops=h.dense_fwd_flops,
+        dense_fwd_half_tokens=h.dense_fwd_half_tokens,
+        dense_bwd_flops=h.dense_bwd_flops,
+        dense_bwd_half_tokens=h.dense_bwd_half_tokens,
+    )
+    with_dispatch = dataclasses.replace(
+        dense_only,
+        dispatch_fwd_s=h.dispatch_fwd_s,
+        dispatch_fwd_s_per_row=h.dispatch_fwd_s_per_row,
+        dispatch_bwd_s=h.dispatch_bwd_s,
+        dispatch_bwd_s_per_row=h.dispatch_bwd_s_per_row,
+    )
+    bare = dataclasses.replace(cluster, host=HostCosts())
+    return {
+        ABLATION[0]: (
+            dataclasses.replace(
+                bare, gemm_flops=ffn["gemm_flops"], gemm_half_rows=ffn["half_rows"]
+            ),
+            None,
+        ),
+        ABLATION[1]: (bare, None),
+        ABLATION[2]: (dataclasses.replace(cluster, host=dense_only), None),
+        ABLATION[3]: (dataclasses.replace(cluster, host=with_dispatch), None),
+        ABLATION[4]: (cluster, dense),
+    }
+
+
+def compare(
+    policy: str,
+    run: Any,
+    cluster: Any,
+    spec: Any,
+    dense: int,
+    args: argparse.Namespace,
+    variants: dict[str, tuple] | None = None,
+) -> dict:
+    """Replay one run's trace under its policy; measured and predicted seconds of that run
+    (and under each of `variants`, the predicted mean step)."""
+    pr = replay(policy, run, cluster, spec, dense, args)
     skip = args.replan_every + 2
     w = slice(skip, None)
     measured_s = float(run.step_s[w].mean())
     predicted_s = float(pr.step_s[w].mean())
+    ablation = {
+        name: float(replay(policy, run, c, spec, d, args).step_s[w].mean())
+        for name, (c, d) in (variants or {}).items()
+    }
     # Phases: predicted per step (summed over layers), measured on rank 0.
     ph = {k: float(v[w].sum(axis=1).mean()) for k, v in pr.phases.items()}
+    ph.update({k: float(v[w].sum(axis=1).mean()) for k, v in pr.host_phases.items()})
+    out = {k: float(v[w].mean()) for k, v in pr.outside_s.items()}
     mp = {k: float(v[w].mean()) for k, v in run.phases.items()}
     mm = {k: float(v[w].mean()) for k, v in run.moe_phases.items()}
-    pred_fwd = ph["non_moe_fwd_s"] + ph["expert_fwd_s"] + ph["dispatch_s"] + ph["combine_s"]
-    pred_bwd = ph["non_moe_bwd_s"] + ph["expert_bwd_s"] + ph["dispatch_s"] + ph["combine_s"]
+    links = ph["dispatch_s"] + ph["combine_s"]
+    pred_moe_fwd = ph["expert_fwd_s"] + links + ph["dispatch_host_fwd_s"]
+    pred_bwd = ph["non_moe_bwd_s"] + ph["expert_bwd_s"] + links + ph["dispatch_host_bwd_s"]
     pred_bwd += ph["agg_s"]
-    moe_fwd = sum(mm.get(k, 0.0) for k in ("gate", "dispatch", "experts", "combine"))
+    moe_fwd = sum(mm.get(k, 0.0) for k in ("dispatch", "experts", "combine"))
     phases = {
-        "forward": [mp.get("forward", 0.0), pred_fwd],
+        "forward": [mp.get("forward", 0.0), ph["non_moe_fwd_s"] + pred_moe_fwd],
         "non_moe_forward": [mp.get("forward", 0.0) - moe_fwd, ph["non_moe_fwd_s"]],
-        "moe_forward": [moe_fwd, ph["expert_fwd_s"] + ph["dispatch_s"] + ph["combine_s"]],
+        "moe_forward": [moe_fwd, pred_moe_fwd],
         "expert_forward": [mm.get("experts", 0.0), ph["expert_fwd_s"]],
-        "all_to_all_forward": [
+        "dispatch_combine_forward": [
             mm.get("dispatch", 0.0) + mm.get("combine", 0.0),
-            ph["dispatch_s"] + ph["combine_s"],
+            links + ph["dispatch_host_fwd_s"],
         ],
         "backward": [mp.get("backward", 0.0), pred_bwd],
+        "grad_sync": [mp.get("grad_sync", 0.0), out["grad_allreduce_s"]],
+        "balance": [mp.get("balance", 0.0), out["counts_s"]],
+        "clip": [mp.get("clip", 0.0), out["clip_s"]],
+        "optimizer": [mp.get("optimizer", 0.0), out["optimizer_s"]],
         "transfers_and_planning": [
             mm.get("transfers", 0.0) + mm.get("plan", 0.0),
             ph["trans_s"] + ph["agg_s"] + ph["migrate_s"] + float(pr.plan_s[w].mean()),
         ],
     }
-    not_modelled = {k: mp.get(k, 0.0) for k in ("grad_sync", "clip", "optimizer", "data")}
+    not_modelled = {k: mp.get(k, 0.0) for k in ("data",)}
     return {
         "measured_s": measured_s,
         "predicted_s": predicted_s,
         "measured_median_s": float(np.median(run.step_s[w])),
         "phases": phases,
         "not_modelled": not_modelled,
+        "ablation": ablation,
         "plan_changes": run.plan_changes,
         "steps": len(run.step_s),
         "measured_steps": len(run.step_s[w]),
@@ -164,10 +307,14 @@ def compare(policy: str, run: Any, cluster: Any, spec: Any, args: argparse.Names
 
 
 def summarise(policy: str, parts: list[dict]) -> dict:
-    """One JSON line from a policy's repeats: medians over the runs."""
+    """One JSON line from a policy's repeats: medians over the runs; `abs_error` the median of
+    the runs' own errors (each run predicted from its round's calibration)."""
 
     def med(values: Any) -> float:
         return float(np.median(list(values)))
+
+    def err(p: dict, predicted_s: float) -> float:
+        return abs(predicted_s - p["measured_s"]) / p["measured_s"]
 
     measured = med(p["measured_s"] for p in parts)
     predicted = med(p["predicted_s"] for p in parts)
@@ -180,9 +327,12 @@ def summarise(policy: str, parts: list[dict]) -> dict:
         "policy": policy,
         "measured_ms": round(measured * 1e3, 2),
         "predicted_ms": round(predicted * 1e3, 2),
-        "abs_error": round(abs(predicted - measured) / measured, 4),
+        "abs_error": round(med(err(p, p["predicted_s"]) for p in parts), 4),
+        "abs_error_runs": [round(err(p, p["predicted_s"]), 4) for p in parts],
+        "abs_error_of_medians": round(abs(predicted - measured) / measured, 4),
         "measured_ms_runs": [round(p["measured_s"] * 1e3, 1) for p in parts],
         "predicted_ms_runs": [round(p["predicted_s"] * 1e3, 1) for p in parts],
+        "busy_before_run": [p["busy_before"] for p in parts],
         "measured_median_ms": round(med(p["measured_median_s"] for p in parts) * 1e3, 2),
         "steps": parts[0]["steps"],
         "measured_steps": parts[0]["measured_steps"],
@@ -192,7 +342,38 @@ def summarise(policy: str, parts: list[dict]) -> dict:
             for k in parts[0]["not_modelled"]
         },
         "plan_changes": [p["plan_changes"] for p in parts],
+        **(
+            {
+                "ablation_ms": {
+                    k: round(med(p["ablation"][k] for p in parts) * 1e3, 2)
+                    for k in parts[0]["ablation"]
+                },
+                "ablation_abs_error": {
+                    k: round(med(err(p, p["ablation"][k]) for p in parts), 4)
+                    for k in parts[0]["ablation"]
+                },
+            }
+            if parts[0]["ablation"]
+            else {}
+        ),
         "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def cluster_summary(cluster: Any, busy: float | None = None) -> dict[str, Any]:
+    """The calibrated figures of one cluster file (rounded for the JSON line) and how busy
+    the machine was just before its calibration."""
+
+    def g(v: float) -> float:
+        return float(f"{v:.4g}")
+
+    return {
+        "gemm_gflops": round(cluster.gemm_flops / 1e9, 2),
+        "gemm_half_rows": round(cluster.gemm_half_rows, 2),
+        "a2a_GBps": round(cluster.intra_node.bw_Bps / 1e9, 3),
+        "a2a_lat_us": round(cluster.intra_node.lat_s * 1e6, 1),
+        "host": {k: g(v) for k, v in cluster.host.to_dict().items()},
+        "busy_before": busy,
     }
 
 
@@ -205,10 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="poise-sim-accuracy-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
+        busy_cal = busy_fraction()
         cluster_path = Path(args.cluster) if args.cluster else calibrate(root)
-        cluster = get_cluster(str(cluster_path))
+        clusters: list[tuple[Any, float | None]] = []
         parts: dict[str, list[dict]] = {p: [] for p in args.policies}
         for r in range(args.repeats):
+            if r and args.cluster is None and args.calibrate_every == "round":
+                busy_cal = busy_fraction()
+                cluster_path = calibrate(root / f"round-{r}")
+            cluster = get_cluster(str(cluster_path))
+            if not clusters or cluster != clusters[-1][0]:
+                clusters.append((cluster, busy_cal))
             order = args.policies if r % 2 == 0 else args.policies[::-1]
             for policy in order:
                 cfg = run_config(
@@ -219,10 +407,16 @@ def main(argv: list[str] | None = None) -> int:
                     {},
                     cluster=str(cluster_path),
                 )
+                busy = busy_fraction()
                 run = train(cfg)
                 mcfg = cfg.model_config()
                 spec = tiny_spec(mcfg, cfg.batch // 2 * mcfg.context)
-                parts[policy].append(compare(policy, run, cluster, spec, args))
+                dense = dense_params(mcfg)
+                variants = None
+                if args.ablation and args.cluster is None:
+                    variants = ablation_variants(cluster_path, cluster, dense)
+                parts[policy].append(compare(policy, run, cluster, spec, dense, args, variants))
+                parts[policy][-1]["busy_before"] = busy
                 got = parts[policy][-1]
                 print(
                     f"round {r} {policy}: measured {got['measured_s'] * 1e3:.1f} ms, "
@@ -240,11 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             "mean_abs_error": round(mean, 4),
             "target": 0.15,
             "target_met": mean <= 0.15,
-            "cluster": cluster.name,
-            "gemm_gflops": round(cluster.gemm_flops / 1e9, 2),
-            "gemm_half_rows": cluster.gemm_half_rows,
-            "a2a_GBps": round(cluster.intra_node.bw_Bps / 1e9, 3),
-            "a2a_lat_us": round(cluster.intra_node.lat_s * 1e6, 1),
+            "calibrate_every": "given" if args.cluster else args.calibrate_every,
+            "clusters": [cluster_summary(c, busy) for c, busy in clusters],
         }
         print(json.dumps(last), flush=True)
     return 0

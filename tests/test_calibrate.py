@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,18 +20,38 @@ from poise.calibrate import (
     CalibrationError,
     CommPoint,
     GemmPoint,
+    HostPoint,
+    LinkFit,
     expert_ffn_ops,
     expert_ffn_tensors,
     fit_all,
     fit_gemm_curve,
+    fit_host,
     fit_latency_bandwidth,
+    fit_line,
     load_collective_fit,
     measure_collectives,
     measurements_path,
     write_outputs,
 )
+from poise.calibrate.host import (
+    HOST_FLOOR,
+    KINDS_LOCAL,
+    allreduce_after_compute,
+    balanced_experts,
+    dense_grad_bytes,
+    dense_points,
+    dispatcher_host_seconds,
+    expert_points,
+    gpt_config,
+    local_timer,
+    rank_param_shapes,
+    rank_params,
+    step_points,
+)
 from poise.cli import main
 from poise.errors import ConfigError, PoiseError
+from poise.host_costs import gpt_non_moe_flops_per_token
 from poise.parm import GemmModel, ParmLayer, choose_schedule, layer_time
 from poise.topology import Cluster, Link, get_cluster
 
@@ -215,6 +236,25 @@ def test_cli_bad_sizes_exit_2_with_one_line(
     assert not (tmp_path / "c.yaml").exists()
 
 
+def test_cli_unknown_model_exits_2_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["calibrate", "--quick", "--model", "huge", "--out", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--model" in err and "unknown model preset" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_model_preset_gives_the_widths_and_no_host_skips_it() -> None:
+    cfg = CalibrationConfig.preset(quick=False, model="tiny", threads=1)
+    assert (cfg.d_model, cfg.d_expert, cfg.model, cfg.host) == (128, 256, "tiny", True)
+    cfg = CalibrationConfig.preset(quick=True, model="tiny", d_model=64, host=False)
+    assert (cfg.d_model, cfg.d_expert, cfg.host) == (64, 256, False)
+    with pytest.raises(ConfigError) as info:
+        CalibrationConfig(slot_counts=(2, 2))
+    assert info.value.field == "slot_counts"
+
+
 @pytest.mark.parametrize("out", ["blocker/c.yaml", "c.txt"])
 def test_cli_bad_output_exits_2(out: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "blocker").write_text("a file where a folder should be")
@@ -256,6 +296,12 @@ def test_quick_calibration_writes_a_loadable_cluster(
     assert (fit["gemm_flops"], fit["half_rows"]) == (cluster.gemm_flops, cluster.gemm_half_rows)
     a2a = data["link_fits"]["all_to_all"]
     assert (a2a["bw_Bps"], a2a["lat_s"]) == (cluster.intra_node.bw_Bps, cluster.intra_node.lat_s)
+    # the host costs (measured by default) are in the cluster file and the measurements
+    assert not cluster.host.is_default
+    assert cluster.host.dense_fwd_flops is not None and cluster.host.dense_fwd_flops > 0
+    assert cluster.host.allreduce_bw_Bps is not None and cluster.host.allreduce_bw_Bps > 0
+    assert set(data["host_fits"]) >= {"dense_fwd", "dispatch_fwd", "optimizer", "allreduce"}
+    assert "host costs" in printed
 
 
 # ------------------------------------------------- all-gather, reduce-scatter and CollectiveFit
@@ -357,3 +403,198 @@ def test_all_gather_and_reduce_scatter_are_measured_on_gloo() -> None:
     assert [p.collective for p in points] == [c for c in COLLECTIVES for _ in (0, 1)]
     for p in points:
         assert p.seconds > 0 and p.nbytes in config.message_bytes
+
+
+# ------------------------------------------------------------------------------- host costs
+def test_line_fit_recovers_its_own_model_and_bounds() -> None:
+    x = np.array([256.0, 1024.0, 4096.0])
+    fit = fit_line(x, 2e-3 + 5e-7 * x)
+    assert (fit.intercept_s, fit.slope_s) == pytest.approx((2e-3, 5e-7), rel=1e-9)
+    assert fit.note == ""
+    through_origin = fit_line(x, 1e-6 * x - 1e-4)  # a negative intercept
+    assert through_origin.intercept_s == 0.0 and through_origin.slope_s > 0
+    assert "intercept" in through_origin.note
+    flat = fit_line(x, np.array([3e-3, 2e-3, 1e-3]))  # falling with size: noise
+    assert flat.slope_s == 0.0 and 1e-3 < flat.intercept_s < 3e-3
+    with pytest.raises(CalibrationError, match="2 distinct"):
+        fit_line([8, 8], [1.0, 2.0])
+
+
+A2A = LinkFit(lat_s=1e-4, bw_Bps=2e9)
+HOST_TRUE = {
+    "dense_fwd": (4e10, 30.0),
+    "dense_bwd": (3e10, 10.0),
+    "dispatch_fwd": (2e-3, 4e-7),
+    "dispatch_bwd": (1e-3, 3e-7),
+    "optimizer": (2e-4, 2e-9),
+    "clip": (5e-5, 7e-10),
+    "experts": (8e10, 16.0),
+    "allreduce": (1.9e-3, 1.3e9),
+}
+
+
+def synthetic_host_points() -> list[HostPoint]:
+    """Exact timings of every host model in `HOST_TRUE` (the dispatcher's with its two token
+    all-to-alls each way on `A2A` added, as measured)."""
+    pts = []
+    F = 182_528.0  # FLOPs per token and block
+    for n in (128, 512, 2048):
+        for kind, mult in (("dense_fwd", 1.0), ("dense_bwd", 2.0)):
+            R, h = HOST_TRUE[kind]
+            pts.append(HostPoint(kind, n, mult * F * (n + h) / R, flops=mult * F * n))
+    for rows in (256, 1024, 4096):
+        nbytes = rows / 2 * 128 * 4
+        for kind in ("dispatch_fwd", "dispatch_bwd"):
+            a, b = HOST_TRUE[kind]
+            links = 2 * (A2A.lat_s + nbytes / A2A.bw_Bps)
+            pts.append(HostPoint(kind, rows, a + b * 2 * rows + links, nbytes=nbytes))
+    for P in (700_000, 1_100_000, 1_900_000):
+        for kind in ("optimizer", "clip"):
+            a, b = HOST_TRUE[kind]
+            pts.append(HostPoint(kind, P, a + b * P))
+    R, h = HOST_TRUE["experts"]
+    for n in (8, 128, 2048):
+        flops = 6.0 * 128 * 256 * n
+        pts.append(HostPoint("experts_fwd", n, flops * (n + h) / (R * n), flops=flops))
+        pts.append(HostPoint("experts_bwd", n, 2 * flops * (n + h) / (R * n), flops=2 * flops))
+    lat, bw = HOST_TRUE["allreduce"]
+    pts += [HostPoint("allreduce", m, lat + m / bw) for m in (150_000, 1_200_000, 4_800_000)]
+    return pts
+
+
+def test_host_fit_recovers_every_model() -> None:
+    fit = fit_host(synthetic_host_points(), A2A, LinkFit(lat_s=3e-4, bw_Bps=1.9e9))
+    for kind in ("dense_fwd", "dense_bwd"):
+        g = getattr(fit, kind)
+        assert (g.gemm_flops, g.half_rows) == pytest.approx(HOST_TRUE[kind], rel=1e-9)
+    for kind in ("dispatch_fwd", "dispatch_bwd", "optimizer", "clip"):
+        line = getattr(fit, kind)
+        assert (line.intercept_s, line.slope_s) == pytest.approx(HOST_TRUE[kind], rel=1e-9)
+    assert fit.experts is not None
+    assert (fit.experts.gemm_flops, fit.experts.half_rows) == pytest.approx(
+        HOST_TRUE["experts"], rel=1e-9
+    )
+    # the all-reduce after compute replaces the back-to-back one
+    assert (fit.allreduce.lat_s, fit.allreduce.bw_Bps) == pytest.approx(
+        HOST_TRUE["allreduce"], rel=1e-9
+    )
+    costs = fit.costs()
+    assert costs.dense_fwd_flops == pytest.approx(4e10)
+    assert costs.dispatch_bwd_s_per_row == pytest.approx(3e-7)
+    assert costs.optimizer_s == pytest.approx(2e-4)
+    assert costs.allreduce_bw_Bps == pytest.approx(1.3e9)
+    # without all-reduce points: the back-to-back fit
+    fallback = [p for p in synthetic_host_points() if p.kind != "allreduce"]
+    assert fit_host(fallback, A2A, LinkFit(3e-4, 1.9e9)).allreduce == LinkFit(3e-4, 1.9e9)
+
+
+def test_allreduce_after_compute_without_a_resolved_bandwidth() -> None:
+    """Skew after compute can drown the bytes term: the back-to-back bandwidth is kept."""
+    pts = [HostPoint("allreduce", m, t) for m, t in ((1e5, 2.1e-3), (1e6, 2.0e-3), (4e6, 1.9e-3))]
+    fit = allreduce_after_compute(pts, LinkFit(3e-4, 1.9e9))
+    assert fit.bw_Bps == 1.9e9 and 1.9e-3 < fit.lat_s < 2.1e-3
+    assert "back-to-back" in fit.note
+
+
+def test_dispatcher_time_below_its_links_keeps_a_floor() -> None:
+    point = HostPoint("dispatch_fwd", 1024, 1e-4, nbytes=1e6)  # links alone take ~1 ms
+    assert dispatcher_host_seconds(point, A2A) == pytest.approx(HOST_FLOOR * 1e-4)
+
+
+def test_calibration_with_host_costs_writes_and_reads_them(tmp_path: Path) -> None:
+    config, gemm, comm = synthetic_points(FITTED)
+    plain = fit_all(config, gemm, comm, {"hostname": "h"})
+    assert plain.host_fit is None and plain.cluster().host.is_default
+    cal = fit_all(config, gemm, comm, {"hostname": "h"}, host_points=synthetic_host_points())
+    cluster = cal.cluster()
+    assert cluster.host.dense_bwd_flops == pytest.approx(3e10)
+    # no model named: the GEMM curve stays the expert FFN's (as before)
+    assert cluster.gemm_flops == cal.gemm_fits["forward+backward"].gemm_flops
+    out = tmp_path / "c.yaml"
+    write_outputs(cal, out)
+    assert get_cluster(str(out)) == cluster
+    data = json.loads(measurements_path(out).read_text())
+    assert {p["kind"] for p in data["host_costs"]} >= {"dense_fwd", "dispatch_bwd", "clip"}
+    assert data["host_fits"]["optimizer"]["slope_s"] == pytest.approx(2e-9)
+    # a named model: its own experts give the GEMM curve
+    named = fit_all(replace(config, model="tiny"), gemm, comm, host_points=synthetic_host_points())
+    assert named.cluster().gemm_flops == pytest.approx(8e10)
+    assert named.gemm is named.gemm_fits["model_experts"]
+
+
+def test_rank_parameter_shapes_are_the_models() -> None:
+    from poise.train.model import GPTMoE, model_config
+
+    for overrides in ({}, {"moe_every": 2, "activation": "gelu", "d_model": 64, "d_ff": 96}):
+        cfg = model_config("tiny", overrides)
+        model = GPTMoE(cfg, num_slots=cfg.num_experts)
+        shapes = [tuple(p.shape) for _, p in model.named_parameters()]
+        assert rank_param_shapes(cfg, cfg.num_experts) == shapes
+        dense = model.num_parameters()["dense"]
+        assert rank_params(cfg, 0) == dense and dense_grad_bytes(cfg) == 4 * dense
+
+
+def test_balanced_experts_give_every_expert_the_same_rows() -> None:
+    ids = balanced_experts(tokens=96, top_k=2, experts=8, seed=3)
+    assert tuple(ids.shape) == (96, 2)
+    assert torch.bincount(ids.flatten(), minlength=8).tolist() == [24] * 8
+
+
+def test_host_measurements_in_one_process_are_real_timings() -> None:
+    """The non-MoE block, the optimizer and clipping, and the model's experts, timed for real
+    in this process at tiny sizes."""
+    config = CalibrationConfig(
+        d_model=32, d_expert=64, rows=(8, 32), dense_tokens=(64, 128), slot_counts=(1, 2),
+        gemm_repeats=2, warmup=1, min_time_s=0.0, threads=1,
+    )  # fmt: skip
+    timer = local_timer(2, 1, 0.0)
+    dense = dense_points(config, timer)
+    assert {p.kind for p in dense} == {*KINDS_LOCAL}
+    assert all(p.seconds > 0 for p in dense)
+    cfg = gpt_config(config)
+    by = {(p.kind, p.size): p for p in dense}
+    # 128 tokens: one sequence of the context; F from the formula, backward twice forward
+    flops = gpt_non_moe_flops_per_token(32, 128, cfg.num_experts, cfg.vocab_size, 4)
+    assert by[("dense_fwd", 128)].flops == pytest.approx(128 * flops)
+    assert by[("dense_bwd", 128)].flops == pytest.approx(2 * 128 * flops)
+    assert by[("dense_fwd", 128)].seconds == pytest.approx(
+        by[("block_fwd", 128)].seconds + by[("head_fwd", 128)].seconds / 4
+    )
+    step = step_points(config, timer)
+    assert [(p.kind, p.size) for p in step] == [
+        (k, rank_params(cfg, s)) for s in (1, 2) for k in ("optimizer", "clip")
+    ]
+    experts = expert_points(config, timer)
+    assert [p.size for p in experts] == [8, 8, 32, 32]
+    assert experts[0].flops == pytest.approx(6 * 32 * 64 * 8)  # SwiGLU: 3 matrices
+    assert all(p.seconds > 0 for p in step + experts)
+
+
+def _dispatch_and_allreduce(rank: int, world: int, config: CalibrationConfig) -> list:
+    from poise.calibrate.host import _dist_timer, allreduce_points, dispatch_points
+
+    timer = _dist_timer(2, 1, 0.0)
+    return dispatch_points(config, timer) + allreduce_points(config, timer)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_dispatcher_and_allreduce_are_timed_on_gloo_ranks() -> None:
+    from poise.runtime.launch import run_ranks
+
+    config = CalibrationConfig(
+        d_model=32, d_expert=64, dispatch_tokens=(16, 64), dense_tokens=(64, 128)
+    )
+    points = run_ranks(_dispatch_and_allreduce, 2, config)[0]
+    dispatch = [p for p in points if p.kind.startswith("dispatch")]
+    # top-2 of 8 experts, static layout on 2 ranks: half of each rank's rows leave it
+    assert [(p.kind, p.size, p.nbytes) for p in dispatch] == [
+        ("dispatch_fwd", 32, 16 * 32 * 4.0),
+        ("dispatch_bwd", 32, 16 * 32 * 4.0),
+        ("dispatch_fwd", 128, 64 * 32 * 4.0),
+        ("dispatch_bwd", 128, 64 * 32 * 4.0),
+    ]
+    allreduce = [p for p in points if p.kind == "allreduce"]
+    grads = dense_grad_bytes(gpt_config(config))  # an eighth, once and four times these
+    assert [p.size for p in allreduce] == [grads // 8 // 4 * 4, grads, 4 * grads]
+    assert all(p.seconds > 0 for p in points)

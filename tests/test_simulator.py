@@ -3,6 +3,7 @@ the online predictor matches the batch one, bad input fails with one clear error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,11 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from poise.cost import CostModel
 from poise.errors import ConfigError
 from poise.predict import OnlineForecast, Predictor
+from poise.schedule import Schedule
 from poise.sim.scaling import ScaledTrace, source_rows
 from poise.sim.simulator import simulate
-from poise.topology import get_cluster
+from poise.topology import HostCosts, get_cluster
 from poise.trace_generate import generate
 
 from .helpers import toy_cluster, toy_spec
@@ -154,6 +157,82 @@ def test_trace_and_model_disagree_on_experts() -> None:
     assert info.value.field == "experts"
     with pytest.raises(ConfigError, match="unknown policy"):
         simulate(trace, toy_cluster(4, 2), toy_spec(experts=8, layers=2), ["nope"])
+
+
+# ------------------------------------------------------------------ host costs and step work
+def test_cluster_without_host_costs_prices_as_the_cost_model() -> None:
+    """No `HostCosts` and no `dense_params`: every step is the cost model's price of the plan,
+    bit for bit, and the host and outside-the-layers terms stay zero."""
+    trace = drift_trace(steps=5)
+    cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
+    spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512, non_moe=1e5)
+    run = simulate(trace, cluster, spec, ["static"], "sync", 100, "ema").runs["static"]
+    plan = run.last_plan
+    assert plan is not None
+    cost = CostModel(cluster, spec, Schedule())
+    for s in range(5):
+        priced = cost.price(plan.placement, plan.assignment, trace.counts[s])
+        assert run.step_s[s] - run.plan_s[s] == priced.step_s
+        np.testing.assert_array_equal(run.phases["non_moe_fwd_s"][s], priced.phases.non_moe_fwd_s)
+    assert all(not v.any() for v in run.host_phases.values())
+    assert all(not v.any() for v in run.outside_s.values())
+    assert set(run.phase_totals()) >= {"dispatch_host_fwd_s", "optimizer_s", "planning_s"}
+
+
+def test_host_costs_and_step_work_on_a_hand_computed_step() -> None:
+    """1 layer, 2 devices, 2 experts (one each), 100 tokens per device, top-1, fp32 GELU experts
+    d_model 4, d_expert 8 (F_t = 128 FLOPs, 16 bytes per token), no latency."""
+    counts = np.array([[[[60.0, 40.0], [30.0, 70.0]]]])  # [S=1, L=1, D=2, E=2]
+    spec = toy_spec(experts=2, layers=1, d_model=4, d_expert=8, tokens=100, non_moe=1e4)
+    base = toy_cluster(2, bw=1e9, lat=0.0, flops=1e9)
+    host = HostCosts(
+        dense_fwd_flops=5e8, dense_bwd_flops=4e8,
+        dispatch_fwd_s=1e-4, dispatch_fwd_s_per_row=1e-6,
+        dispatch_bwd_s=5e-5, dispatch_bwd_s_per_row=2e-6,
+        optimizer_s=1e-3, optimizer_s_per_param=1e-8,
+        clip_s=0.0, clip_s_per_param=1e-9,
+        allreduce_lat_s=1e-4, allreduce_bw_Bps=1e9,
+    )  # fmt: skip
+    kw = {"slots_per_device": 1, "count_planning": False}
+    plain = simulate(counts, base, spec, ["static"], "sync", 10, "ema", **kw).runs["static"]
+    # Expert compute: device 1 computes 40 + 70 = 110 rows: FEC = 110 * 128 / 1e9, BEC = 2 FEC.
+    fec = 110 * 128 / 1e9
+    # All-to-all: each device sends or receives at most 40 rows of 16 bytes; 4 per step.
+    a2a = 4 * 40 * 16 / 1e9
+    fnec, bnec = 100 * 1e4 / 1e9, 2 * 100 * 1e4 / 1e9  # at the GEMM rate
+    assert plain.step_s[0] == pytest.approx(fnec + bnec + a2a + 3 * fec, rel=1e-12)
+
+    cluster = dataclasses.replace(base, host=host)
+    run = simulate(
+        counts, cluster, spec, ["static"], "sync", 10, "ema", dense_params=1000, **kw
+    ).runs["static"]
+    fnec, bnec = 100 * 1e4 / 5e8, 2 * 100 * 1e4 / 4e8  # measured rates
+    # Dispatcher rows s + r: device 0 routes 100 and computes 90, device 1 routes 100 and
+    # computes 110: the slowest handles 210.
+    h_fwd, h_bwd = 1e-4 + 210 * 1e-6, 5e-5 + 210 * 2e-6
+    params = 1000 + 1 * 1 * 64  # dense + 1 slot of a 2 * 4 * 8 expert
+    allreduce = 1e-4 + 1000 * 4 / 1e9
+    clip = 1e-9 * params + 1e-4 + 8 / 1e9
+    gather = 1e-4 + 8 * 1 * 2 / 1e9  # the [L=1, E=2] int64 routing counts
+    optimizer = 1e-3 + 1e-8 * params
+    layer = fnec + bnec + a2a + 3 * fec + h_fwd + h_bwd
+    assert run.layer_s[0, 0] == pytest.approx(layer, rel=1e-12)
+    outside = allreduce + gather + clip + optimizer
+    assert run.step_s[0] == pytest.approx(layer + outside, rel=1e-12)
+    assert run.phases["non_moe_bwd_s"][0, 0] == pytest.approx(bnec)
+    assert run.host_phases["dispatch_host_fwd_s"][0, 0] == pytest.approx(h_fwd)
+    assert run.outside_s["optimizer_s"][0] == pytest.approx(optimizer)
+    totals = run.phase_totals()
+    assert totals["grad_allreduce_s"] == pytest.approx(allreduce)
+    assert totals["dispatch_host_bwd_s"] == pytest.approx(h_bwd)
+    # dense_params alone (no host costs): the all-reduces on the links, nothing else
+    bare = simulate(
+        counts, base, spec, ["static"], "sync", 10, "ema", dense_params=1000, **kw
+    ).runs["static"]
+    on_links = (4000 + 16 + 8) / 1e9  # dense gradients, counts, the norm: ring on 2 devices
+    assert bare.step_s[0] - plain.step_s[0] == pytest.approx(on_links, rel=1e-9)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        simulate(counts, base, spec, ["static"], dense_params=-1)
 
 
 def _poise(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
 
 from poise.errors import ConfigError
-from poise.topology import GBIT, PRESETS, Cluster, get_cluster
+from poise.topology import GBIT, PRESETS, Cluster, HostCosts, get_cluster
 
 from .helpers import toy_cluster
 
@@ -93,3 +95,49 @@ def test_unknown_preset() -> None:
         get_cluster("tpu-pod")
     with pytest.raises(ConfigError, match="positive integer"):
         get_cluster("dgx-h100:zero")
+
+
+# ------------------------------------------------------------------------------- host costs
+def test_presets_have_no_host_costs_and_save_as_before() -> None:
+    for cluster in PRESETS.values():
+        assert cluster.host.is_default and cluster.host == HostCosts()
+        assert "host" not in cluster.to_dict()
+
+
+def test_host_costs_roundtrip_through_yaml(tmp_path) -> None:
+    host = HostCosts(
+        dense_fwd_flops=3e10, dense_fwd_half_tokens=20.0, dispatch_fwd_s=2e-3,
+        dispatch_fwd_s_per_row=5e-7, optimizer_s_per_param=2e-9, allreduce_lat_s=1e-3,
+        allreduce_bw_Bps=1.3e9,
+    )  # fmt: skip
+    cluster = dataclasses.replace(PRESETS["cpu-2"], host=host)
+    data = cluster.to_dict()
+    assert data["host"]["dense_fwd_flops"] == 3e10
+    assert "dense_bwd_flops" not in data["host"]  # None: left out
+    path = tmp_path / "c.yaml"
+    cluster.save(path)
+    assert Cluster.load(path) == cluster
+    assert get_cluster(str(path)).host.dispatch_fwd_s_per_row == 5e-7
+
+
+@pytest.mark.parametrize(
+    ("host", "field"),
+    [
+        ({"dense_fwd_flops": 0}, "host.dense_fwd_flops"),
+        ({"dispatch_bwd_s": -1e-3}, "host.dispatch_bwd_s"),
+        ({"optimizer_s_per_param": "fast"}, "host.optimizer_s_per_param"),
+        ({"allreduce_lat_s": 1e-4}, "host.allreduce_bw_Bps"),  # one of the pair
+        ({"colour": 1}, "host.colour"),
+    ],
+)
+def test_bad_host_costs_name_the_file_and_field(tmp_path, host: dict, field: str) -> None:
+    data = PRESETS["cpu-2"].to_dict()
+    data["host"] = host
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        Cluster.load(path)
+    assert str(path) in str(info.value)
+    assert field in str(info.value)
+    with pytest.raises(ConfigError, match="clip_s"):
+        HostCosts(clip_s=float("nan"))

@@ -52,6 +52,113 @@ class Link:
         return self.bw_Bps / self.shared_by
 
 
+HOST_FIELDS = (
+    "dense_fwd_flops",
+    "dense_fwd_half_tokens",
+    "dense_bwd_flops",
+    "dense_bwd_half_tokens",
+    "dispatch_fwd_s",
+    "dispatch_fwd_s_per_row",
+    "dispatch_bwd_s",
+    "dispatch_bwd_s_per_row",
+    "optimizer_s",
+    "optimizer_s_per_param",
+    "clip_s",
+    "clip_s_per_param",
+    "allreduce_lat_s",
+    "allreduce_bw_Bps",
+)
+# fields that may be left out (None): the rate or link the cost model used before
+OPTIONAL_HOST_FIELDS = ("dense_fwd_flops", "dense_bwd_flops", "allreduce_lat_s", "allreduce_bw_Bps")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """A device's measured costs beyond its expert GEMMs and the token all-to-all's links
+    (`poise calibrate` fits them; the formulas are in `poise.host_costs` and
+    `poise.step_overheads`). The defaults price nothing new, so a cluster without them (every
+    preset) prices exactly as before.
+
+    - non-MoE compute (attention, norms, router, the head's share) over n tokens runs at
+      `dense_*_flops * n / (n + dense_*_half_tokens)` FLOP/s, forward and backward;
+      `dense_fwd_flops=None`: the GEMM peak `Cluster.gemm_flops` with no small-batch loss (the
+      cost model's FNEC); `dense_bwd_flops=None`: the forward's rate and half tokens (BNEC =
+      2 FNEC);
+    - the token dispatcher's host work per MoE layer (sorting, permuting and packing rows,
+      the counts exchange) beyond its all-to-alls' link time: `dispatch_fwd_s +
+      dispatch_fwd_s_per_row * rows` forward and likewise backward, rows = rows a device sends
+      plus rows it receives;
+    - per step: the optimizer step `optimizer_s + optimizer_s_per_param * params` and the
+      gradient norm and clipping `clip_s + clip_s_per_param * params` over a device's
+      parameters; the dense gradients' all-reduce `allreduce_lat_s + bytes /
+      allreduce_bw_Bps` (measured between the devices), or with None the hierarchical
+      all-reduce on the cluster's links (`poise.collectives.hierarchical_allreduce_s`)."""
+
+    dense_fwd_flops: float | None = None
+    dense_fwd_half_tokens: float = 0.0
+    dense_bwd_flops: float | None = None
+    dense_bwd_half_tokens: float = 0.0
+    dispatch_fwd_s: float = 0.0
+    dispatch_fwd_s_per_row: float = 0.0
+    dispatch_bwd_s: float = 0.0
+    dispatch_bwd_s_per_row: float = 0.0
+    optimizer_s: float = 0.0
+    optimizer_s_per_param: float = 0.0
+    clip_s: float = 0.0
+    clip_s_per_param: float = 0.0
+    allreduce_lat_s: float | None = None
+    allreduce_bw_Bps: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in HOST_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_HOST_FIELDS:
+                continue
+            positive = name.endswith("flops") or name.endswith("Bps")
+            if value is None or not np.isfinite(value) or (value <= 0 if positive else value < 0):
+                raise ConfigError(
+                    f"must be {'> 0' if positive else '>= 0'}, got {value!r}",
+                    source="host",
+                    field=f"host.{name}",
+                )
+        if (self.allreduce_lat_s is None) != (self.allreduce_bw_Bps is None):
+            raise ConfigError(
+                "give both allreduce_lat_s and allreduce_bw_Bps, or neither",
+                source="host",
+                field="host.allreduce_bw_Bps",
+            )
+
+    @property
+    def is_default(self) -> bool:
+        """True when nothing beyond the GEMM and link model is priced."""
+        return self == HostCosts()
+
+    def to_dict(self) -> dict[str, float]:
+        """The fields that are set (None left out)."""
+        return {k: getattr(self, k) for k in HOST_FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> HostCosts:
+        reject_unknown(data, set(HOST_FIELDS), source, "host.")
+        kwargs: dict[str, Any] = {}
+        for name in HOST_FIELDS:
+            positive = name.endswith("flops") or name.endswith("Bps")
+            default = None if name in OPTIONAL_HOST_FIELDS else 0.0
+            kwargs[name] = get_number(
+                data,
+                name,
+                source,
+                default=default,
+                positive=positive,
+                non_negative=not positive,
+                prefix="host.",
+            )
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, source=source, field=exc.field) from None
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`devices_per_node` x `nodes_per_domain` x `domains` devices, numbered node-major:
@@ -61,6 +168,7 @@ class Cluster:
     `gemm_flops` is the dense rate (FLOP/s) a device reaches on large expert GEMMs;
     `gemm_half_rows` the row count at which a GEMM reaches half of it (0: no small-batch loss),
     so a GEMM over n rows runs at gemm_flops * n / (n + gemm_half_rows).
+    `host`: the measured host-side costs (`HostCosts`; default: none).
     """
 
     name: str
@@ -73,6 +181,7 @@ class Cluster:
     inter_node: Link
     inter_domain: Link
     gemm_half_rows: float = 0.0
+    host: HostCosts = HostCosts()
 
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "nodes_per_domain", "domains"):
@@ -160,6 +269,7 @@ class Cluster:
                 "gemm_half_rows": self.gemm_half_rows,
             },
             "links": {level: dataclasses.asdict(getattr(self, level)) for level in LEVELS},
+            **({} if self.host.is_default else {"host": self.host.to_dict()}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -169,7 +279,7 @@ class Cluster:
     def from_dict(cls, data: dict[str, Any], source: str) -> Cluster:
         reject_unknown(
             data,
-            {"name", "devices_per_node", "nodes_per_domain", "domains", "device", "links"},
+            {"name", "devices_per_node", "nodes_per_domain", "domains", "device", "links", "host"},
             source,
         )
         dpn = get_int(data, "devices_per_node", source, minimum=1)
@@ -203,6 +313,9 @@ class Cluster:
                 shared_by=get_int(raw, "shared_by", source, default=1, minimum=1, prefix=prefix),
             )
             previous = links[level]
+        host = HostCosts()
+        if "host" in data:
+            host = HostCosts.from_dict(get_mapping(data, "host", source), source)
         return cls(
             name=get_str(data, "name", source, default=Path(source).stem),
             devices_per_node=dpn,
@@ -215,6 +328,7 @@ class Cluster:
             gemm_half_rows=get_number(
                 device, "gemm_half_rows", source, default=0.0, non_negative=True, prefix="device."
             ),
+            host=host,
             **links,
         )
 

@@ -1,9 +1,12 @@
 """Measure this machine and fit the cluster model's figures (`poise calibrate`).
 
 Modules: `config` (sizes and errors), `fit` (least squares), `measure` (torch GEMMs, gloo
-collectives), `outputs` (assembling, checks, the YAML and JSON written).
+collectives), `host` (the host costs: non-MoE compute, the token dispatcher, optimizer and
+clipping), `outputs` (assembling, checks, the YAML and JSON written).
 
-Two measurements, each followed by a least-squares fit of the model the simulator uses:
+Three measurements, each followed by a least-squares fit of the model the simulator uses
+(the third, described in `poise.calibrate.host`, fills the cluster's `HostCosts`; `--no-host`
+skips it):
 
 1. **Expert GEMMs** (torch on the CPU). One expert is a two-matrix FFN; for `n` routed tokens
 
@@ -36,7 +39,12 @@ Two measurements, each followed by a least-squares fit of the model the simulato
    (`poise.parm.choose_schedule`) can run from, as Parm does from measured alpha and beta
    (`load_collective_fit` reads it back from the measurements JSON).
 
-Both fits minimise relative residuals (each equation divided by its measured value), so a
+3. **Host costs** on 2 gloo ranks running at once (`poise.calibrate.host`): the non-MoE
+   block of the GPT-MoE preset `--model` (rate curve as for the GEMMs), the token dispatcher
+   (time beyond its all-to-alls' modelled links, t = a + b rows) and AdamW and the clipping
+   (t = a + b parameters), plus the all-reduce fit above for the dense gradients.
+
+All fits minimise relative residuals (each equation divided by its measured value), so a
 16 MiB message does not drown a 4 KiB one and a 2048-row GEMM does not drown an 8-row one. Times
 are medians of single calls after warm-up, over at least `repeats` calls and enough of them to
 last `min_time_s` per point.
@@ -53,7 +61,21 @@ from poise.calibrate.config import (
     CalibrationConfig,
     CalibrationError,
 )
-from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
+from poise.calibrate.fit import (
+    GemmFit,
+    LineFit,
+    LinkFit,
+    fit_gemm_curve,
+    fit_latency_bandwidth,
+    fit_line,
+)
+from poise.calibrate.host import (
+    HostFit,
+    HostPoint,
+    fit_host,
+    host_steps,
+    measure_host,
+)
 from poise.calibrate.measure import (
     COLLECTIVES,
     GROUP_COLLECTIVES,
@@ -93,6 +115,9 @@ __all__ = [
     "CommPoint",
     "GemmFit",
     "GemmPoint",
+    "HostFit",
+    "HostPoint",
+    "LineFit",
     "LinkFit",
     "busy_warning",
     "check_memory",
@@ -101,12 +126,16 @@ __all__ = [
     "expert_ffn_tensors",
     "fit_all",
     "fit_gemm_curve",
+    "fit_host",
     "fit_latency_bandwidth",
+    "fit_line",
     "host_info",
+    "host_steps",
     "load_collective_fit",
     "machine_memory_bytes",
     "measure_collectives",
     "measure_gemm",
+    "measure_host",
     "measurements_path",
     "median_seconds",
     "write_outputs",

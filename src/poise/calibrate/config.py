@@ -17,6 +17,14 @@ FULL_ROWS = (8, 32, 128, 512, 2048)
 QUICK_ROWS = (8, 64, 512)
 FULL_MESSAGE_BYTES = tuple(4 * KIB * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 QUICK_MESSAGE_BYTES = (4 * KIB, 64 * KIB, MIB)
+# host costs (`poise.calibrate.host`): tokens of the non-MoE block, tokens per rank through the
+# dispatcher, parameters through the optimizer and the clipping
+FULL_DENSE_TOKENS = (128, 512, 2048)
+QUICK_DENSE_TOKENS = (64, 256)
+FULL_DISPATCH_TOKENS = (128, 512, 2048)
+QUICK_DISPATCH_TOKENS = (64, 256)
+FULL_SLOT_COUNTS = (1, 2, 4)
+QUICK_SLOT_COUNTS = (1, 2)
 
 
 class CalibrationError(PoiseError):
@@ -30,7 +38,14 @@ class CalibrationConfig:
     the collectives (bytes each rank sends for the all-to-all, buffer bytes for the all-reduce).
     Each point is the median of at least `gemm_repeats` / `comm_repeats` timed calls, and of
     enough calls to last `min_time_s`, after `warmup` untimed calls. `threads`: torch intra-op
-    threads for the GEMMs (None: torch's default). Invalid values raise `ConfigError`."""
+    threads for the GEMMs and the host costs measured in this process (None: torch's default).
+
+    Host costs (`host=True`; `poise.calibrate.host`): the non-MoE block of the GPT-MoE preset
+    `model` (None: `tiny`; its heads, context, vocabulary, experts, top-k, layers; widths
+    d_model and d_expert from here) at `dense_tokens` tokens, the token dispatcher on the gloo
+    ranks at `dispatch_tokens` tokens per rank, AdamW and the gradient clipping over a rank's
+    parameters with each of `slot_counts` expert slots, the model's experts at `rows` rows and
+    an all-reduce after compute. Invalid values raise `ConfigError`."""
 
     d_model: int = 1024
     d_expert: int = 2048
@@ -41,6 +56,11 @@ class CalibrationConfig:
     warmup: int = 2
     min_time_s: float = 0.2
     threads: int | None = None
+    host: bool = True
+    model: str | None = None
+    dense_tokens: tuple[int, ...] = FULL_DENSE_TOKENS
+    dispatch_tokens: tuple[int, ...] = FULL_DISPATCH_TOKENS
+    slot_counts: tuple[int, ...] = FULL_SLOT_COUNTS
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_expert", "gemm_repeats", "comm_repeats"):
@@ -55,7 +75,7 @@ class CalibrationConfig:
             )
         if self.threads is not None:
             _check_positive(self.threads, "threads")
-        for name in ("rows", "message_bytes"):
+        for name in ("rows", "message_bytes", "dense_tokens", "dispatch_tokens", "slot_counts"):
             values = getattr(self, name)
             if len(set(values)) < 2:
                 raise ConfigError(
@@ -80,8 +100,13 @@ class CalibrationConfig:
         d_model: int | None = None,
         d_expert: int | None = None,
         threads: int | None = None,
+        model: str | None = None,
+        host: bool = True,
     ) -> CalibrationConfig:
-        """The full or `quick` sizes, with explicit widths and threads taking precedence."""
+        """The full or `quick` sizes, with explicit widths and threads taking precedence.
+        `model`: a GPT-MoE preset (`poise.train.model.MODEL_PRESETS`) whose shapes the host
+        costs are measured at; its widths become the defaults of `d_model` and `d_expert`, and
+        its own experts give the cluster's GEMM curve (`poise.calibrate.host`, item 4)."""
         if quick:
             base = cls(
                 d_model=256,
@@ -92,14 +117,23 @@ class CalibrationConfig:
                 comm_repeats=5,
                 warmup=1,
                 min_time_s=0.03,
+                dense_tokens=QUICK_DENSE_TOKENS,
+                dispatch_tokens=QUICK_DISPATCH_TOKENS,
+                slot_counts=QUICK_SLOT_COUNTS,
             )
         else:
             base = cls()
+        if model is not None:
+            widths = model_widths(model)
+            d_model = widths[0] if d_model is None else d_model
+            d_expert = widths[1] if d_expert is None else d_expert
         return replace(
             base,
             d_model=base.d_model if d_model is None else d_model,
             d_expert=base.d_expert if d_expert is None else d_expert,
             threads=threads,
+            model=model,
+            host=host,
         )
 
     def gemm_bytes(self) -> int:
@@ -108,6 +142,20 @@ class CalibrationConfig:
         dA, dH: 5 n d_expert)."""
         n = max(self.rows)
         return 4 * (4 * self.d_model * self.d_expert + n * (4 * self.d_model + 5 * self.d_expert))
+
+
+def model_widths(model: str) -> tuple[int, int]:
+    """`(d_model, d_expert)` of a GPT-MoE preset; `ConfigError` naming `--model` if unknown."""
+    from poise.train.model import MODEL_PRESETS
+
+    if model not in MODEL_PRESETS:
+        raise ConfigError(
+            f"unknown model preset (known: {', '.join(MODEL_PRESETS)})",
+            source=model,
+            field="--model",
+        )
+    cfg = MODEL_PRESETS[model]
+    return cfg.d_model, cfg.d_expert
 
 
 def _check_positive(value: int, name: str) -> None:

@@ -134,3 +134,37 @@ def fit_latency_bandwidth(
             source="link fit",
         )
     return LinkFit(lat_s=lat, bw_Bps=1.0 / inv_bw, note=note)
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """time(x) = intercept_s + slope_s * x: a start-up cost and a cost per unit (row, token,
+    parameter). `note` says when a bound was applied."""
+
+    intercept_s: float
+    slope_s: float
+    note: str = ""
+
+    def seconds(self, x: np.ndarray | float) -> np.ndarray:
+        return self.intercept_s + self.slope_s * np.asarray(x, dtype=np.float64)
+
+
+def fit_line(x: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray) -> LineFit:
+    """Fit time(x) = a + b x (Hockney's start-up + per-unit form) to host timings.
+
+    `x[P]` sizes (rows, tokens, parameters), `seconds[P]` measured times beyond any part priced
+    elsewhere; least squares on relative residuals. Bounds: a negative a is set to 0 and b
+    refitted through the origin; a negative b (time falling with size: noise) is set to 0 and a
+    to the (relative) mean time. Needs >= 2 distinct sizes, all > 0; times > 0 (a caller that
+    subtracts a modelled part clips at a small positive floor first)."""
+    s = _as_samples("line fit", x=x, seconds=seconds)
+    xs, y = s["x"], s["seconds"]
+    if np.unique(xs).size < 2:
+        raise CalibrationError("need at least 2 distinct sizes", source="line fit")
+    a, b = _weighted_line(xs, y)
+    note = ""
+    if b < 0:
+        a, b, note = _weighted_slope(np.ones_like(y), y, y), 0.0, "slope < 0 fitted; bounded to 0"
+    elif a < 0:
+        a, b, note = 0.0, _weighted_slope(xs, y, y), "intercept < 0 fitted; bounded to 0"
+    return LineFit(intercept_s=a, slope_s=b, note=note)

@@ -6,18 +6,19 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from poise.atomic import atomic_write_text
 from poise.calibrate.config import WORLD_SIZE, CalibrationConfig, CalibrationError
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
+from poise.calibrate.host import HostFit, HostPoint, fit_host, has_host_points
 from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoint, GemmPoint
 from poise.collectives import CollectiveFit, alpha_beta_from_link_fit
 from poise.errors import ConfigError
 from poise.fields import read_mapping_file
-from poise.topology import Cluster
+from poise.topology import Cluster, HostCosts
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -27,7 +28,8 @@ MIB = 1024 * KIB
 @dataclass
 class Calibration:
     """Measurements and fits of one run. `gemm` is the forward+backward fit the cluster uses
-    (the cost model prices backward as twice forward, so one curve must serve both)."""
+    (the cost model prices backward as twice forward, so one curve must serve both);
+    `host_fit` the host costs' fits (`poise.calibrate.host`; None when not measured)."""
 
     config: CalibrationConfig
     gemm_points: list[GemmPoint]
@@ -36,10 +38,14 @@ class Calibration:
     link_fits: dict[str, LinkFit] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)
     group_fits: dict[str, LinkFit] = field(default_factory=dict)  # all_gather, reduce_scatter
+    host_points: list[HostPoint] = field(default_factory=list)
+    host_fit: HostFit | None = None
 
     @property
     def gemm(self) -> GemmFit:
-        return self.gemm_fits["forward+backward"]
+        """The GEMM curve the cluster file gets: the named model's own experts when measured
+        (`gemm_fits["model_experts"]`), else the expert FFN's forward+backward fit."""
+        return self.gemm_fits.get("model_experts", self.gemm_fits["forward+backward"])
 
     @property
     def intra_node(self) -> LinkFit:
@@ -47,7 +53,7 @@ class Calibration:
 
     def cluster(self, name: str | None = None, memory_bytes: float | None = None) -> Cluster:
         """2 devices on one node; GEMM curve from `gemm`, intra-node link from the all-to-all,
-        memory half of this machine's RAM."""
+        memory half of this machine's RAM, the host costs of `host_fit` (if measured)."""
         link = self.intra_node.link()
         return Cluster(
             name=name or f"calibrated-{self.host.get('hostname') or socket.gethostname()}",
@@ -60,6 +66,7 @@ class Calibration:
             inter_node=link,
             inter_domain=link,
             gemm_half_rows=self.gemm.half_rows,
+            host=self.host_fit.costs() if self.host_fit is not None else HostCosts(),
         )
 
     def collective_fit(self) -> CollectiveFit:
@@ -88,6 +95,13 @@ class Calibration:
             "group_collectives": [dict(asdict(p), bw_Bps=p.bw_Bps) for p in group],
             "group_fits": {k: asdict(v) for k, v in self.group_fits.items()},
             "collective_fit": self.collective_fit().to_dict(),
+            "host_costs": [asdict(p) for p in self.host_points],
+            "host_fits": {}
+            if self.host_fit is None
+            else {
+                k: asdict(getattr(self.host_fit, k))
+                for k in (f.name for f in fields(self.host_fit))
+            },
         }
 
 
@@ -96,10 +110,12 @@ def fit_all(
     gemm_points: list[GemmPoint],
     comm_points: list[CommPoint],
     host: dict[str, Any] | None = None,
+    host_points: list[HostPoint] | None = None,
 ) -> Calibration:
     """GEMM fits per phase and for forward+backward summed per row count; a link fit per
     collective (`link_fits`: all-to-all and all-reduce; `group_fits`: all-gather and
-    reduce-scatter, those measured)."""
+    reduce-scatter, those measured); the host costs' fits from `host_points` when given
+    (`poise.calibrate.host.fit_host`)."""
     gemm_fits = {}
     for phase in ("forward", "backward"):
         pts = [p for p in gemm_points if p.phase == phase]
@@ -123,8 +139,21 @@ def fit_all(
             group_fits[collective] = fit_latency_bandwidth(
                 [p.nbytes for p in pts], [p.seconds for p in pts]
             )
+    host_fit = None
+    if host_points and has_host_points(host_points):
+        host_fit = fit_host(host_points, link_fits["all_to_all"], link_fits["all_reduce"])
+        if config.model is not None and host_fit.experts is not None:
+            gemm_fits["model_experts"] = host_fit.experts
     return Calibration(
-        config, gemm_points, comm_points, gemm_fits, link_fits, host or {}, group_fits
+        config,
+        gemm_points,
+        comm_points,
+        gemm_fits,
+        link_fits,
+        host or {},
+        group_fits,
+        list(host_points or []),
+        host_fit,
     )
 
 

@@ -1,11 +1,14 @@
 """`poise calibrate`: measure this machine into a cluster file the simulator accepts.
 
 poise calibrate [--out FILE.yaml] [--quick] [--d-model N] [--d-expert N] [--threads N]
+                [--model PRESET] [--no-host]
 
 Times expert-shaped GEMMs (forward and backward) with torch on the CPU and the all-to-all and
-all-reduce between 2 local gloo ranks, fits the cluster model's curves (`poise.calibrate`), and
-writes `FILE.yaml` (a 2-device cluster: `--cluster FILE.yaml` anywhere a preset is accepted) and
-`FILE.measurements.json` (raw timings and fits) beside it.
+all-reduce between 2 local gloo ranks, then the host costs on the 2 ranks (the non-MoE block of
+the GPT-MoE preset `--model`, the token dispatcher, AdamW and clipping), fits the cluster
+model's curves (`poise.calibrate`), and writes `FILE.yaml` (a 2-device cluster: `--cluster
+FILE.yaml` anywhere a preset is accepted) and `FILE.measurements.json` (raw timings and fits)
+beside it.
 """
 
 from __future__ import annotations
@@ -60,7 +63,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="torch threads for the GEMMs (default: torch's)",
+        help="torch threads for the GEMMs (default: torch's) and each rank's host costs "
+        "(default: the cores shared among the 2 ranks)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET",
+        help="GPT-MoE preset (tiny, small, medium) whose non-MoE block, dispatcher and optimizer "
+        "are timed; its widths become the defaults of --d-model/--d-expert (default: tiny's "
+        "shapes at the given widths)",
+    )
+    parser.add_argument(
+        "--no-host",
+        action="store_true",
+        help="skip the host costs (the cluster file prices GEMMs and links only)",
     )
     parser.set_defaults(run=run)
     return parser
@@ -70,8 +87,17 @@ def run(args: argparse.Namespace) -> int:
     from poise import calibrate as cal
 
     config = cal.CalibrationConfig.preset(
-        quick=args.quick, d_model=args.d_model, d_expert=args.d_expert, threads=args.threads
+        quick=args.quick,
+        d_model=args.d_model,
+        d_expert=args.d_expert,
+        threads=args.threads,
+        model=args.model,
+        host=not args.no_host,
     )
+    if config.host:
+        from poise.calibrate.host import checked_model
+
+        checked_model(config)  # widths that do not fit the model fail before any measuring
     out = cal.check_output(args.out)
     cal.check_memory(config)
     err = Console(stderr=True)
@@ -80,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[yellow]warning: {warning}[/yellow]")
     started = time.perf_counter()
     steps = 2 * len(config.rows) + len(cal.COLLECTIVES) * len(config.message_bytes)
+    steps += cal.host_steps(config) if config.host else 0
     with Progress(
         TextColumn("[bold]calibrate[/bold] {task.description}"),
         BarColumn(),
@@ -102,12 +129,21 @@ def run(args: argparse.Namespace) -> int:
         gemm_points = cal.measure_gemm(config, step)
         progress.update(task, description="spawning 2 gloo ranks", refresh=True)
         comm_points = cal.measure_collectives(config, step)
-    calibration = cal.fit_all(config, gemm_points, comm_points, cal.host_info(config))
+        host_points = []
+        if config.host:
+            model = config.model or "tiny"
+            progress.update(task, description=f"host costs of {model}", refresh=True)
+            host_points = cal.measure_host(config, step)
+    calibration = cal.fit_all(
+        config, gemm_points, comm_points, cal.host_info(config), host_points=host_points
+    )
     cluster, json_path = cal.write_outputs(calibration, out)
     console = Console()
     console.print(gemm_table(calibration))
     console.print(comm_table(calibration))
     console.print(fit_table(calibration))
+    if calibration.host_fit is not None:
+        console.print(host_table(calibration))
     console.print(
         f"wrote {out} (cluster {cluster.name!r}) and {json_path} "
         f"in {time.perf_counter() - started:.1f} s",
@@ -160,7 +196,7 @@ def fit_table(c: Calibration) -> Table:
     for col in ("model", "rate / bandwidth", "half rows / latency", "note"):
         table.add_column(col, justify="left" if col in ("model", "note") else "right")
     for phase, g in c.gemm_fits.items():
-        mark = " *" if phase == "forward+backward" else ""
+        mark = " *" if g is c.gemm else ""
         table.add_row(
             f"GEMM {phase}{mark}", f"{g.gemm_flops / 1e9:.1f} GFLOP/s", f"{g.half_rows:.1f}", g.note
         )
@@ -169,6 +205,41 @@ def fit_table(c: Calibration) -> Table:
         table.add_row(
             f"{collective}{mark}", f"{f.bw_Bps / 1e9:.3f} GB/s", f"{f.lat_s * 1e6:.1f} µs", f.note
         )
+    return table
+
+
+def host_table(c: Calibration) -> Table:
+    """The host costs' fits (`HostCosts` fields) with the measured time at the largest size."""
+    fit = c.host_fit
+    assert fit is not None
+    cfg = c.config
+    table = Table(
+        title=f"host costs on 2 ranks, model {cfg.model or 'tiny'} (d_model={cfg.d_model}), "
+        "written to the cluster file"
+    )
+    for col in ("model", "fit", "note"):
+        table.add_column(col, justify="left")
+    for name, g in (("non-MoE forward", fit.dense_fwd), ("non-MoE backward", fit.dense_bwd)):
+        table.add_row(
+            name, f"{g.gemm_flops / 1e9:.1f} GFLOP/s, half tokens {g.half_rows:.1f}", g.note
+        )
+    for name, line, unit in (
+        ("dispatcher forward", fit.dispatch_fwd, "row"),
+        ("dispatcher backward", fit.dispatch_bwd, "row"),
+        ("optimizer (AdamW)", fit.optimizer, "param"),
+        ("gradient clipping", fit.clip, "param"),
+    ):
+        table.add_row(
+            name,
+            f"{line.intercept_s * 1e6:.1f} µs + {line.slope_s * 1e9:.3f} ns/{unit}",
+            line.note,
+        )
+    ar = fit.allreduce
+    table.add_row(
+        "dense gradient all-reduce",
+        f"{ar.lat_s * 1e6:.1f} µs + bytes / {ar.bw_Bps / 1e9:.3f} GB/s",
+        "",
+    )
     return table
 
 

@@ -14,14 +14,24 @@
   forecast, and takes effect at step s + 1 (step 0 runs the static layout); only planning time
   beyond step s's own time is charged;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
-  source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step.
+  source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
+- a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) prices the non-MoE
+  compute at its measured rate (FNEC, BNEC of `poise.host_costs`, replacing the cost model's) and
+  adds the token dispatcher's host work per layer, forward and backward, on each step's actual
+  rows (H_fwd + H_bwd of `poise.host_costs`) to every schedule's layer time; given the model's
+  replicated parameters (`dense_params`), every step also pays its work outside the layers
+  (dense gradient all-reduce, the routing counts' gather, clipping, optimizer:
+  `poise.step_overheads`). A cluster without
+  host costs and no `dense_params` price exactly as the cost model does.
 
 Result (`SimResult`): per policy (`PolicyRun`) and step, the step time, the per-layer phase
-breakdown `[S, L]`, device max/mean, bytes moved and the device loads `[S, D]`.
+breakdown `[S, L]` (with the host terms in `host_phases`), the per-step work outside the layers
+`[S]`, device max/mean, bytes moved and the device loads `[S, D]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,18 +41,21 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel, PhaseTimes, PlanPricer
+from poise.cost import CostModel, PhaseTimes, PlanCost, PlanPricer
 from poise.errors import ConfigError
+from poise.host_costs import dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.placement import Plan
 from poise.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
 from poise.predict import OnlineForecast, Predictor, parse_predictor
 from poise.schedule import Schedule, parse_schedule
 from poise.sim.scaling import ScaledTrace
 from poise.spec import ModelSpec
-from poise.topology import Cluster
+from poise.step_overheads import OVERHEADS, StepWork, step_overheads
+from poise.topology import Cluster, HostCosts
 from poise.trace import Trace
 
 PHASES = [f.name for f in fields(PhaseTimes)]
+HOST_PHASES = ("dispatch_host_fwd_s", "dispatch_host_bwd_s")  # per layer, `poise.host_costs`
 HISTORY_STEPS = 100  # per-expert totals kept for policies that look back (SmartMoE's window)
 
 
@@ -56,7 +69,11 @@ class PolicyRun:
     of the planner's thread plus its helper threads', so policies replayed at once do not
     inflate each other's);
     `plan_charge_s[S]` what planning costs the step under the replay's planning model, whether
-    or not it was charged (`plan_s` is it when charged, else zeros)."""
+    or not it was charged (`plan_s` is it when charged, else zeros);
+    `host_phases[name][S, L]` the dispatcher's host seconds per layer (`HOST_PHASES`, zeros
+    without host costs), included in `layer_s`; `outside_s[name][S]` the step's work outside
+    the layers (`poise.step_overheads.OVERHEADS`, zeros without `dense_params`), included in
+    `step_s`."""
 
     policy: str
     step_s: np.ndarray
@@ -70,6 +87,8 @@ class PolicyRun:
     device_load: np.ndarray  # [S, D] tokens per device summed over layers
     plan_ms: list[float] = field(default_factory=list)  # per re-plan: ms per layer
     last_plan: Plan | None = None
+    host_phases: dict[str, np.ndarray] = field(default_factory=dict)
+    outside_s: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def mean_step_s(self) -> float:
@@ -82,11 +101,14 @@ class PolicyRun:
     def phase_totals(self) -> dict[str, float]:
         """Mean seconds of work per step in each phase (summed over layers), as a step performs
         it: dispatch and combine run once forward and once backward, so each counts twice;
-        plus `planning_s` charged. Under overlapping schedules the step takes less than the sum
+        plus `planning_s` charged, the dispatcher's host work and the work outside the layers
+        (zero where not modelled). Under overlapping schedules the step takes less than the sum
         (`step_s`)."""
         out = {k: float(v.sum(axis=1).mean()) for k, v in self.phases.items()}
         out["dispatch_s"] *= 2.0
         out["combine_s"] *= 2.0
+        out.update({k: float(v.sum(axis=1).mean()) for k, v in self.host_phases.items()})
+        out.update({k: float(v.mean()) for k, v in self.outside_s.items()})
         out["planning_s"] = float(self.plan_s.mean())
         return out
 
@@ -172,6 +194,7 @@ def simulate(
     background_planning: bool = False,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    dense_params: int | None = None,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
@@ -180,7 +203,9 @@ def simulate(
     `progress(done, total)` is called after each priced step of each policy;
     `background_planning`: see the module docstring; `workers`: policies replayed at once in
     threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
-    of the planner's thread, so other work on the machine does not inflate it."""
+    of the planner's thread, so other work on the machine does not inflate it.
+    `dense_params`: the model's replicated (non-expert) parameters; given, every step pays the
+    work outside the layers (`poise.step_overheads`), None: not priced."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -201,6 +226,9 @@ def simulate(
     cost = CostModel(cluster, spec, schedule)
     slots = slots_per_device if slots_per_device is not None else -(-E // D) + 1
     base_ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=cost)
+    if dense_params is not None and dense_params < 0:
+        raise ConfigError("must be >= 0", source=str(dense_params), field="dense_params")
+    host = HostTerms.create(cluster, spec, schedule, base_ctx.slots_per_device, dense_params)
     opts = {k: dict(v) for k, v in (options or {}).items()}
     opts.setdefault("auto", {}).setdefault("horizon", replan_every)
     S, L = scaled.steps, spec.moe_layers
@@ -209,7 +237,7 @@ def simulate(
         ctx0 = PlanContext(cluster, spec, cost, base_ctx.slots_per_device, options=opts)
         start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
     replays = [
-        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start)
+        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start, host)
         for name in names
     ]
     forecast = OnlineForecast(predictor)
@@ -259,6 +287,67 @@ def simulate(
     )
 
 
+@dataclass(frozen=True)
+class HostTerms:
+    """What the simulator adds to the cost model's price of a step (module docstring):
+    `dense_s = (FNEC, BNEC)` replacing the cost model's (None: keep them), the cluster's
+    dispatcher coefficients (`host`; None: no dispatcher term) and the per-step work outside the
+    layers (`outside`, seconds by `OVERHEADS` name; empty: none). `create` returns None when
+    there is nothing to add, so such replays price bit for bit as the cost model does."""
+
+    schedule: Schedule
+    dense_s: tuple[float, float] | None
+    host: HostCosts | None
+    outside: dict[str, float]
+
+    @classmethod
+    def create(
+        cls,
+        cluster: Cluster,
+        spec: ModelSpec,
+        schedule: Schedule,
+        slots_per_device: int,
+        dense_params: int | None,
+    ) -> HostTerms | None:
+        measured = not cluster.host.is_default
+        if not measured and dense_params is None:
+            return None
+        dense = None
+        if measured and (
+            cluster.host.dense_fwd_flops is not None or cluster.host.dense_bwd_flops is not None
+        ):
+            dense = dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
+        outside: dict[str, float] = {}
+        if dense_params is not None:
+            work = StepWork.of(spec, dense_params, slots_per_device)
+            outside = step_overheads(cluster, work)
+        return cls(schedule, dense, cluster.host if measured else None, outside)
+
+    def layers(
+        self, priced: PlanCost, counts: np.ndarray
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """`(layer_s[L], phases)`: the layer times with the host terms and the phases by name
+        (`PhaseTimes` fields with FNEC/BNEC replaced, then `HOST_PHASES`), each `[L]`."""
+        phases = priced.phases
+        if self.dense_s is not None:
+            L = len(priced.layer_s)
+            phases = dataclasses.replace(
+                phases,
+                non_moe_fwd_s=np.full(L, self.dense_s[0]),
+                non_moe_bwd_s=np.full(L, self.dense_s[1]),
+            )
+            layer_s = self.schedule.layer_time(phases)
+        else:
+            layer_s = priced.layer_s
+        out = {k: getattr(phases, k) for k in PHASES}
+        if self.host is not None:
+            rows = dispatch_rows(counts, priced.device_load)
+            fwd, bwd = dispatch_host_seconds(self.host, rows)
+            layer_s = layer_s + fwd + bwd
+            out["dispatch_host_fwd_s"], out["dispatch_host_bwd_s"] = fwd, bwd
+        return layer_s, out
+
+
 @dataclass
 class _Step:
     """One step of a replay: its index, actual loads `[L, D, E]`, and at re-planning steps the
@@ -275,9 +364,16 @@ class _PolicyReplay:
     made in the background waiting for the next step, and the `PolicyRun` being filled."""
 
     def __init__(
-        self, name: str, run: PolicyRun, cost: CostModel, count_planning: bool, start: Plan | None
+        self,
+        name: str,
+        run: PolicyRun,
+        cost: CostModel,
+        count_planning: bool,
+        start: Plan | None,
+        host: HostTerms | None = None,
     ) -> None:
         self.name, self.run, self.cost, self.count_planning = name, run, cost, count_planning
+        self.host = host
         self.background = start is not None
         self.plan: Plan | None = None  # the last plan made (`previous` of the next)
         self.pending: Plan | None = None
@@ -313,18 +409,27 @@ class _PolicyReplay:
         assert self.active is not None
         pricer, in_force = self.active
         priced = pricer.price(step.actual, migrations)
-        for k in PHASES:
-            run.phases[k][s] = getattr(priced.phases, k)
-        run.layer_s[s] = priced.layer_s
+        if self.host is None:
+            layer_s, step_s = priced.layer_s, priced.step_s
+            for k in PHASES:
+                run.phases[k][s] = getattr(priced.phases, k)
+        else:
+            layer_s, by_name = self.host.layers(priced, step.actual)
+            for k, v in by_name.items():
+                (run.phases if k in run.phases else run.host_phases)[k][s] = v
+            for k, v in self.host.outside.items():
+                run.outside_s[k][s] = v
+            step_s = float(layer_s.sum()) + sum(self.host.outside.values())
+        run.layer_s[s] = layer_s
         if step.loads is not None:
             if self.background:
-                run.plan_charge_s[s] = max(0.0, wall - priced.step_s)
+                run.plan_charge_s[s] = max(0.0, wall - step_s)
             else:
                 a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
                 run.plan_charge_s[s] = self.cost.schedule.planning_s(wall, a2a)
             if self.count_planning:
                 run.plan_s[s] = run.plan_charge_s[s]
-        run.step_s[s] = priced.step_s + run.plan_s[s]
+        run.step_s[s] = step_s + run.plan_s[s]
         run.max_over_mean[s] = priced.max_over_mean
         run.bytes_moved[s] += in_force.transfers.total_step_bytes
         run.device_load[s] = priced.device_load.sum(axis=0)
@@ -342,6 +447,8 @@ def _empty_run(name: str, S: int, L: int, D: int) -> PolicyRun:
         max_over_mean=np.zeros(S),
         bytes_moved=np.zeros(S),
         device_load=np.zeros((S, D)),
+        host_phases={k: np.zeros((S, L)) for k in HOST_PHASES},
+        outside_s={k: np.zeros(S) for k in OVERHEADS},
     )
 
 

@@ -1,0 +1,678 @@
+"""Measuring and fitting the host costs of `topology.HostCosts` (torch on 2 spawned gloo ranks
+that run at once, as training ranks do, each reporting the slowest rank's medians; the fits
+are NumPy only).
+
+Five measurements, each fitted by least squares on relative residuals (`fit.py`):
+
+1. **Non-MoE compute.** The non-MoE part of one block of the GPT-MoE preset `config.model`
+   (default `tiny`) at this config's widths, built from the real modules (the norms and
+   attention of `poise.train.model.Block`, `poise.nn.Router`), over n tokens in sequences of
+   the model's context:
+
+       forward   h = x + attn(norm1(x)),  z = norm2(h),  routing = router(z)
+       backward  from random gradients of h, z and the routing weights
+
+   and the head (embedding, final norm, tied output projection, float cross-entropy), whose time
+   is shared over the L MoE blocks as its FLOPs are (`host_costs.gpt_non_moe_flops_per_token`:
+   F per token and block). Per n: t(n) = t_block(n) + t_head(n) / L over F n FLOPs forward and
+   2 F n backward; `fit_gemm_curve` gives R, h of rate(n) = R n / (n + h), the
+   `dense_{fwd,bwd}_flops` and `dense_{fwd,bwd}_half_tokens` of the cluster.
+
+2. **Token dispatcher** (`poise.nn.dispatch.Dispatcher`), on the 2 gloo ranks at once: each rank
+   routes T tokens top-k to the static layout, every expert receiving T k / E of its rows
+   (random order), and runs the model's experts on its slots (`poise.nn.Experts`), as a
+   training step does: what the experts leave in the caches and the allocator is part of the
+   dispatcher's cost. Timed per call: the forward less the experts' own forward (the
+   dispatcher's `seconds["experts"]`) and the backward less the experts' backward (between
+   hooks on the experts' output and input gradients); the slowest rank's medians. The cost
+   model's link time of the two token all-to-alls each way (`lat + m / bw` on the measured
+   all-to-all fit, m = the bytes a rank sends to the other) is subtracted; the rest is fitted
+   to a + b x with x = s + r = 2 T k (the rows a rank sends, its own included, and the rows it
+   receives): `dispatch_{fwd,bwd}_s` and `dispatch_{fwd,bwd}_s_per_row`.
+
+3. **Optimizer and clipping** over a rank's real parameter tensors (`rank_param_shapes`: the
+   model's dense tensors and its stacked expert tensors with S slots, for each S of
+   `slot_counts`, P parameters in all): AdamW's step (`torch.optim.AdamW` with the two groups
+   `poise.train` builds: weight decay on matrices, none on norms) and the gradient norm with
+   clipping as `poise.train.loop` runs it (squares summed per tensor in float64, experts per
+   slot, then every gradient scaled in place); fitted to a + b P: `optimizer_s`,
+   `optimizer_s_per_param`, `clip_s`, `clip_s_per_param`. Per-tensor overheads and each
+   tensor's size against the caches make these depend on the model's tensors, not only on P.
+
+4. **The model's experts** (`poise.nn.Experts`, one slot, the model's activation and widths)
+   over n rows, forward and backward on both ranks at once: with `--model`, the cluster's GEMM
+   curve (`gemm_flops`, `gemm_half_rows`) is fitted to these (`fit_gemm_curve` on forward +
+   backward, 6 m d_model d_expert n FLOPs with m the expert's matrices) instead of to the
+   two-matrix GELU FFN of `measure_gemm`: the experts a training step runs include their
+   activation's elementwise work and the blocked loop over slots.
+
+5. **All-reduce after compute**: both ranks run the non-MoE block forward and backward (a few
+   milliseconds of local work, as before the step's dense-gradient all-reduce and the
+   clipping's) and then all-reduce m bytes, for m around the model's dense gradients; only the
+   all-reduce is timed, so its time includes the ranks' arrival skew after compute, which a
+   back-to-back benchmark of the collective hides. Fitted to lat + m / bw:
+   `allreduce_lat_s`, `allreduce_bw_Bps` (the step's collectives, `poise.step_overheads`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poise.atomic import atomic_write_text
+from poise.calibrate.config import DIST_TIMEOUT_S, WORLD_SIZE, CalibrationConfig
+from poise.calibrate.fit import (
+    GemmFit,
+    LineFit,
+    LinkFit,
+    fit_gemm_curve,
+    fit_line,
+)
+from poise.errors import ConfigError
+from poise.host_costs import gpt_non_moe_flops_per_token
+from poise.topology import HostCosts
+
+KINDS_LOCAL = ("dense_fwd", "dense_bwd", "block_fwd", "block_bwd", "head_fwd", "head_bwd")
+KINDS_STEP = ("optimizer", "clip")
+KINDS_DISPATCH = ("dispatch_fwd", "dispatch_bwd")
+KINDS_EXPERTS = ("experts_fwd", "experts_bwd")
+DEFAULT_MODEL = "tiny"  # the shapes measured when no model is named
+ALLREDUCE_SCALES = (0.125, 1.0, 4.0)  # all-reduce sizes: these times the dense gradients' bytes
+HOST_FLOOR = 0.01  # dispatcher time beyond the modelled links is kept >= 1% of the measured
+
+
+@dataclass(frozen=True)
+class HostPoint:
+    """One host timing (median seconds): `kind` one of `KINDS_*`, `size` tokens (dense, block,
+    head), rows a rank routes, T k (dispatch) or parameters (optimizer, clip); `flops` of the timed
+    work (dense points); `nbytes` each rank sent to the other rank in each token all-to-all
+    (dispatch points)."""
+
+    kind: str
+    size: int
+    seconds: float
+    flops: float = 0.0
+    nbytes: float = 0.0
+
+
+def gpt_config(config: CalibrationConfig) -> Any:
+    """The `GPTConfig` of preset `config.model` (None: `DEFAULT_MODEL`) at `config`'s widths;
+    `ConfigError` naming `--model` if they do not fit it."""
+    from poise.train.model import model_config
+
+    widths = {"d_model": config.d_model, "d_expert": config.d_expert}
+    return model_config(config.model or DEFAULT_MODEL, widths, source="--model")
+
+
+def checked_model(config: CalibrationConfig) -> Any:
+    """`gpt_config`, checked: the model must fit the host measurements' sizes."""
+    from poise.calibrate.outputs import machine_memory_bytes
+
+    cfg = gpt_config(config)
+    need = WORLD_SIZE * 6 * 4 * max(rank_params(cfg, s) for s in config.slot_counts)
+    if need > machine_memory_bytes() / 2:
+        raise ConfigError(
+            f"the optimizer timings need {need / 2**30:.1f} GiB, more than half of this "
+            "machine's memory; use fewer slots or a smaller model",
+            source="calibrate",
+            field="slot_counts",
+        )
+    return cfg
+
+
+def block_flops(cfg: Any, seq: int) -> float:
+    """F of the module docstring for sequences of `seq` tokens."""
+    return gpt_non_moe_flops_per_token(
+        cfg.d_model, seq, cfg.num_experts, cfg.vocab_size, cfg.moe_layers
+    )
+
+
+def rank_param_shapes(cfg: Any, slots: int) -> list[tuple[int, ...]]:
+    """Shapes of a GPT-MoE rank's parameters with `slots` expert slots per MoE layer, in
+    `named_parameters` order: the embedding `[V, d]`; per block its norms `[d]`, `qkv [3d, d]`,
+    `proj [d, d]` and either the router `[E, d]` and the stacked experts `[S, d, H]` (in, gate
+    for SwiGLU) and `[S, H, d]` (out), or a dense FFN; the final norm."""
+    d, H, F = cfg.d_model, cfg.d_expert, cfg.d_ff
+    swiglu = cfg.activation == "swiglu"
+    shapes: list[tuple[int, ...]] = [(cfg.vocab_size, d)]
+    for layer in range(cfg.layers):
+        shapes += [(d,), (3 * d, d), (d, d), (d,)]
+        if cfg.is_moe(layer):
+            shapes += [(cfg.num_experts, d), (slots, d, H)]
+            shapes += [(slots, d, H)] if swiglu else []
+            shapes += [(slots, H, d)]
+        else:
+            shapes += [(F, d)] + ([(F, d)] if swiglu else []) + [(d, F)]
+    return [*shapes, (d,)]
+
+
+def rank_params(cfg: Any, slots: int) -> int:
+    """P: the parameters of `rank_param_shapes`."""
+    return sum(math.prod(s) for s in rank_param_shapes(cfg, slots))
+
+
+# ----------------------------------------------------------------------------------- timing
+Call = Callable[[], tuple[float, float]]  # runs forward and backward, returns their seconds
+Timer = Callable[[Call], tuple[float, float]]  # median (forward, backward) seconds of a call
+Progress = Callable[[str], None]
+
+
+def _no_progress(_: str) -> None:
+    pass
+
+
+def local_timer(repeats: int, warmup: int, min_time_s: float) -> Timer:
+    """Median (forward, backward) seconds of a call in this process: after `warmup` calls,
+    over at least `repeats` calls and enough to last about `min_time_s`."""
+    from poise.calibrate.measure import _call_count
+
+    def timer(call: Call) -> tuple[float, float]:
+        warm = [sum(call()) for _ in range(max(1, warmup))]
+        times = [call() for _ in range(_call_count(min(warm), repeats, min_time_s))]
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+    return timer
+
+
+def _dist_timer(repeats: int, warmup: int, min_time_s: float) -> Timer:
+    """`local_timer` on every rank at once: the call count agreed from the slowest rank's
+    warm-up, ranks starting together after a barrier, the slowest rank's medians."""
+    import torch.distributed as dist
+
+    from poise.calibrate.measure import _call_count, _slowest
+
+    def timer(call: Call) -> tuple[float, float]:
+        dist.barrier()
+        warm = [sum(call()) for _ in range(max(1, warmup))]
+        calls = _call_count(_slowest(min(warm)), repeats, min_time_s)
+        dist.barrier()
+        times = [call() for _ in range(calls)]
+        fwd = statistics.median(t[0] for t in times)
+        bwd = statistics.median(t[1] for t in times)
+        return _slowest(fwd), _slowest(bwd)
+
+    return timer
+
+
+def _timed(forward: Callable[[], Any], backward: Callable[[Any], None]) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    out = forward()
+    t1 = time.perf_counter()
+    backward(out)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _sequences(n: int, context: int) -> tuple[int, int]:
+    """`(batch, seq)` for n tokens: sequences of the context (one shorter one below it)."""
+    seq = min(n, context)
+    if n % seq:
+        raise ConfigError(
+            f"{n} tokens are not whole sequences of the model's context {context}",
+            source="calibrate",
+            field="dense_tokens",
+        )
+    return n // seq, seq
+
+
+def dense_points(
+    config: CalibrationConfig, timer: Timer, progress: Progress = _no_progress
+) -> list[HostPoint]:
+    """Block and head timings at each of `config.dense_tokens`, and their per-block sums
+    (`dense_fwd`, `dense_bwd`; module docstring, item 1)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from torch import nn
+
+    from poise.nn.router import Router
+    from poise.train.model import Block, rotary_tables
+
+    cfg = gpt_config(config)
+    torch.manual_seed(0)
+    block = Block(cfg, nn.Identity())
+    router = Router(cfg.d_model, cfg.num_experts, cfg.top_k)
+    embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    points: list[HostPoint] = []
+    for n in config.dense_tokens:
+        batch, seq = _sequences(n, cfg.context)
+        cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_base)
+        x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
+        grads = [torch.randn_like(x), torch.randn_like(x), torch.randn(n, cfg.top_k)]
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq))
+        tgt = torch.randint(0, cfg.vocab_size, (n,))
+
+        def block_fwd(x: Any = x, cos: Any = cos, sin: Any = sin) -> Any:
+            h = x + block.attn(block.norm1(x), cos, sin)
+            z = block.norm2(h)
+            return [h, z, router(z.reshape(-1, cfg.d_model)).weights]
+
+        def block_bwd(out: Any, grads: Any = grads, x: Any = x) -> None:
+            torch.autograd.backward(out, grads)
+            x.grad = None
+
+        def head_fwd(idx: Any = idx, tgt: Any = tgt) -> Any:
+            logits = F.linear(norm(embed(idx)), embed.weight)
+            return F.cross_entropy(logits.float().flatten(0, 1), tgt, reduction="sum")
+
+        def head_bwd(loss: Any) -> None:
+            loss.backward()
+
+        bf, bb = timer(lambda f=block_fwd, b=block_bwd: _timed(f, b))
+        hf, hb = timer(lambda f=head_fwd, b=head_bwd: _timed(f, b))
+        flops = block_flops(cfg, seq) * n
+        L = cfg.moe_layers
+        points += [
+            HostPoint("block_fwd", n, bf),
+            HostPoint("block_bwd", n, bb),
+            HostPoint("head_fwd", n, hf),
+            HostPoint("head_bwd", n, hb),
+            HostPoint("dense_fwd", n, bf + hf / L, flops=flops),
+            HostPoint("dense_bwd", n, bb + hb / L, flops=2.0 * flops),
+        ]
+        progress(f"non-MoE block n={n}")
+    return points
+
+
+def step_points(
+    config: CalibrationConfig, timer: Timer, progress: Progress = _no_progress
+) -> list[HostPoint]:
+    """AdamW step and clipping timings over a rank's parameters with each of
+    `config.slot_counts` expert slots (item 3)."""
+    import torch
+
+    cfg = gpt_config(config)
+    points: list[HostPoint] = []
+    for slots in config.slot_counts:
+        params = _parameters(rank_param_shapes(cfg, slots))
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        opt.step()  # the moments exist from here, as in every step after the first
+        grads = [p.grad for p in params]
+        home = torch.ones(slots, dtype=torch.bool)
+
+        def step(opt: Any = opt) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            opt.step()
+            return time.perf_counter() - t0, 0.0
+
+        def clip(grads: Any = grads, home: Any = home) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            sq = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                if g.ndim == 3:  # stacked expert slots: the home slots' squares
+                    sq += g.double().square().flatten(1).sum(1)[home].sum()
+                else:
+                    sq += g.double().square().sum()
+            torch._foreach_mul_(grads, 1.0 / (1.0 + float(sq.sqrt())))
+            return time.perf_counter() - t0, 0.0
+
+        n = sum(p.numel() for p in params)
+        points.append(HostPoint("optimizer", n, timer(step)[0]))
+        points.append(HostPoint("clip", n, timer(clip)[0]))
+        progress(f"optimizer and clipping, {slots} slots")
+    return points
+
+
+def _parameters(shapes: list[tuple[int, ...]]) -> list[Any]:
+    """Parameters of `shapes` with gradients (small random values)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, generator=gen) * 1e-3
+        params.append(p)
+    return params
+
+
+def balanced_experts(tokens: int, top_k: int, experts: int, seed: int) -> Any:
+    """`[tokens, top_k]` expert ids in which every expert appears `tokens * top_k / experts`
+    times (within one), in random order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.arange(tokens * top_k) % experts
+    return ids[torch.randperm(tokens * top_k, generator=gen)].view(tokens, top_k)
+
+
+def dispatch_points(
+    config: CalibrationConfig, timer: Timer, progress: Progress = _no_progress
+) -> list[HostPoint]:
+    """Dispatcher forward and backward timings, less the experts' own, at each of
+    `config.dispatch_tokens` tokens per rank (item 2), on the default process group (every
+    rank calls it)."""
+    import torch
+
+    from poise.calibrate.measure import _slowest
+    from poise.nn.dispatch import Dispatcher, Layout, world_and_rank
+    from poise.nn.experts import Experts
+
+    cfg = gpt_config(config)
+    world, rank = world_and_rank()
+    E, k, d = cfg.num_experts, cfg.top_k, cfg.d_model
+    slots = max(E // world, 1)
+    torch.manual_seed(rank)
+    experts_mod = Experts(slots, d, cfg.d_expert, cfg.activation)
+    disp = Dispatcher(E, k)
+    layout = Layout.static(E, world, rank, slots)
+    held = torch.as_tensor(layout.held)
+    marks: dict[str, float] = {}
+
+    def mark(name: str) -> Callable[[Any], None]:
+        def hook(_grad: Any) -> None:
+            marks[name] = time.perf_counter()
+
+        return hook
+
+    def expert_fn(rows: Any, tokens_per_slot: Any) -> Any:
+        rows.register_hook(mark("experts_done"))
+        out = experts_mod(rows, tokens_per_slot)
+        out.register_hook(mark("experts_start"))
+        return out
+
+    points = []
+    for T in config.dispatch_tokens:
+        gen = torch.Generator().manual_seed(1000 * rank + T)
+        experts = balanced_experts(T, k, E, seed=7 * rank + T)
+        x = torch.randn(T, d, generator=gen, requires_grad=True)
+        w = torch.rand(T, k, generator=gen).requires_grad_(True)
+        gy = torch.randn(T, d, generator=gen)
+
+        def call(x: Any = x, w: Any = w, gy: Any = gy, experts: Any = experts) -> Any:
+            t0 = time.perf_counter()
+            y = disp(x, experts, w, None, layout, expert_fn)
+            t1 = time.perf_counter()
+            y.backward(gy)
+            t2 = time.perf_counter()
+            x.grad = w.grad = None
+            experts_mod.zero_grad(set_to_none=True)
+            fwd = t1 - t0 - disp.seconds["experts"]
+            bwd = t2 - t1 - (marks["experts_done"] - marks["experts_start"])
+            return fwd, bwd
+
+        fwd, bwd = timer(call)
+        nbytes = _slowest(float(int((~held[experts]).sum()) * d * 4))
+        points.append(HostPoint("dispatch_fwd", T * k, fwd, nbytes=nbytes))
+        points.append(HostPoint("dispatch_bwd", T * k, bwd, nbytes=nbytes))
+        progress(f"dispatcher T={T}")
+    return points
+
+
+def expert_points(
+    config: CalibrationConfig, timer: Timer, progress: Progress = _no_progress
+) -> list[HostPoint]:
+    """The model's experts (one slot) forward and backward at each of `config.rows` rows
+    (item 4)."""
+    import torch
+
+    from poise.nn.experts import Experts
+
+    cfg = gpt_config(config)
+    torch.manual_seed(0)
+    experts = Experts(1, cfg.d_model, cfg.d_expert, cfg.activation)
+    m = 3 if cfg.activation == "swiglu" else 2
+    points: list[HostPoint] = []
+    for n in config.rows:
+        x = torch.randn(n, cfg.d_model, requires_grad=True)
+        gy = torch.randn(n, cfg.d_model)
+
+        def forward(x: Any = x, n: int = n) -> Any:
+            return experts(x, [n])
+
+        def backward(y: Any, gy: Any = gy, x: Any = x) -> None:
+            y.backward(gy)
+            x.grad = None
+            experts.zero_grad(set_to_none=True)
+
+        fwd, bwd = timer(lambda f=forward, b=backward: _timed(f, b))
+        flops = 2.0 * m * cfg.d_model * cfg.d_expert * n
+        points.append(HostPoint("experts_fwd", n, fwd, flops=flops))
+        points.append(HostPoint("experts_bwd", n, bwd, flops=2.0 * flops))
+        progress(f"model experts n={n}")
+    return points
+
+
+def dense_grad_bytes(cfg: Any) -> int:
+    """float32 bytes of a GPT-MoE's dense (non-expert) gradients."""
+    shapes = rank_param_shapes(cfg, 0)
+    return 4 * sum(math.prod(s) for s in shapes)
+
+
+def allreduce_points(
+    config: CalibrationConfig, timer: Timer, progress: Progress = _no_progress
+) -> list[HostPoint]:
+    """All-reduce after local compute (item 5), on the default process group."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from poise.train.model import Block, rotary_tables
+
+    cfg = gpt_config(config)
+    torch.manual_seed(0)
+    block = Block(cfg, nn.Identity())
+    n = sorted(config.dense_tokens)[len(config.dense_tokens) // 2]
+    batch, seq = _sequences(n, cfg.context)
+    cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_base)
+    x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
+    points: list[HostPoint] = []
+    for scale in ALLREDUCE_SCALES:
+        nbytes = max(4096, int(dense_grad_bytes(cfg) * scale) // 4 * 4)
+        buf = torch.ones(nbytes // 4)
+
+        def call(buf: Any = buf) -> tuple[float, float]:
+            y = x + block.attn(block.norm1(x), cos, sin)
+            y.sum().backward()
+            x.grad = None
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            return time.perf_counter() - t0, 0.0
+
+        points.append(HostPoint("allreduce", nbytes, timer(call)[0]))
+        progress(f"all-reduce after compute, {nbytes} B")
+    return points
+
+
+def _host_worker(
+    rank: int, port: int, config: CalibrationConfig, threads: int, result_path: str, queue: Any
+) -> None:
+    """One gloo rank: every host measurement, lock-step with the other rank; rank 0 writes the
+    slowest rank's medians as JSON to `result_path` and reports progress on `queue`."""
+    from dataclasses import asdict
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=DIST_TIMEOUT_S),
+    )
+    try:
+        timer = _dist_timer(config.gemm_repeats, config.warmup, config.min_time_s)
+        progress = queue.put if rank == 0 else _no_progress
+        points = dense_points(config, timer, progress) + step_points(config, timer, progress)
+        points += expert_points(config, timer, progress)
+        comm = _dist_timer(config.comm_repeats, config.warmup, config.min_time_s)
+        points += dispatch_points(config, comm, progress)
+        points += allreduce_points(config, comm, progress)
+        if rank == 0:
+            atomic_write_text(result_path, json.dumps([asdict(p) for p in points]))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_host(config: CalibrationConfig, progress: Progress = _no_progress) -> list[HostPoint]:
+    """Every host measurement of the module docstring, on `WORLD_SIZE` spawned gloo ranks that
+    run at once as training ranks do (the slowest rank's medians), each with `config.threads`
+    torch threads (default: this machine's cores shared among the ranks)."""
+    import torch.multiprocessing as mp
+
+    from poise.calibrate.measure import _wait
+    from poise.runtime.launch import free_port
+
+    checked_model(config)  # a bad --model fails here, before any rank starts
+    threads = config.threads or max(1, (os.cpu_count() or 1) // WORLD_SIZE)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="poise-calibrate-") as tmp:
+        result_path = os.path.join(tmp, "host.json")
+        args = (free_port(), config, threads, result_path, queue)
+        procs = mp.start_processes(
+            _host_worker, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        )
+        _wait(procs, queue, progress)
+        rows = json.loads(Path(result_path).read_text(encoding="utf-8"))
+    return [HostPoint(**r) for r in rows]
+
+
+def host_steps(config: CalibrationConfig) -> int:
+    """Progress messages `measure_host` reports."""
+    sizes = len(config.dense_tokens) + len(config.slot_counts) + len(config.dispatch_tokens)
+    return sizes + len(config.rows) + len(ALLREDUCE_SCALES)
+
+
+# ---------------------------------------------------------------------------------- fitting
+@dataclass(frozen=True)
+class HostFit:
+    """The fits of the module docstring; `costs()` the cluster's `HostCosts`, `experts` the
+    model's experts' GEMM curve (forward + backward; None when not measured)."""
+
+    dense_fwd: GemmFit
+    dense_bwd: GemmFit
+    dispatch_fwd: LineFit
+    dispatch_bwd: LineFit
+    optimizer: LineFit
+    clip: LineFit
+    allreduce: LinkFit
+    experts: GemmFit | None = None
+
+    def costs(self) -> HostCosts:
+        return HostCosts(
+            dense_fwd_flops=self.dense_fwd.gemm_flops,
+            dense_fwd_half_tokens=self.dense_fwd.half_rows,
+            dense_bwd_flops=self.dense_bwd.gemm_flops,
+            dense_bwd_half_tokens=self.dense_bwd.half_rows,
+            dispatch_fwd_s=self.dispatch_fwd.intercept_s,
+            dispatch_fwd_s_per_row=self.dispatch_fwd.slope_s,
+            dispatch_bwd_s=self.dispatch_bwd.intercept_s,
+            dispatch_bwd_s_per_row=self.dispatch_bwd.slope_s,
+            optimizer_s=self.optimizer.intercept_s,
+            optimizer_s_per_param=self.optimizer.slope_s,
+            clip_s=self.clip.intercept_s,
+            clip_s_per_param=self.clip.slope_s,
+            allreduce_lat_s=self.allreduce.lat_s,
+            allreduce_bw_Bps=self.allreduce.bw_Bps,
+        )
+
+
+def dispatcher_host_seconds(point: HostPoint, a2a: LinkFit) -> float:
+    """A dispatcher point's seconds beyond the cost model's link time of its two token
+    all-to-alls (`lat + nbytes / bw` each), at least `HOST_FLOOR` of the measured time."""
+    links = 2.0 * float(a2a.seconds(point.nbytes)) if point.nbytes > 0 else 0.0
+    return max(point.seconds - links, HOST_FLOOR * point.seconds)
+
+
+def fit_host(points: list[HostPoint], a2a: LinkFit, allreduce: LinkFit) -> HostFit:
+    """Fit every host model from `points` (module docstring); `a2a` is the measured all-to-all
+    (subtracted from the dispatcher's times), `allreduce` the back-to-back all-reduce, used
+    when `points` hold no all-reduce after compute. A rank's dispatcher handles s + r = 2 T k
+    rows (its T k routed rows, as many received)."""
+
+    def of(kind: str) -> list[HostPoint]:
+        return [p for p in points if p.kind == kind]
+
+    dense = {}
+    for kind in ("dense_fwd", "dense_bwd"):
+        pts = of(kind)
+        dense[kind] = fit_gemm_curve(
+            [p.size for p in pts], [p.seconds for p in pts], [p.flops for p in pts]
+        )
+    lines = {}
+    for kind in KINDS_DISPATCH:
+        pts = of(kind)
+        lines[kind] = fit_line(
+            [2.0 * p.size for p in pts], [dispatcher_host_seconds(p, a2a) for p in pts]
+        )
+    for kind in KINDS_STEP:
+        pts = of(kind)
+        lines[kind] = fit_line([p.size for p in pts], [p.seconds for p in pts])
+    experts = None
+    if of("experts_fwd") and of("experts_bwd"):
+        rows = sorted({p.size for p in of("experts_fwd")})
+        both = [p for p in points if p.kind in KINDS_EXPERTS]
+        experts = fit_gemm_curve(
+            rows,
+            [sum(p.seconds for p in both if p.size == n) for n in rows],
+            [sum(p.flops for p in both if p.size == n) for n in rows],
+        )
+    if of("allreduce"):
+        allreduce = allreduce_after_compute(of("allreduce"), allreduce)
+    return HostFit(
+        dense_fwd=dense["dense_fwd"],
+        dense_bwd=dense["dense_bwd"],
+        dispatch_fwd=lines["dispatch_fwd"],
+        dispatch_bwd=lines["dispatch_bwd"],
+        optimizer=lines["optimizer"],
+        clip=lines["clip"],
+        allreduce=allreduce,
+        experts=experts,
+    )
+
+
+def allreduce_after_compute(points: list[HostPoint], back_to_back: LinkFit) -> LinkFit:
+    """lat + m / bw fitted to the all-reduce after compute (item 5). Where the sizes do not
+    resolve a bandwidth (the arrival skew can drown it at small sizes), the fitted intercept
+    is kept as the latency and the back-to-back fit's bandwidth is used."""
+    sizes, seconds = [p.size for p in points], [p.seconds for p in points]
+    line = fit_line(sizes, seconds)
+    if line.slope_s > 0:
+        return LinkFit(line.intercept_s, 1.0 / line.slope_s, line.note)
+    note = "no bandwidth resolved after compute; back-to-back bandwidth kept"
+    return LinkFit(line.intercept_s, back_to_back.bw_Bps, note)
+
+
+def has_host_points(points: list[HostPoint]) -> bool:
+    """Every kind a `fit_host` needs is present."""
+    kinds = {p.kind for p in points}
+    return {"dense_fwd", "dense_bwd", *KINDS_DISPATCH, *KINDS_STEP} <= kinds
+
+
+__all__ = [
+    "HOST_FLOOR",
+    "HostFit",
+    "HostPoint",
+    "allreduce_after_compute",
+    "allreduce_points",
+    "balanced_experts",
+    "checked_model",
+    "dense_points",
+    "dispatch_points",
+    "dispatcher_host_seconds",
+    "expert_points",
+    "fit_host",
+    "gpt_config",
+    "has_host_points",
+    "host_steps",
+    "local_timer",
+    "measure_host",
+    "rank_param_shapes",
+    "rank_params",
+    "step_points",
+]

@@ -1,0 +1,88 @@
+"""Host costs (`poise.host_costs`): the non-MoE compute at its measured rate and the
+dispatcher's host work, on hand-computed cases; the defaults give the cost model's FNEC/BNEC."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from poise.cost import CostModel
+from poise.host_costs import (
+    dense_rates,
+    dense_seconds,
+    dispatch_host_seconds,
+    dispatch_rows,
+    gpt_non_moe_flops_per_token,
+)
+from poise.placement import Assignment, Placement
+from poise.topology import HostCosts
+
+from .helpers import toy_cluster, toy_spec
+
+
+def test_gpt_block_flops_of_the_tiny_model() -> None:
+    # d 128, context 128, 8 experts, vocabulary 256, 4 MoE layers:
+    # 8 d^2 = 131072, 2 d (T + 1) = 33024, 2 d E = 2048, 2 V d / L = 16384
+    assert gpt_non_moe_flops_per_token(128, 128, 8, 256, 4) == 182_528.0
+
+
+def test_default_dense_rate_is_the_cost_models_fnec() -> None:
+    cluster = toy_cluster(flops=2e9)
+    spec = toy_spec(tokens=300, non_moe=1e4)
+    fnec, bnec = dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
+    assert fnec == pytest.approx(300 * 1e4 / 2e9)  # N F / gemm_flops
+    assert bnec == pytest.approx(2 * fnec)
+    placement = Placement.from_homes(np.array([[0, 1]]), 2, 1)
+    priced = CostModel(cluster, spec).price(
+        placement, Assignment.to_home(placement), np.full((1, 2, 2), 5.0)
+    )
+    assert priced.phases.non_moe_fwd_s[0] == pytest.approx(fnec, rel=1e-12)
+    assert priced.phases.non_moe_bwd_s[0] == pytest.approx(bnec, rel=1e-12)
+
+
+def test_measured_dense_rates_with_half_tokens() -> None:
+    host = HostCosts(
+        dense_fwd_flops=1e9,
+        dense_fwd_half_tokens=100.0,
+        dense_bwd_flops=5e8,
+        dense_bwd_half_tokens=20.0,
+    )
+    cluster = dataclasses.replace(toy_cluster(flops=9e9), host=host)
+    assert dense_rates(cluster) == (1e9, 100.0, 5e8, 20.0)
+    fnec, bnec = dense_seconds(cluster, 1e4, 300)
+    # F (N + h_f) / R_f = 1e4 * 400 / 1e9; 2 F (N + h_b) / R_b = 2e4 * 320 / 5e8
+    assert fnec == pytest.approx(4e-3)
+    assert bnec == pytest.approx(1.28e-2)
+    assert dense_seconds(cluster, 1e4, 0) == (0.0, 0.0)
+
+
+def test_backward_rate_defaults_to_the_forwards() -> None:
+    host = HostCosts(dense_fwd_flops=1e9, dense_fwd_half_tokens=100.0)
+    cluster = dataclasses.replace(toy_cluster(), host=host)
+    fnec, bnec = dense_seconds(cluster, 1e4, 300)
+    assert bnec == pytest.approx(2 * fnec)
+
+
+def test_dispatcher_rows_and_slowest_device() -> None:
+    counts = np.array(
+        [
+            [[3.0, 1.0], [2.0, 2.0]],  # layer 0: device 0 routes 4 rows, device 1 routes 4
+            [[6.0, 0.0], [1.0, 1.0]],  # layer 1: 6 and 2
+        ]
+    )
+    load = np.array([[5.0, 3.0], [7.0, 1.0]])  # rows computed
+    rows = dispatch_rows(counts, load)
+    np.testing.assert_array_equal(rows, [[9.0, 7.0], [13.0, 3.0]])
+    host = HostCosts(
+        dispatch_fwd_s=1e-3, dispatch_fwd_s_per_row=1e-4, dispatch_bwd_s=2e-3,
+        dispatch_bwd_s_per_row=1e-5,
+    )  # fmt: skip
+    fwd, bwd = dispatch_host_seconds(host, rows)
+    np.testing.assert_allclose(fwd, [1e-3 + 9e-4, 1e-3 + 13e-4])
+    np.testing.assert_allclose(bwd, [2e-3 + 9e-5, 2e-3 + 13e-5])
+    zero_f, zero_b = dispatch_host_seconds(HostCosts(), rows)
+    assert not zero_f.any() and not zero_b.any()
+    with pytest.raises(ValueError, match="layers, devices"):
+        dispatch_host_seconds(host, np.ones(3))

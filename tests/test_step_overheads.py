@@ -1,0 +1,49 @@
+"""The step's work outside the MoE layers (`poise.step_overheads`) on hand-computed cases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from poise.errors import ConfigError
+from poise.step_overheads import NORM_BYTES, StepWork, allreduce_seconds, step_overheads
+from poise.topology import HostCosts
+
+from .helpers import toy_cluster, toy_spec
+
+
+def test_params_per_device_count_dense_and_slots() -> None:
+    spec = toy_spec(experts=4, layers=3, d_model=4, d_expert=8)  # GELU: P_e = 2 * 4 * 8 = 64
+    work = StepWork.of(spec, dense_params=1000, slots_per_device=2)
+    assert work == StepWork(1000, 1000 + 2 * 3 * 64, 4.0, counts_bytes=8 * 3 * 4)
+    with pytest.raises(ConfigError, match="dense_params"):
+        StepWork(10, 5, 4.0)
+
+
+def test_measured_allreduce_and_linear_host_terms() -> None:
+    host = HostCosts(
+        optimizer_s=1e-3, optimizer_s_per_param=2e-9, clip_s=5e-4, clip_s_per_param=1e-9,
+        allreduce_lat_s=1e-4, allreduce_bw_Bps=1e9,
+    )  # fmt: skip
+    cluster = dataclasses.replace(toy_cluster(2), host=host)
+    work = StepWork(dense_params=250_000, params=1_000_000, grad_bytes=4, counts_bytes=256)
+    got = step_overheads(cluster, work)
+    assert got["grad_allreduce_s"] == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert got["counts_s"] == pytest.approx(1e-4 + 256 / 1e9)
+    assert got["clip_s"] == pytest.approx(5e-4 + 1e-3 + 1e-4 + NORM_BYTES / 1e9)
+    assert got["optimizer_s"] == pytest.approx(1e-3 + 2e-3)
+
+
+def test_allreduce_on_links_without_a_measured_one() -> None:
+    # 2 devices on one node: ring 2 (n-1)/n G / bw + 2 (n-1) lat = G / bw + 2 lat beats the
+    # tree 2 G / bw + 2 lat.
+    cluster = toy_cluster(2, bw=1e9, lat=1e-5)
+    assert allreduce_seconds(cluster, 1e6) == pytest.approx(1e-3 + 2e-5)
+    assert allreduce_seconds(cluster, 0) == 0.0
+    assert allreduce_seconds(toy_cluster(1), 1e6) == 0.0
+    # default host costs: only the all-reduces remain
+    got = step_overheads(cluster, StepWork(1000, 5000, 4.0))
+    assert got["optimizer_s"] == 0.0 and got["counts_s"] == 0.0
+    assert got["clip_s"] == pytest.approx(allreduce_seconds(cluster, NORM_BYTES))
+    assert got["grad_allreduce_s"] == pytest.approx(4000 / 1e9 + 2e-5)
