@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.atomic import atomic_write_text
-from poise.calibrate.config import DIST_TIMEOUT_S, WORLD_SIZE, CalibrationConfig
+from poise.calibrate.config import WORLD_SIZE, CalibrationConfig
 from poise.calibrate.fit import (
     GemmFit,
     LineFit,
@@ -490,19 +490,12 @@ def _host_worker(
     """One gloo rank: every host measurement, lock-step with the other rank; rank 0 writes the
     slowest rank's medians as JSON to `result_path` and reports progress on `queue`."""
     from dataclasses import asdict
-    from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=DIST_TIMEOUT_S),
-    )
+    from poise.calibrate.measure import init_local_gloo
+
+    init_local_gloo(rank, port, threads)
     try:
         timer = _dist_timer(config.gemm_repeats, config.warmup, config.min_time_s)
         progress = queue.put if rank == 0 else _no_progress

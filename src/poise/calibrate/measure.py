@@ -161,6 +161,24 @@ def measure_gemm(config: CalibrationConfig, progress: Progress = _no_progress) -
     return points
 
 
+def init_local_gloo(rank: int, port: int, threads: int) -> None:
+    """Join the `WORLD_SIZE`-rank gloo group of a calibration on 127.0.0.1:`port`, with
+    `threads` intra-op threads and the calibration's collective timeout."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=DIST_TIMEOUT_S),
+    )
+
+
 def _collective_worker(
     rank: int,
     port: int,
@@ -174,19 +192,9 @@ def _collective_worker(
     """One gloo rank: time each of `COLLECTIVES` at each size; rank 0 writes the
     medians (each repeat's time is the slowest rank's) as JSON to `result_path` and reports
     progress on `queue`."""
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=DIST_TIMEOUT_S),
-    )
+    init_local_gloo(rank, port, threads=1)
     try:
         _warm_up_ranks(sizes)
         results = []
