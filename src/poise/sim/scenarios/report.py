@@ -50,10 +50,14 @@ def markdown_table(results: Sequence[ScenarioResult]) -> str:
     lines += ["", "Setups:", ""]
     for res in results:
         s = res.scenario
+        replay = (
+            ""
+            if s.runner is not None  # not a trace replay: no re-planning, warm-up or forecast
+            else f"Re-plan every {s.replan_every} steps ({s.predictor} forecast), first "
+            f"{s.warmup_steps} steps warm-up (not in the means), "
+        )
         lines.append(
-            f"- **{s.name}** ({s.paper}): {s.summary}. Re-plan every {s.replan_every} steps "
-            f"({s.predictor} forecast), first {s.warmup_steps} steps warm-up (not in the means), "
-            f"{s.planning_note}. Traces: "
+            f"- **{s.name}** ({s.paper}): {s.summary}. {replay}{s.planning_note}. Traces: "
             + "; ".join(sorted(set(res.trace_notes.values())))
             + ". "
             + " ".join(s.notes)
