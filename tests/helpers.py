@@ -52,3 +52,29 @@ def toy_spec(
         non_moe_flops_per_token=non_moe,
         optimizer_bytes_per_param=8.0,
     )
+
+
+def tiny_train_config(root: str, name: str, **overrides: object):
+    """A `TrainConfig` of the `tiny` GPT-MoE sized for multi-rank tests (context 32, global batch
+    8, no aux loss, no eval, quiet), writing under `root/name`; `overrides` change any field."""
+    from poise.train import TrainConfig
+
+    base: dict[str, object] = dict(
+        model="tiny",
+        context=32,
+        batch=8,
+        warmup=3,
+        lr=1e-3,
+        aux_loss=0.0,
+        spare_slots=2,
+        replan_every=2,
+        eval_every=0,
+        checkpoint_every=0,
+        log_every=1000,
+        progress=False,
+        tensorboard=False,
+        cache_dir=f"{root}/cache",
+        out=f"{root}/{name}",
+    )
+    base.update(overrides)
+    return TrainConfig(**base)

@@ -23,6 +23,8 @@ import pytest
 from poise.errors import ConfigError
 from poise.runtime.launch import run_ranks
 
+from .helpers import tiny_train_config
+
 pytestmark = pytest.mark.dist
 
 TOL = 1e-5
@@ -30,30 +32,13 @@ STEPS = 6
 
 
 def _cfg(root: str, name: str, **kw):
-    from poise.train import TrainConfig
-
     base = dict(
-        model="tiny",
-        context=32,
-        batch=8,
         steps=STEPS,
-        warmup=3,
-        lr=1e-3,
-        aux_loss=0.0,
         bias_rate=0.05,  # the router bias changes routing each step: its counts must be global
         policy="static",
-        spare_slots=2,
-        replan_every=2,
-        eval_every=0,
         checkpoint_every=3,
-        log_every=1000,
-        progress=False,
-        tensorboard=False,
-        cache_dir=f"{root}/cache",
-        out=f"{root}/{name}",
     )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_train_config(root, name, **{**base, **kw})
 
 
 def _ckpt(root: str, name: str, step: int = 3) -> str:

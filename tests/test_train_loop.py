@@ -17,6 +17,8 @@ import pytest
 import poise.atomic
 from poise.runtime.launch import run_ranks
 
+from .helpers import tiny_train_config
+
 pytestmark = pytest.mark.dist
 
 TOL = 1e-5
@@ -24,27 +26,7 @@ POLICIES = ["shadow", "prophet", "vexpert", "permute", "eplb", "hybrid"]
 
 
 def _cfg(root: str, name: str, **kw):
-    from poise.train import TrainConfig
-
-    base = dict(
-        model="tiny",
-        context=32,
-        batch=8,
-        warmup=3,
-        lr=1e-3,
-        aux_loss=0.0,
-        spare_slots=2,
-        replan_every=2,
-        eval_every=0,
-        checkpoint_every=0,
-        log_every=1000,
-        progress=False,
-        tensorboard=False,
-        cache_dir=f"{root}/cache",
-        out=f"{root}/{name}",
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_train_config(root, name, **kw)
 
 
 def _four_ranks(rank: int, world: int, root: str) -> dict:
