@@ -12,17 +12,19 @@ from poise.errors import ConfigError, PlanError
 from poise.layouts import (
     Layout,
     LayoutSettings,
-    allreduce_times,
     enumerate_layouts,
     layout_problem,
     memory_bytes,
+    sub_cluster,
+)
+from poise.layouts_online import select_layout, switch_seconds
+from poise.layouts_price import (
+    allreduce_times,
     permute_in_layout,
     price_layout,
     rank_layouts,
     stage_phases,
-    sub_cluster,
 )
-from poise.layouts_online import select_layout, switch_seconds
 from poise.placement import Assignment
 from poise.policies.base import static_placement
 from poise.schedule import Schedule

@@ -1,11 +1,11 @@
 """SmartMoE's online stage: pick the pool's best layout for the load seen now, and what moving
 between two layouts costs (NumPy only).
 
-The offline stage (`poise.layouts.rank_layouts`) keeps a pool of layouts priced on the expected
-load distribution. Online, every so many steps, `select_layout` prices each pool layout on the
-recent loads (with the expert placement `permute` would choose inside it,
-`poise.layouts.permute_in_layout`) and moves to the fastest only when the predicted saving over
-the coming steps exceeds the cost of moving there:
+The offline stage (`poise.layouts_price.rank_layouts`) keeps a pool of layouts priced on the
+expected load distribution. Online, every so many steps, `select_layout` prices each pool layout
+on the recent loads (with the expert placement `permute` would choose inside it,
+`poise.layouts_price.permute_in_layout`) and moves to the fastest only when the predicted
+saving over the coming steps exceeds the cost of moving there:
 
     switch  iff  (T_current - T_best) * horizon > T_switch
 
@@ -24,7 +24,8 @@ import numpy as np
 
 from poise.cost import level_links, level_seconds
 from poise.errors import ConfigError
-from poise.layouts import Layout, LayoutCost, LayoutSettings, dense_params, price_with_online
+from poise.layouts import Layout, LayoutSettings, dense_params
+from poise.layouts_price import LayoutCost, price_with_online
 from poise.spec import ModelSpec
 from poise.topology import Cluster
 

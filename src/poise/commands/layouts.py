@@ -1,9 +1,10 @@
 """`poise layouts TRACE`: SmartMoE's offline pool of hybrid parallel layouts for a trace.
 
 Enumerates the layouts (pipeline stages, expert-parallel degree, expert-data-parallel replicas,
-experts per device) of the cluster and model, prices each on the trace's load distribution with
-`poise.layouts.rank_layouts` (with the expert placement the online `permute` would choose, unless
-`--static`), prints them ranked and marks the pool; `--json OUT` writes everything, atomically.
+experts per device) of the cluster and model, prices each on the trace's load distribution
+with `poise.layouts_price.rank_layouts` (with the expert placement the online `permute` would
+choose, unless `--static`), prints them ranked and marks the pool; `--json OUT` writes
+everything, atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rich.table import Table
 
 from poise.atomic import atomic_write_text
 from poise.commands.options import DEFAULT_MODEL
-from poise.layouts import LayoutSearch, LayoutSettings, rank_layouts
+from poise.layouts import LayoutSettings
+from poise.layouts_price import LayoutSearch, rank_layouts
 from poise.loads import fit_devices, spec_for_trace
 from poise.schedule import parse_schedule
 from poise.spec import get_model
