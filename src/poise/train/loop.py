@@ -33,6 +33,10 @@ hook then re-plans every `replan_every` steps, or launches Trans) -> log. The le
 warms up linearly for `warmup` steps, then follows a cosine down to `lr * min_lr_ratio` at
 `steps`.
 
+Set-up (process group, device, corpus, optimizer, modelled cluster, learning rate, the check
+that all ranks share the config) is `poise.train.setup`; rank 0's console and metrics file are
+`poise.train.runlog.RunLog`.
+
 Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
 `config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
 load, plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing
@@ -42,15 +46,12 @@ end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import random
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,22 @@ from poise.nn.moe import default_slots, install_bias_update, moe_layers
 from poise.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, save_config
-from poise.train.data import Corpus, Sampler, build_corpus, shard_rows
+from poise.train.data import Sampler, shard_rows
 from poise.train.faults import Fault, FaultInjector
 from poise.train.layout import edp_counts, install_edp_bias_sum, resolve_layout
 from poise.train.model import GPTMoE
+from poise.train.runlog import RunLog
+from poise.train.setup import (
+    check_config_agrees,
+    comm_device,
+    init_distributed,
+    load_corpus,
+    lr_at,
+    make_cluster,
+    make_optimizer,
+    pick_device,
+    seed_everything,
+)
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
 
@@ -102,236 +115,6 @@ class TrainResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ---------------------------------------------------------------------------- set-up helpers
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of 0-based step `step`: linear warm-up, then cosine to `lr*min_lr_ratio`."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    low = cfg.lr * cfg.min_lr_ratio
-    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def init_distributed(cfg: TrainConfig) -> bool:
-    """Create the default process group from torchrun's environment if there is none and
-    `WORLD_SIZE` > 1; returns whether it did. NCCL when CUDA is usable, else gloo."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("CUDA was requested but is not available", field="device")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.collective_timeout_s)
-    )
-    return True
-
-
-def pick_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cpu":
-        return torch.device("cpu")
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("CUDA was requested but is not available", field="device")
-        if dist.is_initialized() and not nccl:
-            return torch.device("cpu")  # a gloo group (tests, CPU launches): stay on the CPU
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def config_digest(cfg: TrainConfig) -> int:
-    """A 62-bit digest of every config field (what all ranks must agree on)."""
-    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
-def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
-    """Compare the config digest across the ranks (one all-gather, under the process group's
-    timeout); a rank that disagrees is one `ConfigError` on every rank, not a hang later in a
-    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173)."""
-    if world <= 1:
-        return
-    mine = torch.tensor([config_digest(cfg)], dtype=torch.long)
-    got = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(got, mine)
-    digests = [int(t) for t in got]
-    others = [r for r, d in enumerate(digests) if d != digests[rank]]
-    if others:
-        raise ConfigError(
-            f"the training config on rank {rank} differs from rank(s) {others}: start every "
-            "rank with the same config and options",
-            source="config",
-            field="ranks",
-        )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return device
-    return torch.device("cpu")
-
-
-def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
-    """Build the corpus cache on each node's local rank 0 first, then read it everywhere."""
-    kw = {"glob": cfg.data_glob, "cache_dir": cfg.cache_dir, "val_fraction": cfg.val_fraction}
-    if world == 1:
-        return build_corpus(cfg.data, **kw)
-    corpus = None
-    if local_rank == 0:
-        corpus = build_corpus(cfg.data, **kw)
-    dist.barrier()
-    return corpus if corpus is not None else build_corpus(cfg.data, **kw)
-
-
-def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and expert tensors), none on norm weights."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
-    """The modelled cluster a Balancer plans on: `ep` devices (default `world`), the EP group.
-    `cfg.cluster` may name a cluster of `ep` devices, or of `world` devices, of which an EP group
-    (contiguous ranks) is a part (`poise.layouts.sub_cluster`)."""
-    from poise.layouts import sub_cluster
-    from poise.runtime.balancer import default_cluster
-    from poise.topology import get_cluster
-
-    ep = world if ep is None else ep
-    if cfg.cluster is None:
-        return default_cluster(ep)
-    cluster = get_cluster(cfg.cluster)
-    if ep != world and cluster.num_devices == world:
-        part = sub_cluster(cluster, ep)
-        if part is None:
-            raise ConfigError(
-                f"an EP group of {ep} ranks does not nest in its nodes and domains",
-                source=cfg.cluster,
-                field="cluster",
-            )
-        return part
-    if cluster.num_devices == ep != world:
-        return cluster
-    if cluster.num_devices != world:
-        groups = f" (EP groups of {ep})" if ep != world else ""
-        raise ConfigError(
-            f"has {cluster.num_devices} devices but {world} ranks run{groups}",
-            source=cfg.cluster,
-            field="cluster",
-        )
-    return cluster
-
-
-# ------------------------------------------------------------------------------- logging
-class RunLog:
-    """Rank 0's outputs: console (a rich progress bar on a terminal, plain lines otherwise),
-    `metrics.jsonl`, TensorBoard when installed. Other ranks log nothing."""
-
-    def __init__(self, cfg: TrainConfig, out: Path, active: bool, start: int, quiet: bool):
-        self.cfg, self.out, self.active, self.quiet = cfg, out, active, quiet
-        self.progress = None
-        self.task = None
-        self.tb = None
-        self.metrics = None
-        if not active:
-            return
-        from rich.console import Console
-
-        self.console = Console(stderr=False, highlight=False)
-        path = out / "metrics.jsonl"
-        kept = []
-        if start > 0 and path.exists():  # resuming: drop lines of steps after the checkpoint
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= start:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    continue
-        atomic_write_text(path, "".join(x + "\n" for x in kept))
-        self.metrics = path.open("a", encoding="utf-8")
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
-            except Exception:  # tensorboard not installed: skip quietly
-                self.tb = None
-        if cfg.progress and not quiet and self.console.is_terminal:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self.task = self.progress.add_task("train", total=cfg.steps, completed=start, info="")
-            self.progress.start()
-
-    def print(self, text: str) -> None:
-        if self.active and not self.quiet:
-            self.console.print(text, markup=False, soft_wrap=True)
-
-    def step(self, record: dict[str, Any]) -> None:
-        if not self.active:
-            return
-        assert self.metrics is not None
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
-        s = record["step"]
-        if self.tb is not None:
-            self.tb.add_scalar("loss/train", record["loss"], s)
-            self.tb.add_scalar("tokens_per_s", record["tokens_per_s"], s)
-            self.tb.add_scalar("lr", record["lr"], s)
-            if record["max_over_mean"]:
-                self.tb.add_scalar("load/max_over_mean", float(np.mean(record["max_over_mean"])), s)
-            if "val_loss" in record:
-                self.tb.add_scalar("loss/val", record["val_loss"], s)
-        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=s, info=info)
-        if s % self.cfg.log_every == 0 or s == self.cfg.steps or "val_loss" in record:
-            loads = " ".join(f"{x:.2f}" for x in record["max_over_mean"])
-            line = (
-                f"step {s}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  max/mean [{loads}]  "
-                f"plan changes {record['plan_changes']}"
-            )
-            if "val_loss" in record:
-                line += f"  val {record['val_loss']:.4f}"
-            self.print(line)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -453,7 +236,7 @@ class _Trainer:
         if self.world == 1:
             return stats
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().reshape(-1)])
-        buf = flat.to(_comm_device(self.device))
+        buf = flat.to(comm_device(self.device))
         dist.all_reduce(buf)
         flat = buf.to(self.device)
         offset = 0
@@ -500,7 +283,7 @@ class _Trainer:
                 if w.grad is not None:
                     expert_sq += w.grad.double().square().flatten(1).sum(1)[home].sum()
         if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
-            t = expert_sq.to(_comm_device(dev))
+            t = expert_sq.to(comm_device(dev))
             dist.all_reduce(t, group=self.ep_group)
             expert_sq = t.to(dev)
         norm = float((dense_sq + expert_sq).sqrt())
@@ -522,7 +305,7 @@ class _Trainer:
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             total += torch.tensor([float(loss), y.numel()], dtype=torch.float64)
         if self.world > 1:
-            t = total.to(_comm_device(self.device))
+            t = total.to(comm_device(self.device))
             dist.all_reduce(t)
             total = t.cpu()
         self.model.train()

@@ -1,0 +1,108 @@
+"""`RunLog`: what rank 0 of a training run writes as it goes (console, `metrics.jsonl`,
+TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poise.atomic import atomic_write_text
+from poise.train.config import TrainConfig
+
+
+class RunLog:
+    """Rank 0's outputs: console (a rich progress bar on a terminal, plain lines otherwise),
+    `metrics.jsonl`, TensorBoard when installed. Other ranks log nothing."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, active: bool, start: int, quiet: bool):
+        self.cfg, self.out, self.active, self.quiet = cfg, out, active, quiet
+        self.progress = None
+        self.task = None
+        self.tb = None
+        self.metrics = None
+        if not active:
+            return
+        from rich.console import Console
+
+        self.console = Console(stderr=False, highlight=False)
+        path = out / "metrics.jsonl"
+        kept = []
+        if start > 0 and path.exists():  # resuming: drop lines of steps after the checkpoint
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= start:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue
+        atomic_write_text(path, "".join(x + "\n" for x in kept))
+        self.metrics = path.open("a", encoding="utf-8")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
+            except Exception:  # tensorboard not installed: skip quietly
+                self.tb = None
+        if cfg.progress and not quiet and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=cfg.steps, completed=start, info="")
+            self.progress.start()
+
+    def print(self, text: str) -> None:
+        if self.active and not self.quiet:
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        assert self.metrics is not None
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        s = record["step"]
+        if self.tb is not None:
+            self.tb.add_scalar("loss/train", record["loss"], s)
+            self.tb.add_scalar("tokens_per_s", record["tokens_per_s"], s)
+            self.tb.add_scalar("lr", record["lr"], s)
+            if record["max_over_mean"]:
+                self.tb.add_scalar("load/max_over_mean", float(np.mean(record["max_over_mean"])), s)
+            if "val_loss" in record:
+                self.tb.add_scalar("loss/val", record["val_loss"], s)
+        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=s, info=info)
+        if s % self.cfg.log_every == 0 or s == self.cfg.steps or "val_loss" in record:
+            loads = " ".join(f"{x:.2f}" for x in record["max_over_mean"])
+            line = (
+                f"step {s}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  max/mean [{loads}]  "
+                f"plan changes {record['plan_changes']}"
+            )
+            if "val_loss" in record:
+                line += f"  val {record['val_loss']:.4f}"
+            self.print(line)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()

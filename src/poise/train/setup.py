@@ -1,0 +1,155 @@
+"""Setting up one training rank: the process group, the device, seeds, the corpus, the
+optimizer, the modelled cluster the Balancer plans on, the learning-rate schedule, and the check
+that every rank runs the same config."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from poise.errors import ConfigError
+from poise.train.config import TrainConfig
+from poise.train.data import Corpus, build_corpus
+from poise.train.model import GPTMoE
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of 0-based step `step`: linear warm-up, then cosine to `lr*min_lr_ratio`."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def init_distributed(cfg: TrainConfig) -> bool:
+    """Create the default process group from torchrun's environment if there is none and
+    `WORLD_SIZE` > 1; returns whether it did. NCCL when CUDA is usable, else gloo."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA was requested but is not available", field="device")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.collective_timeout_s)
+    )
+    return True
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA was requested but is not available", field="device")
+        if dist.is_initialized() and not nccl:
+            return torch.device("cpu")  # a gloo group (tests, CPU launches): stay on the CPU
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def config_digest(cfg: TrainConfig) -> int:
+    """A 62-bit digest of every config field (what all ranks must agree on)."""
+    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
+    """Compare the config digest across the ranks (one all-gather, under the process group's
+    timeout); a rank that disagrees is one `ConfigError` on every rank, not a hang later in a
+    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173)."""
+    if world <= 1:
+        return
+    mine = torch.tensor([config_digest(cfg)], dtype=torch.long)
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine)
+    digests = [int(t) for t in got]
+    others = [r for r, d in enumerate(digests) if d != digests[rank]]
+    if others:
+        raise ConfigError(
+            f"the training config on rank {rank} differs from rank(s) {others}: start every "
+            "rank with the same config and options",
+            source="config",
+            field="ranks",
+        )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def comm_device(device: torch.device) -> torch.device:
+    """Where tensors for a collective must live: `device` under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return device
+    return torch.device("cpu")
+
+
+def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
+    """Build the corpus cache on each node's local rank 0 first, then read it everywhere."""
+    kw = {"glob": cfg.data_glob, "cache_dir": cfg.cache_dir, "val_fraction": cfg.val_fraction}
+    if world == 1:
+        return build_corpus(cfg.data, **kw)
+    corpus = None
+    if local_rank == 0:
+        corpus = build_corpus(cfg.data, **kw)
+    dist.barrier()
+    return corpus if corpus is not None else build_corpus(cfg.data, **kw)
+
+
+def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (and expert tensors), none on norm weights."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
+    """The modelled cluster a Balancer plans on: `ep` devices (default `world`), the EP group.
+    `cfg.cluster` may name a cluster of `ep` devices, or of `world` devices, of which an EP group
+    (contiguous ranks) is a part (`poise.layouts.sub_cluster`)."""
+    from poise.layouts import sub_cluster
+    from poise.runtime.balancer import default_cluster
+    from poise.topology import get_cluster
+
+    ep = world if ep is None else ep
+    if cfg.cluster is None:
+        return default_cluster(ep)
+    cluster = get_cluster(cfg.cluster)
+    if ep != world and cluster.num_devices == world:
+        part = sub_cluster(cluster, ep)
+        if part is None:
+            raise ConfigError(
+                f"an EP group of {ep} ranks does not nest in its nodes and domains",
+                source=cfg.cluster,
+                field="cluster",
+            )
+        return part
+    if cluster.num_devices == ep != world:
+        return cluster
+    if cluster.num_devices != world:
+        groups = f" (EP groups of {ep})" if ep != world else ""
+        raise ConfigError(
+            f"has {cluster.num_devices} devices but {world} ranks run{groups}",
+            source=cfg.cluster,
+            field="cluster",
+        )
+    return cluster
