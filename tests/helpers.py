@@ -78,3 +78,28 @@ def tiny_train_config(root: str, name: str, **overrides: object):
     )
     base.update(overrides)
     return TrainConfig(**base)
+
+
+def train_residual_moe(model, opt, rank: int, steps: int, tokens: int, d_model: int) -> list[float]:
+    """This rank's loss per step of a residual stack of MoE layers (`model.blocks`) regressing
+    random targets: inputs and targets drawn from a generator seeded by the rank, router
+    gradients summed over the ranks before each optimizer step."""
+    import torch
+
+    from poise.nn import sync_router_grads
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(tokens, d_model, generator=gen) + 1.0
+        target = torch.randn(tokens, d_model, generator=gen)
+        y = x
+        for block in model.blocks:
+            y = y + block(y)
+        loss = ((y - target) ** 2).mean()
+        loss.backward()
+        sync_router_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses

@@ -15,6 +15,8 @@ from poise.errors import ConfigError
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.runtime.launch import run_ranks
 
+from .helpers import train_residual_moe
+
 POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto"]
 E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY = 8, 8, 16, 64, 20, 2
 TOL = 1e-5
@@ -42,25 +44,7 @@ def _build(W: int, seed: int = 0):
 
 def _train(model, opt, rank: int, steps: int) -> list[float]:
     """This rank's loss per step."""
-    import torch
-
-    from poise.nn import sync_router_grads
-
-    gen = torch.Generator().manual_seed(7 + rank)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(TOKENS, D_MODEL, generator=gen) + 1.0
-        target = torch.randn(TOKENS, D_MODEL, generator=gen)
-        y = x
-        for block in model.blocks:
-            y = y + block(y)
-        loss = ((y - target) ** 2).mean()
-        loss.backward()
-        sync_router_grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+    return train_residual_moe(model, opt, rank, steps, TOKENS, D_MODEL)
 
 
 def _home_rows(model, opt, rank: int) -> dict:

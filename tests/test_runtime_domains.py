@@ -13,6 +13,8 @@ import pytest
 from poise.runtime.domains import cross_domain_tokens, domain_cluster
 from poise.runtime.launch import run_ranks
 
+from .helpers import train_residual_moe
+
 E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY, SIZE = 8, 8, 16, 128, 6, 2, 2
 TOL = 1e-5
 VARIANTS = {"hybrid": None, "hybrid@1.0": 1.0, "hybrid@0.05": 0.05}
@@ -38,25 +40,7 @@ def _build(seed: int = 0):
 
 
 def _train(model, opt, rank: int) -> list[float]:
-    import torch
-
-    from poise.nn import sync_router_grads
-
-    gen = torch.Generator().manual_seed(7 + rank)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.randn(TOKENS, D_MODEL, generator=gen) + 1.0
-        target = torch.randn(TOKENS, D_MODEL, generator=gen)
-        y = x
-        for block in model.blocks:
-            y = y + block(y)
-        loss = ((y - target) ** 2).mean()
-        loss.backward()
-        sync_router_grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    return train_residual_moe(model, opt, rank, STEPS, TOKENS, D_MODEL)
 
 
 def _rows(model) -> dict:
