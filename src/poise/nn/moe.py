@@ -171,7 +171,7 @@ class MoE(nn.Module):
                     for w in self.experts.weights():
                         w[slot].zero_()
                 continue
-            gen = torch.Generator().manual_seed(self.init_seed * 1_000_003 + e)
+            gen = expert_generator(self.init_seed, e)
             self.experts.init_slot(slot, gen)
 
     @torch.no_grad()
@@ -329,6 +329,13 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return device if device.type == "cuda" else torch.device("cuda")
     return torch.device("cpu")
+
+
+def expert_generator(init_seed: int, expert: int) -> torch.Generator:
+    """The generator expert `expert`'s weights are drawn from: seeded by (init_seed, expert)
+    alone, so an expert's weights do not depend on which rank or slot holds it (every layer
+    that draws experts, sharded or not, goes through here)."""
+    return torch.Generator().manual_seed(init_seed * 1_000_003 + expert)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

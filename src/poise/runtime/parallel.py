@@ -61,6 +61,7 @@ from torch import nn
 from poise.errors import ConfigError
 from poise.nn.dispatch import Dispatcher, Layout
 from poise.nn.experts import Activation, Experts, ExpertsImpl
+from poise.nn.moe import expert_generator
 from poise.nn.router import Router, Score
 from poise.runtime.expert_shard import (
     EXPERT_KEYS,
@@ -194,8 +195,7 @@ class ParallelMoE(nn.Module):
         width = self.d_expert // self.groups.esp
         lo = self.groups.local * width
         for slot in range(self.experts_per_node):
-            gen = torch.Generator().manual_seed(self.init_seed * 1_000_003 + first + slot)
-            full.init_slot(0, gen)
+            full.init_slot(0, expert_generator(self.init_seed, first + slot))
             for name in EXPERT_KEYS:
                 w = getattr(full, name)
                 if w is not None:
