@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from poise.cost import CostModel
+from poise.heap import retain_freed_memory
 from poise.placement import Plan
 from poise.policies import REGISTRY
 from poise.policies.base import PlanContext, make_plan
@@ -78,6 +79,7 @@ def main() -> None:
     default_data = os.environ.get("POISE_SHARED_DATA", "../shared/data")
     parser.add_argument("--data", default=default_data, help="folder with smartmoe-ae-sample/")
     args = parser.parse_args()
+    retain_freed_memory()  # as in every poise process (`poise.heap`)
 
     sample = load_any(str(Path(args.data) / "smartmoe-ae-sample"))
     cluster = get_cluster("v100-ib50")

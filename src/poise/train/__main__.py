@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.errors import ConfigError, PoiseError
+from poise.heap import retain_freed_memory
 
 # command-line option -> config field
 OVERRIDES = {
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_train_arguments(parser)
     args = parser.parse_args(argv)
+    retain_freed_memory()  # the rank plans too (`poise.heap`)
     try:
         from poise.train.loop import train
 
