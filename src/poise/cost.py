@@ -455,6 +455,13 @@ class CostModel:
                 )
         return counts
 
+    @property
+    def non_moe_fwd_s(self) -> float:
+        """FNEC: forward seconds of a block's non-MoE compute on one device (tokens per device x
+        non-MoE FLOPs per token / GEMM rate)."""
+        spec = self.spec
+        return spec.tokens_per_device * spec.non_moe_flops_fwd / self.cluster.gemm_flops
+
     def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
         """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens."""
         return expert_seconds(self.cluster, self.spec, received).sum(axis=2)
@@ -495,7 +502,7 @@ class PlanPricer:
         self.routing = Routing(cluster, placement, assignment)
         t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
-        self.fnec_s = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        self.fnec_s = cost.non_moe_fwd_s
 
     def phases(
         self, counts: np.ndarray, migrations: np.ndarray | None = None

@@ -13,6 +13,12 @@ any candidate. Candidates within relative `TIE_REL` of the least total tie; ties
 then to the layout with the fewest copies (it leaves the most free slots for later re-planning:
 a uniform forecast, as at the first step, makes every layout price alike, and a replica-filled
 one would leave local searches such as `vexpert` no room), then to the candidate order.
+
+Pruning (option `prune`, default on): a candidate with a registered lower bound
+(`policies.bounds`: `static` and `permute`, one copy per expert) runs after the others, and
+only if `horizon * bound` is inside the least total's tie window in at least one layer; a
+candidate skipped so could neither be kept nor tie, so the plan is the same as without pruning
+(`tests/test_policy_auto_prune.py`). The notes list skipped candidates with their bound.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import numpy as np
 from poise.cost import PhaseTimes, PlanCost
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies.base import HELPER_CPU_NOTE, REGISTRY, PlanContext, register
+from poise.policies.bounds import BOUNDS
 
 DEFAULT_HORIZON = 10
 PARALLEL_CELLS = 2**21  # from this many load cells (L * D * E) candidates plan in threads
 TIE_REL = 1e-9  # totals this close (relative) count as equal
+BOUND_MARGIN = 1e-12  # relative slack for float rounding when pruning by a bound
 PHASE_NAMES = [f.name for f in fields(PhaseTimes)]
 
 
@@ -81,12 +89,24 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         )
         names.append("keep")
     candidates = candidate_names(ctx)
-    names += candidates
-    made, helper_cpu_s = run_candidates(candidates, loads, previous, ctx)
-    plans += made
-    recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])  # [C, L]
-    moving = np.stack([p.cost.phases.migrate_s for p in plans])
-    total = horizon * recurring + moving
+    prune = bool(ctx.option("auto", "prune", True))
+    bounded = [n for n in candidates if prune and n in BOUNDS]
+    first = [n for n in candidates if n not in bounded]
+    made, helper_cpu_s = run_candidates(first, loads, previous, ctx)
+    by_name = dict(zip(first, made, strict=True))
+    best = _least_total(plans + made, horizon)
+    pruned: dict[str, float] = {}
+    for name in bounded:
+        bound = BOUNDS[name](loads, ctx)
+        if bound is not None and best is not None and _cannot_win(horizon * bound, best):
+            pruned[name] = float(bound.sum())
+            continue
+        by_name[name] = REGISTRY[name](loads, previous, ctx)
+        best = _least_total([by_name[name]], horizon, best)
+    kept = [n for n in candidates if n in by_name]
+    names += kept
+    plans += [by_name[n] for n in kept]
+    total = _totals(plans, horizon)
     layers = np.arange(L)
     choice = _choose(total, plans, names)
     home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
@@ -100,6 +120,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     notes: dict[str, Any] = {
         "chosen": chosen,
         "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
+        "pruned_bound_step_s": pruned,
         HELPER_CPU_NOTE: helper_cpu_s,
     }
     for p in plans:
@@ -134,6 +155,31 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         cost=cost,
         notes=notes,
     )
+
+
+def _totals(plans: list[Plan], horizon: float) -> np.ndarray:
+    """`[C, L]` each plan's cost over the horizon: K steps of its recurring time plus its
+    one-off migration."""
+    recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])
+    return horizon * recurring + np.stack([p.cost.phases.migrate_s for p in plans])
+
+
+def _least_total(
+    plans: list[Plan], horizon: float, best: np.ndarray | None = None
+) -> np.ndarray | None:
+    """`[L]` the least total over `plans` and `best` (None: no plan yet)."""
+    if not plans:
+        return best
+    least = _totals(plans, horizon).min(axis=0)
+    return least if best is None else np.minimum(best, least)
+
+
+def _cannot_win(lower: np.ndarray, best: np.ndarray) -> bool:
+    """Whether a candidate whose totals are at least `lower[L]` is, in every layer, above the
+    tie window of `best[L]` (which only falls as candidates are added), with a margin for the
+    bound's float rounding."""
+    window = (best + TIE_REL * np.abs(best)) * (1.0 + BOUND_MARGIN)
+    return bool(np.all(lower > window))
 
 
 def _choose(total: np.ndarray, plans: list[Plan], names: list[str]) -> np.ndarray:
