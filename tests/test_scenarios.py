@@ -23,6 +23,7 @@ from poise.sim.scenarios import (
     get_scenario,
     hybridep_spec,
     markdown_table,
+    paired_gap_se,
     run_scenario,
 )
 from poise.sim.simulator import simulate
@@ -205,3 +206,12 @@ def test_cli_unknown_scenario_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert len(lines) == 1 and lines[0].startswith("poise: error: nope")
     assert "unknown scenario" in lines[0] and captured.out == ""
     assert not (tmp_path / "scenarios.md").exists()
+
+
+def test_paired_gap_se_uses_replanning_windows_as_samples() -> None:
+    # After 2 warm-up steps the differences are [1, 3, 2, 2, 5, 1]; windows of 2 have means
+    # [2, 2, 3]: standard deviation 1 / sqrt(3), standard error 1 / 3.
+    a = np.array([9.0, 9.0, 1.0, 3.0, 2.0, 2.0, 5.0, 1.0]) + 10.0
+    b = np.full(8, 10.0)
+    assert paired_gap_se(a, b, warmup=2, window=2) == pytest.approx(1.0 / 3.0)
+    assert paired_gap_se(a, b, warmup=2, window=6) is None  # one window: no spread to measure

@@ -93,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
     slower = [c for r in results for c in r.checks if not c.auto_fastest]
     err.print(f"scenarios: {len(results)} run in {wall:.1f} s; wrote {md} and {js}")
     if slower:
+        gaps = [c.gap_in_se for c in slower if c.gap_in_se is not None]
+        within = f"; largest gap {max(gaps):.1f} standard errors" if gaps else ""
         err.print(
-            f"[yellow]auto is slower than another policy in {len(slower)} run(s); "
+            f"[yellow]auto is slower than another policy in {len(slower)} run(s){within}; "
             "see the check table[/yellow]"
         )
     return 0

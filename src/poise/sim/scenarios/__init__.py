@@ -45,6 +45,7 @@ from poise.sim.scenarios.core import (
     TraceRecipe,
     build_trace,
     find_shared_data,
+    paired_gap_se,
     run_scenario,
     step_times,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "get_scenario",
     "hybridep_spec",
     "markdown_table",
+    "paired_gap_se",
     "prophet_spec",
     "results_json",
     "run_scenario",

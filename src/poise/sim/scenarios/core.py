@@ -205,6 +205,21 @@ class Check:
     best_priced_s: float
     auto_planning_s: float  # mean planning seconds per measured step, as charged
     auto_chosen: list[str]  # the candidate auto kept per layer in its last plan
+    # Standard error of (auto - fastest other), in the figures' column: see `paired_gap_se`.
+    gap_se_s: float | None = None
+
+    @property
+    def gap_in_se(self) -> float | None:
+        """auto's gap to the fastest other policy (figures' column) in standard errors; None
+        with fewer than two re-planning windows or no spread."""
+        if not self.gap_se_s:
+            return None
+        auto, best = (
+            (self.auto_charged_s, self.best_charged_s)
+            if self.count_planning
+            else (self.auto_priced_s, self.best_priced_s)
+        )
+        return (auto - best) / self.gap_se_s
 
     @property
     def ratio_charged(self) -> float:
@@ -224,6 +239,7 @@ class Check:
         d["ratio_charged"] = self.ratio_charged
         d["ratio_priced"] = self.ratio_priced
         d["auto_fastest"] = self.auto_fastest
+        d["gap_in_se"] = self.gap_in_se
         return d
 
 
@@ -375,6 +391,18 @@ def _window(x: np.ndarray, warmup: int) -> float:
     return float(x[min(warmup, len(x) - 1) :].mean())
 
 
+def paired_gap_se(a: np.ndarray, b: np.ndarray, warmup: int, window: int) -> float | None:
+    """Standard error of the mean of `a - b` over the measured steps (`[S]` step seconds of
+    two policies on the same trace), from the means of consecutive `window`-step blocks: steps
+    under one plan share its forecast error, so blocks of a re-planning window, not single
+    steps, are the independent samples. None with fewer than two blocks."""
+    diff = (a - b)[min(warmup, len(a) - 1) :]
+    blocks = [diff[i : i + window].mean() for i in range(0, len(diff), window)]
+    if len(blocks) < 2:
+        return None
+    return float(np.std(blocks, ddof=1) / np.sqrt(len(blocks)))
+
+
 def run_scenario(
     scenario: Scenario,
     *,
@@ -450,6 +478,14 @@ def _check(
     best_p = min(others, key=lambda n: priced[n])
     auto_plan = result.runs["auto"].last_plan
     chosen = list(auto_plan.notes.get("chosen", [])) if auto_plan is not None else []
+    column = 0 if scenario.count_planning else 1  # step_times: (charged, priced)
+    best = best_c if scenario.count_planning else best_p
+    gap_se = paired_gap_se(
+        step_times(result, "auto")[column],
+        step_times(result, best)[column],
+        scenario.warmup_steps,
+        scenario.replan_every,
+    )
     return Check(
         scenario=scenario.name,
         case=case,
@@ -463,6 +499,7 @@ def _check(
         best_priced_s=priced[best_p],
         auto_planning_s=charged["auto"] - priced["auto"],
         auto_chosen=chosen,
+        gap_se_s=gap_se,
     )
 
 

@@ -31,7 +31,10 @@ def markdown_table(results: Sequence[ScenarioResult]) -> str:
         "`auto` against the fastest other policy of each run (one case under one schedule, every "
         "policy on the same trace), mean step time over the measured steps, with the planner's "
         "measured wall time charged and without it (the cost model's time alone); the figures "
-        "above use the column the scenario's setup names:",
+        "above use the column the scenario's setup names. A ratio above 1 is flagged **slower**; "
+        "in the figures' column the flag gives auto's gap in standard errors of the paired "
+        "difference, from the means of its re-planning windows (steps under one plan share "
+        "its forecast error):",
         "",
         "| scenario | case | schedule | auto, planning charged (s) | fastest other | auto / other "
         "| auto, not charged (s) | fastest other | auto / other |",
@@ -39,8 +42,8 @@ def markdown_table(results: Sequence[ScenarioResult]) -> str:
     ]
     for res in results:
         for c in res.checks:
-            flag_c = " **slower**" if c.ratio_charged > 1.0 else ""
-            flag_p = " **slower**" if c.ratio_priced > 1.0 else ""
+            flag_c = _slower(c.ratio_charged, c.gap_in_se if c.count_planning else None)
+            flag_p = _slower(c.ratio_priced, None if c.count_planning else c.gap_in_se)
             lines.append(
                 f"| {c.scenario} | {c.case} | {c.schedule} | {c.auto_charged_s:.4g} | "
                 f"{c.best_charged} {c.best_charged_s:.4g} | {c.ratio_charged:.4f}{flag_c} | "
@@ -68,3 +71,11 @@ def markdown_table(results: Sequence[ScenarioResult]) -> str:
 
 def results_json(results: Sequence[ScenarioResult]) -> dict[str, Any]:
     return {"scenarios": [r.as_dict() for r in results]}
+
+
+def _slower(ratio: float, gap_in_se: float | None) -> str:
+    """The flag of a ratio above 1, with the gap in standard errors where it is known (the
+    figures' column; `core.paired_gap_se`)."""
+    if ratio <= 1.0:
+        return ""
+    return " **slower**" if gap_in_se is None else f" **slower** ({gap_in_se:.1f} SE)"
