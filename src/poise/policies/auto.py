@@ -96,8 +96,11 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     by_name = dict(zip(first, made, strict=True))
     best = _least_total(plans + made, horizon)
     pruned: dict[str, float] = {}
+    bounds: dict[object, np.ndarray | None] = {}  # candidates may share one bound function
     for name in bounded:
-        bound = BOUNDS[name](loads, ctx)
+        if BOUNDS[name] not in bounds:
+            bounds[BOUNDS[name]] = BOUNDS[name](loads, ctx)
+        bound = bounds[BOUNDS[name]]
         if bound is not None and best is not None and _cannot_win(horizon * bound, best):
             pruned[name] = float(bound.sum())
             continue
