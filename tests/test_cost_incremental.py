@@ -121,3 +121,71 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
         copies[:, e], home[e] = col, h
         assert layer.price(totals[0])[0] == pytest.approx(full(), rel=1e-12)
         layer.apply(zero, experts, np.array([h]), col[None], shares, zero, totals[:, 0])
+
+
+def _columns_case(cluster, schedule: Schedule, prev_moves: int = 4):
+    """An `ExpertColumns` of one random layer with replicas, balanced shares and `prev_moves`
+    experts whose home moved (None: no previous homes); returns it with its inputs."""
+    from poise.policies.vexpert import _route
+
+    spec = MODELS["zipf-256"].with_(experts=48, moe_layers=1)
+    cost = CostModel(cluster, spec, schedule)
+    rng = np.random.default_rng(9)
+    slots = 48 // cluster.num_devices + 2
+    placement, counts = _random_layer(rng, cluster.num_devices, 48, slots, 60)
+    home, copies = placement.home[0], placement.copies[0]
+    weights = _route(np.ascontiguousarray(counts.T), copies.T)
+    prev = None
+    if prev_moves:
+        prev = home.copy()
+        prev[:prev_moves] = (prev[:prev_moves] + 5) % cluster.num_devices
+        prev = prev[None]
+    cols = ExpertColumns(cost, counts[None], home[None], copies[None], weights[None], prev)
+    return cols, counts, home, copies, weights
+
+
+@pytest.mark.parametrize(
+    "cluster", [get_cluster("dgx-h100:4"), toy_cluster(2, 2, 2, bw=1e9, inter_bw=2e8, wan_bw=1e7)]
+)
+def test_expert_columns_terms_sum_to_totals(cluster) -> None:
+    # Every row of the per-expert terms (tokens, compute, dispatch, Trans, migration per level)
+    # summed over the experts gives the layer totals the cost model's own functions compute.
+    cols, _, home, copies, weights = _columns_case(cluster, Schedule("sync"))
+    E = home.size
+    terms = cols.column_terms(np.zeros(E, dtype=np.int64), np.arange(E), home, copies.T, weights)
+    assert np.any(terms[:, 14:17] > 0) and np.any(terms[:, 8:11] > 0)  # Trans and migrations
+    np.testing.assert_allclose(terms.sum(axis=0), cols.totals[0], rtol=1e-12, atol=1e-6)
+
+
+def test_totals_after_equals_candidates() -> None:
+    # A caller that prices the columns in force in its own batch (`totals_after`) gets the totals
+    # `candidates` gets by re-deriving them, bit for bit.
+    from poise.policies.vexpert import _route
+
+    cols, counts, home, copies, _ = _columns_case(get_cluster("dgx-h100:4"), Schedule("sync"))
+    experts = np.array([[3, 7]])
+    new_copies = copies.T[experts[0]].copy()
+    new_copies[0, (home[3] + 1) % 32] += 1  # expert 3 gains a copy
+    new_copies[1, (home[7] + 9) % 32] += 1  # expert 7 too
+    shares = _route(np.ascontiguousarray(counts.T)[experts[0]], new_copies)
+    zero = np.zeros(2, dtype=np.int64)
+    terms = cols.column_terms(zero, experts[0], home[experts[0]], new_copies, shares)
+    select = np.array([[1, 0], [0, 1], [1, 1]], dtype=bool)
+    expected = cols.candidates(np.zeros(1, dtype=np.int64), experts, terms[None], select)
+    current = cols.current_terms(zero, experts[0])
+    delta = terms - current
+    change = np.stack([delta[0], delta[1], delta[0] + delta[1]])[None]
+    assert np.array_equal(cols.totals_after(np.zeros(1, dtype=np.int64), change), expected)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_price_without_previous_homes_equals_unmoved_homes(schedule: Schedule) -> None:
+    # With no previous homes the pricer leaves the migration rows out; the time equals, bit for
+    # bit, the time with previous homes equal to the current ones (nothing migrates either way).
+    cluster = get_cluster("dgx-h100:4")
+    cols, counts, home, copies, weights = _columns_case(cluster, schedule, prev_moves=0)
+    same = ExpertColumns(
+        cols.cost, counts[None], home[None], copies[None], weights.copy()[None], home[None]
+    )
+    assert np.array_equal(cols.totals, same.totals)
+    assert np.array_equal(cols.price(cols.totals), same.price(same.totals))

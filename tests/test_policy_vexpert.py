@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from poise.placement import Assignment
 from poise.policies import PlanContext, make_plan
@@ -126,3 +127,80 @@ def test_layers_in_lockstep_match_layers_alone() -> None:
         assert alone.notes["moves_per_layer"][0] == together.notes["moves_per_layer"][layer]
     assert first.notes["moves_per_layer"][1] == 0  # loads[2], uniform, from the static layout
     assert sum(together.notes["moves_per_layer"]) > 0
+
+
+def test_decisions_match_the_reference_search() -> None:
+    """Pinned from the search before it kept its per-expert totals, copy counts and free slots
+    incrementally and priced the columns in force in the candidates' batch: the same moves and
+    the same replicas (a re-plan from a previous plan: replace and shrink, migrations priced;
+    pipelined schedule; fractional counts in one layer, uniform ones in another)."""
+    from poise.cost import CostModel
+    from poise.schedule import Schedule
+
+    rng = np.random.default_rng(7)
+    cluster = get_cluster("dgx-h100:4")
+    spec = MODELS["zipf-256"].with_(experts=64, moe_layers=4)
+    p = 1.0 / np.arange(1, 65) ** 1.1
+    loads = np.stack(
+        [rng.multinomial(4096 * 3, rng.permutation(p / p.sum()), size=32) for _ in range(4)]
+    ).astype(np.float64)
+    loads[1] = 128.0
+    loads[3] *= 0.37
+    cost = CostModel(cluster, spec, Schedule("pipelined", 4))
+    ctx = PlanContext.create(cluster, spec, slots_per_device=4, cost=cost)
+    first = make_plan("vexpert", loads[::-1].copy(), None, ctx)
+    plan = make_plan("vexpert", loads, first, ctx)
+    assert first.notes["moves_per_layer"] == [6, 8, 0, 3]
+    assert first.notes["moves"] == {"expand": 15, "replace": 0, "migrate": 2, "shrink": 0}
+    assert plan.notes["moves_per_layer"] == [3, 1, 6, 4]
+    assert plan.notes["moves"] == {"expand": 10, "replace": 1, "migrate": 1, "shrink": 2}
+    assert np.argwhere(plan.placement.replicas()).tolist() == [
+        [0, 10, 8], [0, 12, 19], [0, 25, 20], [1, 3, 60], [1, 8, 45], [1, 12, 62],
+        [1, 17, 55], [1, 18, 55], [1, 19, 15], [1, 27, 6], [2, 12, 55], [2, 13, 45],
+        [2, 17, 15], [2, 18, 55], [2, 19, 62], [2, 21, 55], [3, 1, 19], [3, 6, 8],
+        [3, 12, 20], [3, 14, 20], [3, 15, 20], [3, 17, 29], [3, 21, 8],
+    ]  # fmt: skip
+    assert np.array_equal(plan.placement.home, first.placement.home)
+    assert plan.cost.step_s == pytest.approx(0.03619188802218135, rel=1e-9)
+
+
+def test_route_layers_equals_route_bit_for_bit() -> None:
+    # Whole layers routed with only the multi-holder experts water-filled give `_route`'s
+    # shares exactly, with few holders per expert (packed water-fill) and with many (full rows).
+    from poise.policies.vexpert import _route, _route_layers
+
+    rng = np.random.default_rng(4)
+    for extra in (0.05, 0.7):
+        loads = rng.random((3, 16, 24)) * 100.0
+        copies = (rng.random((3, 16, 24)) < extra).astype(np.int32)
+        copies[:, 0] = 1  # every expert held somewhere
+        if extra > 0.5:
+            copies[1, :, 5] = 2  # an expert with two copies on every device
+        counts_t = np.ascontiguousarray(loads.transpose(0, 2, 1))
+        got = _route_layers(counts_t, copies.transpose(0, 2, 1))
+        assert np.array_equal(got, _route(counts_t, copies.transpose(0, 2, 1)))
+
+
+def test_search_state_keeps_fresh_sums() -> None:
+    # The kept per-expert totals equal `received.sum(axis=1)` bit for bit after column updates;
+    # copy counts and free slots equal their recount.
+    from poise.policies.vexpert import SearchState
+
+    rng = np.random.default_rng(8)
+    N, D, E, slots = 3, 16, 20, 4
+    copies = np.zeros((N, D, E), dtype=np.int32)
+    copies[:, np.arange(E) % D, np.arange(E)] = 1
+    received = np.where(copies > 0, rng.random((N, D, E)) * 1e3, 0.0)
+    copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1))
+    state = SearchState.start(np.zeros((N, E), dtype=np.int64), copies_t, copies, received, slots)
+    for _ in range(30):
+        rows = rng.integers(N, size=2)
+        experts = rng.choice(E, size=2, replace=False)
+        old = copies[rows, :, experts]
+        new = old.copy()
+        new[:, rng.integers(D)] += 1
+        copies[rows, :, experts] = new
+        state.set_columns(rows, experts, rng.random((2, D)) * rng.random() * 1e4, new, old)
+    assert np.array_equal(state.total, state.received.sum(axis=1))
+    assert np.array_equal(state.ncopies, copies.sum(axis=1))
+    assert np.array_equal(state.free, slots - copies.sum(axis=2))

@@ -244,8 +244,10 @@ class ExpertColumns:
     `cost.MIN_TRAFFIC_BYTES` cross it).
 
     `counts[L, D, E]` loads, `home[L, E]`, `copies[L, D, E]`, `weights[L, E, D]` (the
-    assignment's shares of remote tokens), `prev_home[L, E]` the homes in force (None: nothing
-    migrates). Memory: O(L * E * D)."""
+    assignment's shares of remote tokens; kept, not copied: `apply` updates them in place),
+    `prev_home[L, E]` the homes in force (None: nothing migrates); if the caller has them (None:
+    computed here), `received[L, D, E]` the computed tokens `Assignment(weights).received` and
+    `counts_t[L, E, D]` the loads transposed, contiguous (kept). Memory: O(L * E * D)."""
 
     def __init__(
         self,
@@ -255,25 +257,30 @@ class ExpertColumns:
         copies: np.ndarray,
         weights: np.ndarray,
         prev_home: np.ndarray | None,
+        received: np.ndarray | None = None,
+        counts_t: np.ndarray | None = None,
     ) -> None:
         self.cost = cost
         cluster, spec = cost.cluster, cost.spec
         L, D, _ = counts.shape
-        self.counts_t = np.ascontiguousarray(counts.transpose(0, 2, 1))  # [L, E, D]
+        if counts_t is None:
+            counts_t = np.ascontiguousarray(counts.transpose(0, 2, 1))
+        self.counts_t = counts_t  # [L, E, D]
         self.home = home.copy()
         self.copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1))  # [L, E, D]
-        self.weights = weights.copy()
+        self.weights = weights
         self.prev_home = prev_home
         self.dpn, self.dpd = cluster.devices_per_node, cluster.devices_per_domain
         self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
         self.devices = np.arange(D)
+        self.levels = np.arange(3)[:, None]  # [3, 1]
         self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
         self.bw, self.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         # Tokens are priced in bytes; Trans and migration rows already are.
         self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
         placement = Placement(home, copies, 0)
         assignment = Assignment(weights)
-        R = assignment.received(placement, counts)  # [L, D, E]
+        R = assignment.received(placement, counts) if received is None else received  # [L, D, E]
         tok_send, tok_recv = level_traffic(cluster, placement, assignment, counts)
         par_send, par_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         mig_send = np.zeros((3, L, D))
@@ -303,41 +310,48 @@ class ExpertColumns:
     ) -> np.ndarray:
         """Terms `[K, TERMS, D]` of experts `experts[K]` of layers `layers[K]` with homes
         `home[K]`, copies `copies[K, D]` and assignment shares `weights[K, D]`."""
-        spec, cluster = self.cost.spec, self.cost.cluster
+        spec = self.cost.spec
         K, D = copies.shape
         c = self.counts_t[layers, experts]  # [K, D]
         held = copies > 0
         remote = np.where(held, 0.0, c)
         r_all = remote.sum(axis=1, keepdims=True)  # [K, 1]
         out = np.zeros((K, TERMS, D))
-        R = np.where(held, c, 0.0) + weights * r_all
-        out[:, ROW_R] = R
+        R = out[:, ROW_R]
+        np.add(np.where(held, c, 0.0), weights * r_all, out=R)
         out[:, ROW_COMP] = self.comp_s(R)
         # Dispatch: a source's remote tokens split by the share of e's copies in its node/domain;
         # a holder receives its share of the remote tokens of each level's sources.
-        w_node = weights.reshape(K, -1, self.dpn).sum(axis=2)[:, self.node_of]
-        w_dom = weights.reshape(K, -1, self.dpd).sum(axis=2)[:, self.domain_of]
-        r_node = remote.reshape(K, -1, self.dpn).sum(axis=2)[:, self.node_of]
-        r_dom = remote.reshape(K, -1, self.dpd).sum(axis=2)[:, self.domain_of]
-        out[:, 2] = remote * w_node
-        out[:, 3] = remote * (w_dom - w_node)
-        out[:, 4] = remote * (1.0 - w_dom)
-        out[:, 11] = weights * r_node
-        out[:, 12] = weights * (r_dom - r_node)
-        out[:, 13] = weights * (r_all - r_dom)
-        # Trans: each replica receives W_e from the home, over the level between them.
-        lv = cluster.level_between(home[:, None], self.devices[None, :])  # [K, D], -1 at home
-        rep = held & (lv >= 0)
-        at = rep[:, None, :] & (lv[:, None, :] == np.arange(3)[None, :, None])  # [K, 3, D]
+        # inside[0 | 1, K, level, D]: the shares (0) and the remote tokens (1) summed over each
+        # device's node, domain and the cluster, then turned into what each level adds.
+        pair = np.empty((2, K, D))
+        pair[0] = weights
+        pair[1] = remote
+        inside = np.empty((2, K, 3, D))
+        inside[:, :, 0] = pair.reshape(2, K, -1, self.dpn).sum(axis=3)[..., self.node_of]
+        inside[:, :, 1] = pair.reshape(2, K, -1, self.dpd).sum(axis=3)[..., self.domain_of]
+        inside[0, :, 2] = 1.0
+        inside[1, :, 2] = r_all
+        inside[:, :, 2] -= inside[:, :, 1]  # cluster - domain
+        inside[:, :, 1] -= inside[:, :, 0]  # domain - node
+        np.multiply(remote[:, None], inside[0], out=out[:, 2:5])
+        np.multiply(weights[:, None], inside[1], out=out[:, 11:14])
+        # Trans: each replica receives W_e from the home, over the level between them
+        # (`Cluster.level_between`: 0 same node, 1 same domain, 2 across domains).
+        level = (self.node_of != self.node_of[home][:, None]).view(np.int8) + (
+            self.domain_of != self.domain_of[home][:, None]
+        ).view(np.int8)  # [K, D]
+        rep = held & (self.devices != home[:, None])
+        at = (level[:, None, :] == self.levels) & rep[:, None, :]  # [K, 3, D]
         w_e = spec.expert_bytes
-        out[:, 14:17] = at * w_e
+        np.multiply(at, w_e, out=out[:, 14:17])
         out[np.arange(K), 5:8, home] = at.sum(axis=2) * w_e
         # Migration: M_e from the home in force to the new home.
         if self.prev_home is not None:
             old = self.prev_home[layers, experts]
             k = np.flatnonzero(old != home)
             if k.size:
-                lv_m = cluster.level_between(old[k], home[k])
+                lv_m = self.cost.cluster.level_between(old[k], home[k])
                 out[k, 8 + lv_m, old[k]] = spec.migration_bytes
                 out[k, 17 + lv_m, home[k]] = spec.migration_bytes
         return out
@@ -355,11 +369,15 @@ class ExpertColumns:
     def price(self, totals: np.ndarray) -> np.ndarray:
         """Layer seconds `[M]` for a batch of totals `[M, TERMS, D]`, as `CostModel.price`."""
         M, _, D = totals.shape
-        send = totals[:, ROW_SEND].reshape(M, 3, 3, D)  # [M, kind, level, D]
-        recv = totals[:, ROW_RECV].reshape(M, 3, 3, D)
-        per_level = level_seconds(np.maximum(send, recv) * self.scale, self.bw, self.lat)
-        link_s = per_level.sum(axis=2).max(axis=2)  # [M, kind]
-        a2a, trans, mig = link_s[:, 0], link_s[:, 1], link_s[:, 2]
+        # Without `prev_home` nothing migrates: the migration rows stay zero, which price to 0 s.
+        kinds = 3 if self.prev_home is not None else 2
+        send = totals[:, 2 : 2 + 3 * kinds].reshape(M, kinds, 3, D)  # [M, kind, level, D]
+        recv = totals[:, 11 : 11 + 3 * kinds].reshape(M, kinds, 3, D)
+        moved = np.maximum(send, recv)
+        moved *= self.scale[:kinds]
+        link_s = level_seconds(moved, self.bw, self.lat).sum(axis=2).max(axis=2)  # [M, kind]
+        a2a, trans = link_s[:, 0], link_s[:, 1]
+        mig = link_s[:, 2] if kinds == 3 else np.zeros(M)
         fec = totals[:, ROW_COMP].max(axis=1)
         fnec = np.full(M, self.fnec)
         phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
@@ -377,7 +395,14 @@ class ExpertColumns:
         current = self.current_terms(flat_layers, experts.reshape(-1)).reshape(terms.shape)
         delta = terms - current  # [B, K, TERMS, D]
         picked = np.matmul(select.astype(np.float64), delta.reshape(B, K, -1))  # [B, M, T * D]
-        return self.totals[layers][:, None] + picked.reshape(B, select.shape[0], TERMS, -1)
+        return self.totals_after(layers, picked.reshape(B, select.shape[0], TERMS, -1))
+
+    def totals_after(self, layers: np.ndarray, change: np.ndarray) -> np.ndarray:
+        """Totals `[B, M, TERMS, D]` of M candidates in each of the B layers `layers[B]`, given
+        each candidate's change of terms `change[B, M, TERMS, D]` (the sum over the columns it
+        changes of new - current terms): `totals[layers] + change`, as `candidates` prices them,
+        for callers that derive the current terms themselves."""
+        return self.totals[layers][:, None] + change
 
     def apply(
         self,

@@ -56,10 +56,12 @@ from poise.policies.base import PlanContext, finish_plan, register, start_placem
 
 _REL_TOL = 1e-12
 MOVES = ("expand", "replace", "migrate", "shrink")
-# The four changed columns of a round, per layer: the hot expert expanded, the hot expert
-# expanded into the slot the shrink frees, the hot expert migrated, the cold expert shrunk.
-_EXPAND, _SWAP, _MIGRATE, _SHRINK = range(4)
-# select[m, k]: move m (in MOVES order) changes column k.
+# The columns of a round, per layer: the hot expert expanded, the hot expert expanded into the
+# slot the shrink frees, the hot expert migrated, the cold expert shrunk (the four candidate
+# columns), then the hot and the cold expert's columns in force (priced in the same batch for
+# the candidates' differences).
+_EXPAND, _SWAP, _MIGRATE, _SHRINK, _HOT, _COLD = range(6)
+# select[m, k]: move m (in MOVES order) changes candidate column k.
 _SELECT = np.array(
     [
         [1, 0, 0, 0],  # expand
@@ -69,6 +71,8 @@ _SELECT = np.array(
     ],
     dtype=bool,
 )
+_COLUMNS = [tuple(np.flatnonzero(row).tolist()) for row in _SELECT]  # per move, as indices
+_CURRENT = np.array([_HOT, _HOT, _HOT, _COLD])  # per candidate column, the column in force
 _LAYER_BYTES = 256 * 2**20  # terms kept per lockstep batch of layers, at most
 
 
@@ -80,9 +84,9 @@ def _argmin_where(values: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, 
 
 @dataclass
 class Round:
-    """The candidate columns of one round for B layers: `experts[B, 4]`, `homes[B, 4]`,
-    `copies[B, 4, D]` in column order (expand, swap, migrate, shrink) and `valid[B, 4]` per move
-    (MOVES order)."""
+    """The columns of one round for B layers, in column order (expand, swap, migrate, shrink,
+    hot in force, cold in force): `experts[B, 6]`, `homes[B, 6]`, `copies[B, 6, D]`; `valid[B,
+    4]` per move (MOVES order)."""
 
     experts: np.ndarray
     homes: np.ndarray
@@ -90,63 +94,135 @@ class Round:
     valid: np.ndarray
 
 
-def candidates(home: np.ndarray, copies: np.ndarray, received: np.ndarray, slots: int) -> Round:
-    """The moves of one round in B layers: `home[B, E]`, `copies[B, D, E]`, `received[B, D, E]`
-    tokens computed under the current routing. A move that does not exist in a layer is marked
-    invalid (its columns repeat the current ones)."""
-    B, D, _ = copies.shape
-    rows = np.arange(B)
-    devices = np.arange(D)[None, :]
-    total = received.sum(axis=1)  # [B, E]
-    ncopies = copies.sum(axis=1)
-    per_copy = total / ncopies
-    dev_load = received.sum(axis=2)  # [B, D]
-    free = slots - copies.sum(axis=2)
+@dataclass
+class SearchState:
+    """The search state of N layers: `home[N, E]`, `copies_t[N, E, D]` (expert-major; both
+    shared with `ExpertColumns`, which updates them), `received[N, D, E]` tokens computed under
+    the current routing, and kept with them so that a round does not reduce `[N, D, E]` arrays
+    for them: `total[N, E]` = `received.sum(axis=1)`, `ncopies[N, E]` copies per expert and
+    `free[N, D]` free slots per device.
+
+    NumPy sums the middle axis of `received` in device order, and a changed column's total is
+    re-summed in that order (`np.cumsum`), so `total` stays `received.sum(axis=1)` bit for bit
+    (with E = 1 NumPy may pair the terms differently, but one expert is never compared)."""
+
+    home: np.ndarray
+    copies_t: np.ndarray
+    received: np.ndarray
+    total: np.ndarray
+    ncopies: np.ndarray
+    free: np.ndarray
+
+    @classmethod
+    def start(
+        cls,
+        home: np.ndarray,
+        copies_t: np.ndarray,
+        copies: np.ndarray,
+        received: np.ndarray,
+        slots: int,
+    ) -> SearchState:
+        """From `home[N, E]`, `copies_t[N, E, D]`, the same copies `copies[N, D, E]` and
+        `received[N, D, E]` (kept, not copied)."""
+        return cls(
+            home,
+            copies_t,
+            received,
+            received.sum(axis=1),
+            copies.sum(axis=1),
+            slots - copies.sum(axis=2),
+        )
+
+    def set_columns(
+        self,
+        rows: np.ndarray,
+        experts: np.ndarray,
+        received: np.ndarray,
+        copies: np.ndarray,
+        old_copies: np.ndarray,
+    ) -> None:
+        """Column `experts[K]` of row `rows[K]` now computes `received[K, D]` tokens with copies
+        `copies[K, D]` (were `old_copies[K, D]`). A row may change several experts."""
+        self.received[rows, :, experts] = received
+        self.total[rows, experts] = np.cumsum(received, axis=1)[:, -1]  # sums in device order
+        self.ncopies[rows, experts] = copies.sum(axis=1)
+        np.subtract.at(self.free, rows, copies - old_copies)
+
+
+def candidates(state: SearchState, rows: np.ndarray) -> Round:
+    """The moves of one round in the layers `rows[B]` (ascending indices into `state`), with
+    the columns in force of their hot and cold experts. A move that does not exist in a layer
+    is marked invalid (its columns repeat the current ones)."""
+    B = rows.size
+    N, D = state.free.shape
+    everyone = B == N  # rows is then arange(N): no gathers
+    i = np.arange(B)
+    # Device loads: summing all N layers costs less than gathering most of them first.
+    if 2 * B > N:
+        dev_load = state.received.sum(axis=2)
+        dev_load = dev_load if everyone else dev_load[rows]
+    else:
+        dev_load = state.received[rows].sum(axis=2)  # [B, D]
+    ncopies = state.ncopies if everyone else state.ncopies[rows]
+    per_copy = (state.total if everyone else state.total[rows]) / ncopies  # [B, E]
+    free = state.free[rows]
     hot_device = dev_load.argmax(axis=1)
-    # The most loaded device holds at least one expert, so `hot` always exists.
-    hot, _ = _argmin_where(-per_copy, copies[rows, hot_device] > 0)
+    # The most loaded device holds at least one expert, so `hot` always exists (the first
+    # largest per-copy load among its experts).
+    hot = np.where(state.copies_t[rows, :, hot_device] > 0, per_copy, -np.inf).argmax(axis=1)
+    valid = np.empty((B, 4), dtype=bool)  # per move, MOVES order
     multi = ncopies > 1
-    cold, has_cold = _argmin_where(per_copy, multi)
-    has_cold &= cold != hot
-    hot_col = copies[rows, :, hot]  # [B, D]
-    hot_home = home[rows, hot]
+    cold = np.where(multi, per_copy, np.inf).argmin(axis=1)
+    has_cold = multi.any(axis=1) & (cold != hot)
+    columns = np.empty((B, 6, D), dtype=state.copies_t.dtype)
+    columns[:, :3] = columns[:, _HOT, None] = state.copies_t[rows, hot][:, None]
+    hot_col = columns[:, _HOT]
+    columns[:, _SHRINK] = columns[:, _COLD] = cold_col = state.copies_t[rows, cold]
+    hot_home = state.home[rows, hot]
+    cold_home = state.home[rows, cold]
 
-    target, has_target = _argmin_where(dev_load, (free > 0) & (hot_col == 0))
-    expand = hot_col.copy()
-    expand[rows, target] += has_target
-
-    cold_col = copies[rows, :, cold]
-    cold_home = home[rows, cold]
-    per_copy_on = received[rows, :, cold] / np.maximum(cold_col, 1)
-    allowed = (cold_col > 0) & (devices != cold_home[:, None]) & has_cold[:, None]
+    # Shrink: a copy of the cold expert from the non-home holder computing the fewest tokens
+    # per copy (from its home when the home is its only holder, with several copies).
+    per_copy_on = state.received[rows, :, cold] / np.maximum(cold_col, 1)
+    allowed = (cold_col > 0) & (np.arange(D) != cold_home[:, None]) & has_cold[:, None]
     shrink_from, has_shrink = _argmin_where(per_copy_on, allowed)
-    at_home = ~has_shrink & has_cold & (cold_col[rows, cold_home] > 1)
+    at_home = ~has_shrink & has_cold & (cold_col[i, cold_home] > 1)
     shrink_from = np.where(at_home, cold_home, shrink_from)
     has_shrink |= at_home
-    shrunk = cold_col.copy()
-    shrunk[rows, shrink_from] -= has_shrink
-    free_after = free.copy()
-    free_after[rows, shrink_from] += has_shrink
-    # Loads after the shrink are not re-routed here; the cost model prices the real move.
-    swap_to, has_swap = _argmin_where(dev_load, (free_after > 0) & (hot_col == 0))
-    has_swap &= has_shrink
-    swap = hot_col.copy()
-    swap[rows, swap_to] += has_swap
-
+    # Targets: the least-loaded device with a free slot not holding the hot expert, before (0)
+    # and after (1) the shrink frees a slot. Loads after the shrink are not re-routed here; the
+    # cost model prices the real move.
+    open_slot = np.empty((B, 2, D), dtype=bool)
+    open_slot[:, 0] = free > 0
+    free[i, shrink_from] += has_shrink
+    open_slot[:, 1] = free > 0
+    open_slot &= (hot_col == 0)[:, None]
+    to = np.where(open_slot, dev_load[:, None], np.inf).argmin(axis=2)  # [B, 2]
+    has_to = open_slot.any(axis=2)
+    target, swap_to = to[:, 0], to[:, 1]
+    has_target = has_to[:, 0]
+    has_swap = has_to[:, 1] & has_shrink
     source = hot_device
-    has_migrate = has_target & (dev_load[rows, target] < dev_load[rows, source])
-    migrate = hot_col.copy()
-    migrate[rows, source] -= has_migrate
-    migrate[rows, target] += has_migrate
-    home_moves = has_migrate & (hot_home == source) & (migrate[rows, source] == 0)
-    migrate_home = np.where(home_moves, target, hot_home)
+    has_migrate = has_target & (dev_load[i, target] < dev_load[i, source])
+    valid[:, 0] = has_target
+    valid[:, 1] = has_swap
+    valid[:, 2] = has_migrate
+    valid[:, 3] = has_shrink
+    columns[i, _EXPAND, target] += has_target
+    columns[i, _SWAP, swap_to] += has_swap
+    columns[i, _MIGRATE, source] -= has_migrate
+    columns[i, _MIGRATE, target] += has_migrate
+    columns[i, _SHRINK, shrink_from] -= has_shrink
+    home_moves = has_migrate & (hot_home == source) & (columns[i, _MIGRATE, source] == 0)
 
-    return Round(
-        experts=np.stack([hot, hot, hot, cold], axis=1),
-        homes=np.stack([hot_home, hot_home, migrate_home, cold_home], axis=1),
-        copies=np.stack([expand, swap, migrate, shrunk], axis=1),
-        valid=np.stack([has_target, has_swap, has_migrate, has_shrink], axis=1),
-    )
+    experts = np.empty((B, 6), dtype=np.int64)
+    experts[:, :3] = experts[:, _HOT, None] = hot[:, None]
+    experts[:, _SHRINK] = experts[:, _COLD] = cold
+    homes = np.empty((B, 6), dtype=np.int64)
+    homes[:, :3] = homes[:, _HOT, None] = hot_home[:, None]
+    homes[:, _MIGRATE] = np.where(home_moves, target, hot_home)
+    homes[:, _SHRINK] = homes[:, _COLD] = cold_home
+    return Round(experts=experts, homes=homes, copies=columns, valid=valid)
 
 
 def _route(counts_t: np.ndarray, copies_t: np.ndarray) -> np.ndarray:
@@ -158,17 +234,29 @@ def _route(counts_t: np.ndarray, copies_t: np.ndarray) -> np.ndarray:
     return balanced_weights(local, remote, copies_t.astype(np.float64))
 
 
-def _choose(times: np.ndarray, best: np.ndarray) -> np.ndarray:
+def _route_layers(counts_t: np.ndarray, copies_t: np.ndarray) -> np.ndarray:
+    """`_route` on whole layers (`[L, E, D]`), bit for bit: an expert with one holder sends it
+    everything, so only the experts with several holders go through `_route` (the water-fill
+    works row by row on the experts with several holders in either case)."""
+    held = copies_t > 0
+    weights = held.astype(np.float64)
+    multi = held.sum(axis=2) > 1
+    if multi.any():
+        weights[multi] = _route(counts_t[multi], copies_t[multi])
+    return weights
+
+
+def _choose(times: np.ndarray, best: np.ndarray) -> list[int]:
     """Per layer, the move to make (-1: none): the first in MOVES order strictly (relative
     1e-12) below `best[B]`, replaced by a later one only if strictly below it. `times[B, 4]`."""
-    choice = np.full(times.shape[0], -1)
-    chosen_t = np.full(times.shape[0], np.inf)
-    for m in range(times.shape[1]):
-        t = times[:, m]
-        better = (t < best * (1.0 - _REL_TOL)) & ((choice < 0) | (t < chosen_t * (1.0 - _REL_TOL)))
-        choice = np.where(better, m, choice)
-        chosen_t = np.where(better, t, chosen_t)
-    return choice
+    out = []
+    for row, limit in zip(times.tolist(), best.tolist(), strict=True):
+        choice, chosen = -1, np.inf
+        for m, t in enumerate(row):
+            if t < limit * (1.0 - _REL_TOL) and (choice < 0 or t < chosen * (1.0 - _REL_TOL)):
+                choice, chosen = m, t
+        out.append(choice)
+    return out
 
 
 def search_layers(
@@ -190,65 +278,82 @@ def search_layers(
     slots = ctx.slots_per_device
     L, D, _ = loads.shape
     counts_t = np.ascontiguousarray(loads.transpose(0, 2, 1))  # [L, E, D]
-    weights = _route(counts_t, copies.transpose(0, 2, 1))  # [L, E, D]
+    weights = _route_layers(counts_t, copies.transpose(0, 2, 1))  # [L, E, D]
     held = copies > 0
-    received = np.where(held, loads, 0.0) + weights.transpose(0, 2, 1) * np.where(
-        held, 0.0, loads
-    ).sum(axis=1, keepdims=True)
+    remote = np.where(held, 0.0, loads)
+    received = np.subtract(loads, remote)  # = np.where(held, loads, 0.0), bit for bit
+    received += weights.transpose(0, 2, 1) * remote.sum(axis=1, keepdims=True)
     dev_load = received.sum(axis=2)  # [L, D]
     mean = dev_load.mean(axis=1)
     moves: list[list[str]] = [[] for _ in range(L)]
     open_layers = np.flatnonzero((mean > 0) & (dev_load.max(axis=1) > threshold * mean))
     if not open_layers.size or max_moves <= 0:
         return moves
-    prev = None if prev_home is None else prev_home[open_layers]
+    take = slice(None) if open_layers.size == L else open_layers  # no copies when all search
+    received = received[take]  # [N, D, E]
     cols = ExpertColumns(
         ctx.cost,
-        loads[open_layers],
-        home[open_layers],
-        copies[open_layers],
-        weights[open_layers],
-        prev,
+        loads[take],
+        home[take],
+        copies[take],
+        weights[take],
+        None if prev_home is None else prev_home[take],
+        received,
+        counts_t[take],
     )
-    best = cols.price(cols.totals)  # [B] layer seconds, index into open_layers
-    received = received[open_layers]  # [B, D, E]
-    active = np.arange(open_layers.size)  # rows of `cols` still searching
+    # The placement in force is `cols.home` / `cols.copies_t`; `state` shares them.
+    state = SearchState.start(cols.home, cols.copies_t, copies[take], received, slots)
+    best = cols.price(cols.totals)  # [N] layer seconds, index into open_layers
+    active = np.arange(open_layers.size)  # rows of `cols` and `state` still searching
     for _ in range(max_moves):
-        layers = open_layers[active]
-        rnd = candidates(home[layers], copies[layers], received[active], slots)
+        rnd = candidates(state, active)
         B = active.size
-        flat_layers = np.repeat(active, 4)
-        flat_experts = rnd.experts.reshape(-1)
-        flat_copies = rnd.copies.reshape(B * 4, D)
-        shares = _route(cols.counts_t[flat_layers, flat_experts], flat_copies)
+        # Route the four candidate columns (one batch, as `Assignment.balanced` per column);
+        # the two columns in force keep their shares.
+        shares = np.empty((B, 6, D))
+        shares[:, :4] = _route(
+            cols.counts_t[active[:, None], rnd.experts[:, :4]], rnd.copies[:, :4]
+        )
+        shares[:, 4:] = cols.weights[active[:, None], rnd.experts[:, 4:]]
         terms = cols.column_terms(
-            flat_layers, flat_experts, rnd.homes.reshape(-1), flat_copies, shares
-        ).reshape(B, 4, TERMS, D)
-        totals = cols.candidates(active, rnd.experts, terms, _SELECT)  # [B, 4, TERMS, D]
+            np.repeat(active, 6),
+            rnd.experts.reshape(-1),
+            rnd.homes.reshape(-1),
+            rnd.copies.reshape(B * 6, D),
+            shares.reshape(B * 6, D),
+        ).reshape(B, 6, TERMS, D)
+        # Per move, its columns' new minus current terms (replace: the swap's plus the shrink's).
+        change = np.empty((B, 4, TERMS, D))
+        np.subtract(terms[:, :3], terms[:, _HOT, None], out=change[:, :3])
+        np.subtract(terms[:, _SHRINK], terms[:, _COLD], out=change[:, _SHRINK])
+        change[:, _SWAP] += change[:, _SHRINK]
+        totals = cols.totals_after(active, change)  # [B, 4, TERMS, D]
         times = cols.price(totals.reshape(B * 4, TERMS, D)).reshape(B, 4)
-        times = np.where(rnd.valid, times, np.inf)
+        times[~rnd.valid] = np.inf
         choice = _choose(times, best[active])
-        moved = np.flatnonzero(choice >= 0)
-        if not moved.size:
+        moved = [j for j, m in enumerate(choice) if m >= 0]
+        if not moved:
             break
+        chosen = [choice[j] for j in moved]
         b = active[moved]
-        picked = _SELECT[choice[moved]]  # [n, 4] columns each chosen move changes
-        row, col = np.nonzero(picked)
-        lb = b[row]  # rows of `cols` per changed column
-        layer_ids = open_layers[lb]
-        experts = rnd.experts[moved[row], col]
-        new_copies = rnd.copies[moved[row], col]
-        new_homes = rnd.homes[moved[row], col]
-        new_terms = terms[moved[row], col]
-        new_weights = shares.reshape(B, 4, D)[moved[row], col]
-        cols.apply(lb, experts, new_homes, new_copies, new_weights, b, totals[moved, choice[moved]])
-        copies[layer_ids, :, experts] = new_copies
-        home[layer_ids, experts] = new_homes
-        received[lb, :, experts] = new_terms[:, ROW_R]
-        best[b] = times[moved, choice[moved]]
-        for layer, m in zip(open_layers[b], choice[moved], strict=True):
+        # The columns each chosen move changes (`_SELECT`), and the columns in force they replace.
+        pairs = [(j, k) for j, m in zip(moved, chosen, strict=True) for k in _COLUMNS[m]]
+        mr, col = np.array(pairs).T
+        lb = active[mr]  # rows of `cols` per changed column
+        experts = rnd.experts[mr, col]
+        new_copies = rnd.copies[mr, col]
+        cols.apply(
+            lb, experts, rnd.homes[mr, col], new_copies, shares[mr, col], b, totals[moved, chosen]
+        )
+        state.set_columns(
+            lb, experts, terms[mr, col, ROW_R], new_copies, rnd.copies[mr, _CURRENT[col]]
+        )
+        best[b] = times[moved, chosen]
+        for layer, m in zip(open_layers[b].tolist(), chosen, strict=True):
             moves[layer].append(MOVES[m])
         active = b
+    home[take] = cols.home
+    copies[take] = cols.copies_t.transpose(0, 2, 1)
     return moves
 
 
