@@ -204,3 +204,38 @@ def test_search_state_keeps_fresh_sums() -> None:
     assert np.array_equal(state.total, state.received.sum(axis=1))
     assert np.array_equal(state.ncopies, copies.sum(axis=1))
     assert np.array_equal(state.free, slots - copies.sum(axis=2))
+
+
+def test_the_searched_price_equals_the_cost_model() -> None:
+    """`vexpert` hands `finish_plan` the price its search kept (searched layers) plus a fresh
+    price of the layers it left alone; it equals `CostModel.price` of the plan with its
+    migrations, first from nothing and then re-planned from its own plan on other loads."""
+    from poise.cost import PHASE_NAMES, CostModel
+    from poise.schedule import parse_schedule
+
+    cluster = get_cluster("dgx-h100:2")
+    spec = ModelSpec("v", 64, 128, experts=24, top_k=2, moe_layers=4, tokens_per_device=512)
+    migrations = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        schedule = parse_schedule(["sync", "pipelined(4)", "prophet"][seed % 3])
+        ctx = PlanContext.create(
+            cluster, spec, slots_per_device=2 + seed % 2, cost=CostModel(cluster, spec, schedule)
+        )
+        skew = rng.zipf(1.4, size=(4, cluster.num_devices, 24)).astype(float)
+        loads = np.floor(100 * skew)
+        loads[1] = 50.0  # a balanced layer: below the trigger, not searched
+        other = np.floor(100 * rng.zipf(1.4, size=loads.shape).astype(float))
+        first = make_plan("vexpert", loads, None, ctx)
+        again = make_plan("vexpert", other, first, ctx)
+        migrations += len(again.transfers.migrations)
+        assert first.notes["moves_per_layer"][1] == 0
+        for plan, on in ((first, loads), (again, other)):
+            fresh = ctx.cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
+            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
+            np.testing.assert_allclose(plan.cost.device_load, fresh.device_load, rtol=1e-9)
+            for name in PHASE_NAMES:
+                np.testing.assert_allclose(
+                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
+                )
+    assert migrations > 0  # the re-plans moved homes, so the migration term was checked

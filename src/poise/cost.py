@@ -30,7 +30,7 @@ The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -81,6 +81,9 @@ class PhaseTimes:
     def as_dict(self) -> dict[str, float]:
         """Totals over layers, seconds."""
         return {k: float(np.sum(v)) for k, v in self.__dict__.items()}
+
+
+PHASE_NAMES = [f.name for f in fields(PhaseTimes)]  # the phases, in field order
 
 
 @dataclass

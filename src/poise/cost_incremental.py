@@ -368,6 +368,16 @@ class ExpertColumns:
 
     def price(self, totals: np.ndarray) -> np.ndarray:
         """Layer seconds `[M]` for a batch of totals `[M, TERMS, D]`, as `CostModel.price`."""
+        return self.cost.schedule.layer_time(self.phase_times(totals))
+
+    def phases(self) -> tuple[PhaseTimes, np.ndarray]:
+        """The layers in force as `PlanPricer.phases` gives them: phase times `[L]` and the
+        computed tokens per device `[L, D]` (equal up to float rounding: the totals were
+        updated by differences)."""
+        return self.phase_times(self.totals), self.totals[:, ROW_R].copy()
+
+    def phase_times(self, totals: np.ndarray) -> PhaseTimes:
+        """Phase times `[M]` of a batch of totals `[M, TERMS, D]`."""
         M, _, D = totals.shape
         # Without `prev_home` nothing migrates: the migration rows stay zero, which price to 0 s.
         kinds = 3 if self.prev_home is not None else 2
@@ -380,8 +390,7 @@ class ExpertColumns:
         mig = link_s[:, 2] if kinds == 3 else np.zeros(M)
         fec = totals[:, ROW_COMP].max(axis=1)
         fnec = np.full(M, self.fnec)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
-        return self.cost.schedule.layer_time(phases)
+        return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
 
     def candidates(
         self, layers: np.ndarray, experts: np.ndarray, terms: np.ndarray, select: np.ndarray

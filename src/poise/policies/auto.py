@@ -27,12 +27,11 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
-from poise.cost import PhaseTimes, PlanCost
+from poise.cost import PHASE_NAMES, PhaseTimes, PlanCost
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies.base import HELPER_CPU_NOTE, REGISTRY, PlanContext, register
 from poise.policies.bounds import BOUNDS
@@ -41,7 +40,6 @@ DEFAULT_HORIZON = 10
 PARALLEL_CELLS = 2**21  # from this many load cells (L * D * E) candidates plan in threads
 TIE_REL = 1e-9  # totals this close (relative) count as equal
 BOUND_MARGIN = 1e-12  # relative slack for float rounding when pruning by a bound
-PHASE_NAMES = [f.name for f in fields(PhaseTimes)]
 
 
 def candidate_names(ctx: PlanContext) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel
+from poise.cost import CostModel, PlanCost
 from poise.errors import ConfigError, PlanError
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.spec import ModelSpec
@@ -149,14 +149,17 @@ def finish_plan(
     previous: Plan | None,
     ctx: PlanContext,
     notes: dict[str, Any] | None = None,
+    cost: PlanCost | None = None,
 ) -> Plan:
-    """Check the invariants, work out the transfers from `previous`, price on `loads`."""
+    """Check the invariants, work out the transfers from `previous`, price on `loads` (unless
+    the policy already priced the plan, migrations from `previous` included: `cost`)."""
     placement.slots_per_device = ctx.slots_per_device
     placement.validate()
     assignment.validate(placement)
     prev_placement = previous.placement if previous is not None else None
     transfers = transfers_between(prev_placement, placement, ctx.spec)
-    cost = ctx.cost.price(placement, assignment, loads, transfers.migrations)
+    if cost is None:
+        cost = ctx.cost.price(placement, assignment, loads, transfers.migrations)
     return Plan(
         policy=name,
         placement=placement,

@@ -83,11 +83,14 @@ def _all_to_all_s(loads: np.ndarray, expert_total: np.ndarray, ctx: PlanContext)
     cluster, tb = ctx.cluster, ctx.spec.token_bytes
     bw, _ = level_links(cluster)
     slots = ctx.slots_per_device
-    kept = np.cumsum(-np.sort(-loads, axis=2), axis=2)  # [L, D, E] largest k counts summed
+    ascending = np.sort(loads, axis=2)  # [L, D, E]
+    tokens = loads.sum(axis=2)  # [L, D]
 
     def leaving(holders: int) -> np.ndarray:
-        """`[L, D]` tokens that must leave a run of `holders` devices (at most E counts kept)."""
-        return kept[:, :, -1] - kept[:, :, min(holders * slots, E) - 1]
+        """`[L, D]` tokens that must leave a run of `holders` devices: all but the source's
+        largest `holders * slots` counts (at most E)."""
+        kept = min(holders * slots, E)
+        return np.maximum(tokens - ascending[:, :, E - kept :].sum(axis=2), 0.0)
 
     def level_s(tokens: np.ndarray, b: float) -> np.ndarray:
         return np.maximum(tokens * tb - MIN_TRAFFIC_BYTES, 0.0) / b

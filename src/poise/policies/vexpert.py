@@ -50,8 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from poise.cost import PHASE_NAMES, PhaseTimes, PlanCost
 from poise.cost_incremental import ROW_R, TERMS, ExpertColumns
-from poise.placement import Assignment, Plan, balanced_weights
+from poise.placement import Assignment, Placement, Plan, balanced_weights
 from poise.policies.base import PlanContext, finish_plan, register, start_placement
 
 _REL_TOL = 1e-12
@@ -259,6 +260,17 @@ def _choose(times: np.ndarray, best: np.ndarray) -> list[int]:
     return out
 
 
+@dataclass
+class Searched:
+    """What `search_layers` did: the moves per layer (`moves[L]`), the layers it searched
+    (`open_layers[N]`, indices into the batch) and their priced state in the end
+    (`ExpertColumns.phases`: phase times `[N]`, computed tokens `[N, D]`; None if none)."""
+
+    moves: list[list[str]]
+    open_layers: np.ndarray
+    priced: tuple[PhaseTimes, np.ndarray] | None
+
+
 def search_layers(
     ctx: PlanContext,
     home: np.ndarray,
@@ -267,9 +279,10 @@ def search_layers(
     prev_home: np.ndarray | None,
     threshold: float,
     max_moves: int,
-) -> list[list[str]]:
+) -> Searched:
     """FlexMoE's adjustment loop on L layers in lockstep: `home[L, E]`, `copies[L, D, E]` (updated
-    in place), `loads[L, D, E]`, `prev_home[L, E]` -> the moves made per layer.
+    in place), `loads[L, D, E]`, `prev_home[L, E]` -> the moves made per layer and the price of
+    the searched layers.
 
     Each layer runs its own loop; a round prices the open layers' candidates together with
     `ExpertColumns` (only the changed experts' columns are re-routed and re-priced); the result
@@ -288,7 +301,7 @@ def search_layers(
     moves: list[list[str]] = [[] for _ in range(L)]
     open_layers = np.flatnonzero((mean > 0) & (dev_load.max(axis=1) > threshold * mean))
     if not open_layers.size or max_moves <= 0:
-        return moves
+        return Searched(moves, np.empty(0, dtype=np.int64), None)
     take = slice(None) if open_layers.size == L else open_layers  # no copies when all search
     received = received[take]  # [N, D, E]
     cols = ExpertColumns(
@@ -354,7 +367,7 @@ def search_layers(
         active = b
     home[take] = cols.home
     copies[take] = cols.copies_t.transpose(0, 2, 1)
-    return moves
+    return Searched(moves, open_layers, cols.phases())
 
 
 @register("vexpert")
@@ -374,11 +387,12 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     # Layers in lockstep batches whose per-expert terms fit in _LAYER_BYTES.
     batch = max(1, _LAYER_BYTES // (E * TERMS * D * 8))
     moves: list[list[str]] = []
+    searched: list[tuple[np.ndarray, tuple[PhaseTimes, np.ndarray]]] = []
     for start in range(0, L, batch):
         part = slice(start, min(L, start + batch))
         home = placement.home[part].copy()
         copies = placement.copies[part].copy()
-        moves += search_layers(
+        done = search_layers(
             ctx,
             home,
             copies,
@@ -387,10 +401,53 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             threshold,
             max_moves,
         )
+        moves += done.moves
+        if done.priced is not None:
+            searched.append((start + done.open_layers, done.priced))
         placement.home[part] = home
         placement.copies[part] = copies
     counts = {k: sum(m.count(k) for m in moves) for k in MOVES}
     notes = {"moves_per_layer": [len(m) for m in moves], "moves": counts, "threshold": threshold}
-    return finish_plan(
-        "vexpert", placement, Assignment.balanced(placement, loads), loads, previous, ctx, notes
+    assignment = Assignment.balanced(placement, loads)
+    # The search priced its layers (migrations from `prev` included); the rest kept the
+    # placement in force, which nothing migrates to. A previous plan of another shape is
+    # priced afresh by `finish_plan`.
+    cost = None
+    if prev is not None or previous is None:
+        cost = _plan_cost(ctx, placement, assignment, loads, searched)
+    return finish_plan("vexpert", placement, assignment, loads, previous, ctx, notes, cost)
+
+
+def _plan_cost(
+    ctx: PlanContext,
+    placement: Placement,
+    assignment: Assignment,
+    loads: np.ndarray,
+    searched: list[tuple[np.ndarray, tuple[PhaseTimes, np.ndarray]]],
+) -> PlanCost:
+    """The plan's `PlanCost`: the searched layers' phases from the search (`Searched.priced`,
+    at `layers`), the other layers priced by the cost model (they did not move)."""
+    L, D = loads.shape[0], loads.shape[1]
+    fields = {name: np.empty(L) for name in PHASE_NAMES}
+    device_load = np.empty((L, D))
+    done = np.zeros(L, dtype=bool)
+    for layers, (phases, load) in searched:
+        for name in PHASE_NAMES:
+            fields[name][layers] = getattr(phases, name)
+        device_load[layers] = load
+        done[layers] = True
+    rest = np.flatnonzero(~done).tolist()
+    if rest:
+        pricer = ctx.cost.pricer(placement.take_layers(rest), assignment.take_layers(rest))
+        phases, load = pricer.phases(loads[rest])
+        for name in PHASE_NAMES:
+            fields[name][rest] = getattr(phases, name)
+        device_load[rest] = load
+    phases = PhaseTimes(**fields)
+    schedule = ctx.cost.schedule
+    return PlanCost(
+        phases=phases,
+        layer_s=schedule.layer_time(phases),
+        schedule=schedule.name,
+        device_load=device_load,
     )
