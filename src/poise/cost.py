@@ -465,9 +465,22 @@ class CostModel:
         spec = self.spec
         return spec.tokens_per_device * spec.non_moe_flops_fwd / self.cluster.gemm_flops
 
-    def expert_compute_s(self, received: np.ndarray) -> np.ndarray:
-        """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens."""
-        return expert_seconds(self.cluster, self.spec, received).sum(axis=2)
+    def expert_compute_s(self, received: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens: the sum over
+        experts of `expert_seconds`, i.e. F_t / gemm_flops * (rows_d + h * sum_e min(R_de, 1))
+        with `rows[L, D]` = sum_e R_de (computed here if not given): two passes over
+        `received` instead of five."""
+        cluster = self.cluster
+        rows = received.sum(axis=2) if rows is None else rows
+        scale = self.spec.flops_per_token_fwd / cluster.gemm_flops
+        half = max(cluster.gemm_half_rows, 0.0)
+        if half == 0.0:
+            return rows * scale
+        small = np.minimum(received, 1.0).sum(axis=2)
+        small *= half
+        small += rows
+        small *= scale
+        return small
 
     def pricer(self, placement: Placement, assignment: Assignment) -> PlanPricer:
         """A pricer of this plan for many load matrices (see `PlanPricer`)."""
@@ -530,10 +543,11 @@ class PlanPricer:
             remote = routing.remote(part)
             split = routing.split(remote)
             received = routing.received(part, remote, split)
-            fec[start:stop] = cost.expert_compute_s(received).max(axis=1)
+            rows = received.sum(axis=2)  # [l, D]
+            device_load[start:stop] = rows
+            fec[start:stop] = cost.expert_compute_s(received, rows).max(axis=1)
             send, recv = routing.traffic(part, remote, split)
             a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
-            device_load[start:stop] = received.sum(axis=2)
         if migrations is not None and len(migrations):
             m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
             mig = link_time(cluster, m_send, m_recv)
