@@ -12,6 +12,7 @@ from poise.policies import PlanContext, make_plan
 from poise.policies.eplb import (
     balanced_packing,
     rebalance_experts,
+    rebalance_experts_hierarchical,
     replicate_experts,
 )
 from poise.spec import MODELS
@@ -177,3 +178,87 @@ def test_export_order_and_empty_slots() -> None:
     assert placement_from_eplb(phy2log, 2).home.tolist() == [[0, 0, 1]]
     with pytest.raises(PlanError, match="no physical slot"):
         placement_from_eplb(np.array([[0, -1, 2, -1]]), 2)
+
+
+def _plain_packing(w: list[float], packs: int) -> tuple[list[int], list[int]]:
+    """`balanced_packing` for one row, item by item: heaviest first (lower index on ties) into
+    the lightest non-full pack (lower index on ties); item i into pack i if one fits a pack."""
+    per_pack = len(w) // packs
+    if per_pack == 1:
+        return list(range(packs)), [0] * packs
+    load, count = [0.0] * packs, [0] * packs
+    pack, rank = [0] * len(w), [0] * len(w)
+    for i in sorted(range(len(w)), key=lambda i: -w[i]):
+        p = min((load[q], q) for q in range(packs) if count[q] < per_pack)[1]
+        pack[i], rank[i] = p, count[p]
+        load[p] += w[i]
+        count[p] += 1
+    return pack, rank
+
+
+def _plain_rebalance(w: np.ndarray, R: int, G: int, N: int, P: int) -> tuple[list, list, list]:
+    """EPLB's hierarchical algorithm for one layer, written out with plain loops."""
+    E = len(w)
+    group_size, per_node_log, per_node_phy, per_gpu = E // G, E // N, R // N, R // P
+    groups = [float(w[g * group_size : (g + 1) * group_size].sum()) for g in range(G)]
+    g_pack, g_rank = _plain_packing(groups, N)
+    mlog2log = [0] * E
+    for g in range(G):
+        for i in range(group_size):
+            mlog2log[(g_pack[g] * (G // N) + g_rank[g]) * group_size + i] = g * group_size + i
+    phy2log, phyrank = [0] * R, [0] * R
+    for node in range(N):
+        mw = [float(w[mlog2log[node * per_node_log + j]]) for j in range(per_node_log)]
+        cnt = [1] * per_node_log
+        phy, rank = list(range(per_node_log)), [0] * per_node_log
+        for _ in range(per_node_phy - per_node_log):  # largest load per copy, lowest index
+            e = max(range(per_node_log), key=lambda e: (mw[e] / cnt[e], -e))
+            phy.append(e)
+            rank.append(cnt[e])
+            cnt[e] += 1
+        pack, slot_rank = _plain_packing([mw[e] / cnt[e] for e in phy], P // N)
+        for k in range(per_node_phy):
+            slot = node * per_node_phy + pack[k] * per_gpu + slot_rank[k]
+            phy2log[slot] = mlog2log[node * per_node_log + phy[k]]
+            phyrank[slot] = rank[k]
+    logcnt = np.bincount(phy2log, minlength=E).tolist()
+    return phy2log, phyrank, logcnt
+
+
+@pytest.mark.parametrize(
+    ("E", "R", "G", "N", "P"),
+    [
+        (12, 16, 4, 2, 8),  # the README's shape: two groups per node
+        (16, 24, 4, 4, 8),  # one group per node
+        (16, 16, 2, 2, 16),  # one replica per GPU
+        (20, 40, 1, 1, 4),  # global mode
+        (32, 64, 8, 2, 32),  # 16 GPUs per node: the rounds of `lpt`
+        (64, 96, 1, 1, 32),
+    ],
+)
+def test_rebalance_equals_plain_loops(E: int, R: int, G: int, N: int, P: int) -> None:
+    rng = np.random.default_rng(E + R + G)
+    for trial in range(6):
+        if trial % 3 == 0:
+            weight = rng.integers(0, 4, (3, E)).astype(float)  # many ties, some zeros
+        elif trial % 3 == 1:
+            weight = rng.zipf(1.3, (3, E)).astype(float)
+        else:
+            weight = np.round(rng.random((3, E)) * 4096) / 8  # exact sums in any order
+        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(weight, R, G, N, P)
+        for layer in range(3):
+            want = _plain_rebalance(weight[layer], R, G, N, P)
+            assert phy2log[layer].tolist() == want[0]
+            assert phyrank[layer].tolist() == want[1]
+            assert logcnt[layer].tolist() == want[2]
+
+
+@pytest.mark.parametrize("mode", ["global", "hierarchical"])
+def test_policy_placement_is_eplb_output_read_back(mode: str) -> None:
+    loads = _zipf_loads()
+    plan = make_plan("eplb", loads, None, _ctx(mode=mode))
+    groups, nodes = (4, 4) if mode == "hierarchical" else (1, 1)
+    phy2log, log2phy, _ = rebalance_experts(loads.sum(axis=1), 288, groups, nodes, 32, mode=mode)
+    back = placement_from_eplb(phy2log, 32, log2phy=log2phy)
+    assert np.array_equal(back.copies, plan.placement.copies)
+    assert np.array_equal(back.home, plan.placement.home)

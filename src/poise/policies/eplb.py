@@ -85,19 +85,38 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         raise PlanError(
             f"{n} items do not split evenly into {num_packs} packs", field="eplb.num_packs"
         )
-    per_pack = n // num_packs
-    if per_pack == 1:
+    if n == num_packs:  # one item per pack
         return np.tile(np.arange(n, dtype=np.int64), (X, 1)), np.zeros((X, n), dtype=np.int64)
-    order = np.argsort(-w, axis=1, kind="stable")
-    if num_packs >= HEAP_PACKS:
-        return _packing_by_heap(w, order, num_packs, per_pack)
-    # The greedy on all X rows at once, blocks of items solved together (`lpt.lpt_assign`).
-    packs, ranks = lpt_assign(np.take_along_axis(w, order, axis=1), num_packs, per_pack)
+    order, packs, ranks = _packing_in_order(w, num_packs)
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
     np.put_along_axis(pack_index, order, packs, axis=1)
     np.put_along_axis(rank_in_pack, order, ranks, axis=1)
     return pack_index, rank_in_pack
+
+
+def _packing_in_order(w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`balanced_packing`'s greedy in processing order: `(order, pack, rank)`, all `[X, n]`,
+    item `order[x, j]` (the j-th heaviest) going to `pack[x, j]` as its `rank[x, j]`-th item."""
+    per_pack = w.shape[1] // num_packs
+    order = np.argsort(-w, axis=1, kind="stable")
+    if num_packs >= HEAP_PACKS:
+        packs, ranks = _packing_by_heap(w, order, num_packs, per_pack)
+    else:  # the greedy on all X rows at once, blocks of items solved together (`lpt`)
+        packs, ranks = lpt_assign(np.take_along_axis(w, order, axis=1), num_packs, per_pack)
+    return order, packs, ranks
+
+
+def _slot_items(w: np.ndarray, num_packs: int) -> np.ndarray | None:
+    """`balanced_packing(w, num_packs)` as `item[X, n]`: the item in slot `pack * n / num_packs +
+    rank` (the inverse of that slot numbering); None for one item per pack (the identity)."""
+    X, n = w.shape
+    if n == num_packs:
+        return None
+    order, packs, ranks = _packing_in_order(w, num_packs)
+    item = np.empty((X, n), dtype=np.int64)
+    np.put_along_axis(item, packs * (n // num_packs) + ranks, order, axis=1)
+    return item
 
 
 HEAP_PACKS = 256  # from this many packs a heap per row beats a vectorised scan of all packs
@@ -108,23 +127,24 @@ def _packing_by_heap(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`balanced_packing`'s greedy with a heap of (pack sum, pack index) per row: the same
     choices (lightest non-full pack, lowest index on ties) in O(n log packs) instead of
-    O(n * packs); for thousands of devices."""
+    O(n * packs); for thousands of devices. Returns `(pack[X, n], rank[X, n])` in processing
+    order (`order[x, j]` is the j-th item taken)."""
     X, n = w.shape
-    pack_index = np.empty((X, n), dtype=np.int64)
-    rank_in_pack = np.empty((X, n), dtype=np.int64)
+    pack_of = np.empty((X, n), dtype=np.int64)
+    rank_of = np.empty((X, n), dtype=np.int64)
     for x in range(X):
         heap = [(0.0, p) for p in range(num_packs)]  # already a heap: sums equal, index order
         filled = [0] * num_packs
         weights = w[x].tolist()
         packs, ranks = [0] * n, [0] * n
-        for item in order[x].tolist():
+        for j, item in enumerate(order[x].tolist()):
             load, pack = heapq.heappop(heap)
-            packs[item], ranks[item] = pack, filled[pack]
+            packs[j], ranks[j] = pack, filled[pack]
             filled[pack] += 1
             if filled[pack] < per_pack:
                 heapq.heappush(heap, (load + weights[item], pack))
-        pack_index[x], rank_in_pack[x] = packs, ranks
-    return pack_index, rank_in_pack
+        pack_of[x], rank_of[x] = packs, ranks
+    return pack_of, rank_of
 
 
 def replicate_experts(
@@ -141,12 +161,18 @@ def replicate_experts(
     ([[0, 1, 2, 0, 0]], [[0, 0, 0, 1, 2]], [[3, 1, 1]])
     """
     w = _as_weight(weight)
-    X, num_log = w.shape
+    num_log = w.shape[1]
     if num_phy < num_log:
         raise PlanError(
             f"{num_log} experts need at least as many slots, got {num_phy}",
             field="eplb.num_replicas",
         )
+    return _replicate(w, num_phy)
+
+
+def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`replicate_experts` on checked weights."""
+    X, num_log = w.shape
     phy2log = np.empty((X, num_phy), dtype=np.int64)
     phy2log[:, :num_log] = np.arange(num_log)
     rank = np.zeros((X, num_phy), dtype=np.int64)
@@ -176,8 +202,9 @@ def _largest_quotients(w: np.ndarray, picks: int) -> tuple[np.ndarray, np.ndarra
     expert's quotients w / 1 > w / 2 > ... fall, the picks are the `picks` largest quotients
     w[e] / c over all (e, c >= 1), in order of value (ties: lower e, then lower c), each
     expert's c-th pick being its copy number c (D'Hondt's method). The `picks`-th largest weight
-    t bounds them from below (the largest weights are quotients with c = 1), so only c <=
-    w[e] / t (+1 for rounding) need sorting."""
+    t bounds them from below (the largest weights are quotients with c = 1, at least `picks` of
+    them >= t), so only experts with w[e] >= t and c <= w[e] / t (+1 for rounding) need
+    sorting."""
     X, E = w.shape
     if picks == 0:
         return np.zeros((X, 0), dtype=np.int64), np.zeros((X, 0), dtype=np.int64)
@@ -186,25 +213,35 @@ def _largest_quotients(w: np.ndarray, picks: int) -> tuple[np.ndarray, np.ndarra
     floor = np.partition(w, E - picks, axis=1)[:, E - picks]  # the picks-th largest weight
     if not np.all(floor > 0):
         return None
-    count = np.minimum(np.floor(w / floor[:, None]).astype(np.int64) + 1, picks)  # [X, E]
-    per_row = count.sum(axis=1)
-    flat = count.ravel()
-    row = np.repeat(np.arange(X), per_row)
-    expert = np.repeat(np.tile(np.arange(E), X), flat)
-    start = np.repeat(np.cumsum(flat) - flat, flat)
+    row, expert = np.nonzero(w >= floor[:, None])  # by row, then expert
+    weight = w[row, expert]
+    count = np.minimum(np.floor(weight / floor[row]).astype(np.int64) + 1, picks)
+    row, expert, weight = np.repeat(row, count), np.repeat(expert, count), np.repeat(weight, count)
+    start = np.repeat(np.cumsum(count) - count, count)
     copy = np.arange(row.size) - start + 1  # c = 1, 2, ... per expert
-    quotient = w[row, expert] / copy  # as `w / logcnt` computes it
-    order = np.lexsort((np.arange(row.size), -quotient, row))  # ties: lower (e, c) first
+    quotient = weight / copy  # as `w / logcnt` computes it
+    order = np.lexsort((-quotient, row))  # stable: ties keep the lower (e, c) first
+    per_row = np.bincount(row, minlength=X)
     first = np.cumsum(per_row) - per_row
     take = order[(first[:, None] + np.arange(picks)[None, :]).ravel()]
     return expert[take].reshape(X, picks), copy[take].reshape(X, picks)
 
 
-def _inverse(perm: np.ndarray) -> np.ndarray:
-    """Row-wise inverse of permutations `perm[X, n]`."""
-    inv = np.empty_like(perm)
-    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
-    return inv
+def _check_hierarchy(E: int, R: int, G: int, N: int, P: int) -> None:
+    """`rebalance_experts_hierarchical`'s preconditions, all broken ones in one `PlanError`."""
+    problems = []
+    if G < 1 or E % G:
+        problems.append(f"{E} experts do not split into {G} groups")
+    if N < 1 or G % N:
+        problems.append(f"{G} groups do not split over {N} nodes")
+    if P < 1 or P % N:
+        problems.append(f"{P} GPUs do not split over {N} nodes")
+    if P < 1 or R % P:
+        problems.append(f"{R} physical slots do not split over {P} GPUs")
+    if R < E:
+        problems.append(f"{E} experts need at least {E} physical slots, got {R}")
+    if problems:
+        raise PlanError("; ".join(problems), field="eplb")
 
 
 def rebalance_experts_hierarchical(
@@ -221,46 +258,49 @@ def rebalance_experts_hierarchical(
     0, G % N == 0, P % N == 0, R % P == 0 and R >= E.
     """
     w = _as_weight(weight)
-    L, E = w.shape
-    R, G, N, P = num_physical_experts, num_groups, num_nodes, num_gpus
-    problems = []
-    if G < 1 or E % G:
-        problems.append(f"{E} experts do not split into {G} groups")
-    if N < 1 or G % N:
-        problems.append(f"{G} groups do not split over {N} nodes")
-    if P < 1 or P % N:
-        problems.append(f"{P} GPUs do not split over {N} nodes")
-    if P < 1 or R % P:
-        problems.append(f"{R} physical slots do not split over {P} GPUs")
-    if R < E:
-        problems.append(f"{E} experts need at least {E} physical slots, got {R}")
-    if problems:
-        raise PlanError("; ".join(problems), field="eplb")
-    group_size, groups_per_node = E // G, G // N
-    per_node_log, per_node_phy, per_gpu = E // N, R // N, R // P
+    _check_hierarchy(w.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus)
+    return _hierarchical(w, num_physical_experts, num_groups, num_nodes, num_gpus)
 
-    # 1. Expert groups onto nodes; renumber experts node-major ("mlog" ids).
+
+def _hierarchical(
+    w: np.ndarray, R: int, G: int, N: int, P: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`rebalance_experts_hierarchical` on checked arguments. Renumberings that are the identity
+    (one group per node; one node) are skipped."""
+    L, E = w.shape
+    group_size = E // G
+    per_node_log, per_node_phy = E // N, R // N
+
+    # 1. Expert groups onto nodes; renumber experts node-major ("mlog" ids): mlog id
+    # slot * group_size + i is expert group_in_slot * group_size + i.
     group_load = w.reshape(L, G, group_size).sum(axis=2)
-    g_pack, g_rank = balanced_packing(group_load, N)
-    log2mlog = (
-        ((g_pack * groups_per_node + g_rank) * group_size)[:, :, None] + np.arange(group_size)
-    ).reshape(L, E)
-    mlog2log = _inverse(log2mlog)
+    group_in_slot = _slot_items(group_load, N)
+    if group_in_slot is None:  # one group per node: mlog ids are expert ids
+        mlog2log = None
+        mlog_load = w.reshape(L * N, per_node_log)
+    else:
+        mlog2log = ((group_in_slot * group_size)[:, :, None] + np.arange(group_size)).reshape(L, E)
+        mlog_load = np.take_along_axis(w, mlog2log, axis=1).reshape(L * N, per_node_log)
 
     # 2. Replicate inside each node: rows are (layer, node).
-    mlog_load = np.take_along_axis(w, mlog2log, axis=1).reshape(L * N, per_node_log)
-    phy2mlog, phyrank, mlogcnt = replicate_experts(mlog_load, per_node_phy)
+    phy2mlog, phyrank, mlogcnt = _replicate(mlog_load, per_node_phy)
 
     # 3. A node's replicas onto its GPUs, each replica weighing load / copies.
     phy_load = np.take_along_axis(mlog_load / mlogcnt, phy2mlog, axis=1)
-    pack, rank = balanced_packing(phy_load, P // N)
-    pphy2phy = _inverse(pack * per_gpu + rank)
-
-    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, N, per_node_phy)
-    pphy2mlog = (pphy2mlog + (np.arange(N) * per_node_log)[None, :, None]).reshape(L, R)
+    pphy2phy = _slot_items(phy_load, P // N)
+    if pphy2phy is None:  # one replica per GPU: slots stay in order
+        pphy2mlog, pphyrank = phy2mlog.reshape(L, R), phyrank.reshape(L, R)
+    else:
+        pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, R)
+        pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, R)
+    if N > 1:  # node-local mlog ids to global ones
+        pphy2mlog = pphy2mlog.reshape(L, N, per_node_phy)
+        pphy2mlog = (pphy2mlog + (np.arange(N) * per_node_log)[None, :, None]).reshape(L, R)
+    if mlog2log is None:
+        return pphy2mlog, pphyrank, mlogcnt.reshape(L, E)
     phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
-    pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, R)
-    logcnt = np.take_along_axis(mlogcnt.reshape(L, E), log2mlog, axis=1)
+    logcnt = np.empty((L, E), dtype=np.int64)
+    np.put_along_axis(logcnt, mlog2log, mlogcnt.reshape(L, E), axis=1)
     return phy2log, pphyrank, logcnt
 
 
@@ -299,11 +339,11 @@ def rebalance_experts(
     w = _as_weight(weight)
     L, E = w.shape
     if resolve_mode(E, num_groups, num_nodes, mode) == "hierarchical":
-        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(
-            w, num_replicas, num_groups, num_nodes, num_gpus
-        )
+        groups, nodes = num_groups, num_nodes
     else:
-        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(w, num_replicas, 1, 1, num_gpus)
+        groups, nodes = 1, 1
+    _check_hierarchy(E, num_replicas, groups, nodes, num_gpus)
+    phy2log, phyrank, logcnt = _hierarchical(w, num_replicas, groups, nodes, num_gpus)
     maxcnt = int(logcnt.max()) if logcnt.size else 1
     log2phy = np.full((L, E * maxcnt), -1, dtype=np.int64)
     np.put_along_axis(
@@ -315,17 +355,20 @@ def rebalance_experts(
     return phy2log, log2phy.reshape(L, E, maxcnt), logcnt
 
 
-def _placement(phy2log: np.ndarray, log2phy: np.ndarray, devices: int) -> Placement:
+def _placement(phy2log: np.ndarray, phyrank: np.ndarray, experts: int, devices: int) -> Placement:
     """`eplb_format.placement_from_eplb(phy2log, devices, log2phy=log2phy)` for a full
-    `rebalance_experts` result (every slot used, copy 0 of each expert in `log2phy[:, :, 0]`),
-    without its checks and its `np.add.at`: the same `Placement`."""
+    `rebalance_experts` result (every slot used; an expert's home holds its copy of rank 0,
+    `log2phy[:, e, 0]`), without its checks and its `np.add.at`: the same `Placement`."""
     L, R = phy2log.shape
-    E = log2phy.shape[1]
+    E = experts
     S = R // devices
     device = np.arange(R) // S  # slot p lives on device p // S
     flat = ((np.arange(L)[:, None] * devices + device[None, :]) * E + phy2log).ravel()
     copies = np.bincount(flat, minlength=L * devices * E).reshape(L, devices, E)
-    return Placement(home=log2phy[:, :, 0] // S, copies=copies.astype(np.int32), slots_per_device=S)
+    layer, slot = np.nonzero(phyrank == 0)  # one rank-0 slot per expert
+    home = np.empty((L, E), dtype=np.int64)
+    home[layer, phy2log[layer, slot]] = slot // S
+    return Placement(home=home, copies=copies.astype(np.int32), slots_per_device=S)
 
 
 @register("eplb")
@@ -343,14 +386,12 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     nodes = ctx.cluster.num_nodes
     groups = int(ctx.option("eplb", "groups", nodes if E % nodes == 0 else 1))
     mode = resolve_mode(E, groups, nodes, str(ctx.option("eplb", "mode", "auto")))
-    weight = np.asarray(loads, dtype=np.float64).sum(axis=1)
-    if mode == "hierarchical":
-        phy2log, log2phy, _ = rebalance_experts(
-            weight, num_replicas, groups, nodes, D, mode="hierarchical"
-        )
-    else:
-        phy2log, log2phy, _ = rebalance_experts(weight, num_replicas, 1, 1, D, mode="global")
-    placement = _placement(phy2log, log2phy, D)
+    weight = _as_weight(np.asarray(loads, dtype=np.float64).sum(axis=1))
+    # `rebalance_experts(weight, num_replicas, groups, nodes, D, mode)` without its `log2phy`.
+    G, N = (groups, nodes) if mode == "hierarchical" else (1, 1)
+    _check_hierarchy(E, num_replicas, G, N, D)
+    phy2log, phyrank, _ = _hierarchical(weight, num_replicas, G, N, D)
+    placement = _placement(phy2log, phyrank, E, D)
     routing = ctx.option("eplb", "routing", "balanced")
     if routing == "balanced":
         assignment = Assignment.balanced(placement, loads)

@@ -22,6 +22,11 @@ claims of `claims`. Where rounds stay short (ties: equal or zero weights, sticky
 loads, few open packs), steps fall back to the plain loop for a while (`one_by_one`), and with
 fewer than `MIN_PACKS` packs the plain loop does it all. Either way the result is the loop's,
 bit for bit: the same choices, the loads the same sums in the same order.
+
+Bookkeeping (no effect on the choices): a pack's key, its load while it has room and inf once
+full, is kept up to date rather than recomputed from the loads and counts at every step; and
+while every row is at the same item (`_State.lockstep`, as in EPLB's packing, where every row
+has the same items per pack) a round works on whole rows and item slices, without gathers.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def lpt_assign(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`weight[R, n]` in processing order -> `(pack[R, n], rank[R, n])`: each item's pack and
     the number of items the pack held before it. Needs `packs * capacity >= n`."""
-    weight = np.asarray(weight, dtype=np.float64)
+    weight = np.ascontiguousarray(weight, dtype=np.float64)
     if packs < MIN_PACKS:  # rounds of a few items cannot beat the loop
         return _loop(weight, packs, capacity, sticky)
     state = _State(weight, packs, capacity, sticky)
@@ -62,29 +67,50 @@ def _loop(
     weight: np.ndarray, packs: int, capacity: int, sticky: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """`lpt_assign` as the plain loop: one item of every row per step."""
-    R, n = weight.shape
-    rows = np.arange(R)
-    pack_of = np.zeros((n, R), dtype=np.int64)
-    rank = np.zeros((n, R), dtype=np.int64)
-    load = np.zeros((R, packs))
+    R = weight.shape[0]
+    key = np.zeros((R, packs))
     count = np.zeros((R, packs), dtype=np.int64)
-    weight_t = np.ascontiguousarray(weight.T)
-    sticky_t = None if sticky is None else np.ascontiguousarray(sticky.T)
-    for t in range(n):
-        key = np.where(count < capacity, load, np.inf)
-        pack = key.argmin(axis=1)  # least load, lowest index
-        if sticky_t is not None:
-            cur = sticky_t[t]
-            pack = np.where(key[rows, cur] == key[rows, pack], cur, pack)  # inf != finite least
-        pack_of[t] = pack
-        rank[t] = count[rows, pack]
-        load[rows, pack] += weight_t[t]
-        count[rows, pack] += 1
+    pack_of, rank = _steps(key, count, capacity, weight.T, None if sticky is None else sticky.T)
     return pack_of.T, rank.T
 
 
+def _steps(
+    key: np.ndarray,
+    count: np.ndarray,
+    capacity: int,
+    weight_t: np.ndarray,
+    sticky_t: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The plain loop over the items `weight_t[s, B]` (step-major) of B rows whose packs have
+    keys `key[B, P]` (load, or inf once full) and item counts `count[B, P]`, both contiguous and
+    updated in place -> `(pack[s, B], rank[s, B])`. Indexed flat: row b's pack p at b * P + p."""
+    B, P = key.shape
+    first = np.arange(B) * P  # flat index of each row's pack 0
+    flat_key = key.reshape(-1)  # views: writes through them update `key` and `count`
+    flat_count = count.reshape(-1)
+    s = weight_t.shape[0]
+    pack_of = np.empty((s, B), dtype=np.int64)
+    rank = np.empty((s, B), dtype=np.int64)
+    weight_t = np.ascontiguousarray(weight_t)
+    sticky_t = None if sticky_t is None else np.ascontiguousarray(sticky_t)
+    for t in range(s):
+        pack = key.argmin(axis=1)  # least load, lowest index
+        if sticky_t is not None:
+            cur = sticky_t[t]
+            pack = np.where(flat_key[first + cur] == flat_key[first + pack], cur, pack)
+        at = first + pack
+        filled = flat_count[at]
+        pack_of[t] = pack
+        rank[t] = filled
+        filled += 1
+        flat_count[at] = filled
+        flat_key[at] = np.where(filled < capacity, flat_key[at] + weight_t[t], np.inf)
+    return pack_of, rank
+
+
 class _State:
-    """The greedy's state for every row: loads and item counts per pack, the next item."""
+    """The greedy's state for every row: pack keys (the load while the pack has room, inf once
+    full) and item counts, the next item of each row."""
 
     def __init__(
         self, weight: np.ndarray, packs: int, capacity: int, sticky: np.ndarray | None
@@ -93,20 +119,29 @@ class _State:
         self.weight, self.sticky, self.capacity, self.n = weight, sticky, capacity, n
         self.pack_of = np.zeros((R, n), dtype=np.int64)
         self.rank = np.zeros((R, n), dtype=np.int64)
-        self.load = np.zeros((R, packs))
+        self.key = np.zeros((R, packs))
         self.count = np.zeros((R, packs), dtype=np.int64)
         self.pos = np.zeros(R, dtype=np.int64)  # next item of each row
         self.active = np.arange(R) if n else np.zeros(0, dtype=np.int64)
+        self.every_row = np.arange(R)[:, None]  # [R, 1], to pair with per-row pack indices
+        self.first_pack = self.every_row * packs  # flat index of each row's pack 0 in `key`
+        self.lockstep = True  # every row still active, all at the same next item
 
     def _commit(self, rows: np.ndarray, items: np.ndarray, packs: np.ndarray) -> None:
         """Item `items[i]` of row `rows[i]` goes to `packs[i]`; at most one item per pack and
         row per call, items in order."""
-        self.pack_of[rows, items] = packs
-        self.rank[rows, items] = self.count[rows, packs]
-        self.load[rows, packs] += self.weight[rows, items]
-        self.count[rows, packs] += 1
+        at_item = rows * self.n + items  # flat indices into [R, n] and [R, P]
+        at_pack = rows * self.key.shape[1] + packs
+        self.pack_of.ravel()[at_item] = packs
+        flat_count, flat_key = self.count.ravel(), self.key.ravel()
+        filled = flat_count[at_pack]
+        self.rank.ravel()[at_item] = filled
+        filled += 1
+        flat_count[at_pack] = filled
+        load = flat_key[at_pack] + self.weight.ravel()[at_item]
+        flat_key[at_pack] = np.where(filled < self.capacity, load, np.inf)
 
-    def _advance(self, rows: np.ndarray, steps: np.ndarray) -> None:
+    def _advance(self, rows: np.ndarray, steps: np.ndarray | int) -> None:
         self.pos[rows] += steps
         self.active = self.active[self.pos[self.active] < self.n]
 
@@ -117,7 +152,7 @@ class _State:
         empty one. Only a boolean mask changes from item to item."""
         R = self.weight.shape[0]
         assert self.sticky is not None
-        packs = self.load.shape[1]
+        packs = self.key.shape[1]
         positive = np.minimum.accumulate(self.weight > 0, axis=1).sum(axis=1)  # leading w > 0
         steps = np.minimum(positive, packs)
         T = int(steps.max(initial=0))
@@ -138,64 +173,110 @@ class _State:
         r_idx, t_idx = np.nonzero(np.arange(T)[None, :] < steps[:, None])
         self._commit(r_idx, t_idx, chosen[r_idx, t_idx])
         self._advance(rows, steps)
+        self.lockstep = bool(steps.min() == steps.max())
 
     def one_by_one(self, steps: int) -> None:
-        """The plain loop for up to `steps` items of every active row."""
-        for _ in range(steps):
+        """The plain loop (`_steps`) for up to `steps` items of every active row, on the rows'
+        state gathered once per stretch of steps that every row still has items for."""
+        while steps > 0 and self.active.size:
             rows = self.active
-            if not rows.size:
-                return
-            item = self.pos[rows]
-            key = np.where(self.count[rows] < self.capacity, self.load[rows], np.inf)
-            pack = key.argmin(axis=1)  # least load, lowest index
-            if self.sticky is not None:
-                cur = self.sticky[rows, item]
-                b = np.arange(rows.size)
-                pack = np.where(key[b, cur] == key[b, pack], cur, pack)  # inf != finite least
-            self._commit(rows, item, pack)
-            self._advance(rows, np.ones(rows.size, dtype=np.int64))
+            pos = self.pos[rows]
+            s = min(steps, self.n - int(pos.max()))
+            if self.lockstep:  # every row at item p: whole arrays, item slices
+                p = int(pos[0])
+                items: slice | np.ndarray = slice(p, p + s)
+                key, count = self.key, self.count
+                weight = self.weight[:, items]
+                sticky = None if self.sticky is None else self.sticky[:, items]
+                at: tuple = (slice(None), items)
+            else:
+                items = pos[:, None] + np.arange(s)
+                key, count = self.key[rows], self.count[rows]
+                weight = self.weight[rows[:, None], items]
+                sticky = None if self.sticky is None else self.sticky[rows[:, None], items]
+                at = (rows[:, None], items)
+            pack, rank = _steps(
+                key, count, self.capacity, weight.T, None if sticky is None else sticky.T
+            )
+            self.pack_of[at] = pack.T
+            self.rank[at] = rank.T
+            if not self.lockstep:
+                self.key[rows] = key
+                self.count[rows] = count
+            self._advance(rows, s)
+            steps -= s
 
-    def round(self) -> int:
+    def round(self) -> float:
         """Guess a round for every active row, keep it up to its first wrong guess (that item
         placed exactly); returns the number of items kept, mean over the rows."""
         rows = self.active
         B = rows.size
-        b = np.arange(B)[:, None]
-        cap = self.capacity
-        load, count = self.load[rows], self.count[rows]
-        open_ = count < cap
-        key0 = np.where(open_, load, np.inf)  # [B, P]
+        cap, n, lock = self.capacity, self.n, self.lockstep
+        if lock:  # every row at item p: whole arrays and item slices instead of gathers
+            b, first_pack = self.every_row, self.first_pack
+            key0, count, pos = self.key, self.count, self.pos
+            p = int(pos[0])
+        else:
+            b = np.arange(B)[:, None]
+            first_pack = b * self.key.shape[1]
+            key0, count, pos = self.key[rows], self.count[rows], self.pos[rows]
         by_load = np.argsort(key0, axis=1, kind="stable")  # open packs by (load, index) first
-        left = self.n - self.pos[rows]
-        size = np.minimum(open_.sum(axis=1), left)  # items in each row's round
-        T = int(size.max())
+        left = n - pos
+        if lock and int(count.max()) < cap:  # every pack open: rounds of min(P, items left)
+            T = min(count.shape[1], n - p)
+            size, uniform = np.full(B, T), True
+        else:
+            size = np.minimum((count < cap).sum(axis=1), left)  # items in each row's round
+            T = int(size.max())
+            uniform = bool(size.min() == T)
         t = np.arange(T)[None, :]
-        valid = t < size[:, None]
-        item = np.minimum(self.pos[rows][:, None] + t, self.n - 1)
-        w = self.weight[rows[:, None], item]  # [B, T]
+        if lock:
+            item: slice | np.ndarray = slice(p, p + T)  # p + T <= n
+            w = self.weight[:, item]  # [B, T]
+        else:
+            item = np.minimum(pos[:, None] + t, n - 1)
+            w = self.weight[rows[:, None], item]
         guess = by_load[:, :T]  # item t -> the t-th lightest open pack
-        base = key0[b, guess]  # its load before the round
-        after = base + w  # ... after taking item t
-        after_key = np.where(count[b, guess] + 1 < cap, after, np.inf)
+        at = first_pack + guess  # flat indices into key0 and count (contiguous)
+        base = key0.ravel()[at]  # its load before the round
+        filled = count.ravel()[at]
+        filled_after = filled + 1
+        after_key = np.where(filled_after < cap, base + w, np.inf)  # ... after taking item t
         # Least key among the packs already given an item in the round, before item t.
-        before_min = np.minimum.accumulate(
-            np.concatenate([np.full((B, 1), np.inf), after_key[:, :-1]], axis=1), axis=1
-        )
+        before_min = np.empty((B, T))
+        before_min[:, 0] = np.inf
+        np.minimum.accumulate(after_key[:, :-1], axis=1, out=before_min[:, 1:])
         right = before_min > base  # strictly: a tie may go to a lower index
-        least = np.minimum(before_min, base)
         if self.sticky is not None:
-            cur = self.sticky[rows[:, None], item]
+            least = np.minimum(before_min, base)
+            cur = self.sticky[:, item] if lock else self.sticky[rows[:, None], item]
             pos_cur = np.argsort(by_load, axis=1)[b, cur]  # cur's place in the round order
             touched = pos_cur < t
             cur_key = np.where(touched, after_key[b, np.minimum(pos_cur, T - 1)], key0[b, cur])
             right &= ~((cur_key == least) & (cur != guess))
-        right |= ~valid
-        wrong = ~right
-        first = np.where(wrong.any(axis=1), wrong.argmax(axis=1), T)  # first wrong guess
+        if not uniform:
+            right |= t >= size[:, None]  # past a row's round: nothing to check
+        all_right = bool(right.all())
+        if all_right and lock and uniform and T >= 2 * MIN_ROUND:
+            # Every row keeps its whole round of T items, at p ... p + T - 1.
+            self.pack_of[:, item] = guess
+            self.rank[:, item] = filled
+            self.key.ravel()[at] = after_key  # load + weight, as `_commit` adds it
+            self.count.ravel()[at] = filled_after
+            self.pos += T
+            if p + T == n:
+                self.active = self.active[:0]
+            return float(T)
+        if all_right:
+            first = np.full(B, T)
+        else:
+            wrong = ~right
+            first = np.where(wrong.any(axis=1), wrong.argmax(axis=1), T)  # first wrong guess
         kept = np.minimum(first + 1, size)
         # Rounds cut short: the run guess (the lightest pack takes the next items) may keep more.
-        use_run = np.zeros(B, dtype=bool)
+        stop = np.minimum(first, size)  # items kept from the round guess
         short = np.flatnonzero((kept < size) | (kept < 2 * MIN_ROUND))
+        use_run = np.zeros(B, dtype=bool)
         if short.size:
             run, run_load = self._run(
                 rows[short], by_load[short, 0], by_load[short, 1:2], key0[short], left[short]
@@ -203,19 +284,29 @@ class _State:
             better = run > kept[short]
             use_run[short[better]] = True
             kept[short[better]] = run[better]
+            stop[short[better]] = 0
             self._commit_run(
                 rows[short[better]], by_load[short[better], 0], run[better], run_load[better]
             )
-        # Rows keeping their round: items before the first wrong guess go to distinct packs.
-        keep = (t < first[:, None]) & valid & ~use_run[:, None]
-        r_idx, t_idx = np.nonzero(keep)
-        self._commit(rows[r_idx], self.pos[rows][r_idx] + t_idx, guess[r_idx, t_idx])
+        # Rows keeping their round: items before the first wrong guess go to distinct packs,
+        # with the loads and counts worked out above (as `_commit` would).
+        keep = np.flatnonzero(t < stop[:, None])  # flat indices into the [B, T] arrays
+        r_idx = keep // T
+        at_rows, at_packs = rows[r_idx], guess.ravel()[keep]
+        at_item = at_rows * n + pos[r_idx] + (keep - r_idx * T)
+        at_pack = at_rows * self.key.shape[1] + at_packs
+        self.pack_of.ravel()[at_item] = at_packs
+        self.rank.ravel()[at_item] = filled.ravel()[keep]
+        self.key.ravel()[at_pack] = after_key.ravel()[keep]
+        self.count.ravel()[at_pack] = filled_after.ravel()[keep]
         # The first wrong item: its exact choice, from the round's state before it.
         bad = np.flatnonzero((first < size) & ~use_run)
         if bad.size:
             self._place_exact(rows[bad], first[bad], guess[bad], after_key[bad], base[bad])
         self._advance(rows, kept)
-        return float(kept.mean())
+        R = self.pos.size
+        self.lockstep = self.active.size == R and bool((self.pos == self.pos[0]).all())
+        return int(kept.sum()) / B
 
     def _commit_run(
         self, rows: np.ndarray, pack: np.ndarray, run: np.ndarray, loads: np.ndarray
@@ -227,9 +318,13 @@ class _State:
         rr, tt = np.nonzero(np.arange(int(run.max()))[None, :] < run[:, None])
         item = self.pos[rows][rr] + tt
         self.pack_of[rows[rr], item] = pack[rr]
-        self.rank[rows[rr], item] = self.count[rows, pack][rr] + tt
-        self.load[rows, pack] = loads[np.arange(rows.size), run]
-        self.count[rows, pack] += run
+        before = self.count[rows, pack]
+        self.rank[rows[rr], item] = before[rr] + tt
+        filled = before + run
+        self.count[rows, pack] = filled
+        self.key[rows, pack] = np.where(
+            filled < self.capacity, loads[np.arange(rows.size), run], np.inf
+        )
 
     def _run(
         self,
@@ -289,6 +384,5 @@ class _State:
         item = self.pos[rows] + first
         if self.sticky is not None:
             cur = self.sticky[rows, item]
-            cur_key = np.where(self.count[rows, cur] < self.capacity, self.load[rows, cur], np.inf)
-            pack = np.where(cur_key == best, cur, pack)
+            pack = np.where(self.key[rows, cur] == best, cur, pack)
         self._commit(rows, item, pack)
