@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from poise.cost import CostModel, level_traffic
+from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS
 from poise.errors import PlanError
 from poise.placement import Assignment, Placement
 from poise.policies import PlanContext, make_plan
-from poise.policies.hybrid import domain_grouping
+from poise.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, p_closed_form
 from poise.spec import ModelSpec
 from poise.topology import get_cluster
 
@@ -261,8 +262,6 @@ def test_more_devices_than_experts_keeps_the_copies_and_the_tokens_in_their_doma
 def test_closed_form_p_star_follows_the_paper() -> None:
     """HybridEP's optimum: p* = 0 when a domain's data (2 D) outweighs G experts (G P_E), else
     1 - B Lat_PE / (P_E (G - 1)) clipped to [0, 1]."""
-    from poise.policies.hybrid import p_closed_form
-
     cluster = get_cluster("a800-eth10")
     ctx = _ctx(cluster)
     home = np.repeat(np.arange(16), 1)[None]  # expert e on device e
@@ -271,3 +270,60 @@ def test_closed_form_p_star_follows_the_paper() -> None:
     light = np.full((1, 16, 16), 0.01)  # almost no data: little to gain, p* near 1
     (p,) = p_closed_form(light, home, 8, ctx)
     assert 0.9 < p <= 1.0
+
+
+# ------------------------------------------------------------------ the search's shortcuts
+
+
+def test_first_sorted_is_the_head_of_a_stable_argsort() -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        rows, n = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        kind = trial % 4
+        if kind == 0:
+            key = -rng.integers(0, 4, (rows, n)).astype(float)  # ties everywhere
+        elif kind == 1:
+            key = np.where(rng.random((rows, n)) < 0.5, np.inf, -rng.random((rows, n)))
+        elif kind == 2:
+            key = np.full((rows, n), np.inf)
+        else:
+            key = -rng.zipf(1.5, (rows, n)).astype(float)
+        k = int(rng.integers(1, n + 1))
+        want = np.argsort(key, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(_first_sorted(key, k), want)
+
+
+@pytest.mark.parametrize(
+    ("dpn", "nodes", "domains", "slots_extra"),
+    [(2, 2, 2, 1), (4, 1, 3, 2), (2, 3, 1, 1), (8, 4, 3, 2)],
+)
+def test_routing_is_group_local_and_cuts_price_as_the_cost_model(
+    dpn: int, nodes: int, domains: int, slots_extra: int
+) -> None:
+    # The assignment the plan builds from its pairs is `Assignment.group_local` of its
+    # placement; the chosen cut's predicted seconds are the cost model's, on few pairs per
+    # layer and on more than 80 (96 devices: the prefix grid).
+    cluster = toy_cluster(
+        dpn, nodes, domains, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13
+    )
+    D = cluster.num_devices
+    E = 2 * D
+    spec = toy_spec(experts=E, layers=2, d_model=256, d_expert=256, tokens=8192)
+    rng = np.random.default_rng(D)
+    loads = np.floor(rng.zipf(1.3, (2, D, E)) * rng.random((2, D, E)) * 200)
+    ctx = _ctx(cluster, spec, slots=2 + slots_extra)
+    plan = make_plan("hybrid", loads, None, ctx)
+    _, size = domain_grouping(cluster)
+    local = Assignment.group_local(plan.placement, size)
+    np.testing.assert_array_equal(plan.assignment.weights, local.weights)
+    np.testing.assert_array_equal(plan.assignment.group_weights, local.group_weights)
+    assert plan.assignment.group_size == local.group_size
+    np.testing.assert_allclose(
+        np.array(plan.notes["hybrid_layer_s"])[:, 1], plan.cost.layer_s, rtol=1e-9
+    )
+    static = make_plan("static", loads, None, ctx)
+    assert np.all(plan.cost.layer_s <= static.cost.layer_s * (1 + 1e-12))
+    if D > 80:  # more pairs than prefixes priced one by one
+        free = ctx.slots_per_device - static.placement.copies.sum(axis=2)
+        pairs = choose_pairs(loads, static.placement.home, free, size)
+        assert np.diff(pairs.start).max() + 1 > PREFIX_EXACT + PREFIX_POINTS

@@ -1,4 +1,5 @@
-"""Pro-Prophet's lightweight placement (`policies/prophet.py`) on hand-computed cases."""
+"""Pro-Prophet's lightweight placement (`policies/prophet.py`) on hand-computed cases, and the
+packed incremental pricing it searches with (`cost_incremental.LayerState`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 
 from poise.cost import CostModel
+from poise.cost_incremental import LayerState
+from poise.placement import Placement
 from poise.policies import PlanContext, make_plan
-from poise.policies.prophet import prophet_cost
+from poise.policies.prophet import _Prefixes, prophet_cost
 from poise.schedule import Schedule
 
 from .helpers import toy_cluster, toy_spec
@@ -123,3 +126,114 @@ def test_speed_256_experts_32_devices() -> None:
     make_plan("prophet", loads, None, ctx)
     per_layer = (time.perf_counter() - t) / 4
     assert per_layer < 0.02  # target 2 ms; generous bound for loaded CI machines
+
+
+# ------------------------------------------------------------------ packed incremental pricing
+
+
+@pytest.mark.parametrize(
+    ("dpn", "nodes", "domains"),
+    [(4, 2, 2), (8, 1, 1), (1, 4, 1), (4, 1, 2), (1, 1, 3), (2, 3, 1), (8, 3, 3), (1, 1, 1)],
+)
+def test_packed_pricing_equals_layer_s_bit_for_bit(dpn: int, nodes: int, domains: int) -> None:
+    # `packed_terms` / `packed_layer_s` (what prophet and hybrid price with) price only the
+    # cluster's link levels, scale tokens after the max and sum the levels explicitly: the
+    # same numbers as `device_terms` / `layer_s`, bit for bit, with and without replicas.
+    cluster = toy_cluster(
+        dpn, nodes, domains, bw=1e9, inter_bw=2e8, wan_bw=1e7, lat=1e-6, flops=1e12
+    )
+    D = cluster.num_devices
+    E = 2 * D + 1
+    spec = toy_spec(experts=E, layers=3, d_model=64, d_expert=128, tokens=4000, non_moe=1e6)
+    rng = np.random.default_rng(D)
+    home = rng.integers(0, D, (3, E))
+    placement = Placement.from_homes(home, D, 99)
+    placement.copies[rng.random((3, D, E)) < 0.2] = 1
+    counts = np.floor(rng.zipf(1.4, (3, D, E)) * rng.random((3, D, E)) * 50)
+    counts[1] = 0.0
+    for schedule in (Schedule("sync"), Schedule("pipelined", 4), Schedule("prophet")):
+        state = LayerState.stacked(CostModel(cluster, spec, schedule), placement, counts)
+        parts = (state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv)
+        packed = np.ascontiguousarray(state.cells.swapaxes(1, 2))  # [L, CELLS, D]
+        terms = state.packed_terms(packed)
+        for i, want in enumerate(state.device_terms(*parts)):
+            assert np.array_equal(terms[:, i], want)
+        assert np.array_equal(state.packed_layer_s(packed), state.layer_s(*parts))
+        # Many states at once (the max over devices taken down columns): the same numbers.
+        many = packed[rng.integers(0, 3, 400)] * rng.choice([0.0, 0.5, 1.0, 3.0], (400, 1, D))
+        rows = np.ascontiguousarray(many.swapaxes(1, 2))
+        state_many = LayerState.__new__(LayerState)
+        state_many.__dict__.update(state.__dict__)
+        state_many._set_cells(rows)
+        want = state.layer_s(
+            state_many.comp,
+            state_many.tok_send,
+            state_many.tok_recv,
+            state_many.par_send,
+            state_many.par_recv,
+        )
+        assert np.array_equal(state.packed_layer_s(many), want)
+        # The levels left out carry nothing; `level_between` is the cluster's.
+        lo, hi = state.levels
+        for v in [v for v in range(3) if not lo <= v < hi]:
+            for x in parts[1:]:
+                assert not x[:, v].any()
+        src, dst = rng.integers(0, D, (2, 200))
+        assert np.array_equal(state.level_between(src, dst), cluster.level_between(src, dst))
+
+
+def _price_prefix(
+    state: LayerState, layer: int, home: int, cands: list[int], col: np.ndarray, r_home: float
+) -> float:
+    """Layer seconds with replicas on `cands` (the home keeps the rest), the plain way: each
+    replica's own tokens computed and kept local, W_e sent to it from the home."""
+    cluster, W_e = state.cost.cluster, state.cost.spec.expert_bytes
+    one = state.take(layer)
+    comp, tok_send, tok_recv = one.comp.copy(), one.tok_send.copy(), one.tok_recv.copy()
+    par_send, par_recv = one.par_send.copy(), one.par_recv.copy()
+    moved = 0.0
+    for d in cands:
+        lv = int(cluster.level_between(home, d))
+        tok_send[lv, d] -= col[d]
+        tok_recv[lv, home] -= col[d]
+        par_send[lv, home] += W_e
+        par_recv[lv, d] += W_e
+        comp[d] += float(state.comp_s(col[d]))
+        moved += col[d]
+    comp[home] += float(state.comp_s(max(r_home - moved, 0.0)) - state.comp_s(r_home))
+    return float(
+        state.layer_s(comp[None], tok_send[None], tok_recv[None], par_send[None], par_recv[None])[0]
+    )
+
+
+@pytest.mark.parametrize(("dpn", "nodes", "domains"), [(4, 2, 2), (8, 4, 3)])
+def test_prefix_times_equal_pricing_each_prefix(dpn: int, nodes: int, domains: int) -> None:
+    # Every priced prefix (all of them below 80 candidates, a grid above: 96 devices) equals
+    # the plain pricing of its placement; the states kept for the chosen one are the same.
+    cluster = toy_cluster(
+        dpn, nodes, domains, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13
+    )
+    D = cluster.num_devices
+    spec = toy_spec(experts=8, layers=3, d_model=256, d_expert=256, tokens=8000, non_moe=1e7)
+    cost = CostModel(cluster, spec, Schedule("prophet"))
+    rng = np.random.default_rng(D)
+    counts = np.floor(rng.zipf(1.3, (3, D, 8)) * 30.0)
+    home = rng.integers(0, D, (3, 8))
+    state = LayerState.for_homes(cost, home, counts)
+    layer, expert = np.arange(3), np.array([0, 3, 5])
+    h = home[layer, expert]
+    col = counts[layer, :, expert]  # [3, D]
+    ok = (col > 0) & (np.arange(D) != h[:, None]) & (rng.random((3, D)) < 0.9)
+    pre = _Prefixes(state, layer, h, ok, col, state.R[layer, h, expert])
+    assert (pre.cuts.max(axis=1) == ok.sum(axis=1)).all()  # the longest prefix is priced
+    if D > 80:
+        assert pre.cuts.shape[1] < ok.sum(axis=1).max()  # a grid
+    for b in range(3):
+        for c, n in enumerate(pre.cuts[b]):
+            if n == 0:
+                assert pre.times[b, c] == np.inf
+                continue
+            want = _price_prefix(
+                state, b, int(h[b]), pre.cands[b, :n].tolist(), col[b], state.R[b, h[b], expert[b]]
+            )
+            assert pre.times[b, c] == pytest.approx(want, rel=1e-12)

@@ -7,7 +7,12 @@ import pytest
 
 from poise.cost import CostModel
 from poise.policies import PlanContext, make_plan
-from poise.policies.shadow import first_non_improvement, network_bw
+from poise.policies.shadow import (
+    first_non_improvement,
+    network_bw,
+    shadow_latencies,
+    shadow_layers,
+)
 
 from .helpers import toy_cluster, toy_spec
 
@@ -110,3 +115,26 @@ def test_network_bw_is_slowest_level() -> None:
     assert network_bw(toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9)) == 1e9
     assert network_bw(toy_cluster(4, 1, 1, bw=1e10, inter_bw=1e9)) == 1e10  # one node
     assert network_bw(toy_cluster(2, 1, 2, bw=1e10, inter_bw=1e9, wan_bw=1e7)) == 1e7
+
+
+def test_walk_in_chunks_equals_each_layer_alone_also_over_its_slots() -> None:
+    # The chunked walk (row 0 from the first chunk) and the all-at-once walk of a layer over
+    # its slots from the start both equal each layer's full latencies, cut at the first
+    # non-improvement; a layer that cannot take one shadow stays at lat_0.
+    rng = np.random.default_rng(12)
+    for trial in range(60):
+        L, D, E = int(rng.integers(1, 4)), int(rng.integers(2, 7)), int(rng.integers(1, 30))
+        counts = np.floor(rng.zipf(1.4, (L, D, E)) * rng.random((L, D, E)) * 100)
+        home = rng.integers(0, D, (L, E))
+        free = rng.integers(-1 if trial % 3 == 0 else 0, E + 1, (L, D))
+        times = (1e-9, 1e-7, float(rng.choice([1e-9, 1e-6, 1e-4])))
+        order, k, lat0, lat_k = shadow_layers(counts, home, free, *times)
+        for layer in range(L):
+            want_order, lat = shadow_latencies(counts[layer], home[layer], free[layer], *times)
+            np.testing.assert_array_equal(order[layer], want_order)
+            n = first_non_improvement(lat) if lat.size else 0
+            assert k[layer] == n
+            if lat.size:
+                assert lat0[layer] == lat[0] and lat_k[layer] == lat[n]
+            else:  # over its slots from the start: nothing shadowed
+                assert lat_k[layer] == lat0[layer]

@@ -23,6 +23,8 @@ deltas) are not traffic.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from poise.cost import (
@@ -37,6 +39,7 @@ from poise.cost import (
     replica_traffic,
 )
 from poise.placement import Assignment, Placement
+from poise.topology import Cluster
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
@@ -85,11 +88,37 @@ def _cumsum_first_axis(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@functools.lru_cache(maxsize=32)
+def _level_table(cluster: Cluster) -> np.ndarray:
+    """`[D, D]` `cluster.level_between` of every pair of devices (read-only, kept per
+    cluster)."""
+    devices = np.arange(cluster.num_devices)
+    table = cluster.level_between(devices[:, None], devices)
+    table.setflags(write=False)
+    return table
+
+
 class LayerState:
     """One layer's per-device quantities, enough to price a lightweight placement change.
 
     `comp[D]` forward expert seconds, `tok_send/tok_recv[3, D]` dispatch tokens per link level,
-    `par_send/par_recv[3, D]` Trans bytes per level, `R[D, E]` computed tokens."""
+    `par_send/par_recv[3, D]` Trans bytes per level, `R[D, E]` computed tokens. The per-device
+    arrays are views of one packed array `cells[D, CELLS]`, a row per device, so a planner
+    gathers or updates a device's whole state at once; `packed_terms` and `packed_layer_s`
+    price such states side by side. Columns: `COMP`, then what a device sends, level by level
+    (dispatch tokens, Trans bytes), then what it receives: level v of kind `TOK_SEND`,
+    `PAR_SEND`, `TOK_RECV` or `PAR_RECV` is column `kind + LEVEL_STEP * v`."""
+
+    COMP = 0  # column of `cells`: forward expert seconds
+    TOK_SEND = 1  # dispatch tokens sent, at level 0 (level v: + LEVEL_STEP * v)
+    PAR_SEND = 2  # Trans bytes sent (as a home)
+    TOK_RECV = 7  # dispatch tokens received
+    PAR_RECV = 8  # Trans bytes received (as a replica)
+    LEVEL_STEP = 2
+    SENT = 1  # columns SENT:RECEIVED are sent, RECEIVED: received
+    RECEIVED = 7
+    CELLS = 13
+    TABLE_DEVICES = 64  # `level_between` from a table up to this many devices
 
     def __init__(self, cost: CostModel, placement: Placement, counts: np.ndarray) -> None:
         """One layer: `placement` of one layer, `counts[D, E]`."""
@@ -109,22 +138,22 @@ class LayerState:
     def stacked(cls, cost: CostModel, placement: Placement, counts: np.ndarray) -> LayerState:
         """All layers of `placement` (`counts[L, D, E]`) in one state whose arrays carry a
         leading layer axis: `R[L, D, E]`, `comp[L, D]`, `tok_send/tok_recv/par_send/par_recv[L,
-        3, D]`. The batch methods (`device_terms`, `layer_s`, ...) take any leading axes, so
-        planners price candidates of every layer at once (`[L, M, 3, D]`); `take(l)` is layer
-        l's own state (views)."""
+        3, D]` (`cells[L, D, CELLS]`). The batch methods (`device_terms`, `layer_s`, ...) take
+        any leading axes, so planners price candidates of every layer at once (`[L, M, 3, D]`);
+        `take(l)` is layer l's own state (views)."""
         cluster, spec = cost.cluster, cost.spec
         assignment = Assignment.to_home(placement)
         R = assignment.received(placement, counts)  # [L, D, E]
         send, recv = level_traffic(cluster, placement, assignment, counts)
         p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        state = cls.__new__(cls)
-        state.cost = cost
+        L, D, _ = counts.shape
+        state = cls._blank(cost, np.empty((L, D, cls.CELLS)))
         state.R = R
-        state.comp = state.comp_s(R).sum(axis=2)
-        state.tok_send, state.tok_recv = send.transpose(1, 0, 2), recv.transpose(1, 0, 2)
-        state.par_send, state.par_recv = p_send.transpose(1, 0, 2), p_recv.transpose(1, 0, 2)
-        state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
-        state.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        state.comp[...] = state.comp_s(R).sum(axis=2)
+        state.tok_send[...] = send.transpose(1, 0, 2)
+        state.tok_recv[...] = recv.transpose(1, 0, 2)
+        state.par_send[...] = p_send.transpose(1, 0, 2)
+        state.par_recv[...] = p_recv.transpose(1, 0, 2)
         return state
 
     @classmethod
@@ -132,33 +161,65 @@ class LayerState:
         """`stacked` for `Placement.from_homes(home)` (`home[L, E]`: no replicas, tokens to the
         homes), from the homes directly: each expert's tokens land on its home only, so the
         computed tokens, the traffic and the (zero) Trans come without the generic routing's
-        passes over `[L, D, E]`; the same numbers as `stacked`, bit for bit. `counts[L, D,
+        passes over `[L, D, E]` (expert seconds are computed at the homes' cells only: zero
+        tokens take zero seconds); the same numbers as `stacked`, bit for bit. `counts[L, D,
         E]` float."""
-        cluster, spec = cost.cluster, cost.spec
+        cluster = cost.cluster
         home = np.asarray(home, dtype=np.int64)
         L, D, E = counts.shape
-        layer, expert = np.arange(L)[:, None], np.arange(E)[None, :]
+        at_home = (np.arange(L)[:, None], home, np.arange(E)[None, :])
         remote = np.array(counts, dtype=np.float64)  # tokens that leave their source
-        remote[layer, home, expert] = 0.0
+        remote[at_home] = 0.0
+        computed = counts[at_home] + remote.sum(axis=1)  # [L, E] each home's tokens of e
         R = np.zeros((L, D, E))  # the home computes its own tokens and all remote ones
-        R[layer, home, expert] = counts[layer, home, expert] + remote.sum(axis=1)
+        R[at_home] = computed
         send, recv = homes_traffic(cluster, home, remote)
+        state = cls._blank(cost, np.zeros((L, D, cls.CELLS)))  # Trans: zero
+        state.R = R
+        seconds = np.zeros((L, D, E))
+        seconds[at_home] = state.comp_s(computed)
+        state.comp[...] = seconds.sum(axis=2)  # comp_s(R).sum(axis=2): the same cells
+        state.tok_send[...] = send.transpose(1, 0, 2)
+        state.tok_recv[...] = recv.transpose(1, 0, 2)
+        return state
+
+    @classmethod
+    def _blank(cls, cost: CostModel, cells: np.ndarray) -> LayerState:
+        """A state on `cells[..., D, CELLS]` (kept, not copied), without `R`."""
+        cluster, spec = cost.cluster, cost.spec
         state = cls.__new__(cls)
         state.cost = cost
-        state.R = R
-        state.comp = state.comp_s(R).sum(axis=2)
-        state.tok_send, state.tok_recv = send.transpose(1, 0, 2), recv.transpose(1, 0, 2)
-        state.par_send, state.par_recv = np.zeros((L, 3, D)), np.zeros((L, 3, D))
         state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         state.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        # The link levels a message can take on this cluster (0 needs several devices per
+        # node, 1 several nodes per domain, 2 several domains), as a range: the others carry
+        # nothing in any state built here or changed along `level_between`.
+        has = [cluster.devices_per_node > 1, cluster.nodes_per_domain > 1, cluster.domains > 1]
+        used = [v for v in range(3) if has[v]] or [0]
+        state.levels = (used[0], used[-1] + 1)
+        state._table = _level_table(cluster) if cluster.num_devices <= cls.TABLE_DEVICES else None
+        state._set_cells(cells)
         return state
+
+    def _set_cells(self, cells: np.ndarray) -> None:
+        """Keep `cells[..., D, CELLS]` and make the named per-device arrays views of it."""
+
+        def levels(first: int) -> np.ndarray:
+            step = self.LEVEL_STEP
+            return cells[..., first : first + 3 * step : step].swapaxes(-1, -2)  # [..., 3, D]
+
+        self.cells = cells
+        self.comp = cells[..., self.COMP]
+        self.tok_send, self.par_send = levels(self.TOK_SEND), levels(self.PAR_SEND)
+        self.tok_recv, self.par_recv = levels(self.TOK_RECV), levels(self.PAR_RECV)
 
     def take(self, layer: int | slice) -> LayerState:
         """Layer `layer` (or a run of layers) of a `stacked` state; its arrays are views."""
         state = LayerState.__new__(LayerState)
         state.cost, state.fnec, state.bw, state.lat = self.cost, self.fnec, self.bw, self.lat
-        for name in ("R", "comp", "tok_send", "tok_recv", "par_send", "par_recv"):
-            setattr(state, name, getattr(self, name)[layer])
+        state.levels, state._table = self.levels, self._table
+        state.R = self.R[layer]
+        state._set_cells(self.cells[layer])
         return state
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
@@ -172,7 +233,8 @@ class LayerState:
     def device_links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """`[..., 3, D]` bytes -> `[..., D]` each device's seconds summed over the levels."""
         per_level = level_seconds(np.maximum(send, recv), self.bw, self.lat)
-        return per_level.sum(axis=-2)
+        # (level 0 + level 1) + level 2 whatever the memory order of the inputs.
+        return per_level[..., 0, :] + per_level[..., 1, :] + per_level[..., 2, :]
 
     def device_terms(
         self,
@@ -188,10 +250,45 @@ class LayerState:
         a2a = self.device_links_s(tok_send * tb, tok_recv * tb)
         return comp, a2a, self.device_links_s(par_send, par_recv)
 
+    def packed_terms(self, packed: np.ndarray) -> np.ndarray:
+        """`device_terms` of states packed side by side, `packed[..., CELLS, X]` (`cells`
+        transposed: a column per device state, any leading axes), stacked: `[..., 3, X]`
+        (compute, all-to-all, Trans). The same numbers as `device_terms`, bit for bit, in fewer
+        passes: one max(sent, received) for both kinds (the token rows scaled to bytes after
+        the max, which equals the max of the scaled rows: scaling by B_t > 0 keeps the order
+        and rounds monotonically), one `level_seconds`, the levels summed in the same order.
+        Only the cluster's levels (`levels`) are priced: the others carry nothing, take 0 s,
+        and adding 0 to a sum of seconds (never -0) changes nothing."""
+        lead, X = packed.shape[:-2], packed.shape[-1]
+        lo, hi = self.levels
+        n, step = hi - lo, self.LEVEL_STEP
+        out = np.empty((*lead, 3, X))
+        out[..., 0, :] = packed[..., self.COMP, :]
+        sent = packed[..., self.SENT + step * lo : self.SENT + step * hi, :]
+        received = packed[..., self.RECEIVED + step * lo : self.RECEIVED + step * hi, :]
+        moved = np.maximum(sent, received).reshape(*lead, n, 2, X)  # [..., level, kind, X]
+        moved[..., 0, :] *= self.cost.spec.token_bytes
+        per_level = level_seconds(moved, self.bw[lo:hi, None], self.lat[lo:hi, None])
+        if n == 1:
+            out[..., 1:, :] = per_level[..., 0, :, :]
+        else:
+            np.add(per_level[..., 0, :, :], per_level[..., 1, :, :], out=out[..., 1:, :])
+        if n == 3:
+            out[..., 1:, :] += per_level[..., 2, :, :]
+        return out
+
+    def level_between(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """`Cluster.level_between` (from a `[D, D]` table on clusters of at most
+        `TABLE_DEVICES` devices)."""
+        if self._table is not None:
+            return self._table[src, dst]
+        return self.cost.cluster.level_between(src, dst)
+
     def layer_s_from_max(self, fec: np.ndarray, a2a: np.ndarray, trans: np.ndarray) -> np.ndarray:
-        """Layer seconds `[M]` from the slowest device's compute, all-to-all and Trans `[M]`."""
-        fnec = np.full_like(fec, self.fnec)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, np.zeros_like(fec))
+        """Layer seconds `[M]` from the slowest device's compute, all-to-all and Trans `[M]`
+        (the non-expert compute and the migration, the same for all, as scalars)."""
+        fnec, none = np.float64(self.fnec), np.float64(0.0)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, none)
         return self.cost.schedule.layer_time(phases)
 
     def layer_s(
@@ -207,6 +304,16 @@ class LayerState:
         terms = self.device_terms(comp, tok_send, tok_recv, par_send, par_recv)
         fec, a2a, trans = (t.max(axis=-1) for t in terms)
         return self.layer_s_from_max(fec, a2a, trans)
+
+    def packed_layer_s(self, packed: np.ndarray) -> np.ndarray:
+        """`layer_s` of states packed side by side, `packed[..., CELLS, D]` -> `[...]`."""
+        terms = self.packed_terms(packed)  # [..., 3, D]
+        if terms.size >= 4096:  # the max over many short rows: faster down contiguous columns
+            rows = terms.reshape(-1, terms.shape[-1])
+            slowest = rows.T.copy().max(axis=0).reshape(terms.shape[:-1])  # [..., 3]
+        else:
+            slowest = terms.max(axis=-1)
+        return self.layer_s_from_max(slowest[..., 0], slowest[..., 1], slowest[..., 2])
 
     def current_s(self) -> float:
         return float(

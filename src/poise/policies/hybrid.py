@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost_incremental import LayerState, prefix_cuts
+from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import (
     PlanContext,
@@ -106,6 +106,24 @@ class Pairs:
     T: np.ndarray
 
 
+def _first_sorted(key: np.ndarray, k: int) -> np.ndarray:
+    """`np.argsort(key, axis=1, kind="stable")[:, :k]` (`key[R, n]`, `1 <= k <= n`): the k
+    smallest of each row, ties by lower index, without sorting whole rows. A partition finds
+    each row's k-th smallest value; only the entries up to it (ties included) are sorted."""
+    R, n = key.shape
+    if k >= n:
+        return np.argsort(key, axis=1, kind="stable")
+    kth = np.partition(key, k - 1, axis=1)[:, k - 1 : k]
+    row, col = np.nonzero(key <= kth)  # row by row, lower index first: at least k per row
+    order = np.lexsort((key[row, col], row))  # stable: ties keep the lower index first
+    row, col = row[order], col[order]
+    rank = np.arange(len(row)) - np.searchsorted(row, np.arange(R))[row]
+    keep = rank < k
+    out = np.empty((R, k), dtype=np.int64)
+    out[row[keep], rank[keep]] = col[keep]
+    return out
+
+
 def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: int) -> Pairs:
     """Greedy candidates of every layer: `counts[L, D, E]`, `home[L, E]`, `free[L, D]` free
     slots, `size` devices per group. Each group's wanted experts (homed outside it, with
@@ -117,28 +135,27 @@ def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: i
     per_group = counts.reshape(L, G, size, E)
     T = per_group.sum(axis=2)  # [L, G, E] tokens each group sends to e
     wanted = (home[:, None, :] // size != np.arange(G)[None, :, None]) & (T > 0)
-    ranked = np.argsort(np.where(wanted, -T, np.inf), axis=2, kind="stable")
-    free = free.reshape(L, G, size).copy()
-    take = np.minimum(free.sum(axis=2), wanted.sum(axis=2)).ravel()  # pairs per (layer, group)
-    ls, gs, es, js, ranks = [], [], [], [], []
-    # Every (layer, group) in lockstep: the i-th pick of each that still takes one. Within a
-    # group the picks stay sequential (each takes a free slot the next cannot).
-    for i in range(int(take.max(initial=0))):
-        lg = np.flatnonzero(take > i)
-        lyr, g = np.divmod(lg, G)
-        e = ranked[lyr, g, i]
-        on_open = np.where(free[lyr, g] > 0, per_group[lyr, g, :, e], -np.inf)  # [A, size]
-        j = on_open.argmax(axis=1)  # first max: lowest device
-        free[lyr, g, j] -= 1
-        ls.append(lyr)
-        gs.append(g)
-        es.append(e)
-        js.append(j)
-        ranks.append(np.full(lg.size, i))
-    if not ls:
+    free = free.reshape(L * G, size).copy()
+    take = np.minimum(free.sum(axis=1), wanted.reshape(L * G, E).sum(axis=1))  # pairs per group
+    K = int(take.max(initial=0))
+    if K == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Pairs(empty, empty, empty, empty, np.zeros(0), np.zeros(L + 1, dtype=np.int64), T)
-    lyr, g, e, j, rank = (np.concatenate(x).astype(np.int64) for x in (ls, gs, es, js, ranks))
+    # The first K wanted experts of every (layer, group), and what each device sends them.
+    ranked = _first_sorted(np.where(wanted, -T, np.inf).reshape(L * G, E), K)  # [L G, K]
+    at = (np.arange(L * G * size) * E).reshape(L * G, size, 1) + ranked[:, None, :]
+    sends = np.take(counts.reshape(-1), at)  # [L G, size, K]
+    # Every (layer, group) in lockstep: pick i of each that still takes one. Within a group
+    # the picks stay sequential (each takes a free slot the next cannot).
+    picks = np.empty((L * G, K), dtype=np.int64)
+    rows = np.arange(L * G)
+    for i in range(K):
+        j = np.where(free > 0, sends[:, :, i], -np.inf).argmax(axis=1)  # first max: lowest
+        picks[:, i] = j
+        free[rows, j] -= take > i
+    lg, rank = np.nonzero(np.arange(K)[None, :] < take[:, None])
+    lyr, g = np.divmod(lg, G)
+    e, j = ranked[lg, rank], picks[lg, rank]
     t = T[lyr, g, e]
     # Per layer: T descending; W_e is the same for all, so ratio order = T order.
     order = np.lexsort((rank, g, -t, lyr))
@@ -150,17 +167,18 @@ def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: i
 def _prefix_states(
     base: np.ndarray, cell: np.ndarray, seg: np.ndarray, value: np.ndarray, cuts: int
 ) -> np.ndarray:
-    """`[B, cuts, S]` states of B layers after each priced prefix: `base[B, S]`; entry i adds
-    `value[i]` to cell `cell[i]` of layer-and-prefix `seg[i]` (`b * cuts + first prefix that
-    counts it`) and of every later prefix of its layer (`cost_incremental.prefix_states` for
-    several layers and several state arrays side by side; per cell, the entries are summed in
-    the order given, the prefixes accumulated in order, then added to the base)."""
+    """`[cuts, B, S]` states of B layers after each priced prefix: `base[B, S]`; entry i adds
+    `value[i]` to cell `cell[i]` of prefix-and-layer `seg[i]` (`first prefix that counts it * B
+    + b`) and of every later prefix of its layer (`cost_incremental.prefix_states` for several
+    layers and several state arrays side by side; per cell, the entries are summed in the order
+    given, the prefixes accumulated in order, then added to the base). Prefix-major, so each
+    step of the accumulation adds one contiguous block."""
     B, S = base.shape
-    sums = np.bincount(seg * S + cell, weights=value, minlength=B * cuts * S)
-    sums = sums.astype(np.float64, copy=False).reshape(B, cuts, S)  # (no entries: int zeros)
-    for g in range(1, cuts):  # np.cumsum(sums, axis=1), bit for bit, a row at a time
-        np.add(sums[:, g], sums[:, g - 1], out=sums[:, g])
-    sums += base[:, None]
+    sums = np.bincount(seg * S + cell, weights=value, minlength=cuts * B * S)
+    sums = sums.astype(np.float64, copy=False).reshape(cuts, B, S)  # (no entries: int zeros)
+    for g in range(1, cuts):  # np.cumsum(sums, axis=0), bit for bit, a block at a time
+        np.add(sums[g], sums[g - 1], out=sums[g])
+    sums += base
     return sums
 
 
@@ -172,23 +190,11 @@ def cut_times(
     else a grid), padded with -1 and inf after the layer's own cuts. `state`: the layers'
     stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`, `pairs` of these
     layers."""
-    cluster = state.cost.cluster
+    S = LayerState
     B, D, _ = counts.shape
     start = pairs.start
     K = np.diff(start)
-    cut_list = [prefix_cuts(int(k)) for k in K]
-    C = max(len(c) for c in cut_list)
-    cuts = np.full((B, C), -1, dtype=np.int64)
-    for b, c in enumerate(cut_list):
-        cuts[b, : len(c)] = c
-    # seg[i]: the first priced prefix of its layer that includes pair i.
-    seg = np.concatenate(
-        [
-            np.searchsorted(c, np.arange(int(k)), side="right")
-            for c, k in zip(cut_list, K, strict=True)
-        ]
-    ).astype(np.int64)
-    seg = pairs.layer * C + seg
+    Kmax = int(K.max(initial=0))
     lyr, groups, experts, devices, tokens = (
         pairs.layer,
         pairs.group,
@@ -197,11 +203,31 @@ def cut_times(
         pairs.tokens,
     )
     N = len(experts)
+    pos = np.arange(N) - start[lyr]  # index of each pair in its layer
+    if Kmax + 1 <= PREFIX_EXACT + PREFIX_POINTS:  # every prefix: pair k first counts at k + 1
+        C = Kmax + 1
+        cuts = np.arange(C)[None, :].repeat(B, 0)
+        cuts[cuts > K[:, None]] = -1
+        seg = pos + 1
+    else:
+        cut_list = [prefix_cuts(int(k)) for k in K]
+        C = max(len(c) for c in cut_list)
+        cuts = np.full((B, C), -1, dtype=np.int64)
+        for b, c in enumerate(cut_list):
+            cuts[b, : len(c)] = c
+        # seg[i]: the first priced prefix of its layer that includes pair i.
+        seg = np.concatenate(
+            [
+                np.searchsorted(c, np.arange(int(k)), side="right")
+                for c, k in zip(cut_list, K, strict=True)
+            ]
+        ).astype(np.int64)
+    seg = seg * B + lyr
     h = home[lyr, experts]  # [N]
     src = groups[:, None] * size + np.arange(size)[None, :]  # [N, m] sources of each pair
     tok = counts[lyr[:, None], src, experts[:, None]]  # [N, m]
-    lv_sh = cluster.level_between(src, h[:, None])
-    lv_sr = cluster.level_between(src, devices[:, None])
+    lv_sh = state.level_between(src, h[:, None])
+    lv_sr = state.level_between(src, devices[:, None])
     stays = lv_sr >= 0  # sources other than the replica device itself
     seg_m = np.repeat(seg, size).reshape(N, size)
     # Pair k: its group's sources stop sending e's tokens to the home and send them to the
@@ -212,18 +238,17 @@ def cut_times(
     send_dev = np.concatenate([src.ravel(), src[stays]])
     recv_dev = np.concatenate([(h[:, None] + 0 * src).ravel(), dst[stays]])
     delta = np.concatenate([-tok.ravel(), tok[stays]])
-    lv_hr = cluster.level_between(h, devices)
+    lv_hr = state.level_between(h, devices)
     W_e = np.full(N, state.cost.spec.expert_bytes)
     # Compute: the replica takes the whole group's tokens; the home loses them. `before[i]`:
     # tokens of e moved away from its home by the layer's earlier pairs (a running sum over the
     # layer's pairs sorted by expert, stable).
-    pos = np.arange(N) - start[lyr]  # index of each pair in its layer
     order = np.lexsort((pos, experts, lyr))
     se, st, sl = experts[order], tokens[order], lyr[order]
     run = np.ones(N, dtype=bool)
     run[1:] = (se[1:] != se[:-1]) | (sl[1:] != sl[:-1])
     first = np.maximum.accumulate(np.where(run, np.arange(N), 0)) - start[sl]
-    padded = np.zeros((B, int(K.max(initial=0))))
+    padded = np.zeros((B, Kmax))
     padded[sl, pos] = st  # pos of sorted entries: their index in the layer's sorted order
     cum = np.cumsum(padded, axis=1)
     cum_first = cum[sl, np.maximum(first - 1, 0)]
@@ -233,29 +258,19 @@ def cut_times(
     r_home = state.R[lyr, h, experts] - before
     comp_seg = np.concatenate([seg, seg])
     comp_dev = np.concatenate([devices, h])
-    comp_delta = np.concatenate(
-        [
-            state.comp_s(tokens),
-            state.comp_s(np.maximum(r_home - tokens, 0.0)) - state.comp_s(r_home),
-        ]
-    )
-    # All five per-device states side by side, [B, 13 D]: compute, then dispatch tokens sent
-    # and received, Trans bytes sent and received, each per link level.
-    base = np.concatenate(
-        [state.comp]
-        + [
-            x.reshape(B, 3 * D)
-            for x in (state.tok_send, state.tok_recv, state.par_send, state.par_recv)
-        ],
-        axis=1,
-    )
+    # Seconds of the replica's tokens, of what the home keeps and of what it had, in one pass.
+    secs = state.comp_s(np.concatenate([tokens, np.maximum(r_home - tokens, 0.0), r_home]))
+    comp_delta = np.concatenate([secs[:N], secs[N : 2 * N] - secs[2 * N :]])
+    # All five per-device states side by side (`LayerState.cells` as columns), [B, CELLS * D]:
+    # compute, then dispatch tokens and Trans bytes sent, then received, each per link level.
+    base = np.ascontiguousarray(state.cells.transpose(0, 2, 1)).reshape(B, S.CELLS * D)
     cell = np.concatenate(
         [
             comp_dev,
-            D + send_lv * D + send_dev,
-            4 * D + send_lv * D + recv_dev,
-            7 * D + lv_hr * D + h,
-            10 * D + lv_hr * D + devices,
+            (S.TOK_SEND + S.LEVEL_STEP * send_lv) * D + send_dev,
+            (S.TOK_RECV + S.LEVEL_STEP * send_lv) * D + recv_dev,
+            (S.PAR_SEND + S.LEVEL_STEP * lv_hr) * D + h,
+            (S.PAR_RECV + S.LEVEL_STEP * lv_hr) * D + devices,
         ]
     )
     states = _prefix_states(
@@ -265,11 +280,7 @@ def cut_times(
         np.concatenate([comp_delta, delta, delta, W_e, W_e]),
         C,
     )
-    comp = states[..., :D]
-    tok_send, tok_recv, par_send, par_recv = (
-        states[..., (1 + 3 * i) * D : (4 + 3 * i) * D].reshape(B, C, 3, D) for i in range(4)
-    )
-    times = state.layer_s(comp, tok_send, tok_recv, par_send, par_recv)
+    times = state.packed_layer_s(states.reshape(C, B, S.CELLS, D)).T  # [B, C]
     return cuts, np.where(cuts >= 0, times, np.inf)
 
 
@@ -293,12 +304,13 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         return _plan_with_edp_copies(loads, previous, ctx, notes, size)
     G = D // size
     home = placement.home
-    free = ctx.slots_per_device - placement.copies.sum(axis=2)  # [L, D]
+    homed = np.bincount((np.arange(L)[:, None] * D + home).ravel(), minlength=L * D)
+    free = ctx.slots_per_device - homed.reshape(L, D)  # [L, D] (the copies are the homes)
     pairs = choose_pairs(loads, home, free, size)
     state = LayerState.for_homes(ctx.cost, home, loads)
     # Layers in chunks whose prefix states stay within _CHUNK_CELLS cells per array.
     C = len(prefix_cuts(int(np.diff(pairs.start).max(initial=0))))
-    chunk = max(1, _CHUNK_CELLS // (C * 13 * D))
+    chunk = max(1, _CHUNK_CELLS // (C * LayerState.CELLS * D))
     k = np.zeros(L, dtype=np.int64)
     layer_s: list[list[float]] = []
     for lo in range(0, L, chunk):
@@ -323,25 +335,20 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     placement.copies[pairs.layer[taken], pairs.device[taken], pairs.expert[taken]] = 1
     cross_T = np.where(home[:, None, :] // size != np.arange(G)[None, :, None], pairs.T, 0.0)
     p_star: list[float] = []
-    replicated: list[list[list[int]]] = []
-    replica_device: list[list[list[int]]] = []
     for layer in range(L):
         a = int(pairs.start[layer])
         n = int(k[layer])
         cross = float(cross_T[layer].sum())
         p_star.append(1.0 - float(pairs.tokens[a : a + n].sum()) / cross if cross > 0 else 1.0)
-        reps: list[list[int]] = [[] for _ in range(G)]
-        devs: list[list[int]] = [[] for _ in range(G)]
-        for g, e, d in zip(
-            pairs.group[a : a + n].tolist(),
-            pairs.expert[a : a + n].tolist(),
-            pairs.device[a : a + n].tolist(),
-            strict=True,
-        ):
-            reps[g].append(e)
-            devs[g].append(d)
-        replicated.append(reps)
-        replica_device.append(devs)
+    # The taken pairs of each (layer, group), in greedy order.
+    key = pairs.layer[taken] * G + pairs.group[taken]
+    by_group = np.argsort(key, kind="stable")
+    bounds = np.searchsorted(key[by_group], np.arange(L * G + 1)).tolist()
+    experts = pairs.expert[taken][by_group].tolist()
+    devices = pairs.device[taken][by_group].tolist()
+    spans = [[(bounds[i], bounds[i + 1]) for i in range(lg, lg + G)] for lg in range(0, L * G, G)]
+    replicated = [[experts[a:b] for a, b in layer] for layer in spans]
+    replica_device = [[devices[a:b] for a, b in layer] for layer in spans]
     notes.update(
         p_star=p_star,
         p_closed_form=p_closed_form(loads, home, size, ctx).tolist(),
@@ -349,7 +356,12 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         replica_device=replica_device,
         hybrid_layer_s=layer_s,
     )
-    assignment = Assignment.group_local(placement, size)
+    # `Assignment.group_local(placement, size)`, built from the pairs: a domain holds at most
+    # one copy of each expert (its replica, or the home), so every holder's group weight is 1.
+    to_home = Assignment.to_home(placement)
+    group_weights = to_home.weights.copy()
+    group_weights[pairs.layer[taken], pairs.expert[taken], pairs.device[taken]] = 1.0
+    assignment = Assignment(to_home.weights, group_weights, size)
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
 
 
@@ -363,8 +375,13 @@ def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanConte
     G = Dv // size
     if G < 2:
         return np.ones(L)
-    dom = np.arange(Dv) // size
-    cross = loads * (dom[None, :, None] != dom[home][:, None, :])  # [L, Dv, E] leaving its domain
+    if loads.flags.c_contiguous:  # [L, Dv, E] leaving its domain: zero the home domain's rows
+        cross = np.array(loads)  # (as `loads * mask`, bit for bit)
+        by_domain = cross.reshape(L, G, size, home.shape[1])
+        by_domain[np.arange(L)[:, None], home // size, :, np.arange(home.shape[1])[None, :]] = 0
+    else:
+        dom = np.arange(Dv) // size
+        cross = loads * (dom[None, :, None] != dom[home][:, None, :])
     data = cross.sum(axis=(1, 2)) / G * spec.token_bytes  # [L] bytes per domain
     link = cluster.inter_domain if cluster.domains > 1 else cluster.inter_node
     bw = link.per_device_bw_Bps * size

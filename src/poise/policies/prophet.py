@@ -73,21 +73,22 @@ def _padded_cuts(m: np.ndarray) -> np.ndarray:
 
 
 class _Prefixes:
-    """Replicating expert `expert[b]` (home `home[b]`) of layer `layer[b]` on prefixes of its
-    candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
+    """Replicating the expert under search in layer `layer[b]` (home `home[b]`) on prefixes of
+    its candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
     `cuts[B, C]` priced (0-padded; all of 1..m when m is small, else a grid:
-    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and what
-    the home's state becomes after each prefix (`home_tok_recv[B, C, 3]`, `home_par_send[B, C,
-    3]`, `home_comp[B, C]`)."""
+    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
+    device states they were priced on, side by side (`LayerState.packed_terms`), `side[B,
+    CELLS, D + 2 M + C]`: every device now, each candidate now and after its step, the home
+    after each prefix."""
 
     def __init__(
         self,
         state: LayerState,
-        counts: np.ndarray,
         layer: np.ndarray,
-        expert: np.ndarray,
         home: np.ndarray,
         ok: np.ndarray,
+        col: np.ndarray,
+        r_home: np.ndarray,
     ) -> None:
         """Layer seconds after each priced prefix, in O(B (D + m)).
 
@@ -98,80 +99,80 @@ class _Prefixes:
         changed state (a running maximum), the candidates from c on and every other device in
         their current state (a suffix maximum and a constant). Equal to pricing each prefix's
         full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
-        candidate senders of each layer's expert."""
-        cluster = state.cost.cluster
+        candidate senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]`
+        the tokens its home computes."""
+        S = LayerState
         B, D = ok.shape
-        b_idx = np.arange(B)
-        rows = b_idx[:, None]
-        col = counts[layer, :, expert]  # [B, D]
+        rows = np.arange(B)[:, None]
         m = ok.sum(axis=1)
         M = int(m.max())
         # Candidates: senders by tokens, descending (stable: lower device first).
         cands = np.argsort(np.where(ok, -col, np.inf), axis=1, kind="stable")[:, :M]
         valid = np.arange(M)[None, :] < m[:, None]  # [B, M]
-        cuts = _padded_cuts(m)
+        # Small m: cuts[b, c] = c + 1 (valid) or 0 (padding, priced inf), so the state after
+        # prefix c is the one after step c and no gather is needed.
+        every = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
+        cuts = np.where(valid, np.arange(1, M + 1), 0) if every else _padded_cuts(m)
         C = cuts.shape[1]
-        last = np.maximum(cuts - 1, 0)
         W_e = state.cost.spec.expert_bytes
         steps = np.arange(M)[None, :]
-        tok = np.where(valid, col[rows, cands], 0.0)  # [B, M]
-        lv = cluster.level_between(home[:, None], cands)  # link level home -> candidate
-        comp, tok_send, tok_recv = state.comp[layer], state.tok_send[layer], state.tok_recv[layer]
-        par_send, par_recv = state.par_send[layer], state.par_recv[layer]
-        # The home after each priced prefix.
-        per_step = np.zeros((B, M, 3))
-        per_step[rows, steps, lv] = -tok
-        self.home_tok_recv = (
-            tok_recv[b_idx, :, home][:, None, :] + np.cumsum(per_step, axis=1)[rows, last]
-        )  # [B, C, 3]
-        per_step[rows, steps, lv] = np.where(valid, W_e, 0.0)
-        self.home_par_send = (
-            par_send[b_idx, :, home][:, None, :] + np.cumsum(per_step, axis=1)[rows, last]
-        )
-        r_home = state.R[layer, home, expert]  # [B]
-        left = r_home[:, None] - np.cumsum(tok, axis=1)[rows, last]  # tokens the home computes
-        self.home_comp = (
-            comp[b_idx, home][:, None]
-            + state.comp_s(np.maximum(left, 0.0))
-            - state.comp_s(r_home)[:, None]
-        )
+        tok = col[rows, cands]  # [B, M] (padding: unused)
+        # Link level home -> candidate (padding may be the home: level -1, its columns unused).
+        lv = state.level_between(home[:, None], cands)
+        step = S.LEVEL_STEP
+        # Side by side (whole rows of `cells` gathered, then turned into columns): every device
+        # now [D], each candidate now [M] and after its step [M], the home after each prefix
+        # [C]: [B, CELLS, D + 2 M + C].
+        idx = np.empty((B, D + 2 * M + C), dtype=np.int64)
+        idx[:, :D] = np.arange(D)
+        idx[:, D : D + M] = cands
+        idx[:, D + M : D + 2 * M] = cands
+        idx[:, D + 2 * M :] = home[:, None]
+        idx += (layer * D)[:, None]
+        rows_of = np.take(state.cells.reshape(-1, S.CELLS), idx, axis=0)
+        side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
+        cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
+        # The home after each step: tokens received, Trans sent per level, tokens it computes.
+        per_step = np.zeros((B, 7, M))
+        per_step[rows, lv, steps] = -tok
+        per_step[rows, 3 + lv, steps] = W_e
+        per_step[:, 6] = tok
+        after = np.cumsum(per_step, axis=2)  # [B, 7, M]
+        if not every:
+            after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
+        left = r_home[:, None] - after[:, 6]  # tokens the home computes
+        seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
+        home_side[:, S.TOK_RECV : S.TOK_RECV + 3 * step : step] += after[:, :3]
+        home_side[:, S.PAR_SEND : S.PAR_SEND + 3 * step : step] += after[:, 3:6]
+        home_side[:, S.COMP] += seconds[:, M : M + C]
+        home_side[:, S.COMP] -= seconds[:, M + C :]
         # Each candidate after its own step.
-        at = (rows[:, :, None], np.arange(3)[None, :, None], cands[:, None, :])  # -> [B, 3, M]
-        c_send = tok_send[at]
-        c_send[rows, lv, steps] -= tok
-        c_par_recv = par_recv[at]
-        c_par_recv[rows, lv, steps] += W_e
+        cand_side[:, S.COMP] += seconds[:, :M]
+        at = S.TOK_SEND + step * lv
+        cand_side[rows, at, steps] -= tok
+        cand_side[rows, at + (S.PAR_RECV - S.TOK_SEND), steps] += W_e
 
-        # Per-device terms of every device now [D], each candidate after its step [M] and the
-        # home after each prefix [C], side by side in one pass: [3 (compute, a2a, Trans), B, X].
-        def side(now: np.ndarray, cand: np.ndarray, home_after: np.ndarray) -> np.ndarray:
-            return np.concatenate([now, cand, home_after], axis=-1)
-
-        h_send = np.broadcast_to(tok_send[b_idx, :, home][:, :, None], (B, 3, C))
-        h_par_recv = np.broadcast_to(par_recv[b_idx, :, home][:, :, None], (B, 3, C))
-        terms = np.stack(
-            state.device_terms(
-                side(comp, comp[rows, cands] + state.comp_s(tok), self.home_comp),
-                side(tok_send, c_send, h_send),
-                side(tok_recv, tok_recv[at], self.home_tok_recv.transpose(0, 2, 1)),
-                side(par_send, par_send[at], self.home_par_send.transpose(0, 2, 1)),
-                side(par_recv, c_par_recv, h_par_recv),
-            )
-        )
-        now, after, home_after = terms[..., :D], terms[..., D : D + M], terms[..., D + M :]
-        others = np.ones((B, D), dtype=bool)
-        others[rows, cands] = ~valid
-        others[b_idx, home] = False
-        rest = np.where(others, now, -np.inf).max(axis=2)[..., None]  # [3, B, 1]
-        changed = np.maximum.accumulate(after, axis=2)[:, rows, last]  # candidates before the cut
-        cand_now = np.where(valid, now[:, rows, cands], -np.inf)
-        later = np.maximum.accumulate(cand_now[..., ::-1], axis=2)[..., ::-1]  # from each on
-        later = np.concatenate([later, np.full((3, B, 1), -np.inf)], axis=2)
-        unchanged = later[:, rows, cuts]
-        slowest = np.maximum(np.maximum(home_after, rest), np.maximum(changed, unchanged))
+        # Per-device (compute, all-to-all, Trans) seconds of all columns in one pass.
+        terms = state.packed_terms(side)  # [B, 3, D + 2 M + C]
+        now = terms[:, :, :D]
+        others = ~ok  # neither a candidate (the senders in `ok`) nor the home
+        others[rows[:, 0], home] = False
+        # From each step on: the candidates not yet changed, then every other device.
+        rest = np.full((B, 3, M + 1), -np.inf)
+        np.copyto(rest[:, :, :M], terms[:, :, D : D + M], where=valid[:, None, :])
+        rest[:, :, M] = np.where(others[:, None, :], now, -np.inf).max(axis=2)
+        rest = np.maximum.accumulate(rest[:, :, ::-1], axis=2)[:, :, ::-1]
+        changed = np.maximum.accumulate(terms[:, :, D + M : D + 2 * M], axis=2)  # before c
+        if every:
+            unchanged = rest[:, :, 1:]
+        else:
+            changed = np.take_along_axis(changed, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
+            unchanged = np.take_along_axis(rest, cuts[:, None, :], axis=2)
+        slowest = np.maximum(np.maximum(terms[:, :, D + 2 * M :], changed), unchanged)  # [B, 3, C]
+        times = state.layer_s_from_max(slowest[:, 0], slowest[:, 1], slowest[:, 2])
         self.cuts = cuts
-        self.times = np.where(cuts > 0, state.layer_s_from_max(*slowest), np.inf)
-        self.cands, self.tok, self.lv = cands, tok, lv
+        self.times = np.where(cuts > 0, times, np.inf)
+        self.cands, self.side = cands, side
 
 
 def search_layers(
@@ -182,66 +183,68 @@ def search_layers(
     (updated). Each round takes the next expert of every layer still searching. Returns per
     layer the replicated experts, their replica devices, and the layer seconds before and
     after."""
-    L, _, E = counts.shape
-    W_e = cost.spec.expert_bytes
+    L, D, E = counts.shape
     home, copies = placement.home, placement.copies
-    before = state.layer_s(
-        state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv
-    )
+    before = state.packed_layer_s(np.ascontiguousarray(state.cells.swapaxes(1, 2)))
     best = before.copy()
     order = np.argsort(-counts.sum(axis=1), axis=1, kind="stable")  # [L, E]
-    used = copies.sum(axis=2)  # [L, D]
-    nxt = np.zeros(L, dtype=np.int64)  # each layer's next position in its order
+    used = np.bincount((np.arange(L)[:, None] * D + home).ravel(), minlength=L * D)
+    used = used.reshape(L, D)  # slots used: the homes
     replicated: list[list[int]] = [[] for _ in range(L)]
     devices: list[list[list[int]]] = [[] for _ in range(L)]
-    active = np.arange(L)
-    while True:
-        active = active[nxt[active] < E]
-        if not active.size:
-            break
-        e = order[active, nxt[active]]
+    every_device = np.arange(D)
+    # The layers still searching and the position in its order of each one's next expert.
+    active = np.arange(L) if E else np.zeros(0, dtype=np.int64)
+    nxt = np.zeros(active.size, dtype=np.int64)
+    while active.size:
+        e = order[active, nxt]
+        nxt += 1
+        h = home[active, e]
         col = counts[active, :, e]  # [A, D]
-        ok = (col > 0) & (copies[active, :, e] == 0) & (used[active] < slots)
+        # Senders without a copy (the expert is seen once: its only copy is the home) and with
+        # a free slot.
+        ok = (col > 0) & (every_device != h[:, None]) & (used[active] < slots)
         has = ok.any(axis=1)
         # No candidate: skip the expert (every sender is out of slots), or stop when it has no
-        # tokens (nor has any later expert).
-        stop = ~has & (col.sum(axis=1) <= 0)
-        nxt[active[~has]] += 1
-        go = np.flatnonzero(has)
-        gain = np.zeros(active.size, dtype=bool)
-        if go.size:
-            lyr, eg = active[go], e[go]
-            hg = home[lyr, eg]
-            pre = _Prefixes(state, counts, lyr, eg, hg, ok[go])
+        # tokens (nor has any later expert). Otherwise go on while replicas bring a gain.
+        go = None if has.all() else np.flatnonzero(has)
+        if go is None:
+            cont = np.zeros(active.size, dtype=bool)
+            lyr, eg, hg, ok_g, col_g = active, e, h, ok, col
+        else:
+            cont = col.sum(axis=1) > 0
+            lyr, eg, hg, ok_g, col_g = active[go], e[go], h[go], ok[go], col[go]
+        if lyr.size:
+            # (R is never updated: each expert's column is read once, before it changes.)
+            pre = _Prefixes(state, lyr, hg, ok_g, col_g, state.R[lyr, hg, eg])
+            rows = np.arange(lyr.size)
             j = np.argmin(pre.times, axis=1)  # times[b, j]: the cuts[b, j] heaviest senders
-            b_idx = np.arange(go.size)
-            t_best = pre.times[b_idx, j]
+            t_best = pre.times[rows, j]
             better = t_best < best[lyr]  # the first expert without gain ends the search
-            gain[go] = better
+            if go is None:
+                cont = better
+            else:
+                cont[go] = better
             if better.any():
-                b = np.flatnonzero(better)
-                lb, eb, hb, jb = lyr[b], eg[b], hg[b], j[b]
-                n = pre.cuts[b, jb]
-                sel = np.arange(pre.cands.shape[1])[None, :] < n[:, None]  # [n_b, M]
-                rb, kb = np.nonzero(sel)
-                ll, dd = lb[rb], pre.cands[b[rb], kb]
-                tok, lv = pre.tok[b[rb], kb], pre.lv[b[rb], kb]
-                copies[ll, dd, eb[rb]] = 1
+                n = np.where(better, pre.cuts[rows, j], 0)  # replicas taken
+                M = pre.cands.shape[1]
+                rb, kb = np.nonzero(np.arange(M)[None, :] < n[:, None])
+                ll, dd = lyr[rb], pre.cands[rb, kb]
+                copies[ll, dd, eg[rb]] = 1
                 used[ll, dd] += 1
-                state.tok_send[ll, lv, dd] -= tok
-                state.par_recv[ll, lv, dd] += W_e
-                state.comp[ll, dd] += state.comp_s(tok)
-                state.tok_recv[lb, :, hb] = pre.home_tok_recv[b, jb]
-                state.par_send[lb, :, hb] = pre.home_par_send[b, jb]
-                state.comp[lb, hb] = pre.home_comp[b, jb]
-                # (R is not updated: each expert's column is read once, before it changes.)
+                # The replicas and the home take the states they were priced in.
+                state.cells[ll, dd] = pre.side[rb, :, D + M + kb]
+                b = np.flatnonzero(better)
+                lb, jb = lyr[b], j[b]
+                state.cells[lb, hg[b]] = pre.side[b, :, D + 2 * M + jb]
                 best[lb] = t_best[b]
-                nxt[lb] += 1
                 chosen = pre.cands[b].tolist()
-                for i, (layer, ex) in enumerate(zip(lb.tolist(), eb.tolist(), strict=True)):
+                picked = zip(lb.tolist(), eg[b].tolist(), n[b].tolist(), strict=True)
+                for i, (layer, ex, k) in enumerate(picked):
                     replicated[layer].append(ex)
-                    devices[layer].append(chosen[i][: int(n[i])])
-        active = active[~stop & (gain | ~has)]
+                    devices[layer].append(chosen[i][:k])
+        cont &= nxt < E
+        active, nxt = active[cont], nxt[cont]
     return replicated, devices, [[float(x), float(y)] for x, y in zip(before, best, strict=True)]
 
 

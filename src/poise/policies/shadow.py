@@ -102,15 +102,15 @@ class _Walk:
         self.free = free
         total = counts.sum(axis=1)  # [L, E]
         self.order = np.argsort(-total, axis=1, kind="stable")
-        is_home = np.arange(D)[None, :, None] == home[:, None, :]  # [L, D, E]
-        self.away = np.where(is_home, 0.0, counts)  # tokens that leave their source
+        # Tokens that leave their source: all but the home's own (zeroed in a copy).
+        self.away = np.array(counts, dtype=np.float64, order="C")
+        self.away[np.arange(L)[:, None], home, np.arange(home.shape[1])[None, :]] = 0.0
         remote_total = self.away.sum(axis=1)  # [L, E] tokens each home receives
         flat = (np.arange(L)[:, None] * D + home).ravel()
         self.homed = np.bincount(flat, weights=total.ravel(), minlength=L * D).reshape(L, D)
         self.recv0 = np.bincount(flat, weights=remote_total.ravel(), minlength=L * D).reshape(L, D)
         self.send0 = self.away.sum(axis=2)
-        self.home_o = np.take_along_axis(home, self.order, axis=1)  # homes in walk order
-        self.remote_o = np.take_along_axis(remote_total, self.order, axis=1)
+        self.home, self.remote_total = home, remote_total
         # Running sums after the steps done so far: compute, sent, received, slots used.
         self.done = 0
         self.d_comp = np.zeros((L, 1, D))
@@ -134,19 +134,18 @@ class _Walk:
         shadowed; lat[k] includes k t_shadow) and advance by n steps."""
         r0, r1 = self.done, self.done + n
         L, D, _ = self.away.shape
-        idx = self.order[:, r0:r1]
-        a = np.take_along_axis(self.away, idx[:, None, :], axis=2).transpose(0, 2, 1)  # [L, n, D]
+        layer, idx = np.arange(L)[:, None], self.order[:, r0:r1]
+        home_o = self.home[layer, idx]  # the steps' experts: homes, remote tokens, [L, n]
+        a = self.away[layer[:, :, None], np.arange(D), idx[:, :, None]]  # [L, n, D]
         hit = np.zeros((L, n, D))
-        hit[np.arange(L)[:, None], np.arange(n)[None, :], self.home_o[:, r0:r1]] = self.remote_o[
-            :, r0:r1
-        ]
+        hit[layer, np.arange(n)[None, :], home_o] = self.remote_total[layer, idx]
         # Step k: every device computes its own tokens; the home stops receiving.
         d_comp = np.cumsum(np.concatenate([self.d_comp, a - hit], axis=1), axis=1)
         d_send = np.cumsum(np.concatenate([self.d_send, a], axis=1), axis=1)
         d_recv = np.cumsum(np.concatenate([self.d_recv, hit], axis=1), axis=1)
         lat = self._lat(d_comp, d_send, d_recv) + self.t_shadow * np.arange(r0, r1 + 1)
         # Slots: shadowing order[k] takes a slot on every device but its home.
-        away = self.home_o[:, r0:r1, None] != np.arange(D)[None, None, :]
+        away = home_o[:, :, None] != np.arange(D)[None, None, :]
         used = np.cumsum(np.concatenate([self.used, away], axis=1), axis=1)
         fits = (used <= self.free[:, None, :]).all(axis=2)
         self.done = r1
@@ -177,8 +176,11 @@ def shadow_layers(
     every layer has stopped."""
     L, _, E = counts.shape
     walk = _Walk(counts, home, free, t_comp, t_feat, t_shadow)
-    lat0, fits0 = walk.first()
-    if not fits0.all():  # a layer over its slots from the start: price it all at once
+    if not (free >= 0).all() or E == 0:  # (row 0, nothing shadowed, fits where free >= 0)
+        lat0, fits0 = walk.first()
+        if fits0.all():  # no expert
+            return walk.order, np.zeros(L, dtype=np.int64), lat0[:, 0], lat0[:, 0].copy()
+        # A layer over its slots from the start: price it all at once.
         lat, fits = walk.rows(E)
         lat = np.concatenate([lat0, lat[:, 1:]], axis=1)
         k = np.zeros(L, dtype=np.int64)
@@ -187,13 +189,14 @@ def shadow_layers(
             k[layer] = first_non_improvement(lat[layer, : K + 1])
         return walk.order, k, lat[:, 0], lat[np.arange(L), k]
     k = np.full(L, -1, dtype=np.int64)
-    lat_k = lat0[:, 0].copy()
-    prev = lat0[:, 0]
     step = 4
     while walk.done < E and (k < 0).any():
         r0 = walk.done
         n = min(step, E - r0)
         lat, fits = walk.rows(n)
+        if r0 == 0:  # row 0: nothing shadowed
+            lat0 = lat[:, 0]
+            lat_k, prev = lat0.copy(), lat0
         # Row r + 1 stops the walk at r if it does not fit or does not lower the latency.
         before = np.concatenate([prev[:, None], lat[:, 1:-1]], axis=1)
         stop = ~fits[:, 1:] | ~(lat[:, 1:] < before)  # [L, n]
@@ -206,7 +209,7 @@ def shadow_layers(
     open_layers = k < 0  # walked every expert
     k[open_layers] = E
     lat_k[open_layers] = prev[open_layers]
-    return walk.order, k, lat0[:, 0], lat_k
+    return walk.order, k, lat0, lat_k
 
 
 @register(NAME)
@@ -225,7 +228,8 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         shadowed: list[list[int]] = [[] for _ in range(L)]
         lats: list[list[float]] = [[0.0, 0.0] for _ in range(L)]
     else:
-        free = ctx.slots_per_device - placement.copies.sum(axis=2)
+        homed = np.bincount((np.arange(L)[:, None] * D + placement.home).ravel(), minlength=L * D)
+        free = ctx.slots_per_device - homed.reshape(L, D)  # (the copies are the homes)
         order, k, lat0, lat_k = shadow_layers(loads, placement.home, free, t_comp, t_feat, t_shadow)
         take = np.arange(order.shape[1])[None, :] < k[:, None]  # [L, E]
         layer, rank = np.nonzero(take)
