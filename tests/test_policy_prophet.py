@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
+from poise.cost import PHASE_NAMES, CostModel
 from poise.cost_incremental import LayerState
 from poise.placement import Placement
 from poise.policies import PlanContext, make_plan
 from poise.policies.prophet import _Prefixes, prophet_cost
-from poise.schedule import Schedule
+from poise.schedule import Schedule, parse_schedule
+from poise.spec import ModelSpec
+from poise.topology import get_cluster
 
 from .helpers import toy_cluster, toy_spec
 
@@ -237,3 +239,29 @@ def test_prefix_times_equal_pricing_each_prefix(dpn: int, nodes: int, domains: i
                 state, b, int(h[b]), pre.cands[b, :n].tolist(), col[b], state.R[b, h[b], expert[b]]
             )
             assert pre.times[b, c] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_searched_price_equals_the_cost_model() -> None:
+    """`prophet` hands `finish_plan` the price of its search state; under every schedule it
+    equals `CostModel.price` of the plan, first from nothing and then re-planned from its own
+    plan (same homes, its replicas replaced)."""
+
+    cluster = get_cluster("dgx-h100:2")
+    spec = ModelSpec("p", 64, 128, experts=24, top_k=2, moe_layers=3, tokens_per_device=512)
+    for seed, schedule in enumerate(["sync", "pipelined(4)", "prophet", "hybrid"]):
+        rng = np.random.default_rng(seed)
+        cost = CostModel(cluster, spec, parse_schedule(schedule))
+        ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=cost)
+        loads = np.floor(100 * rng.zipf(1.4, size=(3, cluster.num_devices, 24)).astype(float))
+        other = np.floor(100 * rng.zipf(1.4, size=loads.shape).astype(float))
+        first = make_plan("prophet", loads, None, ctx)
+        again = make_plan("prophet", other, first, ctx)
+        assert first.placement.replicas().sum() > 0
+        for plan, on in ((first, loads), (again, other)):
+            fresh = cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
+            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
+            np.testing.assert_array_equal(plan.cost.device_load, fresh.device_load)
+            for name in PHASE_NAMES:
+                np.testing.assert_allclose(
+                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
+                )

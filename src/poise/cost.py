@@ -366,8 +366,7 @@ def level_seconds(moved: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndar
     `MIN_TRAFFIC_BYTES` cross it, and less counts as nothing: shares computed as differences
     (1 - in-domain share, totals updated by deltas) leave rounding residues near 1e-13 that are
     not traffic. Every pricer (`link_time`, `cost_incremental`) goes through here."""
-    moved = np.where(moved >= MIN_TRAFFIC_BYTES, moved, 0.0)
-    return moved / bw + np.where(moved > 0, lat, 0.0)
+    return np.where(moved >= MIN_TRAFFIC_BYTES, moved / bw + lat, 0.0)
 
 
 def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:

@@ -315,6 +315,14 @@ class LayerState:
             slowest = terms.max(axis=-1)
         return self.layer_s_from_max(slowest[..., 0], slowest[..., 1], slowest[..., 2])
 
+    def phases(self) -> PhaseTimes:
+        """Phase times `[L]` of a stacked state (no migration: these states keep their homes),
+        as `PlanPricer.phases` gives them for the placement the state describes (equal up to
+        float rounding where the state was updated by differences)."""
+        terms = self.packed_terms(np.ascontiguousarray(self.cells.swapaxes(-1, -2)))
+        fec, a2a, trans = (terms[..., k, :].max(axis=-1) for k in range(3))
+        return PhaseTimes.from_parts(a2a, fec, np.full_like(fec, self.fnec), trans, 0.0 * fec)
+
     def current_s(self) -> float:
         return float(
             self.layer_s(

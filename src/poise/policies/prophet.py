@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel
+from poise.cost import CostModel, PlanCost
 from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_homes
@@ -264,4 +264,17 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "prophet_layer_s": layer_s,
         "schedule": cost.schedule.name,
     }
-    return finish_plan(NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes)
+    assignment = Assignment.to_home(placement)
+    # The search's state is the plan's price (the same phases under any schedule; homes are the
+    # previous plan's, so nothing migrates). A previous plan of another shape: priced afresh.
+    priced = None
+    if previous is None or previous.placement.home.shape == placement.home.shape:
+        phases = state.phases()
+        schedule = ctx.cost.schedule
+        priced = PlanCost(
+            phases=phases,
+            layer_s=schedule.layer_time(phases),
+            schedule=schedule.name,
+            device_load=assignment.received(placement, loads).sum(axis=2),
+        )
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)
