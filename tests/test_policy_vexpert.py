@@ -239,3 +239,19 @@ def test_the_searched_price_equals_the_cost_model() -> None:
                     getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
                 )
     assert migrations > 0  # the re-plans moved homes, so the migration term was checked
+
+
+def test_the_plan_routes_as_balanced_up_to_the_last_bit() -> None:
+    """The plan keeps the shares its search priced; they are `Assignment.balanced` of the final
+    placement (up to float rounding), on searched and unsearched layers alike."""
+    cluster = get_cluster("dgx-h100:2")
+    spec = ModelSpec("v", 64, 128, experts=24, top_k=2, moe_layers=3, tokens_per_device=512)
+    ctx = PlanContext.create(cluster, spec, slots_per_device=3)
+    rng = np.random.default_rng(7)
+    loads = np.floor(100 * rng.zipf(1.4, size=(3, cluster.num_devices, 24)).astype(float))
+    loads[2] = 40.0  # balanced: not searched
+    plan = make_plan("vexpert", loads, None, ctx)
+    assert plan.placement.replicas().sum() > 0
+    assert plan.notes["moves_per_layer"][2] == 0
+    balanced = Assignment.balanced(plan.placement, loads)
+    np.testing.assert_allclose(plan.assignment.weights, balanced.weights, rtol=1e-12, atol=1e-15)

@@ -31,7 +31,9 @@ Our choices (the paper's exact values and rules were not available to us):
       only copy);
     * shrink: drop a copy of the coldest multi-copy expert from the non-home holder where it
       computes the fewest tokens per copy;
-- at most `max_moves` (default 4 E) moves per layer; tokens follow `Assignment.balanced`.
+- at most `max_moves` (default 4 E) moves per layer; tokens follow `Assignment.balanced` (the
+  plan keeps the shares the search routed and priced by, expert column by expert column; they
+  equal `Assignment.balanced` of the final placement up to the last bit).
 
 Worked example (`tests/test_policy_vexpert.py`): 4 experts on 2 devices x 3 slots, static homes
 [0, 0, 1, 1]; expert 0 gets 1000 tokens from each device, the others 10. Device loads are 2020
@@ -264,11 +266,13 @@ def _choose(times: np.ndarray, best: np.ndarray) -> list[int]:
 class Searched:
     """What `search_layers` did: the moves per layer (`moves[L]`), the layers it searched
     (`open_layers[N]`, indices into the batch) and their priced state in the end
-    (`ExpertColumns.phases`: phase times `[N]`, computed tokens `[N, D]`; None if none)."""
+    (`ExpertColumns.phases`: phase times `[N]`, computed tokens `[N, D]`; None if none) and
+    the assignment's shares of every layer (`Assignment.balanced`, per expert column)."""
 
     moves: list[list[str]]
     open_layers: np.ndarray
     priced: tuple[PhaseTimes, np.ndarray] | None
+    weights: np.ndarray  # [L, E, D] the shares the search routed by, as it left them
 
 
 def search_layers(
@@ -301,7 +305,7 @@ def search_layers(
     moves: list[list[str]] = [[] for _ in range(L)]
     open_layers = np.flatnonzero((mean > 0) & (dev_load.max(axis=1) > threshold * mean))
     if not open_layers.size or max_moves <= 0:
-        return Searched(moves, np.empty(0, dtype=np.int64), None)
+        return Searched(moves, np.empty(0, dtype=np.int64), None, weights)
     take = slice(None) if open_layers.size == L else open_layers  # no copies when all search
     received = received[take]  # [N, D, E]
     cols = ExpertColumns(
@@ -367,7 +371,8 @@ def search_layers(
         active = b
     home[take] = cols.home
     copies[take] = cols.copies_t.transpose(0, 2, 1)
-    return Searched(moves, open_layers, cols.phases())
+    weights[take] = cols.weights  # (the same array when every layer searched)
+    return Searched(moves, open_layers, cols.phases(), weights)
 
 
 @register("vexpert")
@@ -388,6 +393,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     batch = max(1, _LAYER_BYTES // (E * TERMS * D * 8))
     moves: list[list[str]] = []
     searched: list[tuple[np.ndarray, tuple[PhaseTimes, np.ndarray]]] = []
+    weights = np.empty((L, E, D))
     for start in range(0, L, batch):
         part = slice(start, min(L, start + batch))
         home = placement.home[part].copy()
@@ -402,13 +408,14 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             max_moves,
         )
         moves += done.moves
+        weights[part] = done.weights
         if done.priced is not None:
             searched.append((start + done.open_layers, done.priced))
         placement.home[part] = home
         placement.copies[part] = copies
     counts = {k: sum(m.count(k) for m in moves) for k in MOVES}
     notes = {"moves_per_layer": [len(m) for m in moves], "moves": counts, "threshold": threshold}
-    assignment = Assignment.balanced(placement, loads)
+    assignment = Assignment(weights)  # what the search priced: `Assignment.balanced`
     # The search priced its layers (migrations from `prev` included); the rest kept the
     # placement in force, which nothing migrates to. A previous plan of another shape is
     # priced afresh by `finish_plan`.
