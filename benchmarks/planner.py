@@ -10,7 +10,8 @@
 
 Keys: bench, case, policy, max_over_mean (device max / mean after the plan, mean over layers),
 max_over_lb (device max / max(total / devices, max per-copy load of the plan)), step_time_s
-(predicted), bytes_moved (Trans + Agg per step + migration), plan_ms_per_layer (median of 3).
+(predicted), bytes_moved (Trans + Agg per step + migration), plan_ms_per_layer (median of 5
+timed calls after one untimed warm-up call).
 
 Run from the repository root: .venv/bin/python benchmarks/planner.py [--data ../shared/data]
 """
@@ -47,11 +48,11 @@ def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
     return float(np.mean(device_load.max(axis=1) / np.where(lb > 0, lb, 1.0)))
 
 
-def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 3) -> None:
+def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 5) -> None:
     layers = loads.shape[0]
     for policy in sorted(REGISTRY):
         times = []
-        plan = None
+        plan = make_plan(policy, loads, None, ctx)  # warm-up, not timed
         for _ in range(repeats):
             t0 = time.perf_counter()
             plan = make_plan(policy, loads, None, ctx)
