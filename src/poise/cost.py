@@ -95,6 +95,16 @@ class PlanCost:
     schedule: str
     device_load: np.ndarray = field(repr=False)  # [L, D] tokens computed per device
 
+    @classmethod
+    def under(cls, schedule: Schedule, phases: PhaseTimes, device_load: np.ndarray) -> PlanCost:
+        """The cost of `phases` (`[L]` each) and `device_load[L, D]` under `schedule`."""
+        return cls(
+            phases=phases,
+            layer_s=schedule.layer_time(phases),
+            schedule=schedule.name,
+            device_load=device_load,
+        )
+
     @property
     def step_s(self) -> float:
         return float(self.layer_s.sum())
@@ -559,10 +569,4 @@ class PlanPricer:
     def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:
         """The plan's `PlanCost` on `counts[L, D, E]` under the cost model's schedule."""
         phases, device_load = self.phases(counts, migrations)
-        schedule = self.cost.schedule
-        return PlanCost(
-            phases=phases,
-            layer_s=schedule.layer_time(phases),
-            schedule=schedule.name,
-            device_load=device_load,
-        )
+        return PlanCost.under(self.cost.schedule, phases, device_load)

@@ -269,12 +269,6 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     # previous plan's, so nothing migrates). A previous plan of another shape: priced afresh.
     priced = None
     if previous is None or previous.placement.home.shape == placement.home.shape:
-        phases = state.phases()
-        schedule = ctx.cost.schedule
-        priced = PlanCost(
-            phases=phases,
-            layer_s=schedule.layer_time(phases),
-            schedule=schedule.name,
-            device_load=assignment.received(placement, loads).sum(axis=2),
-        )
+        device_load = assignment.received(placement, loads).sum(axis=2)
+        priced = PlanCost.under(ctx.cost.schedule, state.phases(), device_load)
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)

@@ -450,11 +450,4 @@ def _plan_cost(
         for name in PHASE_NAMES:
             fields[name][rest] = getattr(phases, name)
         device_load[rest] = load
-    phases = PhaseTimes(**fields)
-    schedule = ctx.cost.schedule
-    return PlanCost(
-        phases=phases,
-        layer_s=schedule.layer_time(phases),
-        schedule=schedule.name,
-        device_load=device_load,
-    )
+    return PlanCost.under(ctx.cost.schedule, PhaseTimes(**fields), device_load)
