@@ -86,3 +86,55 @@ def test_dispatcher_rows_and_slowest_device() -> None:
     assert not zero_f.any() and not zero_b.any()
     with pytest.raises(ValueError, match="layers, devices"):
         dispatch_host_seconds(host, np.ones(3))
+
+
+HOST = HostCosts(
+    dense_fwd_flops=5e8,
+    dense_bwd_flops=4e8,
+    dispatch_fwd_s=1e-4,
+    dispatch_fwd_s_per_row=1e-6,
+    dispatch_bwd_s=5e-5,
+    dispatch_bwd_s_per_row=2e-6,
+)
+
+
+def test_the_cost_model_prices_the_host_terms_by_hand() -> None:
+    """1 layer, 2 devices, 2 experts (one each), 100 tokens per device, top-1, d_model 4,
+    d_expert 8 (F_t = 128 FLOPs, 16 bytes per token), no latency: the planners' price includes
+    the measured non-MoE rates and the dispatcher's host work, as the simulator charges them."""
+    counts = np.array([[[60.0, 40.0], [30.0, 70.0]]])  # [L=1, D=2, E=2]
+    spec = toy_spec(experts=2, layers=1, d_model=4, d_expert=8, tokens=100, non_moe=1e4)
+    cluster = dataclasses.replace(toy_cluster(2, bw=1e9, lat=0.0, flops=1e9), host=HOST)
+    placement = Placement.from_homes(np.array([[0, 1]]), 2, 1)
+    priced = CostModel(cluster, spec).price(placement, Assignment.to_home(placement), counts)
+    fec = 110 * 128 / 1e9  # device 1 computes 40 + 70 rows
+    a2a = 4 * 40 * 16 / 1e9  # at most 40 rows of 16 bytes each way, 4 all-to-alls
+    fnec, bnec = 100 * 1e4 / 5e8, 2 * 100 * 1e4 / 4e8
+    h_fwd, h_bwd = 1e-4 + 210 * 1e-6, 5e-5 + 210 * 2e-6  # device 1: 100 routed + 110 computed
+    assert priced.phases.dispatch_host_fwd_s[0] == pytest.approx(h_fwd, rel=1e-12)
+    assert priced.phases.non_moe_bwd_s[0] == pytest.approx(bnec, rel=1e-12)
+    expected = fnec + bnec + a2a + 3 * fec + h_fwd + h_bwd
+    assert priced.layer_s[0] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "pipelined(4)", "prophet"])
+def test_every_policy_prices_its_plan_with_the_host_terms(schedule: str) -> None:
+    """On a calibrated cluster each policy's plan costs what `CostModel.price` says, including
+    those that hand `finish_plan` the price their search kept (`vexpert`, `prophet`)."""
+    from poise.policies import REGISTRY, PlanContext, make_plan
+    from poise.schedule import parse_schedule
+
+    cluster = dataclasses.replace(toy_cluster(4, 2, bw=1e10, inter_bw=1e9, flops=1e12), host=HOST)
+    spec = toy_spec(experts=16, layers=2, d_model=64, d_expert=128, tokens=4096, non_moe=1e6)
+    cost = CostModel(cluster, spec, parse_schedule(schedule))
+    ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=cost)
+    rng = np.random.default_rng(5)
+    loads = np.floor(200 * rng.zipf(1.3, size=(2, 8, 16)).astype(float))
+    for policy in sorted(REGISTRY):
+        plan = make_plan(policy, loads, None, ctx)
+        fresh = cost.price(plan.placement, plan.assignment, loads, plan.transfers.migrations)
+        assert plan.cost.phases.dispatch_host_fwd_s.min() > 1e-4, policy
+        np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9, err_msg=policy)
+        np.testing.assert_allclose(
+            plan.cost.phases.non_moe_bwd_s, fresh.phases.non_moe_bwd_s, rtol=1e-12
+        )

@@ -15,7 +15,7 @@ from poise.policies import PlanContext, make_plan
 from poise.policies.bounds import homes_only_layer_s
 from poise.schedule import parse_schedule
 from poise.spec import MODELS
-from poise.topology import get_cluster
+from poise.topology import HostCosts, get_cluster
 from poise.trace_generate import generate
 
 from .helpers import toy_cluster, toy_spec
@@ -25,8 +25,9 @@ SCHEDULES = ["sync", "pipelined(4)", "prophet", "hybrid"]
 
 @st.composite
 def homes_case(draw):
-    """A random cluster (bandwidths falling outward or not, small-GEMM loss or not), skewed
-    loads, a schedule and a random one-copy-per-expert placement within the slots."""
+    """A random cluster (bandwidths falling outward or not, small-GEMM loss or not, measured
+    host costs or not), skewed loads, a schedule and a random one-copy-per-expert placement
+    within the slots."""
     dpn = draw(st.sampled_from([1, 2, 4]))
     nodes = draw(st.sampled_from([1, 2]))
     domains = draw(st.sampled_from([1, 2]))
@@ -36,11 +37,16 @@ def homes_case(draw):
     bws = draw(st.sampled_from([(1e9, 2e8, 1e7), (1e9, 1e9, 1e9), (1e8, 1e9, 5e8)]))
     cluster = toy_cluster(dpn, nodes, domains, *bws, lat=draw(st.sampled_from([0.0, 1e-5])))
     cluster = dataclasses.replace(cluster, gemm_half_rows=draw(st.sampled_from([0.0, 64.0])))
+    if draw(st.booleans()):  # measured host costs: backward non-MoE compute below 2x forward
+        host = HostCosts(dense_fwd_flops=4e8, dense_bwd_flops=2e9, dispatch_fwd_s_per_row=1e-7)
+        cluster = dataclasses.replace(cluster, host=host)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     scale = draw(st.sampled_from([0, 1, 50, 10**5]))
     skew = rng.zipf(1.3, size=(layers, devices, experts)).astype(float)
     loads = np.floor(rng.random((layers, devices, experts)) * scale * skew / skew.max())
-    spec = toy_spec(experts=experts, layers=layers, d_model=64, d_expert=128, tokens=1000)
+    spec = toy_spec(
+        experts=experts, layers=layers, d_model=64, d_expert=128, tokens=1000, non_moe=1e5
+    )
     slots = -(-experts // devices) + draw(st.integers(0, 2))
     # Random homes with at most `slots` per device: a shuffled list of device slots.
     seats = np.repeat(np.arange(devices), slots)

@@ -23,18 +23,23 @@ M_e migration bytes, see `spec.ModelSpec`):
   through the same per-level formula. Agg (Pro-Prophet eq. 4) returns W_e of gradient the other
   way, so Agg = Trans.
 - Migration: each home change moves M_e (weights + optimizer state) from old to new home.
-- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops, BNEC = 2 FNEC.
+- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops, BNEC = 2 FNEC; on a
+  cluster with measured host costs (`poise calibrate`), at the measured dense rates, plus the
+  token dispatcher's host work per layer H_fwd, H_bwd = a + b * max_d (rows routed + rows
+  computed) (`poise.host_costs`; `CostModel.complete`).
 
 The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from poise.errors import PlanError
+from poise.host_costs import dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.placement import Assignment, Placement
 from poise.schedule import Schedule
 from poise.spec import ModelSpec
@@ -54,6 +59,8 @@ class PhaseTimes:
     trans_s: np.ndarray
     agg_s: np.ndarray
     migrate_s: np.ndarray
+    dispatch_host_fwd_s: np.ndarray  # the dispatcher's host work (`poise.host_costs`)
+    dispatch_host_bwd_s: np.ndarray
 
     @classmethod
     def from_parts(
@@ -63,19 +70,24 @@ class PhaseTimes:
         fnec: np.ndarray,
         trans: np.ndarray,
         migrate: np.ndarray,
+        bnec: np.ndarray | None = None,
     ) -> PhaseTimes:
         """The step's phases from one all-to-all, forward compute, Trans and migration: combine
-        mirrors dispatch, backward compute is twice forward, Agg mirrors Trans."""
+        mirrors dispatch, backward compute is twice forward (the non-MoE part too unless `bnec`
+        is given), Agg mirrors Trans, no dispatcher host work (`CostModel.complete` adds it)."""
+        none = np.zeros_like(np.asarray(fec, dtype=np.float64))
         return cls(
             dispatch_s=a2a,
             combine_s=a2a.copy(),
             expert_fwd_s=fec,
             expert_bwd_s=2.0 * fec,
             non_moe_fwd_s=fnec,
-            non_moe_bwd_s=2.0 * fnec,
+            non_moe_bwd_s=2.0 * fnec if bnec is None else bnec,
             trans_s=trans,
             agg_s=trans.copy(),
             migrate_s=migrate,
+            dispatch_host_fwd_s=none,
+            dispatch_host_bwd_s=none.copy(),
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -468,11 +480,66 @@ class CostModel:
         return counts
 
     @property
+    def non_moe_s(self) -> tuple[float, float]:
+        """`(FNEC, BNEC)`: a block's non-MoE compute on one device, forward and backward. At the
+        cluster's measured dense rates when it has them (`host_costs.dense_seconds`), else
+        tokens per device x non-MoE FLOPs per token / GEMM rate, and twice that backward."""
+        cluster, spec = self.cluster, self.spec
+        host = cluster.host
+        if host.dense_fwd_flops is not None or host.dense_bwd_flops is not None:
+            return dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
+        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        return fnec, 2.0 * fnec
+
+    @property
     def non_moe_fwd_s(self) -> float:
-        """FNEC: forward seconds of a block's non-MoE compute on one device (tokens per device x
-        non-MoE FLOPs per token / GEMM rate)."""
-        spec = self.spec
-        return spec.tokens_per_device * spec.non_moe_flops_fwd / self.cluster.gemm_flops
+        """FNEC (`non_moe_s`)."""
+        return self.non_moe_s[0]
+
+    @property
+    def prices_dispatch_host(self) -> bool:
+        """Whether the cluster has measured dispatcher host costs (`host_costs`)."""
+        host = self.cluster.host
+        return any(
+            v != 0.0
+            for v in (
+                host.dispatch_fwd_s,
+                host.dispatch_fwd_s_per_row,
+                host.dispatch_bwd_s,
+                host.dispatch_bwd_s_per_row,
+            )
+        )
+
+    def complete(
+        self, phases: PhaseTimes, counts: np.ndarray, device_load: np.ndarray
+    ) -> PhaseTimes:
+        """`phases` (`[L]` each, e.g. from an incremental pricer) with what depends on the
+        cluster's host costs filled in: the non-MoE compute at `non_moe_s` and the dispatcher's
+        host work for `counts[L, D, E]` routed and `device_load[L, D]` computed rows
+        (`host_costs.dispatch_host_seconds`: a + b * max_d (s + r), forward and backward).
+        Without measured host costs the phases come back as they are."""
+        host = self.cluster.host
+        if host.is_default:
+            return phases
+        L = len(phases.dispatch_s)
+        fnec, bnec = self.non_moe_s
+        extra: dict[str, np.ndarray] = {
+            "non_moe_fwd_s": np.full(L, fnec),
+            "non_moe_bwd_s": np.full(L, bnec),
+        }
+        if self.prices_dispatch_host:
+            rows = dispatch_rows(counts, device_load)
+            extra["dispatch_host_fwd_s"], extra["dispatch_host_bwd_s"] = dispatch_host_seconds(
+                host, rows
+            )
+        return dataclasses.replace(phases, **extra)
+
+    def cost_of(self, phases: PhaseTimes, counts: np.ndarray, device_load: np.ndarray) -> PlanCost:
+        """The `PlanCost` of `phases` and `device_load[L, D]` on `counts[L, D, E]`, completed
+        (`complete`) and timed under the schedule."""
+        return PlanCost.under(
+            self.schedule, self.complete(phases, counts, device_load), device_load
+        )
 
     def expert_compute_s(self, received: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens: the sum over
@@ -527,7 +594,7 @@ class PlanPricer:
         self.routing = Routing(cluster, placement, assignment)
         t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
-        self.fnec_s = cost.non_moe_fwd_s
+        self.fnec_s, self.bnec_s = cost.non_moe_s
 
     def phases(
         self, counts: np.ndarray, migrations: np.ndarray | None = None
@@ -562,9 +629,9 @@ class PlanPricer:
             mig = link_time(cluster, m_send, m_recv)
         else:
             mig = np.zeros(L)
-        fnec = np.full(L, self.fnec_s)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, self.trans_s.copy(), mig)
-        return phases, device_load
+        fnec, bnec = np.full(L, self.fnec_s), np.full(L, self.bnec_s)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, self.trans_s.copy(), mig, bnec)
+        return cost.complete(phases, counts, device_load), device_load
 
     def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:
         """The plan's `PlanCost` on `counts[L, D, E]` under the cost model's schedule."""

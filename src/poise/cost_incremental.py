@@ -186,11 +186,11 @@ class LayerState:
     @classmethod
     def _blank(cls, cost: CostModel, cells: np.ndarray) -> LayerState:
         """A state on `cells[..., D, CELLS]` (kept, not copied), without `R`."""
-        cluster, spec = cost.cluster, cost.spec
+        cluster = cost.cluster
         state = cls.__new__(cls)
         state.cost = cost
         state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
-        state.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        state.fnec, state.bnec = cost.non_moe_s
         # The link levels a message can take on this cluster (0 needs several devices per
         # node, 1 several nodes per domain, 2 several domains), as a range: the others carry
         # nothing in any state built here or changed along `level_between`.
@@ -217,6 +217,7 @@ class LayerState:
         """Layer `layer` (or a run of layers) of a `stacked` state; its arrays are views."""
         state = LayerState.__new__(LayerState)
         state.cost, state.fnec, state.bw, state.lat = self.cost, self.fnec, self.bw, self.lat
+        state.bnec = self.bnec
         state.levels, state._table = self.levels, self._table
         state.R = self.R[layer]
         state._set_cells(self.cells[layer])
@@ -288,7 +289,7 @@ class LayerState:
         """Layer seconds `[M]` from the slowest device's compute, all-to-all and Trans `[M]`
         (the non-expert compute and the migration, the same for all, as scalars)."""
         fnec, none = np.float64(self.fnec), np.float64(0.0)
-        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, none)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, none, np.float64(self.bnec))
         return self.cost.schedule.layer_time(phases)
 
     def layer_s(
@@ -321,7 +322,8 @@ class LayerState:
         float rounding where the state was updated by differences)."""
         terms = self.packed_terms(np.ascontiguousarray(self.cells.swapaxes(-1, -2)))
         fec, a2a, trans = (terms[..., k, :].max(axis=-1) for k in range(3))
-        return PhaseTimes.from_parts(a2a, fec, np.full_like(fec, self.fnec), trans, 0.0 * fec)
+        fnec, bnec = np.full_like(fec, self.fnec), np.full_like(fec, self.bnec)
+        return PhaseTimes.from_parts(a2a, fec, fnec, trans, 0.0 * fec, bnec)
 
     def current_s(self) -> float:
         return float(
@@ -389,7 +391,7 @@ class ExpertColumns:
         self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
         self.devices = np.arange(D)
         self.levels = np.arange(3)[:, None]  # [3, 1]
-        self.fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        self.fnec, self.bnec = cost.non_moe_s
         self.bw, self.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         # Tokens are priced in bytes; Trans and migration rows already are.
         self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
@@ -504,8 +506,8 @@ class ExpertColumns:
         a2a, trans = link_s[:, 0], link_s[:, 1]
         mig = link_s[:, 2] if kinds == 3 else np.zeros(M)
         fec = totals[:, ROW_COMP].max(axis=1)
-        fnec = np.full(M, self.fnec)
-        return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig)
+        fnec, bnec = np.full(M, self.fnec), np.full(M, self.bnec)
+        return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)
 
     def candidates(
         self, layers: np.ndarray, experts: np.ndarray, terms: np.ndarray, select: np.ndarray

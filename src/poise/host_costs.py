@@ -34,6 +34,10 @@ d_model values to the dispatcher's measured time beyond its token all-to-alls' l
 routed row is copied into the send buffer and its output gathered back (s), each received row
 regrouped by slot and back (r). The time adds to the layer under every schedule: it runs on the
 device's own thread between the collectives.
+
+The cost model prices both with a cluster's measured host costs (`CostModel.non_moe_s`,
+`CostModel.complete`, `PhaseTimes.dispatch_host_fwd_s/_bwd_s`), so planners and the simulator
+see the same layer time.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ class Schedule:
         moe_fwd = _pipeline(p.dispatch_s, p.expert_fwd_s, p.combine_s, n)
         moe_bwd = _pipeline(p.combine_s, p.expert_bwd_s, p.dispatch_s, n)
         base = p.non_moe_fwd_s + p.non_moe_bwd_s + moe_fwd + moe_bwd + p.migrate_s
+        # The dispatcher's host work runs on the device's own thread between the collectives:
+        # it adds under every schedule (`poise.host_costs`; zero without measured host costs).
+        base = base + p.dispatch_host_fwd_s + p.dispatch_host_bwd_s
         if self.kind == "prophet":
             hidden_trans = np.maximum(0.0, p.trans_s - p.expert_fwd_s - p.non_moe_fwd_s)
             hidden_agg = np.maximum(0.0, p.agg_s - p.expert_bwd_s - p.non_moe_bwd_s)

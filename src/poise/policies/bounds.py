@@ -22,7 +22,8 @@ candidates first and skips a bounded one when `horizon * bound` exceeds the leas
   level (a level carrying less than `cost.MIN_TRAFFIC_BYTES` is free), latencies counted as
   zero;
 - Trans, Agg and migration: zero (no replicas; migration is not recurring);
-- non-MoE compute: exactly the cost model's.
+- non-MoE compute: exactly the cost model's (`CostModel.non_moe_s`); the dispatcher's host
+  work (measured host costs only) counted as zero.
 
 The schedules' `layer_time` is non-decreasing in every phase given zero Trans (`pipelined`:
 d/dFEC >= 1/n; `prophet` hides Trans only, which is zero here), so the phases' bounds give a
@@ -62,9 +63,9 @@ def homes_only_layer_s(loads: np.ndarray, ctx: PlanContext) -> np.ndarray | None
     expert_total = loads.sum(axis=1)  # [L, E]
     fec = expert_seconds(cluster, spec, expert_total.max(axis=1))  # [L]
     a2a = _all_to_all_s(loads, expert_total, ctx)
-    fnec = np.full(L, ctx.cost.non_moe_fwd_s)
+    fnec, bnec = ctx.cost.non_moe_s
     zero = np.zeros(L)
-    phases = PhaseTimes.from_parts(a2a, fec, fnec, zero, zero.copy())
+    phases = PhaseTimes.from_parts(a2a, fec, np.full(L, fnec), zero, zero.copy(), np.full(L, bnec))
     return ctx.cost.schedule.layer_time(phases)
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel, PlanCost
+from poise.cost import CostModel
 from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.placement import Assignment, Placement, Plan
 from poise.policies.base import PlanContext, finish_plan, register, start_homes
@@ -270,5 +270,5 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     priced = None
     if previous is None or previous.placement.home.shape == placement.home.shape:
         device_load = assignment.received(placement, loads).sum(axis=2)
-        priced = PlanCost.under(ctx.cost.schedule, state.phases(), device_load)
+        priced = ctx.cost.cost_of(state.phases(), loads, device_load)
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)

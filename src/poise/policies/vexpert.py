@@ -450,4 +450,4 @@ def _plan_cost(
         for name in PHASE_NAMES:
             fields[name][rest] = getattr(phases, name)
         device_load[rest] = load
-    return PlanCost.under(ctx.cost.schedule, PhaseTimes(**fields), device_load)
+    return ctx.cost.cost_of(PhaseTimes(**fields), loads, device_load)

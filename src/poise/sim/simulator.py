@@ -15,10 +15,10 @@
   beyond step s's own time is charged;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
-- a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) prices the non-MoE
-  compute at its measured rate (FNEC, BNEC of `poise.host_costs`, replacing the cost model's) and
-  adds the token dispatcher's host work per layer, forward and backward, on each step's actual
-  rows (H_fwd + H_bwd of `poise.host_costs`) to every schedule's layer time; given the model's
+- a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
+  cost model with them (`CostModel.complete`: the non-MoE compute at its measured rate and the
+  token dispatcher's host work per layer on each step's actual rows, H_fwd + H_bwd of
+  `poise.host_costs`), as the planners see it; given the model's
   replicated parameters (`dense_params`), every step also pays its work outside the layers
   (dense gradient all-reduce, the routing counts' gather, clipping, optimizer:
   `poise.step_overheads`). A cluster without
@@ -31,7 +31,6 @@ breakdown `[S, L]` (with the host terms in `host_phases`), the per-step work out
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel, PhaseTimes, PlanCost, PlanPricer
+from poise.cost import CostModel, PhaseTimes, PlanPricer
 from poise.errors import ConfigError
-from poise.host_costs import dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.placement import Plan
 from poise.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
 from poise.predict import OnlineForecast, Predictor, parse_predictor
@@ -51,11 +49,11 @@ from poise.schedule import Schedule, parse_schedule
 from poise.sim.scaling import ScaledTrace
 from poise.spec import ModelSpec
 from poise.step_overheads import OVERHEADS, StepWork, step_overheads
-from poise.topology import Cluster, HostCosts
+from poise.topology import Cluster
 from poise.trace import Trace
 
-PHASES = [f.name for f in fields(PhaseTimes)]
 HOST_PHASES = ("dispatch_host_fwd_s", "dispatch_host_bwd_s")  # per layer, `poise.host_costs`
+PHASES = [f.name for f in fields(PhaseTimes) if f.name not in HOST_PHASES]
 HISTORY_STEPS = 100  # per-expert totals kept for policies that look back (SmartMoE's window)
 
 
@@ -228,7 +226,7 @@ def simulate(
     base_ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=cost)
     if dense_params is not None and dense_params < 0:
         raise ConfigError("must be >= 0", source=str(dense_params), field="dense_params")
-    host = HostTerms.create(cluster, spec, schedule, base_ctx.slots_per_device, dense_params)
+    host = OutsideTerms.create(cluster, spec, base_ctx.slots_per_device, dense_params)
     opts = {k: dict(v) for k, v in (options or {}).items()}
     opts.setdefault("auto", {}).setdefault("horizon", replan_every)
     S, L = scaled.steps, spec.moe_layers
@@ -288,64 +286,22 @@ def simulate(
 
 
 @dataclass(frozen=True)
-class HostTerms:
-    """What the simulator adds to the cost model's price of a step (module docstring):
-    `dense_s = (FNEC, BNEC)` replacing the cost model's (None: keep them), the cluster's
-    dispatcher coefficients (`host`; None: no dispatcher term) and the per-step work outside the
-    layers (`outside`, seconds by `OVERHEADS` name; empty: none). `create` returns None when
-    there is nothing to add, so such replays price bit for bit as the cost model does."""
+class OutsideTerms:
+    """The per-step work outside the layers the simulator adds to the cost model's price of a
+    step (module docstring): seconds by `OVERHEADS` name. `create` returns None without
+    `dense_params`, so such replays price bit for bit as the cost model does (whose price
+    includes the cluster's measured host costs inside the layers, `CostModel.complete`)."""
 
-    schedule: Schedule
-    dense_s: tuple[float, float] | None
-    host: HostCosts | None
     outside: dict[str, float]
 
     @classmethod
     def create(
-        cls,
-        cluster: Cluster,
-        spec: ModelSpec,
-        schedule: Schedule,
-        slots_per_device: int,
-        dense_params: int | None,
-    ) -> HostTerms | None:
-        measured = not cluster.host.is_default
-        if not measured and dense_params is None:
+        cls, cluster: Cluster, spec: ModelSpec, slots_per_device: int, dense_params: int | None
+    ) -> OutsideTerms | None:
+        if dense_params is None:
             return None
-        dense = None
-        if measured and (
-            cluster.host.dense_fwd_flops is not None or cluster.host.dense_bwd_flops is not None
-        ):
-            dense = dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
-        outside: dict[str, float] = {}
-        if dense_params is not None:
-            work = StepWork.of(spec, dense_params, slots_per_device)
-            outside = step_overheads(cluster, work)
-        return cls(schedule, dense, cluster.host if measured else None, outside)
-
-    def layers(
-        self, priced: PlanCost, counts: np.ndarray
-    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """`(layer_s[L], phases)`: the layer times with the host terms and the phases by name
-        (`PhaseTimes` fields with FNEC/BNEC replaced, then `HOST_PHASES`), each `[L]`."""
-        phases = priced.phases
-        if self.dense_s is not None:
-            L = len(priced.layer_s)
-            phases = dataclasses.replace(
-                phases,
-                non_moe_fwd_s=np.full(L, self.dense_s[0]),
-                non_moe_bwd_s=np.full(L, self.dense_s[1]),
-            )
-            layer_s = self.schedule.layer_time(phases)
-        else:
-            layer_s = priced.layer_s
-        out = {k: getattr(phases, k) for k in PHASES}
-        if self.host is not None:
-            rows = dispatch_rows(counts, priced.device_load)
-            fwd, bwd = dispatch_host_seconds(self.host, rows)
-            layer_s = layer_s + fwd + bwd
-            out["dispatch_host_fwd_s"], out["dispatch_host_bwd_s"] = fwd, bwd
-        return layer_s, out
+        work = StepWork.of(spec, dense_params, slots_per_device)
+        return cls(step_overheads(cluster, work))
 
 
 @dataclass
@@ -370,7 +326,7 @@ class _PolicyReplay:
         cost: CostModel,
         count_planning: bool,
         start: Plan | None,
-        host: HostTerms | None = None,
+        host: OutsideTerms | None = None,
     ) -> None:
         self.name, self.run, self.cost, self.count_planning = name, run, cost, count_planning
         self.host = host
@@ -409,14 +365,12 @@ class _PolicyReplay:
         assert self.active is not None
         pricer, in_force = self.active
         priced = pricer.price(step.actual, migrations)
-        if self.host is None:
-            layer_s, step_s = priced.layer_s, priced.step_s
-            for k in PHASES:
-                run.phases[k][s] = getattr(priced.phases, k)
-        else:
-            layer_s, by_name = self.host.layers(priced, step.actual)
-            for k, v in by_name.items():
-                (run.phases if k in run.phases else run.host_phases)[k][s] = v
+        layer_s, step_s = priced.layer_s, priced.step_s
+        for k in PHASES:
+            run.phases[k][s] = getattr(priced.phases, k)
+        for k in HOST_PHASES:
+            run.host_phases[k][s] = getattr(priced.phases, k)
+        if self.host is not None:
             for k, v in self.host.outside.items():
                 run.outside_s[k][s] = v
             step_s = float(layer_s.sum()) + sum(self.host.outside.values())
