@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel, level_traffic
+from poise.cost import PHASE_NAMES, CostModel, level_traffic
 from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS
 from poise.errors import PlanError
 from poise.placement import Assignment, Placement
 from poise.policies import PlanContext, make_plan
 from poise.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, p_closed_form
+from poise.schedule import parse_schedule
 from poise.spec import ModelSpec
 from poise.topology import get_cluster
 
@@ -327,3 +328,32 @@ def test_routing_is_group_local_and_cuts_price_as_the_cost_model(
         free = ctx.slots_per_device - static.placement.copies.sum(axis=2)
         pairs = choose_pairs(loads, static.placement.home, free, size)
         assert np.diff(pairs.start).max() + 1 > PREFIX_EXACT + PREFIX_POINTS
+
+
+@pytest.mark.parametrize("cluster_name", ["dgx-h100:2", "a800-eth10:2", "a800-eth10:4"])
+def test_the_chosen_states_price_as_the_cost_model(cluster_name: str) -> None:
+    """`hybrid` hands `finish_plan` the per-device state of each layer's chosen cut; under every
+    schedule it equals `CostModel.price` of the plan (group-local routing included), first from
+    nothing and then re-planned from its own plan."""
+    cluster = get_cluster(cluster_name)
+    D = cluster.num_devices
+    spec = ModelSpec("h", 256, 512, experts=2 * D, top_k=2, moe_layers=3, tokens_per_device=512)
+    replicated = 0
+    for seed, schedule in enumerate(["sync", "pipelined(4)", "prophet", "hybrid"]):
+        rng = np.random.default_rng(seed)
+        cost = CostModel(cluster, spec, parse_schedule(schedule))
+        ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=cost)
+        loads = np.floor(50 * rng.zipf(1.3, size=(3, D, 2 * D)).astype(float))
+        other = np.floor(50 * rng.zipf(1.3, size=loads.shape).astype(float))
+        first = make_plan("hybrid", loads, None, ctx)
+        again = make_plan("hybrid", other, first, ctx)
+        replicated += int(first.placement.replicas().sum())
+        for plan, on in ((first, loads), (again, other)):
+            fresh = cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
+            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
+            np.testing.assert_array_equal(plan.cost.device_load, fresh.device_load)
+            for name in PHASE_NAMES:
+                np.testing.assert_allclose(
+                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
+                )
+    assert replicated > 0

@@ -184,12 +184,13 @@ def _prefix_states(
 
 def cut_times(
     state: LayerState, counts: np.ndarray, home: np.ndarray, size: int, pairs: Pairs
-) -> tuple[np.ndarray, np.ndarray]:
-    """`(cuts[B, C], seconds[B, C])` for B layers: layer seconds with the first k pairs of each
-    layer replicated for every k in the layer's `prefix_cuts` (every k = 0..K when K is small,
-    else a grid), padded with -1 and inf after the layer's own cuts. `state`: the layers'
-    stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`, `pairs` of these
-    layers."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(cuts[B, C], seconds[B, C], states[C, B, CELLS, D])` for B layers: layer seconds with
+    the first k pairs of each layer replicated for every k in the layer's `prefix_cuts` (every
+    k = 0..K when K is small, else a grid), padded with -1 and inf after the layer's own cuts,
+    and the per-device state (`LayerState.cells`, transposed) after each priced prefix.
+    `state`: the layers' stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`,
+    `pairs` of these layers."""
     S = LayerState
     B, D, _ = counts.shape
     start = pairs.start
@@ -280,8 +281,9 @@ def cut_times(
         np.concatenate([comp_delta, delta, delta, W_e, W_e]),
         C,
     )
-    times = state.packed_layer_s(states.reshape(C, B, S.CELLS, D)).T  # [B, C]
-    return cuts, np.where(cuts >= 0, times, np.inf)
+    states = states.reshape(C, B, S.CELLS, D)
+    times = state.packed_layer_s(states).T  # [B, C]
+    return cuts, np.where(cuts >= 0, times, np.inf), states
 
 
 @register(NAME)
@@ -313,6 +315,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     chunk = max(1, _CHUNK_CELLS // (C * LayerState.CELLS * D))
     k = np.zeros(L, dtype=np.int64)
     layer_s: list[list[float]] = []
+    chosen = np.empty((L, D, LayerState.CELLS))  # each layer's state at its chosen cut
     for lo in range(0, L, chunk):
         hi = min(L, lo + chunk)
         a, b = pairs.start[lo], pairs.start[hi]
@@ -325,10 +328,13 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             pairs.start[lo : hi + 1] - a,
             pairs.T[lo:hi],
         )
-        cuts, times = cut_times(state.take(slice(lo, hi)), loads[lo:hi], home[lo:hi], size, part)
+        cuts, times, states = cut_times(
+            state.take(slice(lo, hi)), loads[lo:hi], home[lo:hi], size, part
+        )
         best = np.argmin(times, axis=1)  # first minimum: the fewest pairs on ties
         rows = np.arange(hi - lo)
         k[lo:hi] = cuts[rows, best]
+        chosen[lo:hi] = states[best, rows].transpose(0, 2, 1)
         layer_s += np.stack([times[:, 0], times[rows, best]], axis=1).tolist()
     pos = np.arange(len(pairs.layer)) - pairs.start[pairs.layer]
     taken = pos < k[pairs.layer]
@@ -362,7 +368,11 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     group_weights = to_home.weights.copy()
     group_weights[pairs.layer[taken], pairs.expert[taken], pairs.device[taken]] = 1.0
     assignment = Assignment(to_home.weights, group_weights, size)
-    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
+    # The chosen states are the plan's price (homes are the previous plan's: nothing migrates).
+    device_load = assignment.received(placement, loads).sum(axis=2)
+    phases = LayerState.from_cells(ctx.cost, chosen).phases()
+    priced = ctx.cost.cost_of(phases, loads, device_load)
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)
 
 
 def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanContext) -> np.ndarray:
