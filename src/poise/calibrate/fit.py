@@ -110,19 +110,21 @@ def fit_gemm_curve(
 
 
 def fit_latency_bandwidth(
-    nbytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray
+    nbytes: Sequence[float] | np.ndarray,
+    seconds: Sequence[float] | np.ndarray,
+    what: str = "link fit",
 ) -> LinkFit:
     """Fit time(bytes) = lat + bytes / bw to collective timings.
 
     `nbytes[P]` message sizes, `seconds[P]` measured times; least squares on relative residuals
     of seconds ~ lat + (1/bw) bytes. A negative fitted latency is bounded to 0 (and bw refitted
     through the origin). Needs >= 2 distinct sizes and times that grow with size; raises
-    `CalibrationError` otherwise.
+    `CalibrationError` otherwise, naming `what` (e.g. the collective) as its source.
     """
-    s = _as_samples("link fit", bytes=nbytes, seconds=seconds)
+    s = _as_samples(what, bytes=nbytes, seconds=seconds)
     x, y = s["bytes"], s["seconds"]
     if np.unique(x).size < 2:
-        raise CalibrationError("need at least 2 distinct message sizes", source="link fit")
+        raise CalibrationError("need at least 2 distinct message sizes", source=what)
     lat, inv_bw = _weighted_line(x, y)
     note = ""
     if lat < 0:
@@ -131,7 +133,7 @@ def fit_latency_bandwidth(
         raise CalibrationError(
             "time does not grow with message size: no bandwidth can be fitted "
             "(measure larger messages)",
-            source="link fit",
+            source=what,
         )
     return LinkFit(lat_s=lat, bw_Bps=1.0 / inv_bw, note=note)
 

@@ -78,6 +78,7 @@ from poise.calibrate.fit import (
 )
 from poise.errors import ConfigError
 from poise.host_costs import gpt_non_moe_flops_per_token
+from poise.runtime.launch import destroy_process_group
 from poise.topology import HostCosts
 
 KINDS_LOCAL = ("dense_fwd", "dense_bwd", "block_fwd", "block_bwd", "head_fwd", "head_bwd")
@@ -508,7 +509,7 @@ def _host_worker(
             atomic_write_text(result_path, json.dumps([asdict(p) for p in points]))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def measure_host(config: CalibrationConfig, progress: Progress = _no_progress) -> list[HostPoint]:

@@ -21,7 +21,7 @@ from poise.calibrate.config import (
     CalibrationConfig,
     CalibrationError,
 )
-from poise.runtime.launch import free_port
+from poise.runtime.launch import destroy_process_group, free_port
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -209,7 +209,7 @@ def _collective_worker(
             atomic_write_text(result_path, json.dumps(results))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _collective_op(collective: str, nbytes: int) -> Callable[[], Any]:

@@ -130,14 +130,14 @@ def fit_all(
     for collective in ("all_to_all", "all_reduce"):
         pts = [p for p in comm_points if p.collective == collective]
         link_fits[collective] = fit_latency_bandwidth(
-            [p.nbytes for p in pts], [p.seconds for p in pts]
+            [p.nbytes for p in pts], [p.seconds for p in pts], f"{collective} link fit"
         )
     group_fits = {}
     for collective in GROUP_COLLECTIVES:
         pts = [p for p in comm_points if p.collective == collective]
         if pts:
             group_fits[collective] = fit_latency_bandwidth(
-                [p.nbytes for p in pts], [p.seconds for p in pts]
+                [p.nbytes for p in pts], [p.seconds for p in pts], f"{collective} link fit"
             )
     host_fit = None
     if host_points and has_host_points(host_points):

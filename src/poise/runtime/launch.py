@@ -25,6 +25,23 @@ class RankFailedError(PoiseError):
     """A spawned rank raised, or the ranks did not finish in time."""
 
 
+def destroy_process_group() -> None:
+    """`torch.distributed.destroy_process_group()`, after collecting cyclic garbage.
+
+    Collective handles (`dist.Work`) and the tensors they hold can sit in reference cycles
+    (autograd contexts, hooks) after the work that made them has returned. Freed only at
+    interpreter shutdown, after the process group is gone, such a handle can abort the rank
+    ("terminate called without an active exception", SIGABRT), as PyTorch's discussion of
+    process-group teardown describes; we saw it twice on 2026-11-22, in a 4-rank test and a
+    training rank. Collecting first frees them while the group and the interpreter are alive."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -58,7 +75,7 @@ def _rank_main(
         try:
             payload = ("ok", fn(rank, world_size, *args))
         finally:
-            dist.destroy_process_group()
+            destroy_process_group()
     except BaseException as exc:
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         result_path.write_bytes(pickle.dumps(payload))

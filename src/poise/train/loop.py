@@ -63,6 +63,7 @@ import torch.nn.functional as F  # noqa: N812
 from poise.atomic import atomic_write_text
 from poise.errors import ConfigError
 from poise.nn.moe import default_slots, install_bias_update, moe_layers
+from poise.runtime.launch import destroy_process_group
 from poise.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, save_config
@@ -538,7 +539,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None, quiet: bool = False) -
         return _Trainer(cfg, resume, quiet).run()
     finally:
         if created:
-            dist.destroy_process_group()
+            destroy_process_group()
 
 
 __all__ = ["PHASES", "RunLog", "TrainResult", "init_distributed", "lr_at", "train"]
