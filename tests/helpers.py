@@ -103,3 +103,20 @@ def train_residual_moe(model, opt, rank: int, steps: int, tokens: int, d_model: 
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses
+
+
+def assert_priced_as_the_cost_model(plan, cost, loads, device_load_rtol: float = 0.0) -> None:
+    """A plan's cost (which a policy may hand `finish_plan` from its own search) equals
+    `cost.price` of the plan on `loads` with its migrations: every phase and layer time to
+    rtol 1e-9, the computed tokens to `device_load_rtol` (0: bit for bit)."""
+    import numpy as np
+
+    from poise.cost import PHASE_NAMES
+
+    fresh = cost.price(plan.placement, plan.assignment, loads, plan.transfers.migrations)
+    np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
+    np.testing.assert_allclose(plan.cost.device_load, fresh.device_load, rtol=device_load_rtol)
+    for name in PHASE_NAMES:
+        np.testing.assert_allclose(
+            getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9, err_msg=name
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import PHASE_NAMES, CostModel, level_traffic
+from poise.cost import CostModel, level_traffic
 from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS
 from poise.errors import PlanError
 from poise.placement import Assignment, Placement
@@ -15,7 +15,7 @@ from poise.schedule import parse_schedule
 from poise.spec import ModelSpec
 from poise.topology import get_cluster
 
-from .helpers import toy_cluster, toy_spec
+from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 
 # 16 bf16 experts 1024 -> 1024 -> 1024: W_e = 2*1024*1024*2 = 4 MiB, B_t = 2 KiB.
 SPEC = ModelSpec(
@@ -349,11 +349,5 @@ def test_the_chosen_states_price_as_the_cost_model(cluster_name: str) -> None:
         again = make_plan("hybrid", other, first, ctx)
         replicated += int(first.placement.replicas().sum())
         for plan, on in ((first, loads), (again, other)):
-            fresh = cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
-            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
-            np.testing.assert_array_equal(plan.cost.device_load, fresh.device_load)
-            for name in PHASE_NAMES:
-                np.testing.assert_allclose(
-                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
-                )
+            assert_priced_as_the_cost_model(plan, cost, on)
     assert replicated > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import PHASE_NAMES, CostModel
+from poise.cost import CostModel
 from poise.cost_incremental import LayerState
 from poise.placement import Placement
 from poise.policies import PlanContext, make_plan
@@ -15,7 +15,7 @@ from poise.schedule import Schedule, parse_schedule
 from poise.spec import ModelSpec
 from poise.topology import get_cluster
 
-from .helpers import toy_cluster, toy_spec
+from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 
 
 def _hot_from_two(devices: int = 8, experts: int = 8) -> np.ndarray:
@@ -258,10 +258,4 @@ def test_the_searched_price_equals_the_cost_model() -> None:
         again = make_plan("prophet", other, first, ctx)
         assert first.placement.replicas().sum() > 0
         for plan, on in ((first, loads), (again, other)):
-            fresh = cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
-            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
-            np.testing.assert_array_equal(plan.cost.device_load, fresh.device_load)
-            for name in PHASE_NAMES:
-                np.testing.assert_allclose(
-                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
-                )
+            assert_priced_as_the_cost_model(plan, cost, on)

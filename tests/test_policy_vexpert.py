@@ -10,6 +10,8 @@ from poise.policies import PlanContext, make_plan
 from poise.spec import MODELS, ModelSpec
 from poise.topology import get_cluster
 
+from .helpers import assert_priced_as_the_cost_model
+
 SPEC = ModelSpec("four", d_model=64, d_expert=128, experts=4, top_k=1, moe_layers=1)
 
 
@@ -210,7 +212,7 @@ def test_the_searched_price_equals_the_cost_model() -> None:
     """`vexpert` hands `finish_plan` the price its search kept (searched layers) plus a fresh
     price of the layers it left alone; it equals `CostModel.price` of the plan with its
     migrations, first from nothing and then re-planned from its own plan on other loads."""
-    from poise.cost import PHASE_NAMES, CostModel
+    from poise.cost import CostModel
     from poise.schedule import parse_schedule
 
     cluster = get_cluster("dgx-h100:2")
@@ -231,13 +233,7 @@ def test_the_searched_price_equals_the_cost_model() -> None:
         migrations += len(again.transfers.migrations)
         assert first.notes["moves_per_layer"][1] == 0
         for plan, on in ((first, loads), (again, other)):
-            fresh = ctx.cost.price(plan.placement, plan.assignment, on, plan.transfers.migrations)
-            np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)
-            np.testing.assert_allclose(plan.cost.device_load, fresh.device_load, rtol=1e-9)
-            for name in PHASE_NAMES:
-                np.testing.assert_allclose(
-                    getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9
-                )
+            assert_priced_as_the_cost_model(plan, ctx.cost, on, device_load_rtol=1e-9)
     assert migrations > 0  # the re-plans moved homes, so the migration term was checked
 
 
