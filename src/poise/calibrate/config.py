@@ -16,7 +16,7 @@ DIST_TIMEOUT_S = 120.0  # the gloo ranks must finish within this (warm-up and sp
 FULL_ROWS = (8, 32, 128, 512, 2048)
 QUICK_ROWS = (8, 64, 512)
 FULL_MESSAGE_BYTES = tuple(4 * KIB * 4**i for i in range(7))  # 4 KiB .. 16 MiB
-QUICK_MESSAGE_BYTES = (4 * KIB, 64 * KIB, MIB, 4 * MIB)  # 4 MiB: growth clear of noise
+QUICK_MESSAGE_BYTES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)  # growth clear of 4 ms stalls
 # host costs (`poise.calibrate.host`): tokens of the non-MoE block, tokens per rank through the
 # dispatcher, parameters through the optimizer and the clipping
 FULL_DENSE_TOKENS = (128, 512, 2048)
