@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel, level_traffic
+from poise.cost import CostModel
 from poise.errors import PlanError
 from poise.placement import Assignment, Placement, transfers_between
 from poise.schedule import Schedule, parse_schedule
+from poise.traffic import level_traffic
 
 from .helpers import toy_cluster, toy_spec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel, level_traffic
+from poise.cost import CostModel
 from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS
 from poise.errors import PlanError
 from poise.placement import Assignment, Placement
@@ -14,6 +14,7 @@ from poise.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, 
 from poise.schedule import parse_schedule
 from poise.spec import ModelSpec
 from poise.topology import get_cluster
+from poise.traffic import level_traffic
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel, level_traffic
+from poise.cost import CostModel
 from poise.cost_incremental import LayerState
 from poise.placement import Assignment, Placement, balanced_weights
 from poise.policies import PlanContext, make_plan
@@ -19,6 +19,7 @@ from poise.policies.lpt import lpt_assign
 from poise.policies.shadow import first_non_improvement, shadow_latencies, shadow_layers
 from poise.spec import MODELS
 from poise.topology import get_cluster
+from poise.traffic import level_traffic
 
 from .helpers import toy_cluster
 

@@ -27,19 +27,10 @@ import functools
 
 import numpy as np
 
-from poise.cost import (
-    CostModel,
-    PhaseTimes,
-    expert_seconds,
-    homes_traffic,
-    level_links,
-    level_seconds,
-    level_traffic,
-    migration_traffic,
-    replica_traffic,
-)
+from poise.cost import CostModel, PhaseTimes, expert_seconds, level_links, level_seconds
 from poise.placement import Assignment, Placement
 from poise.topology import Cluster
+from poise.traffic import homes_traffic, level_traffic, migration_traffic, replica_traffic
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)

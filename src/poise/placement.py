@@ -135,7 +135,7 @@ class Assignment:
                       = w[e, d]                     otherwise
 
     Without groups (the default) this is the plain per-expert `weights` rule. Consumers should go
-    through `received`, `split` or `cost.level_traffic`, which apply both rules."""
+    through `received`, `split` or `traffic.level_traffic`, which apply both rules."""
 
     weights: np.ndarray
     group_weights: np.ndarray | None = None
