@@ -501,7 +501,12 @@ def transfers_between(previous: Placement | None, new: Placement, spec: ModelSpe
 
 @dataclass
 class Plan:
-    """A policy's decision for every MoE layer."""
+    """A policy's decision for every MoE layer.
+
+    `trails` (`auto` only): for each candidate policy that builds on the placement in force,
+    that policy's own latest plan, made from its own previous one: the plan it would have in
+    force had it run alone. The next `auto` call continues each from there, so any rival's own
+    placement stays among its candidates (`policies.auto`)."""
 
     policy: str
     placement: Placement
@@ -509,6 +514,7 @@ class Plan:
     transfers: Transfers
     cost: Any = None  # cost.PlanCost, filled by the policy runner
     notes: dict[str, Any] = field(default_factory=dict)
+    trails: dict[str, Plan] = field(default_factory=dict)
 
     def validate(self) -> None:
         self.placement.validate()

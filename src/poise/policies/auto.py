@@ -14,11 +14,27 @@ then to the layout with the fewest copies (it leaves the most free slots for lat
 a uniform forecast, as at the first step, makes every layout price alike, and a replica-filled
 one would leave local searches such as `vexpert` no room), then to the candidate order.
 
+Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
+(`BUILDS_ON_PREVIOUS`: `vexpert`'s local search, `permute`, and `prophet`, `hybrid` and `shadow`
+from its homes) runs from `auto`'s placement, so once `auto` has taken another layout its
+candidates are not the plans the rival makes alone: on a long replay `auto` took `eplb`'s
+layout early and `vexpert`'s local search from there never reached the layouts `vexpert` alone
+reached from the static one (3.8% slower than `vexpert` over 200 steps of FlexMoE's BERT-MoE).
+So `auto`'s plan carries, per such rival, the rival's own latest plan, and each call continues
+it: where the trail's placement differs from the one in force, the rival also runs from its
+trail, and that plan (label `name:alone`) is priced with its migrations from the placement in
+force like any candidate. Where they agree, the run from the placement in force is the trail's
+continuation (a policy sees only the placement of `previous`), so the extra run costs nothing
+while `auto` follows a rival. In a replay each trail equals the rival's own plans
+(`tests/test_policy_trails.py`).
+
 Pruning (option `prune`, default on): a candidate with a registered lower bound
 (`policies.bounds`: `static` and `permute`, one copy per expert) runs after the others, and
 only if `horizon * bound` is inside the least total's tie window in at least one layer; a
 candidate skipped so could neither be kept nor tie, so the plan is the same as without pruning
-(`tests/test_policy_auto_prune.py`). The notes list skipped candidates with their bound.
+(`tests/test_policy_auto_prune.py`; the bound holds for its trail's plan too, and a skipped
+candidate's trail waits where it was). The notes list skipped candidates with their bound, and
+under `alone` the rivals that also ran from their trails.
 """
 
 from __future__ import annotations
@@ -33,13 +49,21 @@ import numpy as np
 
 from poise.cost import PHASE_NAMES, PhaseTimes, PlanCost
 from poise.placement import Assignment, Placement, Plan, transfers_between
-from poise.policies.base import HELPER_CPU_NOTE, REGISTRY, PlanContext, register
+from poise.policies.base import (
+    BUILDS_ON_PREVIOUS,
+    HELPER_CPU_NOTE,
+    REGISTRY,
+    PlanContext,
+    finish_plan,
+    register,
+)
 from poise.policies.bounds import BOUNDS
 
 DEFAULT_HORIZON = 10
 PARALLEL_CELLS = 2**21  # from this many load cells (L * D * E) candidates plan in threads
 TIE_REL = 1e-9  # totals this close (relative) count as equal
 BOUND_MARGIN = 1e-12  # relative slack for float rounding when pruning by a bound
+ALONE = ":alone"  # label suffix of a candidate continued from its own trail
 
 
 def candidate_names(ctx: PlanContext) -> list[str]:
@@ -49,64 +73,145 @@ def candidate_names(ctx: PlanContext) -> list[str]:
     return list(names)
 
 
-def run_candidates(
-    names: list[str], loads: np.ndarray, previous: Plan | None, ctx: PlanContext
-) -> tuple[list[Plan], float]:
-    """Each candidate's plan, in `names` order, and the CPU seconds spent in helper threads.
-    Policies are pure, so on large problems (at least `PARALLEL_CELLS` load cells, where
-    NumPy's array work releases the GIL) they run in threads, one per CPU; small ones run one
-    after the other in the caller's thread (threads would only contend)."""
-    threads = min(len(names), os.cpu_count() or 1)
-    if loads.size < PARALLEL_CELLS or threads < 2:
-        return [REGISTRY[n](loads, previous, ctx) for n in names], 0.0
+Job = tuple[str, "Plan | None"]  # a candidate policy and the plan in force it plans from
 
-    def one(name: str) -> tuple[Plan, float]:
+
+def run_candidates(
+    jobs: list[Job], loads: np.ndarray, ctx: PlanContext
+) -> tuple[list[Plan], float]:
+    """Each job's plan (`REGISTRY[name](loads, previous, ctx)`), in `jobs` order, and the CPU
+    seconds spent in helper threads. Policies are pure, so on large problems (at least
+    `PARALLEL_CELLS` load cells, where NumPy's array work releases the GIL) they run in
+    threads, one per CPU; small ones run one after the other in the caller's thread (threads
+    would only contend)."""
+    threads = min(len(jobs), os.cpu_count() or 1)
+    if loads.size < PARALLEL_CELLS or threads < 2:
+        return [REGISTRY[n](loads, prev, ctx) for n, prev in jobs], 0.0
+
+    def one(job: Job) -> tuple[Plan, float]:
         t0 = time.thread_time()
-        plan = REGISTRY[name](loads, previous, ctx)
+        plan = REGISTRY[job[0]](loads, job[1], ctx)
         return plan, time.thread_time() - t0
 
     with ThreadPoolExecutor(threads) as pool:
-        done = list(pool.map(one, names))
+        done = list(pool.map(one, jobs))
     return [p for p, _ in done], sum(t for _, t in done)
+
+
+def _fits(plan: Plan | None, ctx: PlanContext, layers: int) -> bool:
+    return (
+        plan is not None
+        and plan.placement.home.shape == (layers, ctx.experts)
+        and plan.placement.devices == ctx.devices
+    )
+
+
+def _same_placement(a: Placement, b: Placement) -> bool:
+    return np.array_equal(a.home, b.home) and np.array_equal(a.copies, b.copies)
+
+
+class Candidates:
+    """The candidates of one `auto` call as they are made: labels, plans, the least total so
+    far (for pruning) and each trailing policy's continued trail.
+
+    A policy in `BUILDS_ON_PREVIOUS` runs from the placement in force (label = its name). If its
+    own trail (`previous.trails[name]`) has another placement, it also runs from the trail
+    (label `name + ALONE`): that plan, which the policy would make had it run alone, is priced
+    with its migrations from the placement in force and becomes the policy's new trail. If the
+    placements agree, the first run is the trail's continuation too (a policy sees only the
+    placement of `previous`)."""
+
+    def __init__(
+        self, previous: Plan | None, loads: np.ndarray, ctx: PlanContext, horizon: float
+    ) -> None:
+        self.previous, self.loads, self.ctx, self.horizon = previous, loads, ctx, horizon
+        L = loads.shape[0]
+        fits = _fits(previous, ctx, L)
+        self.trails_in: dict[str, Plan] = dict(previous.trails) if fits and previous else {}
+        self.trails: dict[str, Plan] = {}
+        self.labels: list[str] = []
+        self.plans: list[Plan] = []
+        self.alone: list[str] = []  # policies whose trail ran apart from the placement in force
+        self.helper_cpu_s = 0.0
+        self.best: np.ndarray | None = None
+        if fits:
+            assert previous is not None
+            keep_cost = ctx.cost.price(previous.placement, previous.assignment, loads)
+            keep = Plan("keep", previous.placement, previous.assignment, previous.transfers)
+            keep.cost = keep_cost
+            self._add(["keep"], [keep])
+
+    def trail_of(self, name: str) -> Plan | None:
+        """`name`'s own trail if it has left the placement in force, else None."""
+        trail = self.trails_in.get(name)
+        if name not in BUILDS_ON_PREVIOUS or trail is None or self.previous is None:
+            return None
+        if not _fits(trail, self.ctx, self.loads.shape[0]):
+            return None
+        return None if _same_placement(trail.placement, self.previous.placement) else trail
+
+    def run(self, names: list[str]) -> None:
+        """Plan `names` (with their trails where those left the placement in force)."""
+        jobs: list[Job] = [(n, self.previous) for n in names]
+        apart = [n for n in names if self.trail_of(n) is not None]
+        jobs += [(n, self.trail_of(n)) for n in apart]
+        made, cpu = run_candidates(jobs, self.loads, self.ctx)
+        self.helper_cpu_s += cpu
+        plans = made[: len(names)]
+        for name, plan in zip(names, plans, strict=True):
+            if name in BUILDS_ON_PREVIOUS:
+                self.trails[name] = plan
+        labels = list(names)
+        for name, own in zip(apart, made[len(names) :], strict=True):
+            self.trails[name] = own
+            self.alone.append(name)
+            labels.append(name + ALONE)
+            plans.append(
+                finish_plan(
+                    name + ALONE,
+                    own.placement,
+                    own.assignment,
+                    self.loads,
+                    self.previous,
+                    self.ctx,
+                    dict(own.notes),
+                )
+            )
+        self._add(labels, plans)
+
+    def skip(self, name: str) -> None:
+        """`name` was pruned: its trail stays where it was (it could not have been chosen)."""
+        if name in self.trails_in:
+            self.trails[name] = self.trails_in[name]
+
+    def _add(self, labels: list[str], plans: list[Plan]) -> None:
+        self.labels += labels
+        self.plans += plans
+        self.best = _least_total(plans, self.horizon, self.best)
 
 
 @register("auto")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     horizon = float(ctx.option("auto", "horizon", DEFAULT_HORIZON))
     L = loads.shape[0]
-    plans: list[Plan] = []
-    names: list[str] = []
-    if (
-        previous is not None
-        and previous.placement.home.shape == (L, ctx.experts)
-        and previous.placement.devices == ctx.devices
-    ):
-        keep_cost = ctx.cost.price(previous.placement, previous.assignment, loads)
-        plans.append(
-            Plan("keep", previous.placement, previous.assignment, previous.transfers, keep_cost)
-        )
-        names.append("keep")
+    made = Candidates(previous, loads, ctx, horizon)
     candidates = candidate_names(ctx)
     prune = bool(ctx.option("auto", "prune", True))
     bounded = [n for n in candidates if prune and n in BOUNDS]
-    first = [n for n in candidates if n not in bounded]
-    made, helper_cpu_s = run_candidates(first, loads, previous, ctx)
-    by_name = dict(zip(first, made, strict=True))
-    best = _least_total(plans + made, horizon)
+    made.run([n for n in candidates if n not in bounded])
     pruned: dict[str, float] = {}
     bounds: dict[object, np.ndarray | None] = {}  # candidates may share one bound function
     for name in bounded:
         if BOUNDS[name] not in bounds:
             bounds[BOUNDS[name]] = BOUNDS[name](loads, ctx)
         bound = bounds[BOUNDS[name]]
-        if bound is not None and best is not None and _cannot_win(horizon * bound, best):
+        # The bound holds for any plan of the policy, its trail's included.
+        if bound is not None and made.best is not None and _cannot_win(horizon * bound, made.best):
             pruned[name] = float(bound.sum())
+            made.skip(name)
             continue
-        by_name[name] = REGISTRY[name](loads, previous, ctx)
-        best = _least_total([by_name[name]], horizon, best)
-    kept = [n for n in candidates if n in by_name]
-    names += kept
-    plans += [by_name[n] for n in kept]
+        made.run([name])
+    names, plans = made.labels, made.plans
     total = _totals(plans, horizon)
     layers = np.arange(L)
     choice = _choose(total, plans, names)
@@ -122,7 +227,8 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "chosen": chosen,
         "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
         "pruned_bound_step_s": pruned,
-        HELPER_CPU_NOTE: helper_cpu_s,
+        "alone": made.alone,
+        HELPER_CPU_NOTE: made.helper_cpu_s,
     }
     for p in plans:
         for key, value in p.notes.items():
@@ -155,6 +261,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         transfers=transfers,
         cost=cost,
         notes=notes,
+        trails=made.trails,
     )
 
 

@@ -29,11 +29,22 @@ from poise.topology import Cluster
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
 
 REGISTRY: dict[str, PolicyFn] = {}
+# Policies whose plan is built from the placement in force (`previous.placement`; nothing else
+# of `previous` shapes the plan, only its price): run from two different placements in force,
+# they give two different plans. The others (`static`, `eplb`) plan from the loads alone.
+BUILDS_ON_PREVIOUS: set[str] = set()
 
 
-def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
+def register(name: str, *, builds_on_previous: bool = True) -> Callable[[PolicyFn], PolicyFn]:
+    """Add a policy to `REGISTRY`; `builds_on_previous=False` declares that its placement does
+    not depend on the plan in force (`tests/test_policy_trails.py` checks the declarations)."""
+
     def wrap(fn: PolicyFn) -> PolicyFn:
         REGISTRY[name] = fn
+        if builds_on_previous:
+            BUILDS_ON_PREVIOUS.add(name)
+        else:
+            BUILDS_ON_PREVIOUS.discard(name)
         return fn
 
     return wrap

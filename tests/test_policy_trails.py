@@ -1,0 +1,195 @@
+"""`auto` continues each rival's own trail (`Plan.trails`): the plan the rival would have in
+force had it run alone, so `auto` can always take that placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from poise.cost import CostModel
+from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.policies import PlanContext, make_plan
+from poise.policies.auto import ALONE
+from poise.policies.base import BUILDS_ON_PREVIOUS, REGISTRY
+from poise.sim.scenarios import SCENARIOS
+from poise.sim.scenarios.core import build_trace
+from poise.sim.simulator import simulate
+from poise.trace_generate import generate
+
+from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
+
+RIVALS = sorted(n for n in REGISTRY if n != "auto")
+
+
+def _case(seed: int = 0):
+    cluster = toy_cluster(2, 2, 1, 1e9, 2e8, 1e7)
+    spec = toy_spec(experts=8, layers=3, d_model=64, d_expert=128, tokens=1000, non_moe=1e5)
+    ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec))
+    rng = np.random.default_rng(seed)
+    skew = rng.zipf(1.5, size=(3, 4, 8)).astype(float)
+    loads = np.floor(1000 * skew / skew.max(axis=2, keepdims=True))
+    return ctx, loads
+
+
+def _random_previous(ctx: PlanContext, rng: np.random.Generator, weights: str) -> Plan:
+    """A valid plan in force: shuffled homes, a replica of each layer's expert 0 where a slot is
+    free, tokens routed evenly or to the homes."""
+    L, D, E = ctx.spec.moe_layers, ctx.devices, ctx.experts
+    seats = np.repeat(np.arange(D), ctx.slots_per_device)
+    home = np.stack([rng.permutation(seats)[:E] for _ in range(L)])
+    placement = Placement.from_homes(home, D, ctx.slots_per_device)
+    for layer in range(L):
+        free = np.flatnonzero(
+            (placement.copies[layer].sum(axis=1) < ctx.slots_per_device)
+            & (placement.copies[layer, :, 0] == 0)
+        )
+        if free.size:
+            placement.copies[layer, free[0], 0] = 1
+    assignment = Assignment.even(placement) if weights == "even" else Assignment.to_home(placement)
+    return Plan("given", placement, assignment, transfers_between(None, placement, ctx.spec))
+
+
+@pytest.mark.parametrize("name", RIVALS)
+def test_a_policy_sees_only_the_placement_of_the_plan_in_force(name: str) -> None:
+    """What `auto`'s trails rely on: two plans in force with one placement and different token
+    shares give the same plan; and a policy declared not to build on the plan in force
+    (`static`, `eplb`) gives the same placement from any plan in force."""
+    ctx, loads = _case()
+    rng = np.random.default_rng(1)
+    a = _random_previous(ctx, rng, "even")
+    b = dataclasses.replace(a, assignment=Assignment.to_home(a.placement))
+    pa, pb = (make_plan(name, loads, p, ctx) for p in (a, b))
+    np.testing.assert_array_equal(pa.placement.copies, pb.placement.copies)
+    np.testing.assert_array_equal(pa.placement.home, pb.placement.home)
+    np.testing.assert_array_equal(pa.assignment.weights, pb.assignment.weights)
+    if name not in BUILDS_ON_PREVIOUS:
+        other = make_plan(name, loads, _random_previous(ctx, rng, "home"), ctx)
+        np.testing.assert_array_equal(pa.placement.copies, other.placement.copies)
+        np.testing.assert_array_equal(pa.placement.home, other.placement.home)
+
+
+def test_the_declarations_name_the_policies_that_build_on_the_plan_in_force() -> None:
+    assert {"static", "eplb"}.isdisjoint(BUILDS_ON_PREVIOUS)
+    assert {"vexpert", "permute", "prophet", "hybrid", "shadow"} <= BUILDS_ON_PREVIOUS
+
+
+def test_auto_takes_a_rivals_own_placement_from_its_trail() -> None:
+    """The plan in force is a poor layout; `vexpert`'s trail holds the layout `vexpert` reached
+    from the static one. `auto` runs `vexpert` from both, offers the trail's plan as
+    `vexpert:alone` priced with its migrations from the plan in force, and continues the
+    trail from there."""
+    ctx, loads = _case(3)
+    poor = _random_previous(ctx, np.random.default_rng(5), "home")
+    own = make_plan("vexpert", loads, None, ctx)
+    assert not np.array_equal(own.placement.copies, poor.placement.copies)
+    in_force = dataclasses.replace(poor, trails={"vexpert": own})
+    plan = make_plan("auto", loads, in_force, ctx)
+    assert "vexpert" in plan.notes["alone"]
+    label = "vexpert" + ALONE
+    assert label in plan.notes["candidate_step_s"]
+    continued = make_plan("vexpert", loads, own, ctx)
+    np.testing.assert_array_equal(
+        plan.trails["vexpert"].placement.copies, continued.placement.copies
+    )
+    # The candidate is the continued trail's plan, priced from the plan in force.
+    repriced = make_plan("vexpert", loads, poor, ctx)  # not the trail: another placement
+    assert not np.array_equal(repriced.placement.copies, continued.placement.copies)
+    fresh = ctx.cost.price(continued.placement, continued.assignment, loads)
+    migrations = transfers_between(poor.placement, continued.placement, ctx.spec).migrations
+    priced = ctx.cost.price(continued.placement, continued.assignment, loads, migrations)
+    assert plan.notes["candidate_step_s"][label] == pytest.approx(priced.step_s, rel=1e-12)
+    assert priced.step_s >= fresh.step_s  # the migrations are paid
+    assert_priced_as_the_cost_model(plan, ctx.cost, loads)
+
+
+def test_a_trail_on_the_placement_in_force_runs_once() -> None:
+    """While `auto` holds a rival's own placement, the rival's run from the plan in force is
+    its trail's continuation: no second run, no `:alone` candidate."""
+    ctx, loads = _case(4)
+    start = make_plan("static", loads, None, ctx)
+    first = make_plan("auto", loads, start, ctx)
+    assert first.notes["alone"] == []
+    assert set(first.trails) == BUILDS_ON_PREVIOUS - {"auto"} - set(
+        first.notes["pruned_bound_step_s"]
+    )
+    held = dataclasses.replace(
+        first,
+        trails={
+            n: dataclasses.replace(p, placement=first.placement) for n, p in first.trails.items()
+        },
+    )
+    second = make_plan("auto", loads, held, ctx)
+    assert second.notes["alone"] == []
+    assert not any(k.endswith(ALONE) for k in second.notes["candidate_step_s"])
+
+
+def test_auto_trails_replay_each_policy_alone() -> None:
+    """In a replay, `auto`'s trail of each rival equals the plan the rival made alone at the
+    same step: `auto` could have taken any rival's placement at every re-plan."""
+    cluster = toy_cluster(2, 2, 1, 1e9, 2e8, 1e7)
+    spec = toy_spec(experts=8, layers=3, d_model=64, d_expert=128, tokens=1000, non_moe=1e5)
+    trace = generate(
+        "drift", steps=31, layers=3, devices=4, experts=8, top_k=2, tokens_per_device=1000, seed=2
+    )
+    rivals = sorted(BUILDS_ON_PREVIOUS - {"auto"})
+    plans: dict[str, list[Plan]] = {n: [] for n in [*rivals, "auto"]}
+    import poise.sim.simulator as sim
+
+    real = sim.make_plan
+
+    def record(name, loads, previous, ctx):
+        plan = real(name, loads, previous, ctx)
+        plans.setdefault(name, []).append(plan)
+        return plan
+
+    sim.make_plan = record
+    try:
+        simulate(
+            trace,
+            cluster,
+            spec,
+            [*rivals, "auto"],
+            "sync",
+            10,
+            "ema",
+            options={"auto": {"prune": False}},
+            background_planning=True,
+            workers=1,
+        )
+    finally:
+        sim.make_plan = real
+    assert len(plans["auto"]) == 4
+    alone_seen = False
+    for step, made in enumerate(plans["auto"]):
+        alone_seen |= bool(made.notes["alone"])
+        for name in rivals:
+            mine, theirs = made.trails[name].placement, plans[name][step].placement
+            np.testing.assert_array_equal(mine.home, theirs.home, err_msg=f"{name} @ {step}")
+            np.testing.assert_array_equal(mine.copies, theirs.copies, err_msg=f"{name} @ {step}")
+    assert alone_seen, "auto left some rival's placement (the trail ran apart)"
+
+
+def test_auto_is_not_slower_than_vexpert_over_a_long_flexmoe_replay() -> None:
+    """The loss the trails fixed: on FlexMoE's 64-GPU BERT-MoE over 200 steps, `auto` took
+    `eplb`'s layout early, and `vexpert`'s local search from there could not reach the layouts
+    `vexpert` alone reached from the static one; `auto` was 3.8% slower than `vexpert`."""
+    s = SCENARIOS["flexmoe"]
+    case = next(c for c in s.cases if c.label == "64 GPUs, BERT-MoE")
+    case = dataclasses.replace(case, trace=dataclasses.replace(case.trace, steps=200))
+    trace, _ = build_trace(case, False, None)
+    result = simulate(
+        trace,
+        case.get_cluster(),
+        case.spec,
+        ["vexpert", "auto"],
+        "sync",
+        s.replan_every,
+        s.predictor,
+        count_planning=False,
+        background_planning=s.background_planning,
+    )
+    w = s.warmup_steps
+    auto, vexpert = (result.runs[n].step_s[w:].mean() for n in ("auto", "vexpert"))
+    assert auto < vexpert
