@@ -12,7 +12,7 @@ from poise.cost import CostModel
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies import PlanContext, make_plan
 from poise.policies.auto import ALONE
-from poise.policies.base import BUILDS_ON_PREVIOUS, REGISTRY
+from poise.policies.base import BUILDS_ON, REGISTRY
 from poise.sim.scenarios import SCENARIOS
 from poise.sim.scenarios.core import build_trace
 from poise.sim.simulator import simulate
@@ -51,28 +51,69 @@ def _random_previous(ctx: PlanContext, rng: np.random.Generator, weights: str) -
     return Plan("given", placement, assignment, transfers_between(None, placement, ctx.spec))
 
 
+def _assert_same_plan(a: Plan, b: Plan, what: str) -> None:
+    np.testing.assert_array_equal(a.placement.home, b.placement.home, err_msg=what)
+    np.testing.assert_array_equal(a.placement.copies, b.placement.copies, err_msg=what)
+    np.testing.assert_array_equal(a.assignment.weights, b.assignment.weights, err_msg=what)
+
+
+def _without_replicas(plan: Plan) -> Plan:
+    placement = Placement.from_homes(
+        plan.placement.home, plan.placement.devices, plan.placement.slots_per_device
+    )
+    return dataclasses.replace(plan, placement=placement, assignment=Assignment.to_home(placement))
+
+
 @pytest.mark.parametrize("name", RIVALS)
-def test_a_policy_sees_only_the_placement_of_the_plan_in_force(name: str) -> None:
-    """What `auto`'s trails rely on: two plans in force with one placement and different token
-    shares give the same plan; and a policy declared not to build on the plan in force
-    (`static`, `eplb`) gives the same placement from any plan in force."""
-    ctx, loads = _case()
-    rng = np.random.default_rng(1)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_policy_builds_on_what_it_declares(name: str, seed: int) -> None:
+    """What `auto`'s trails rely on (`BUILDS_ON`): plans in force that agree on what a policy
+    declares it builds on give the same plan. Every policy sees only the placement (not the
+    token shares); a `homes` policy only the homes (not the replicas); an undeclared one
+    (`static`, `eplb`) nothing."""
+    ctx, loads = _case(seed)
+    rng = np.random.default_rng(seed + 10)
     a = _random_previous(ctx, rng, "even")
-    b = dataclasses.replace(a, assignment=Assignment.to_home(a.placement))
-    pa, pb = (make_plan(name, loads, p, ctx) for p in (a, b))
-    np.testing.assert_array_equal(pa.placement.copies, pb.placement.copies)
-    np.testing.assert_array_equal(pa.placement.home, pb.placement.home)
-    np.testing.assert_array_equal(pa.assignment.weights, pb.assignment.weights)
-    if name not in BUILDS_ON_PREVIOUS:
+    assert a.placement.replicas().any()
+    reference = make_plan(name, loads, a, ctx)
+    same_placement = dataclasses.replace(a, assignment=Assignment.to_home(a.placement))
+    _assert_same_plan(reference, make_plan(name, loads, same_placement, ctx), "shares")
+    if BUILDS_ON.get(name) in ("homes", None):
+        _assert_same_plan(reference, make_plan(name, loads, _without_replicas(a), ctx), "copies")
+    if name not in BUILDS_ON:
         other = make_plan(name, loads, _random_previous(ctx, rng, "home"), ctx)
-        np.testing.assert_array_equal(pa.placement.copies, other.placement.copies)
-        np.testing.assert_array_equal(pa.placement.home, other.placement.home)
+        _assert_same_plan(reference, other, "homes")
 
 
-def test_the_declarations_name_the_policies_that_build_on_the_plan_in_force() -> None:
-    assert {"static", "eplb"}.isdisjoint(BUILDS_ON_PREVIOUS)
-    assert {"vexpert", "permute", "prophet", "hybrid", "shadow"} <= BUILDS_ON_PREVIOUS
+def test_the_declarations_are_not_weaker_than_the_policies() -> None:
+    """The declarations name what the policies do read: `vexpert` plans differently from
+    two placements with the same homes, and every `homes` policy from two sets of homes."""
+    assert {"static", "eplb"}.isdisjoint(BUILDS_ON)
+    assert BUILDS_ON["vexpert"] == "placement"
+    assert {n for n, on in BUILDS_ON.items() if on == "homes"} == {
+        "permute",
+        "prophet",
+        "hybrid",
+        "shadow",
+    }
+    ctx, loads = _case(0)
+    rng = np.random.default_rng(3)
+    a = _random_previous(ctx, rng, "even")
+    differs = {}
+    for name in RIVALS:
+        if name not in BUILDS_ON:
+            continue
+        b = (
+            _without_replicas(a)
+            if BUILDS_ON[name] == "placement"
+            else _random_previous(ctx, rng, "even")
+        )
+        pa, pb = make_plan(name, loads, a, ctx), make_plan(name, loads, b, ctx)
+        differs[name] = not (
+            np.array_equal(pa.placement.copies, pb.placement.copies)
+            and np.array_equal(pa.placement.home, pb.placement.home)
+        )
+    assert all(differs.values()), differs
 
 
 def test_auto_takes_a_rivals_own_placement_from_its_trail() -> None:
@@ -111,9 +152,7 @@ def test_a_trail_on_the_placement_in_force_runs_once() -> None:
     start = make_plan("static", loads, None, ctx)
     first = make_plan("auto", loads, start, ctx)
     assert first.notes["alone"] == []
-    assert set(first.trails) == BUILDS_ON_PREVIOUS - {"auto"} - set(
-        first.notes["pruned_bound_step_s"]
-    )
+    assert set(first.trails) == set(BUILDS_ON) - {"auto"} - set(first.notes["pruned_bound_step_s"])
     held = dataclasses.replace(
         first,
         trails={
@@ -133,7 +172,7 @@ def test_auto_trails_replay_each_policy_alone() -> None:
     trace = generate(
         "drift", steps=31, layers=3, devices=4, experts=8, top_k=2, tokens_per_device=1000, seed=2
     )
-    rivals = sorted(BUILDS_ON_PREVIOUS - {"auto"})
+    rivals = sorted(set(BUILDS_ON) - {"auto"})
     plans: dict[str, list[Plan]] = {n: [] for n in [*rivals, "auto"]}
     import poise.sim.simulator as sim
 

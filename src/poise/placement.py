@@ -503,10 +503,10 @@ def transfers_between(previous: Placement | None, new: Placement, spec: ModelSpe
 class Plan:
     """A policy's decision for every MoE layer.
 
-    `trails` (`auto` only): for each candidate policy that builds on the placement in force,
-    that policy's own latest plan, made from its own previous one: the plan it would have in
-    force had it run alone. The next `auto` call continues each from there, so any rival's own
-    placement stays among its candidates (`policies.auto`)."""
+    `trails` (`auto` only): for each candidate policy that builds on the placement in force
+    (`policies.base.BUILDS_ON`), that policy's own latest plan, made from its own previous
+    one: the plan it would have in force had it run alone. The next `auto` call continues each
+    from there, so any rival's own placement stays among its candidates (`policies.auto`)."""
 
     policy: str
     placement: Placement

@@ -15,17 +15,17 @@ a uniform forecast, as at the first step, makes every layout price alike, and a 
 one would leave local searches such as `vexpert` no room), then to the candidate order.
 
 Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
-(`BUILDS_ON_PREVIOUS`: `vexpert`'s local search, `permute`, and `prophet`, `hybrid` and `shadow`
-from its homes) runs from `auto`'s placement, so once `auto` has taken another layout its
+(`BUILDS_ON`: `vexpert`'s local search on the whole placement; `permute`, `prophet`, `hybrid`
+and `shadow` on its homes) runs from `auto`'s placement, so once `auto` has taken another layout its
 candidates are not the plans the rival makes alone: on a long replay `auto` took `eplb`'s
 layout early and `vexpert`'s local search from there never reached the layouts `vexpert` alone
 reached from the static one (3.8% slower than `vexpert` over 200 steps of FlexMoE's BERT-MoE).
 So `auto`'s plan carries, per such rival, the rival's own latest plan, and each call continues
-it: where the trail's placement differs from the one in force, the rival also runs from its
-trail, and that plan (label `name:alone`) is priced with its migrations from the placement in
-force like any candidate. Where they agree, the run from the placement in force is the trail's
-continuation (a policy sees only the placement of `previous`), so the extra run costs nothing
-while `auto` follows a rival. In a replay each trail equals the rival's own plans
+it: where the trail differs from the placement in force in what the rival builds on, the rival
+also runs from its trail, and that plan (label `name:alone`) is priced with its migrations
+from the placement in force like any candidate. Where they agree, the run from the placement in
+force is the trail's continuation (the rival sees nothing else of `previous`), so the extra run
+costs nothing while `auto` follows a rival. In a replay each trail equals the rival's own plans
 (`tests/test_policy_trails.py`).
 
 Pruning (option `prune`, default on): a candidate with a registered lower bound
@@ -50,7 +50,7 @@ import numpy as np
 from poise.cost import PHASE_NAMES, PhaseTimes, PlanCost
 from poise.placement import Assignment, Placement, Plan, transfers_between
 from poise.policies.base import (
-    BUILDS_ON_PREVIOUS,
+    BUILDS_ON,
     HELPER_CPU_NOTE,
     REGISTRY,
     PlanContext,
@@ -106,20 +106,22 @@ def _fits(plan: Plan | None, ctx: PlanContext, layers: int) -> bool:
     )
 
 
-def _same_placement(a: Placement, b: Placement) -> bool:
-    return np.array_equal(a.home, b.home) and np.array_equal(a.copies, b.copies)
+def _agree(a: Placement, b: Placement, on: str) -> bool:
+    """Whether two placements agree on what a policy builds on (`BUILDS_ON`)."""
+    same_homes = np.array_equal(a.home, b.home)
+    return same_homes if on == "homes" else same_homes and np.array_equal(a.copies, b.copies)
 
 
 class Candidates:
     """The candidates of one `auto` call as they are made: labels, plans, the least total so
     far (for pruning) and each trailing policy's continued trail.
 
-    A policy in `BUILDS_ON_PREVIOUS` runs from the placement in force (label = its name). If its
-    own trail (`previous.trails[name]`) has another placement, it also runs from the trail
-    (label `name + ALONE`): that plan, which the policy would make had it run alone, is priced
-    with its migrations from the placement in force and becomes the policy's new trail. If the
-    placements agree, the first run is the trail's continuation too (a policy sees only the
-    placement of `previous`)."""
+    A policy in `BUILDS_ON` runs from the placement in force (label = its name). If its own
+    trail (`previous.trails[name]`) differs from it in what the policy builds on (the
+    placement, or only its homes), it also runs from the trail (label `name + ALONE`): that
+    plan, which the policy would make had it run alone, is priced with its migrations from the
+    placement in force and becomes the policy's new trail. If they agree, the first run is the
+    trail's continuation too (the policy sees nothing else of `previous`)."""
 
     def __init__(
         self, previous: Plan | None, loads: np.ndarray, ctx: PlanContext, horizon: float
@@ -142,13 +144,15 @@ class Candidates:
             self._add(["keep"], [keep])
 
     def trail_of(self, name: str) -> Plan | None:
-        """`name`'s own trail if it has left the placement in force, else None."""
+        """`name`'s own trail if it differs from the placement in force in what `name` builds
+        on, else None."""
         trail = self.trails_in.get(name)
-        if name not in BUILDS_ON_PREVIOUS or trail is None or self.previous is None:
+        if name not in BUILDS_ON or trail is None or self.previous is None:
             return None
         if not _fits(trail, self.ctx, self.loads.shape[0]):
             return None
-        return None if _same_placement(trail.placement, self.previous.placement) else trail
+        on = BUILDS_ON[name]
+        return None if _agree(trail.placement, self.previous.placement, on) else trail
 
     def run(self, names: list[str]) -> None:
         """Plan `names` (with their trails where those left the placement in force)."""
@@ -159,7 +163,7 @@ class Candidates:
         self.helper_cpu_s += cpu
         plans = made[: len(names)]
         for name, plan in zip(names, plans, strict=True):
-            if name in BUILDS_ON_PREVIOUS:
+            if name in BUILDS_ON:
                 self.trails[name] = plan
         labels = list(names)
         for name, own in zip(apart, made[len(names) :], strict=True):

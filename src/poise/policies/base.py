@@ -29,22 +29,26 @@ from poise.topology import Cluster
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
 
 REGISTRY: dict[str, PolicyFn] = {}
-# Policies whose plan is built from the placement in force (`previous.placement`; nothing else
-# of `previous` shapes the plan, only its price): run from two different placements in force,
-# they give two different plans. The others (`static`, `eplb`) plan from the loads alone.
-BUILDS_ON_PREVIOUS: set[str] = set()
+# What of the plan in force (`previous`) a policy builds its plan on: its whole placement
+# (`vexpert`'s local search), or only its homes (`permute`, `prophet`, `hybrid`, `shadow`).
+# Nothing else of `previous` shapes the plan, only its price (the migrations); from plans in
+# force that agree on that part a policy makes the same plan. Policies not listed (`static`,
+# `eplb`) plan from the loads alone.
+BUILDS_ON: dict[str, str] = {}
+BUILDS_ON_CHOICES = ("placement", "homes", None)
 
 
-def register(name: str, *, builds_on_previous: bool = True) -> Callable[[PolicyFn], PolicyFn]:
-    """Add a policy to `REGISTRY`; `builds_on_previous=False` declares that its placement does
-    not depend on the plan in force (`tests/test_policy_trails.py` checks the declarations)."""
+def register(name: str, *, builds_on: str | None = "placement") -> Callable[[PolicyFn], PolicyFn]:
+    """Add a policy to `REGISTRY`, declaring what of the plan in force it builds on
+    (`BUILDS_ON`; `tests/test_policy_trails.py` checks every declaration)."""
+    if builds_on not in BUILDS_ON_CHOICES:
+        raise ValueError(f"builds_on must be one of {BUILDS_ON_CHOICES}, got {builds_on!r}")
 
     def wrap(fn: PolicyFn) -> PolicyFn:
         REGISTRY[name] = fn
-        if builds_on_previous:
-            BUILDS_ON_PREVIOUS.add(name)
-        else:
-            BUILDS_ON_PREVIOUS.discard(name)
+        BUILDS_ON.pop(name, None)
+        if builds_on is not None:
+            BUILDS_ON[name] = builds_on
         return fn
 
     return wrap

@@ -371,7 +371,7 @@ def _placement(phy2log: np.ndarray, phyrank: np.ndarray, experts: int, devices: 
     return Placement(home=home, copies=copies.astype(np.int32), slots_per_device=S)
 
 
-@register("eplb", builds_on_previous=False)
+@register("eplb", builds_on=None)
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """EPLB over every slot of the cluster; see the module docstring. `loads`: `[L, D, E]`."""
     _, D, E = loads.shape

@@ -286,7 +286,7 @@ def cut_times(
     return cuts, np.where(cuts >= 0, times, np.inf), states
 
 
-@register(NAME)
+@register(NAME, builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with HybridEP's per-domain expert replicas."""
     L, D, _ = loads.shape

@@ -88,7 +88,7 @@ def device_loads(h: np.ndarray, homes: np.ndarray, devices: int) -> np.ndarray:
     return np.bincount(flat, weights=h.ravel(), minlength=L * devices).reshape(L, devices)
 
 
-@register("permute")
+@register("permute", builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """SmartMoE's re-placement; see the module docstring. `loads`: `[L, D, E]`."""
     L, D, E = loads.shape

@@ -248,7 +248,7 @@ def search_layers(
     return replicated, devices, [[float(x), float(y)] for x, y in zip(before, best, strict=True)]
 
 
-@register(NAME)
+@register(NAME, builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement."""
     L, D, _ = loads.shape

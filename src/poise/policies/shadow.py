@@ -212,7 +212,7 @@ def shadow_layers(
     return walk.order, k, lat0, lat_k
 
 
-@register(NAME)
+@register(NAME, builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with the FasterMoE shadow set per layer."""
     L, D, _ = loads.shape

@@ -10,7 +10,7 @@ from poise.placement import Assignment, Plan
 from poise.policies.base import PlanContext, finish_plan, register, static_placement
 
 
-@register("static", builds_on_previous=False)
+@register("static", builds_on=None)
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     placement = static_placement(loads.shape[0], ctx.experts, ctx.devices, ctx.slots_per_device)
     return finish_plan("static", placement, Assignment.even(placement), loads, previous, ctx)

@@ -21,6 +21,14 @@ SMARTMOE = ("sync", "permute")
 FLEXMOE = ("sync", "vexpert")
 PROPHET = ("prophet", "prophet")
 HYBRIDEP = ("hybrid", "hybrid")
+# Steps replayed from the generated drifting traces: 19 re-planning windows after the warm-up
+# (re-planning every 10 steps). Steps under one plan share its forecast error, so the windows
+# are the independent samples of a comparison between policies; with 40 steps (3 windows) a
+# difference of 0.1% between two policies was forecast luck (0.3-0.8 standard errors), and the
+# losses that only build up over many re-plans (an `auto` stuck in another policy's layout,
+# 3.8% over 200 steps of FlexMoE's BERT-MoE before `auto` followed its rivals' own trails) did
+# not show. The quick forms keep their short replays.
+REPLAY_STEPS = 200
 
 
 def _fastermoe() -> Scenario:
@@ -47,7 +55,7 @@ def _fastermoe() -> Scenario:
                 dtype_bytes=4,
                 tokens_per_device=tokens,
             ),
-            TraceRecipe(steps=40, quick_steps=20, seed=11),
+            TraceRecipe(steps=REPLAY_STEPS, quick_steps=20, seed=11),
         )
         for name, layers, h, tokens in models
     )
@@ -170,7 +178,7 @@ def _pro_prophet() -> Scenario:
                     label,
                     cluster,
                     prophet_spec(model, k, gpus, tokens // gpus),
-                    TraceRecipe(steps=40, quick_steps=20, seed=21 + k),
+                    TraceRecipe(steps=REPLAY_STEPS, quick_steps=20, seed=21 + k),
                     cluster_obj=obj,
                 )
             )
@@ -284,7 +292,7 @@ def _flexmoe() -> Scenario:
                 dtype_bytes=2,
                 tokens_per_device=4096,
             ),
-            TraceRecipe(steps=40, quick_steps=20, seed=31),
+            TraceRecipe(steps=REPLAY_STEPS, quick_steps=20, seed=31),
         )
         for name, layers, h in models
     )
@@ -367,7 +375,7 @@ def _hybridep() -> Scenario:
                     label,
                     cluster,
                     hybridep_spec(data_mb),
-                    TraceRecipe(steps=20, quick_steps=12, seed=41),
+                    TraceRecipe(steps=REPLAY_STEPS, quick_steps=12, seed=41),
                 )
             )
             figures.append(
