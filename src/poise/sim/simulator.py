@@ -10,9 +10,9 @@
 - planning wall time is measured per call and charged to the step it is made in, unless the
   schedule hides it (`Schedule.planning_s`: Pro-Prophet plans under the all-to-all);
 - `background_planning=True` models a planner thread beside training (the runtime's
-  `Balancer` in the background): the plan made at step s runs during step s, from the same
-  forecast, and takes effect at step s + 1 (step 0 runs the static layout); only planning time
-  beyond step s's own time is charged;
+  `Balancer` plans between steps; it has no such thread yet): the plan made at step s runs
+  during step s, from the same forecast, and takes effect at step s + 1 (step 0 runs the static
+  layout); only planning time beyond step s's own time is charged;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
