@@ -188,6 +188,14 @@ class Candidates:
         if name in self.trails_in:
             self.trails[name] = self.trails_in[name]
 
+    def ordered(self, candidates: list[str]) -> tuple[list[str], list[Plan]]:
+        """Labels and plans in the order ties are broken in, whatever order they ran in:
+        `keep`, the candidates in `candidates` order, then their trails' plans in that order."""
+        rank = {"keep": -1} | {n: i for i, n in enumerate(candidates)}
+        rank |= {n + ALONE: len(candidates) + i for i, n in enumerate(candidates)}
+        order = sorted(range(len(self.labels)), key=lambda i: rank[self.labels[i]])
+        return [self.labels[i] for i in order], [self.plans[i] for i in order]
+
     def _add(self, labels: list[str], plans: list[Plan]) -> None:
         self.labels += labels
         self.plans += plans
@@ -215,7 +223,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             made.skip(name)
             continue
         made.run([name])
-    names, plans = made.labels, made.plans
+    names, plans = made.ordered(candidates)
     total = _totals(plans, horizon)
     layers = np.arange(L)
     choice = _choose(total, plans, names)
