@@ -232,3 +232,26 @@ def test_auto_is_not_slower_than_vexpert_over_a_long_flexmoe_replay() -> None:
     w = s.warmup_steps
     auto, vexpert = (result.runs[n].step_s[w:].mean() for n in ("auto", "vexpert"))
     assert auto < vexpert
+
+
+def test_trails_survive_a_checkpoint() -> None:
+    """A resumed run re-plans as an uninterrupted one: the checkpoint keeps `auto`'s trails, and
+    the next plan from the restored plan equals the next plan from the original."""
+    from poise.train.checkpoint import plan_from_payload, plan_to_payload
+
+    ctx, loads = _case(6)
+    poor = _random_previous(ctx, np.random.default_rng(7), "home")
+    in_force = dataclasses.replace(poor, trails={"vexpert": make_plan("vexpert", loads, None, ctx)})
+    plan = make_plan("auto", loads, in_force, ctx)
+    assert plan.trails
+    restored = plan_from_payload(plan_to_payload(plan), None, ctx.spec)
+    assert set(restored.trails) == set(plan.trails)
+    for name, trail in plan.trails.items():
+        _assert_same_plan(trail, restored.trails[name], name)
+    shifted = loads[:, ::-1].copy()
+    after, after_restored = (make_plan("auto", shifted, p, ctx) for p in (plan, restored))
+    assert after.notes["chosen"] == after_restored.notes["chosen"]
+    _assert_same_plan(after, after_restored, "next plan")
+    no_trails = plan_to_payload(plan)
+    del no_trails["trails"]  # a checkpoint from before trails
+    assert plan_from_payload(no_trails, None, ctx.spec).trails == {}

@@ -14,9 +14,10 @@ What a checkpoint holds (`torch.save` of plain tensors, lists and numbers; read 
   from the home slots (the owners' master copies) of all ranks;
 - `optimizer`: AdamW's state the same way: dense tensors by parameter name, expert moments
   `[E, ...]` by expert id (from the homes), each tensor's step count;
-- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, W, E]`, weights),
-  `balancer`: its step counter and load window `[T, L, W, E]`, so a resumed run re-plans exactly
-  as an uninterrupted one would;
+- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, W, E]`, weights;
+  with `auto`, its rivals' trails, `Plan.trails`, the same way), `balancer`: its step counter
+  and load window `[T, L, W, E]`, so a resumed run re-plans exactly as an uninterrupted one
+  would;
 - `rng`: every rank's torch, CUDA, NumPy and Python random states;
 - `world_size`, `ep_size` (ranks of an expert-parallel group: the world, or a layout's ep),
   `config`, `format`, `version`.
@@ -247,6 +248,8 @@ def plan_to_payload(plan: Plan) -> dict[str, Any]:
         if a.group_weights is None
         else torch.from_numpy(np.asarray(a.group_weights, dtype=np.float64)),
         "group_size": int(a.group_size),
+        # `auto`'s trails (its rivals' own plans), so a resumed run re-plans as the first would.
+        "trails": {name: plan_to_payload(trail) for name, trail in plan.trails.items()},
     }
 
 
@@ -264,6 +267,9 @@ def plan_from_payload(p: dict[str, Any], previous: Placement | None, spec: Any) 
         str(p["policy"]), placement, assignment, transfers_between(previous, placement, spec)
     )
     plan.validate()
+    # Checkpoints written before trails existed have none: `auto` then starts them afresh.
+    for name, trail in p.get("trails", {}).items():
+        plan.trails[str(name)] = plan_from_payload(trail, None, spec)
     return plan
 
 
