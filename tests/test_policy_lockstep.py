@@ -181,7 +181,7 @@ def test_balanced_assignment_equals_water_filling_on_all_rows() -> None:
         assert got.strides == want.strides  # same memory layout, so the same sums downstream
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "prophet", "shadow", "permute", "eplb"])
+@pytest.mark.parametrize("policy", ["hybrid", "prophet", "shadow", "permute", "eplb", "vexpert"])
 def test_layers_planned_together_equal_each_layer_alone(policy: str) -> None:
     # Lockstep across layers must not couple them: every layer's placement and price are the
     # ones it gets when planned on its own.
