@@ -35,19 +35,21 @@ from poise.calibrate import (
     write_outputs,
 )
 from poise.calibrate.host import (
-    HOST_FLOOR,
-    KINDS_LOCAL,
-    allreduce_after_compute,
     balanced_experts,
     dense_grad_bytes,
     dense_points,
-    dispatcher_host_seconds,
     expert_points,
     gpt_config,
     local_timer,
     rank_param_shapes,
     rank_params,
     step_points,
+)
+from poise.calibrate.host_fit import (
+    HOST_FLOOR,
+    KINDS_LOCAL,
+    allreduce_after_compute,
+    dispatcher_host_seconds,
 )
 from poise.cli import main
 from poise.errors import ConfigError, PoiseError

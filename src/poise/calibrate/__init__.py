@@ -69,13 +69,8 @@ from poise.calibrate.fit import (
     fit_latency_bandwidth,
     fit_line,
 )
-from poise.calibrate.host import (
-    HostFit,
-    HostPoint,
-    fit_host,
-    host_steps,
-    measure_host,
-)
+from poise.calibrate.host import host_steps, measure_host
+from poise.calibrate.host_fit import HostFit, HostPoint, fit_host
 from poise.calibrate.measure import (
     COLLECTIVES,
     GROUP_COLLECTIVES,

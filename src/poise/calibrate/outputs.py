@@ -13,7 +13,7 @@ from typing import Any
 from poise.atomic import atomic_write_text
 from poise.calibrate.config import WORLD_SIZE, CalibrationConfig, CalibrationError
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
-from poise.calibrate.host import HostFit, HostPoint, fit_host, has_host_points
+from poise.calibrate.host_fit import HostFit, HostPoint, fit_host, has_host_points
 from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoint, GemmPoint
 from poise.collectives import CollectiveFit, alpha_beta_from_link_fit
 from poise.errors import ConfigError
@@ -115,7 +115,7 @@ def fit_all(
     """GEMM fits per phase and for forward+backward summed per row count; a link fit per
     collective (`link_fits`: all-to-all and all-reduce; `group_fits`: all-gather and
     reduce-scatter, those measured); the host costs' fits from `host_points` when given
-    (`poise.calibrate.host.fit_host`)."""
+    (`poise.calibrate.host_fit.fit_host`)."""
     gemm_fits = {}
     for phase in ("forward", "backward"):
         pts = [p for p in gemm_points if p.phase == phase]
