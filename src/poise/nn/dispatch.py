@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from poise.errors import ConfigError, PlanError, PoiseError
+from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.slots import SlotMap, slot_maps
 from poise.placement import Assignment, Placement
 
@@ -319,91 +320,6 @@ class _Combine(torch.autograd.Function):
         return gyg.mul_(w_rows.unsqueeze(1)), gw, None
 
 
-class _Pending:
-    """The work handles of one asynchronous all-to-all and of its backward."""
-
-    def __init__(self) -> None:
-        self.work: dist.Work | None = None
-        self.grad: torch.Tensor | None = None
-        self.grad_work: dist.Work | None = None
-
-
-class _AllToAllStart(torch.autograd.Function):
-    """Launch `all_to_all_single` of `send [N, D]` asynchronously; returns the receive buffer
-    (valid once `_AllToAllWait` ran). Backward waits for the reverse exchange that
-    `_AllToAllWait.backward` launched and returns its result."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        send: torch.Tensor,
-        out_splits: list[int],
-        in_splits: list[int],
-        group: Any,
-        pending: _Pending,
-    ) -> torch.Tensor:
-        send = send.contiguous()
-        recv = send.new_empty(sum(out_splits), *send.shape[1:])
-        pending.work = dist.all_to_all_single(
-            recv, send, out_splits, in_splits, group=group, async_op=True
-        )
-        ctx.pending = pending
-        return recv
-
-    @staticmethod
-    def backward(ctx: Any, _grad_recv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        pending = ctx.pending
-        pending.grad_work.wait()
-        grad = pending.grad
-        pending.grad = pending.grad_work = None
-        return grad, None, None, None, None
-
-
-class _AllToAllWait(torch.autograd.Function):
-    """Wait for `_AllToAllStart`'s exchange; backward launches the reverse exchange."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        recv: torch.Tensor,
-        out_splits: list[int],
-        in_splits: list[int],
-        group: Any,
-        pending: _Pending,
-    ) -> torch.Tensor:
-        pending.work.wait()
-        pending.work = None
-        ctx.splits = (out_splits, in_splits)
-        ctx.group = group
-        ctx.pending = pending
-        return recv.view_as(recv)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_splits, in_splits = ctx.splits
-        grad = grad.contiguous()
-        pending = ctx.pending
-        pending.grad = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        pending.grad_work = dist.all_to_all_single(
-            pending.grad, grad, in_splits, out_splits, group=ctx.group, async_op=True
-        )
-        return grad, None, None, None, None
-
-
-_Started = tuple[torch.Tensor, tuple[list[int], list[int], Any, _Pending]]
-
-
-def _start(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> _Started:
-    pending = _Pending()
-    recv = _AllToAllStart.apply(send, out_splits, in_splits, group, pending)
-    return recv, (out_splits, in_splits, group, pending)
-
-
-def _wait(started: _Started) -> torch.Tensor:
-    recv, args = started
-    return _AllToAllWait.apply(recv, *args)
-
-
 # ----------------------------------------------------------------------------- dispatcher
 @dataclass
 class _ChunkPlan:
@@ -528,14 +444,14 @@ class Dispatcher:
                   enumerate(split_parts(recv_counts, n))]  # fmt: skip
         sends = send.split([sum(c.in_splits) for c in chunks])
         started = [
-            _start(s, c.out_splits, c.in_splits, self.group)
+            start_all_to_all(s, c.out_splits, c.in_splits, self.group)
             for s, c in zip(sends, chunks, strict=True)
         ]
         t_dispatch, t_experts = time.perf_counter() - t0, 0.0
         back = []
         for plan, st in zip(chunks, started, strict=True):
             t1 = time.perf_counter()
-            rows = _wait(st)
+            rows = wait_all_to_all(st)
             if plan.regroup is not None:
                 rows = _PermuteRows.apply(rows, plan.regroup, plan.ungroup)
             t2 = time.perf_counter()
@@ -543,11 +459,11 @@ class Dispatcher:
             t3 = time.perf_counter()
             if plan.regroup is not None:
                 out = _PermuteRows.apply(out, plan.ungroup, plan.regroup)
-            back.append(_start(out, plan.in_splits, plan.out_splits, self.group))
+            back.append(start_all_to_all(out, plan.in_splits, plan.out_splits, self.group))
             t_dispatch += t2 - t1
             t_experts += t3 - t2
         t4 = time.perf_counter()
-        outs = [_wait(b) for b in back]
+        outs = [wait_all_to_all(b) for b in back]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         y = _Combine.apply(out, weights, index)
         self.seconds = {
