@@ -255,3 +255,33 @@ def test_trails_survive_a_checkpoint() -> None:
     no_trails = plan_to_payload(plan)
     del no_trails["trails"]  # a checkpoint from before trails
     assert plan_from_payload(no_trails, None, ctx.spec).trails == {}
+
+
+def _totals(plan: Plan, horizon: float) -> np.ndarray:
+    """`[L]` `auto`'s objective of the plan it chose: K steps of recurring time plus migration."""
+    migrate = plan.cost.phases.migrate_s
+    return horizon * (plan.cost.layer_s - migrate) + migrate
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_trails_only_add_candidates(seed: int) -> None:
+    """With trails `auto` chooses among more candidates, never fewer: per layer its chosen
+    total is at most the total it chooses without them (same loads, same plan in force), with
+    pruning on and off."""
+    ctx, loads = _case(seed)
+    rng = np.random.default_rng(100 + seed)
+    in_force = _random_previous(ctx, rng, "even")
+    trails = {
+        name: make_plan(
+            name, rng.permutation(loads, axis=2), _random_previous(ctx, rng, "home"), ctx
+        )
+        for name in BUILDS_ON
+        if name != "auto"
+    }
+    for prune in (True, False):
+        opts = {"auto": {"prune": prune, "horizon": 10}}
+        c = dataclasses.replace(ctx, options=opts)
+        with_trails = make_plan("auto", loads, dataclasses.replace(in_force, trails=trails), c)
+        without = make_plan("auto", loads, in_force, c)
+        assert with_trails.notes["alone"], "some trail left the placement in force"
+        assert np.all(_totals(with_trails, 10) <= _totals(without, 10) * (1 + 1e-9) + 1e-15)
