@@ -151,6 +151,8 @@ class Candidates:
             return None
         if not _fits(trail, self.ctx, self.loads.shape[0]):
             return None
+        if trail.placement.slots_per_device != self.ctx.slots_per_device:
+            return None  # the slots changed since: the trail cannot be continued
         on = BUILDS_ON[name]
         return None if _agree(trail.placement, self.previous.placement, on) else trail
 
