@@ -89,6 +89,16 @@ def test_each_scenario_quick_form(name: str) -> None:
     assert res.wall_s < 20
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", QUICK)
+def test_each_scenario_full_form_auto_is_never_slower(name: str) -> None:
+    """The issue's line on the full forms (200-step replays; `poise scenarios` runs them in
+    about 2.5 minutes): `auto` is not slower than any other policy in any run."""
+    res = run_scenario(SCENARIOS[name])
+    check_result(res)
+    assert not auto_slower(res)
+
+
 def test_cross_dc_reduced() -> None:
     res = run_scenario(small_cross_dc(), quick=True)
     check_result(res)
