@@ -285,3 +285,18 @@ def test_trails_only_add_candidates(seed: int) -> None:
         without = make_plan("auto", loads, in_force, c)
         assert with_trails.notes["alone"], "some trail left the placement in force"
         assert np.all(_totals(with_trails, 10) <= _totals(without, 10) * (1 + 1e-9) + 1e-15)
+
+
+def test_a_trail_with_other_slots_is_not_continued() -> None:
+    """A trail made when devices had more slots than now is dropped (the rival starts again
+    from the placement in force), not continued into a plan that does not fit."""
+    ctx, loads = _case(9)
+    wide = dataclasses.replace(ctx, slots_per_device=4)
+    trail = make_plan("vexpert", loads, None, wide)
+    in_force = dataclasses.replace(
+        _random_previous(ctx, np.random.default_rng(11), "home"), trails={"vexpert": trail}
+    )
+    plan = make_plan("auto", loads, in_force, ctx)
+    assert plan.notes["alone"] == []
+    assert plan.trails["vexpert"].placement.slots_per_device == ctx.slots_per_device
+    plan.validate()
