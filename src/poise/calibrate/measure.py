@@ -21,7 +21,7 @@ from poise.calibrate.config import (
     CalibrationConfig,
     CalibrationError,
 )
-from poise.runtime.launch import destroy_process_group, free_port
+from poise.runtime.launch import destroy_process_group, free_port, join_local_gloo
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -164,19 +164,7 @@ def measure_gemm(config: CalibrationConfig, progress: Progress = _no_progress) -
 def init_local_gloo(rank: int, port: int, threads: int) -> None:
     """Join the `WORLD_SIZE`-rank gloo group of a calibration on 127.0.0.1:`port`, with
     `threads` intra-op threads and the calibration's collective timeout."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=DIST_TIMEOUT_S),
-    )
+    join_local_gloo(rank, WORLD_SIZE, port, threads, DIST_TIMEOUT_S)
 
 
 def _collective_worker(

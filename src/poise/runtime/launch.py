@@ -42,6 +42,22 @@ def destroy_process_group() -> None:
     dist.destroy_process_group()
 
 
+def join_local_gloo(rank: int, world_size: int, port: int, threads: int, timeout_s: float) -> None:
+    """Join a `world_size`-rank gloo process group on 127.0.0.1:`port` as `rank`, with
+    `threads` intra-op threads and a collective timeout of `timeout_s` seconds."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -59,19 +75,9 @@ def _rank_main(
     collective_timeout_s: float,
     args: tuple[Any, ...],
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
+        join_local_gloo(rank, world_size, port, threads, collective_timeout_s)
         try:
             payload = ("ok", fn(rank, world_size, *args))
         finally:
