@@ -12,6 +12,16 @@ from poise.topology import GBIT, PRESETS, Cluster, HostCosts, get_cluster
 from .helpers import toy_cluster
 
 
+def assert_load_names_file_and_field(tmp_path, data: dict, field: str) -> None:
+    """Loading `data` written as YAML raises one `ConfigError` naming the file and `field`."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        Cluster.load(path)
+    assert str(path) in str(info.value)
+    assert field in str(info.value)
+
+
 def test_presets_have_paper_shapes() -> None:
     assert get_cluster("v100-ib50").num_devices == 16
     assert get_cluster("v100-ib50").inter_node.bw_Bps == pytest.approx(50 * GBIT)
@@ -70,12 +80,7 @@ def test_yaml_roundtrip(tmp_path, name: str) -> None:
 def test_bad_yaml_names_file_and_field(tmp_path, mutate, field: str) -> None:
     data = PRESETS["v100-ib50"].to_dict()
     mutate(data)
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError) as info:
-        Cluster.load(path)
-    assert str(path) in str(info.value)
-    assert field in str(info.value)
+    assert_load_names_file_and_field(tmp_path, data, field)
 
 
 def test_unreadable_yaml(tmp_path) -> None:
@@ -133,11 +138,6 @@ def test_host_costs_roundtrip_through_yaml(tmp_path) -> None:
 def test_bad_host_costs_name_the_file_and_field(tmp_path, host: dict, field: str) -> None:
     data = PRESETS["cpu-2"].to_dict()
     data["host"] = host
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError) as info:
-        Cluster.load(path)
-    assert str(path) in str(info.value)
-    assert field in str(info.value)
+    assert_load_names_file_and_field(tmp_path, data, field)
     with pytest.raises(ConfigError, match="clip_s"):
         HostCosts(clip_s=float("nan"))
