@@ -158,9 +158,9 @@ class Candidates:
 
     def run(self, names: list[str]) -> None:
         """Plan `names` (with their trails where those left the placement in force)."""
-        jobs: list[Job] = [(n, self.previous) for n in names]
-        apart = [n for n in names if self.trail_of(n) is not None]
-        jobs += [(n, self.trail_of(n)) for n in apart]
+        trails = {n: self.trail_of(n) for n in names}
+        apart = [n for n in names if trails[n] is not None]
+        jobs: list[Job] = [(n, self.previous) for n in names] + [(n, trails[n]) for n in apart]
         made, cpu = run_candidates(jobs, self.loads, self.ctx)
         self.helper_cpu_s += cpu
         plans = made[: len(names)]
