@@ -78,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_trace(name: str, args: argparse.Namespace) -> Any:
     """`Trace` `[1, layers, world, experts]` for the named case."""
     from poise.sim.scaling import ScaledTrace
-    from poise.trace import Trace
-    from poise.trace_generate import generate
-    from poise.trace_import import load_any
+    from poise.trace.generate import generate
+    from poise.trace.importers import load_any
+    from poise.trace.trace import Trace
 
     if name == "smartmoe-5001":
         sample = load_any(str(Path(args.data) / "smartmoe-ae-sample"))

@@ -68,14 +68,14 @@ def _mean_after(x: np.ndarray, warmup: int) -> float:
 # ------------------------------------------------------------------------------- simulator
 def table_v(slots: str) -> None:
     """HybridEP Table V, one line per (datacentres, data size)."""
+    from poise.core.cluster import get_cluster
     from poise.sim.scenarios.papers import (
         HYBRIDEP_PUBLISHED,
         HYBRIDEP_TABLE_V,
         hybridep_spec,
     )
     from poise.sim.simulator import simulate
-    from poise.topology import get_cluster
-    from poise.trace_generate import generate
+    from poise.trace.generate import generate
 
     for dcs in (2, 4):
         cluster = get_cluster("a800-eth10" if dcs == 2 else f"a800-eth10:{dcs}")
@@ -130,10 +130,10 @@ def table_v(slots: str) -> None:
 
 def sweep() -> None:
     """Inter-domain bandwidth x number of datacentres, `hybrid` against plain EP."""
+    from poise.core.cluster import GBIT, get_cluster
     from poise.sim.scenarios.papers import cross_dc_spec
     from poise.sim.simulator import simulate
-    from poise.topology import GBIT, get_cluster
-    from poise.trace_generate import generate
+    from poise.trace.generate import generate
 
     spec = cross_dc_spec()
     base = get_cluster("cross-dc-1000")
@@ -213,7 +213,7 @@ def codec_figures(experts: list[list[Any]], label: str) -> None:
 
 def init_experts() -> list[list[Any]]:
     """The `tiny` model's experts as initialised, `[layer][tensor] -> [E, ...]`."""
-    from poise.train.model import GPTMoE, model_config
+    from poise.models.gpt import GPTMoE, model_config
 
     model = GPTMoE(model_config("tiny"), seed=0)  # one process: every slot holds its expert
     return [[w.detach().clone() for w in m.experts.weights()] for m in model.moe_layers()]
@@ -224,10 +224,10 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     import torch
     import torch.distributed as dist
 
+    from poise.models.gpt import GPTMoE, model_config
     from poise.runtime.balancer import Balancer
     from poise.runtime.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
-    from poise.train.model import GPTMoE, model_config
 
     torch.manual_seed(0)
     cfg = model_config("tiny")

@@ -5,7 +5,7 @@ on each cluster: `parm-8gpu` (one 8-GPU server) and `parm-32gpu` (8 nodes of 4 G
 100 Gb/s NIC per node), Parm's two testbeds, plus `parm-32gpu-nic-per-gpu` (one NIC per GPU, not
 Parm's), where S2 can win. Every configuration is priced under each schedule by the event model
 (`poise.sim.parm_events`, the "truth"); the choice uses Parm's alpha-beta condition
-(`poise.parm.choose_schedule`).
+(`poise.layouts.parm.choose_schedule`).
 
 One JSON line per cluster. Keys: bench ("parm_grid"), cluster, devices, configs, s1, s2, choice,
 oracle (each: min, p10, median, p90, max of truth(baseline) / truth(schedule); oracle = the

@@ -12,7 +12,8 @@ the same weights under every schedule:
   all-to-all, ESP all-gather and experts);
 - `s1`, `s2`: Parm's two schedules (MP paused around the MoE layer; S1 EP all-to-all then ESP
   collectives, S2 one all-to-all over the world);
-- `auto`: the schedule `ParmChooser` picks (Parm's alpha-beta condition, `poise.parm`, on the
+- `auto`: the schedule `ParmChooser` picks (Parm's alpha-beta condition, `poise.layouts.parm`, on
+  the
   modelled cluster of this run unless told otherwise), reported as `chosen`.
 
 A step is `(y * g).sum().backward()` after the forward. The schedules are stepped in rotation,
@@ -60,8 +61,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from poise.models.gpt import GPTConfig, rotary_tables
     from poise.runtime.parallel import ParallelGroups, parallel_block
-    from poise.train.model import GPTConfig, rotary_tables
 
     cfg = GPTConfig(
         d_model=args.d_model,

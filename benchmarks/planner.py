@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from poise.cost import CostModel
-from poise.heap import retain_freed_memory
-from poise.placement import Plan
-from poise.policies import REGISTRY
-from poise.policies.base import PlanContext, make_plan
-from poise.spec import MODELS, ModelSpec
-from poise.topology import get_cluster
-from poise.trace_generate import generate
-from poise.trace_import import load_any
+from poise.core.cluster import get_cluster
+from poise.core.placement import Plan
+from poise.core.spec import MODELS, ModelSpec
+from poise.cost.model import CostModel
+from poise.plan.policies import REGISTRY
+from poise.plan.policies.base import PlanContext, make_plan
+from poise.trace.generate import generate
+from poise.trace.importers import load_any
+from poise.util.heap import retain_freed_memory
 
 
 def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
     default_data = os.environ.get("POISE_SHARED_DATA", "../shared/data")
     parser.add_argument("--data", default=default_data, help="folder with smartmoe-ae-sample/")
     args = parser.parse_args()
-    retain_freed_memory()  # as in every poise process (`poise.heap`)
+    retain_freed_memory()  # as in every poise process (`poise.util.heap`)
 
     sample = load_any(str(Path(args.data) / "smartmoe-ae-sample"))
     cluster = get_cluster("v100-ib50")

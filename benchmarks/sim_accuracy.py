@@ -20,10 +20,11 @@
    on the round's calibrated cluster with a `ModelSpec` of the tiny model, the same slots,
    re-planning interval and predictor, synchronous schedule, planning time charged, and the
    model's replicated parameters (`dense_params`, counted on the model), so each step also pays
-   the work outside the layers (`poise.step_overheads`).
+   the work outside the layers (`poise.cost.step_overheads`).
 
 What the simulator prices per step (every term measured by `poise calibrate`; formulas in
-`poise.cost`, `poise.host_costs` and `poise.step_overheads`): per MoE layer the expert GEMMs of
+`poise.cost.model`, `poise.cost.host` and `poise.cost.step_overheads`): per MoE layer the expert
+GEMMs of
 the slowest device on the model's experts' rate curve (forward and twice for backward), the
 token all-to-alls on the measured link (4 per layer), the non-MoE compute at its measured rate
 (FNEC, BNEC), the dispatcher's host work a + b (rows sent + received) of the slowest device
@@ -51,7 +52,7 @@ with `busy_before` it.
 The tiny model's `ModelSpec`: d_model 128, d_expert 256, SwiGLU, 8 experts top-2, 4 MoE layers,
 fp32 (4 bytes), AdamW state 8 bytes per parameter, 1,024 tokens per rank and step (8 sequences
 of 128), and non-MoE forward FLOPs per token and block from
-`poise.host_costs.gpt_non_moe_flops_per_token`: attention projections 8 d^2, causal attention
+`poise.cost.host.gpt_non_moe_flops_per_token`: attention projections 8 d^2, causal attention
 2 d (T + 1), router 2 d E, and the tied embedding head's 2 V d shared over the layers.
 
 Each policy's JSON line also carries `phases_ms`: [measured (rank 0), predicted] ms per step for
@@ -147,8 +148,8 @@ def calibrate(out: Path) -> Path:
 
 def tiny_spec(mcfg: Any, tokens_per_device: int) -> Any:
     """The `ModelSpec` of a GPT-MoE config (see the module docstring for the FLOPs)."""
-    from poise.host_costs import gpt_non_moe_flops_per_token
-    from poise.spec import ModelSpec
+    from poise.core.spec import ModelSpec
+    from poise.cost.host import gpt_non_moe_flops_per_token
 
     non_moe = gpt_non_moe_flops_per_token(
         mcfg.d_model, mcfg.context, mcfg.num_experts, mcfg.vocab_size, mcfg.moe_layers
@@ -170,7 +171,7 @@ def tiny_spec(mcfg: Any, tokens_per_device: int) -> Any:
 
 def dense_params(mcfg: Any) -> int:
     """The replicated (non-expert) parameters of a GPT-MoE config, counted on the model."""
-    from poise.train.model import GPTMoE
+    from poise.models.gpt import GPTMoE
 
     return int(GPTMoE(mcfg).num_parameters()["dense"])
 
@@ -180,7 +181,7 @@ def replay(
 ) -> Any:
     """The simulator's `PolicyRun` of one run's trace under its policy on `cluster`."""
     from poise.sim.simulator import simulate
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
 
     trace = Trace.load(run.trace_path)
     slots = spec.experts // 2 + (0 if policy == "static" else int(run.config["spare_slots"]))
@@ -210,7 +211,7 @@ def ablation_variants(cluster_path: Path, cluster: Any, dense: int) -> dict[str,
     import dataclasses
 
     from poise.calibrate import measurements_path
-    from poise.topology import HostCosts
+    from poise.core.cluster import HostCosts
 
     ffn = json.loads(measurements_path(cluster_path).read_text())["gemm_fits"]["forward+backward"]
     h = cluster.host
@@ -379,7 +380,7 @@ def cluster_summary(cluster: Any, busy: float | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from poise.topology import get_cluster
+    from poise.core.cluster import get_cluster
     from poise.train.data import build_corpus
 
     build_corpus(None)

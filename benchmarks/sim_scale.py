@@ -26,10 +26,10 @@ POLICIES = ["static", "shadow", "prophet", "auto"]
 
 
 def one(devices: int, steps: int) -> dict[str, object]:
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
     from poise.sim.simulator import simulate
-    from poise.spec import MODELS
-    from poise.topology import get_cluster
-    from poise.trace_generate import generate
+    from poise.trace.generate import generate
 
     spec = MODELS["gpt-m"].with_(experts=EXPERTS, moe_layers=LAYERS, top_k=2)
     trace = generate(

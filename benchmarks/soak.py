@@ -119,7 +119,7 @@ def _argv(root: Path, steps: int, extra: list[str]) -> list[str]:
 
 
 def _loadable(path: Path) -> bool:
-    from poise.errors import PoiseError
+    from poise.core.errors import PoiseError
     from poise.train.checkpoint import read_file
 
     try:

@@ -174,7 +174,7 @@ def phase_ms(run: Any, skip: int) -> dict[str, float]:
 
 
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from poise.train.model import model_config
+    from poise.models.gpt import model_config
 
     model_args = SETTINGS[name]
     mcfg = model_config("tiny", dict(model_args), source=name)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from poise.spec import ModelSpec
-from poise.topology import Cluster, Link
+from poise.core.cluster import Cluster, Link
+from poise.core.spec import ModelSpec
 
 
 def toy_cluster(
@@ -111,7 +111,7 @@ def assert_priced_as_the_cost_model(plan, cost, loads, device_load_rtol: float =
     rtol 1e-9, the computed tokens to `device_load_rtol` (0: bit for bit)."""
     import numpy as np
 
-    from poise.cost import PHASE_NAMES
+    from poise.cost.model import PHASE_NAMES
 
     fresh = cost.price(plan.placement, plan.assignment, loads, plan.transfers.migrations)
     np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)

@@ -1,18 +1,18 @@
-"""The hierarchical all-reduce of `poise.collectives`: ring, tree, the faster one, levels."""
+"""The hierarchical all-reduce of `poise.cost.collectives`: ring, tree, the faster one, levels."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from poise.collectives import (
+from poise.core.cluster import Cluster, Link
+from poise.cost.collectives import (
     allreduce_s,
     fan_outs,
     hierarchical_allreduce_s,
     ring_allreduce_s,
     tree_allreduce_s,
 )
-from poise.topology import Cluster, Link
 
 
 def cluster() -> Cluster:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from poise.atomic import atomic_write_bytes, atomic_write_text
+from poise.util.atomic import atomic_write_bytes, atomic_write_text
 
 
 def test_write_replace_and_permissions(tmp_path) -> None:

@@ -52,10 +52,10 @@ from poise.calibrate.host_fit import (
     dispatcher_host_seconds,
 )
 from poise.cli import main
-from poise.errors import ConfigError, PoiseError
-from poise.host_costs import gpt_non_moe_flops_per_token
-from poise.parm import GemmModel, ParmLayer, choose_schedule, layer_time
-from poise.topology import Cluster, Link, get_cluster
+from poise.core.cluster import Cluster, Link, get_cluster
+from poise.core.errors import ConfigError, PoiseError
+from poise.cost.host import gpt_non_moe_flops_per_token
+from poise.layouts.parm import GemmModel, ParmLayer, choose_schedule, layer_time
 
 ROWS = np.array([8, 32, 128, 512, 2048], dtype=float)
 SIZES = np.array([4 * 2**10 * 4**i for i in range(7)], dtype=float)
@@ -525,7 +525,7 @@ def test_calibration_with_host_costs_writes_and_reads_them(tmp_path: Path) -> No
 
 
 def test_rank_parameter_shapes_are_the_models() -> None:
-    from poise.train.model import GPTMoE, model_config
+    from poise.models.gpt import GPTMoE, model_config
 
     for overrides in ({}, {"moe_every": 2, "activation": "gelu", "d_model": 64, "d_ff": 96}):
         cfg = model_config("tiny", overrides)

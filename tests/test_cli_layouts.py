@@ -7,8 +7,8 @@ import json
 import pytest
 
 from poise.cli import main
-from poise.layouts import Layout
-from poise.trace_generate import generate
+from poise.layouts.pool import Layout
+from poise.trace.generate import generate
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from poise.cli import main
-from poise.eplb_format import placement_from_eplb
-from poise.trace_generate import generate
+from poise.plan.eplb_format import placement_from_eplb
+from poise.trace.generate import generate
 
 
 def test_plan_on_smartmoe_sample_with_eplb_export(smartmoe_dir, tmp_path, capsys) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from poise.cli import main
-from poise.trace import Trace
+from poise.trace.trace import Trace
 
 
 def test_generate_stats_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

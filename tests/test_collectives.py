@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.collectives import (
+from poise.core.cluster import Cluster, Link
+from poise.core.errors import ConfigError
+from poise.cost.collectives import (
     COLLECTIVES,
     AlphaBeta,
     CollectiveFit,
@@ -15,8 +17,6 @@ from poise.collectives import (
     level_alpha_beta,
     span_level,
 )
-from poise.errors import ConfigError
-from poise.topology import Cluster, Link
 
 AB = AlphaBeta(alpha_s=1e-5, beta_s_per_byte=1e-9)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.errors import PlanError
-from poise.placement import Assignment, Placement, transfers_between
-from poise.schedule import Schedule, parse_schedule
-from poise.traffic import level_traffic
+from poise.core.errors import PlanError
+from poise.core.placement import Assignment, Placement, transfers_between
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule, parse_schedule
+from poise.cost.traffic import level_traffic
 
 from .helpers import toy_cluster, toy_spec
 
@@ -63,7 +63,7 @@ def test_shared_link_divides_bandwidth() -> None:
     shared = toy_cluster(devices_per_node=2, nodes=2, bw=1e9, inter_bw=1e8)
     from dataclasses import replace
 
-    from poise.topology import Link
+    from poise.core.cluster import Link
 
     shared = replace(shared, inter_node=Link(1e8, 0.0, shared_by=2))
     p = Placement.from_homes(np.array([[0, 1, 2, 3]]), 4, 1)
@@ -112,7 +112,7 @@ def test_bad_loads_rejected() -> None:
 
 
 def test_float_residue_pays_no_latency() -> None:
-    from poise.cost import link_time
+    from poise.cost.model import link_time
 
     cluster = toy_cluster(devices_per_node=2, nodes=2, lat=1e-5)
     send = np.zeros((3, 1, 4))
@@ -126,8 +126,8 @@ def test_float_residue_pays_no_latency() -> None:
 def test_pricing_layers_in_chunks_gives_the_same_cost(monkeypatch) -> None:
     """Large problems are priced a few layers at a time; the result does not change, with
     group-local routing (hybrid) and with replicas and migrations (eplb from a previous plan)."""
-    from poise import cost as cost_module
-    from poise.policies import PlanContext, make_plan
+    from poise.cost import model as cost_module
+    from poise.plan.policies import PlanContext, make_plan
 
     cluster = toy_cluster(2, 2, 2, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13)
     spec = toy_spec(experts=8, layers=5, d_model=64, d_expert=128, tokens=256)

@@ -7,12 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.cost_incremental import ExpertColumns, LayerState
-from poise.placement import Assignment, Placement
-from poise.schedule import Schedule
-from poise.spec import MODELS
-from poise.topology import get_cluster
+from poise.core.cluster import get_cluster
+from poise.core.placement import Assignment, Placement
+from poise.core.spec import MODELS
+from poise.cost.incremental import ExpertColumns, LayerState
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule
 
 from .helpers import toy_cluster, toy_spec
 
@@ -77,7 +77,7 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
     # is > 0, including float residues of ~1e-13 tokens (1 - sum of shares); the pricer counts
     # only real traffic (`_NOISE`), so with latencies the two can differ by those phantom
     # latencies (see `ROW_ACTIVE`).
-    from poise.policies.vexpert import _route
+    from poise.plan.policies.vexpert import _route
 
     dgx = get_cluster("dgx-h100:4")
     cluster = dataclasses.replace(
@@ -126,7 +126,7 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
 def _columns_case(cluster, schedule: Schedule, prev_moves: int = 4):
     """An `ExpertColumns` of one random layer with replicas, balanced shares and `prev_moves`
     experts whose home moved (None: no previous homes); returns it with its inputs."""
-    from poise.policies.vexpert import _route
+    from poise.plan.policies.vexpert import _route
 
     spec = MODELS["zipf-256"].with_(experts=48, moe_layers=1)
     cost = CostModel(cluster, spec, schedule)
@@ -160,7 +160,7 @@ def test_expert_columns_terms_sum_to_totals(cluster) -> None:
 def test_totals_after_equals_candidates() -> None:
     # A caller that prices the columns in force in its own batch (`totals_after`) gets the totals
     # `candidates` gets by re-deriving them, bit for bit.
-    from poise.policies.vexpert import _route
+    from poise.plan.policies.vexpert import _route
 
     cols, counts, home, copies, _ = _columns_case(get_cluster("dgx-h100:4"), Schedule("sync"))
     experts = np.array([[3, 7]])

@@ -18,7 +18,7 @@ from poise.report.html import (
     SimSection,
     write_demo_report,
 )
-from poise.trace import Trace
+from poise.trace.trace import Trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
@@ -72,9 +72,9 @@ def _fake_run(root: Path, policy: str, losses: np.ndarray, seed: int) -> Path:
 
 
 def _sim_section(trace_path: Path) -> SimSection:
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
     from poise.sim.simulator import simulate
-    from poise.spec import MODELS
-    from poise.topology import get_cluster
 
     trace = Trace.load(trace_path)
     spec = MODELS["smartmoe-gpt"].with_(experts=8, top_k=2, moe_layers=4)
@@ -135,7 +135,7 @@ def test_report_tells_amplified_rounding_from_a_real_difference(tmp_path) -> Non
 
 
 def test_measured_run_missing_folder_is_one_error(tmp_path) -> None:
-    from poise.errors import ConfigError
+    from poise.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cannot read the training run"):
         MeasuredRun.load(tmp_path / "nothing")

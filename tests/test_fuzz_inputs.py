@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poise.cli import main
-from poise.errors import PoiseError
-from poise.topology import Cluster, get_cluster
-from poise.trace_generate import generate
-from poise.trace_import import load_any
+from poise.core.cluster import Cluster, get_cluster
+from poise.core.errors import PoiseError
+from poise.trace.generate import generate
+from poise.trace.importers import load_any
 from poise.train.config import config_from_mapping, load_config
 
 CASES = 400  # examples per fuzz test: thousands in all, a few seconds each

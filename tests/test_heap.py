@@ -1,4 +1,4 @@
-"""`poise.heap.retain_freed_memory`: with it, freed planning temporaries are reused instead of
+"""`poise.util.heap.retain_freed_memory`: with it, freed planning temporaries are reused instead of
 page-faulted in again. Each measurement runs in a fresh interpreter (the setting is
 process-wide and the allocator's state matters)."""
 
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from poise.heap import retain_freed_memory
+from poise.util.heap import retain_freed_memory
 
 PROBE = """
 import resource, sys
 import numpy as np
-from poise.heap import retain_freed_memory
+from poise.util.heap import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def burst():  # like a planner call: several 1 MiB temporaries alive at once, then freed

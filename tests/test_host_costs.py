@@ -1,4 +1,4 @@
-"""Host costs (`poise.host_costs`): the non-MoE compute at its measured rate and the
+"""Host costs (`poise.cost.host`): the non-MoE compute at its measured rate and the
 dispatcher's host work, on hand-computed cases; the defaults give the cost model's FNEC/BNEC."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.host_costs import (
+from poise.core.cluster import HostCosts
+from poise.core.placement import Assignment, Placement
+from poise.cost.host import (
     dense_rates,
     dense_seconds,
     dispatch_host_seconds,
     dispatch_rows,
     gpt_non_moe_flops_per_token,
 )
-from poise.placement import Assignment, Placement
-from poise.topology import HostCosts
+from poise.cost.model import CostModel
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 
@@ -121,8 +121,8 @@ def test_the_cost_model_prices_the_host_terms_by_hand() -> None:
 def test_every_policy_prices_its_plan_with_the_host_terms(schedule: str) -> None:
     """On a calibrated cluster each policy's plan costs what `CostModel.price` says, including
     those that hand `finish_plan` the price their search kept (`vexpert`, `prophet`)."""
-    from poise.policies import REGISTRY, PlanContext, make_plan
-    from poise.schedule import parse_schedule
+    from poise.cost.schedule import parse_schedule
+    from poise.plan.policies import REGISTRY, PlanContext, make_plan
 
     cluster = dataclasses.replace(toy_cluster(4, 2, bw=1e10, inter_bw=1e9, flops=1e12), host=HOST)
     spec = toy_spec(experts=16, layers=2, d_model=64, d_expert=128, tokens=4096, non_moe=1e6)

@@ -7,9 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.errors import ConfigError, PlanError
-from poise.layouts import (
+from poise.core.errors import ConfigError, PlanError
+from poise.core.placement import Assignment
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule
+from poise.layouts.online import select_layout, switch_seconds
+from poise.layouts.pool import (
     Layout,
     LayoutSettings,
     enumerate_layouts,
@@ -17,17 +20,14 @@ from poise.layouts import (
     memory_bytes,
     sub_cluster,
 )
-from poise.layouts_online import select_layout, switch_seconds
-from poise.layouts_price import (
+from poise.layouts.price import (
     allreduce_times,
     permute_in_layout,
     price_layout,
     rank_layouts,
     stage_phases,
 )
-from poise.placement import Assignment
-from poise.policies.base import static_placement
-from poise.schedule import Schedule
+from poise.plan.policies.base import static_placement
 
 from .helpers import toy_cluster, toy_spec
 
@@ -309,10 +309,10 @@ def test_select_layout_switches_only_when_the_saving_pays_for_the_move() -> None
 
 # ---------------------------------------------------------------------------- real data
 def test_smartmoe_sample_on_its_cluster(smartmoe_dir) -> None:
-    from poise.loads import spec_for_trace
-    from poise.spec import get_model
-    from poise.topology import get_cluster
-    from poise.trace_import import load_any
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import get_model
+    from poise.trace.importers import load_any
+    from poise.trace.loads import spec_for_trace
 
     trace = load_any(smartmoe_dir)
     cluster = get_cluster("v100-ib50")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.policies.lpt import MIN_PACKS, lpt_assign
+from poise.plan.policies.lpt import MIN_PACKS, lpt_assign
 
 
 def _greedy(

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.errors import ConfigError, PlanError
+from poise.core.errors import ConfigError, PlanError
+from poise.core.placement import Assignment, Placement
 from poise.nn.dispatch import Layout, gather_index, inverse, split_parts
 from poise.nn.slots import SlotMap, slot_maps
-from poise.placement import Assignment, Placement
 from poise.runtime.launch import run_ranks
 
 from .test_nn_moe import Case, check_against_reference, run_case

@@ -9,7 +9,7 @@ import torch.nn.functional as F  # noqa: N812
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 from poise.nn.experts import Experts, ExpertsInputError, grouped_mm_problem
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from poise.errors import ConfigError, PlanError
+from poise.core.errors import ConfigError, PlanError
+from poise.core.placement import Assignment, Placement
 from poise.nn import MoE, NonFiniteInputError, install_bias_update, slot_maps, sync_router_grads
 from poise.nn.dispatch import Layout
-from poise.placement import Assignment, Placement
 from poise.runtime.launch import run_ranks
 
 from .helpers import toy_cluster, toy_spec
@@ -244,7 +244,7 @@ def test_batch_shape_last_counts_and_losses():
 
 def test_replay_router_drives_the_layer():
     from poise.nn import ReplayRouter
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
 
     counts = np.array([[[[30, 10, 0, 20]]], [[[0, 0, 40, 20]]]])  # [steps, 1, 1, 4]
     trace = Trace(counts, np.arange(2), top_k=2, tokens_per_device=30)
@@ -317,7 +317,7 @@ def test_bias_update_hook_runs_before_the_optimizer_step():
 # ----------------------------------------------------------------------------- several ranks
 def policy_cases(world: int, E: int = 8) -> list[Case]:
     """Plans of every policy on skewed loads (hot experts 0 and 1), with two spare slots."""
-    from poise.policies import REGISTRY, PlanContext, make_plan
+    from poise.plan.policies import REGISTRY, PlanContext, make_plan
 
     nodes = 2 if world >= 4 else 1
     cluster = toy_cluster(world // nodes, nodes, 1, bw=1e9, inter_bw=2e8, lat=1e-6, flops=1e9)
@@ -380,7 +380,7 @@ def test_four_ranks_match_reference_including_expert_data_parallel():
 
 
 def test_static_layout_is_the_static_policy():
-    from poise.policies.base import static_placement
+    from poise.plan.policies.base import static_placement
 
     for experts, world in ((8, 2), (8, 8), (2, 4), (4, 8)):
         slots = max(experts // world, 1)

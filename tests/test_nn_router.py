@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from poise.errors import ConfigError, TraceError
+from poise.core.errors import ConfigError, TraceError
 from poise.nn.router import ReplayRouter, Router, capacity_keep, replay_experts, scaled_counts
-from poise.trace import Trace
+from poise.trace.trace import Trace
 
 
 def router_with_logits(logits: torch.Tensor, **kw: object) -> tuple[Router, torch.Tensor]:

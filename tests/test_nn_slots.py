@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from poise.errors import PlanError
+from poise.core.errors import PlanError
+from poise.core.placement import Placement
 from poise.nn.slots import slot_maps
-from poise.placement import Placement
 
 
 def test_static_layout_gives_contiguous_home_slots() -> None:

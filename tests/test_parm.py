@@ -9,9 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.collectives import AlphaBeta, CollectiveFit
-from poise.errors import ConfigError
-from poise.parm import (
+from poise.core.cluster import Cluster, Link
+from poise.core.errors import ConfigError
+from poise.cost.collectives import AlphaBeta, CollectiveFit
+from poise.layouts.parm import (
     SCHEDULES,
     GemmModel,
     ParmLayer,
@@ -37,7 +38,6 @@ from poise.sim.parm_grid import (
     run_grid,
 )
 from poise.sim.scenarios.parm import run_parm
-from poise.topology import Cluster, Link
 
 LAT, BW, FLOPS = 1e-6, 1e9, 1e12
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.errors import PlanError
-from poise.placement import Assignment, Placement, transfers_between
+from poise.core.errors import PlanError
+from poise.core.placement import Assignment, Placement, transfers_between
 
 from .helpers import toy_spec
 

@@ -9,14 +9,14 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poise.cost import CostModel
-from poise.placement import Assignment, Placement
-from poise.policies import PlanContext, make_plan
-from poise.policies.bounds import homes_only_layer_s
-from poise.schedule import parse_schedule
-from poise.spec import MODELS
-from poise.topology import HostCosts, get_cluster
-from poise.trace_generate import generate
+from poise.core.cluster import HostCosts, get_cluster
+from poise.core.placement import Assignment, Placement
+from poise.core.spec import MODELS
+from poise.cost.model import CostModel
+from poise.cost.schedule import parse_schedule
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.bounds import homes_only_layer_s
+from poise.trace.generate import generate
 
 from .helpers import toy_cluster, toy_spec
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.eplb_format import placement_from_eplb, placement_to_eplb
-from poise.errors import PlanError
-from poise.placement import Placement
-from poise.policies import PlanContext, make_plan
-from poise.policies.eplb import (
+from poise.core.cluster import get_cluster
+from poise.core.errors import PlanError
+from poise.core.placement import Placement
+from poise.core.spec import MODELS
+from poise.plan.eplb_format import placement_from_eplb, placement_to_eplb
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.eplb import (
     balanced_packing,
     rebalance_experts,
     rebalance_experts_hierarchical,
     replicate_experts,
 )
-from poise.spec import MODELS
-from poise.topology import get_cluster
 
 README_WEIGHT = np.array(
     [

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.cost_incremental import PREFIX_EXACT, PREFIX_POINTS
-from poise.errors import PlanError
-from poise.placement import Assignment, Placement
-from poise.policies import PlanContext, make_plan
-from poise.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, p_closed_form
-from poise.schedule import parse_schedule
-from poise.spec import ModelSpec
-from poise.topology import get_cluster
-from poise.traffic import level_traffic
+from poise.core.cluster import get_cluster
+from poise.core.errors import PlanError
+from poise.core.placement import Assignment, Placement
+from poise.core.spec import ModelSpec
+from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS
+from poise.cost.model import CostModel
+from poise.cost.schedule import parse_schedule
+from poise.cost.traffic import level_traffic
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, p_closed_form
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 

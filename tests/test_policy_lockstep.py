@@ -10,16 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.cost_incremental import LayerState
-from poise.placement import Assignment, Placement, balanced_weights
-from poise.policies import PlanContext, make_plan
-from poise.policies.eplb import replicate_experts
-from poise.policies.lpt import lpt_assign
-from poise.policies.shadow import first_non_improvement, shadow_latencies, shadow_layers
-from poise.spec import MODELS
-from poise.topology import get_cluster
-from poise.traffic import level_traffic
+from poise.core.cluster import get_cluster
+from poise.core.placement import Assignment, Placement, balanced_weights
+from poise.core.spec import MODELS
+from poise.cost.incremental import LayerState
+from poise.cost.model import CostModel
+from poise.cost.traffic import level_traffic
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.eplb import replicate_experts
+from poise.plan.policies.lpt import lpt_assign
+from poise.plan.policies.shadow import first_non_improvement, shadow_latencies, shadow_layers
 
 from .helpers import toy_cluster
 

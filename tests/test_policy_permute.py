@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from poise.policies import PlanContext, make_plan
-from poise.policies.permute import greedy_homes
-from poise.spec import ModelSpec
-from poise.topology import get_cluster
+from poise.core.cluster import get_cluster
+from poise.core.spec import ModelSpec
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.permute import greedy_homes
 
 SPEC = ModelSpec("four", d_model=64, d_expert=128, experts=4, top_k=1, moe_layers=1)
 

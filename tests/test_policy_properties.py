@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poise.cost import CostModel
-from poise.policies import REGISTRY, PlanContext, make_plan
+from poise.cost.model import CostModel
+from poise.plan.policies import REGISTRY, PlanContext, make_plan
 
 from .helpers import toy_cluster, toy_spec
 
@@ -110,8 +110,8 @@ def test_auto_breaks_ties_toward_the_fewest_copies() -> None:
 def test_auto_plans_the_same_with_candidates_in_threads(monkeypatch) -> None:
     """On large problems auto's candidates plan in threads; the plan does not change, and the
     helper threads' CPU time is reported for the planning charge."""
-    from poise.policies import auto as auto_module
-    from poise.policies.base import HELPER_CPU_NOTE
+    from poise.plan.policies import auto as auto_module
+    from poise.plan.policies.base import HELPER_CPU_NOTE
 
     rng = np.random.default_rng(5)
     cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.cost_incremental import LayerState
-from poise.placement import Placement
-from poise.policies import PlanContext, make_plan
-from poise.policies.prophet import _Prefixes, prophet_cost
-from poise.schedule import Schedule, parse_schedule
-from poise.spec import ModelSpec
-from poise.topology import get_cluster
+from poise.core.cluster import get_cluster
+from poise.core.placement import Placement
+from poise.core.spec import ModelSpec
+from poise.cost.incremental import LayerState
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule, parse_schedule
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.prophet import _Prefixes, prophet_cost
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 
@@ -114,8 +114,8 @@ def test_never_slower_than_static_and_matches_cost_model(seed: int) -> None:
 def test_speed_256_experts_32_devices() -> None:
     import time
 
-    from poise.spec import MODELS
-    from poise.topology import get_cluster
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
 
     cluster = get_cluster("v100-ib50:4")
     spec = MODELS["zipf-256"].with_(moe_layers=4)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.policies import PlanContext, make_plan
-from poise.policies.shadow import (
+from poise.cost.model import CostModel
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.shadow import (
     first_non_improvement,
     network_bw,
     shadow_latencies,

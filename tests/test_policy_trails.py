@@ -8,15 +8,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.placement import Assignment, Placement, Plan, transfers_between
-from poise.policies import PlanContext, make_plan
-from poise.policies.auto import ALONE
-from poise.policies.base import BUILDS_ON, REGISTRY
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.cost.model import CostModel
+from poise.plan.policies import PlanContext, make_plan
+from poise.plan.policies.auto import ALONE
+from poise.plan.policies.base import BUILDS_ON, REGISTRY
 from poise.sim.scenarios import SCENARIOS
 from poise.sim.scenarios.core import build_trace
 from poise.sim.simulator import simulate
-from poise.trace_generate import generate
+from poise.trace.generate import generate
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.placement import Assignment
-from poise.policies import PlanContext, make_plan
-from poise.spec import MODELS, ModelSpec
-from poise.topology import get_cluster
+from poise.core.cluster import get_cluster
+from poise.core.placement import Assignment
+from poise.core.spec import MODELS, ModelSpec
+from poise.plan.policies import PlanContext, make_plan
 
 from .helpers import assert_priced_as_the_cost_model
 
@@ -136,8 +136,8 @@ def test_decisions_match_the_reference_search() -> None:
     incrementally and priced the columns in force in the candidates' batch: the same moves and
     the same replicas (a re-plan from a previous plan: replace and shrink, migrations priced;
     pipelined schedule; fractional counts in one layer, uniform ones in another)."""
-    from poise.cost import CostModel
-    from poise.schedule import Schedule
+    from poise.cost.model import CostModel
+    from poise.cost.schedule import Schedule
 
     rng = np.random.default_rng(7)
     cluster = get_cluster("dgx-h100:4")
@@ -169,7 +169,7 @@ def test_decisions_match_the_reference_search() -> None:
 def test_route_layers_equals_route_bit_for_bit() -> None:
     # Whole layers routed with only the multi-holder experts water-filled give `_route`'s
     # shares exactly, with few holders per expert (packed water-fill) and with many (full rows).
-    from poise.policies.vexpert import _route, _route_layers
+    from poise.plan.policies.vexpert import _route, _route_layers
 
     rng = np.random.default_rng(4)
     for extra in (0.05, 0.7):
@@ -186,7 +186,7 @@ def test_route_layers_equals_route_bit_for_bit() -> None:
 def test_search_state_keeps_fresh_sums() -> None:
     # The kept per-expert totals equal `received.sum(axis=1)` bit for bit after column updates;
     # copy counts and free slots equal their recount.
-    from poise.policies.vexpert import SearchState
+    from poise.plan.policies.vexpert import SearchState
 
     rng = np.random.default_rng(8)
     N, D, E, slots = 3, 16, 20, 4
@@ -212,8 +212,8 @@ def test_the_searched_price_equals_the_cost_model() -> None:
     """`vexpert` hands `finish_plan` the price its search kept (searched layers) plus a fresh
     price of the layers it left alone; it equals `CostModel.price` of the plan with its
     migrations, first from nothing and then re-planned from its own plan on other loads."""
-    from poise.cost import CostModel
-    from poise.schedule import parse_schedule
+    from poise.cost.model import CostModel
+    from poise.cost.schedule import parse_schedule
 
     cluster = get_cluster("dgx-h100:2")
     spec = ModelSpec("v", 64, 128, experts=24, top_k=2, moe_layers=4, tokens_per_device=512)

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.errors import ConfigError
-from poise.predict import Predictor, parse_predictor, prediction_error
+from poise.core.errors import ConfigError
+from poise.plan.predict import Predictor, parse_predictor, prediction_error
 
 
 def test_predictors_by_hand() -> None:

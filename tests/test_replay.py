@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.policies.base import PlanContext, make_plan
-from poise.predict import Predictor
+from poise.cost.model import CostModel
+from poise.plan.policies.base import PlanContext, make_plan
+from poise.plan.predict import Predictor
 from poise.sim.simulator import replay
-from poise.trace_generate import generate
+from poise.trace.generate import generate
 
 from .helpers import toy_cluster, toy_spec
 

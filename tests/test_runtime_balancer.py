@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.errors import ConfigError
-from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.errors import ConfigError
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.runtime.launch import run_ranks
 
 from .helpers import train_residual_moe

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 from poise.runtime import compress as cz
 from poise.runtime.launch import run_ranks
 
@@ -128,8 +128,8 @@ RATIOS = (1.0, 0.5, 0.1, 0.02)
 
 
 def _maps():
+    from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
-    from poise.placement import Placement
 
     placement = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, S)
     placement.copies[0, 0, [2, 3]] = 1  # rank 0 holds replicas of experts 2 and 3

@@ -213,7 +213,7 @@ def test_cross_domain_tokens_and_domain_clusters() -> None:
     c = domain_cluster(2, 1, 2, wan_bw_Bps=1e6)
     assert (c.num_devices, c.domains, c.devices_per_domain) == (4, 2, 2)
     assert c.level_between(0, 2) == 2 and c.inter_domain.bw_Bps == 1e6
-    from poise.errors import ConfigError
+    from poise.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="inter_domain"):
         domain_cluster(2, wan_bw_Bps=0.0)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poise.errors import ConfigError, PlanError
-from poise.layouts import Layout
+from poise.core.errors import ConfigError, PlanError
+from poise.layouts.pool import Layout
 from poise.nn import MoE, sync_router_grads
 from poise.runtime.launch import run_ranks
 from poise.runtime.layouts import (

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import Block, GPTConfig, rotary_tables
 from poise.nn import MoE, NonFiniteInputError
 from poise.runtime.launch import run_ranks
 from poise.runtime.parallel_choice import ParmChooser, ParmShape, local_cluster
 from poise.runtime.parallel_groups import ParallelGroups, check_degrees
-from poise.train.model import Block, GPTConfig, rotary_tables
 
 TOL = 1e-5
 CFG = GPTConfig(d_model=32, heads=4, d_expert=48, num_experts=4, top_k=2, context=16)
@@ -214,11 +214,11 @@ def test_groups_need_a_process_group() -> None:
 
 
 def test_default_chooser_is_parms_choice() -> None:
-    """`ParmChooser` asks `poise.parm.choose_schedule` about the layer it describes: S1 (fewest
-    inter-node bytes) when links between nodes are slow, S2 (one unified all-to-all) when they
-    are faster than those inside a node."""
-    parm = pytest.importorskip("poise.parm")
-    from poise.topology import Link
+    """`ParmChooser` asks `poise.layouts.parm.choose_schedule` about the layer it describes: S1
+    (fewest inter-node bytes) when links between nodes are slow, S2 (one unified all-to-all)
+    when they are faster than those inside a node."""
+    from poise.core.cluster import Link
+    from poise.layouts.parm import choose_schedule
 
     shape = ParmShape(4096, 1024, 4096, 8, 2, 1.2, 2, 2, 2, 2)
     layer = ParmChooser().layer(shape)
@@ -230,6 +230,6 @@ def test_default_chooser_is_parms_choice() -> None:
     picks = {}
     for name, cluster in (("slow", slow), ("fast", fast), ("default", None)):
         got = ParmChooser(cluster)(shape)
-        assert got == parm.choose_schedule(layer, cluster or base)
+        assert got == choose_schedule(layer, cluster or base)
         picks[name] = got
     assert (picks["slow"], picks["fast"]) == ("s1", "s2")

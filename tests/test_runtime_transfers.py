@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from poise.core.placement import Placement, transfers_between
+from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
-from poise.placement import Placement, transfers_between
 from poise.runtime.launch import run_ranks
 from poise.runtime.transfers import (
     Routes,
@@ -21,7 +22,6 @@ from poise.runtime.transfers import (
     migration_routes,
     trans_routes,
 )
-from poise.spec import ModelSpec
 
 D_MODEL, D_EXPERT = 3, 5
 SHAPES = [(D_MODEL, D_EXPERT), (D_MODEL, D_EXPERT), (D_EXPERT, D_MODEL)]  # w_in, w_gate, w_out

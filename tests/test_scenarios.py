@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from poise.cli import main
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 from poise.sim.scenarios import (
     HYBRIDEP_PUBLISHED,
     PROPHET_TABLE_IV,

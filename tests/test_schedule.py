@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.cost import PhaseTimes
-from poise.errors import ConfigError
-from poise.schedule import Schedule, parse_schedule
+from poise.core.errors import ConfigError
+from poise.cost.model import PhaseTimes
+from poise.cost.schedule import Schedule, parse_schedule
 
 
 def phases(a2a: float, fec: float, fnec: float, trans: float, mig: float = 0.0) -> PhaseTimes:

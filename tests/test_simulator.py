@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from poise.cost import CostModel
-from poise.errors import ConfigError
-from poise.predict import OnlineForecast, Predictor
-from poise.schedule import Schedule
+from poise.core.cluster import HostCosts, get_cluster
+from poise.core.errors import ConfigError
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule
+from poise.plan.predict import OnlineForecast, Predictor
 from poise.sim.scaling import ScaledTrace, source_rows
 from poise.sim.simulator import simulate
-from poise.topology import HostCosts, get_cluster
-from poise.trace_generate import generate
+from poise.trace.generate import generate
 
 from .helpers import toy_cluster, toy_spec
 

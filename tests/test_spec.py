@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from poise.errors import ConfigError
-from poise.spec import MODELS, ModelSpec, get_model
+from poise.core.errors import ConfigError
+from poise.core.spec import MODELS, ModelSpec, get_model
 
 
 def test_derived_quantities() -> None:

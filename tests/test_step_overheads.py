@@ -1,4 +1,4 @@
-"""The step's work outside the MoE layers (`poise.step_overheads`) on hand-computed cases."""
+"""The step's work outside the MoE layers (`poise.cost.step_overheads`) on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from poise.errors import ConfigError
-from poise.step_overheads import NORM_BYTES, StepWork, allreduce_seconds, step_overheads
-from poise.topology import HostCosts
+from poise.core.cluster import HostCosts
+from poise.core.errors import ConfigError
+from poise.cost.step_overheads import NORM_BYTES, StepWork, allreduce_seconds, step_overheads
 
 from .helpers import toy_cluster, toy_spec
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import yaml
 
-from poise.errors import ConfigError
-from poise.topology import GBIT, PRESETS, Cluster, HostCosts, get_cluster
+from poise.core.cluster import GBIT, PRESETS, Cluster, HostCosts, get_cluster
+from poise.core.errors import ConfigError
 
 from .helpers import toy_cluster
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poise.errors import TraceError
-from poise.trace import SCHEMA_VERSION, Trace
+from poise.core.errors import TraceError
+from poise.trace.trace import SCHEMA_VERSION, Trace
 
 
 def small_trace() -> Trace:

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.errors import ConfigError
-from poise.trace_generate import (
+from poise.core.errors import ConfigError
+from poise.trace.generate import (
     GENERATORS,
     cap_probabilities,
     generate,
     generator_params,
     zipf_weights,
 )
-from poise.trace_stats import distributions, drift_at_lag, tv_distance
+from poise.trace.stats import distributions, drift_at_lag, tv_distance
 
 SHAPE = {"steps": 6, "layers": 3, "devices": 4, "experts": 16, "top_k": 2, "tokens_per_device": 64}
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.errors import ConfigError, TraceError
-from poise.trace_generate import generate
-from poise.trace_import import (
+from poise.core.errors import ConfigError, TraceError
+from poise.trace.generate import generate
+from poise.trace.importers import (
     default_top_k,
     detect_format,
     import_eplb,

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from poise.errors import ConfigError
-from poise.trace import Trace
-from poise.trace_generate import generate
-from poise.trace_stats import (
+from poise.core.errors import ConfigError
+from poise.trace.generate import generate
+from poise.trace.stats import (
     device_loads,
     drift_at_lag,
     gini,
@@ -21,6 +20,7 @@ from poise.trace_stats import (
     trace_stats,
     tv_distance,
 )
+from poise.trace.trace import Trace
 
 
 def trace_from_loads(loads: list[list[list[int]]], devices: int = 1) -> Trace:

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import GPTMoE, model_config
 from poise.train.config import TrainConfig, load_config, save_config
 from poise.train.loop import lr_at
-from poise.train.model import GPTMoE, model_config
 
 
 def test_yaml_round_trip(tmp_path):

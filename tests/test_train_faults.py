@@ -115,7 +115,7 @@ def test_without_restarts_the_failure_is_reported(reference: Path, capsys) -> No
 
 
 def _disagree(rank: int, world: int, root: str) -> str:
-    from poise.errors import ConfigError
+    from poise.core.errors import ConfigError
     from poise.train import TrainConfig, train
 
     cfg = TrainConfig(
@@ -145,7 +145,7 @@ def test_ranks_that_disagree_on_the_config_fail_clearly(tmp_path: Path) -> None:
 
 
 def test_fault_settings_are_checked() -> None:
-    from poise.errors import ConfigError
+    from poise.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="POISE_FAIL_PHASE"):
         Fault(3, 0, "lunch")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 from poise.runtime.launch import run_ranks
 
 from .helpers import tiny_train_config
@@ -139,7 +139,7 @@ def test_resume_in_the_layout_equals_the_uninterrupted_run(runs, name):
     assert resumed["resumed_plan"]  # same world and layout: the saved placement again
     assert resumed["replicas_agree"] is True
     assert _close(resumed["losses"], r[name]["losses"][3:]) <= TOL
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
 
     a = Trace.load(root / name / "trace.npz")
     b = Trace.load(root / f"{name}-resumed" / "trace.npz")
@@ -158,7 +158,7 @@ def test_layout_checkpoint_resumes_on_plain_ep_with_two_ranks(runs, name):
 def test_checkpoint_and_trace_of_a_layout_run(runs):
     """Experts are gathered by id over one EP group: the same tensors as plain EP's; the
     random states of all 4 ranks; the trace holds every rank's counts `[steps, L, W, E]`."""
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
     from poise.train.checkpoint import read_file
 
     root, _ = runs

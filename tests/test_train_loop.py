@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import poise.atomic
+import poise.util.atomic
 from poise.runtime.launch import run_ranks
 
 from .helpers import tiny_train_config
@@ -101,7 +101,7 @@ def test_static_and_auto_give_the_same_losses(runs):
     assert two["static"][1] == 0
     assert two["auto"][1] >= 1  # auto really replicated or moved experts
     assert static[-1] < static[0] - 1.0  # and the model learns
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
 
     trace = Trace.load(root / "auto" / "trace.npz")
     assert trace.counts.shape == (30, 4, 2, 8)
@@ -131,7 +131,7 @@ def test_resume_equals_an_uninterrupted_run(runs):
     assert final.keys() == again.keys()
     for k in final:
         assert float((final[k] - again[k]).abs().max()) <= TOL, k
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
 
     a = Trace.load(root / "auto" / "trace.npz")
     b = Trace.load(root / "auto-resumed" / "trace.npz")
@@ -176,7 +176,7 @@ def test_checkpoint_write_is_atomic(runs, monkeypatch):
     def rename_fails(src, dst):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(poise.atomic, "_replace", rename_fails)
+    monkeypatch.setattr(poise.util.atomic, "_replace", rename_fails)
     with pytest.raises(OSError):
         ck.write_file(payload, path)
     monkeypatch.undo()
@@ -233,9 +233,9 @@ def test_checkpoint_loads_in_one_process_and_refuses_another_model(runs):
     a model of other shapes is refused with one clear error."""
     import torch
 
+    from poise.models.gpt import GPTMoE
     from poise.train import checkpoint as ck
     from poise.train.loop import make_optimizer
-    from poise.train.model import GPTMoE
 
     root, _, _ = runs
     ckpt = ck.load(root / "auto")

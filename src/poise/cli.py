@@ -9,8 +9,8 @@ import importlib
 import sys
 
 from poise import __version__
-from poise.errors import PoiseError
-from poise.heap import retain_freed_memory
+from poise.core.errors import PoiseError
+from poise.util.heap import retain_freed_memory
 
 COMMANDS = ("calibrate", "demo", "layouts", "plan", "scenarios", "simulate", "trace", "train")
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    retain_freed_memory()  # planning's temporaries reuse the heap (`poise.heap`)
+    retain_freed_memory()  # planning's temporaries reuse the heap (`poise.util.heap`)
     try:
         return int(args.run(args) or 0)
     except PoiseError as exc:

@@ -31,12 +31,13 @@ skips it):
        time(bytes) = lat_s + bytes / bw_Bps.
 
    For the all-to-all, `bytes` counts what each rank sends to the other ranks (its input buffer
-   times (W-1)/W), which is what `poise.cost.link_time` charges a link with. For the all-reduce,
+   times (W-1)/W), which is what `poise.cost.model.link_time` charges a link with. For the
+   all-reduce,
    `bytes` is the size of the reduced buffer on each rank (algorithm bandwidth); for the
    all-gather the gathered output on each rank, for the reduce-scatter the reduced input.
    The all-to-all's fit is the cluster file's link; all four, as the per-step alpha and beta of
-   `poise.collectives`, make `Calibration.collective_fit()`, which Parm's schedule choice
-   (`poise.parm.choose_schedule`) can run from, as Parm does from measured alpha and beta
+   `poise.cost.collectives`, make `Calibration.collective_fit()`, which Parm's schedule choice
+   (`poise.layouts.parm.choose_schedule`) can run from, as Parm does from measured alpha and beta
    (`load_collective_fit` reads it back from the measurements JSON).
 
 3. **Host costs** on 2 gloo ranks running at once (`poise.calibrate.host`): the non-MoE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from poise.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError, PoiseError
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -104,7 +104,7 @@ class CalibrationConfig:
         host: bool = True,
     ) -> CalibrationConfig:
         """The full or `quick` sizes, with explicit widths and threads taking precedence.
-        `model`: a GPT-MoE preset (`poise.train.model.MODEL_PRESETS`) whose shapes the host
+        `model`: a GPT-MoE preset (`poise.models.gpt.MODEL_PRESETS`) whose shapes the host
         costs are measured at; its widths become the defaults of `d_model` and `d_expert`, and
         its own experts give the cluster's GEMM curve (`poise.calibrate.host`, item 4)."""
         if quick:
@@ -146,7 +146,7 @@ class CalibrationConfig:
 
 def model_widths(model: str) -> tuple[int, int]:
     """`(d_model, d_expert)` of a GPT-MoE preset; `ConfigError` naming `--model` if unknown."""
-    from poise.train.model import MODEL_PRESETS
+    from poise.models.gpt import MODEL_PRESETS
 
     if model not in MODEL_PRESETS:
         raise ConfigError(

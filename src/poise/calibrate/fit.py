@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from poise.calibrate.config import CalibrationError
-from poise.topology import Link
+from poise.core.cluster import Link
 
 KIB = 1024
 MIB = 1024 * KIB

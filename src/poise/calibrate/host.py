@@ -6,7 +6,7 @@ Five measurements, each fitted by least squares on relative residuals (`fit.py`)
 
 1. **Non-MoE compute.** The non-MoE part of one block of the GPT-MoE preset `config.model`
    (default `tiny`) at this config's widths, built from the real modules (the norms and
-   attention of `poise.train.model.Block`, `poise.nn.Router`), over n tokens in sequences of
+   attention of `poise.models.gpt.Block`, `poise.nn.Router`), over n tokens in sequences of
    the model's context:
 
        forward   h = x + attn(norm1(x)),  z = norm2(h),  routing = router(z)
@@ -51,7 +51,7 @@ Five measurements, each fitted by least squares on relative residuals (`fit.py`)
    clipping's) and then all-reduce m bytes, for m around the model's dense gradients; only the
    all-reduce is timed, so its time includes the ranks' arrival skew after compute, which a
    back-to-back benchmark of the collective hides. Fitted to lat + m / bw:
-   `allreduce_lat_s`, `allreduce_bw_Bps` (the step's collectives, `poise.step_overheads`).
+   `allreduce_lat_s`, `allreduce_bw_Bps` (the step's collectives, `poise.cost.step_overheads`).
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from poise.atomic import atomic_write_text
 from poise.calibrate.config import WORLD_SIZE, CalibrationConfig
 from poise.calibrate.host_fit import HostPoint
-from poise.errors import ConfigError
-from poise.host_costs import gpt_non_moe_flops_per_token
+from poise.core.errors import ConfigError
+from poise.cost.host import gpt_non_moe_flops_per_token
 from poise.runtime.launch import destroy_process_group
+from poise.util.atomic import atomic_write_text
 
 DEFAULT_MODEL = "tiny"  # the shapes measured when no model is named
 ALLREDUCE_SCALES = (0.125, 1.0, 4.0)  # all-reduce sizes: these times the dense gradients' bytes
@@ -80,7 +80,7 @@ ALLREDUCE_SCALES = (0.125, 1.0, 4.0)  # all-reduce sizes: these times the dense 
 def gpt_config(config: CalibrationConfig) -> Any:
     """The `GPTConfig` of preset `config.model` (None: `DEFAULT_MODEL`) at `config`'s widths;
     `ConfigError` naming `--model` if they do not fit it."""
-    from poise.train.model import model_config
+    from poise.models.gpt import model_config
 
     widths = {"d_model": config.d_model, "d_expert": config.d_expert}
     return model_config(config.model or DEFAULT_MODEL, widths, source="--model")
@@ -205,8 +205,8 @@ def dense_points(
     import torch.nn.functional as F  # noqa: N812
     from torch import nn
 
+    from poise.models.gpt import Block, rotary_tables
     from poise.nn.router import Router
-    from poise.train.model import Block, rotary_tables
 
     cfg = gpt_config(config)
     torch.manual_seed(0)
@@ -431,7 +431,7 @@ def allreduce_points(
     import torch.distributed as dist
     from torch import nn
 
-    from poise.train.model import Block, rotary_tables
+    from poise.models.gpt import Block, rotary_tables
 
     cfg = gpt_config(config)
     torch.manual_seed(0)

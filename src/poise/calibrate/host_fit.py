@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from poise.calibrate.fit import GemmFit, LineFit, LinkFit, fit_gemm_curve, fit_line
-from poise.topology import HostCosts
+from poise.core.cluster import HostCosts
 
 KINDS_LOCAL = ("dense_fwd", "dense_bwd", "block_fwd", "block_bwd", "head_fwd", "head_bwd")
 KINDS_STEP = ("optimizer", "clip")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from poise.atomic import atomic_write_text
 from poise.calibrate.config import (
     DIST_TIMEOUT_S,
     MAX_CALLS,
@@ -22,12 +21,13 @@ from poise.calibrate.config import (
     CalibrationError,
 )
 from poise.runtime.launch import destroy_process_group, free_port, join_local_gloo
+from poise.util.atomic import atomic_write_text
 
 KIB = 1024
 MIB = 1024 * KIB
 
 # the collectives timed, in order: the cluster file's two, then the ESP / MP pair Parm's schedule
-# choice needs (`poise.parm`); `nbytes` as `_collective_op` defines it
+# choice needs (`poise.layouts.parm`); `nbytes` as `_collective_op` defines it
 LINK_COLLECTIVES = ("all_to_all", "all_reduce")
 GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")
 COLLECTIVES = LINK_COLLECTIVES + GROUP_COLLECTIVES

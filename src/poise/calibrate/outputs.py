@@ -10,15 +10,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from poise.atomic import atomic_write_text
 from poise.calibrate.config import WORLD_SIZE, CalibrationConfig, CalibrationError
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
 from poise.calibrate.host_fit import HostFit, HostPoint, fit_host, has_host_points
 from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoint, GemmPoint
-from poise.collectives import CollectiveFit, alpha_beta_from_link_fit
-from poise.errors import ConfigError
-from poise.fields import read_mapping_file
-from poise.topology import Cluster, HostCosts
+from poise.core.cluster import Cluster, HostCosts
+from poise.core.errors import ConfigError
+from poise.core.fields import read_mapping_file
+from poise.cost.collectives import CollectiveFit, alpha_beta_from_link_fit
+from poise.util.atomic import atomic_write_text
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -71,8 +71,8 @@ class Calibration:
 
     def collective_fit(self) -> CollectiveFit:
         """Every fitted collective as alpha-beta parameters at the intra-node level of a
-        `WORLD_SIZE`-rank node (`poise.collectives.alpha_beta_from_link_fit`), the form Parm's
-        schedule choice (`poise.parm.choose_schedule`) reads; fill the levels this machine
+        `WORLD_SIZE`-rank node (`poise.cost.collectives.alpha_beta_from_link_fit`), the form Parm's
+        schedule choice (`poise.layouts.parm.choose_schedule`) reads; fill the levels this machine
         cannot measure with `CollectiveFit.filled_from(cluster)`."""
         fits = {**self.link_fits, **self.group_fits}
         params = {

@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poise.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError, PoiseError
 
 
 class DemoError(PoiseError):
@@ -201,12 +201,12 @@ def train_run(cfg, console: Console) -> float:
 def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Console):
     """Replay `trace` on `CLUSTERS` under every registered policy, background planning on.
     Returns `SimSection`s."""
-    from poise import policies as _policies  # noqa: F401  (fills the registry)
-    from poise.policies import REGISTRY
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
+    from poise.plan import policies as _policies  # noqa: F401  (fills the registry)
+    from poise.plan.policies import REGISTRY
     from poise.report.html import SimSection
     from poise.sim.simulator import simulate
-    from poise.spec import MODELS
-    from poise.topology import get_cluster
 
     spec = MODELS["smartmoe-gpt"].with_(
         name="smartmoe-gpt widths",
@@ -265,16 +265,16 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
 def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
     """The replay-only demo's traces: the SmartMoE-AE sample (when present) and a synthetic
     drifting Zipf trace, every policy on `v100-ib50`. Returns `ReplaySection`s."""
-    from poise.cost import CostModel
-    from poise.policies import REGISTRY
-    from poise.policies.base import PlanContext
-    from poise.predict import Predictor
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
+    from poise.cost.model import CostModel
+    from poise.plan.policies import REGISTRY
+    from poise.plan.policies.base import PlanContext
+    from poise.plan.predict import Predictor
     from poise.report.html import ReplaySection
     from poise.sim.simulator import replay
-    from poise.spec import MODELS
-    from poise.topology import get_cluster
-    from poise.trace_generate import generate
-    from poise.trace_import import load_any
+    from poise.trace.generate import generate
+    from poise.trace.importers import load_any
 
     cluster = get_cluster("v100-ib50")
     cases = []
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         sim_rows,
         write_demo_report,
     )
-    from poise.trace import Trace
+    from poise.trace.trace import Trace
     from poise.train.data import build_corpus
 
     console = Console()

@@ -2,7 +2,7 @@
 
 Enumerates the layouts (pipeline stages, expert-parallel degree, expert-data-parallel replicas,
 experts per device) of the cluster and model, prices each on the trace's load distribution
-with `poise.layouts_price.rank_layouts` (with the expert placement the online `permute` would
+with `poise.layouts.price.rank_layouts` (with the expert placement the online `permute` would
 choose, unless `--static`), prints them ranked and marks the pool; `--json OUT` writes
 everything, atomically.
 """
@@ -17,14 +17,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from poise.atomic import atomic_write_text
 from poise.commands.options import DEFAULT_MODEL
-from poise.layouts import LayoutSettings
-from poise.layouts_price import LayoutSearch, rank_layouts
-from poise.loads import fit_devices, spec_for_trace
-from poise.schedule import parse_schedule
-from poise.spec import get_model
-from poise.topology import get_cluster
+from poise.core.cluster import get_cluster
+from poise.core.spec import get_model
+from poise.cost.schedule import parse_schedule
+from poise.layouts.pool import LayoutSettings
+from poise.layouts.price import LayoutSearch, rank_layouts
+from poise.trace.loads import fit_devices, spec_for_trace
+from poise.util.atomic import atomic_write_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.trace_import import load_any
+    from poise.trace.importers import load_any
 
     settings = LayoutSettings(
         pool=args.pool,

@@ -7,14 +7,14 @@ from typing import Any
 
 import yaml
 
-from poise.cost import CostModel
-from poise.errors import ConfigError
-from poise.loads import spec_for_trace
-from poise.policies.base import PlanContext
-from poise.schedule import parse_schedule
-from poise.spec import ModelSpec, get_model
-from poise.topology import Cluster, get_cluster
-from poise.trace import Trace
+from poise.core.cluster import Cluster, get_cluster
+from poise.core.errors import ConfigError
+from poise.core.spec import ModelSpec, get_model
+from poise.cost.model import CostModel
+from poise.cost.schedule import parse_schedule
+from poise.plan.policies.base import PlanContext
+from poise.trace.loads import spec_for_trace
+from poise.trace.trace import Trace
 
 DEFAULT_MODEL = "smartmoe-gpt"
 

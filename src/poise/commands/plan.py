@@ -11,11 +11,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poise.atomic import atomic_write_bytes, atomic_write_text
 from poise.commands.options import add_planning_args, planning_context
-from poise.loads import fit_devices
-from poise.plan_io import write_plan_json
-from poise.policies.base import make_plan
+from poise.plan.files import write_plan_json
+from poise.plan.policies.base import make_plan
+from poise.trace.loads import fit_devices
+from poise.util.atomic import atomic_write_bytes, atomic_write_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.eplb_format import placement_to_eplb
-    from poise.trace_import import load_any
+    from poise.plan.eplb_format import placement_to_eplb
+    from poise.trace.importers import load_any
 
     trace = load_any(args.loads)
     cluster, spec, ctx = planning_context(args, trace, args.loads)

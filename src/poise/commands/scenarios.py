@@ -18,7 +18,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from poise.atomic import atomic_write_text
 from poise.sim.scenarios import (
     SCENARIOS,
     ScenarioResult,
@@ -27,6 +26,7 @@ from poise.sim.scenarios import (
     results_json,
     run_scenario,
 )
+from poise.util.atomic import atomic_write_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,17 +18,17 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from poise.atomic import atomic_write_text
 from poise.commands.options import DEFAULT_MODEL, parse_options
-from poise.errors import ConfigError
-from poise.loads import spec_for_trace
-from poise.policies import REGISTRY
-from poise.predict import parse_predictor
+from poise.core.cluster import get_cluster
+from poise.core.errors import ConfigError
+from poise.core.spec import get_model
+from poise.cost.schedule import parse_schedule
+from poise.plan.policies import REGISTRY
+from poise.plan.predict import parse_predictor
 from poise.report.html import SIM_COLUMNS, sim_rows
-from poise.schedule import parse_schedule
 from poise.sim.simulator import PHASES, SimResult, simulate
-from poise.spec import get_model
-from poise.topology import get_cluster
+from poise.trace.loads import spec_for_trace
+from poise.util.atomic import atomic_write_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _policies(text: str) -> list[str]:
-    from poise import policies  # noqa: F401  (fills the registry)
+    from poise.plan import policies  # noqa: F401  (fills the registry)
 
     if text == "all":
         return sorted(REGISTRY)
@@ -86,7 +86,7 @@ def _policies(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from poise.report.plots import breakdown_plot, device_load_heatmaps, step_time_plot
-    from poise.trace_import import load_any
+    from poise.trace.importers import load_any
 
     console = Console(stderr=True)
     trace = load_any(args.trace)

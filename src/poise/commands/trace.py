@@ -15,16 +15,16 @@ from typing import Any
 
 from rich.console import Console
 
-from poise.errors import ConfigError
-from poise.trace import Trace
-from poise.trace_generate import (
+from poise.core.errors import ConfigError
+from poise.trace.generate import (
     DEFAULT_TOKENS_PER_DEVICE,
     DEFAULT_TOP_K,
     GENERATORS,
     generate,
 )
-from poise.trace_import import FORMATS, load_any
-from poise.trace_stats import stats_table, trace_stats
+from poise.trace.importers import FORMATS, load_any
+from poise.trace.stats import stats_table, trace_stats
+from poise.trace.trace import Trace
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

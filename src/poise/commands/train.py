@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.errors import ConfigError
+    from poise.core.errors import ConfigError
     from poise.train.__main__ import config_from_args
     from poise.train.config import save_config
     from poise.train.data import build_corpus, shard_rows

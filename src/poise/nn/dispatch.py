@@ -36,10 +36,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poise.errors import ConfigError, PlanError, PoiseError
+from poise.core.errors import ConfigError, PlanError, PoiseError
+from poise.core.placement import Assignment, Placement
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.slots import SlotMap, slot_maps
-from poise.placement import Assignment, Placement
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor | list[int]], torch.Tensor]
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from poise.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError, PoiseError
 
 Activation = Literal["swiglu", "gelu"]
 ExpertsImpl = Literal["auto", "grouped", "loop"]

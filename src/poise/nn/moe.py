@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.errors import ConfigError, PlanError
+from poise.core.errors import ConfigError, PlanError
+from poise.core.placement import Assignment, Placement
 from poise.nn.dispatch import Dispatcher, Layout, world_and_rank
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.router import Router, Score
 from poise.nn.slots import SlotMap
-from poise.placement import Assignment, Placement
 
 
 def default_slots(num_experts: int, world: int) -> int:

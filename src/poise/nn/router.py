@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from poise.errors import ConfigError, TraceError
-from poise.trace import Trace
+from poise.core.errors import ConfigError, TraceError
+from poise.trace.trace import Trace
 
 Score = Literal["softmax", "sigmoid"]
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poise.errors import PlanError
-from poise.placement import Placement
+from poise.core.errors import PlanError
+from poise.core.placement import Placement
 
 
 @dataclass(frozen=True)

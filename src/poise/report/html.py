@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from poise.atomic import atomic_write_text
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.util.atomic import atomic_write_text
 
 # Two runs of the same seed that differ only in float summation order give the same loss to
 # rounding at first (the training tests hold static and auto to 1e-5 per step over 30 steps);

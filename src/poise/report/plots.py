@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from poise.atomic import atomic_write_bytes
+from poise.util.atomic import atomic_write_bytes
 
 
 def _save(fig: plt.Figure, path: str | Path) -> None:

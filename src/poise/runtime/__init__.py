@@ -17,7 +17,7 @@ Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
 
 from __future__ import annotations
 
-from poise.lazy import lazy_getattr
+from poise.util.lazy import lazy_getattr
 
 _EXPORTS = {
     "Balancer": "balancer",

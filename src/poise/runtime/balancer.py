@@ -56,17 +56,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.errors import ConfigError, PoiseError
+from poise.core.cluster import PRESETS, Cluster, get_cluster
+from poise.core.errors import ConfigError, PoiseError
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE, moe_layers
 from poise.nn.slots import SlotMap, slot_maps
-from poise.placement import Assignment, Placement, Plan, transfers_between
-from poise.policies.base import PlanContext, get_policy, make_plan
-from poise.predict import Predictor, parse_predictor
+from poise.plan.policies.base import PlanContext, get_policy, make_plan
+from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
 from poise.runtime.stats import StepStats, layer_loads
-from poise.spec import ModelSpec
-from poise.topology import PRESETS, Cluster, get_cluster
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 

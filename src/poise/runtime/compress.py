@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

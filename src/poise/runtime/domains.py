@@ -23,9 +23,9 @@ import dataclasses
 import numpy as np
 from torch import nn
 
-from poise.errors import ConfigError
+from poise.core.cluster import PRESETS, Cluster, Link
+from poise.core.errors import ConfigError
 from poise.nn.moe import MoE, moe_layers
-from poise.topology import PRESETS, Cluster, Link
 
 
 def domain_cluster(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 from poise.nn.dispatch import gather_index, inverse
 from poise.nn.experts import Experts
 from poise.runtime.parallel_groups import ParallelGroups

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from poise.errors import PoiseError
+from poise.core.errors import PoiseError
 
 
 class RankFailedError(PoiseError):

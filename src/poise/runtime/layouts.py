@@ -1,6 +1,6 @@
 """Starting training in a SmartMoE layout: expert-parallel groups, expert-data-parallel replicas.
 
-    from poise.layouts import Layout
+    from poise.layouts.pool import Layout
     from poise.runtime.layouts import all_reduce_expert_grads, create_groups
 
     layout = Layout(devices=world, experts=E, layers=L, ep=2)      # or from `poise layouts`
@@ -12,7 +12,7 @@
     all_reduce_expert_grads(model, groups.edp)   # expert gradients: SUM over the EDP group
     optimizer.step()
 
-A `poise.layouts.Layout` with pipeline degree 1 splits the W ranks into W / ep contiguous EP
+A `poise.layouts.pool.Layout` with pipeline degree 1 splits the W ranks into W / ep contiguous EP
 groups of ep ranks (ranks [g ep, (g+1) ep)); each group holds every expert, E / ep per rank, and
 runs `poise.nn.MoE`'s expert parallelism on its own tokens. The ranks at the same position of
 every EP group (ranks {i, i + ep, i + 2 ep, ...}) form an EDP group: they hold the same experts
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.errors import ConfigError, PlanError
-from poise.layouts import Layout
+from poise.core.errors import ConfigError, PlanError
+from poise.layouts.pool import Layout
 from poise.nn.moe import MoE, moe_layers
 
 

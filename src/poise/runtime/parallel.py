@@ -28,12 +28,13 @@ back to token order and weight them by the router):
   together) and sums the shards' partial outputs in the combine.
 - `"auto"` asks a chooser `chooser(ParmShape) -> "s1" | "s2"` at the first forward, about the
   largest token count of any node (the same on every rank), and keeps its answer until
-  `rechoose()`. Default: `ParmChooser()`, Parm's analytic choice in `poise.parm`, priced on a
+  `rechoose()`. Default: `ParmChooser()`, Parm's analytic choice in `poise.layouts.parm`, priced on
+  a
   cluster of M-rank nodes with the `cpu-2` preset's links; `ParmChooser(cluster_or_fit)`
   prices real links. Every rank must choose alike (checked).
 
 Sources: the paper's abstract and third-party summaries (its body could not be read through
-this project's search tools); the same reading of S1 and S2 as `poise.parm`'s cost model, so
+this project's search tools); the same reading of S1 and S2 as `poise.layouts.parm`'s cost model, so
 the runtime runs what the model prices.
 
 Every schedule computes the same function as the single-process `poise.nn.MoE` (dropless; with
@@ -41,7 +42,7 @@ a capacity factor, capacity applies to the tokens each rank gates, so the Parm s
 gate `T / M` tokens per rank, drop differently from the baseline). Router losses (`aux_loss`)
 are those of the tokens this rank gates.
 
-Building a block: `parallel_block(cfg, groups, schedule=...)` is `poise.train.model.Block` with
+Building a block: `parallel_block(cfg, groups, schedule=...)` is `poise.models.gpt.Block` with
 `ParallelAttention` and `ParallelMoE`; `load_full_state(block, sd)` shards the state dict of the
 single-process block onto this rank; `full_state(block, grads=...)` gathers it back (a
 collective). After backward, `sync_parallel_grads(model, groups)` sums gradients over the data-
@@ -58,7 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import Block, GPTConfig
 from poise.nn.dispatch import Dispatcher, Layout
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.moe import expert_generator
@@ -75,7 +77,6 @@ from poise.runtime.expert_shard import (
 from poise.runtime.parallel_choice import ParmChooser, ParmShape, ScheduleChooser
 from poise.runtime.parallel_groups import ParallelGroups
 from poise.runtime.tensor_parallel import ParallelAttention, even_sizes, gather_rows, split_rows
-from poise.train.model import Block, GPTConfig
 
 Schedule = Literal["baseline", "s1", "s2"]
 ScheduleChoice = Literal["baseline", "s1", "s2", "auto"]
@@ -374,7 +375,7 @@ def parallel_block(
     full_state: Mapping[str, torch.Tensor] | None = None,
     **moe_kwargs: Any,
 ) -> Block:
-    """`poise.train.model.Block` (pre-norm attention + MoE) under MP + EP + ESP: attention
+    """`poise.models.gpt.Block` (pre-norm attention + MoE) under MP + EP + ESP: attention
     heads split over the MP group, a `ParallelMoE` as FFN. `full_state`: the state dict of the
     single-process block (`Block(cfg, MoE(...))`) to shard onto this rank (cut locally, no
     communication); `moe_kwargs` go to `ParallelMoE` (`init_seed`, `overlap_degree`, ...)."""

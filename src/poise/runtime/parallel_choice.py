@@ -2,20 +2,18 @@
 
 The integration point is one callable: `chooser(ParmShape) -> "s1" | "s2"` (or "baseline"),
 asked once per token count. The default, `ParmChooser`, is Parm's analytic choice
-(`poise.parm.choose_schedule(ParmLayer, costs)`: S2 when its unified all-to-alls cost less
-under the alpha-beta model than S1's EP all-to-alls plus ESP all-gather and reduce-scatter),
-imported on first use so that this module does not need the planner.
+(`poise.layouts.parm.choose_schedule(ParmLayer, costs)`: S2 when its unified all-to-alls cost less
+under the alpha-beta model than S1's EP all-to-alls plus ESP all-gather and reduce-scatter).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from poise.errors import ConfigError
+from poise.layouts.parm import ParmLayer, choose_schedule
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ ScheduleChooser = Callable[[ParmShape], str]
 def local_cluster(shape: ParmShape) -> Any:
     """The modelled cluster of this run when none is given: the `cpu-2` preset's rates with
     one node per MP group (`mp` devices per node, `ep` nodes)."""
-    from poise.topology import PRESETS
+    from poise.core.cluster import PRESETS
 
     return dataclasses.replace(
         PRESETS["cpu-2"],
@@ -59,8 +57,8 @@ def local_cluster(shape: ParmShape) -> Any:
 class ParmChooser:
     """Parm's automatic choice as a `ScheduleChooser`.
 
-    `costs`: a `poise.topology.Cluster` or a measured `poise.collectives.CollectiveFit` (from
-    `poise calibrate`); None: `local_cluster`. A dropless layer is priced at capacity factor 1
+    `costs`: a `poise.core.cluster.Cluster` or a measured `poise.cost.collectives.CollectiveFit`
+    (from `poise calibrate`); None: `local_cluster`. A dropless layer is priced at capacity factor 1
     (the volume of balanced dropless routing); the token count is rounded down to a multiple
     of `mp` (the model's MP-Split cuts evenly)."""
 
@@ -68,10 +66,9 @@ class ParmChooser:
         self.costs = costs
 
     def layer(self, shape: ParmShape) -> Any:
-        """The `poise.parm.ParmLayer` of `shape`."""
-        parm = _parm()
+        """The `poise.layouts.parm.ParmLayer` of `shape`."""
         tokens = max(shape.tokens - shape.tokens % shape.mp, shape.mp)
-        return parm.ParmLayer(
+        return ParmLayer(
             batch=1,
             seq_len=tokens,
             d_model=shape.d_model,
@@ -89,25 +86,7 @@ class ParmChooser:
 
     def __call__(self, shape: ParmShape) -> str:
         costs = self.costs if self.costs is not None else local_cluster(shape)
-        return str(_parm().choose_schedule(self.layer(shape), costs))
-
-
-def _parm() -> Any:
-    try:
-        parm = importlib.import_module("poise.parm")
-    except ImportError as exc:
-        raise ConfigError(
-            f"schedule 'auto' needs poise.parm ({exc}); pass schedule='s1' or 's2', or a chooser",
-            field="schedule",
-        ) from None
-    for name in ("ParmLayer", "choose_schedule"):
-        if not hasattr(parm, name):
-            raise ConfigError(
-                f"schedule 'auto' needs poise.parm.{name}; pass schedule='s1' or 's2', or a "
-                "chooser",
-                field="schedule",
-            )
-    return parm
+        return str(choose_schedule(self.layer(shape), costs))
 
 
 __all__ = ["ParmChooser", "ParmShape", "ScheduleChooser", "local_cluster"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.placement import Assignment, Placement
+from poise.core.placement import Assignment, Placement
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ once, the duplicated input its full gradient.
 Row counts may differ between ranks (`sizes`, one per rank of the group, known on every rank):
 buffers are padded to the largest and cut back after the collective.
 
-`ParallelAttention` is `poise.train.model.Attention` with its heads split over the MP group:
+`ParallelAttention` is `poise.models.gpt.Attention` with its heads split over the MP group:
 `qkv` column-parallel (this rank's heads' rows of q, k and v), `proj` row-parallel (their
 columns), f before and g after, so its output is duplicated on the MP group again.
 """
@@ -37,9 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import Attention, apply_rotary
 from poise.runtime.parallel_groups import ParallelGroups
-from poise.train.model import Attention, apply_rotary
 
 
 # ----------------------------------------------------------------------------- buffers

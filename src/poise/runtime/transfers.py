@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poise.errors import PoiseError
+from poise.core.errors import PoiseError
 from poise.nn.slots import SlotMap
 
 Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]

@@ -1,8 +1,8 @@
 """A finer model of Parm's schedules than the alpha-beta one that chooses between them: the
 "truth" the Parm grid (`poise.sim.parm_grid`) measures speedups and the choice against.
 
-The operations are those of `poise.parm.schedule_ops`; only their pricing differs from
-`poise.parm.layer_time`:
+The operations are those of `poise.layouts.parm.schedule_ops`; only their pricing differs from
+`poise.layouts.parm.layer_time`:
 
 - **All-to-all on the cluster's hierarchy.** A rank's peers in the group are split by the link
   level between them (`Cluster.level_between`); the c_l peers on level l get their share of the
@@ -37,9 +37,9 @@ import math
 
 import numpy as np
 
-from poise.errors import ConfigError
-from poise.parm import SCHEDULES, GemmModel, Op, ParmLayer, schedule_ops
-from poise.topology import Cluster
+from poise.core.cluster import Cluster
+from poise.core.errors import ConfigError
+from poise.layouts.parm import SCHEDULES, GemmModel, Op, ParmLayer, schedule_ops
 
 
 def all_to_all_seconds(cluster: Cluster, size: int, nbytes: float, stride: int = 1) -> float:

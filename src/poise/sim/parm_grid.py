@@ -13,7 +13,8 @@ project's search tools, so ours are our own, on the same axes and of the same si
 E in {16, 32} divides every N_EP). Each configuration is priced under every schedule by the
 event model (`poise.sim.parm_events`: per-level streams, rings with shared NICs, GEMM curve) —
 the "truth" — while the choice uses Parm's simpler alpha-beta condition
-(`poise.parm.choose_schedule`) on the same cluster. Speedup = truth(baseline) / truth(schedule);
+(`poise.layouts.parm.choose_schedule`) on the same cluster. Speedup = truth(baseline) /
+truth(schedule);
 the choice's speedup is that of the schedule it picks; it is accurate on a configuration when it
 picks the faster of S1 and S2 under the truth (ties count as accurate).
 
@@ -40,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from poise.parm import SCHEDULES, ParmLayer, choose_schedule
+from poise.core.cluster import GBIT, GIB, Cluster, Link
+from poise.layouts.parm import SCHEDULES, ParmLayer, choose_schedule
 from poise.sim.parm_events import event_layer_time
-from poise.topology import GBIT, GIB, Cluster, Link
 
 PUBLISHED_SPEEDUP = (1.13, 5.77)
 PUBLISHED_CONFIGS = 1296

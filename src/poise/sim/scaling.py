@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 
 
 def source_rows(observed: int, devices: int, seed: int = 0) -> np.ndarray:

@@ -18,10 +18,10 @@
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
   cost model with them (`CostModel.complete`: the non-MoE compute at its measured rate and the
   token dispatcher's host work per layer on each step's actual rows, H_fwd + H_bwd of
-  `poise.host_costs`), as the planners see it; given the model's
+  `poise.cost.host`), as the planners see it; given the model's
   replicated parameters (`dense_params`), every step also pays its work outside the layers
   (dense gradient all-reduce, the routing counts' gather, clipping, optimizer:
-  `poise.step_overheads`). A cluster without
+  `poise.cost.step_overheads`). A cluster without
   host costs and no `dense_params` price exactly as the cost model does.
 
 Result (`SimResult`): per policy (`PolicyRun`) and step, the step time, the per-layer phase
@@ -40,19 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from poise.cost import CostModel, PhaseTimes, PlanPricer
-from poise.errors import ConfigError
-from poise.placement import Plan
-from poise.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
-from poise.predict import OnlineForecast, Predictor, parse_predictor
-from poise.schedule import Schedule, parse_schedule
+from poise.core.cluster import Cluster
+from poise.core.errors import ConfigError
+from poise.core.placement import Plan
+from poise.core.spec import ModelSpec
+from poise.cost.model import CostModel, PhaseTimes, PlanPricer
+from poise.cost.schedule import Schedule, parse_schedule
+from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
+from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
+from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
 from poise.sim.scaling import ScaledTrace
-from poise.spec import ModelSpec
-from poise.step_overheads import OVERHEADS, StepWork, step_overheads
-from poise.topology import Cluster
-from poise.trace import Trace
+from poise.trace.trace import Trace
 
-HOST_PHASES = ("dispatch_host_fwd_s", "dispatch_host_bwd_s")  # per layer, `poise.host_costs`
+HOST_PHASES = ("dispatch_host_fwd_s", "dispatch_host_bwd_s")  # per layer, `poise.cost.host`
 PHASES = [f.name for f in fields(PhaseTimes) if f.name not in HOST_PHASES]
 HISTORY_STEPS = 100  # per-expert totals kept for policies that look back (SmartMoE's window)
 
@@ -70,7 +70,7 @@ class PolicyRun:
     or not it was charged (`plan_s` is it when charged, else zeros);
     `host_phases[name][S, L]` the dispatcher's host seconds per layer (`HOST_PHASES`, zeros
     without host costs), included in `layer_s`; `outside_s[name][S]` the step's work outside
-    the layers (`poise.step_overheads.OVERHEADS`, zeros without `dense_params`), included in
+    the layers (`poise.cost.step_overheads.OVERHEADS`, zeros without `dense_params`), included in
     `step_s`."""
 
     policy: str
@@ -203,7 +203,7 @@ def simulate(
     threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
     of the planner's thread, so other work on the machine does not inflate it.
     `dense_params`: the model's replicated (non-expert) parameters; given, every step pays the
-    work outside the layers (`poise.step_overheads`), None: not priced."""
+    work outside the layers (`poise.cost.step_overheads`), None: not priced."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:

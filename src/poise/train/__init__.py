@@ -3,7 +3,6 @@
     from poise.train import TrainConfig, train, load_config
     result = train(load_config("configs/tiny.yaml").replace(steps=100))
 
-- `model`: `GPTMoE`, `GPTConfig`, presets `tiny`, `small`, `medium`;
 - `data`: byte-level corpus (the Python standard library by default), cached and memory-mapped;
 - `config`: `TrainConfig` with YAML load/save and validation;
 - `checkpoint`: placement-independent checkpoints, atomic writes, resume at any world size;
@@ -14,13 +13,9 @@ Names are imported lazily, so `import poise.train` stays cheap.
 
 from __future__ import annotations
 
-from poise.lazy import lazy_getattr
+from poise.util.lazy import lazy_getattr
 
 _EXPORTS = {
-    "GPTConfig": "model",
-    "GPTMoE": "model",
-    "MODEL_PRESETS": "model",
-    "model_config": "model",
     "Corpus": "data",
     "DataError": "data",
     "Sampler": "data",

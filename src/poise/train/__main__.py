@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from poise.errors import ConfigError, PoiseError
-from poise.heap import retain_freed_memory
+from poise.core.errors import ConfigError, PoiseError
+from poise.util.heap import retain_freed_memory
 
 # command-line option -> config field
 OVERRIDES = {
@@ -75,6 +75,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Any:
     """The `TrainConfig` of CONFIG with the command-line overrides applied and checked (each bad
     override is named by its option)."""
+    from poise.models.gpt import MODEL_PRESETS
     from poise.train.config import (
         TrainConfig,
         check_value,
@@ -82,7 +83,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         load_config,
         parse_override,
     )
-    from poise.train.model import MODEL_PRESETS
 
     path = Path(args.config)
     if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_train_arguments(parser)
     args = parser.parse_args(argv)
-    retain_freed_memory()  # the rank plans too (`poise.heap`)
+    retain_freed_memory()  # the rank plans too (`poise.util.heap`)
     try:
         from poise.train.loop import train
 

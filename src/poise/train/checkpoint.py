@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.atomic import atomic_write_stream, atomic_write_text
-from poise.errors import PoiseError
+from poise.core.errors import PoiseError
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.nn.moe import MoE, moe_layers
-from poise.placement import Assignment, Placement, Plan, transfers_between
+from poise.util.atomic import atomic_write_stream, atomic_write_text
 
 FORMAT = "poise-train-checkpoint"
 VERSION = 1
@@ -71,7 +71,7 @@ def _serialize(obj: Any, fh: BinaryIO) -> None:
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """`poise.atomic.atomic_write_stream`: a crash mid-write leaves the previous file."""
+    """`poise.util.atomic.atomic_write_stream`: a crash mid-write leaves the previous file."""
     atomic_write_stream(path, write)
 
 

@@ -5,7 +5,7 @@
     save_config(cfg, "poise-out/train/config.yaml")    # naming the file and the field
 
 A YAML file holds any subset of the fields below (the rest keep their defaults); `model` is a
-preset of `poise.train.model.MODEL_PRESETS` and `model_args` overrides its shapes
+preset of `poise.models.gpt.MODEL_PRESETS` and `model_args` overrides its shapes
 (`{d_model: 256, num_experts: 16}`). `batch` is the global batch in sequences (split evenly over
 the ranks), `context` the sequence length (default: the preset's). `layout` (None: expert
 parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from poise.atomic import atomic_write_text
-from poise.errors import ConfigError
-from poise.fields import read_mapping_file
+from poise.core.errors import ConfigError
+from poise.core.fields import read_mapping_file
+from poise.util.atomic import atomic_write_text
 
 POLICIES = ("static", "shadow", "prophet", "vexpert", "permute", "eplb", "hybrid", "auto")
 
@@ -104,7 +104,7 @@ class TrainConfig:
 
     def model_config(self):
         """The `GPTConfig` of this run (preset, overrides, context)."""
-        from poise.train.model import model_config
+        from poise.models.gpt import model_config
 
         overrides = dict(self.model_args)
         if self.context is not None:
@@ -140,7 +140,7 @@ class _Rule:
 
 
 def _rules() -> dict[str, _Rule]:
-    from poise.train.model import MODEL_PRESETS
+    from poise.models.gpt import MODEL_PRESETS
 
     return {
         "model": _Rule(_STR, choices=tuple(MODEL_PRESETS)),
@@ -250,9 +250,9 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
     """What single fields cannot say: the model shapes (preset, `model_args`, `context`), the
     predictor, and the parts of `layout` that do not depend on the world size (syntax, pp = 1,
     ep dividing the experts; `poise.train.layout.resolve_layout` checks the rest)."""
-    from poise.predict import parse_predictor
+    from poise.models.gpt import model_config
+    from poise.plan.predict import parse_predictor
     from poise.train.layout import check_layout_text
-    from poise.train.model import model_config
 
     overrides = dict(cfg.model_args)
     if cfg.context is not None:

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poise.atomic import atomic_write_bytes, atomic_write_text
-from poise.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError, PoiseError
+from poise.util.atomic import atomic_write_bytes, atomic_write_text
 
 FORMAT = 1
 EOD = 0  # end of document: the NUL byte

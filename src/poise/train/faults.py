@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
 
 ENV_STEP = "POISE_FAIL_AT_STEP"
 ENV_RANK = "POISE_FAIL_RANK"

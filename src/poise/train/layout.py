@@ -8,7 +8,7 @@
     all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
     summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, W, E]
 
-`cfg.layout` is any text `poise.layouts.Layout.parse` reads (`"ep=2"`, `"pp1-ep2-edp2"`; the
+`cfg.layout` is any text `poise.layouts.pool.Layout.parse` reads (`"ep=2"`, `"pp1-ep2-edp2"`; the
 `poise layouts` command ranks them). On W ranks a layout of expert-parallel degree ep splits the
 ranks into edp = W / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
 rank) and routing only its own tokens; the ranks at one position of every group form an EDP group
@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from poise.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError, PoiseError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from poise.layouts import Layout
+    from poise.layouts.pool import Layout
     from poise.runtime.layouts import LayoutGroups
     from poise.train.config import TrainConfig
 
@@ -98,7 +98,7 @@ def resolve_layout(cfg: TrainConfig, world: int, source: str | None = None) -> L
 def _parse(
     text: str, devices: int, experts: int, layers: int, source: str, world: int | None
 ) -> Layout:
-    from poise.layouts import Layout
+    from poise.layouts.pool import Layout
 
     try:
         return Layout.parse(text, devices, experts, layers)

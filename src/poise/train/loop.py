@@ -40,7 +40,7 @@ that all ranks share the config) is `poise.train.setup`; rank 0's console and me
 Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
 `config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
 load, plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing
-counts `[steps, layers, ranks, experts]` as a `poise.trace.Trace`, at checkpoints and at the
+counts `[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the
 end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboard is installed.
 """
 
@@ -60,17 +60,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
-from poise.atomic import atomic_write_text
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import GPTMoE
 from poise.nn.moe import default_slots, install_bias_update, moe_layers
 from poise.runtime.launch import destroy_process_group
-from poise.trace import Trace
+from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, save_config
 from poise.train.data import Sampler, shard_rows
 from poise.train.faults import Fault, FaultInjector
 from poise.train.layout import edp_counts, install_edp_bias_sum, resolve_layout
-from poise.train.model import GPTMoE
 from poise.train.runlog import RunLog
 from poise.train.setup import (
     check_config_agrees,
@@ -83,6 +82,7 @@ from poise.train.setup import (
     pick_device,
     seed_everything,
 )
+from poise.util.atomic import atomic_write_text
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
 

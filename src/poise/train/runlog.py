@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from poise.atomic import atomic_write_text
 from poise.train.config import TrainConfig
+from poise.util.atomic import atomic_write_text
 
 
 class RunLog:

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poise.errors import ConfigError
+from poise.core.errors import ConfigError
+from poise.models.gpt import GPTMoE
 from poise.train.config import TrainConfig
 from poise.train.data import Corpus, build_corpus
-from poise.train.model import GPTMoE
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -125,10 +125,10 @@ def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
 def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
     """The modelled cluster a Balancer plans on: `ep` devices (default `world`), the EP group.
     `cfg.cluster` may name a cluster of `ep` devices, or of `world` devices, of which an EP group
-    (contiguous ranks) is a part (`poise.layouts.sub_cluster`)."""
-    from poise.layouts import sub_cluster
+    (contiguous ranks) is a part (`poise.layouts.pool.sub_cluster`)."""
+    from poise.core.cluster import get_cluster
+    from poise.layouts.pool import sub_cluster
     from poise.runtime.balancer import default_cluster
-    from poise.topology import get_cluster
 
     ep = world if ep is None else ep
     if cfg.cluster is None:

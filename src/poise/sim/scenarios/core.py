@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from poise.errors import ConfigError
-from poise.policies.base import REGISTRY, get_policy
+from poise.core.cluster import Cluster, get_cluster
+from poise.core.errors import ConfigError
+from poise.core.spec import ModelSpec
+from poise.plan.policies.base import REGISTRY, get_policy
 from poise.sim.simulator import SimResult, simulate
-from poise.spec import ModelSpec
-from poise.topology import Cluster, get_cluster
-from poise.trace import Trace
+from poise.trace.trace import Trace
 
 MB = 1e6  # HybridEP's sizes are decimal megabytes
 SMARTMOE_SAMPLE = "smartmoe-ae-sample"
@@ -302,8 +302,8 @@ def find_shared_data(explicit: str | Path | None = None) -> Path | None:
 
 def build_trace(case: Case, quick: bool, data: Path | None) -> tuple[Trace, str]:
     """The case's trace `[S, L, D0, E]` and one line saying what it is."""
-    from poise.trace_generate import generate
-    from poise.trace_import import load_any
+    from poise.trace.generate import generate
+    from poise.trace.importers import load_any
 
     r, spec = case.trace, case.spec
     if r.kind == "smartmoe":

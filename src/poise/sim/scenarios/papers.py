@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from poise.errors import ConfigError
+from poise.core.cluster import Cluster, get_cluster
+from poise.core.errors import ConfigError
+from poise.core.spec import ModelSpec
 from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
 from poise.sim.scenarios.parm import parm_scenario
-from poise.spec import ModelSpec
-from poise.topology import Cluster, get_cluster
 
 # --------------------------------------------------------------------------- the scenarios
 

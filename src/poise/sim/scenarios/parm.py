@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from poise.parm import SCHEDULES
+from poise.layouts.parm import SCHEDULES
 from poise.sim.parm_grid import PARM_CLUSTERS, PUBLISHED_SPEEDUP, grid_size, run_grid
 from poise.sim.scenarios.core import Figure, Row, Scenario, ScenarioResult
 
@@ -42,7 +42,7 @@ def parm_scenario() -> Scenario:
         "`poise.sim.parm_grid`) on `parm-8gpu` (one server of 8 GPUs on PCIe) and `parm-32gpu` "
         "(8 nodes of 4 GPUs, one 100 Gb/s NIC per node); each layer priced under DeepSpeed-MoE's "
         "schedule, S1 and S2 by the event model (`poise.sim.parm_events`), the schedule chosen "
-        "by Parm's alpha-beta condition (`poise.parm.choose_schedule`)",
+        "by Parm's alpha-beta condition (`poise.layouts.parm.choose_schedule`)",
         cases=(),
         runs=(),
         figures=figures,
@@ -51,7 +51,8 @@ def parm_scenario() -> Scenario:
         notes=(
             "The auto column is the oracle (the faster of S1 and S2 under the event model).",
             "The grid's value sets and the two clusters are ours: the paper's tables could not "
-            "be read; S2 is modelled as a unified all-to-all over all ranks (see poise.parm).",
+            "be read; S2 is modelled as a unified all-to-all over all ranks "
+            "(see poise.layouts.parm).",
         ),
     )
 

@@ -1,0 +1,108 @@
+"""Per-layer costs the GEMM and link model does not see: the non-MoE compute at its measured rate
+and the token dispatcher's host work (NumPy only; coefficients in `topology.HostCosts`, fitted
+by `poise calibrate`).
+
+**Non-MoE compute** (attention, norms, rotary positions, the router and the head's share of one
+block). With N tokens per device, F the non-MoE forward FLOPs per token and block
+(`ModelSpec.non_moe_flops_fwd`) and the small-batch rate curve of the expert GEMMs
+(`Cluster.gemm_rate`, rate(n) = R n / (n + h)) applied to this work:
+
+    FNEC = N F / rate_f(N) = F (N + h_f) / R_f
+    BNEC = 2 N F / rate_b(N) = 2 F (N + h_b) / R_b          (backward: twice the FLOPs)
+
+R_f, h_f = `dense_fwd_flops`, `dense_fwd_half_tokens`; R_b, h_b = `dense_bwd_*`. With the
+defaults (R_f = gemm_flops, h_f = 0, backward = forward's) these are the cost model's FNEC = N F /
+gemm_flops and BNEC = 2 FNEC (`poise.cost.model`; the non-expert computation of Pro-Prophet's
+FNEC/BNEC). The FLOPs of a GPT block (`gpt_non_moe_flops_per_token`) follow Kaplan et al.,
+"Scaling Laws for Neural Language Models" (2020), Table 1: 2 FLOPs per weight and token, plus the
+attention scores and values, here causal (mean (T + 1) / 2 positions attended).
+
+**Dispatcher host work** (`poise.nn.dispatch.Dispatcher`: sorting a layer's routed rows by
+expert, gathering them into the send buffer, the counts exchange, regrouping received rows by
+slot and back, and combine's gathers; backward runs the transposed gathers). Per MoE layer l and
+device d, with s[l, d] the rows (token-expert pairs) d's router routes, its own included, and
+r[l, d] the rows d computes:
+
+    H_fwd[l, d] = a_f + b_f (s[l, d] + r[l, d])
+    H_bwd[l, d] = a_b + b_b (s[l, d] + r[l, d])
+    H_fwd[l] = max_d H_fwd[l, d]      (the layer's all-to-alls wait for the slowest device)
+
+a = `dispatch_*_s` (what does not scale with rows: the counts all-to-all, index bookkeeping,
+Python), b = `dispatch_*_s_per_row`; the linear start-up + per-unit form of Hockney's model
+("The communication challenge for MPP", Parallel Computing 20, 1994), fitted per row of
+d_model values to the dispatcher's measured time beyond its token all-to-alls' link time. Each
+routed row is copied into the send buffer and its output gathered back (s), each received row
+regrouped by slot and back (r). The time adds to the layer under every schedule: it runs on the
+device's own thread between the collectives.
+
+The cost model prices both with a cluster's measured host costs (`CostModel.non_moe_s`,
+`CostModel.complete`, `PhaseTimes.dispatch_host_fwd_s/_bwd_s`), so planners and the simulator
+see the same layer time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.core.cluster import Cluster, HostCosts
+
+
+def dense_rates(cluster: Cluster) -> tuple[float, float, float, float]:
+    """`(R_f, h_f, R_b, h_b)` of the module docstring, defaults filled in."""
+    host = cluster.host
+    if host.dense_fwd_flops is None:
+        r_f, h_f = cluster.gemm_flops, 0.0
+    else:
+        r_f, h_f = host.dense_fwd_flops, host.dense_fwd_half_tokens
+    if host.dense_bwd_flops is None:
+        return r_f, h_f, r_f, h_f
+    return r_f, h_f, host.dense_bwd_flops, host.dense_bwd_half_tokens
+
+
+def dense_seconds(cluster: Cluster, flops_per_token: float, tokens: float) -> tuple[float, float]:
+    """`(FNEC, BNEC)` seconds of one block's non-MoE compute on `tokens` tokens (module
+    docstring); 0 for no tokens."""
+    if tokens <= 0 or flops_per_token <= 0:
+        return 0.0, 0.0
+    r_f, h_f, r_b, h_b = dense_rates(cluster)
+    return flops_per_token * (tokens + h_f) / r_f, 2.0 * flops_per_token * (tokens + h_b) / r_b
+
+
+def dispatch_rows(counts: np.ndarray, device_load: np.ndarray) -> np.ndarray:
+    """`[L, D]` rows each device's dispatcher handles, s + r: `counts[L, D, E]` the rows each
+    device routes (row d: its router's assignments) and `device_load[L, D]` the rows it
+    computes (`PlanCost.device_load`)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    return counts.sum(axis=2) + np.asarray(device_load, dtype=np.float64)
+
+
+def dispatch_host_seconds(host: HostCosts, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(H_fwd[L], H_bwd[L])`: the slowest device's dispatcher host seconds per layer, forward
+    and backward, for `rows[L, D]` = s + r (`dispatch_rows`)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be [layers, devices], got {rows.shape}")
+    busiest = rows.max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0])
+    fwd = host.dispatch_fwd_s + host.dispatch_fwd_s_per_row * busiest
+    bwd = host.dispatch_bwd_s + host.dispatch_bwd_s_per_row * busiest
+    return fwd, bwd
+
+
+def gpt_non_moe_flops_per_token(
+    d_model: int, context: int, experts: int, vocab: int, layers: int
+) -> float:
+    """Forward FLOPs per token of one GPT-MoE block outside its experts (module docstring):
+    attention projections 8 d^2 (q, k, v, output), causal attention 2 d (T + 1) (scores and
+    values over (T + 1) / 2 positions on average), the router 2 d E, and the tied embedding
+    head's 2 V d shared over the `layers` MoE blocks."""
+    d, T, E, V = float(d_model), float(context), float(experts), float(vocab)
+    return 8.0 * d * d + 2.0 * d * (T + 1.0) + 2.0 * d * E + 2.0 * V * d / layers
+
+
+__all__ = [
+    "dense_rates",
+    "dense_seconds",
+    "dispatch_host_seconds",
+    "dispatch_rows",
+    "gpt_non_moe_flops_per_token",
+]

@@ -1,0 +1,368 @@
+"""The cost model: seconds per MoE layer and step for a placement, an assignment and loads.
+
+All inputs are loads `counts[L, D, E]` (token-to-expert assignments per source device) and a
+`Placement`/`Assignment`; everything is vectorised over layers, devices and experts. Where the
+tokens and bytes go (R, S_v, R_v below) is `poise.cost.traffic`; this module prices them.
+
+Formulas (B_t bytes per routed token, F_t forward FLOPs per routed token, W_e expert bytes,
+M_e migration bytes, see `spec.ModelSpec`):
+
+- Tokens computed on device d for expert e (`Assignment.received`):
+      R[d, e] = c[d, e] * h[d, e] + w[e, d] * sum_s c[s, e] * (1 - h[s, e])
+  with h the holder mask and w the assignment weights.
+- Expert compute, forward (FasterMoE eq. 7's compute term B * F_t / P; Pro-Prophet's FEC):
+      FEC = max_d sum_e R[d, e] * F_t / rate(R[d, e]),   BEC = 2 FEC
+  where rate(n) = gemm_flops * n / (n + gemm_half_rows) models small-GEMM inefficiency.
+- All-to-all on the hierarchical link model (FasterMoE eq. 7's B * B_t / W_net term, extended
+  per level as in HybridEP eq. 10-11): for each device and link level v, S_v and R_v are the bytes
+  it sends and receives over level v;
+      A = max_d sum_v [ max(S_v[d], R_v[d]) / bw_v + lat_v * (traffic at v > 0) ]
+  with bw_v the per-device share of the level's link. Dispatch and combine move the same bytes in
+  opposite directions, so A_c = A_d; backward repeats both (4 all-to-alls per step).
+- Trans (Pro-Prophet eq. 3; FasterMoE's t_model per shadowed expert): each replica receives W_e
+  from its home, directly; per device, the bytes it sends as a home and receives as a replica go
+  through the same per-level formula. Agg (Pro-Prophet eq. 4) returns W_e of gradient the other
+  way, so Agg = Trans.
+- Migration: each home change moves M_e (weights + optimizer state) from old to new home.
+- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops, BNEC = 2 FNEC; on a
+  cluster with measured host costs (`poise calibrate`), at the measured dense rates, plus the
+  token dispatcher's host work per layer H_fwd, H_bwd = a + b * max_d (rows routed + rows
+  computed) (`poise.cost.host`; `CostModel.complete`).
+
+The schedule (`schedule.py`) turns these phases into step time (overlap or not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.core.errors import PlanError
+from poise.core.placement import Assignment, Placement
+from poise.core.spec import ModelSpec
+from poise.cost.host import dense_seconds, dispatch_host_seconds, dispatch_rows
+from poise.cost.schedule import Schedule
+from poise.cost.traffic import Routing, migration_traffic, replica_traffic
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds per phase, each `[L]` (slowest device per layer)."""
+
+    dispatch_s: np.ndarray
+    combine_s: np.ndarray
+    expert_fwd_s: np.ndarray
+    expert_bwd_s: np.ndarray
+    non_moe_fwd_s: np.ndarray
+    non_moe_bwd_s: np.ndarray
+    trans_s: np.ndarray
+    agg_s: np.ndarray
+    migrate_s: np.ndarray
+    dispatch_host_fwd_s: np.ndarray  # the dispatcher's host work (`poise.cost.host`)
+    dispatch_host_bwd_s: np.ndarray
+
+    @classmethod
+    def from_parts(
+        cls,
+        a2a: np.ndarray,
+        fec: np.ndarray,
+        fnec: np.ndarray,
+        trans: np.ndarray,
+        migrate: np.ndarray,
+        bnec: np.ndarray | None = None,
+    ) -> PhaseTimes:
+        """The step's phases from one all-to-all, forward compute, Trans and migration: combine
+        mirrors dispatch, backward compute is twice forward (the non-MoE part too unless `bnec`
+        is given), Agg mirrors Trans, no dispatcher host work (`CostModel.complete` adds it)."""
+        none = np.zeros_like(np.asarray(fec, dtype=np.float64))
+        return cls(
+            dispatch_s=a2a,
+            combine_s=a2a.copy(),
+            expert_fwd_s=fec,
+            expert_bwd_s=2.0 * fec,
+            non_moe_fwd_s=fnec,
+            non_moe_bwd_s=2.0 * fnec if bnec is None else bnec,
+            trans_s=trans,
+            agg_s=trans.copy(),
+            migrate_s=migrate,
+            dispatch_host_fwd_s=none,
+            dispatch_host_bwd_s=none.copy(),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        """Totals over layers, seconds."""
+        return {k: float(np.sum(v)) for k, v in self.__dict__.items()}
+
+
+PHASE_NAMES = [f.name for f in fields(PhaseTimes)]  # the phases, in field order
+
+
+@dataclass
+class PlanCost:
+    """A plan priced on loads: per-layer phases, per-layer time under the schedule, step time."""
+
+    phases: PhaseTimes
+    layer_s: np.ndarray
+    schedule: str
+    device_load: np.ndarray = field(repr=False)  # [L, D] tokens computed per device
+
+    @classmethod
+    def under(cls, schedule: Schedule, phases: PhaseTimes, device_load: np.ndarray) -> PlanCost:
+        """The cost of `phases` (`[L]` each) and `device_load[L, D]` under `schedule`."""
+        return cls(
+            phases=phases,
+            layer_s=schedule.layer_time(phases),
+            schedule=schedule.name,
+            device_load=device_load,
+        )
+
+    @property
+    def step_s(self) -> float:
+        return float(self.layer_s.sum())
+
+    @property
+    def max_over_mean(self) -> float:
+        """Mean over layers of (max device load / mean device load)."""
+        mean = self.device_load.mean(axis=1)
+        ratio = np.where(mean > 0, self.device_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+        return float(ratio.mean())
+
+
+PRICE_CHUNK_CELLS = 2**19  # layer x device x expert cells a pricer handles at once (4 MiB)
+MIN_TRAFFIC_BYTES = 1.0  # less than one byte on a level is float residue, not a message
+
+
+def level_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """`(bw_Bps[3], lat_s[3])`: per-device bandwidth and latency of each link level."""
+    links = cluster.links()
+    return (
+        np.array([k.per_device_bw_Bps for k in links]),
+        np.array([k.lat_s for k in links]),
+    )
+
+
+def level_seconds(moved: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndarray:
+    """Seconds to move `moved` bytes over a level (elementwise; `bw`, `lat` broadcast along the
+    level axis): moved / bw + latency. A level pays its latency only when at least
+    `MIN_TRAFFIC_BYTES` cross it, and less counts as nothing: shares computed as differences
+    (1 - in-domain share, totals updated by deltas) leave rounding residues near 1e-13 that are
+    not traffic. Every pricer (`link_time`, `cost_incremental`) goes through here."""
+    return np.where(moved >= MIN_TRAFFIC_BYTES, moved / bw + lat, 0.0)
+
+
+def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
+    """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency
+    (`level_seconds`). `send_bytes`, `recv_bytes`: `[3, L, D]`."""
+    bw, lat = level_links(cluster)
+    moved = np.maximum(send_bytes, recv_bytes)
+    per_level = level_seconds(moved, bw[:, None, None], lat[:, None, None])
+    return per_level.sum(axis=0).max(axis=1)
+
+
+def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.ndarray:
+    """Forward seconds of one expert GEMM over `rows` tokens (elementwise):
+    rows * F_t / rate(max(rows, 1)), rate(n) = gemm_flops * n / (n + h) (`Cluster.gemm_rate`,
+    h = gemm_half_rows), which simplifies to
+
+        F_t / gemm_flops * (rows + h * min(rows, 1))
+
+    (for rows >= 1: (rows + h); below one row the rate of one row applies). The simplified form
+    takes three passes over `rows` instead of seven."""
+    rows = np.asarray(rows, dtype=np.float64)
+    half = max(cluster.gemm_half_rows, 0.0)
+    scale = spec.flops_per_token_fwd / cluster.gemm_flops
+    if half == 0.0:
+        return rows * scale
+    out = np.minimum(rows, 1.0)  # in place from here: one temporary instead of four
+    out *= half
+    out += rows
+    out *= scale
+    return out
+
+
+@dataclass
+class CostModel:
+    """Prices placements on a cluster for a model under a schedule."""
+
+    cluster: Cluster
+    spec: ModelSpec
+    schedule: Schedule = field(default_factory=Schedule)
+
+    def check_loads(self, counts: np.ndarray, source: str = "loads") -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.float64)
+        D, E = self.cluster.num_devices, self.spec.experts
+        if counts.ndim != 3 or counts.shape[1:] != (D, E):
+            raise PlanError(
+                f"loads must be [layers, devices={D}, experts={E}], got {counts.shape}",
+                source=source,
+                field="loads",
+            )
+        if counts.size:  # NaN and inf show in the minimum or the maximum
+            lo, hi = counts.min(), counts.max()
+            if not (np.isfinite(lo) and np.isfinite(hi) and lo >= 0):
+                raise PlanError(
+                    "loads must be finite and non-negative", source=source, field="loads"
+                )
+        return counts
+
+    @property
+    def non_moe_s(self) -> tuple[float, float]:
+        """`(FNEC, BNEC)`: a block's non-MoE compute on one device, forward and backward. At the
+        cluster's measured dense rates when it has them (`host_costs.dense_seconds`), else
+        tokens per device x non-MoE FLOPs per token / GEMM rate, and twice that backward."""
+        cluster, spec = self.cluster, self.spec
+        host = cluster.host
+        if host.dense_fwd_flops is not None or host.dense_bwd_flops is not None:
+            return dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
+        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+        return fnec, 2.0 * fnec
+
+    @property
+    def non_moe_fwd_s(self) -> float:
+        """FNEC (`non_moe_s`)."""
+        return self.non_moe_s[0]
+
+    @property
+    def prices_dispatch_host(self) -> bool:
+        """Whether the cluster has measured dispatcher host costs (`host_costs`)."""
+        host = self.cluster.host
+        return any(
+            v != 0.0
+            for v in (
+                host.dispatch_fwd_s,
+                host.dispatch_fwd_s_per_row,
+                host.dispatch_bwd_s,
+                host.dispatch_bwd_s_per_row,
+            )
+        )
+
+    def complete(
+        self, phases: PhaseTimes, counts: np.ndarray, device_load: np.ndarray
+    ) -> PhaseTimes:
+        """`phases` (`[L]` each, e.g. from an incremental pricer) with what depends on the
+        cluster's host costs filled in: the non-MoE compute at `non_moe_s` and the dispatcher's
+        host work for `counts[L, D, E]` routed and `device_load[L, D]` computed rows
+        (`host_costs.dispatch_host_seconds`: a + b * max_d (s + r), forward and backward).
+        Without measured host costs the phases come back as they are."""
+        host = self.cluster.host
+        if host.is_default:
+            return phases
+        L = len(phases.dispatch_s)
+        fnec, bnec = self.non_moe_s
+        extra: dict[str, np.ndarray] = {
+            "non_moe_fwd_s": np.full(L, fnec),
+            "non_moe_bwd_s": np.full(L, bnec),
+        }
+        if self.prices_dispatch_host:
+            rows = dispatch_rows(counts, device_load)
+            extra["dispatch_host_fwd_s"], extra["dispatch_host_bwd_s"] = dispatch_host_seconds(
+                host, rows
+            )
+        return dataclasses.replace(phases, **extra)
+
+    def cost_of(self, phases: PhaseTimes, counts: np.ndarray, device_load: np.ndarray) -> PlanCost:
+        """The `PlanCost` of `phases` and `device_load[L, D]` on `counts[L, D, E]`, completed
+        (`complete`) and timed under the schedule."""
+        return PlanCost.under(
+            self.schedule, self.complete(phases, counts, device_load), device_load
+        )
+
+    def expert_compute_s(self, received: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens: the sum over
+        experts of `expert_seconds`, i.e. F_t / gemm_flops * (rows_d + h * sum_e min(R_de, 1))
+        with `rows[L, D]` = sum_e R_de (computed here if not given): two passes over
+        `received` instead of five."""
+        cluster = self.cluster
+        rows = received.sum(axis=2) if rows is None else rows
+        scale = self.spec.flops_per_token_fwd / cluster.gemm_flops
+        half = max(cluster.gemm_half_rows, 0.0)
+        if half == 0.0:
+            return rows * scale
+        small = np.minimum(received, 1.0).sum(axis=2)
+        small *= half
+        small += rows
+        small *= scale
+        return small
+
+    def pricer(self, placement: Placement, assignment: Assignment) -> PlanPricer:
+        """A pricer of this plan for many load matrices (see `PlanPricer`)."""
+        return PlanPricer(self, placement, assignment)
+
+    def phases(
+        self,
+        placement: Placement,
+        assignment: Assignment,
+        counts: np.ndarray,
+        migrations: np.ndarray | None = None,
+    ) -> tuple[PhaseTimes, np.ndarray]:
+        """Phase times `[L]` and the per-device computed tokens `[L, D]`."""
+        return self.pricer(placement, assignment).phases(counts, migrations)
+
+    def price(
+        self,
+        placement: Placement,
+        assignment: Assignment,
+        counts: np.ndarray,
+        migrations: np.ndarray | None = None,
+    ) -> PlanCost:
+        return self.pricer(placement, assignment).price(counts, migrations)
+
+
+class PlanPricer:
+    """Prices one placement and assignment on any number of load matrices: what depends only on
+    the plan (its `Routing`, Trans and Agg seconds, the non-MoE compute) is computed once, so a
+    simulator replaying a plan for K steps pays for it once, not K times."""
+
+    def __init__(self, cost: CostModel, placement: Placement, assignment: Assignment) -> None:
+        self.cost = cost
+        cluster, spec = cost.cluster, cost.spec
+        self.layers = placement.layers
+        self.routing = Routing(cluster, placement, assignment)
+        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
+        self.fnec_s, self.bnec_s = cost.non_moe_s
+
+    def phases(
+        self, counts: np.ndarray, migrations: np.ndarray | None = None
+    ) -> tuple[PhaseTimes, np.ndarray]:
+        """Phase times `[L]` and the per-device computed tokens `[L, D]` on `counts[L, D, E]`,
+        plus the one-off `migrations` rows (layer, expert, old home, new home)."""
+        cost = self.cost
+        counts = cost.check_loads(counts)
+        if counts.shape[0] != self.layers:
+            raise PlanError(
+                f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"
+            )
+        cluster, spec, L = cost.cluster, cost.spec, self.layers
+        # Layers in chunks of at most PRICE_CHUNK_CELLS cells: the temporaries stay small enough
+        # for the allocator to reuse (no page faults per step on 8,192 devices), same results.
+        per_chunk = max(1, PRICE_CHUNK_CELLS // max(1, counts[0].size))
+        fec, a2a, device_load = np.zeros(L), np.zeros(L), np.zeros((L, cluster.num_devices))
+        for start in range(0, L, per_chunk):
+            stop = min(L, start + per_chunk)
+            routing = self.routing if per_chunk >= L else self.routing.take_layers(start, stop)
+            part = counts[start:stop]
+            remote = routing.remote(part)
+            split = routing.split(remote)
+            received = routing.received(part, remote, split)
+            rows = received.sum(axis=2)  # [l, D]
+            device_load[start:stop] = rows
+            fec[start:stop] = cost.expert_compute_s(received, rows).max(axis=1)
+            send, recv = routing.traffic(part, remote, split)
+            a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
+        if migrations is not None and len(migrations):
+            m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
+            mig = link_time(cluster, m_send, m_recv)
+        else:
+            mig = np.zeros(L)
+        fnec, bnec = np.full(L, self.fnec_s), np.full(L, self.bnec_s)
+        phases = PhaseTimes.from_parts(a2a, fec, fnec, self.trans_s.copy(), mig, bnec)
+        return cost.complete(phases, counts, device_load), device_load
+
+    def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:
+        """The plan's `PlanCost` on `counts[L, D, E]` under the cost model's schedule."""
+        phases, device_load = self.phases(counts, migrations)
+        return PlanCost.under(self.cost.schedule, phases, device_load)

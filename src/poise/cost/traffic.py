@@ -1,0 +1,298 @@
+"""Where a plan's tokens and bytes go: per device and link level, as the cost model prices them.
+
+All inputs are loads `counts[L, D, E]` (token-to-expert assignments per source device) and a
+`Placement`/`Assignment`; everything is vectorised over layers, devices and experts, and node /
+domain sums replace D x D traffic matrices (devices are numbered node-major).
+
+- Tokens computed on device d for expert e (`Assignment.received`, `Routing.received`):
+      R[d, e] = c[d, e] * h[d, e] + w[e, d] * sum_s c[s, e] * (1 - h[s, e])
+  with h the holder mask and w the assignment weights.
+- Dispatch traffic (`level_traffic`, `Routing.traffic`): for each device and link level v
+  (intra-node, inter-node, inter-domain), the tokens it sends and receives over v; with
+  group-local routing (HybridEP) a source whose group holds e routes inside its group.
+- Trans (`replica_traffic`): each replica receives W_e from its home, directly, over the level
+  between them; migrations (`migration_traffic`) move M_e from the old home to the new one.
+
+`cost.py` turns these into seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.core.errors import PlanError
+from poise.core.placement import Assignment, Placement
+
+
+def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
+    """Sum the device axis (axis 1 of `[L, D, ...]`) into `[L, groups, ...]`; devices are numbered
+    node-major, so each group is a contiguous run of D // groups devices."""
+    L, D = x.shape[:2]
+    rest = x.shape[2:]
+    if groups == D:
+        return x
+    return x.reshape(L, groups, D // groups, *rest).sum(axis=2)
+
+
+def _within_groups(
+    remote: np.ndarray, w: np.ndarray, w_group: np.ndarray, groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[L, D]` for `groups` contiguous device groups: send[d] = sum_e remote[d, e]
+    * (share of e's remote tokens landing in d's group); recv[d] = sum_e w[d, e] * (remote
+    tokens of e from d's group). `remote`, `w`: `[L, D, E]`; `w_group[L, G, E]`: `w` summed
+    over each group's devices."""
+    L, D, E = remote.shape
+    r4 = remote.reshape(L, groups, D // groups, E)
+    w4 = w.reshape(L, groups, D // groups, E)
+    r_group = r4.sum(axis=2)
+    send = np.einsum("lgde,lge->lgd", r4, w_group).reshape(L, D)
+    recv = np.einsum("lgde,lge->lgd", w4, r_group).reshape(L, D)
+    return send, recv
+
+
+class Routing:
+    """Where one placement and assignment send tokens, with everything that does not depend on
+    the loads computed once: the holder mask `held[L, D, E]`, the shares `w[L, D, E]` of each
+    expert's remote tokens landing on each device, and their sums per node, per domain and over
+    the cluster (`[L, G, E]`). `level_traffic` and `PlanPricer` go through here; a simulator
+    pricing one plan on many steps builds it once."""
+
+    def __init__(self, cluster: Cluster, placement: Placement, assignment: Assignment) -> None:
+        self.cluster = cluster
+        self.placement = placement
+        self.assignment = assignment
+        self.held = placement.holders()
+        self.w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
+        self.groups = (cluster.num_nodes, cluster.domains, 1)
+        L, D, E = self.w.shape
+        sums: dict[int, np.ndarray] = {}  # a level with as many groups as another shares its sums
+        for g in self.groups:
+            if g not in sums:
+                sums[g] = self.w.reshape(L, g, D // g, E).sum(axis=2)
+        self.w_group = [sums[g] for g in self.groups]
+        # Group-local routing only: `local[L, D, E]` per source, routes e inside its group;
+        # `gw[L, D, E]` the group weights per device, contiguous like `w`.
+        self.local = self.gw = None
+        self._cells: np.ndarray | None = None  # flat indices of the holder cells, when needed
+        if assignment.grouped:
+            assert assignment.group_weights is not None
+            self.local = assignment.source_local()
+            self.gw = np.ascontiguousarray(assignment.group_weights.transpose(0, 2, 1))
+
+    def take_layers(self, start: int, stop: int) -> Routing:
+        """The routing of layers `start:stop` (views of this one's arrays)."""
+        part = Routing.__new__(Routing)
+        layers = list(range(start, stop))
+        part.cluster, part.groups = self.cluster, self.groups
+        part.placement = self.placement.take_layers(layers)
+        part.assignment = self.assignment.take_layers(layers)
+        part.held, part.w = self.held[start:stop], self.w[start:stop]
+        part.w_group = [wg[start:stop] for wg in self.w_group]
+        part.local = None if self.local is None else self.local[start:stop]
+        part.gw = None if self.gw is None else self.gw[start:stop]
+        part._cells = None
+        return part
+
+    def remote(self, counts: np.ndarray) -> np.ndarray:
+        """`[L, D, E]` tokens that must leave their source (it holds no copy)."""
+        return np.where(self.held, 0.0, counts)
+
+    def split(self, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """`(global, local)` parts of `remote[L, D, E]` under group-local routing: the tokens
+        of sources that route by the global weights and of those that route inside their
+        group (None without groups). `received` and `traffic` take it to share the work."""
+        if self.local is None:
+            return None
+        remote_loc = np.where(self.local, remote, 0.0)
+        return remote - remote_loc, remote_loc  # = np.where(local, 0.0, remote), bit for bit
+
+    def received(
+        self,
+        counts: np.ndarray,
+        remote: np.ndarray | None = None,
+        split: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """`[L, D, E]` tokens each device computes (`Assignment.received`)."""
+        remote = self.remote(counts) if remote is None else remote
+        if self.local is None:
+            return self._local_plus(counts, remote.sum(axis=1))
+        assert self.gw is not None
+        remote_glob, _ = self.split(remote) if split is None else split
+        L, D, E = remote.shape
+        size = self.assignment.group_size
+        out = self._local_plus(counts, remote_glob.sum(axis=1))
+        group_remote = remote.reshape(L, D // size, size, E).sum(axis=2)  # [L, D / size, E]
+        out += (self.gw.reshape(L, D // size, size, E) * group_remote[:, :, None, :]).reshape(
+            L, D, E
+        )
+        return out
+
+    def _local_plus(self, counts: np.ndarray, total: np.ndarray) -> np.ndarray:
+        """`np.where(held, counts, 0.0) + w * total[:, None, :]` (`total[L, E]`), bit for bit,
+        with one `[L, D, E]` array instead of three: `0.0 + x` is `x + 0.0` (which also turns
+        -0.0 into 0.0), and only the few holder cells add their own tokens."""
+        out = self.w * total[:, None, :]
+        out += 0.0
+        cells = self._held_cells()
+        flat = out.reshape(-1)
+        flat[cells] = np.asarray(counts, dtype=np.float64).reshape(-1)[cells] + flat[cells]
+        return out
+
+    def _held_cells(self) -> np.ndarray:
+        """Flat indices of the holder cells of `held` (computed once)."""
+        if self._cells is None:
+            self._cells = np.flatnonzero(self.held)
+        return self._cells
+
+    def traffic(
+        self,
+        counts: np.ndarray,
+        remote: np.ndarray | None = None,
+        split: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`(send, recv)` tokens per device and link level, each `[3, L, D]` (`level_traffic`)."""
+        remote = self.remote(counts) if remote is None else remote
+        if self.local is None:
+            send, recv = _global_traffic(self.groups, remote, self.w, self.w_group)
+            return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+        remote_glob, remote_loc = self.split(remote) if split is None else split
+        send, recv = _global_traffic(self.groups, remote_glob, self.w, self.w_group)
+        assignment = self.assignment
+        assert assignment.group_weights is not None
+        send_l, recv_l = _group_local_traffic(
+            self.cluster,
+            assignment.group_size,
+            remote_loc,
+            assignment.group_weights.transpose(0, 2, 1),
+        )
+        send = send + send_l
+        recv = recv + recv_l
+        return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def _global_traffic(
+    groups: tuple[int, int, int], remote: np.ndarray, w: np.ndarray, w_group: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` per link level (before clipping residues at 0) of `remote[L,
+    D, E]` tokens routed by the shares `w[L, D, E]`, with `w_group` their sums over the
+    `groups` (nodes, domains, 1) of contiguous devices.
+
+    Per source: tokens whose destination lies in its node / its domain / anywhere (sums of
+    remote * the share of e's copies in that node / domain); per holder: its share of the
+    remote tokens of its node's / domain's / all sources. Devices are numbered node-major, so a
+    node or domain is a contiguous run and reshapes replace D x D matrices. Levels with as many
+    groups (one domain; one node) share one computation."""
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for wg, g in zip(w_group, groups, strict=True):
+        if g not in parts:
+            parts[g] = _within_groups(remote, w, wg, g)
+    (send_node, recv_node), (send_dom, recv_dom), (send_all, recv_all) = (parts[g] for g in groups)
+    send = np.stack([send_node, send_dom - send_node, send_all - send_dom])
+    recv = np.stack([recv_node, recv_dom - recv_node, recv_all - recv_dom])
+    return send, recv
+
+
+def homes_traffic(
+    cluster: Cluster, home: np.ndarray, remote: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`level_traffic` of `Placement.from_homes(home)` under `Assignment.to_home` (`home[L, E]`,
+    no replicas), given the tokens `remote[L, D, E]` that leave their source (all but the
+    home's own): the same arrays, bit for bit, with the shares built from the homes (one
+    holder per expert, share 1) instead of transposed and summed."""
+    L, D, E = remote.shape
+    layer, expert = np.arange(L)[:, None], np.arange(E)[None, :]
+    w = np.zeros((L, D, E))
+    w[layer, home, expert] = 1.0
+    groups = (cluster.num_nodes, cluster.domains, 1)
+    sums: dict[int, np.ndarray] = {}
+    for g in groups:
+        if g not in sums:
+            sums[g] = np.zeros((L, g, E))
+            sums[g][layer, home // (D // g), expert] = 1.0
+    send, recv = _global_traffic(groups, remote, w, [sums[g] for g in groups])
+    return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def level_traffic(
+    cluster: Cluster, placement: Placement, assignment: Assignment, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens each device sends and receives in the dispatch all-to-all, per link level.
+
+    Returns `(send, recv)`, each `[3, L, D]` for levels intra-node, inter-node, inter-domain.
+    Linear in L*D*E: node and domain sums replace the D x D traffic matrix.
+
+    With group-local routing (`Assignment.group_weights`, HybridEP) a source whose group routes e
+    locally sends inside its group; groups must nest with the cluster's levels (a group lies in
+    one node, or is a run of whole nodes inside one domain)."""
+    return Routing(cluster, placement, assignment).traffic(counts)
+
+
+def _group_local_traffic(
+    cluster: Cluster, group_size: int, remote_loc: np.ndarray, gw: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` of the tokens routed inside their group: `remote_loc[L, D, E]`
+    tokens of sources that route locally, `gw[L, D, E]` group weights (per group summing to one)."""
+    dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
+    L, D, E = remote_loc.shape
+    send = np.zeros((3, L, D))
+    recv = np.zeros((3, L, D))
+    n_groups = D // group_size
+    per_group = _group_sum(remote_loc, n_groups)  # [L, n_groups, E]
+    if dpn % group_size == 0:  # the group lies inside one node: all its traffic is intra-node
+        send[0] = remote_loc.sum(axis=2)
+        # gw * (the group's remote tokens, repeated over its devices), C order as the plain
+        # product of the two [L, D, E] arrays would be, summed over experts.
+        share = np.multiply(
+            gw.reshape(L, n_groups, group_size, E), per_group[:, :, None, :], order="C"
+        )
+        recv[0] = share.reshape(L, D, E).sum(axis=2)
+    elif group_size % dpn == 0 and dpd % group_size == 0:  # whole nodes inside one domain
+        group_remote = np.repeat(per_group, group_size, axis=1)
+        node_of = cluster.node_of()
+        in_node = _group_sum(gw, cluster.num_nodes)[:, node_of, :]
+        send[0] = (remote_loc * in_node).sum(axis=2)
+        send[1] = (remote_loc * (1.0 - in_node)).sum(axis=2)
+        r_node = _group_sum(remote_loc, cluster.num_nodes)[:, node_of, :]
+        recv[0] = (gw * r_node).sum(axis=2)
+        recv[1] = (gw * (group_remote - r_node)).sum(axis=2)
+    else:
+        raise PlanError(
+            f"group size {group_size} does not nest with nodes of {dpn} and domains "
+            f"of {dpd} devices",
+            field="assignment.group_size",
+        )
+    return send, recv
+
+
+def replica_traffic(
+    cluster: Cluster, placement: Placement, bytes_per_copy: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
+    replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
+    L, D, _ = placement.copies.shape
+    # Replicas are few next to L * D * E cells: count them per (level, layer, device) from
+    # their coordinates, each at the level between its holder and its home.
+    E = placement.experts
+    flat = np.flatnonzero(placement.replicas())  # 1-D: much faster than a 3-D np.nonzero
+    layer, device, expert = flat // (D * E), flat // E % D, flat % E
+    home = placement.home[layer, expert]
+    level = cluster.level_between(device, home)  # 0, 1, 2 (a replica is not on its home)
+    cells = 3 * L * D
+    recv = np.bincount((level * L + layer) * D + device, minlength=cells).reshape(3, L, D)
+    send = np.bincount((level * L + layer) * D + home, minlength=cells).reshape(3, L, D)
+    return send * float(bytes_per_copy), recv * float(bytes_per_copy)
+
+
+def migration_traffic(
+    cluster: Cluster, migrations: np.ndarray, layers: int, bytes_per_move: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(send, recv)` `[3, L, D]` bytes for migration rows (layer, expert, old home, new home)."""
+    D = cluster.num_devices
+    send = np.zeros((3, layers, D))
+    recv = np.zeros((3, layers, D))
+    if len(migrations):
+        lv = cluster.level_between(migrations[:, 2], migrations[:, 3])
+        np.add.at(send, (lv, migrations[:, 0], migrations[:, 2]), bytes_per_move)
+        np.add.at(recv, (lv, migrations[:, 0], migrations[:, 3]), bytes_per_move)
+    return send, recv

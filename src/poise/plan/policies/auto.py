@@ -1,0 +1,316 @@
+"""`auto`: price every candidate policy per layer with the cost model and keep the cheapest.
+
+For each layer l and candidate c (every registered policy, plus `keep`: the placement in force),
+the cost over the next K steps (K = `horizon`, default the re-planning interval) is
+
+    total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + migrate_s[c, l]
+
+i.e. K steps of the candidate's recurring time plus its one-off migration from the placement in
+force. `auto` keeps, per layer, the candidate with the least total; so it moves only when the
+gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
+step time is a sum over layers), so with no placement in force the result is never slower than
+any candidate. Candidates within relative `TIE_REL` of the least total tie; ties go to `keep`,
+then to the layout with the fewest copies (it leaves the most free slots for later re-planning:
+a uniform forecast, as at the first step, makes every layout price alike, and a replica-filled
+one would leave local searches such as `vexpert` no room), then to the candidate order.
+
+Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
+(`BUILDS_ON`: `vexpert`'s local search on the whole placement; `permute`, `prophet`, `hybrid`
+and `shadow` on its homes) runs from `auto`'s placement, so once `auto` has taken another layout its
+candidates are not the plans the rival makes alone: on a long replay `auto` took `eplb`'s
+layout early and `vexpert`'s local search from there never reached the layouts `vexpert` alone
+reached from the static one (3.8% slower than `vexpert` over 200 steps of FlexMoE's BERT-MoE).
+So `auto`'s plan carries, per such rival, the rival's own latest plan, and each call continues
+it: where the trail differs from the placement in force in what the rival builds on, the rival
+also runs from its trail, and that plan (label `name:alone`) is priced with its migrations
+from the placement in force like any candidate. Where they agree, the run from the placement in
+force is the trail's continuation (the rival sees nothing else of `previous`), so the extra run
+costs nothing while `auto` follows a rival. In a replay each trail equals the rival's own plans
+(`tests/test_policy_trails.py`).
+
+Pruning (option `prune`, default on): a candidate with a registered lower bound
+(`policies.bounds`: `static` and `permute`, one copy per expert) runs after the others, and
+only if `horizon * bound` is inside the least total's tie window in at least one layer; a
+candidate skipped so could neither be kept nor tie, so the plan is the same as without pruning
+(`tests/test_policy_auto_prune.py`; the bound holds for its trail's plan too, and a skipped
+candidate's trail waits where it was). The notes list skipped candidates with their bound, and
+under `alone` the rivals that also ran from their trails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.cost.model import PHASE_NAMES, PhaseTimes, PlanCost
+from poise.plan.policies.base import (
+    BUILDS_ON,
+    HELPER_CPU_NOTE,
+    REGISTRY,
+    PlanContext,
+    finish_plan,
+    register,
+)
+from poise.plan.policies.bounds import BOUNDS
+
+DEFAULT_HORIZON = 10
+PARALLEL_CELLS = 2**21  # from this many load cells (L * D * E) candidates plan in threads
+TIE_REL = 1e-9  # totals this close (relative) count as equal
+BOUND_MARGIN = 1e-12  # relative slack for float rounding when pruning by a bound
+ALONE = ":alone"  # label suffix of a candidate continued from its own trail
+
+
+def candidate_names(ctx: PlanContext) -> list[str]:
+    names = ctx.option("auto", "candidates", None)
+    if names is None:
+        names = [n for n in sorted(REGISTRY) if n != "auto"]
+    return list(names)
+
+
+Job = tuple[str, "Plan | None"]  # a candidate policy and the plan in force it plans from
+
+
+def run_candidates(
+    jobs: list[Job], loads: np.ndarray, ctx: PlanContext
+) -> tuple[list[Plan], float]:
+    """Each job's plan (`REGISTRY[name](loads, previous, ctx)`), in `jobs` order, and the CPU
+    seconds spent in helper threads. Policies are pure, so on large problems (at least
+    `PARALLEL_CELLS` load cells, where NumPy's array work releases the GIL) they run in
+    threads, one per CPU; small ones run one after the other in the caller's thread (threads
+    would only contend)."""
+    threads = min(len(jobs), os.cpu_count() or 1)
+    if loads.size < PARALLEL_CELLS or threads < 2:
+        return [REGISTRY[n](loads, prev, ctx) for n, prev in jobs], 0.0
+
+    def one(job: Job) -> tuple[Plan, float]:
+        t0 = time.thread_time()
+        plan = REGISTRY[job[0]](loads, job[1], ctx)
+        return plan, time.thread_time() - t0
+
+    with ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(one, jobs))
+    return [p for p, _ in done], sum(t for _, t in done)
+
+
+def _fits(plan: Plan | None, ctx: PlanContext, layers: int) -> bool:
+    return (
+        plan is not None
+        and plan.placement.home.shape == (layers, ctx.experts)
+        and plan.placement.devices == ctx.devices
+    )
+
+
+def _agree(a: Placement, b: Placement, on: str) -> bool:
+    """Whether two placements agree on what a policy builds on (`BUILDS_ON`)."""
+    same_homes = np.array_equal(a.home, b.home)
+    return same_homes if on == "homes" else same_homes and np.array_equal(a.copies, b.copies)
+
+
+class Candidates:
+    """The candidates of one `auto` call as they are made: labels, plans, the least total so
+    far (for pruning) and each trailing policy's continued trail.
+
+    A policy in `BUILDS_ON` runs from the placement in force (label = its name). If its own
+    trail (`previous.trails[name]`) differs from it in what the policy builds on (the
+    placement, or only its homes), it also runs from the trail (label `name + ALONE`): that
+    plan, which the policy would make had it run alone, is priced with its migrations from the
+    placement in force and becomes the policy's new trail. If they agree, the first run is the
+    trail's continuation too (the policy sees nothing else of `previous`)."""
+
+    def __init__(
+        self, previous: Plan | None, loads: np.ndarray, ctx: PlanContext, horizon: float
+    ) -> None:
+        self.previous, self.loads, self.ctx, self.horizon = previous, loads, ctx, horizon
+        L = loads.shape[0]
+        fits = _fits(previous, ctx, L)
+        self.trails_in: dict[str, Plan] = dict(previous.trails) if fits and previous else {}
+        self.trails: dict[str, Plan] = {}
+        self.labels: list[str] = []
+        self.plans: list[Plan] = []
+        self.alone: list[str] = []  # policies whose trail ran apart from the placement in force
+        self.helper_cpu_s = 0.0
+        self.best: np.ndarray | None = None
+        if fits:
+            assert previous is not None
+            keep_cost = ctx.cost.price(previous.placement, previous.assignment, loads)
+            keep = Plan("keep", previous.placement, previous.assignment, previous.transfers)
+            keep.cost = keep_cost
+            self._add(["keep"], [keep])
+
+    def trail_of(self, name: str) -> Plan | None:
+        """`name`'s own trail if it differs from the placement in force in what `name` builds
+        on, else None."""
+        trail = self.trails_in.get(name)
+        if name not in BUILDS_ON or trail is None or self.previous is None:
+            return None
+        if not _fits(trail, self.ctx, self.loads.shape[0]):
+            return None
+        if trail.placement.slots_per_device != self.ctx.slots_per_device:
+            return None  # the slots changed since: the trail cannot be continued
+        on = BUILDS_ON[name]
+        return None if _agree(trail.placement, self.previous.placement, on) else trail
+
+    def run(self, names: list[str]) -> None:
+        """Plan `names` (with their trails where those left the placement in force)."""
+        trails = {n: self.trail_of(n) for n in names}
+        apart = [n for n in names if trails[n] is not None]
+        jobs: list[Job] = [(n, self.previous) for n in names] + [(n, trails[n]) for n in apart]
+        made, cpu = run_candidates(jobs, self.loads, self.ctx)
+        self.helper_cpu_s += cpu
+        plans = made[: len(names)]
+        for name, plan in zip(names, plans, strict=True):
+            if name in BUILDS_ON:
+                self.trails[name] = plan
+        labels = list(names)
+        for name, own in zip(apart, made[len(names) :], strict=True):
+            self.trails[name] = own
+            self.alone.append(name)
+            labels.append(name + ALONE)
+            plans.append(
+                finish_plan(
+                    name + ALONE,
+                    own.placement,
+                    own.assignment,
+                    self.loads,
+                    self.previous,
+                    self.ctx,
+                    dict(own.notes),
+                )
+            )
+        self._add(labels, plans)
+
+    def skip(self, name: str) -> None:
+        """`name` was pruned: its trail stays where it was (it could not have been chosen)."""
+        if name in self.trails_in:
+            self.trails[name] = self.trails_in[name]
+
+    def ordered(self, candidates: list[str]) -> tuple[list[str], list[Plan]]:
+        """Labels and plans in the order ties are broken in, whatever order they ran in:
+        `keep`, the candidates in `candidates` order, then their trails' plans in that order."""
+        rank = {"keep": -1} | {n: i for i, n in enumerate(candidates)}
+        rank |= {n + ALONE: len(candidates) + i for i, n in enumerate(candidates)}
+        order = sorted(range(len(self.labels)), key=lambda i: rank[self.labels[i]])
+        return [self.labels[i] for i in order], [self.plans[i] for i in order]
+
+    def _add(self, labels: list[str], plans: list[Plan]) -> None:
+        self.labels += labels
+        self.plans += plans
+        self.best = _least_total(plans, self.horizon, self.best)
+
+
+@register("auto")
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    horizon = float(ctx.option("auto", "horizon", DEFAULT_HORIZON))
+    L = loads.shape[0]
+    made = Candidates(previous, loads, ctx, horizon)
+    candidates = candidate_names(ctx)
+    prune = bool(ctx.option("auto", "prune", True))
+    bounded = [n for n in candidates if prune and n in BOUNDS]
+    made.run([n for n in candidates if n not in bounded])
+    pruned: dict[str, float] = {}
+    bounds: dict[object, np.ndarray | None] = {}  # candidates may share one bound function
+    for name in bounded:
+        if BOUNDS[name] not in bounds:
+            bounds[BOUNDS[name]] = BOUNDS[name](loads, ctx)
+        bound = bounds[BOUNDS[name]]
+        # The bound holds for any plan of the policy, its trail's included.
+        if bound is not None and made.best is not None and _cannot_win(horizon * bound, made.best):
+            pruned[name] = float(bound.sum())
+            made.skip(name)
+            continue
+        made.run([name])
+    names, plans = made.ordered(candidates)
+    total = _totals(plans, horizon)
+    layers = np.arange(L)
+    choice = _choose(total, plans, names)
+    home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
+    copies = np.stack([plans[c].placement.copies[layer] for layer, c in enumerate(choice)])
+    # from_layers keeps group-local routing (hybrid) of the layers it picks.
+    assignment = Assignment.from_layers(
+        [(plans[c].assignment, layer) for layer, c in enumerate(choice)]
+    )
+    placement = Placement(home, copies, ctx.slots_per_device)
+    chosen = [names[c] for c in choice]
+    notes: dict[str, Any] = {
+        "chosen": chosen,
+        "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
+        "pruned_bound_step_s": pruned,
+        "alone": made.alone,
+        HELPER_CPU_NOTE: made.helper_cpu_s,
+    }
+    for p in plans:
+        for key, value in p.notes.items():
+            notes.setdefault(f"{p.policy}.{key}", value)
+    placement.validate()
+    assignment.validate(placement)
+    prev_placement = previous.placement if previous is not None else None
+    transfers = transfers_between(prev_placement, placement, ctx.spec)
+    # Layers are priced independently and each candidate was priced (with its migrations from
+    # `previous`, per layer too) on these loads, so the plan's cost is the chosen layers' costs.
+    costs = [p.cost for p in plans]
+
+    def pick(get: Callable[[PlanCost], np.ndarray]) -> np.ndarray:
+        """`[L, ...]` the chosen candidate's row of `get(cost)` for each layer."""
+        return np.stack([get(c) for c in costs])[choice, layers]
+
+    phases = PhaseTimes(
+        **{name: pick(lambda c, n=name: getattr(c.phases, n)) for name in PHASE_NAMES}
+    )
+    cost = PlanCost(
+        phases=phases,
+        layer_s=pick(lambda c: c.layer_s),
+        schedule=ctx.cost.schedule.name,
+        device_load=pick(lambda c: c.device_load),
+    )
+    return Plan(
+        policy="auto",
+        placement=placement,
+        assignment=assignment,
+        transfers=transfers,
+        cost=cost,
+        notes=notes,
+        trails=made.trails,
+    )
+
+
+def _totals(plans: list[Plan], horizon: float) -> np.ndarray:
+    """`[C, L]` each plan's cost over the horizon: K steps of its recurring time plus its
+    one-off migration."""
+    recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])
+    return horizon * recurring + np.stack([p.cost.phases.migrate_s for p in plans])
+
+
+def _least_total(
+    plans: list[Plan], horizon: float, best: np.ndarray | None = None
+) -> np.ndarray | None:
+    """`[L]` the least total over `plans` and `best` (None: no plan yet)."""
+    if not plans:
+        return best
+    least = _totals(plans, horizon).min(axis=0)
+    return least if best is None else np.minimum(best, least)
+
+
+def _cannot_win(lower: np.ndarray, best: np.ndarray) -> bool:
+    """Whether a candidate whose totals are at least `lower[L]` is, in every layer, above the
+    tie window of `best[L]` (which only falls as candidates are added), with a margin for the
+    bound's float rounding."""
+    window = (best + TIE_REL * np.abs(best)) * (1.0 + BOUND_MARGIN)
+    return bool(np.all(lower > window))
+
+
+def _choose(total: np.ndarray, plans: list[Plan], names: list[str]) -> np.ndarray:
+    """`[L]` index of the candidate kept per layer: the least `total[C, L]`; among those within
+    `TIE_REL` of it, `keep` first, then the fewest copies, then the candidate order."""
+    best = total.min(axis=0)
+    tied = total <= best + TIE_REL * np.abs(best)
+    copies = np.stack([p.placement.copies.sum(axis=(1, 2)) for p in plans])  # [C, L]
+    is_keep = np.array([n == "keep" for n in names])[:, None]
+    # Lexicographic: not keep, then copies, then order (argmin takes the first of equal keys).
+    key = np.where(tied, (~is_keep) * (copies.max() + 1.0) + copies, np.inf)
+    return np.argmin(key, axis=0)

@@ -1,0 +1,208 @@
+"""What every balancing policy shares: the context it plans in, the registry, plan assembly.
+
+A policy is a pure, deterministic function
+
+    plan(loads, previous, ctx) -> Plan
+
+- `loads`: predicted token-to-expert assignments `[L, D, E]` for the steps the plan will serve;
+- `previous`: the plan in force (None at the start of training);
+- `ctx`: cluster, model, cost model, slots per device, recent history and per-policy options.
+
+It never knows whether the live runtime or the simulator called it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.core.errors import ConfigError, PlanError
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.spec import ModelSpec
+from poise.cost.model import CostModel, PlanCost
+
+PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
+
+REGISTRY: dict[str, PolicyFn] = {}
+# What of the plan in force (`previous`) a policy builds its plan on: its whole placement
+# (`vexpert`'s local search), or only its homes (`permute`, `prophet`, `hybrid`, `shadow`).
+# Nothing else of `previous` shapes the plan, only its price (the migrations); from plans in
+# force that agree on that part a policy makes the same plan. Policies not listed (`static`,
+# `eplb`) plan from the loads alone.
+BUILDS_ON: dict[str, str] = {}
+BUILDS_ON_CHOICES = ("placement", "homes", None)
+
+
+def register(name: str, *, builds_on: str | None = "placement") -> Callable[[PolicyFn], PolicyFn]:
+    """Add a policy to `REGISTRY`, declaring what of the plan in force it builds on
+    (`BUILDS_ON`; `tests/test_policy_trails.py` checks every declaration)."""
+    if builds_on not in BUILDS_ON_CHOICES:
+        raise ValueError(f"builds_on must be one of {BUILDS_ON_CHOICES}, got {builds_on!r}")
+
+    def wrap(fn: PolicyFn) -> PolicyFn:
+        REGISTRY[name] = fn
+        BUILDS_ON.pop(name, None)
+        if builds_on is not None:
+            BUILDS_ON[name] = builds_on
+        return fn
+
+    return wrap
+
+
+@dataclass
+class PlanContext:
+    """Everything a policy may look at besides the loads.
+
+    `history[T, L, E]`: tokens routed to each expert (summed over sources) in the last observed
+    steps, oldest first (may be empty);
+    `options[policy][key]`: per-policy settings (thresholds, windows)."""
+
+    cluster: Cluster
+    spec: ModelSpec
+    cost: CostModel
+    slots_per_device: int
+    history: np.ndarray | None = None
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        cluster: Cluster,
+        spec: ModelSpec,
+        *,
+        slots_per_device: int | None = None,
+        cost: CostModel | None = None,
+        history: np.ndarray | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> PlanContext:
+        D, E = cluster.num_devices, spec.experts
+        needed = max(1, math.ceil(E / D))
+        slots = needed if slots_per_device is None else slots_per_device
+        if slots < needed:
+            raise ConfigError(
+                f"{E} experts on {D} devices need at least {needed} slots per device, got {slots}",
+                source=cluster.name,
+                field="slots",
+            )
+        return cls(
+            cluster=cluster,
+            spec=spec,
+            cost=cost or CostModel(cluster, spec),
+            slots_per_device=slots,
+            history=history,
+            options=options or {},
+        )
+
+    @property
+    def devices(self) -> int:
+        return self.cluster.num_devices
+
+    @property
+    def experts(self) -> int:
+        return self.spec.experts
+
+    def option(self, policy: str, key: str, default: Any) -> Any:
+        return self.options.get(policy, {}).get(key, default)
+
+
+# `Plan.notes` key: CPU seconds a policy spent in helper threads (`auto` on large problems), to
+# be added to the planning thread's own CPU time when planning is charged.
+HELPER_CPU_NOTE = "helper_cpu_s"
+
+
+def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
+    """GShard / DeepSpeed-MoE layout `[L, E]`: contiguous blocks of experts per device
+    (expert e on device floor(e * D / E)); with more devices than experts, device d serves expert
+    floor(d * E / D) and expert e's home is the first device of its block, ceil(e * D / E)."""
+    e = np.arange(experts)
+    homes = (e * devices) // experts if devices <= experts else -(-(e * devices) // experts)
+    return np.tile(homes, (layers, 1)).astype(np.int64)
+
+
+def static_placement(layers: int, experts: int, devices: int, slots: int) -> Placement:
+    """The static layout; with D > E every device holds the one expert of its block (DeepSpeed's
+    expert-data parallelism), the non-first devices as replicas."""
+    placement = Placement.from_homes(static_homes(layers, experts, devices), devices, slots)
+    if devices > experts:
+        block = (np.arange(devices) * experts) // devices
+        placement.copies[:, np.arange(devices), block] = 1
+    return placement
+
+
+def start_placement(previous: Plan | None, ctx: PlanContext, layers: int) -> Placement:
+    """The placement a policy starts from: the previous one, or the static layout."""
+    if (
+        previous is not None
+        and previous.placement.home.shape == (layers, ctx.experts)
+        and previous.placement.devices == ctx.devices
+    ):
+        return previous.placement.copy()
+    return static_placement(layers, ctx.experts, ctx.devices, ctx.slots_per_device)
+
+
+def start_homes(previous: Plan | None, ctx: PlanContext, layers: int) -> np.ndarray:
+    """`start_placement(previous, ctx, layers).home` (`[L, E]`) without building its copies."""
+    if (
+        previous is not None
+        and previous.placement.home.shape == (layers, ctx.experts)
+        and previous.placement.devices == ctx.devices
+    ):
+        return previous.placement.home.copy()
+    return static_homes(layers, ctx.experts, ctx.devices)
+
+
+def finish_plan(
+    name: str,
+    placement: Placement,
+    assignment: Assignment,
+    loads: np.ndarray,
+    previous: Plan | None,
+    ctx: PlanContext,
+    notes: dict[str, Any] | None = None,
+    cost: PlanCost | None = None,
+) -> Plan:
+    """Check the invariants, work out the transfers from `previous`, price on `loads` (unless
+    the policy already priced the plan, migrations from `previous` included: `cost`)."""
+    placement.slots_per_device = ctx.slots_per_device
+    placement.validate()
+    assignment.validate(placement)
+    prev_placement = previous.placement if previous is not None else None
+    transfers = transfers_between(prev_placement, placement, ctx.spec)
+    if cost is None:
+        cost = ctx.cost.price(placement, assignment, loads, transfers.migrations)
+    return Plan(
+        policy=name,
+        placement=placement,
+        assignment=assignment,
+        transfers=transfers,
+        cost=cost,
+        notes=notes or {},
+    )
+
+
+def check_loads(loads: np.ndarray, ctx: PlanContext) -> np.ndarray:
+    return ctx.cost.check_loads(loads)
+
+
+def get_policy(name: str) -> PolicyFn:
+    from poise.plan import policies  # noqa: F401  (imports every policy module, filling REGISTRY)
+
+    if name not in REGISTRY:
+        raise ConfigError(
+            f"unknown policy (known: {', '.join(sorted(REGISTRY))})", source=name, field="policy"
+        )
+    return REGISTRY[name]
+
+
+def make_plan(name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    """Run policy `name`; any policy bug that breaks an invariant surfaces as PlanError."""
+    fn = get_policy(name)
+    plan = fn(check_loads(loads, ctx), previous, ctx)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"policy returned {type(plan).__name__}, not a Plan", source=name)
+    return plan

@@ -1,0 +1,274 @@
+"""`prophet`: Pro-Prophet's planner, locality-based lightweight placement (Wang et al.,
+arXiv 2411.10003, §IV "planner", Algorithm 1; reconstructed from the published description, the
+paper body could not be read: equation shapes are ours, not quotations).
+
+Lightweight placement: a hot expert's weights are sent (Trans) from its home to some of the
+devices that hold its tokens; each such device computes its own tokens for the expert locally and
+returns the gradients to the home (Agg). Homes never move, so nothing migrates. Sources without a
+local copy send to the home (`Assignment.to_home`).
+
+Greedy (after Pro-Prophet Algorithm 1, reconstructed), per layer, experts in descending total
+load (stable: lower index first on ties):
+
+1. candidates: the devices that send tokens to the expert (non-holders with tokens and a free
+   slot), sorted by how many tokens they send (descending, lower device first on ties);
+2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced (with
+   more than 80 candidates, on large clusters, the kept prefix lengths 1..16 and a geometric
+   grid of 64 more up to m: `cost_incremental.prefix_cuts`; our bound on planner work);
+3. the best n is kept if it makes the layer strictly faster than without it; the first expert that
+   brings no gain ends the search. Experts whose every sender is out of slots are skipped (the
+   paper has no slot limit).
+
+The price is the cost model's layer time under Pro-Prophet's block-wise schedule (after its
+eq. 8, reconstructed; `schedule.Schedule("prophet")`): Trans of a block's replicas hides under
+the block before it's forward expert and non-expert compute, Agg under the backward compute,
+
+    T = FNEC + BNEC + 2 (A_d + A_c) + FEC + BEC
+        + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
+
+with FEC = max_d sum_e R[d, e] F_t / rate(R[d, e]) (eq. 1-2 style), A the hierarchical all-to-all
+and Trans = Agg the replicas' weight traffic (`cost.py`). `ctx.cost` is used when its schedule is
+`prophet`, otherwise a `prophet`-scheduled model on the same cluster and model. Each candidate is
+priced incrementally on its layer alone; the result equals `CostModel.price` on that layer (the
+tests check it). The returned plan is priced by `ctx.cost` like every other policy, so that
+`auto` compares like with like; the prophet-schedule layer times are in
+`notes["prophet_layer_s"]`, the replicated experts (in the order chosen) and their replica
+devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from poise.core.placement import Assignment, Placement, Plan
+from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
+from poise.cost.model import CostModel
+from poise.cost.schedule import Schedule
+from poise.plan.policies.base import PlanContext, finish_plan, register, start_homes
+
+NAME = "prophet"
+
+
+def prophet_cost(ctx: PlanContext) -> CostModel:
+    """The cost model the planner searches with: `ctx.cost` if it already uses the prophet
+    schedule, else the same cluster and model under `Schedule("prophet")`."""
+    if ctx.cost.schedule.kind == "prophet":
+        return ctx.cost
+    return CostModel(ctx.cluster, ctx.spec, Schedule("prophet"))
+
+
+def _padded_cuts(m: np.ndarray) -> np.ndarray:
+    """`[B, C]` the priced prefix lengths >= 1 of each row (`prefix_cuts(m[b])[1:]`), padded
+    with 0 (no prefix)."""
+    if int(m.max()) + 1 <= PREFIX_EXACT + PREFIX_POINTS:  # every length 1..m
+        lengths = np.arange(1, int(m.max()) + 1)
+        return np.where(lengths[None, :] <= m[:, None], lengths, 0)
+    rows = [prefix_cuts(int(n))[1:] for n in m]
+    cuts = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+    for b, r in enumerate(rows):
+        cuts[b, : len(r)] = r
+    return cuts
+
+
+class _Prefixes:
+    """Replicating the expert under search in layer `layer[b]` (home `home[b]`) on prefixes of
+    its candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
+    `cuts[B, C]` priced (0-padded; all of 1..m when m is small, else a grid:
+    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
+    device states they were priced on, side by side (`LayerState.packed_terms`), `side[B,
+    CELLS, D + 2 M + C]`: every device now, each candidate now and after its step, the home
+    after each prefix."""
+
+    def __init__(
+        self,
+        state: LayerState,
+        layer: np.ndarray,
+        home: np.ndarray,
+        ok: np.ndarray,
+        col: np.ndarray,
+        r_home: np.ndarray,
+    ) -> None:
+        """Layer seconds after each priced prefix, in O(B (D + m)).
+
+        Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute
+        change once, at its step) and receives W_e; the home h receives fewer tokens and sends
+        one more W_e at every step. So for a prefix of length c the slowest device is the
+        slowest of: the home in its state after c steps, the candidates before c in their
+        changed state (a running maximum), the candidates from c on and every other device in
+        their current state (a suffix maximum and a constant). Equal to pricing each prefix's
+        full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
+        candidate senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]`
+        the tokens its home computes."""
+        S = LayerState
+        B, D = ok.shape
+        rows = np.arange(B)[:, None]
+        m = ok.sum(axis=1)
+        M = int(m.max())
+        # Candidates: senders by tokens, descending (stable: lower device first).
+        cands = np.argsort(np.where(ok, -col, np.inf), axis=1, kind="stable")[:, :M]
+        valid = np.arange(M)[None, :] < m[:, None]  # [B, M]
+        # Small m: cuts[b, c] = c + 1 (valid) or 0 (padding, priced inf), so the state after
+        # prefix c is the one after step c and no gather is needed.
+        every = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
+        cuts = np.where(valid, np.arange(1, M + 1), 0) if every else _padded_cuts(m)
+        C = cuts.shape[1]
+        W_e = state.cost.spec.expert_bytes
+        steps = np.arange(M)[None, :]
+        tok = col[rows, cands]  # [B, M] (padding: unused)
+        # Link level home -> candidate (padding may be the home: level -1, its columns unused).
+        lv = state.level_between(home[:, None], cands)
+        step = S.LEVEL_STEP
+        # Side by side (whole rows of `cells` gathered, then turned into columns): every device
+        # now [D], each candidate now [M] and after its step [M], the home after each prefix
+        # [C]: [B, CELLS, D + 2 M + C].
+        idx = np.empty((B, D + 2 * M + C), dtype=np.int64)
+        idx[:, :D] = np.arange(D)
+        idx[:, D : D + M] = cands
+        idx[:, D + M : D + 2 * M] = cands
+        idx[:, D + 2 * M :] = home[:, None]
+        idx += (layer * D)[:, None]
+        rows_of = np.take(state.cells.reshape(-1, S.CELLS), idx, axis=0)
+        side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
+        cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
+        # The home after each step: tokens received, Trans sent per level, tokens it computes.
+        per_step = np.zeros((B, 7, M))
+        per_step[rows, lv, steps] = -tok
+        per_step[rows, 3 + lv, steps] = W_e
+        per_step[:, 6] = tok
+        after = np.cumsum(per_step, axis=2)  # [B, 7, M]
+        if not every:
+            after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
+        left = r_home[:, None] - after[:, 6]  # tokens the home computes
+        seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
+        home_side[:, S.TOK_RECV : S.TOK_RECV + 3 * step : step] += after[:, :3]
+        home_side[:, S.PAR_SEND : S.PAR_SEND + 3 * step : step] += after[:, 3:6]
+        home_side[:, S.COMP] += seconds[:, M : M + C]
+        home_side[:, S.COMP] -= seconds[:, M + C :]
+        # Each candidate after its own step.
+        cand_side[:, S.COMP] += seconds[:, :M]
+        at = S.TOK_SEND + step * lv
+        cand_side[rows, at, steps] -= tok
+        cand_side[rows, at + (S.PAR_RECV - S.TOK_SEND), steps] += W_e
+
+        # Per-device (compute, all-to-all, Trans) seconds of all columns in one pass.
+        terms = state.packed_terms(side)  # [B, 3, D + 2 M + C]
+        now = terms[:, :, :D]
+        others = ~ok  # neither a candidate (the senders in `ok`) nor the home
+        others[rows[:, 0], home] = False
+        # From each step on: the candidates not yet changed, then every other device.
+        rest = np.full((B, 3, M + 1), -np.inf)
+        np.copyto(rest[:, :, :M], terms[:, :, D : D + M], where=valid[:, None, :])
+        rest[:, :, M] = np.where(others[:, None, :], now, -np.inf).max(axis=2)
+        rest = np.maximum.accumulate(rest[:, :, ::-1], axis=2)[:, :, ::-1]
+        changed = np.maximum.accumulate(terms[:, :, D + M : D + 2 * M], axis=2)  # before c
+        if every:
+            unchanged = rest[:, :, 1:]
+        else:
+            changed = np.take_along_axis(changed, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
+            unchanged = np.take_along_axis(rest, cuts[:, None, :], axis=2)
+        slowest = np.maximum(np.maximum(terms[:, :, D + 2 * M :], changed), unchanged)  # [B, 3, C]
+        times = state.layer_s_from_max(slowest[:, 0], slowest[:, 1], slowest[:, 2])
+        self.cuts = cuts
+        self.times = np.where(cuts > 0, times, np.inf)
+        self.cands, self.side = cands, side
+
+
+def search_layers(
+    cost: CostModel, placement: Placement, counts: np.ndarray, slots: int, state: LayerState
+) -> tuple[list[list[int]], list[list[list[int]]], list[list[float]]]:
+    """Algorithm 1 (reconstructed) on every layer in lockstep. `placement`: homes only (its
+    copies get the replicas); `counts[L, D, E]`; `state`: the layers' stacked `LayerState`
+    (updated). Each round takes the next expert of every layer still searching. Returns per
+    layer the replicated experts, their replica devices, and the layer seconds before and
+    after."""
+    L, D, E = counts.shape
+    home, copies = placement.home, placement.copies
+    before = state.packed_layer_s(np.ascontiguousarray(state.cells.swapaxes(1, 2)))
+    best = before.copy()
+    order = np.argsort(-counts.sum(axis=1), axis=1, kind="stable")  # [L, E]
+    used = np.bincount((np.arange(L)[:, None] * D + home).ravel(), minlength=L * D)
+    used = used.reshape(L, D)  # slots used: the homes
+    replicated: list[list[int]] = [[] for _ in range(L)]
+    devices: list[list[list[int]]] = [[] for _ in range(L)]
+    every_device = np.arange(D)
+    # The layers still searching and the position in its order of each one's next expert.
+    active = np.arange(L) if E else np.zeros(0, dtype=np.int64)
+    nxt = np.zeros(active.size, dtype=np.int64)
+    while active.size:
+        e = order[active, nxt]
+        nxt += 1
+        h = home[active, e]
+        col = counts[active, :, e]  # [A, D]
+        # Senders without a copy (the expert is seen once: its only copy is the home) and with
+        # a free slot.
+        ok = (col > 0) & (every_device != h[:, None]) & (used[active] < slots)
+        has = ok.any(axis=1)
+        # No candidate: skip the expert (every sender is out of slots), or stop when it has no
+        # tokens (nor has any later expert). Otherwise go on while replicas bring a gain.
+        go = None if has.all() else np.flatnonzero(has)
+        if go is None:
+            cont = np.zeros(active.size, dtype=bool)
+            lyr, eg, hg, ok_g, col_g = active, e, h, ok, col
+        else:
+            cont = col.sum(axis=1) > 0
+            lyr, eg, hg, ok_g, col_g = active[go], e[go], h[go], ok[go], col[go]
+        if lyr.size:
+            # (R is never updated: each expert's column is read once, before it changes.)
+            pre = _Prefixes(state, lyr, hg, ok_g, col_g, state.R[lyr, hg, eg])
+            rows = np.arange(lyr.size)
+            j = np.argmin(pre.times, axis=1)  # times[b, j]: the cuts[b, j] heaviest senders
+            t_best = pre.times[rows, j]
+            better = t_best < best[lyr]  # the first expert without gain ends the search
+            if go is None:
+                cont = better
+            else:
+                cont[go] = better
+            if better.any():
+                n = np.where(better, pre.cuts[rows, j], 0)  # replicas taken
+                M = pre.cands.shape[1]
+                rb, kb = np.nonzero(np.arange(M)[None, :] < n[:, None])
+                ll, dd = lyr[rb], pre.cands[rb, kb]
+                copies[ll, dd, eg[rb]] = 1
+                used[ll, dd] += 1
+                # The replicas and the home take the states they were priced in.
+                state.cells[ll, dd] = pre.side[rb, :, D + M + kb]
+                b = np.flatnonzero(better)
+                lb, jb = lyr[b], j[b]
+                state.cells[lb, hg[b]] = pre.side[b, :, D + 2 * M + jb]
+                best[lb] = t_best[b]
+                chosen = pre.cands[b].tolist()
+                picked = zip(lb.tolist(), eg[b].tolist(), n[b].tolist(), strict=True)
+                for i, (layer, ex, k) in enumerate(picked):
+                    replicated[layer].append(ex)
+                    devices[layer].append(chosen[i][:k])
+        cont &= nxt < E
+        active, nxt = active[cont], nxt[cont]
+    return replicated, devices, [[float(x), float(y)] for x, y in zip(before, best, strict=True)]
+
+
+@register(NAME, builds_on="homes")
+def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
+    """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement."""
+    L, D, _ = loads.shape
+    cost = prophet_cost(ctx)
+    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
+    state = LayerState.for_homes(cost, placement.home, loads)
+    replicated, replica_devices, layer_s = search_layers(
+        cost, placement, loads, ctx.slots_per_device, state
+    )
+    notes: dict[str, Any] = {
+        "replicated": replicated,
+        "replica_devices": replica_devices,
+        "prophet_layer_s": layer_s,
+        "schedule": cost.schedule.name,
+    }
+    assignment = Assignment.to_home(placement)
+    # The search's state is the plan's price (the same phases under any schedule; homes are the
+    # previous plan's, so nothing migrates). A previous plan of another shape: priced afresh.
+    priced = None
+    if previous is None or previous.placement.home.shape == placement.home.shape:
+        device_load = assignment.received(placement, loads).sum(axis=2)
+        priced = ctx.cost.cost_of(state.phases(), loads, device_load)
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)
