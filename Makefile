@@ -18,12 +18,14 @@ demo: $(STAMP)
 	$(BIN)/poise demo
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
 lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 

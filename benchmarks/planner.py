@@ -31,7 +31,8 @@ from poise.core.placement import Plan
 from poise.core.spec import MODELS, ModelSpec
 from poise.cost.model import CostModel
 from poise.plan.policies import REGISTRY
-from poise.plan.policies.base import PlanContext, make_plan
+from poise.plan.policies.base import PlanContext
+from poise.plan.policies.registry import make_plan
 from poise.trace.generate import generate
 from poise.trace.importers import load_any
 from poise.util.heap import retain_freed_memory

@@ -111,7 +111,7 @@ def assert_priced_as_the_cost_model(plan, cost, loads, device_load_rtol: float =
     rtol 1e-9, the computed tokens to `device_load_rtol` (0: bit for bit)."""
     import numpy as np
 
-    from poise.cost.model import PHASE_NAMES
+    from poise.cost.phases import PHASE_NAMES
 
     fresh = cost.price(plan.placement, plan.assignment, loads, plan.transfers.migrations)
     np.testing.assert_allclose(plan.cost.layer_s, fresh.layer_s, rtol=1e-9)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from poise.cost.model import CostModel
-from poise.plan.policies.base import PlanContext, make_plan
+from poise.plan.policies.base import PlanContext
+from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.sim.simulator import replay
 from poise.trace.generate import generate

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from poise.core.errors import ConfigError
-from poise.cost.model import PhaseTimes
+from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule, parse_schedule
 
 

@@ -205,7 +205,7 @@ def test_bad_layout_is_one_config_error(text, words):
 
 def test_layout_must_fit_the_world():
     from poise.train import TrainConfig
-    from poise.train.layout import resolve_layout
+    from poise.train.config import resolve_layout
 
     cfg = TrainConfig(layout="ep=2")
     assert resolve_layout(cfg, 4).edp == 2

@@ -203,8 +203,10 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
     Returns `SimSection`s."""
     from poise.core.cluster import get_cluster
     from poise.core.spec import MODELS
-    from poise.plan import policies as _policies  # noqa: F401  (fills the registry)
-    from poise.plan.policies import REGISTRY
+    from poise.plan.policies import (
+        REGISTRY,
+        registry,  # noqa: F401  (fills the registry)
+    )
     from poise.report.html import SimSection
     from poise.sim.simulator import simulate
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from poise.commands.options import add_planning_args, planning_context
 from poise.plan.files import write_plan_json
-from poise.plan.policies.base import make_plan
+from poise.plan.policies.registry import make_plan
 from poise.trace.loads import fit_devices
 from poise.util.atomic import atomic_write_bytes, atomic_write_text
 

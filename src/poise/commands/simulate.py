@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _policies(text: str) -> list[str]:
-    from poise.plan import policies  # noqa: F401  (fills the registry)
+    from poise.plan.policies import registry  # noqa: F401  (fills the registry)
 
     if text == "all":
         return sorted(REGISTRY)

@@ -54,10 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from poise.core.errors import ConfigError
     from poise.train.__main__ import config_from_args
-    from poise.train.config import save_config
+    from poise.train.config import resolve_layout, save_config
     from poise.train.data import build_corpus, shard_rows
     from poise.train.faults import Fault
-    from poise.train.layout import resolve_layout
 
     cfg = config_from_args(args)
     n = args.nproc

@@ -29,7 +29,8 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
-from poise.cost.model import CostModel, PhaseTimes, expert_seconds, level_links, level_seconds
+from poise.cost.model import CostModel, expert_seconds, level_links, level_seconds
+from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import homes_traffic, level_traffic, migration_traffic, replica_traffic
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one

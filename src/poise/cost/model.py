@@ -35,7 +35,7 @@ The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,60 +44,9 @@ from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
 from poise.core.spec import ModelSpec
 from poise.cost.host import dense_seconds, dispatch_host_seconds, dispatch_rows
+from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
 from poise.cost.traffic import Routing, migration_traffic, replica_traffic
-
-
-@dataclass
-class PhaseTimes:
-    """Seconds per phase, each `[L]` (slowest device per layer)."""
-
-    dispatch_s: np.ndarray
-    combine_s: np.ndarray
-    expert_fwd_s: np.ndarray
-    expert_bwd_s: np.ndarray
-    non_moe_fwd_s: np.ndarray
-    non_moe_bwd_s: np.ndarray
-    trans_s: np.ndarray
-    agg_s: np.ndarray
-    migrate_s: np.ndarray
-    dispatch_host_fwd_s: np.ndarray  # the dispatcher's host work (`poise.cost.host`)
-    dispatch_host_bwd_s: np.ndarray
-
-    @classmethod
-    def from_parts(
-        cls,
-        a2a: np.ndarray,
-        fec: np.ndarray,
-        fnec: np.ndarray,
-        trans: np.ndarray,
-        migrate: np.ndarray,
-        bnec: np.ndarray | None = None,
-    ) -> PhaseTimes:
-        """The step's phases from one all-to-all, forward compute, Trans and migration: combine
-        mirrors dispatch, backward compute is twice forward (the non-MoE part too unless `bnec`
-        is given), Agg mirrors Trans, no dispatcher host work (`CostModel.complete` adds it)."""
-        none = np.zeros_like(np.asarray(fec, dtype=np.float64))
-        return cls(
-            dispatch_s=a2a,
-            combine_s=a2a.copy(),
-            expert_fwd_s=fec,
-            expert_bwd_s=2.0 * fec,
-            non_moe_fwd_s=fnec,
-            non_moe_bwd_s=2.0 * fnec if bnec is None else bnec,
-            trans_s=trans,
-            agg_s=trans.copy(),
-            migrate_s=migrate,
-            dispatch_host_fwd_s=none,
-            dispatch_host_bwd_s=none.copy(),
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        """Totals over layers, seconds."""
-        return {k: float(np.sum(v)) for k, v in self.__dict__.items()}
-
-
-PHASE_NAMES = [f.name for f in fields(PhaseTimes)]  # the phases, in field order
 
 
 @dataclass

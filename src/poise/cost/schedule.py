@@ -1,7 +1,7 @@
 """Schedules: how one training step's MoE operations overlap, turned into time per layer.
 
-Each schedule combines the phase times of `cost.PhaseTimes` (seconds per layer, slowest device)
-into the time a layer adds to one training step (forward + backward):
+Each schedule combines the phase times of `poise.cost.phases.PhaseTimes` (seconds per layer,
+slowest device) into the time a layer adds to one training step (forward + backward):
 
 - `sync` (no overlap; FasterMoE's baseline of 3 computations and 4 all-to-alls):
       T = FNEC + BNEC + 2 (A_d + A_c) + FEC + BEC + Trans + Agg + Mig
@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from poise.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from poise.cost.model import PhaseTimes
+from poise.cost.phases import PhaseTimes
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.collectives import hierarchical_allreduce_s
-from poise.cost.model import CostModel, PhaseTimes, level_links, level_seconds
+from poise.cost.model import CostModel, level_links, level_seconds
+from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
 from poise.layouts.pool import (
     Layout,
@@ -64,7 +65,8 @@ from poise.layouts.pool import (
     memory_bytes,
     sub_cluster,
 )
-from poise.plan.policies.base import PlanContext, make_plan
+from poise.plan.policies.base import PlanContext
+from poise.plan.policies.registry import make_plan
 from poise.trace.loads import fit_devices
 
 

@@ -62,7 +62,8 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE, moe_layers
 from poise.nn.slots import SlotMap, slot_maps
-from poise.plan.policies.base import PlanContext, get_policy, make_plan
+from poise.plan.policies.base import PlanContext
+from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression

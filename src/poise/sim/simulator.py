@@ -44,10 +44,12 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
-from poise.cost.model import CostModel, PhaseTimes, PlanPricer
+from poise.cost.model import CostModel, PlanPricer
+from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule, parse_schedule
 from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
-from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext, get_policy, make_plan
+from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
+from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
 from poise.sim.scaling import ScaledTrace
 from poise.trace.trace import Trace

@@ -22,13 +22,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from poise.core.errors import ConfigError
 from poise.core.fields import read_mapping_file
+from poise.train.layout import check_layout_text, parse_layout
 from poise.util.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from poise.layouts.pool import Layout
 
 POLICIES = ("static", "shadow", "prophet", "vexpert", "permute", "eplb", "hybrid", "auto")
 
@@ -249,10 +253,9 @@ def config_from_mapping(m: Mapping[str, Any], source: str = "config") -> TrainCo
 def _check_combined(cfg: TrainConfig, source: str) -> None:
     """What single fields cannot say: the model shapes (preset, `model_args`, `context`), the
     predictor, and the parts of `layout` that do not depend on the world size (syntax, pp = 1,
-    ep dividing the experts; `poise.train.layout.resolve_layout` checks the rest)."""
+    ep dividing the experts; `resolve_layout` checks the rest)."""
     from poise.models.gpt import model_config
     from poise.plan.predict import parse_predictor
-    from poise.train.layout import check_layout_text
 
     overrides = dict(cfg.model_args)
     if cfg.context is not None:
@@ -290,6 +293,22 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def resolve_layout(cfg: TrainConfig, world: int, source: str | None = None) -> Layout | None:
+    """The `Layout` of `cfg.layout` on `world` ranks (None without one, after checking that the
+    world fits the experts as plain expert parallelism needs). Raises one `ConfigError` naming
+    `source` (default "config") and the field `layout` when the layout does not fit: ep must
+    divide both the world and the number of experts, pp must be 1."""
+    from poise.nn.moe import check_world
+
+    mcfg = cfg.model_config()
+    if cfg.layout is None:
+        check_world(mcfg.num_experts, world)
+        return None
+    where = source or "config"
+    check_layout_text(cfg.layout, mcfg.num_experts, mcfg.moe_layers, where)
+    return parse_layout(cfg.layout, world, mcfg.num_experts, mcfg.moe_layers, where, world=world)
+
+
 __all__ = [
     "POLICIES",
     "TrainConfig",
@@ -297,5 +316,6 @@ __all__ = [
     "config_from_mapping",
     "load_config",
     "parse_override",
+    "resolve_layout",
     "save_config",
 ]

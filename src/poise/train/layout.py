@@ -1,6 +1,6 @@
 """A training run in a SmartMoE layout: which layout, and the per-step pieces the loop adds.
 
-    layout = resolve_layout(cfg, world)           # None without `cfg.layout`; else checked
+    layout = resolve_layout(cfg, world)  # poise.train.config; None without `cfg.layout`
     groups = create_groups(layout)                # poise.runtime.layouts: once, on every rank
     model = GPTMoE(..., group=groups.ep, num_slots=E / ep [+ spare_slots when balancing])
     ...
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
     from poise.layouts.pool import Layout
     from poise.runtime.layouts import LayoutGroups
-    from poise.train.config import TrainConfig
 
 # Layout.parse's grammar: "ep=4", "pp=2,ep=4", "pp1-ep4-edp2"; read here only to check the
 # pipeline degree and to size the world-independent check (Layout.parse does the rest).
@@ -76,26 +75,10 @@ def check_layout_text(text: str, experts: int, moe_layers: int, source: str) -> 
             field="layout",
         )
     devices = max(1, degrees.get("ep", 1)) * max(1, degrees.get("edp", 1))
-    _parse(text, devices, experts, moe_layers, source, world=None)
+    parse_layout(text, devices, experts, moe_layers, source, world=None)
 
 
-def resolve_layout(cfg: TrainConfig, world: int, source: str | None = None) -> Layout | None:
-    """The `Layout` of `cfg.layout` on `world` ranks (None without one, after checking that the
-    world fits the experts as plain expert parallelism needs). Raises one `ConfigError` naming
-    `source` (default "config") and the field `layout` when the layout does not fit: ep must
-    divide both the world and the number of experts, pp must be 1."""
-    from poise.nn.moe import check_world
-
-    mcfg = cfg.model_config()
-    if cfg.layout is None:
-        check_world(mcfg.num_experts, world)
-        return None
-    where = source or "config"
-    check_layout_text(cfg.layout, mcfg.num_experts, mcfg.moe_layers, where)
-    return _parse(cfg.layout, world, mcfg.num_experts, mcfg.moe_layers, where, world=world)
-
-
-def _parse(
+def parse_layout(
     text: str, devices: int, experts: int, layers: int, source: str, world: int | None
 ) -> Layout:
     from poise.layouts.pool import Layout
@@ -163,4 +146,4 @@ def _comm_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["check_layout_text", "edp_counts", "install_edp_bias_sum", "resolve_layout"]
+__all__ = ["check_layout_text", "edp_counts", "install_edp_bias_sum", "parse_layout"]

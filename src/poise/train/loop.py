@@ -66,10 +66,10 @@ from poise.nn.moe import default_slots, install_bias_update, moe_layers
 from poise.runtime.launch import destroy_process_group
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
-from poise.train.config import TrainConfig, save_config
+from poise.train.config import TrainConfig, resolve_layout, save_config
 from poise.train.data import Sampler, shard_rows
 from poise.train.faults import Fault, FaultInjector
-from poise.train.layout import edp_counts, install_edp_bias_sum, resolve_layout
+from poise.train.layout import edp_counts, install_edp_bias_sum
 from poise.train.runlog import RunLog
 from poise.train.setup import (
     check_config_agrees,

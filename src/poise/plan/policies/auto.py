@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.cost.model import PHASE_NAMES, PhaseTimes, PlanCost
+from poise.cost.model import PlanCost
+from poise.cost.phases import PHASE_NAMES, PhaseTimes
 from poise.plan.policies.base import (
     BUILDS_ON,
     HELPER_CPU_NOTE,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from poise.core.cluster import Cluster
-from poise.core.errors import ConfigError, PlanError
+from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
@@ -187,22 +187,3 @@ def finish_plan(
 
 def check_loads(loads: np.ndarray, ctx: PlanContext) -> np.ndarray:
     return ctx.cost.check_loads(loads)
-
-
-def get_policy(name: str) -> PolicyFn:
-    from poise.plan import policies  # noqa: F401  (imports every policy module, filling REGISTRY)
-
-    if name not in REGISTRY:
-        raise ConfigError(
-            f"unknown policy (known: {', '.join(sorted(REGISTRY))})", source=name, field="policy"
-        )
-    return REGISTRY[name]
-
-
-def make_plan(name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
-    """Run policy `name`; any policy bug that breaks an invariant surfaces as PlanError."""
-    fn = get_policy(name)
-    plan = fn(check_loads(loads, ctx), previous, ctx)
-    if not isinstance(plan, Plan):
-        raise PlanError(f"policy returned {type(plan).__name__}, not a Plan", source=name)
-    return plan

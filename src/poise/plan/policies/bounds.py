@@ -36,7 +36,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from poise.cost.model import MIN_TRAFFIC_BYTES, PhaseTimes, expert_seconds, level_links
+from poise.cost.model import MIN_TRAFFIC_BYTES, expert_seconds, level_links
+from poise.cost.phases import PhaseTimes
 from poise.plan.policies.base import PlanContext
 
 BoundFn = Callable[[np.ndarray, PlanContext], "np.ndarray | None"]

@@ -54,7 +54,8 @@ import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan, balanced_weights
 from poise.cost.incremental import ROW_R, TERMS, ExpertColumns
-from poise.cost.model import PHASE_NAMES, PhaseTimes, PlanCost
+from poise.cost.model import PlanCost
+from poise.cost.phases import PHASE_NAMES, PhaseTimes
 from poise.plan.policies.base import PlanContext, finish_plan, register, start_placement
 
 _REL_TOL = 1e-12

@@ -16,7 +16,8 @@ import numpy as np
 from poise.core.cluster import Cluster, get_cluster
 from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
-from poise.plan.policies.base import REGISTRY, get_policy
+from poise.plan.policies.base import REGISTRY
+from poise.plan.policies.registry import get_policy
 from poise.sim.simulator import SimResult, simulate
 from poise.trace.trace import Trace
 

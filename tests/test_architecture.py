@@ -1,0 +1,45 @@
+"""The package layout the README's "Architecture" section promises, checked on the code."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import poise
+
+PACKAGE = Path(poise.__file__).parent
+ROOT = PACKAGE.parent.parent
+
+
+def test_at_most_four_modules_at_the_top() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 4, top
+    assert {"__init__.py", "cli.py"} <= set(top)
+
+
+def test_every_package_folder_is_a_package() -> None:
+    for folder in PACKAGE.rglob("*"):
+        if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py")):
+            assert (folder / "__init__.py").exists(), folder
+
+
+def test_import_contracts_hold() -> None:
+    """The layers (core <- trace <- cost <- plan <- layouts <- nn <- models <- sim | runtime <-
+    train | calibrate | report <- commands <- cli), the independence of `sim` and `runtime`, and
+    no import cycles: `lint-imports` with the contracts in pyproject.toml."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.fail("lint-imports is missing: install the dev extra (pip install -e '.[dev]')")
+    done = subprocess.run(
+        [exe, "--no-cache", "--config", str(ROOT / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 kept, 0 broken" in done.stdout
