@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,35 @@ def test_import_contracts_hold() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 kept, 0 broken" in done.stdout
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_readme_map_names_every_package() -> None:
+    """Every package folder of `src/poise` has its line in the README's architecture table, and
+    the table names no package that does not exist."""
+    section = _readme().split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`poise\.(\w+)`", section))
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders <= named, folders - named
+    assert named - {"cli"} <= folders | {"core"}, named - folders
+
+
+def test_readme_library_example_runs() -> None:
+    """The README's "Library" snippet, with loads drawn for its model and cluster."""
+    import numpy as np
+
+    section = _readme().split("## Library", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    from poise.core.cluster import get_cluster
+    from poise.core.spec import MODELS
+
+    spec, devices = MODELS["zipf-256"], get_cluster("dgx-h100:4").num_devices
+    loads = np.random.default_rng(0).integers(0, 50, size=(2, devices, spec.experts))
+    scope: dict = {"loads": loads}
+    exec(compile(code, "README.md", "exec"), scope)
+    plan = scope["plan"]
+    assert plan.placement.home.shape == (2, spec.experts)
+    assert plan.cost.step_s > 0
