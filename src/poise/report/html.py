@@ -40,7 +40,7 @@ EARLY_STEPS = 30
 class MeasuredRun:
     """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
 
-    `device_tokens[S, L, W]`: token-expert pairs each rank computed per MoE layer (under the plan
+    `device_tokens[S, L, D]`: token-expert pairs each rank computed per MoE layer (under the plan
     in force); `phases[name][S]`: rank 0's seconds per step phase (data, forward, backward,
     grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);

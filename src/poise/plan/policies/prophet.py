@@ -101,7 +101,7 @@ class _Prefixes:
         full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
         candidate senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]`
         the tokens its home computes."""
-        S = LayerState
+        LS = LayerState
         B, D = ok.shape
         rows = np.arange(B)[:, None]
         m = ok.sum(axis=1)
@@ -119,7 +119,7 @@ class _Prefixes:
         tok = col[rows, cands]  # [B, M] (padding: unused)
         # Link level home -> candidate (padding may be the home: level -1, its columns unused).
         lv = state.level_between(home[:, None], cands)
-        step = S.LEVEL_STEP
+        step = LS.LEVEL_STEP
         # Side by side (whole rows of `cells` gathered, then turned into columns): every device
         # now [D], each candidate now [M] and after its step [M], the home after each prefix
         # [C]: [B, CELLS, D + 2 M + C].
@@ -129,7 +129,7 @@ class _Prefixes:
         idx[:, D + M : D + 2 * M] = cands
         idx[:, D + 2 * M :] = home[:, None]
         idx += (layer * D)[:, None]
-        rows_of = np.take(state.cells.reshape(-1, S.CELLS), idx, axis=0)
+        rows_of = np.take(state.cells.reshape(-1, LS.CELLS), idx, axis=0)
         side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
         cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
         # The home after each step: tokens received, Trans sent per level, tokens it computes.
@@ -142,15 +142,15 @@ class _Prefixes:
             after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
         left = r_home[:, None] - after[:, 6]  # tokens the home computes
         seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
-        home_side[:, S.TOK_RECV : S.TOK_RECV + 3 * step : step] += after[:, :3]
-        home_side[:, S.PAR_SEND : S.PAR_SEND + 3 * step : step] += after[:, 3:6]
-        home_side[:, S.COMP] += seconds[:, M : M + C]
-        home_side[:, S.COMP] -= seconds[:, M + C :]
+        home_side[:, LS.TOK_RECV : LS.TOK_RECV + 3 * step : step] += after[:, :3]
+        home_side[:, LS.PAR_SEND : LS.PAR_SEND + 3 * step : step] += after[:, 3:6]
+        home_side[:, LS.COMP] += seconds[:, M : M + C]
+        home_side[:, LS.COMP] -= seconds[:, M + C :]
         # Each candidate after its own step.
-        cand_side[:, S.COMP] += seconds[:, :M]
-        at = S.TOK_SEND + step * lv
+        cand_side[:, LS.COMP] += seconds[:, :M]
+        at = LS.TOK_SEND + step * lv
         cand_side[rows, at, steps] -= tok
-        cand_side[rows, at + (S.PAR_RECV - S.TOK_SEND), steps] += W_e
+        cand_side[rows, at + (LS.PAR_RECV - LS.TOK_SEND), steps] += W_e
 
         # Per-device (compute, all-to-all, Trans) seconds of all columns in one pass.
         terms = state.packed_terms(side)  # [B, 3, D + 2 M + C]
