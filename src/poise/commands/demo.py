@@ -300,7 +300,7 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
     )
     cases.append(("zipf-drift", "synthetic drifting Zipf trace", drift, 5))
     out = []
-    for key, label, trace, every in cases:
+    for key, label, trace, replan_every in cases:
         spec = MODELS["smartmoe-gpt"].with_(
             experts=trace.experts, top_k=trace.top_k, moe_layers=trace.layers
         )
@@ -310,13 +310,13 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
                 trace.counts,
                 ctx,
                 sorted(REGISTRY),
-                replan_every=every,
+                replan_every=replan_every,
                 predictor=Predictor("ema", alpha=0.5),
             )
         note = (
             f"{trace.steps} steps, {trace.layers} layers, {trace.devices} devices, "
             f"{trace.experts} experts, top-{trace.top_k} on {cluster.name}; re-plan every "
-            f"{every} step(s) from EMA-predicted loads, priced on each step's actual loads."
+            f"{replan_every} step(s) from EMA-predicted loads, priced on each step's actual loads."
         )
         out.append(ReplaySection(key, f"{label} on {cluster.name}", runs, note))
     return out

@@ -58,7 +58,7 @@ def register(name: str, *, builds_on: str | None = "placement") -> Callable[[Pol
 class PlanContext:
     """Everything a policy may look at besides the loads.
 
-    `history[T, L, E]`: tokens routed to each expert (summed over sources) in the last observed
+    `history[S, L, E]`: tokens routed to each expert (summed over sources) in the last observed
     steps, oldest first (may be empty);
     `options[policy][key]`: per-policy settings (thresholds, windows)."""
 

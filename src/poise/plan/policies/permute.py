@@ -2,7 +2,7 @@
 
 As in the public SmartMoE artifact's greedy mapping, per layer:
 
-1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[T, L, E]` (tokens
+1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[S, L, E]` (tokens
    per expert and step, summed over sources); with no history, `loads[L, D, E]` summed over
    sources.
 2. Experts sorted by `h` descending. Tie order (our choice; the artifact's unstable
@@ -46,7 +46,7 @@ from poise.plan.policies.lpt import lpt_assign
 
 
 def expert_loads(loads: np.ndarray, history: np.ndarray | None, window: int) -> np.ndarray:
-    """`h[L, E]`: the mean over the last `window` steps of `history[T, L, E]` (tokens routed to
+    """`h[L, E]`: the mean over the last `window` steps of `history[S, L, E]` (tokens routed to
     each expert per step), or `loads[L, D, E]` summed over sources when there is no history."""
     L, _, E = loads.shape
     if history is not None and len(history) > 0 and np.asarray(history).shape[1:] == (L, E):

@@ -111,8 +111,8 @@ class _Prefixes:
         valid = np.arange(M)[None, :] < m[:, None]  # [B, M]
         # Small m: cuts[b, c] = c + 1 (valid) or 0 (padding, priced inf), so the state after
         # prefix c is the one after step c and no gather is needed.
-        every = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
-        cuts = np.where(valid, np.arange(1, M + 1), 0) if every else _padded_cuts(m)
+        all_cuts = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
+        cuts = np.where(valid, np.arange(1, M + 1), 0) if all_cuts else _padded_cuts(m)
         C = cuts.shape[1]
         W_e = state.cost.spec.expert_bytes
         steps = np.arange(M)[None, :]
@@ -138,7 +138,7 @@ class _Prefixes:
         per_step[rows, 3 + lv, steps] = W_e
         per_step[:, 6] = tok
         after = np.cumsum(per_step, axis=2)  # [B, 7, M]
-        if not every:
+        if not all_cuts:
             after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
         left = r_home[:, None] - after[:, 6]  # tokens the home computes
         seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
@@ -163,7 +163,7 @@ class _Prefixes:
         rest[:, :, M] = np.where(others[:, None, :], now, -np.inf).max(axis=2)
         rest = np.maximum.accumulate(rest[:, :, ::-1], axis=2)[:, :, ::-1]
         changed = np.maximum.accumulate(terms[:, :, D + M : D + 2 * M], axis=2)  # before c
-        if every:
+        if all_cuts:
             unchanged = rest[:, :, 1:]
         else:
             changed = np.take_along_axis(changed, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
