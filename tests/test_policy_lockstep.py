@@ -178,7 +178,7 @@ def test_balanced_assignment_equals_water_filling_on_all_rows() -> None:
             placement.copies.transpose(0, 2, 1).astype(np.float64),
         )
         assert np.array_equal(got, want)
-        assert got.strides == want.strides  # same memory layout, so the same sums downstream
+        assert got.strides == want.strides  # same memory order, so the same sums downstream
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "prophet", "shadow", "permute", "eplb", "vexpert"])

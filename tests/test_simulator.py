@@ -77,7 +77,7 @@ def test_prophet_schedule_hides_planning_under_all_to_all() -> None:
 
 
 def test_background_planning_applies_each_plan_one_step_later() -> None:
-    """A planner thread beside training: step 0 runs the static layout, the plan made at step s
+    """A planner thread beside training: step 0 runs the static placement, the plan made at step s
     prices from step s + 1, and planning is charged only beyond the step it runs beside."""
     trace = drift_trace(steps=6)
     cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)

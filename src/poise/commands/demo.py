@@ -242,7 +242,7 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
             f"{spec.d_model}, d_expert {spec.d_expert}, fp16, {spec.tokens_per_device:,} tokens "
             f"per device) with the trace's {trace.experts} experts: the tiny model's own widths "
             f"would take microseconds on an H100. With {trace.experts} experts on "
-            f"{cluster.num_devices:,} devices the static layout already keeps {copies:,} "
+            f"{cluster.num_devices:,} devices the static placement already keeps {copies:,} "
             f"expert-data-parallel copies of each expert, so balancing has less to gain than on "
             f"the 2 measured ranks. Steps replayed: {steps}."
         )

@@ -228,7 +228,7 @@ class Assignment:
         copies = placement.copies
         L, D, E = copies.shape
         held = copies > 0  # [L, D, E]
-        if L == 1 or D == 1:  # the memory layout `balanced_weights` gives these shapes
+        if L == 1 or D == 1:  # the memory order `balanced_weights` gives these shapes
             weights = np.zeros((L, D, E)).transpose(0, 2, 1).reshape(-1, D).reshape(L, E, D)
         else:
             weights = np.zeros((L, E, D))

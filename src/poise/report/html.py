@@ -450,7 +450,7 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     page = HtmlPage("Poise demo: static against balanced expert parallelism")
     page.paragraph(
         f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}. Two training runs of the same model "
-        "from the same seed on the same data, one with the static expert-parallel layout and "
+        "from the same seed on the same data, one with the static expert-parallel placement and "
         "one balanced live by Poise; their recorded routing traces replayed in the simulator on "
         "large modelled clusters."
     )

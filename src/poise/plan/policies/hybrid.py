@@ -4,7 +4,7 @@ Devices are cut into *domains* (`cluster.domain_of()`): inside a domain, experts
 expert needed there is copied into the domain once and its tokens stay in the domain); across
 domains, tokens travel by all-to-all as in plain EP. A single-domain cluster whose inter-node
 link is slower per device than its intra-node link uses nodes as domains; otherwise the policy
-keeps the static layout (nothing to gain from moving experts).
+keeps the static placement (nothing to gain from moving experts).
 
 The paper's stream model (§III; G GPUs, D bytes of data a GPU sends in an all-to-all, P_E bytes
 per expert, B bandwidth, Lat_PE the expert compute that can hide an all-gather). Definition 1:
@@ -44,12 +44,12 @@ weights route inside the domain, other sources go to the home). One replica per 
 the wide-area Trans to one copy per domain, which the cost model (direct home-to-replica Trans,
 no relay inside the domain) prices best; copies on every device of the domain would multiply it.
 
-More devices than experts: the static layout already holds expert-data-parallel copies of every
+More devices than experts: the static placement already holds expert-data-parallel copies of every
 expert (device d holds expert floor(d E / D)) in blocks, so a domain holds only some experts.
 There the policy keeps those copies, gives every domain a copy of each expert it lacks, heaviest
 first, while free slots last (the paper's p = 0 inside the domain), and routes each domain's
 tokens to its own copies (`group_local`, the rest split over all copies); in each layer where
-the cost model prices that above static's layout and split, the layer keeps static's (p* = 1).
+the cost model prices that above static's placement and split, the layer keeps static's (p* = 1).
 p* is reported as the cross-domain share of tokens left against static's.
 
 Notes: `p_star[l]`, `p_closed_form[l]`, `domain_level` ("domain", "node" or None),
@@ -440,7 +440,7 @@ def _plan_with_edp_copies(
     notes: dict[str, Any],
     size: int,
 ) -> Plan:
-    """More devices than experts: the static layout's expert-data-parallel copies plus a copy of
+    """More devices than experts: the static placement's expert-data-parallel copies plus a copy of
     each expert a domain lacks, each domain's tokens kept on its own copies, per layer where
     that prices below static (see the module docstring)."""
     L, D, E = loads.shape
@@ -450,7 +450,7 @@ def _plan_with_edp_copies(
     placement = static.copy()
     added = _fill_domains(placement, loads, size)
     local = Assignment.group_local(placement, size, base=Assignment.even(placement))
-    # Per layer the cheaper layout (the gathered experts cost Trans and Agg over the slow link,
+    # Per layer the cheaper placement (the gathered experts cost Trans and Agg over the slow link,
     # and keeping tokens in their domain can pile them on few copies): never slower than static.
     even_s = ctx.cost.price(static, even, loads).layer_s
     local_s = ctx.cost.price(placement, local, loads).layer_s
