@@ -32,7 +32,7 @@ the bandwidth one device gets on that level when every device sends at once
 (`Link.per_device_bw_Bps`).
 
 **Hierarchical all-reduce** (`hierarchical_allreduce_s` and its helpers):
-Seconds of an all-reduce on the hierarchical link model of `topology.Cluster` (NumPy only).
+Seconds of an all-reduce on the hierarchical link model of `core.cluster.Cluster` (NumPy only).
 
 Per link level, for n members, G bytes, bandwidth bw and latency lat:
 

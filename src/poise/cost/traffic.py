@@ -13,7 +13,7 @@ domain sums replace D x D traffic matrices (devices are numbered node-major).
 - Trans (`replica_traffic`): each replica receives W_e from its home, directly, over the level
   between them; migrations (`migration_traffic`) move M_e from the old home to the new one.
 
-`cost.py` turns these into seconds.
+`cost/model.py` turns these into seconds.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ load (stable: lower index first on ties):
    slot), sorted by how many tokens they send (descending, lower device first on ties);
 2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced (with
    more than 80 candidates, on large clusters, the kept prefix lengths 1..16 and a geometric
-   grid of 64 more up to m: `cost_incremental.prefix_cuts`; our bound on planner work);
+   grid of 64 more up to m: `cost.incremental.prefix_cuts`; our bound on planner work);
 3. the best n is kept if it makes the layer strictly faster than without it; the first expert that
    brings no gain ends the search. Experts whose every sender is out of slots are skipped (the
    paper has no slot limit).
@@ -27,7 +27,7 @@ the block before it's forward expert and non-expert compute, Agg under the backw
         + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
 
 with FEC = max_d sum_e R[d, e] F_t / rate(R[d, e]) (eq. 1-2 style), A the hierarchical all-to-all
-and Trans = Agg the replicas' weight traffic (`cost.py`). `ctx.cost` is used when its schedule is
+and Trans = Agg the replicas' weight traffic (`poise.cost`). `ctx.cost` is used when its schedule is
 `prophet`, otherwise a `prophet`-scheduled model on the same cluster and model. Each candidate is
 priced incrementally on its layer alone; the result equals `CostModel.price` on that layer (the
 tests check it). The returned plan is priced by `ctx.cost` like every other policy, so that
@@ -76,7 +76,7 @@ class _Prefixes:
     """Replicating the expert under search in layer `layer[b]` (home `home[b]`) on prefixes of
     its candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
     `cuts[B, C]` priced (0-padded; all of 1..m when m is small, else a grid:
-    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
+    `cost.incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
     device states they were priced on, side by side (`LayerState.packed_terms`), `side[B,
     CELLS, D + 2 M + C]`: every device now, each candidate now and after its step, the home
     after each prefix."""
