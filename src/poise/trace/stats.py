@@ -36,14 +36,14 @@ DRIFT_LAGS = (1, 10, 100)
 def gini(x: np.ndarray) -> np.ndarray:
     """Gini coefficient over the last axis of non-negative loads `[..., E]` -> `[...]`.
 
-    `G = sum_i (2i - E - 1) x_(i) / (E * sum x)` with `x_(1) <= ... <= x_(E)`; NaN where the
+    `gini = sum_i (2i - E - 1) x_(i) / (E * sum x)` with `x_(1) <= ... <= x_(E)`; NaN where the
     loads sum to 0. Example: `gini([0, 0, 0, 1]) = 0.75`, `gini([1, 1, 1, 1]) = 0`."""
     x = np.sort(np.asarray(x, dtype=np.float64), axis=-1)
     n = x.shape[-1]
-    weights = 2.0 * np.arange(1, n + 1) - n - 1
+    coef = 2.0 * np.arange(1, n + 1) - n - 1  # 2i - E - 1
     total = x.sum(axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, (x * weights).sum(axis=-1) / (n * total), np.nan)
+        return np.where(total > 0, (x * coef).sum(axis=-1) / (n * total), np.nan)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
