@@ -214,9 +214,10 @@ def codec_figures(experts: list[list[Any]], label: str) -> None:
 def init_experts() -> list[list[Any]]:
     """The `tiny` model's experts as initialised, `[layer][tensor] -> [E, ...]`."""
     from poise.models.gpt import GPTMoE, model_config
+    from poise.runtime.balancer import find_moe_layers
 
     model = GPTMoE(model_config("tiny"), seed=0)  # one process: every slot holds its expert
-    return [[w.detach().clone() for w in m.experts.weights()] for m in model.moe_layers()]
+    return [[w.detach().clone() for w in m.experts.weights()] for m in find_moe_layers(model)]
 
 
 # ----------------------------------------------------------------------------------- train
@@ -225,7 +226,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     import torch.distributed as dist
 
     from poise.models.gpt import GPTMoE, model_config
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, find_moe_layers
     from poise.runtime.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
 
@@ -248,7 +249,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
         dense = [p for _, p in model.dense_named_parameters()]
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
         balancer = (
-            Balancer(model, opt, "hybrid", every=10, cluster=cluster, compression=ratio)
+            Balancer(model, opt, "hybrid", 10, cluster=cluster, compression=ratio)
             if balanced
             else None
         )
@@ -273,7 +274,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
             losses.append(float(flat[-1]) / tokens)
         wall = time.perf_counter() - t0
         layers = []
-        for m in model.moe_layers():
+        for m in find_moe_layers(model):
             s = m.layout.slots
             layers.append(
                 (s.expert.copy(), s.home.copy(), [w.detach().clone() for w in m.experts.weights()])

@@ -1,4 +1,4 @@
-"""The incremental layer pricers (`cost_incremental.py`) equal `CostModel.price` on the layer."""
+"""The incremental layer pricers (`cost/incremental.py`) equal `CostModel.price` on the layer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fuzzing every input Poise reads: only `PoiseError` may escape, and its message names the file.
 
 Each test starts from a valid input (a saved trace, a cluster preset, the tiny training config,
-the shipped expert-counts layout) and mutates it at random (replace, delete or add a field, with
+the shipped expert-counts format) and mutates it at random (replace, delete or add a field, with
 values of any JSON type, odd floats, huge integers, deep nesting), or feeds raw random bytes. A
 loader must then either return a valid object or raise a `PoiseError` whose one-line message
 names the file; any other exception (a `KeyError`, `TypeError`, `ValueError` from deep inside) is

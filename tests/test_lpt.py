@@ -68,7 +68,7 @@ def test_sticky_rows() -> None:
         n = packs * capacity - int(rng.integers(0, packs))
         weight = -np.sort(-rng.integers(1, 40, (5, n)).astype(float), axis=1)
         if trial % 2:
-            sticky = np.tile(np.arange(n) % packs, (5, 1))  # a static layout's homes
+            sticky = np.tile(np.arange(n) % packs, (5, 1))  # a static placement's homes
         else:
             sticky = rng.integers(0, packs, (5, n))
         _check(weight, packs, capacity, sticky)

@@ -1,4 +1,4 @@
-"""HybridEP (`policies/hybrid.py`) and the group-local routing it needs (`Assignment`)."""
+"""HybridEP (`plan/policies/hybrid.py`) and the group-local routing it needs (`Assignment`)."""
 
 from __future__ import annotations
 

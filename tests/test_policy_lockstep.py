@@ -1,7 +1,7 @@
 """The lockstep (all layers at once) planners equal their plain per-item / per-layer forms.
 
 The policies run their greedy searches on every layer together and replace loops by block
-computations (`policies/lpt.py`, D'Hondt's quotients in `eplb`, chunked walks in `shadow`,
+computations (`plan/policies/lpt.py`, D'Hondt's quotients in `eplb`, chunked walks in `shadow`,
 `LayerState.for_homes`); these tests hold them to the plain loops they replace, bit for bit,
 on random and tie-heavy inputs (equal, zero and integer weights)."""
 
@@ -178,7 +178,7 @@ def test_balanced_assignment_equals_water_filling_on_all_rows() -> None:
             placement.copies.transpose(0, 2, 1).astype(np.float64),
         )
         assert np.array_equal(got, want)
-        assert got.strides == want.strides  # same memory layout, so the same sums downstream
+        assert got.strides == want.strides  # same memory order, so the same sums downstream
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "prophet", "shadow", "permute", "eplb", "vexpert"])

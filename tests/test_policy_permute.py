@@ -37,11 +37,11 @@ def test_greedy_by_hand_is_accepted() -> None:
     assert plan.notes["max_load_before"] == [18.0] and plan.notes["max_load_after"] == [11.0]
     assert plan.placement.replicas().sum() == 0
     assert np.allclose(plan.assignment.weights.argmax(axis=2), plan.placement.home)
-    # Moving from it again finds nothing better: the layout stays and nothing migrates.
+    # Moving from it again finds nothing better: the homes stay and nothing migrates.
     again = make_plan("permute", _loads([10, 8, 1, 1]), plan, _ctx())
     assert again.placement.home.tolist() == [[0, 1, 1, 0]]
     assert len(again.transfers.migrations) == 0
-    # The first plan (from the static layout, previous None) priced two migrations' worth of
+    # The first plan (from the static placement, previous None) priced two migrations' worth of
     # transfers relative to a previous static plan.
     static = make_plan("static", _loads([10, 8, 1, 1]), None, _ctx())
     moved = make_plan("permute", _loads([10, 8, 1, 1]), static, _ctx())
@@ -49,7 +49,7 @@ def test_greedy_by_hand_is_accepted() -> None:
 
 
 def test_rejected_when_no_strict_improvement() -> None:
-    # The greedy reaches loads [11, 9], which the static layout [0, 0, 1, 1] already has.
+    # The greedy reaches loads [11, 9], which the static placement [0, 0, 1, 1] already has.
     plan = make_plan("permute", _loads([10, 1, 1, 8]), None, _ctx())
     assert plan.notes["accepted"] == [False]
     assert plan.placement.home.tolist() == [[0, 0, 1, 1]]

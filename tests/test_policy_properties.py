@@ -88,7 +88,7 @@ def test_auto_never_slower_than_any_candidate() -> None:
 
 
 def test_auto_breaks_ties_toward_the_fewest_copies() -> None:
-    """A uniform forecast (the first step) prices many layouts alike; auto keeps the tied one
+    """A uniform forecast (the first step) prices many placements alike; auto keeps the tied one
     with the fewest copies, leaving free slots for later re-planning."""
     cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)
     spec = toy_spec(experts=16, layers=2, d_model=512, d_expert=1024, tokens=4096)

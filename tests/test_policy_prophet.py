@@ -1,5 +1,5 @@
-"""Pro-Prophet's lightweight placement (`policies/prophet.py`) on hand-computed cases, and the
-packed incremental pricing it searches with (`cost_incremental.LayerState`)."""
+"""Pro-Prophet's lightweight placement (`plan/policies/prophet.py`) on hand-computed cases, and the
+packed incremental pricing it searches with (`cost.incremental.LayerState`)."""
 
 from __future__ import annotations
 

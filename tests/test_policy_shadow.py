@@ -1,4 +1,4 @@
-"""FasterMoE dynamic shadowing (`policies/shadow.py`) on hand-computed cases."""
+"""FasterMoE dynamic shadowing (`plan/policies/shadow.py`) on hand-computed cases."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ def test_the_declarations_are_not_weaker_than_the_policies() -> None:
 
 
 def test_auto_takes_a_rivals_own_placement_from_its_trail() -> None:
-    """The plan in force is a poor layout; `vexpert`'s trail holds the layout `vexpert` reached
-    from the static one. `auto` runs `vexpert` from both, offers the trail's plan as
+    """The plan in force is a poor placement; `vexpert`'s trail holds the placement `vexpert`
+    reached from the static one. `auto` runs `vexpert` from both, offers the trail's plan as
     `vexpert:alone` priced with its migrations from the plan in force, and continues the
     trail from there."""
     ctx, loads = _case(3)
@@ -212,7 +212,7 @@ def test_auto_trails_replay_each_policy_alone() -> None:
 
 def test_auto_is_not_slower_than_vexpert_over_a_long_flexmoe_replay() -> None:
     """The loss the trails fixed: on FlexMoE's 64-GPU BERT-MoE over 200 steps, `auto` took
-    `eplb`'s layout early, and `vexpert`'s local search from there could not reach the layouts
+    `eplb`'s placement early, and `vexpert`'s local search from there could not reach the placements
     `vexpert` alone reached from the static one; `auto` was 3.8% slower than `vexpert`."""
     s = SCENARIOS["flexmoe"]
     case = next(c for c in s.cases if c.label == "64 GPUs, BERT-MoE")

@@ -127,7 +127,7 @@ def test_layers_in_lockstep_match_layers_alone() -> None:
         assert np.array_equal(alone.placement.copies[0], together.placement.copies[layer])
         assert np.array_equal(alone.placement.home[0], together.placement.home[layer])
         assert alone.notes["moves_per_layer"][0] == together.notes["moves_per_layer"][layer]
-    assert first.notes["moves_per_layer"][1] == 0  # loads[2], uniform, from the static layout
+    assert first.notes["moves_per_layer"][1] == 0  # loads[2], uniform, from the static placement
     assert sum(together.notes["moves_per_layer"]) > 0
 
 

@@ -117,9 +117,10 @@ def test_cross_dc_1000_quick_form() -> None:
 
 def test_auto_keeps_room_for_vexpert_after_the_step_zero_tie() -> None:
     """The largest loss of auto before ties went to the fewest copies, in quick form: at step 0
-    the uniform forecast made every layout price alike, auto kept eplb's replica-filled layout,
-    and its vexpert candidate (a local search from the plan in force) had no free slot left.
-    With the tie going to the layout with the fewest copies, auto is not slower than vexpert."""
+    the uniform forecast made every placement price alike, auto kept eplb's replica-filled
+    placement, and its vexpert candidate (a local search from the plan in force) had no free slot
+    left. With the tie going to the placement with the fewest copies, auto is not slower than
+    vexpert."""
     s = dataclasses.replace(SCENARIOS["fastermoe"], quick_cases=("MoE-GPT-L",))
     res = run_scenario(s, quick=True)
     check = {c.schedule: c for c in res.checks}["pipelined(4)"]

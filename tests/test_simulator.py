@@ -43,9 +43,9 @@ def test_stale_plan_costs_more_than_fresh_on_drift() -> None:
     cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
     spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
 
-    def mean_step(every: int) -> float:
+    def mean_step(replan_every: int) -> float:
         result = simulate(
-            trace, cluster, spec, ["eplb"], "sync", every, "last", count_planning=False
+            trace, cluster, spec, ["eplb"], "sync", replan_every, "last", count_planning=False
         )
         return result.runs["eplb"].step_s[1:].mean()
 
@@ -77,7 +77,7 @@ def test_prophet_schedule_hides_planning_under_all_to_all() -> None:
 
 
 def test_background_planning_applies_each_plan_one_step_later() -> None:
-    """A planner thread beside training: step 0 runs the static layout, the plan made at step s
+    """A planner thread beside training: step 0 runs the static placement, the plan made at step s
     prices from step s + 1, and planning is charged only beyond the step it runs beside."""
     trace = drift_trace(steps=6)
     cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)

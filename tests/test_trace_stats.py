@@ -15,7 +15,7 @@ from poise.trace.stats import (
     device_loads,
     drift_at_lag,
     gini,
-    static_layout,
+    static_device_of,
     stats_table,
     trace_stats,
     tv_distance,
@@ -60,12 +60,12 @@ def test_drift_at_lag_hand_case() -> None:
         drift_at_lag(load, 0)
 
 
-def test_static_layout_and_device_loads() -> None:
-    assert static_layout(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert static_layout(4, 3).tolist() == [0, 0, 1, 2]
-    assert static_layout(2, 4).tolist() == [0, 2]  # more devices than experts: some idle
+def test_static_device_of_and_device_loads() -> None:
+    assert static_device_of(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert static_device_of(4, 3).tolist() == [0, 0, 1, 2]
+    assert static_device_of(2, 4).tolist() == [0, 2]  # more devices than experts: some idle
     load = np.array([[[1, 2, 3, 4]]])
-    np.testing.assert_array_equal(device_loads(load, static_layout(4, 2), 2), [[[3, 7]]])
+    np.testing.assert_array_equal(device_loads(load, static_device_of(4, 2), 2), [[[3, 7]]])
 
 
 def test_trace_stats_hand_case() -> None:
@@ -82,7 +82,7 @@ def test_trace_stats_hand_case() -> None:
     # layer 0 moves its only expert (TV 1), layer 1 keeps a uniform distribution (TV 0)
     assert s["drift"][1] == pytest.approx(0.5)
     assert s["drift"][10] is None and s["drift"][100] is None
-    # static layout on D=2: experts {0,1} -> device 0, {2,3} -> device 1
+    # static placement on D=2: experts {0,1} -> device 0, {2,3} -> device 1
     dev = s["device_imbalance"]
     assert dev["devices"] == 2
     assert dev["per_layer"] == pytest.approx([2.0, 1.0])  # layer 0: loads [4, 0] -> 4/2

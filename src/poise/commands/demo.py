@@ -244,7 +244,7 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
             f"{spec.d_model}, d_expert {spec.d_expert}, fp16, {spec.tokens_per_device:,} tokens "
             f"per device) with the trace's {trace.experts} experts: the tiny model's own widths "
             f"would take microseconds on an H100. With {trace.experts} experts on "
-            f"{cluster.num_devices:,} devices the static layout already keeps {copies:,} "
+            f"{cluster.num_devices:,} devices the static placement already keeps {copies:,} "
             f"expert-data-parallel copies of each expert, so balancing has less to gain than on "
             f"the 2 measured ranks. Steps replayed: {steps}."
         )
@@ -302,7 +302,7 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
     )
     cases.append(("zipf-drift", "synthetic drifting Zipf trace", drift, 5))
     out = []
-    for key, label, trace, every in cases:
+    for key, label, trace, replan_every in cases:
         spec = MODELS["smartmoe-gpt"].with_(
             experts=trace.experts, top_k=trace.top_k, moe_layers=trace.layers
         )
@@ -312,13 +312,13 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
                 trace.counts,
                 ctx,
                 sorted(REGISTRY),
-                replan_every=every,
+                replan_every=replan_every,
                 predictor=Predictor("ema", alpha=0.5),
             )
         note = (
             f"{trace.steps} steps, {trace.layers} layers, {trace.devices} devices, "
             f"{trace.experts} experts, top-{trace.top_k} on {cluster.name}; re-plan every "
-            f"{every} step(s) from EMA-predicted loads, priced on each step's actual loads."
+            f"{replan_every} step(s) from EMA-predicted loads, priced on each step's actual loads."
         )
         out.append(ReplaySection(key, f"{label} on {cluster.name}", runs, note))
     return out

@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
 
-    stats = sub.add_parser("stats", help="skew, drift and static-layout imbalance of a trace")
+    stats = sub.add_parser("stats", help="skew, drift and static-placement imbalance of a trace")
     stats.add_argument("file", help="a .npz trace, or any source `convert` reads")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument(
@@ -43,7 +43,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="D",
-        help="devices of the static contiguous layout (default: trace devices)",
+        help="devices of the static contiguous placement (default: trace devices)",
     )
     _add_import_options(stats)
 

@@ -166,8 +166,11 @@ class Assignment:
         return np.repeat((self._group_sums() > 0.5).transpose(0, 2, 1), self.group_size, axis=1)
 
     def source_weights(self) -> np.ndarray:
-        """`[L, D_src, E, D_dst]` the share of each source's remote tokens sent to each device
-        (both rules applied). Memory L*D*E*D: for the live runtime's handful of ranks."""
+        """Per-source weights `[L, D, E, D]` (layer, source device, expert, destination
+        device): `source_weights()[l, s]` is the `[E, D]` weights source s applies to its remote
+        tokens, with both rules applied (`weights` where s routes globally, `group_weights` inside
+        its group where it routes locally). The last two axes keep the `[E, D]` order of
+        `weights`. Memory L*D*E*D: for the live runtime's handful of ranks."""
         L, E, D = self.weights.shape
         w = np.broadcast_to(self.weights[:, None, :, :], (L, D, E, D))
         if not self.grouped:
@@ -228,7 +231,7 @@ class Assignment:
         copies = placement.copies
         L, D, E = copies.shape
         held = copies > 0  # [L, D, E]
-        if L == 1 or D == 1:  # the memory layout `balanced_weights` gives these shapes
+        if L == 1 or D == 1:  # the memory order `balanced_weights` gives these shapes
             weights = np.zeros((L, D, E)).transpose(0, 2, 1).reshape(-1, D).reshape(L, E, D)
         else:
             weights = np.zeros((L, E, D))

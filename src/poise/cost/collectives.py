@@ -32,7 +32,7 @@ the bandwidth one device gets on that level when every device sends at once
 (`Link.per_device_bw_Bps`).
 
 **Hierarchical all-reduce** (`hierarchical_allreduce_s` and its helpers):
-Seconds of an all-reduce on the hierarchical link model of `topology.Cluster` (NumPy only).
+Seconds of an all-reduce on the hierarchical link model of `core.cluster.Cluster` (NumPy only).
 
 Per link level, for n members, G bytes, bandwidth bw and latency lat:
 
@@ -253,13 +253,13 @@ def alpha_beta_from_link_fit(collective: str, lat_s: float, bw_Bps: float, world
 
     `bytes` is what `poise calibrate` records: for `all_to_all` the bytes a rank sends to the
     others, m (world - 1) / world; for `all_reduce`, `all_gather` and `reduce_scatter` the
-    message size m of the module docstring. Matching the formula of each collective on `world`
-    ranks term by term gives
+    message size m of the module docstring. Matching the formula of each collective on n =
+    `world` ranks term by term gives
 
-        all_to_all      alpha = lat / (W - 1),        beta = 1 / bw
-        all_gather      alpha = lat / (W - 1),        beta = W / ((W - 1) bw)
-        reduce_scatter  alpha = lat / (W - 1),        beta = W / ((W - 1) bw)
-        all_reduce      alpha = lat / (2 (W - 1)),    beta = W / (2 (W - 1) bw)
+        all_to_all      alpha = lat / (n - 1),        beta = 1 / bw
+        all_gather      alpha = lat / (n - 1),        beta = n / ((n - 1) bw)
+        reduce_scatter  alpha = lat / (n - 1),        beta = n / ((n - 1) bw)
+        all_reduce      alpha = lat / (2 (n - 1)),    beta = n / (2 (n - 1) bw)
     """
     check_collective(collective)
     if world < 2:

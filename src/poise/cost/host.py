@@ -1,5 +1,5 @@
 """Per-layer costs the GEMM and link model does not see: the non-MoE compute at its measured rate
-and the token dispatcher's host work (NumPy only; coefficients in `topology.HostCosts`, fitted
+and the token dispatcher's host work (NumPy only; coefficients in `core.cluster.HostCosts`, fitted
 by `poise calibrate`).
 
 **Non-MoE compute** (attention, norms, rotary positions, the router and the head's share of one

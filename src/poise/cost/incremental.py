@@ -2,7 +2,7 @@
 
 `CostModel.price` prices whole plans (`[L, D, E]` at once). A planner that searches move by move
 needs the price of *one layer* after a small change: one expert gains or loses copies, its
-tokens are re-routed. Every term of the cost model (`cost.py`) is a sum over experts of
+tokens are re-routed. Every term of the cost model (`cost/model.py`) is a sum over experts of
 per-device, per-link-level quantities followed by a max over devices, so a layer can be kept as
 per-device sums and a change applied as the difference of the changed expert's terms. The
 pricers here keep those sums and evaluate batches of candidate changes; their results equal

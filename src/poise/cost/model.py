@@ -5,7 +5,7 @@ All inputs are loads `counts[L, D, E]` (token-to-expert assignments per source d
 tokens and bytes go (R, S_v, R_v below) is `poise.cost.traffic`; this module prices them.
 
 Formulas (B_t bytes per routed token, F_t forward FLOPs per routed token, W_e expert bytes,
-M_e migration bytes, see `spec.ModelSpec`):
+M_e migration bytes, see `core.spec.ModelSpec`):
 
 - Tokens computed on device d for expert e (`Assignment.received`):
       R[d, e] = c[d, e] * h[d, e] + w[e, d] * sum_s c[s, e] * (1 - h[s, e])
@@ -98,7 +98,7 @@ def level_seconds(moved: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndar
     level axis): moved / bw + latency. A level pays its latency only when at least
     `MIN_TRAFFIC_BYTES` cross it, and less counts as nothing: shares computed as differences
     (1 - in-domain share, totals updated by deltas) leave rounding residues near 1e-13 that are
-    not traffic. Every pricer (`link_time`, `cost_incremental`) goes through here."""
+    not traffic. Every pricer (`link_time`, `cost.incremental`) goes through here."""
     return np.where(moved >= MIN_TRAFFIC_BYTES, moved / bw + lat, 0.0)
 
 
@@ -160,7 +160,7 @@ class CostModel:
     @property
     def non_moe_s(self) -> tuple[float, float]:
         """`(FNEC, BNEC)`: a block's non-MoE compute on one device, forward and backward. At the
-        cluster's measured dense rates when it has them (`host_costs.dense_seconds`), else
+        cluster's measured dense rates when it has them (`cost.host.dense_seconds`), else
         tokens per device x non-MoE FLOPs per token / GEMM rate, and twice that backward."""
         cluster, spec = self.cluster, self.spec
         host = cluster.host
@@ -176,7 +176,7 @@ class CostModel:
 
     @property
     def prices_dispatch_host(self) -> bool:
-        """Whether the cluster has measured dispatcher host costs (`host_costs`)."""
+        """Whether the cluster has measured dispatcher host costs (`cost.host`)."""
         host = self.cluster.host
         return any(
             v != 0.0
@@ -194,7 +194,7 @@ class CostModel:
         """`phases` (`[L]` each, e.g. from an incremental pricer) with what depends on the
         cluster's host costs filled in: the non-MoE compute at `non_moe_s` and the dispatcher's
         host work for `counts[L, D, E]` routed and `device_load[L, D]` computed rows
-        (`host_costs.dispatch_host_seconds`: a + b * max_d (s + r), forward and backward).
+        (`cost.host.dispatch_host_seconds`: a + b * max_d (s + r), forward and backward).
         Without measured host costs the phases come back as they are."""
         host = self.cluster.host
         if host.is_default:

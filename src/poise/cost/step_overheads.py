@@ -5,7 +5,7 @@ clipping, and the optimizer step.
 A device holds P parameters: the replicated (dense) ones, P_dense, and its expert slots, S per
 MoE layer, P = P_dense + S L P_e (P_e = `ModelSpec.expert_params`; every rank steps all of its
 slot tensors). With G = P_dense * g bytes of dense gradients (g = `ModelSpec.dtype_bytes`) and
-the coefficients of `topology.HostCosts`:
+the coefficients of `core.cluster.HostCosts`:
 
     T_allreduce = lat_ar + G / bw_ar                      measured between the devices, or
                 = hierarchical all-reduce of G bytes on the cluster's links

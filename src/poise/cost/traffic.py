@@ -13,7 +13,7 @@ domain sums replace D x D traffic matrices (devices are numbered node-major).
 - Trans (`replica_traffic`): each replica receives W_e from its home, directly, over the level
   between them; migrations (`migration_traffic`) move M_e from the old home to the new one.
 
-`cost.py` turns these into seconds.
+`cost/model.py` turns these into seconds.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class Routing:
         self.placement = placement
         self.assignment = assignment
         self.held = placement.holders()
+        # `w[L, D, E]`: the assignment weights `[L, E, D]` transposed, destination device first
+        # (`w[l, d, e] = weights[l, e, d]`), contiguous.
         self.w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
         self.groups = (cluster.num_nodes, cluster.domains, 1)
         L, D, E = self.w.shape
@@ -72,7 +74,7 @@ class Routing:
                 sums[g] = self.w.reshape(L, g, D // g, E).sum(axis=2)
         self.w_group = [sums[g] for g in self.groups]
         # Group-local routing only: `local[L, D, E]` per source, routes e inside its group;
-        # `gw[L, D, E]` the group weights per device, contiguous like `w`.
+        # `gw[L, D, E]` the group weights `[L, E, D]` transposed like `w`, contiguous.
         self.local = self.gw = None
         self._cells: np.ndarray | None = None  # flat indices of the holder cells, when needed
         if assignment.grouped:
@@ -232,7 +234,8 @@ def _group_local_traffic(
     cluster: Cluster, group_size: int, remote_loc: np.ndarray, gw: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(send, recv)` `[3, L, D]` of the tokens routed inside their group: `remote_loc[L, D, E]`
-    tokens of sources that route locally, `gw[L, D, E]` group weights (per group summing to one)."""
+    tokens of sources that route locally, `gw[L, D, E]` the group weights `[L, E, D]` transposed
+    (destination device first; per group summing to one)."""
     dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
     L, D, E = remote_loc.shape
     send = np.zeros((3, L, D))

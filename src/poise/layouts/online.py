@@ -45,39 +45,39 @@ def switch_seconds(
     migration (`cost.level_seconds`, slowest device)."""
     held_old = held_state(old, old_homes)
     held_new = held_state(new, new_homes)
-    need = held_new & ~held_old  # [L, W, E + 1]
+    need = held_new & ~held_old  # [L, D, E + 1]
     if not need.any():
         return 0.0
-    L, W, C = need.shape
+    L, D, C = need.shape
     nodes, domains = cluster.num_nodes, cluster.domains
-    in_node = held_old.reshape(L, nodes, W // nodes, C).any(axis=2)[:, cluster.node_of(), :]
-    in_dom = held_old.reshape(L, domains, W // domains, C).any(axis=2)[:, cluster.domain_of(), :]
+    in_node = held_old.reshape(L, nodes, D // nodes, C).any(axis=2)[:, cluster.node_of(), :]
+    in_dom = held_old.reshape(L, domains, D // domains, C).any(axis=2)[:, cluster.domain_of(), :]
     size = np.full(C, spec.migration_bytes)
     size[-1] = dense_params(spec) * (spec.dtype_bytes + spec.optimizer_bytes_per_param)
-    moved = need * size  # [L, W, C] bytes
+    moved = need * size  # [L, D, C] bytes
     per_level = np.stack(
         [
             (moved * in_node).sum(axis=(0, 2)),
             (moved * (in_dom & ~in_node)).sum(axis=(0, 2)),
             (moved * ~in_dom).sum(axis=(0, 2)),
         ]
-    )  # [3, W]
+    )  # [3, D]
     bw, lat = level_links(cluster)
     return float(level_seconds(per_level, bw[:, None], lat[:, None]).sum(axis=0).max())
 
 
 def held_state(layout: Layout, homes: np.ndarray | None = None) -> np.ndarray:
-    """`[L, W, E + 1]` bool: device d holds expert e of layer l (columns 0..E-1) or the dense
+    """`[L, D, E + 1]` bool: device d holds expert e of layer l (columns 0..E-1) or the dense
     block of layer l (column E)."""
-    L, W, E = layout.layers, layout.devices, layout.experts
+    L, D, E = layout.layers, layout.devices, layout.experts
     homes = layout.static_homes() if homes is None else np.asarray(homes, dtype=np.int64)
-    S, Ls = layout.stage_devices, layout.layers_per_stage
-    held = np.zeros((L, W, E + 1), dtype=bool)
+    Ds, Ls = layout.stage_devices, layout.layers_per_stage
+    held = np.zeros((L, D, E + 1), dtype=bool)
     for s in range(layout.pp):
         layers = slice(s * Ls, (s + 1) * Ls)
         placement, _ = layout.placement(homes[layers])
-        held[layers, s * S : (s + 1) * S, :E] = placement.copies > 0
-        held[layers, s * S : (s + 1) * S, E] = True
+        held[layers, s * Ds : (s + 1) * Ds, :E] = placement.copies > 0
+        held[layers, s * Ds : (s + 1) * Ds, E] = True
     return held
 
 
@@ -106,7 +106,7 @@ def select_layout(
     horizon_steps: int = 100,
 ) -> Selection:
     """SmartMoE's online selection inside the pool: price every pool layout (with its online
-    `permute` placement when `settings.online`) on `recent[T, L, D, E]` and take the fastest;
+    `permute` placement when `settings.online`) on `recent[S, L, D, E]` and take the fastest;
     switch from `current` only when the predicted saving over `horizon_steps` steps,
     (T_current - T_best) * horizon, exceeds `switch_seconds`. Ties go to the earlier pool entry."""
     settings = settings or LayoutSettings()

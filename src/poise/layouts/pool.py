@@ -10,18 +10,18 @@ enumeration and feasibility); `poise.layouts.price` prices and ranks them and re
 inside one; `poise.layouts.online` picks within the pool; `poise.runtime.layouts` starts training in
 a layout. NumPy only.
 
-Glossary (one layout on W devices, E experts, L MoE layers):
+Glossary (one layout on D devices, E experts, L MoE layers):
 
 - `pp`: pipeline stages. Stage s holds MoE layers [s L/pp, (s+1) L/pp) on the contiguous devices
-  [s S, (s+1) S), S = W / pp. The global batch is unchanged, so each stage device processes pp
-  times the tokens a device of the trace sent (the trace's W sources folded onto S,
+  [s Ds, (s+1) Ds), Ds = D / pp. The global batch is unchanged, so each stage device processes pp
+  times the tokens a device of the trace sent (the trace's D sources folded onto Ds,
   `loads.fit_devices`).
-- `ep`: expert-parallel degree. A stage's devices form S / ep contiguous EP groups of ep devices;
+- `ep`: expert-parallel degree. A stage's devices form Ds / ep contiguous EP groups of ep devices;
   each group holds one copy of every expert, E / ep experts per device, and its tokens go only to
   the copies in their own group (`Assignment.group_local`).
-- `edp` = S / ep: expert-data-parallel degree (DeepSpeed-MoE's name). The devices at the same
+- `edp` = Ds / ep: expert-data-parallel degree (DeepSpeed-MoE's name). The devices at the same
   position of every EP group hold the same experts and all-reduce their gradients each step.
-- `dp` = S: data-parallel degree of the dense (non-expert) part inside a stage.
+- `dp` = Ds: data-parallel degree of the dense (non-expert) part inside a stage.
 
 Feasibility:
 
@@ -51,10 +51,10 @@ GIB = 2**30
 # ------------------------------------------------------------------------------------ layout
 @dataclass(frozen=True)
 class Layout:
-    """One hybrid parallel layout: `devices` W, `experts` E, `layers` L (MoE layers), pipeline
+    """One hybrid parallel layout: `devices` D, `experts` E, `layers` L (MoE layers), pipeline
     stages `pp` and expert-parallel degree `ep`; see the module docstring. Devices are numbered
-    as in `topology.Cluster` (node-major); stage s is devices [s S, (s+1) S) and, inside it, EP
-    group g is devices [s S + g ep, s S + (g+1) ep)."""
+    as in `poise.core.cluster.Cluster` (node-major); stage s is devices [s Ds, (s+1) Ds) and,
+    inside it, EP group g is devices [s Ds + g ep, s Ds + (g+1) ep)."""
 
     devices: int
     experts: int
@@ -97,12 +97,12 @@ class Layout:
     # ------------------------------------------------------------------ derived degrees
     @property
     def stage_devices(self) -> int:
-        """S = W / pp: devices of one pipeline stage (the dense part's data-parallel degree)."""
+        """Ds = D / pp: devices of one pipeline stage (the dense part's data-parallel degree)."""
         return self.devices // self.pp
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel degree S / ep: copies of each expert per stage."""
+        """Expert-data-parallel degree Ds / ep: copies of each expert per stage."""
         return self.stage_devices // self.ep
 
     @property
@@ -143,9 +143,9 @@ class Layout:
     def edp_groups(self) -> list[list[int]]:
         """Global device ranks of every EDP group (same position in each EP group of a stage),
         stage by stage (each `[edp]`)."""
-        S = self.stage_devices
+        Ds = self.stage_devices
         return [
-            [s * S + g * self.ep + i for g in range(self.edp)]
+            [s * Ds + g * self.ep + i for g in range(self.edp)]
             for s in range(self.pp)
             for i in range(self.ep)
         ]
@@ -156,7 +156,7 @@ class Layout:
         return static_homes(self.layers if layers is None else layers, self.experts, self.ep)
 
     def placement(self, homes: np.ndarray | None = None) -> tuple[Placement, Assignment]:
-        """The `Placement` and `Assignment` of one pipeline stage's S devices for the cost model.
+        """The `Placement` and `Assignment` of one pipeline stage's Ds devices for the cost model.
 
         `homes[N, E]`: group-local position (0..ep-1) of each expert in N layers (default: the
         static blocks of one stage's layers). Every EP group holds one copy of each expert at
@@ -178,8 +178,8 @@ class Layout:
                 field="homes",
             )
         N, E = homes.shape
-        S = self.stage_devices
-        copies = np.zeros((N, S, E), dtype=np.int32)
+        Ds = self.stage_devices
+        copies = np.zeros((N, Ds, E), dtype=np.int32)
         rows = np.repeat(np.arange(N), E)
         cols = np.tile(np.arange(E), N)
         for g in range(self.edp):
@@ -275,7 +275,7 @@ def divisors(n: int) -> list[int]:
 def enumerate_layouts(
     devices: int, experts: int, layers: int, max_pp: int | None = None
 ) -> list[Layout]:
-    """Every layout with pp dividing both W and L (at most `max_pp`) and ep dividing both the
+    """Every layout with pp dividing both D and L (at most `max_pp`) and ep dividing both the
     stage's devices and E, in (pp, ep) order."""
     out = []
     for pp in divisors(devices):
@@ -291,10 +291,10 @@ def sub_cluster(cluster: Cluster, devices: int) -> Cluster | None:
     """The cluster of `devices` contiguous devices starting at a multiple of `devices` (a part
     of one node, whole nodes of one domain, or whole domains), or None when such a run does not
     nest with the nodes and domains. Links keep their bandwidth and sharing."""
-    W, dpn, dpd = cluster.num_devices, cluster.devices_per_node, cluster.devices_per_domain
-    if devices < 1 or W % devices:
+    D, dpn, dpd = cluster.num_devices, cluster.devices_per_node, cluster.devices_per_domain
+    if devices < 1 or D % devices:
         return None
-    if devices == W:
+    if devices == D:
         return cluster
     name = f"{cluster.name}[{devices}]"
     if dpn % devices == 0:
@@ -326,11 +326,11 @@ def layout_problem(layout: Layout, cluster: Cluster, spec: ModelSpec) -> str | N
         return f"is for {layout.devices} devices, the cluster has {cluster.num_devices}"
     if layout.experts != spec.experts:
         return f"is for {layout.experts} experts, the model has {spec.experts}"
-    S, ep = layout.stage_devices, layout.ep
+    Ds, ep = layout.stage_devices, layout.ep
     dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
-    if layout.pp > 1 and sub_cluster(cluster, S) is None:
+    if layout.pp > 1 and sub_cluster(cluster, Ds) is None:
         return (
-            f"a pipeline stage of {S} devices does not nest with nodes of {dpn} and domains "
+            f"a pipeline stage of {Ds} devices does not nest with nodes of {dpn} and domains "
             f"of {dpd} devices"
         )
     if layout.edp > 1 and not (dpn % ep == 0 or (ep % dpn == 0 and dpd % ep == 0)):

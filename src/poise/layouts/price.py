@@ -5,26 +5,26 @@ re-placement of experts inside a layout (its online `permute`). NumPy only.
 Costs of one training step (seconds; `price_layout`):
 
 - Dispatch, combine, expert and non-MoE compute of each stage's layers: `cost.CostModel` on the
-  stage's devices (a sub-cluster of S devices) and the layout's placement (`Layout.placement`:
+  stage's devices (a sub-cluster of Ds devices) and the layout's placement (`Layout.placement`:
   every token stays in its EP group), on the step's loads, per layer (slowest device), combined
   by the schedule (`schedule.Schedule.layer_time`). Trans and Agg are zero: EDP copies are not
   refreshed from a home, they all-reduce instead:
       T_stage[s] = sum_{l in s} layer_time(l)
   EP groups exchange nothing, so `stage_phases` prices each group on its own ep devices with
   its own sources' loads and takes the slowest group per phase: the figures of pricing the whole
-  stage's placement at once (tests/test_layouts.py checks it), without its S x E routing arrays.
+  stage's placement at once (tests/test_layouts.py checks it), without its Ds x E routing arrays.
 - Pipeline (GPipe, Huang et al. NeurIPS 2019; 1F1B, Narayanan et al. SC '21): with m
   micro-batches, (m + pp - 1) micro-batch slots of the slowest stage, so
       T_pipe = max_s T_stage[s] * (m + pp - 1) / m,    bubble = T_pipe - max_s T_stage[s]
   plus the point-to-point activations on the fill and drain critical path, one micro-batch of
   b = (tokens per stage device / m) * B_t bytes per hop over the stage-to-stage link level:
       T_p2p = 2 (pp - 1) (b / bw + lat)
-- EDP all-reduce of expert gradients, G = (L / pp) (E / ep) W_e bytes over the edp copies,
-  and the data-parallel all-reduce of the dense gradients, G = (L / pp) P_d B_dtype over the S
+- EDP all-reduce of expert gradients, V = (L / pp) (E / ep) W_e bytes over the edp copies,
+  and the data-parallel all-reduce of the dense gradients, V = (L / pp) P_d B_dtype over the Ds
   devices of a stage, where P_d = F_d / 2 is the dense parameters per block estimated from the
   block's non-MoE forward FLOPs per token F_d (`ModelSpec.non_moe_flops_fwd`, 2 FLOPs per
   multiply-add): hierarchical all-reduces, each level the faster of a ring,
-  2 (n - 1) / n * G / bw + 2 (n - 1) lat, and a binary tree, 2 G / bw + 2 ceil(log2 n) lat
+  2 (n - 1) / n * V / bw + 2 (n - 1) lat, and a binary tree, 2 V / bw + 2 ceil(log2 n) lat
   (`poise.cost.collectives`, with sources). Both are charged in full (not hidden under
   backward):
       T_step = T_pipe + T_p2p + T_edp + T_dp
@@ -73,7 +73,7 @@ from poise.trace.loads import fit_devices
 # ------------------------------------------------------------------------------- pricing
 @dataclass
 class LayoutCost:
-    """A layout priced on a load distribution. Seconds per training step; `steps_s[T]` per
+    """A layout priced on a load distribution. Seconds per training step; `steps_s[S]` per
     priced step, the others means over those steps (phases of the slowest stage, forward plus
     backward)."""
 
@@ -120,18 +120,18 @@ def allreduce_times(layout: Layout, cluster: Cluster, spec: ModelSpec) -> tuple[
     """`(T_edp, T_dp)` seconds per step (module docstring): `hierarchical_allreduce_s` for the
     EDP group of position 0 (the ep positions' groups run at once; those with members in
     a node share its links) and for one stage's dense all-reduce."""
-    S, ep, edp = layout.stage_devices, layout.ep, layout.edp
+    Ds, ep, edp = layout.stage_devices, layout.ep, layout.edp
     Ls = layout.layers_per_stage
     t_edp = 0.0
     if edp > 1:
         members = np.arange(edp) * ep
-        in_node = np.arange(min(cluster.devices_per_node, S)) % ep
+        in_node = np.arange(min(cluster.devices_per_node, Ds)) % ep
         nbytes = Ls * layout.experts_per_device * spec.expert_bytes
         t_edp = hierarchical_allreduce_s(cluster, members, nbytes, len(np.unique(in_node)))
     t_dp = 0.0
-    if S > 1:
+    if Ds > 1:
         nbytes = Ls * dense_params(spec) * spec.dtype_bytes
-        t_dp = hierarchical_allreduce_s(cluster, np.arange(S), nbytes)
+        t_dp = hierarchical_allreduce_s(cluster, np.arange(Ds), nbytes)
     return t_edp, t_dp
 
 
@@ -139,9 +139,9 @@ def p2p_time(layout: Layout, cluster: Cluster, spec: ModelSpec, micro_batches: i
     """T_p2p = 2 (pp - 1) (b / bw + lat) (module docstring); 0 without a pipeline."""
     if layout.pp == 1:
         return 0.0
-    S = layout.stage_devices
+    Ds = layout.stage_devices
     bw, lat = level_links(cluster)
-    v = _span_level(cluster, np.arange(S), np.arange(S) + S)
+    v = _span_level(cluster, np.arange(Ds), np.arange(Ds) + Ds)
     tokens = spec.tokens_per_device * layout.pp / micro_batches
     return 2.0 * (layout.pp - 1) * float(level_seconds(tokens * spec.token_bytes, bw[v], lat[v]))
 
@@ -170,12 +170,12 @@ def stage_phases(
     homes: np.ndarray,
     schedule: Schedule,
 ) -> PhaseTimes:
-    """Phase times `[N]` of N MoE layers on one stage: `counts[N, S, E]` tokens per stage device
+    """Phase times `[N]` of N MoE layers on one stage: `counts[N, Ds, E]` tokens per stage device
     and expert, `homes[N, E]` group-local homes, `spec` already carrying the stage's tokens per
     device. Each EP group is priced on the sub-cluster of its ep devices (to its homes, no
     replicas) and each phase takes its slowest group (module docstring)."""
     N, _, E = counts.shape
-    G, ep = layout.edp, layout.ep
+    n_groups, ep = layout.edp, layout.ep
     group = sub_cluster(cluster, ep)
     if group is None:
         raise ConfigError(
@@ -183,22 +183,23 @@ def stage_phases(
             source=layout.name,
             field="ep",
         )
-    per_group = counts.reshape(N * G, ep, E)  # row n * G + g: layer n, group g
-    rows = np.repeat(np.asarray(homes, dtype=np.int64), G, axis=0)  # [N G, E]
+    per_group = counts.reshape(N * n_groups, ep, E)  # row n * n_groups + g: layer n, group g
+    rows = np.repeat(np.asarray(homes, dtype=np.int64), n_groups, axis=0)  # [N n_groups, E]
     # Rows with the same homes and loads have the same phases: price each distinct row once
     # (a trace scaled up from fewer sources repeats many groups).
     key = np.ascontiguousarray(
-        np.concatenate([rows.astype(np.float64), per_group.reshape(N * G, ep * E)], axis=1)
+        np.concatenate([rows.astype(np.float64), per_group.reshape(N * n_groups, ep * E)], axis=1)
     )
     as_bytes = key.view(np.dtype((np.void, key.dtype.itemsize * key.shape[1]))).ravel()
     _, first, inverse = np.unique(as_bytes, return_index=True, return_inverse=True)
     rows, per_group = rows[first], per_group[first]
-    copies = (rows[:, None, :] == np.arange(ep)[None, :, None]).astype(np.int32)  # [R, ep, E]
+    # [U, ep, E] over the U distinct rows
+    copies = (rows[:, None, :] == np.arange(ep)[None, :, None]).astype(np.int32)
     placement = Placement(rows, copies, layout.experts_per_device)
     model = CostModel(group, spec, schedule)
     unique, _ = model.phases(placement, Assignment.to_home(placement), per_group)
-    phases = {k: v[inverse.reshape(-1)] for k, v in unique.__dict__.items()}  # [N G] each
-    worst = {k: v.reshape(N, G).max(axis=1) for k, v in phases.items()}
+    phases = {k: v[inverse.reshape(-1)] for k, v in unique.__dict__.items()}  # [N n_groups] each
+    worst = {k: v.reshape(N, n_groups).max(axis=1) for k, v in phases.items()}
     zero = np.zeros(N)
     return PhaseTimes(**{**worst, "trans_s": zero, "agg_s": zero.copy()})
 
@@ -211,7 +212,7 @@ def price_layout(
     settings: LayoutSettings | None = None,
     homes: np.ndarray | None = None,
 ) -> LayoutCost:
-    """Price `layout` on `loads[T, L, D, E]` (or one step `[L, D, E]`; D is fitted to the
+    """Price `layout` on `loads[S, L, D, E]` (or one step `[L, D, E]`; D is fitted to the
     cluster, `loads.fit_devices`) with group-local `homes[L, E]` (default: the static blocks;
     the caller chooses them, e.g. `permute_in_layout`). See the module docstring for the
     formulas. Raises `ConfigError` for a layout that cannot run on the cluster."""
@@ -220,28 +221,28 @@ def price_layout(
     if problem:
         raise ConfigError(problem, source=layout.name, field="layout")
     loads = _check_loads(loads, layout)
-    T, L, _, E = loads.shape
-    pp, S, Ls, m = layout.pp, layout.stage_devices, layout.layers_per_stage, settings.micro_batches
+    S, L, _, E = loads.shape
+    pp, Ds, Ls, m = layout.pp, layout.stage_devices, layout.layers_per_stage, settings.micro_batches
     homes = layout.static_homes() if homes is None else np.asarray(homes, dtype=np.int64)
     if homes.shape != (L, E):
         raise PlanError(f"homes must be [{L}, {E}], got {homes.shape}", field="homes")
-    counts = fit_devices(loads, S, "loads").reshape(T * L, S, E)
+    counts = fit_devices(loads, Ds, "loads").reshape(S * L, Ds, E)
     stage_spec = spec.with_(tokens_per_device=spec.tokens_per_device * pp)
     phases = stage_phases(
-        layout, cluster, stage_spec, counts, np.tile(homes, (T, 1)), settings.schedule
+        layout, cluster, stage_spec, counts, np.tile(homes, (S, 1)), settings.schedule
     )
-    layer_s = settings.schedule.layer_time(phases).reshape(T, pp, Ls)
-    stage_s = layer_s.sum(axis=2)  # [T, pp]
-    slowest = stage_s.argmax(axis=1)  # [T]
-    worst_stage = stage_s[np.arange(T), slowest]
+    layer_s = settings.schedule.layer_time(phases).reshape(S, pp, Ls)
+    stage_s = layer_s.sum(axis=2)  # [S, pp]
+    slowest = stage_s.argmax(axis=1)  # [S]
+    worst_stage = stage_s[np.arange(S), slowest]
     pipe = worst_stage * (m + pp - 1) / m if pp > 1 else worst_stage
     p2p = p2p_time(layout, cluster, spec, m)
     t_edp, t_dp = allreduce_times(layout, cluster, spec)
     steps = pipe + p2p + t_edp + t_dp
 
     def phase_mean(*arrays: np.ndarray, scale: float = 1.0) -> float:
-        total = sum(a.reshape(T, pp, Ls).sum(axis=2) for a in arrays)
-        return float(np.mean(np.asarray(total)[np.arange(T), slowest]) * scale)
+        total = sum(a.reshape(S, pp, Ls).sum(axis=2) for a in arrays)
+        return float(np.mean(np.asarray(total)[np.arange(S), slowest]) * scale)
 
     p = phases
     return LayoutCost(
@@ -288,7 +289,7 @@ def permute_in_layout(
 
     `loads[L, D, E]` (D fitted to the group's ep positions; permute looks only at each expert's
     total), `current[L, E]` the group-local homes in force (default the static blocks),
-    `history[T, L, E]` recent expert loads (permute's window). Returns the new group-local
+    `history[S, L, E]` recent expert loads (permute's window). Returns the new group-local
     homes `[L, E]` (E / ep experts per device: permute keeps to the layout's slots) and
     permute's notes. The same homes apply in every EP group and stage, so the devices at one
     position of the EP groups keep holding the same experts and the EDP all-reduce stays a
@@ -312,7 +313,7 @@ def permute_in_layout(
 
 
 def expected_loads(loads: np.ndarray, max_steps: int) -> np.ndarray:
-    """At most `max_steps` evenly spaced steps of `loads[T, ...]` (first and last kept)."""
+    """At most `max_steps` evenly spaced steps of `loads[S, ...]` (first and last kept)."""
     steps = loads.shape[0]
     if steps <= max_steps:
         return loads
@@ -329,7 +330,7 @@ def price_with_online(
     current: np.ndarray | None = None,
 ) -> LayoutCost:
     """`price_layout` with the static placement and, if `settings.online`, with the placement
-    `permute_in_layout` picks for the mean of `loads[T, L, D, E]` starting from `current`; the
+    `permute_in_layout` picks for the mean of `loads[S, L, D, E]` starting from `current`; the
     returned cost is the online one with `static_s` filled in."""
     static = price_layout(layout, cluster, spec, loads, settings)
     if not settings.online:
@@ -387,7 +388,7 @@ def rank_layouts(
     settings: LayoutSettings | None = None,
 ) -> LayoutSearch:
     """SmartMoE's offline stage: enumerate the layouts of `cluster` and `spec`, price each on
-    `loads[T, L, D, E]` (a trace's counts; D is fitted to the cluster), rank by mean step time
+    `loads[S, L, D, E]` (a trace's counts; D is fitted to the cluster), rank by mean step time
     (ties: fewer pipeline stages, then larger ep) and keep the pool. Raises `ConfigError` when no
     layout fits."""
     settings = settings or LayoutSettings()
@@ -398,11 +399,11 @@ def rank_layouts(
         raise ConfigError(
             f"loads have {loads.shape[3]} experts, the model {spec.experts}", field="experts"
         )
-    W, L, E = cluster.num_devices, loads.shape[1], loads.shape[3]
-    loads = expected_loads(fit_devices(loads, W, "loads"), settings.max_steps)
+    D, L, E = cluster.num_devices, loads.shape[1], loads.shape[3]
+    loads = expected_loads(fit_devices(loads, D, "loads"), settings.max_steps)
     ranked: list[LayoutCost] = []
     rejected: list[tuple[Layout, str]] = []
-    for layout in enumerate_layouts(W, E, L, settings.max_pp):
+    for layout in enumerate_layouts(D, E, L, settings.max_pp):
         problem = layout_problem(layout, cluster, spec)
         if problem:
             rejected.append((layout, problem))
@@ -411,7 +412,7 @@ def rank_layouts(
     if not ranked:
         why = rejected[0][1] if rejected else "no pipeline/expert degree divides the sizes"
         raise ConfigError(
-            f"no layout of {W} devices, {E} experts and {L} MoE layers fits ({why})",
+            f"no layout of {D} devices, {E} experts and {L} MoE layers fits ({why})",
             source=cluster.name,
             field="layout",
         )

@@ -1,9 +1,9 @@
 """Placements in DeepSeek EPLB's format: `phy2log`, `log2phy`, `logcnt`.
 
-EPLB describes a layer's expert layout by physical slots: the cluster's R = D x S slots (D
-devices, S slots per device) are numbered device-major, so slot p lives on device p // S.
+EPLB describes a layer's expert placement by physical slots: the cluster's D*P slots (D
+devices, P slots per device) are numbered device-major, so slot i lives on device i // P.
 
-- `phy2log[L, R]`: the logical expert held in slot p, or -1 for an empty slot (EPLB itself
+- `phy2log[L, D*P]`: the logical expert held in slot i, or -1 for an empty slot (EPLB itself
   always fills every slot; Poise placements may leave slots free, and -1 marks them);
 - `log2phy[L, E, maxcnt]`: the slot of copy k of expert e, -1 past its copies; copy 0 (EPLB's
   rank 0) is the home;
@@ -31,11 +31,11 @@ from poise.core.placement import Placement
 
 
 def placement_to_eplb(placement: Placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`Placement` -> `(phy2log[L, D*S], log2phy[L, E, maxcnt], logcnt[L, E])`, see the module
+    """`Placement` -> `(phy2log[L, D*P], log2phy[L, E, maxcnt], logcnt[L, E])`, see the module
     docstring for the slot order and the -1 padding."""
     placement.validate()
     L, D, E = placement.copies.shape
-    S = placement.slots_per_device
+    P = placement.slots_per_device
     copies = placement.copies.astype(np.int64)
     is_home = (np.arange(D)[None, :, None] == placement.home[:, None, :]).astype(np.int64)
     # Per (layer, device): home section then replica section, each by expert id.
@@ -48,13 +48,13 @@ def placement_to_eplb(placement: Placement) -> tuple[np.ndarray, np.ndarray, np.
     starts = np.cumsum(used) - used
     pos = np.arange(seq.size) - starts[row]
     layer, device = row // D, row % D
-    phy2log = np.full((L, D * S), -1, dtype=np.int64)
-    home_slot = np.zeros((L, D * S), dtype=bool)
-    phy2log[layer, device * S + pos] = seq % E
-    home_slot[layer, device * S + pos] = seq < E
+    phy2log = np.full((L, D * P), -1, dtype=np.int64)
+    home_slot = np.zeros((L, D * P), dtype=bool)
+    phy2log[layer, device * P + pos] = seq % E
+    home_slot[layer, device * P + pos] = seq < E
 
     # Copy numbers: 0 for the home slot; replicas 1, 2, ... in slot order.
-    rank = np.zeros((L, D * S), dtype=np.int64)
+    rank = np.zeros((L, D * P), dtype=np.int64)
     rep_l, rep_p = np.nonzero((phy2log >= 0) & ~home_slot)
     if rep_l.size:
         key = rep_l * E + phy2log[rep_l, rep_p]
@@ -79,8 +79,8 @@ def placement_from_eplb(
     log2phy: np.ndarray | None = None,
     experts: int | None = None,
 ) -> Placement:
-    """`phy2log[L, R]` (-1: empty slot) on `devices` devices -> `Placement`, R / devices slots
-    per device.
+    """`phy2log[L, D*P]` (-1: empty slot) on D = `devices` devices -> `Placement` with P =
+    (`phy2log`'s width) / D slots per device.
 
     The home of expert e is the device of its copy 0 (`log2phy[l, e, 0]`) when `log2phy` is
     given, else the device of its lowest-numbered slot. `experts` defaults to `log2phy`'s width,
@@ -90,10 +90,12 @@ def placement_from_eplb(
         raise PlanError(
             f"phy2log must be [layers, slots], got shape {phy2log.shape}", field="phy2log"
         )
-    L, R = phy2log.shape
-    if devices < 1 or R % devices:
-        raise PlanError(f"{R} physical slots do not split over {devices} devices", field="phy2log")
-    S = R // devices
+    L, n_slots = phy2log.shape
+    if devices < 1 or n_slots % devices:
+        raise PlanError(
+            f"{n_slots} physical slots do not split over {devices} devices", field="phy2log"
+        )
+    P = n_slots // devices
     if experts is None:
         if log2phy is not None:
             experts = int(np.asarray(log2phy).shape[1])
@@ -104,7 +106,7 @@ def placement_from_eplb(
         raise PlanError(f"expert ids must lie in [0, {E}) or be -1 (empty)", field="phy2log")
     held_l, held_p = np.nonzero(phy2log >= 0)
     copies = np.zeros((L, devices, E), dtype=np.int32)
-    np.add.at(copies, (held_l, held_p // S, phy2log[held_l, held_p]), 1)
+    np.add.at(copies, (held_l, held_p // P, phy2log[held_l, held_p]), 1)
     missing = np.argwhere(copies.sum(axis=1) == 0)
     if missing.size:
         layer, expert = missing[0]
@@ -118,7 +120,7 @@ def placement_from_eplb(
         first = log2phy[:, :, 0]
         if (
             first.min(initial=0) < 0
-            or first.max(initial=0) >= R
+            or first.max(initial=0) >= n_slots
             or np.any(np.take_along_axis(phy2log, first, axis=1) != np.arange(E))
         ):
             raise PlanError(
@@ -126,8 +128,8 @@ def placement_from_eplb(
             )
     else:
         # Lowest slot of each expert.
-        first = np.full((L, E), R, dtype=np.int64)
+        first = np.full((L, E), n_slots, dtype=np.int64)
         np.minimum.at(first, (held_l, phy2log[held_l, held_p]), held_p)
-    placement = Placement(home=first // S, copies=copies, slots_per_device=S)
+    placement = Placement(home=first // P, copies=copies, slots_per_device=P)
     placement.validate()
     return placement

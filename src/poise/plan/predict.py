@@ -1,6 +1,6 @@
 """Load predictors: next step's loads from the recent history (loads drift slowly; Pro-Prophet).
 
-Each predictor maps `history[T, L, D, E]` (oldest first, T >= 1) to a prediction `[L, D, E]`:
+Each predictor maps `history[S, L, D, E]` (oldest first, S >= 1) to a prediction `[L, D, E]`:
 
 - `last`: the latest observation;
 - `window(w)`: the mean of the last w observations;
@@ -42,11 +42,11 @@ class Predictor:
         ]
 
     def predict(self, history: np.ndarray) -> np.ndarray:
-        """`history[T, L, D, E]` -> `[L, D, E]` float."""
+        """`history[S, L, D, E]` -> `[L, D, E]` float."""
         history = np.asarray(history, dtype=np.float64)
         if history.ndim != 4 or history.shape[0] == 0:
             raise ConfigError(
-                f"history must be [T >= 1, L, D, E], got {history.shape}",
+                f"history must be [S >= 1, L, D, E], got {history.shape}",
                 source=self.name,
                 field="history",
             )
@@ -57,7 +57,7 @@ class Predictor:
         return self.predict_all(history)[-1]
 
     def predict_all(self, history: np.ndarray) -> np.ndarray:
-        """`[T, L, D, E]` -> `[T, L, D, E]`: row t is the prediction made after seeing rows <= t,
+        """`[S, L, D, E]` -> `[S, L, D, E]`: row t is the prediction made after seeing rows <= t,
         i.e. the forecast for step t + 1. One pass, for replaying whole traces."""
         x = np.asarray(history, dtype=np.float64)
         if self.kind == "last":

@@ -40,7 +40,7 @@ EARLY_STEPS = 30
 class MeasuredRun:
     """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
 
-    `device_tokens[S, L, W]`: token-expert pairs each rank computed per MoE layer (under the plan
+    `device_tokens[S, L, D]`: token-expert pairs each rank computed per MoE layer (under the plan
     in force); `phases[name][S]`: rank 0's seconds per step phase (data, forward, backward,
     grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
@@ -450,7 +450,7 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     page = HtmlPage("Poise demo: static against balanced expert parallelism")
     page.paragraph(
         f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}. Two training runs of the same model "
-        "from the same seed on the same data, one with the static expert-parallel layout and "
+        "from the same seed on the same data, one with the static expert-parallel placement and "
         "one balanced live by Poise; their recorded routing traces replayed in the simulator on "
         "large modelled clusters."
     )

@@ -168,7 +168,7 @@ def train_speed_plot(
 
 
 def layer_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, title: str) -> None:
-    """Measured load over time, one heatmap per run: `loads[name]` is `[S, L, W]` tokens each
+    """Measured load over time, one heatmap per run: `loads[name]` is `[S, L, D]` tokens each
     rank computed per layer and step; each cell is shown as a ratio to its layer's mean over the
     ranks, columns grouped by layer (L0 r0, L0 r1, L1 r0, ...), one shared colour scale."""
     names = list(loads)
@@ -178,11 +178,11 @@ def layer_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, title
         mean = x.mean(axis=2, keepdims=True)
         ratios[name] = np.divide(x, mean, out=np.ones_like(x), where=mean > 0)
     vmax = max(2.0, max(float(r.max()) for r in ratios.values()))
-    _, L, W = next(iter(ratios.values())).shape
+    _, L, D = next(iter(ratios.values())).shape
     fig, axes = plt.subplots(
         1,
         len(names),
-        figsize=(max(4.2, 0.45 * L * W + 1.8) * len(names), 4.2),
+        figsize=(max(4.2, 0.45 * L * D + 1.8) * len(names), 4.2),
         squeeze=False,
         sharey=True,
     )
@@ -196,11 +196,11 @@ def layer_load_heatmaps(loads: Mapping[str, np.ndarray], path: str | Path, title
             vmin=0,
             vmax=vmax,
             interpolation="nearest",
-            extent=(-0.5, L * W - 0.5, r.shape[0] + 0.5, 0.5),
+            extent=(-0.5, L * D - 0.5, r.shape[0] + 0.5, 0.5),
         )
         for b in range(1, L):
-            ax.axvline(b * W - 0.5, color="white", linewidth=0.8)
-        ax.set_xticks(range(L * W), [f"L{i // W}\nr{i % W}" for i in range(L * W)], fontsize=7)
+            ax.axvline(b * D - 0.5, color="white", linewidth=0.8)
+        ax.set_xticks(range(L * D), [f"L{i // D}\nr{i % D}" for i in range(L * D)], fontsize=7)
         ax.set_title(f"{name}: slowest rank / mean {r.max(axis=2).mean():.2f}")
         ax.set_xlabel("layer, rank")
     axes[0][0].set_ylabel("step")

@@ -27,7 +27,7 @@ The operations are those of `poise.layouts.parm.schedule_ops`; only their pricin
 Every group of a kind runs its collective at the same time as the others (all EP groups
 dispatch together), which is what the shared NIC bandwidth accounts for. Operations of a
 schedule run one after another, as Parm places them; overlap happens inside the unified
-all-to-all only. Not modelled: the gate's top-k and the layout copies before and after the
+all-to-all only. Not modelled: the gate's top-k and the reordering copies before and after the
 all-to-alls, compute-communication overlap, stragglers.
 """
 

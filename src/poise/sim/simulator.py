@@ -12,7 +12,7 @@
 - `background_planning=True` models a planner thread beside training (the runtime's
   `Balancer` plans between steps; it has no such thread yet): the plan made at step s runs
   during step s, from the same forecast, and takes effect at step s + 1 (step 0 runs the static
-  layout); only planning time beyond step s's own time is charged;
+  placement); only planning time beyond step s's own time is charged;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
@@ -336,7 +336,7 @@ class _PolicyReplay:
         self.plan: Plan | None = None  # the last plan made (`previous` of the next)
         self.pending: Plan | None = None
         self.active: tuple[PlanPricer, Plan] | None = None
-        if start is not None:  # background planning: step 0 runs the static layout
+        if start is not None:  # background planning: step 0 runs the static placement
             self.active = (cost.pricer(start.placement, start.assignment), start)
 
     def _activate(self, plan: Plan, s: int) -> np.ndarray:

@@ -393,7 +393,7 @@ def import_expert_counts(
     name: str | None = None,
 ) -> Trace:
     """Per-layer expert counts JSON: `{"data": {model: {kind: {domain: [[c_e...] per layer]}}}}`
-    (the layout of OLMoE's routing analysis; a top level without `"data"` is read as the
+    (the file format of OLMoE's routing analysis; a top level without `"data"` is read as the
     `data` mapping itself).
 
     Choice of steps: each selected domain becomes one step, in the file's order

@@ -1,4 +1,5 @@
-"""Statistics of a routing trace: how skewed, how fast it drifts, how unbalanced a static layout is.
+"""Statistics of a routing trace: how skewed, how fast it drifts, how unbalanced a static
+placement is.
 
 All measures work on the expert loads `load[s, l, e] = sum_d counts[s, l, d, e]` (`[S, L, E]`).
 
@@ -9,9 +10,9 @@ All measures work on the expert loads `load[s, l, e] = sum_d counts[s, l, d, e]`
   variation distance `TV(p_s, p_{s+k}) = 0.5 * sum_e |p_s[e] - p_{s+k}[e]|` between normalised
   load distributions `p_s = load[s, l] / sum_e load[s, l]`; `None` when the trace has no pair
   of rows `k` apart.
-- Device imbalance of the static layout: experts in contiguous blocks, expert e on device
+- Device imbalance of the static placement: experts in contiguous blocks, expert e on device
   `floor(e * D / E)`; `max_d / mean_d` of the device loads per step and layer, averaged over
-  steps. `D` is the trace's device count unless `devices_layout` says otherwise.
+  steps. `D` is the trace's device count unless `devices` says otherwise.
 
 Steps or layers with no assignments at all have no distribution; they are left out of the
 averages (a measure with nothing to average is `None`).
@@ -35,14 +36,14 @@ DRIFT_LAGS = (1, 10, 100)
 def gini(x: np.ndarray) -> np.ndarray:
     """Gini coefficient over the last axis of non-negative loads `[..., E]` -> `[...]`.
 
-    `G = sum_i (2i - E - 1) x_(i) / (E * sum x)` with `x_(1) <= ... <= x_(E)`; NaN where the
+    `gini = sum_i (2i - E - 1) x_(i) / (E * sum x)` with `x_(1) <= ... <= x_(E)`; NaN where the
     loads sum to 0. Example: `gini([0, 0, 0, 1]) = 0.75`, `gini([1, 1, 1, 1]) = 0`."""
     x = np.sort(np.asarray(x, dtype=np.float64), axis=-1)
     n = x.shape[-1]
-    weights = 2.0 * np.arange(1, n + 1) - n - 1
+    coef = 2.0 * np.arange(1, n + 1) - n - 1  # 2i - E - 1
     total = x.sum(axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, (x * weights).sum(axis=-1) / (n * total), np.nan)
+        return np.where(total > 0, (x * coef).sum(axis=-1) / (n * total), np.nan)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -72,14 +73,14 @@ def drift_at_lag(load: np.ndarray, lag: int) -> float | None:
     return _mean(tv_distance(p[lag:], p[:-lag]))
 
 
-def static_layout(experts: int, devices: int) -> np.ndarray:
-    """`[E]` device of each expert in the contiguous-block layout: `floor(e * D / E)`."""
+def static_device_of(experts: int, devices: int) -> np.ndarray:
+    """`[E]` device of each expert in the contiguous-block static placement: `floor(e * D / E)`."""
     return (np.arange(experts) * devices) // experts
 
 
 def device_loads(load: np.ndarray, device_of: np.ndarray, devices: int) -> np.ndarray:
     """Sum expert loads `[S, L, E]` onto devices -> `[S, L, D]`. `device_of` is `[E]` or
-    `[L, E]` (a layout per layer)."""
+    `[L, E]` (a placement per layer)."""
     S, L, E = load.shape
     dev = np.broadcast_to(np.asarray(device_of), (L, E))
     out = np.zeros((S, L, devices))
@@ -107,36 +108,36 @@ def _summary(values: list[float | None]) -> dict[str, float | None]:
     }
 
 
-def _resolve_layout(
+def _resolve_devices(
     trace: Trace,
-    devices_layout: int | Sequence[int] | np.ndarray | None,
+    devices: int | Sequence[int] | np.ndarray | None,
 ) -> tuple[np.ndarray, int]:
     E = trace.experts
-    if devices_layout is None:
-        return static_layout(E, trace.devices), trace.devices
-    if isinstance(devices_layout, (int, np.integer)) and not isinstance(devices_layout, bool):
-        if devices_layout < 1:
-            raise ConfigError(f"must be >= 1, got {devices_layout}", field="devices_layout")
-        return static_layout(E, int(devices_layout)), int(devices_layout)
-    dev = np.asarray(devices_layout)
+    if devices is None:
+        return static_device_of(E, trace.devices), trace.devices
+    if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ConfigError(f"must be >= 1, got {devices}", field="devices")
+        return static_device_of(E, int(devices)), int(devices)
+    dev = np.asarray(devices)
     if dev.shape not in ((E,), (trace.layers, E)) or not np.issubdtype(dev.dtype, np.integer):
         raise ConfigError(
             f"must be a device count or an integer array [E] or [L, E] "
             f"(E={E}, L={trace.layers}), got shape {dev.shape}",
-            field="devices_layout",
+            field="devices",
         )
     if dev.size and dev.min() < 0:
-        raise ConfigError("device ids must be >= 0", field="devices_layout")
+        raise ConfigError("device ids must be >= 0", field="devices")
     return dev, int(dev.max()) + 1
 
 
 def trace_stats(
     trace: Trace,
-    devices_layout: int | Sequence[int] | np.ndarray | None = None,
+    devices: int | Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Skew, drift and static-layout device imbalance of a trace, as a JSON-ready dict.
+    """Skew, drift and static-placement device imbalance of a trace, as a JSON-ready dict.
 
-    `devices_layout`: `None` (contiguous blocks over the trace's `D` devices), a device count
+    `devices`: `None` (contiguous blocks over the trace's `D` devices), a device count
     (contiguous blocks over that many devices) or an explicit expert-to-device map `[E]` or
     `[L, E]`. Keys: `name`, `shape` (`[S, L, D, E]`), `top_k`, `tokens_per_device`,
     `total_assignments`, `skew` (`max_over_mean`, `gini`, `top_share`: per-layer lists of
@@ -154,7 +155,7 @@ def trace_stats(
     skew: dict[str, Any] = {key: _per_layer(v) for key, v in per_step.items()}
     skew["summary"] = {key: _summary(skew[key]) for key in per_step}
 
-    device_of, D = _resolve_layout(trace, devices_layout)
+    device_of, D = _resolve_devices(trace, devices)
     dload = device_loads(load, device_of, D)  # [S, L, D]
     imbalance = _per_layer(_ratio(dload.max(axis=-1), dload.mean(axis=-1)))
 
@@ -188,7 +189,7 @@ def stats_table(stats: dict[str, Any]) -> Table:
     table = Table(
         title=f"{stats['name']}: {S} steps x {L} layers x {D} devices x {E} experts, "
         f"top-{stats['top_k']}, {stats['tokens_per_device']} tokens/device",
-        caption=f"drift (mean TV): {drift_text}\ndevice max/mean: static contiguous layout on "
+        caption=f"drift (mean TV): {drift_text}\ndevice max/mean: static contiguous placement on "
         f"{dev['devices']} devices",
     )
     table.add_column("layer", justify="right")

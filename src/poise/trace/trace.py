@@ -1,8 +1,8 @@
 """Routing traces: how many token-to-expert assignments each source device sent to each expert.
 
 `Trace.counts` is an integer array `[S, L, D, E]` (steps, MoE layers, source devices, experts).
-Traces are stored as `.npz` with a schema version; generators live in `trace_generate.py`,
-importers in `trace_import.py`, statistics in `trace_stats.py`.
+Traces are stored as `.npz` with a schema version; generators live in `poise.trace.generate`,
+importers in `poise.trace.importers`, statistics in `poise.trace.stats`.
 """
 
 from __future__ import annotations

@@ -10,16 +10,17 @@ force. `auto` keeps, per layer, the candidate with the least total; so it moves 
 gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
 step time is a sum over layers), so with no placement in force the result is never slower than
 any candidate. Candidates within relative `TIE_REL` of the least total tie; ties go to `keep`,
-then to the layout with the fewest copies (it leaves the most free slots for later re-planning:
-a uniform forecast, as at the first step, makes every layout price alike, and a replica-filled
+then to the placement with the fewest copies (it leaves the most free slots for later re-planning:
+a uniform forecast, as at the first step, makes every placement price alike, and a replica-filled
 one would leave local searches such as `vexpert` no room), then to the candidate order.
 
 Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
 (`BUILDS_ON`: `vexpert`'s local search on the whole placement; `permute`, `prophet`, `hybrid`
-and `shadow` on its homes) runs from `auto`'s placement, so once `auto` has taken another layout its
-candidates are not the plans the rival makes alone: on a long replay `auto` took `eplb`'s
-layout early and `vexpert`'s local search from there never reached the layouts `vexpert` alone
-reached from the static one (3.8% slower than `vexpert` over 200 steps of FlexMoE's BERT-MoE).
+and `shadow` on its homes) runs from `auto`'s placement, so once `auto` has taken another
+placement its candidates are not the plans the rival makes alone: on a long replay `auto` took
+`eplb`'s placement early and `vexpert`'s local search from there never reached the placements
+`vexpert` alone reached from the static one (3.8% slower than `vexpert` over 200 steps of
+FlexMoE's BERT-MoE).
 So `auto`'s plan carries, per such rival, the rival's own latest plan, and each call continues
 it: where the trail differs from the placement in force in what the rival builds on, the rival
 also runs from its trail, and that plan (label `name:alone`) is priced with its migrations

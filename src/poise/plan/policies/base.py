@@ -58,7 +58,7 @@ def register(name: str, *, builds_on: str | None = "placement") -> Callable[[Pol
 class PlanContext:
     """Everything a policy may look at besides the loads.
 
-    `history[T, L, E]`: tokens routed to each expert (summed over sources) in the last observed
+    `history[S, L, E]`: tokens routed to each expert (summed over sources) in the last observed
     steps, oldest first (may be empty);
     `options[policy][key]`: per-policy settings (thresholds, windows)."""
 
@@ -116,7 +116,7 @@ HELPER_CPU_NOTE = "helper_cpu_s"
 
 
 def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
-    """GShard / DeepSpeed-MoE layout `[L, E]`: contiguous blocks of experts per device
+    """GShard / DeepSpeed-MoE static homes `[L, E]`: contiguous blocks of experts per device
     (expert e on device floor(e * D / E)); with more devices than experts, device d serves expert
     floor(d * E / D) and expert e's home is the first device of its block, ceil(e * D / E)."""
     e = np.arange(experts)
@@ -125,7 +125,7 @@ def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
 
 
 def static_placement(layers: int, experts: int, devices: int, slots: int) -> Placement:
-    """The static layout; with D > E every device holds the one expert of its block (DeepSpeed's
+    """The static placement; with D > E every device holds the one expert of its block (DeepSpeed's
     expert-data parallelism), the non-first devices as replicas."""
     placement = Placement.from_homes(static_homes(layers, experts, devices), devices, slots)
     if devices > experts:
@@ -135,7 +135,7 @@ def static_placement(layers: int, experts: int, devices: int, slots: int) -> Pla
 
 
 def start_placement(previous: Plan | None, ctx: PlanContext, layers: int) -> Placement:
-    """The placement a policy starts from: the previous one, or the static layout."""
+    """The placement a policy starts from: the previous one, or the static placement."""
     if (
         previous is not None
         and previous.placement.home.shape == (layers, ctx.experts)

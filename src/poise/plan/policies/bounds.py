@@ -55,7 +55,7 @@ def register_bound(name: str) -> Callable[[BoundFn], BoundFn]:
 
 def homes_only_layer_s(loads: np.ndarray, ctx: PlanContext) -> np.ndarray | None:
     """`[L]` lower bound on the recurring layer seconds of any one-copy-per-expert plan on
-    `loads[L, D, E]` (module docstring); None with more devices than experts (the static layout
+    `loads[L, D, E]` (module docstring); None with more devices than experts (the static placement
     then keeps expert-data-parallel copies)."""
     L, D, E = loads.shape
     if D > E or L == 0:

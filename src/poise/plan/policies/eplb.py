@@ -7,15 +7,17 @@ functions over arrays (shapes in brackets; X is any batch of rows, usually layer
    taken heaviest first (stable descending sort: among equal weights the lower index goes first)
    and each goes to the lightest pack that is not yet full (lowest pack index on ties). With
    n/m == 1 item i simply goes to pack i.
-2. `replicate_experts(weight[X, E], R)`: R >= E physical slots; slot i < E holds expert i, and
-   each further slot gets the expert with the largest load per copy, `argmax_e w[e] / cnt[e]`
+2. `replicate_experts(weight[X, E], phys)`: phys >= E physical slots; slot i < E holds expert i,
+   and each further slot gets the expert with the largest load per copy, `argmax_e w[e] / cnt[e]`
    (lowest index on ties). This minimises the largest per-replica load (Jefferson/D'Hondt).
-3. `rebalance_experts_hierarchical(weight[L, E], R, G, N, P)`: expert groups (G, contiguous) are
-   packed onto N nodes by group load; experts are replicated inside each node to R/N slots; the
-   node's replicas (load w/cnt each) are packed onto its P/N GPUs, R/P slots per GPU.
-4. `rebalance_experts(weight[L, E], R, G, N, P)`: hierarchical when G divides by N (and E by G),
-   otherwise global: hierarchical with one group and one node (replicate over the whole cluster,
-   then pack onto all P GPUs). Returns `phy2log[L, R]`, `log2phy[L, E, maxcnt]` (-1 padded) and
+3. `rebalance_experts_hierarchical(weight[L, E], phys, groups, nodes, gpus)`: expert groups
+   (contiguous) are packed onto the nodes by group load; experts are replicated inside each node
+   to phys/nodes slots; the node's replicas (load w/cnt each) are packed onto its gpus/nodes GPUs,
+   phys/gpus slots per GPU.
+4. `rebalance_experts(weight[L, E], phys, groups, nodes, gpus)`: hierarchical when the groups
+   divide by the nodes (and E by the groups), otherwise global: hierarchical with one group and
+   one node (replicate over the whole cluster, then pack onto all GPUs). With D = gpus devices of
+   P slots each (phys = D*P), returns `phy2log[L, D*P]`, `log2phy[L, E, maxcnt]` (-1 padded) and
    `logcnt[L, E]`.
 
 Deviations from the reference, all benign: loads are float64 (the reference casts to float32);
@@ -33,8 +35,8 @@ Worked example (the EPLB README's; two layers, 12 experts, 16 slots on 2 nodes x
     [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]
 
 The registered policy `eplb` sums `loads[L, D, E]` over sources into `weight[L, E]`, fills every
-slot of the cluster (R = devices x slots_per_device), and turns `phy2log` into a `Placement`:
-physical slot p lives on device p // slots_per_device and an expert's home is the device of its
+slot of the cluster (D*P: D devices x P slots per device), and turns `phy2log` into a
+`Placement`: physical slot i lives on device i // P and an expert's home is the device of its
 rank-0 copy. Tokens follow `Assignment.balanced`: EPLB's packing assumes that every copy of an
 expert carries w[e] / cnt[e]; since a source holding a copy keeps its own tokens, an even split
 of the remote tokens would load the copies unequally, while the water-filling of `balanced` gives
@@ -227,19 +229,19 @@ def _largest_quotients(w: np.ndarray, picks: int) -> tuple[np.ndarray, np.ndarra
     return expert[take].reshape(X, picks), copy[take].reshape(X, picks)
 
 
-def _check_hierarchy(E: int, R: int, G: int, N: int, P: int) -> None:
+def _check_hierarchy(E: int, phys: int, groups: int, nodes: int, gpus: int) -> None:
     """`rebalance_experts_hierarchical`'s preconditions, all broken ones in one `PlanError`."""
     problems = []
-    if G < 1 or E % G:
-        problems.append(f"{E} experts do not split into {G} groups")
-    if N < 1 or G % N:
-        problems.append(f"{G} groups do not split over {N} nodes")
-    if P < 1 or P % N:
-        problems.append(f"{P} GPUs do not split over {N} nodes")
-    if P < 1 or R % P:
-        problems.append(f"{R} physical slots do not split over {P} GPUs")
-    if R < E:
-        problems.append(f"{E} experts need at least {E} physical slots, got {R}")
+    if groups < 1 or E % groups:
+        problems.append(f"{E} experts do not split into {groups} groups")
+    if nodes < 1 or groups % nodes:
+        problems.append(f"{groups} groups do not split over {nodes} nodes")
+    if gpus < 1 or gpus % nodes:
+        problems.append(f"{gpus} GPUs do not split over {nodes} nodes")
+    if gpus < 1 or phys % gpus:
+        problems.append(f"{phys} physical slots do not split over {gpus} GPUs")
+    if phys < E:
+        problems.append(f"{E} experts need at least {E} physical slots, got {phys}")
     if problems:
         raise PlanError("; ".join(problems), field="eplb")
 
@@ -253,9 +255,10 @@ def rebalance_experts_hierarchical(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Hierarchical EPLB: groups to nodes, replication inside nodes, replicas to GPUs.
 
-    `weight[L, E]` -> `(phy2log[L, R], phyrank[L, R], logcnt[L, E])` with R =
-    `num_physical_experts`; GPU g owns physical slots [g * R/P, (g + 1) * R/P). Requires E % G ==
-    0, G % N == 0, P % N == 0, R % P == 0 and R >= E.
+    `weight[L, E]` -> `(phy2log[L, D*P], phyrank[L, D*P], logcnt[L, E])` with D = `num_gpus`
+    and D*P = `num_physical_experts` (P slots per GPU): GPU g owns physical slots [g P, (g + 1)
+    P). Requires E % num_groups == 0, num_groups % num_nodes == 0, D % num_nodes == 0,
+    num_physical_experts % D == 0 and num_physical_experts >= E.
     """
     w = _as_weight(weight)
     _check_hierarchy(w.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus)
@@ -263,39 +266,39 @@ def rebalance_experts_hierarchical(
 
 
 def _hierarchical(
-    w: np.ndarray, R: int, G: int, N: int, P: int
+    w: np.ndarray, phys: int, groups: int, nodes: int, gpus: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`rebalance_experts_hierarchical` on checked arguments. Renumberings that are the identity
     (one group per node; one node) are skipped."""
     L, E = w.shape
-    group_size = E // G
-    per_node_log, per_node_phy = E // N, R // N
+    group_size = E // groups
+    per_node_log, per_node_phy = E // nodes, phys // nodes
 
     # 1. Expert groups onto nodes; renumber experts node-major ("mlog" ids): mlog id
     # slot * group_size + i is expert group_in_slot * group_size + i.
-    group_load = w.reshape(L, G, group_size).sum(axis=2)
-    group_in_slot = _slot_items(group_load, N)
+    group_load = w.reshape(L, groups, group_size).sum(axis=2)
+    group_in_slot = _slot_items(group_load, nodes)
     if group_in_slot is None:  # one group per node: mlog ids are expert ids
         mlog2log = None
-        mlog_load = w.reshape(L * N, per_node_log)
+        mlog_load = w.reshape(L * nodes, per_node_log)
     else:
         mlog2log = ((group_in_slot * group_size)[:, :, None] + np.arange(group_size)).reshape(L, E)
-        mlog_load = np.take_along_axis(w, mlog2log, axis=1).reshape(L * N, per_node_log)
+        mlog_load = np.take_along_axis(w, mlog2log, axis=1).reshape(L * nodes, per_node_log)
 
     # 2. Replicate inside each node: rows are (layer, node).
     phy2mlog, phyrank, mlogcnt = _replicate(mlog_load, per_node_phy)
 
     # 3. A node's replicas onto its GPUs, each replica weighing load / copies.
     phy_load = np.take_along_axis(mlog_load / mlogcnt, phy2mlog, axis=1)
-    pphy2phy = _slot_items(phy_load, P // N)
+    pphy2phy = _slot_items(phy_load, gpus // nodes)
     if pphy2phy is None:  # one replica per GPU: slots stay in order
-        pphy2mlog, pphyrank = phy2mlog.reshape(L, R), phyrank.reshape(L, R)
+        pphy2mlog, pphyrank = phy2mlog.reshape(L, phys), phyrank.reshape(L, phys)
     else:
-        pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, R)
-        pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, R)
-    if N > 1:  # node-local mlog ids to global ones
-        pphy2mlog = pphy2mlog.reshape(L, N, per_node_phy)
-        pphy2mlog = (pphy2mlog + (np.arange(N) * per_node_log)[None, :, None]).reshape(L, R)
+        pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, phys)
+        pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, phys)
+    if nodes > 1:  # node-local mlog ids to global ones
+        pphy2mlog = pphy2mlog.reshape(L, nodes, per_node_phy)
+        pphy2mlog = (pphy2mlog + (np.arange(nodes) * per_node_log)[None, :, None]).reshape(L, phys)
     if mlog2log is None:
         return pphy2mlog, pphyrank, mlogcnt.reshape(L, E)
     phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
@@ -332,8 +335,9 @@ def rebalance_experts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """EPLB's entry point.
 
-    `weight[L, E]` -> `(phy2log[L, R], log2phy[L, E, maxcnt], logcnt[L, E])`, R = num_replicas:
-    `phy2log[l, p]` is the expert in physical slot p, `log2phy[l, e, k]` the slot of copy k of
+    `weight[L, E]` -> `(phy2log[L, D*P], log2phy[L, E, maxcnt], logcnt[L, E])` with D*P =
+    `num_replicas` physical slots on D = `num_gpus` GPUs: `phy2log[l, i]` is the expert in physical
+    slot i, `log2phy[l, e, k]` the slot of copy k of
     expert e (-1 past its `logcnt[l, e]` copies).
     """
     w = _as_weight(weight)
@@ -359,16 +363,16 @@ def _placement(phy2log: np.ndarray, phyrank: np.ndarray, experts: int, devices: 
     """`eplb_format.placement_from_eplb(phy2log, devices, log2phy=log2phy)` for a full
     `rebalance_experts` result (every slot used; an expert's home holds its copy of rank 0,
     `log2phy[:, e, 0]`), without its checks and its `np.add.at`: the same `Placement`."""
-    L, R = phy2log.shape
+    L, phys = phy2log.shape
     E = experts
-    S = R // devices
-    device = np.arange(R) // S  # slot p lives on device p // S
+    P = phys // devices
+    device = np.arange(phys) // P  # slot i lives on device i // P
     flat = ((np.arange(L)[:, None] * devices + device[None, :]) * E + phy2log).ravel()
     copies = np.bincount(flat, minlength=L * devices * E).reshape(L, devices, E)
     layer, slot = np.nonzero(phyrank == 0)  # one rank-0 slot per expert
     home = np.empty((L, E), dtype=np.int64)
-    home[layer, phy2log[layer, slot]] = slot // S
-    return Placement(home=home, copies=copies.astype(np.int32), slots_per_device=S)
+    home[layer, phy2log[layer, slot]] = slot // P
+    return Placement(home=home, copies=copies.astype(np.int32), slots_per_device=P)
 
 
 @register("eplb", builds_on=None)
@@ -388,9 +392,10 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     mode = resolve_mode(E, groups, nodes, str(ctx.option("eplb", "mode", "auto")))
     weight = _as_weight(np.asarray(loads, dtype=np.float64).sum(axis=1))
     # `rebalance_experts(weight, num_replicas, groups, nodes, D, mode)` without its `log2phy`.
-    G, N = (groups, nodes) if mode == "hierarchical" else (1, 1)
-    _check_hierarchy(E, num_replicas, G, N, D)
-    phy2log, phyrank, _ = _hierarchical(weight, num_replicas, G, N, D)
+    if mode != "hierarchical":
+        groups, nodes = 1, 1
+    _check_hierarchy(E, num_replicas, groups, nodes, D)
+    phy2log, phyrank, _ = _hierarchical(weight, num_replicas, groups, nodes, D)
     placement = _placement(phy2log, phyrank, E, D)
     routing = ctx.option("eplb", "routing", "balanced")
     if routing == "balanced":

@@ -4,7 +4,7 @@ Devices are cut into *domains* (`cluster.domain_of()`): inside a domain, experts
 expert needed there is copied into the domain once and its tokens stay in the domain); across
 domains, tokens travel by all-to-all as in plain EP. A single-domain cluster whose inter-node
 link is slower per device than its intra-node link uses nodes as domains; otherwise the policy
-keeps the static layout (nothing to gain from moving experts).
+keeps the static placement (nothing to gain from moving experts).
 
 The paper's stream model (§III; G GPUs, D bytes of data a GPU sends in an all-to-all, P_E bytes
 per expert, B bandwidth, Lat_PE the expert compute that can hide an all-gather). Definition 1:
@@ -44,12 +44,12 @@ weights route inside the domain, other sources go to the home). One replica per 
 the wide-area Trans to one copy per domain, which the cost model (direct home-to-replica Trans,
 no relay inside the domain) prices best; copies on every device of the domain would multiply it.
 
-More devices than experts: the static layout already holds expert-data-parallel copies of every
+More devices than experts: the static placement already holds expert-data-parallel copies of every
 expert (device d holds expert floor(d E / D)) in blocks, so a domain holds only some experts.
 There the policy keeps those copies, gives every domain a copy of each expert it lacks, heaviest
 first, while free slots last (the paper's p = 0 inside the domain), and routes each domain's
 tokens to its own copies (`group_local`, the rest split over all copies); in each layer where
-the cost model prices that above static's layout and split, the layer keeps static's (p* = 1).
+the cost model prices that above static's placement and split, the layer keeps static's (p* = 1).
 p* is reported as the cross-domain share of tokens left against static's.
 
 Notes: `p_star[l]`, `p_closed_form[l]`, `domain_level` ("domain", "node" or None),
@@ -107,19 +107,19 @@ class Pairs:
 
 
 def _first_sorted(key: np.ndarray, k: int) -> np.ndarray:
-    """`np.argsort(key, axis=1, kind="stable")[:, :k]` (`key[R, n]`, `1 <= k <= n`): the k
+    """`np.argsort(key, axis=1, kind="stable")[:, :k]` (`key[X, n]`, `1 <= k <= n`): the k
     smallest of each row, ties by lower index, without sorting whole rows. A partition finds
     each row's k-th smallest value; only the entries up to it (ties included) are sorted."""
-    R, n = key.shape
+    X, n = key.shape
     if k >= n:
         return np.argsort(key, axis=1, kind="stable")
     kth = np.partition(key, k - 1, axis=1)[:, k - 1 : k]
     row, col = np.nonzero(key <= kth)  # row by row, lower index first: at least k per row
     order = np.lexsort((key[row, col], row))  # stable: ties keep the lower index first
     row, col = row[order], col[order]
-    rank = np.arange(len(row)) - np.searchsorted(row, np.arange(R))[row]
+    rank = np.arange(len(row)) - np.searchsorted(row, np.arange(X))[row]
     keep = rank < k
-    out = np.empty((R, k), dtype=np.int64)
+    out = np.empty((X, k), dtype=np.int64)
     out[row[keep], rank[keep]] = col[keep]
     return out
 
@@ -167,15 +167,15 @@ def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: i
 def _prefix_states(
     base: np.ndarray, cell: np.ndarray, seg: np.ndarray, value: np.ndarray, cuts: int
 ) -> np.ndarray:
-    """`[cuts, B, S]` states of B layers after each priced prefix: `base[B, S]`; entry i adds
-    `value[i]` to cell `cell[i]` of prefix-and-layer `seg[i]` (`first prefix that counts it * B
-    + b`) and of every later prefix of its layer (`cost_incremental.prefix_states` for several
+    """`[cuts, B, width]` states of B layers after each priced prefix: `base[B, width]`; entry
+    i adds `value[i]` to cell `cell[i]` of prefix-and-layer `seg[i]` (`first prefix that counts it
+    * B + b`) and of every later prefix of its layer (`cost.incremental.prefix_states` for several
     layers and several state arrays side by side; per cell, the entries are summed in the order
     given, the prefixes accumulated in order, then added to the base). Prefix-major, so each
     step of the accumulation adds one contiguous block."""
-    B, S = base.shape
-    sums = np.bincount(seg * S + cell, weights=value, minlength=cuts * B * S)
-    sums = sums.astype(np.float64, copy=False).reshape(cuts, B, S)  # (no entries: int zeros)
+    B, width = base.shape
+    sums = np.bincount(seg * width + cell, weights=value, minlength=cuts * B * width)
+    sums = sums.astype(np.float64, copy=False).reshape(cuts, B, width)  # (no entries: int zeros)
     for g in range(1, cuts):  # np.cumsum(sums, axis=0), bit for bit, a block at a time
         np.add(sums[g], sums[g - 1], out=sums[g])
     sums += base
@@ -191,7 +191,7 @@ def cut_times(
     and the per-device state (`LayerState.cells`, transposed) after each priced prefix.
     `state`: the layers' stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`,
     `pairs` of these layers."""
-    S = LayerState
+    LS = LayerState
     B, D, _ = counts.shape
     start = pairs.start
     K = np.diff(start)
@@ -264,14 +264,14 @@ def cut_times(
     comp_delta = np.concatenate([secs[:N], secs[N : 2 * N] - secs[2 * N :]])
     # All five per-device states side by side (`LayerState.cells` as columns), [B, CELLS * D]:
     # compute, then dispatch tokens and Trans bytes sent, then received, each per link level.
-    base = np.ascontiguousarray(state.cells.transpose(0, 2, 1)).reshape(B, S.CELLS * D)
+    base = np.ascontiguousarray(state.cells.transpose(0, 2, 1)).reshape(B, LS.CELLS * D)
     cell = np.concatenate(
         [
             comp_dev,
-            (S.TOK_SEND + S.LEVEL_STEP * send_lv) * D + send_dev,
-            (S.TOK_RECV + S.LEVEL_STEP * send_lv) * D + recv_dev,
-            (S.PAR_SEND + S.LEVEL_STEP * lv_hr) * D + h,
-            (S.PAR_RECV + S.LEVEL_STEP * lv_hr) * D + devices,
+            (LS.TOK_SEND + LS.LEVEL_STEP * send_lv) * D + send_dev,
+            (LS.TOK_RECV + LS.LEVEL_STEP * send_lv) * D + recv_dev,
+            (LS.PAR_SEND + LS.LEVEL_STEP * lv_hr) * D + h,
+            (LS.PAR_RECV + LS.LEVEL_STEP * lv_hr) * D + devices,
         ]
     )
     states = _prefix_states(
@@ -281,7 +281,7 @@ def cut_times(
         np.concatenate([comp_delta, delta, delta, W_e, W_e]),
         C,
     )
-    states = states.reshape(C, B, S.CELLS, D)
+    states = states.reshape(C, B, LS.CELLS, D)
     times = state.packed_layer_s(states).T  # [B, C]
     return cuts, np.where(cuts >= 0, times, np.inf), states
 
@@ -440,7 +440,7 @@ def _plan_with_edp_copies(
     notes: dict[str, Any],
     size: int,
 ) -> Plan:
-    """More devices than experts: the static layout's expert-data-parallel copies plus a copy of
+    """More devices than experts: the static placement's expert-data-parallel copies plus a copy of
     each expert a domain lacks, each domain's tokens kept on its own copies, per layer where
     that prices below static (see the module docstring)."""
     L, D, E = loads.shape
@@ -450,7 +450,7 @@ def _plan_with_edp_copies(
     placement = static.copy()
     added = _fill_domains(placement, loads, size)
     local = Assignment.group_local(placement, size, base=Assignment.even(placement))
-    # Per layer the cheaper layout (the gathered experts cost Trans and Agg over the slow link,
+    # Per layer the cheaper placement (the gathered experts cost Trans and Agg over the slow link,
     # and keeping tokens in their domain can pile them on few copies): never slower than static.
     even_s = ctx.cost.price(static, even, loads).layer_s
     local_s = ctx.cost.price(placement, local, loads).layer_s

@@ -1,11 +1,12 @@
 """Greedy packing with slot limits, many rows at once: the shared core of EPLB's
 `balanced_packing` and SmartMoE's greedy mapping (`permute.greedy_homes`).
 
-`lpt_assign(weight[R, n], packs, capacity, sticky)`: in each row the items are taken in the given
-order (callers sort them heaviest first) and each goes to the pack with the least load among
-those holding fewer than `capacity` items (lowest pack index on ties); with `sticky[R, n]`, item
-t goes to pack `sticky[r, t]` instead when that pack is not full and its load equals the least
-(SmartMoE's stickiness). Loads accumulate item by item, `load += weight`, as a plain loop would.
+`lpt_assign(weight[X, n], packs, capacity, sticky)` (X rows of n items): in each row the items
+are taken in the given order (callers sort them heaviest first) and each goes to the pack with the
+least load among those holding fewer than `capacity` items (lowest pack index on ties); with
+`sticky[X, n]`, item t goes to pack `sticky[r, t]` instead when that pack is not full and its
+load equals the least (SmartMoE's stickiness). Loads accumulate item by item, `load += weight`,
+as a plain loop would.
 
 The greedy is sequential: each choice depends on every earlier one, and a loop over the items
 costs a dozen NumPy calls per item (256 items: 3 ms). Longest-processing-time greedy mostly deals
@@ -13,7 +14,7 @@ the items out in rounds, though: the next items go to the open packs in order of
 until a pack that already got one in the round is the lightest again. So each step guesses a
 whole round (the k-th next item to the k-th lightest open pack) and checks every guess at once:
 item t's guess is right when the packs already given an item in the round (their loads now
-known, `[R, T]` prefix minima) are all heavier than the t-th lightest, and no sticky pack ties.
+known, `[X, T]` prefix minima) are all heavier than the t-th lightest, and no sticky pack ties.
 The round is kept up to the first wrong guess, whose right pack is then worked out exactly
 (its state is known); so every step keeps at least one item, mostly a whole round. A second
 guess, the lightest pack taking the next items while it stays the lightest, covers the small
@@ -44,7 +45,7 @@ def lpt_assign(
     capacity: int,
     sticky: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`weight[R, n]` in processing order -> `(pack[R, n], rank[R, n])`: each item's pack and
+    """`weight[X, n]` in processing order -> `(pack[X, n], rank[X, n])`: each item's pack and
     the number of items the pack held before it. Needs `packs * capacity >= n`."""
     weight = np.ascontiguousarray(weight, dtype=np.float64)
     if packs < MIN_PACKS:  # rounds of a few items cannot beat the loop
@@ -67,9 +68,9 @@ def _loop(
     weight: np.ndarray, packs: int, capacity: int, sticky: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """`lpt_assign` as the plain loop: one item of every row per step."""
-    R = weight.shape[0]
-    key = np.zeros((R, packs))
-    count = np.zeros((R, packs), dtype=np.int64)
+    X = weight.shape[0]
+    key = np.zeros((X, packs))
+    count = np.zeros((X, packs), dtype=np.int64)
     pack_of, rank = _steps(key, count, capacity, weight.T, None if sticky is None else sticky.T)
     return pack_of.T, rank.T
 
@@ -115,22 +116,22 @@ class _State:
     def __init__(
         self, weight: np.ndarray, packs: int, capacity: int, sticky: np.ndarray | None
     ) -> None:
-        R, n = weight.shape
+        X, n = weight.shape
         self.weight, self.sticky, self.capacity, self.n = weight, sticky, capacity, n
-        self.pack_of = np.zeros((R, n), dtype=np.int64)
-        self.rank = np.zeros((R, n), dtype=np.int64)
-        self.key = np.zeros((R, packs))
-        self.count = np.zeros((R, packs), dtype=np.int64)
-        self.pos = np.zeros(R, dtype=np.int64)  # next item of each row
-        self.active = np.arange(R) if n else np.zeros(0, dtype=np.int64)
-        self.every_row = np.arange(R)[:, None]  # [R, 1], to pair with per-row pack indices
+        self.pack_of = np.zeros((X, n), dtype=np.int64)
+        self.rank = np.zeros((X, n), dtype=np.int64)
+        self.key = np.zeros((X, packs))
+        self.count = np.zeros((X, packs), dtype=np.int64)
+        self.pos = np.zeros(X, dtype=np.int64)  # next item of each row
+        self.active = np.arange(X) if n else np.zeros(0, dtype=np.int64)
+        self.every_row = np.arange(X)[:, None]  # [X, 1], to pair with per-row pack indices
         self.first_pack = self.every_row * packs  # flat index of each row's pack 0 in `key`
         self.lockstep = True  # every row still active, all at the same next item
 
     def _commit(self, rows: np.ndarray, items: np.ndarray, packs: np.ndarray) -> None:
         """Item `items[i]` of row `rows[i]` goes to `packs[i]`; at most one item per pack and
         row per call, items in order."""
-        at_item = rows * self.n + items  # flat indices into [R, n] and [R, P]
+        at_item = rows * self.n + items  # flat indices into [X, n] and [X, packs]
         at_pack = rows * self.key.shape[1] + packs
         self.pack_of.ravel()[at_item] = packs
         flat_count, flat_key = self.count.ravel(), self.key.ravel()
@@ -150,7 +151,7 @@ class _State:
         and the items weigh more than nothing, every empty pack ties at load 0 and every other
         is heavier, so item t takes its sticky pack if that is still empty, else the lowest
         empty one. Only a boolean mask changes from item to item."""
-        R = self.weight.shape[0]
+        X = self.weight.shape[0]
         assert self.sticky is not None
         packs = self.key.shape[1]
         positive = np.minimum.accumulate(self.weight > 0, axis=1).sum(axis=1)  # leading w > 0
@@ -158,10 +159,10 @@ class _State:
         T = int(steps.max(initial=0))
         if T == 0:
             return
-        rows = np.arange(R)
-        empty = np.ones((R, packs), dtype=bool)
-        chosen = np.zeros((T, R), dtype=np.int64)
-        sticky_t = np.ascontiguousarray(self.sticky[:, :T].T)  # [T, R]
+        rows = np.arange(X)
+        empty = np.ones((X, packs), dtype=bool)
+        chosen = np.zeros((T, X), dtype=np.int64)
+        sticky_t = np.ascontiguousarray(self.sticky[:, :T].T)  # [T, X]
         # Every row walks T <= packs steps (some pack is empty at each); a row's steps past its
         # own `steps` only change its own later choices, which are not kept.
         for t in range(T):
@@ -304,8 +305,8 @@ class _State:
         if bad.size:
             self._place_exact(rows[bad], first[bad], guess[bad], after_key[bad], base[bad])
         self._advance(rows, kept)
-        R = self.pos.size
-        self.lockstep = self.active.size == R and bool((self.pos == self.pos[0]).all())
+        X = self.pos.size
+        self.lockstep = self.active.size == X and bool((self.pos == self.pos[0]).all())
         return int(kept.sum()) / B
 
     def _commit_run(

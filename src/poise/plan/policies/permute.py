@@ -2,7 +2,7 @@
 
 As in the public SmartMoE artifact's greedy mapping, per layer:
 
-1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[T, L, E]` (tokens
+1. Expert load `h[e]`: the mean of the last `window` steps of `ctx.history[S, L, E]` (tokens
    per expert and step, summed over sources); with no history, `loads[L, D, E]` summed over
    sources.
 2. Experts sorted by `h` descending. Tie order (our choice; the artifact's unstable
@@ -11,19 +11,19 @@ As in the public SmartMoE artifact's greedy mapping, per layer:
    to the device with the least accumulated load among those with a free slot (lowest device
    index on ties); stickiness: if its current device has a free slot and ties that minimum, it
    stays there.
-4. The new layout is adopted only if its largest device load is strictly below that of the
-   current layout (both on `h`); otherwise the layer keeps its current layout.
+4. The new homes are adopted only if their largest device load is strictly below that of the
+   current homes (both on `h`); otherwise the layer keeps its current homes.
 
 Homes only: no replicas, remote tokens go to the home (`Assignment.to_home`); every home change
 is a migration, priced by `finish_plan`. Replicas of a previous plan from another policy are
-dropped. With more devices than experts there is nothing to permute and the static layout
+dropped. With more devices than experts there is nothing to permute and the static placement
 (DeepSpeed's expert-data-parallel copies) is kept.
 
 Worked example (one layer, 4 experts on 2 devices, static homes [0, 0, 1, 1]):
 `h = [10, 8, 1, 1]` gives device loads [18, 2]; the greedy places 0 on device 0 (tie, sticky),
 1 on device 1, 2 on device 1 (load 8 < 10), 3 on device 0 (device 1 full): homes [0, 1, 1, 0],
 loads [11, 9]; 11 < 18, so it is adopted. With `h = [10, 1, 1, 8]` the greedy reaches [11, 9]
-again, but the static loads are already [11, 9]: rejected, the layout stays.
+again, but the static loads are already [11, 9]: rejected, the homes stay.
 
 Option (`ctx.option("permute", ...)`): `window` (steps of history, default 10).
 """
@@ -46,7 +46,7 @@ from poise.plan.policies.lpt import lpt_assign
 
 
 def expert_loads(loads: np.ndarray, history: np.ndarray | None, window: int) -> np.ndarray:
-    """`h[L, E]`: the mean over the last `window` steps of `history[T, L, E]` (tokens routed to
+    """`h[L, E]`: the mean over the last `window` steps of `history[S, L, E]` (tokens routed to
     each expert per step), or `loads[L, D, E]` summed over sources when there is no history."""
     L, _, E = loads.shape
     if history is not None and len(history) > 0 and np.asarray(history).shape[1:] == (L, E):

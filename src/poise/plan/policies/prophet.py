@@ -14,7 +14,7 @@ load (stable: lower index first on ties):
    slot), sorted by how many tokens they send (descending, lower device first on ties);
 2. for n = 0, 1, ..., m - 1 the placement "all candidates but the n lightest" is priced (with
    more than 80 candidates, on large clusters, the kept prefix lengths 1..16 and a geometric
-   grid of 64 more up to m: `cost_incremental.prefix_cuts`; our bound on planner work);
+   grid of 64 more up to m: `cost.incremental.prefix_cuts`; our bound on planner work);
 3. the best n is kept if it makes the layer strictly faster than without it; the first expert that
    brings no gain ends the search. Experts whose every sender is out of slots are skipped (the
    paper has no slot limit).
@@ -27,7 +27,7 @@ the block before it's forward expert and non-expert compute, Agg under the backw
         + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
 
 with FEC = max_d sum_e R[d, e] F_t / rate(R[d, e]) (eq. 1-2 style), A the hierarchical all-to-all
-and Trans = Agg the replicas' weight traffic (`cost.py`). `ctx.cost` is used when its schedule is
+and Trans = Agg the replicas' weight traffic (`poise.cost`). `ctx.cost` is used when its schedule is
 `prophet`, otherwise a `prophet`-scheduled model on the same cluster and model. Each candidate is
 priced incrementally on its layer alone; the result equals `CostModel.price` on that layer (the
 tests check it). The returned plan is priced by `ctx.cost` like every other policy, so that
@@ -76,7 +76,7 @@ class _Prefixes:
     """Replicating the expert under search in layer `layer[b]` (home `home[b]`) on prefixes of
     its candidates `cands[b, :m[b]]` (heaviest first), for B layers at once: the prefix lengths
     `cuts[B, C]` priced (0-padded; all of 1..m when m is small, else a grid:
-    `cost_incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
+    `cost.incremental.prefix_cuts`), the layer seconds `times[B, C]` (inf at padding), and the
     device states they were priced on, side by side (`LayerState.packed_terms`), `side[B,
     CELLS, D + 2 M + C]`: every device now, each candidate now and after its step, the home
     after each prefix."""
@@ -101,7 +101,7 @@ class _Prefixes:
         full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
         candidate senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]`
         the tokens its home computes."""
-        S = LayerState
+        LS = LayerState
         B, D = ok.shape
         rows = np.arange(B)[:, None]
         m = ok.sum(axis=1)
@@ -111,15 +111,15 @@ class _Prefixes:
         valid = np.arange(M)[None, :] < m[:, None]  # [B, M]
         # Small m: cuts[b, c] = c + 1 (valid) or 0 (padding, priced inf), so the state after
         # prefix c is the one after step c and no gather is needed.
-        every = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
-        cuts = np.where(valid, np.arange(1, M + 1), 0) if every else _padded_cuts(m)
+        all_cuts = M + 1 <= PREFIX_EXACT + PREFIX_POINTS
+        cuts = np.where(valid, np.arange(1, M + 1), 0) if all_cuts else _padded_cuts(m)
         C = cuts.shape[1]
         W_e = state.cost.spec.expert_bytes
         steps = np.arange(M)[None, :]
         tok = col[rows, cands]  # [B, M] (padding: unused)
         # Link level home -> candidate (padding may be the home: level -1, its columns unused).
         lv = state.level_between(home[:, None], cands)
-        step = S.LEVEL_STEP
+        step = LS.LEVEL_STEP
         # Side by side (whole rows of `cells` gathered, then turned into columns): every device
         # now [D], each candidate now [M] and after its step [M], the home after each prefix
         # [C]: [B, CELLS, D + 2 M + C].
@@ -129,7 +129,7 @@ class _Prefixes:
         idx[:, D + M : D + 2 * M] = cands
         idx[:, D + 2 * M :] = home[:, None]
         idx += (layer * D)[:, None]
-        rows_of = np.take(state.cells.reshape(-1, S.CELLS), idx, axis=0)
+        rows_of = np.take(state.cells.reshape(-1, LS.CELLS), idx, axis=0)
         side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
         cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
         # The home after each step: tokens received, Trans sent per level, tokens it computes.
@@ -138,19 +138,19 @@ class _Prefixes:
         per_step[rows, 3 + lv, steps] = W_e
         per_step[:, 6] = tok
         after = np.cumsum(per_step, axis=2)  # [B, 7, M]
-        if not every:
+        if not all_cuts:
             after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
         left = r_home[:, None] - after[:, 6]  # tokens the home computes
         seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
-        home_side[:, S.TOK_RECV : S.TOK_RECV + 3 * step : step] += after[:, :3]
-        home_side[:, S.PAR_SEND : S.PAR_SEND + 3 * step : step] += after[:, 3:6]
-        home_side[:, S.COMP] += seconds[:, M : M + C]
-        home_side[:, S.COMP] -= seconds[:, M + C :]
+        home_side[:, LS.TOK_RECV : LS.TOK_RECV + 3 * step : step] += after[:, :3]
+        home_side[:, LS.PAR_SEND : LS.PAR_SEND + 3 * step : step] += after[:, 3:6]
+        home_side[:, LS.COMP] += seconds[:, M : M + C]
+        home_side[:, LS.COMP] -= seconds[:, M + C :]
         # Each candidate after its own step.
-        cand_side[:, S.COMP] += seconds[:, :M]
-        at = S.TOK_SEND + step * lv
+        cand_side[:, LS.COMP] += seconds[:, :M]
+        at = LS.TOK_SEND + step * lv
         cand_side[rows, at, steps] -= tok
-        cand_side[rows, at + (S.PAR_RECV - S.TOK_SEND), steps] += W_e
+        cand_side[rows, at + (LS.PAR_RECV - LS.TOK_SEND), steps] += W_e
 
         # Per-device (compute, all-to-all, Trans) seconds of all columns in one pass.
         terms = state.packed_terms(side)  # [B, 3, D + 2 M + C]
@@ -163,7 +163,7 @@ class _Prefixes:
         rest[:, :, M] = np.where(others[:, None, :], now, -np.inf).max(axis=2)
         rest = np.maximum.accumulate(rest[:, :, ::-1], axis=2)[:, :, ::-1]
         changed = np.maximum.accumulate(terms[:, :, D + M : D + 2 * M], axis=2)  # before c
-        if every:
+        if all_cuts:
             unchanged = rest[:, :, 1:]
         else:
             changed = np.take_along_axis(changed, np.maximum(cuts - 1, 0)[:, None, :], axis=2)

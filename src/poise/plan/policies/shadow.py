@@ -29,7 +29,7 @@ Slots: a shadow needs a free slot on every device that is not the expert's home.
 slot limit; here the walk also stops at the first expert that does not fit everywhere (slots only
 fill up along the walk, so the feasible shadow sets form a prefix of the sorted order).
 
-The placement keeps the homes in force (the static layout at the start) and drops any earlier
+The placement keeps the homes in force (the static placement at the start) and drops any earlier
 replicas; `Assignment.to_home` routes the rest (a shadowed expert is held everywhere, so every
 source is local). `plan.notes["shadowed"][l]` lists the shadowed experts of layer l in the order
 they were chosen; `notes["fastermoe_lat_s"][l]` is (lat_0, lat_k*) of the model above.

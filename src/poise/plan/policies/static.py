@@ -1,4 +1,4 @@
-"""`static`: the GShard / DeepSpeed-MoE layout. Experts in contiguous blocks, never moved, no
+"""`static`: the GShard / DeepSpeed-MoE placement. Experts in contiguous blocks, never moved, no
 replicas (except DeepSpeed's expert-data-parallel copies when devices outnumber experts).
 Remote tokens go to the home (or split evenly over the expert-data-parallel copies)."""
 

@@ -36,7 +36,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 class TraceRecipe:
     """How a case's routing trace is made.
 
-    `kind="generate"`: `trace_generate.generate(generator, ...)` with the model's experts, top-k,
+    `kind="generate"`: `trace.generate.generate(generator, ...)` with the model's experts, top-k,
     layers and tokens per device, on `devices` source rows (None: the cluster's devices; fewer are
     resampled onto the cluster by the simulator), `params` (default `DRIFT`) and `seed`.
 

@@ -25,7 +25,7 @@ HYBRIDEP = ("hybrid", "hybrid")
 # (re-planning every 10 steps). Steps under one plan share its forecast error, so the windows
 # are the independent samples of a comparison between policies; with 40 steps (3 windows) a
 # difference of 0.1% between two policies was forecast luck (0.3-0.8 standard errors), and the
-# losses that only build up over many re-plans (an `auto` stuck in another policy's layout,
+# losses that only build up over many re-plans (an `auto` stuck in another policy's placement,
 # 3.8% over 200 steps of FlexMoE's BERT-MoE before `auto` followed its rivals' own trails) did
 # not show. The quick forms keep their short replays.
 REPLAY_STEPS = 200
@@ -459,7 +459,7 @@ def _cross_dc() -> Scenario:
         summary="1,000 datacentres of one 8-GPU node (`cross-dc-1000`: 8,000 H100, NVLink "
         "inside, 10 Gb/s wide-area links 20 ms apart); a drifting trace generated on 64 ranks "
         "and resampled to 8,000 devices; GPT-Medium widths, 32 experts (so DeepSpeed's static "
-        "layout keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers",
+        "placement keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers",
         cases=(case,),
         runs=(Run("hybrid", ("static", "hybrid")),),
         figures=figures,
