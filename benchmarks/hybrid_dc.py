@@ -214,9 +214,10 @@ def codec_figures(experts: list[list[Any]], label: str) -> None:
 def init_experts() -> list[list[Any]]:
     """The `tiny` model's experts as initialised, `[layer][tensor] -> [E, ...]`."""
     from poise.models.gpt import GPTMoE, model_config
+    from poise.nn import find_moe_layers
 
-    model = GPTMoE(model_config("tiny"), seed=0)  # one process: every slot holds its expert
-    return [[w.detach().clone() for w in m.experts.weights()] for m in model.moe_layers()]
+    model = GPTMoE(model_config("tiny"), seed=0)  # compute only: every slot holds its expert
+    return [[w.detach().clone() for w in m.experts.weights()] for m in find_moe_layers(model)]
 
 
 # ----------------------------------------------------------------------------------- train
@@ -225,6 +226,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     import torch.distributed as dist
 
     from poise.models.gpt import GPTMoE, model_config
+    from poise.nn import apply_expert_parallel, find_moe_layers
     from poise.runtime.balancer import Balancer
     from poise.runtime.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
@@ -244,11 +246,12 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     runs: list[tuple[str, float | None, bool]] = [("ep", None, False), ("hybrid", None, True)]
     runs += [(f"hybrid@{r:g}", r, True) for r in ratios]
     for name, ratio, balanced in runs:
-        model = GPTMoE(cfg, group=dist.group.WORLD, num_slots=slots, seed=0)
+        model = GPTMoE(cfg, seed=0)
+        apply_expert_parallel(model, dist.group.WORLD, num_slots=slots)
         dense = [p for _, p in model.dense_named_parameters()]
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
         balancer = (
-            Balancer(model, opt, "hybrid", every=10, cluster=cluster, compression=ratio)
+            Balancer(model, opt, "hybrid", replan_every=10, cluster=cluster, compression=ratio)
             if balanced
             else None
         )
@@ -273,8 +276,8 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
             losses.append(float(flat[-1]) / tokens)
         wall = time.perf_counter() - t0
         layers = []
-        for m in model.moe_layers():
-            s = m.layout.slots
+        for m in find_moe_layers(model):
+            s = m.routing.slots
             layers.append(
                 (s.expert.copy(), s.home.copy(), [w.detach().clone() for w in m.experts.weights()])
             )

@@ -53,7 +53,8 @@ from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.comm import comm_device
+from poise.nn.moe import MoE, find_moe_layers
 from poise.util.atomic import atomic_write_stream, atomic_write_text
 
 FORMAT = "poise-train-checkpoint"
@@ -144,12 +145,6 @@ def _world(group: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def _comm_device(group: Any, like: torch.device) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def expert_layer_names(model: nn.Module) -> dict[int, str]:
     """`{id(moe): module name}` of the model's MoE layers."""
     return {id(m): name for name, m in model.named_modules() if isinstance(m, MoE)}
@@ -158,7 +153,7 @@ def expert_layer_names(model: nn.Module) -> dict[int, str]:
 def _expert_param_names(model: nn.Module) -> set[str]:
     names = set()
     layers = expert_layer_names(model)
-    for m in moe_layers(model):
+    for m in find_moe_layers(model):
         for w_name in ("w_in", "w_gate", "w_out"):
             if getattr(m.experts, w_name) is not None:
                 names.add(f"{layers[id(m)]}.experts.{w_name}")
@@ -178,12 +173,12 @@ def _gather_rows(t: torch.Tensor, moe: MoE, group: Any, world: int) -> torch.Ten
     """`[E, ...]` from `t [S, ...]`: each expert's row from its home slot, summed to global
     rank 0 over `group` (which must hold it)."""
     full = torch.zeros((moe.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    slots = moe.layout.slots
+    slots = moe.routing.slots
     for slot, e in enumerate(slots.expert.tolist()):
         if e >= 0 and slots.home[slot]:
             full[e] = t[slot].detach()
     if world > 1:
-        buf = full.to(_comm_device(group, t.device))
+        buf = full.to(comm_device(group, t.device))
         dist.reduce(buf, dst=0, group=group)
         full = buf
     return full.cpu()
@@ -310,7 +305,7 @@ def snapshot(
             }
     experts: dict[str, dict[str, torch.Tensor]] = {}
     experts_opt: dict[str, dict[str, Any]] = {}
-    for moe in moe_layers(model) if gather else []:
+    for moe in find_moe_layers(model) if gather else []:
         lname = layers[id(moe)]
         experts[lname] = {}
         for w_name in ("w_in", "w_gate", "w_out"):
@@ -438,7 +433,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
         ) from None
     layers = expert_layer_names(model)
     saved = ckpt["model"]["experts"]
-    for moe in moe_layers(model):
+    for moe in find_moe_layers(model):
         lname = layers[id(moe)]
         if lname not in saved:
             raise CheckpointError(f"no experts for layer {lname}", source=source, field="model")
@@ -465,9 +460,9 @@ def _restore_optimizer(
         state[index[id(p)]] = dict(dense_opt[name])
     layers = expert_layer_names(model)
     experts_opt = ckpt["optimizer"]["experts"]
-    for moe in moe_layers(model):
+    for moe in find_moe_layers(model):
         lname = layers[id(moe)]
-        slots = moe.layout.slots
+        slots = moe.routing.slots
         for w_name in ("w_in", "w_gate", "w_out"):
             w = getattr(moe.experts, w_name)
             if w is None:

@@ -2,7 +2,8 @@
 
     layout = resolve_layout(cfg, world)           # None without `cfg.layout`; else checked
     groups = create_groups(layout)                # poise.runtime.layouts: once, on every rank
-    model = GPTMoE(..., group=groups.ep, num_slots=E / ep [+ spare_slots when balancing])
+    model = GPTMoE(...)                           # compute only, every expert
+    apply_expert_parallel(model, groups.ep, num_slots=E / ep [+ spare_slots when balancing])
     ...
     loss.backward(); dense all-reduce over the world; balancer.before_step()   # Agg done
     all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
@@ -111,20 +112,23 @@ def edp_counts(row: np.ndarray, groups: LayoutGroups) -> tuple[np.ndarray, np.nd
     """This step's routing counts of every rank from this EP group's `row [L, ep, E]` (what its
     Balancer gathered): one all-gather over the EDP group. Returns `summed [L, ep, E]` (summed
     over the EDP group: the same on every rank, the Balancer's planning input) and `counts [L,
-    W, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
+    D, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
     the EDP group; with edp = 1 both are `row`."""
     import torch
     import torch.distributed as dist
 
+    from poise.nn.comm import comm_device
+
     row = np.asarray(row, dtype=np.int64)
     if groups.edp is None:
         return row, row
-    local = torch.from_numpy(np.ascontiguousarray(row)).to(_comm_device(groups.edp))
+    local = torch.from_numpy(np.ascontiguousarray(row))
+    local = local.to(comm_device(groups.edp, local.device))
     parts = [torch.empty_like(local) for _ in groups.edp_ranks]
     dist.all_gather(parts, local, group=groups.edp)
     stacked = torch.stack(parts).cpu().numpy()  # [edp, L, ep, E], EDP rank g = EP group g
     L, E = row.shape[0], row.shape[2]
-    counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, W, E]
+    counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, D, E]
     return stacked.sum(axis=0), counts
 
 
@@ -138,29 +142,21 @@ def install_edp_bias_sum(
     import torch
     import torch.distributed as dist
 
-    from poise.nn.moe import moe_layers
+    from poise.nn.comm import comm_device
+    from poise.nn.moe import find_moe_layers
 
-    layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+    layers = [m for m in find_moe_layers(model) if m.router.expert_bias is not None]
     if edp_group is None or not layers:
         return None
 
     def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         local = torch.stack([m.bias_counts.to("cpu", torch.long) for m in layers])  # [L, E]
-        buf = local.to(_comm_device(edp_group))
+        buf = local.to(comm_device(edp_group, local.device))
         dist.all_reduce(buf, group=edp_group)
         for m, counts in zip(layers, buf.cpu(), strict=True):
-            m.bias_counts = counts.to(m.bias_counts.device)
+            m.bias_counts.copy_(counts)
 
     return optimizer.register_step_pre_hook(hook)
-
-
-def _comm_device(group: Any) -> torch.device:
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 __all__ = ["check_layout_text", "edp_counts", "install_edp_bias_sum", "resolve_layout"]
