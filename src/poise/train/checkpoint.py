@@ -14,9 +14,9 @@ What a checkpoint holds (`torch.save` of plain tensors, lists and numbers; read 
   from the home slots (the owners' master copies) of all ranks;
 - `optimizer`: AdamW's state the same way: dense tensors by parameter name, expert moments
   `[E, ...]` by expert id (from the homes), each tensor's step count;
-- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, W, E]`, weights;
+- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, D, E]`, weights;
   with `auto`, its rivals' trails, `Plan.trails`, the same way), `balancer`: its step counter
-  and load window `[T, L, W, E]`, so a resumed run re-plans exactly as an uninterrupted one
+  and load window `[S, L, D, E]`, so a resumed run re-plans exactly as an uninterrupted one
   would;
 - `rng`: every rank's torch, CUDA, NumPy and Python random states;
 - `world_size`, `ep_size` (ranks of an expert-parallel group: the world, or a layout's ep),
@@ -29,7 +29,7 @@ number the run restarts from the static layout (the mathematics does not depend 
 
 In a SmartMoE layout (`poise.train.layout`: EP groups of ep ranks, each holding every expert)
 the experts are gathered over one EP group, the one holding global rank 0 (`expert_group`; the
-other groups hold the same experts), the random states of all W ranks over the world, and rank 0
+other groups hold the same experts), the random states of all D ranks over the world, and rank 0
 writes. Such a checkpoint resumes in the same layout (with its placement) and, experts being
 stored by id, on plain expert parallelism at any world size that fits (static placement).
 

@@ -7,14 +7,14 @@
     ...
     loss.backward(); dense all-reduce over the world; balancer.before_step()   # Agg done
     all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
-    summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, W, E]
+    summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, D, E]
 
 `cfg.layout` is any text `poise.layouts.pool.Layout.parse` reads (`"ep=2"`, `"pp1-ep2-edp2"`; the
-`poise layouts` command ranks them). On W ranks a layout of expert-parallel degree ep splits the
-ranks into edp = W / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
+`poise layouts` command ranks them). On D ranks a layout of expert-parallel degree ep splits the
+ranks into edp = D / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
 rank) and routing only its own tokens; the ranks at one position of every group form an EDP group
 and sum their expert gradients each step (`poise.runtime.layouts`, which says why a SUM gives
-the gradient of the global batch). The dense part stays data parallel over all W ranks and each
+the gradient of the global batch). The dense part stays data parallel over all D ranks and each
 rank still reads its own share of the global batch, so the losses do not depend on the layout.
 
 Balancing inside a layout. Each EP group runs its own `poise.runtime.Balancer` over its ep
@@ -28,7 +28,7 @@ gives every Balancer the same input, the counts summed over the EDP group,
 (position i of every group together: the tokens an EP group of ep ranks would route if it
 processed the whole global batch). The planners are deterministic, so every group plans alike,
 and `all_reduce_expert_grads` checks that the slot maps still agree before summing. The same
-gather gives the world's counts `[L, W, E]` for the routing trace. Absolute token counts seen by
+gather gives the world's counts `[L, D, E]` for the routing trace. Absolute token counts seen by
 the planner are edp times a rank's own (the whole global batch on ep ranks); compute and
 all-to-all are priced for that load, parameter transfers (Trans, Agg, migration) at their true
 size, so with edp > 1 the cost model leans towards replication by at most that factor.

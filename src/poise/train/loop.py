@@ -9,11 +9,11 @@ creates the group itself from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOC
 `MASTER_ADDR`, `MASTER_PORT`) when none exists, or trains in one process without one.
 
 Parallelism: every rank holds the replicated ("dense") parameters (embedding, attention, norms,
-dense FFNs, routers) and its expert slots (expert parallelism over all ranks: `E / W` experts
+dense FFNs, routers) and its expert slots (expert parallelism over all ranks: `E / D` experts
 each, plus `spare_slots` for replicas when the policy balances). Each rank reads its shard of the
 global batch. After `backward`, the dense gradients are summed over the ranks in one
 all-reduce; the loss on each rank is its tokens' cross-entropy sum divided by the global token
-count (and the routers' auxiliary loss divided by W), so the summed gradients are those of the
+count (and the routers' auxiliary loss divided by D), so the summed gradients are those of the
 global mean loss whatever the number of ranks. Expert gradients need no all-reduce: the
 dispatcher's backward brings every rank's contribution to the slot that computed it, and the
 `poise.runtime.Balancer` sums replica gradients into their homes (Agg).
@@ -159,7 +159,7 @@ class _Trainer:
             self.slots += cfg.spare_slots
         group = dist.group.WORLD if self.world > 1 else None
         if self.groups is not None:
-            group = self.groups.ep  # the EP group (the world when ep = W)
+            group = self.groups.ep  # the EP group (the world when ep = D)
         self.ep_group = group
         self.model = GPTMoE(
             self.mcfg,
@@ -252,7 +252,7 @@ class _Trainer:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
         group, and gather the step's counts over it; the Balancer's newest window row becomes
         the counts summed over the EDP group (its planning input, alike in every EP group).
-        Returns the world's counts `[L, W, E]` for the trace (None without replicas)."""
+        Returns the world's counts `[L, D, E]` for the trace (None without replicas)."""
         if self.edp_group is None or self.groups is None:
             return None
         from poise.runtime.layouts import all_reduce_expert_grads
