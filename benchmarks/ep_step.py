@@ -21,7 +21,7 @@ Three models are stepped in rotation, one step each per round (the first to go r
 machine noise hits all alike:
 
 - `static`: plain static EP (no Balancer);
-- `balanced`: the same model under `Balancer(policy, every)`, default `auto` every 5 steps,
+- `balanced`: the same model under `Balancer(policy, replan_every)`, default `auto` every 5 steps,
   priced on the `cpu-2` modelled cluster; its time includes Trans, Agg, planning and migration;
 - `ideal`: static EP on uniform routing (every rank computes exactly the mean load, and there
   is nothing to transfer): perfectly balanced compute at no transfer cost.
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--spare-slots", type=int, default=2)
     p.add_argument("--policy", default="auto")
-    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--replan-every", type=int, default=5)
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (the first plan included)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--world", type=int, default=2)
@@ -105,20 +105,22 @@ def load_trace(name: str, args: argparse.Namespace) -> Any:
 # ----------------------------------------------------------------------------------- ranks
 def _model(args: argparse.Namespace, trace: Any, rank: int) -> Any:
     import torch
+    import torch.distributed as dist
 
-    from poise.nn import MoE, ReplayRouter
+    from poise.nn import MoE, MoEConfig, ReplayRouter, apply_expert_parallel
 
     torch.manual_seed(0)  # routers alike on every rank
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList(
         [
-            MoE(args.d_model, args.d_expert, args.experts, args.top_k,
+            MoE(MoEConfig(args.d_model, args.d_expert, args.experts, args.top_k, init_seed=layer),
                 router=ReplayRouter(args.d_model, args.experts, args.top_k, trace,
-                                    layer=layer, rank=rank),
-                num_slots=args.experts // args.world + args.spare_slots, init_seed=layer)
+                                    layer=layer, rank=rank))
             for layer in range(args.layers)
         ]
     )  # fmt: skip
+    slots = args.experts // args.world + args.spare_slots
+    apply_expert_parallel(model, dist.group.WORLD, num_slots=slots)
     return model
 
 
@@ -132,7 +134,11 @@ class _Runner:
 
         self.model = _model(args, trace, rank)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.balancer = Balancer(self.model, self.opt, policy, every=args.every) if policy else None
+        self.balancer = (
+            Balancer(self.model, self.opt, policy, replan_every=args.replan_every)
+            if policy
+            else None
+        )
         gen = torch.Generator().manual_seed(100 + rank)
         self.x = torch.randn(args.tokens, args.d_model, generator=gen)
         self.g = torch.randn(args.tokens, args.d_model, generator=gen)
@@ -215,7 +221,7 @@ def run_trace(name: str, args: argparse.Namespace) -> dict[str, Any]:
         if ideal_speedup > 1
         else None,
         "policy": args.policy,
-        "every": args.every,
+        "replan_every": args.replan_every,
         "max_over_mean_static": round(st["static_max_over_mean"], 3),
         "max_over_mean_balanced": round(st["max_over_mean"], 3),
         "replicas": st["replicas"],

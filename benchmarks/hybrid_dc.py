@@ -214,9 +214,9 @@ def codec_figures(experts: list[list[Any]], label: str) -> None:
 def init_experts() -> list[list[Any]]:
     """The `tiny` model's experts as initialised, `[layer][tensor] -> [E, ...]`."""
     from poise.models.gpt import GPTMoE, model_config
-    from poise.runtime.balancer import find_moe_layers
+    from poise.nn import find_moe_layers
 
-    model = GPTMoE(model_config("tiny"), seed=0)  # one process: every slot holds its expert
+    model = GPTMoE(model_config("tiny"), seed=0)  # compute only: every slot holds its expert
     return [[w.detach().clone() for w in m.experts.weights()] for m in find_moe_layers(model)]
 
 
@@ -226,7 +226,8 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     import torch.distributed as dist
 
     from poise.models.gpt import GPTMoE, model_config
-    from poise.runtime.balancer import Balancer, find_moe_layers
+    from poise.nn import apply_expert_parallel, find_moe_layers
+    from poise.runtime.balancer import Balancer
     from poise.runtime.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
 
@@ -245,11 +246,12 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     runs: list[tuple[str, float | None, bool]] = [("ep", None, False), ("hybrid", None, True)]
     runs += [(f"hybrid@{r:g}", r, True) for r in ratios]
     for name, ratio, balanced in runs:
-        model = GPTMoE(cfg, group=dist.group.WORLD, num_slots=slots, seed=0)
+        model = GPTMoE(cfg, seed=0)
+        apply_expert_parallel(model, dist.group.WORLD, num_slots=slots)
         dense = [p for _, p in model.dense_named_parameters()]
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
         balancer = (
-            Balancer(model, opt, "hybrid", 10, cluster=cluster, compression=ratio)
+            Balancer(model, opt, "hybrid", replan_every=10, cluster=cluster, compression=ratio)
             if balanced
             else None
         )
@@ -275,7 +277,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
         wall = time.perf_counter() - t0
         layers = []
         for m in find_moe_layers(model):
-            s = m.layout.slots
+            s = m.routing.slots
             layers.append(
                 (s.expert.copy(), s.home.copy(), [w.detach().clone() for w in m.experts.weights()])
             )

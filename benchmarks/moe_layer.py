@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from poise.nn import MoE
+from poise.nn import MoE, MoEConfig
 from poise.nn.router import capacity_keep
 from poise.runtime.launch import free_port
 
@@ -120,20 +120,22 @@ class PoiseLayer(nn.Module):
     def __init__(self, args: argparse.Namespace, gate: torch.Tensor) -> None:
         super().__init__()
         self.moe = MoE(
-            args.d_model,
-            args.d_expert,
-            args.experts,
-            args.top_k,
-            activation="gelu",
-            balance_coef=1.0,
-            experts_impl=args.experts_impl,
-            check_finite=True,
+            MoEConfig(
+                args.d_model,
+                args.d_expert,
+                args.experts,
+                args.top_k,
+                activation="gelu",
+                balance_coef=1.0,
+                experts_impl=args.experts_impl,
+                check_finite=True,
+            )
         )
         with torch.no_grad():
             self.moe.router.weight.copy_(gate)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.moe(x), self.moe.aux_loss
+        return self.moe(x), self.moe.last_forward.aux_loss
 
 
 class DeepSpeedLayer(nn.Module):

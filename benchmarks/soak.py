@@ -68,7 +68,6 @@ def _soak_rank(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
     """Train `steps` steps; after each, this rank's RSS and the digest of the plan in force."""
     from poise.runtime.balancer import Balancer
     from poise.train import TrainConfig, train
-    from poise.train.loop import _plan_key
 
     rss: list[int] = []
     plans: list[int] = []
@@ -77,7 +76,7 @@ def _soak_rank(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
     def after_step(self: Balancer) -> None:
         original(self)
         rss.append(rss_bytes())
-        plans.append(_plan_key(self.plan))
+        plans.append(self.plan.digest())
 
     Balancer.after_step = after_step  # type: ignore[method-assign]
     cfg = TrainConfig(

@@ -1,6 +1,6 @@
-"""Dispatcher: integer routes equal `Assignment.split`, index helpers by hand, layouts; on 3
+"""Dispatcher: integer routes equal `Assignment.split`, index helpers by hand, routings; on 3
 gloo ranks (6 experts): overlap chunks give the n=1 results, and bad input (NaN, disagreeing
-layouts, configurations or router weights, a world that does not fit) is one error on every
+routings, configurations or router weights, a world that does not fit) is one error on every
 rank instead of a hang."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
-from poise.nn.dispatch import Layout, gather_index, inverse, split_parts
+from poise.nn import MoE, MoEConfig, apply_expert_parallel
+from poise.nn.dispatch import RankRouting, gather_index, inverse, split_parts
 from poise.nn.slots import SlotMap, slot_maps
 from poise.runtime.launch import run_ranks
 
@@ -57,31 +58,39 @@ def test_routes_equal_assignment_split(case: tuple[Placement, Assignment, np.nda
     want = assignment.split(placement, counts)[0]  # [D_src, E, D_dst]
     maps = slot_maps(placement, 0, placement.experts)
     for rank in range(placement.devices):
-        layout = Layout.from_plan(placement, assignment, maps[rank], rank)
-        np.testing.assert_array_equal(layout.routes(counts[0, rank]), want[rank])
+        routing = RankRouting.from_plan(placement, assignment, maps[rank], rank)
+        np.testing.assert_array_equal(routing.routes(counts[0, rank]), want[rank])
 
 
-def test_layout_refuses_a_slot_map_that_disagrees_with_the_placement():
+def test_routing_refuses_a_slot_map_that_disagrees_with_the_placement():
     placement = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 2)
     bad = SlotMap(expert=np.array([0, 2]), home=np.array([True, False]))
     with pytest.raises(PlanError, match="slot map"):
-        Layout.from_plan(placement, Assignment.even(placement), bad, 0)
+        RankRouting.from_plan(placement, Assignment.even(placement), bad, 0)
 
 
-def test_layout_digest_is_shared_by_the_ranks_of_a_grouped_plan():
+def test_routing_digest_is_shared_by_the_ranks_of_a_grouped_plan():
     placement = Placement.from_homes(np.array([[0, 1, 2, 3]]), 4, 3)
     placement.copies[0, :, 0] = 1
     assignment = Assignment.group_local(placement, 2)
     maps = slot_maps(placement, 0, 3)
-    digests = {Layout.from_plan(placement, assignment, maps[r], r).digest for r in range(4)}
+    digests = {RankRouting.from_plan(placement, assignment, maps[r], r).digest for r in range(4)}
     assert len(digests) == 1
 
 
 # ----------------------------------------------------------------------------- 3 ranks
-def _errors(rank: int, world: int) -> dict[str, str]:
-    """Each bad input on every rank; returns the error each rank saw."""
-    from poise.nn import MoE
+def ep_layer(cfg: MoEConfig) -> MoE:
+    """A compute-only layer made expert parallel over the world (collective)."""
+    import torch.distributed as dist
 
+    moe = MoE(cfg)
+    apply_expert_parallel(moe, dist.group.WORLD)
+    return moe
+
+
+def _errors(rank: int, world: int) -> dict[str, str]:
+    """Each bad input on every rank; returns the error each rank saw, as
+    `Type[field]: message`."""
     seen: dict[str, str] = {}
 
     def attempt(name: str, fn: object) -> None:
@@ -89,10 +98,10 @@ def _errors(rank: int, world: int) -> dict[str, str]:
             fn()  # type: ignore[operator]
             seen[name] = "no error"
         except Exception as exc:  # reported back to the parent
-            seen[name] = f"{type(exc).__name__}: {exc}"
+            seen[name] = f"{type(exc).__name__}[{getattr(exc, 'field', None)}]: {exc}"
 
     torch.manual_seed(0)
-    moe = MoE(8, 16, 6, 2)
+    moe = ep_layer(MoEConfig(8, 16, 6, 2))
     x = torch.randn(5, 8)
     if rank == 1:
         x[3, 0] = float("nan")
@@ -100,23 +109,22 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     other = Placement.from_homes(np.array([[0, 0, 1, 1, 2, 2]]), world, 2)
     if rank == 2:
         other = Placement.from_homes(np.array([[0, 1, 0, 1, 2, 2]]), world, 2)
-    moe.set_layout(other, Assignment.even(other), slot_maps(other, 0, 2)[rank])
-    attempt("layout", lambda: moe(torch.randn(5, 8)))
-    attempt("config", lambda: MoE(8, 16 + 8 * (rank == 1), 6, 2)(torch.randn(4, 8)))
+    moe.set_routing(other, Assignment.even(other), slot_maps(other, 0, 2)[rank])
+    attempt("routing", lambda: moe(torch.randn(5, 8)))
+    attempt("config", lambda: ep_layer(MoEConfig(8, 16 + 8 * (rank == 1), 6, 2)))
     torch.manual_seed(rank)  # router weights differ
-    attempt("router", lambda: MoE(8, 16, 6, 2)(torch.randn(4, 8)))
-    attempt("world", lambda: MoE(8, 16, 4, 2))
+    attempt("router", lambda: ep_layer(MoEConfig(8, 16, 6, 2)))
+    attempt("world", lambda: ep_layer(MoEConfig(8, 16, 4, 2)))
     torch.manual_seed(0)
-    attempt("after", lambda: MoE(8, 16, 6, 2)(torch.randn(4, 8)))  # the group still works
+    attempt("after", lambda: ep_layer(MoEConfig(8, 16, 6, 2))(torch.randn(4, 8)))  # group works
     return seen
 
 
 def _hook_fires(overlap: int) -> list[int]:
     """How often each expert weight's post-accumulate-grad hook fires in one backward."""
-    from poise.nn import MoE
 
     torch.manual_seed(0)
-    moe = MoE(8, 16, 6, 2, overlap_degree=overlap)
+    moe = ep_layer(MoEConfig(8, 16, 6, 2, overlap_degree=overlap))
     fires = [0] * len(moe.experts.weights())
     for i, w in enumerate(moe.experts.weights()):
         w.register_post_accumulate_grad_hook(lambda _p, i=i: fires.__setitem__(i, fires[i] + 1))
@@ -126,10 +134,9 @@ def _hook_fires(overlap: int) -> list[int]:
 
 def _bias_update(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's counts, the expert bias after one update from the counts of all ranks)."""
-    from poise.nn import MoE
 
     torch.manual_seed(0)
-    moe = MoE(8, 16, 6, 2, expert_bias=True)
+    moe = ep_layer(MoEConfig(8, 16, 6, 2, expert_bias=True))
     moe(torch.randn(10 + 7 * rank, 8))
     counts = moe.last_counts.clone()
     moe.update_bias(0.5)
@@ -163,10 +170,11 @@ def test_three_ranks_overlap_and_errors():
     errors = [r[1] for r in per_rank]
     for rank, seen in enumerate(errors):
         assert seen["nan"].startswith("NonFiniteInputError") and "rank(s) [1]" in seen["nan"]
-        assert seen["layout"].startswith("LayoutMismatchError"), seen["layout"]
-        assert seen["config"].startswith("ConfigError") and "configuration" in seen["config"]
-        assert seen["router"].startswith("ConfigError") and "router weights" in seen["router"]
-        assert seen["world"].startswith("ConfigError") and "do not fit" in seen["world"]
+        assert seen["routing"].startswith("RoutingMismatchError"), seen["routing"]
+        assert seen["config"].startswith("ConfigError[moe]"), seen["config"]
+        assert "configuration" in seen["config"] and "rank(s)" in seen["config"]
+        assert seen["router"].startswith("ConfigError[moe]") and "router weights" in seen["router"]
+        assert seen["world"].startswith("ConfigError[world_size]") and "do not fit" in seen["world"]
         assert seen["after"] == "no error", (rank, seen["after"])
         assert per_rank[rank][2] == [1, 1, 1]  # one gradient accumulation per weight
     total = sum(r[3][0] for r in per_rank).float()  # the bias follows the counts of all ranks

@@ -171,14 +171,14 @@ def test_experts_run_under_bf16_autocast_with_fp32_weights() -> None:
 def test_moe_layer_runs_under_bf16_autocast() -> None:
     import torch
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig
 
     torch.manual_seed(0)
-    moe = MoE(d_model=32, d_expert=64, num_experts=4, top_k=2)
+    moe = MoE(MoEConfig(d_model=32, d_expert=64, num_experts=4, top_k=2))
     x = torch.randn(2, 8, 32)
     ref = moe(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = moe(x)
-    (y.float().sum() + moe.aux_loss).backward()
+    (y.float().sum() + moe.last_forward.aux_loss).backward()
     assert moe.experts.w_out.grad is not None
     torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.05)

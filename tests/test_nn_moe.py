@@ -1,7 +1,7 @@
 """The MoE layer against a naive reference: every expert on every token, masked by the routing.
 
 Single process: outputs, input, router and expert gradients, aux losses. Several gloo ranks
-(2 and 4): the same, for the static layout, hand-made replicas and the plans of every policy
+(2 and 4): the same, for static EP, hand-made replicas and the plans of every policy
 (replica rows hold copies of the home weights; home grad + replica grads = reference grad)."""
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ import torch.nn.functional as F  # noqa: N812
 
 from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
-from poise.nn import MoE, NonFiniteInputError, install_bias_update, slot_maps, sync_router_grads
-from poise.nn.dispatch import Layout
+from poise.nn import (
+    MoE,
+    MoEConfig,
+    NonFiniteInputError,
+    RankRouting,
+    apply_expert_parallel,
+    install_bias_update,
+    slot_maps,
+    sync_router_grads,
+)
 from poise.runtime.launch import run_ranks
 
 from .helpers import toy_cluster, toy_spec
@@ -119,23 +127,29 @@ class Case:
 
 
 def build_layer(case: Case, rank: int, world: int) -> MoE:
-    moe = MoE(
+    """The case's compute-only layer, made expert parallel over the world (or over this process
+    alone when the case asks for slots on one rank)."""
+    import torch.distributed as dist
+
+    cfg = MoEConfig(
         case.D,
         case.H,
         case.E,
         case.k,
-        activation=case.activation,
-        score=case.score,
-        num_slots=case.slots,
+        activation=case.activation,  # type: ignore[arg-type]
+        score=case.score,  # type: ignore[arg-type]
         overlap_degree=case.overlap,
         capacity_factor=case.capacity_factor,
         balance_coef=case.balance_coef,
         z_loss_coef=case.z_coef,
         **case.kw,
     )
+    moe = MoE(cfg)
+    if world > 1 or case.slots is not None:
+        apply_expert_parallel(moe, dist.group.WORLD if world > 1 else None, num_slots=case.slots)
     if case.placement is not None:
         maps = slot_maps(case.placement, 0, moe.num_slots)
-        moe.set_layout(case.placement, case.assignment, maps[rank])
+        moe.set_routing(case.placement, case.assignment, maps[rank])
     w = full_weights(case.E, case.D, case.H)
     moe.load_expert_weights(w)
     with torch.no_grad():
@@ -154,14 +168,14 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     T = case.tokens_of(rank)
     x = tokens(rank, T, case.D).requires_grad_()
     y = moe(x)
-    loss = (y * upstream(rank, T, case.D)).sum() + moe.aux_loss
+    loss = (y * upstream(rank, T, case.D)).sum() + moe.last_forward.aux_loss
     loss.backward()
     sync_router_grads(moe)
     return {
         "y": y.detach(),
         "x_grad": x.grad,
         "router_grad": moe.router.weight.grad,
-        "slots": moe.layout.slots.expert.copy(),
+        "slots": moe.routing.slots.expert.copy(),
         "grads": {n: w.grad for n, w in expert_params(moe).items()},
         "counts": moe.last_counts.clone(),
     }
@@ -225,21 +239,22 @@ def test_single_process_capacity_and_top1():
         check_against_reference(case, [run_case(case, 0, 1)])
 
 
-def test_single_process_custom_layout_with_spare_slots():
+def test_single_process_custom_routing_with_spare_slots():
     placement = Placement.from_homes(np.zeros((1, 8), dtype=np.int64), 1, 10)
     case = Case("spare", slots=10, placement=placement, assignment=Assignment.even(placement))
     check_against_reference(case, [run_case(case, 0, 1)])
 
 
 def test_batch_shape_last_counts_and_losses():
-    moe = MoE(16, 32, 4, 2, balance_coef=0.01, z_loss_coef=0.001)
+    moe = MoE(MoEConfig(16, 32, 4, 2, balance_coef=0.01, z_loss_coef=0.001))
     x = torch.randn(3, 5, 16)
     y = moe(x)
     assert y.shape == x.shape
     assert moe.last_counts.shape == (4,) and int(moe.last_counts.sum()) == 3 * 5 * 2
-    assert moe.aux_loss.requires_grad and float(moe.balance_loss.detach()) > 0
-    assert float(moe.z_loss.detach()) > 0
-    assert set(moe.last_seconds) == {"gate", "dispatch", "experts", "combine"}
+    last = moe.last_forward
+    assert last.aux_loss.requires_grad and float(last.balance_loss.detach()) > 0
+    assert float(last.z_loss.detach()) > 0
+    assert set(last.seconds) == {"gate", "dispatch", "experts", "combine"}
 
 
 def test_replay_router_drives_the_layer():
@@ -248,7 +263,7 @@ def test_replay_router_drives_the_layer():
 
     counts = np.array([[[[30, 10, 0, 20]]], [[[0, 0, 40, 20]]]])  # [steps, 1, 1, 4]
     trace = Trace(counts, np.arange(2), top_k=2, tokens_per_device=30)
-    moe = MoE(16, 32, 4, 2, router=ReplayRouter(16, 4, 2, trace))
+    moe = MoE(MoEConfig(16, 32, 4, 2), router=ReplayRouter(16, 4, 2, trace))
     moe(torch.randn(30, 16))
     assert moe.last_counts.tolist() == [30, 10, 0, 20]
     moe.router.set_step(1)
@@ -257,13 +272,13 @@ def test_replay_router_drives_the_layer():
 
 
 def test_nan_input_is_one_clear_error_and_can_be_switched_off():
-    moe = MoE(16, 32, 4, 2)
+    cfg = MoEConfig(16, 32, 4, 2)
+    moe = MoE(cfg)
     x = torch.randn(6, 16)
     x[2, 3] = float("nan")
     with pytest.raises(NonFiniteInputError, match="NaN or infinity"):
         moe(x)
-    moe.check_finite = False
-    moe(x)  # no check, no error
+    MoE(cfg.replace(check_finite=False))(x)  # no check, no error
 
 
 def test_world_must_fit_the_experts():
@@ -274,24 +289,26 @@ def test_world_must_fit_the_experts():
     for experts, world in ((6, 4), (3, 2), (4, 6)):
         with pytest.raises(ConfigError, match="do not fit"):
             check_world(experts, world)
-    with pytest.raises(ConfigError, match="slots"):
-        MoE(16, 32, 4, 2, num_slots=3)
+    with pytest.raises(ConfigError, match="slots") as info:
+        apply_expert_parallel(MoE(MoEConfig(16, 32, 4, 2)), None, num_slots=3)
+    assert info.value.field == "num_slots"
 
 
-def test_set_layout_refuses_plans_that_do_not_fit():
-    moe = MoE(16, 32, 4, 2)
+def test_set_routing_refuses_plans_that_do_not_fit():
+    moe = MoE(MoEConfig(16, 32, 4, 2))
     placement = Placement.from_homes(np.zeros((1, 4), dtype=np.int64), 1, 6)
     with pytest.raises(PlanError, match="slots"):
-        moe.set_layout(placement, Assignment.even(placement), slot_maps(placement, 0, 6)[0])
+        moe.set_routing(placement, Assignment.even(placement), slot_maps(placement, 0, 6)[0])
     two = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 4)
     with pytest.raises(PlanError, match="ranks"):
-        moe.set_layout(two, Assignment.even(two), slot_maps(two, 0, 4)[0])
+        moe.set_routing(two, Assignment.even(two), slot_maps(two, 0, 4)[0])
 
 
-def test_expert_weights_do_not_depend_on_the_layout():
+def test_expert_weights_do_not_depend_on_the_slots():
     torch.manual_seed(3)
-    one = MoE(16, 32, 4, 2, init_seed=11)
-    two = MoE(16, 32, 4, 2, init_seed=11, num_slots=6)
+    one = MoE(MoEConfig(16, 32, 4, 2, init_seed=11))
+    two = MoE(MoEConfig(16, 32, 4, 2, init_seed=11))
+    apply_expert_parallel(two, None, num_slots=6)
     for name in ("w_in", "w_gate", "w_out"):
         a, b = getattr(one.experts, name), getattr(two.experts, name)
         torch.testing.assert_close(a, b[:4], rtol=0, atol=0)
@@ -299,7 +316,7 @@ def test_expert_weights_do_not_depend_on_the_layout():
 
 
 def test_bias_update_hook_runs_before_the_optimizer_step():
-    moe = MoE(16, 32, 4, 1, expert_bias=True)
+    moe = MoE(MoEConfig(16, 32, 4, 1, expert_bias=True))
     opt = torch.optim.SGD(moe.parameters(), lr=0.0)
     handle = install_bias_update(opt, moe, rate=0.5)
     with torch.no_grad():
@@ -364,7 +381,7 @@ def _check_results(cases: list[Case], per_rank: list[dict[str, dict]]) -> None:
 
 
 @pytest.mark.dist
-def test_two_ranks_match_reference_for_every_layout():
+def test_two_ranks_match_reference_for_every_routing():
     cases = replica_cases(2) + policy_cases(2)
     assert sum(c.placement is not None and c.placement.replicas().any() for c in cases) >= 5
     _check_results(cases, run_ranks(run_cases, 2, cases))
@@ -379,7 +396,7 @@ def test_four_ranks_match_reference_including_expert_data_parallel():
     _check_results(cases, run_ranks(run_cases, 4, cases))
 
 
-def test_static_layout_is_the_static_policy():
+def test_static_routing_is_the_static_policy():
     from poise.plan.policies.base import static_placement
 
     for experts, world in ((8, 2), (8, 8), (2, 4), (4, 8)):
@@ -387,7 +404,7 @@ def test_static_layout_is_the_static_policy():
         ref = static_placement(1, experts, world, slots)
         maps = slot_maps(ref, 0, slots)
         for rank in range(world):
-            lay = Layout.static(experts, world, rank, slots)
+            lay = RankRouting.static(experts, world, rank, slots)
             np.testing.assert_array_equal(lay.home, ref.home[0])
             np.testing.assert_array_equal(lay.copies, ref.copies[0])
             np.testing.assert_array_equal(lay.slots.expert, maps[rank].expert)

@@ -25,14 +25,17 @@ TOL = 1e-5
 def _build(W: int, seed: int = 0):
     """A residual stack of two MoE layers with spare slots, routers skewed to experts 0 and 1."""
     import torch
+    import torch.distributed as dist
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
 
     torch.manual_seed(seed)
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList(
-        [MoE(D_MODEL, D_EXPERT, E, 2, num_slots=E // W + 2, init_seed=i) for i in range(2)]
+        [MoE(MoEConfig(D_MODEL, D_EXPERT, E, 2, init_seed=i)) for i in range(2)]
     )
+    group = dist.group.WORLD if dist.is_initialized() else None
+    apply_expert_parallel(model, group, num_slots=E // W + 2)
     with torch.no_grad():
         for block in model.blocks:
             block.router.weight[:2] += 0.5
@@ -51,7 +54,7 @@ def _home_rows(model, opt, rank: int) -> dict:
     """`{(layer, expert, tensor): (weights, exp_avg, exp_avg_sq)}` of the experts homed here."""
     out = {}
     for li, block in enumerate(model.blocks):
-        slots = block.layout.slots
+        slots = block.routing.slots
         for slot, e in enumerate(slots.expert.tolist()):
             if e < 0 or not slots.home[slot]:
                 continue
@@ -73,7 +76,7 @@ def _equivalence(rank: int, W: int) -> dict:
     cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
     for policy in POLICIES:
         model, opt = _build(W)
-        balancer = Balancer(model, opt, policy, every=EVERY, cluster=cluster)
+        balancer = Balancer(model, opt, policy, replan_every=EVERY, cluster=cluster)
         losses = _train(model, opt, rank, STEPS)
         balancer.close()
         stats = list(balancer.stats)
@@ -97,7 +100,7 @@ def _forced_home_change(rank: int, W: int, cluster) -> dict:
     from poise.runtime.balancer import Balancer
 
     model, opt = _build(W)
-    balancer = Balancer(model, opt, "static", every=1000, cluster=cluster)
+    balancer = Balancer(model, opt, "static", replan_every=1000, cluster=cluster)
     _train(model, opt, rank, 3)
     before = _home_rows(model, opt, rank)
     steps_before = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
@@ -120,7 +123,7 @@ def _mismatch(rank: int, W: int) -> str:
     from poise.runtime.balancer import Balancer, PlanMismatchError
 
     model, opt = _build(W)
-    balancer = Balancer(model, opt, "static", every=1000)
+    balancer = Balancer(model, opt, "static", replan_every=1000)
     plan = balancer.plan
     if rank == 1:
         placement = plan.placement.copy()
@@ -207,17 +210,17 @@ def test_ranks_with_different_plans_get_one_clear_error(two_ranks: list[dict]) -
 
 
 # ------------------------------------------------------------------------- one process
-def test_plan_hash_sees_every_part_of_a_plan() -> None:
-    from poise.runtime.balancer import plan_hash
-
+def test_plan_digest_sees_every_part_of_a_plan() -> None:
     placement = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
     plan = Plan("p", placement, Assignment.even(placement), None)  # type: ignore[arg-type]
     same = Plan("q", placement.copy(), Assignment.even(placement), None)  # type: ignore[arg-type]
-    assert plan_hash(plan) == plan_hash(same)
+    assert plan.digest() == same.digest()
     moved = placement.copy()
     moved.copies[0, 1, 0] = 1
-    assert plan_hash(Plan("r", moved, plan.assignment, None)) != plan_hash(plan)  # type: ignore[arg-type]
-    assert 0 <= plan_hash(plan) < 2**63
+    assert Plan("r", moved, plan.assignment, None).digest() != plan.digest()  # type: ignore[arg-type]
+    grouped = Assignment.group_local(placement, 2)
+    assert Plan("g", placement, grouped, None).digest() != plan.digest()  # type: ignore[arg-type]
+    assert 0 <= plan.digest() < 2**62
 
 
 def test_layer_loads_follow_the_assignment() -> None:
@@ -235,13 +238,14 @@ def test_layer_loads_follow_the_assignment() -> None:
 def test_one_process_balancer_records_and_plans() -> None:
     import torch
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
     from poise.runtime.balancer import Balancer, default_cluster, spec_from_layers
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(MoE(8, 16, 4, 2, num_slots=5), MoE(8, 16, 4, 2, num_slots=5))
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)), MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)  # one rank with a spare slot
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, "auto", every=2, cluster=default_cluster(1))
+    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1))
     for _ in range(4):
         model(torch.randn(16, 8)).square().mean().backward()
         opt.step()
@@ -261,15 +265,16 @@ def test_one_process_balancer_records_and_plans() -> None:
 def test_bad_arguments_are_config_errors() -> None:
     import torch
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig
     from poise.runtime.balancer import Balancer
 
-    model = torch.nn.Sequential(MoE(8, 16, 4, 2))
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ConfigError, match="unknown policy"):
         Balancer(model, opt, "nope")
-    with pytest.raises(ConfigError, match="every"):
-        Balancer(model, opt, every=0)
+    with pytest.raises(ConfigError, match=">= 1") as info:
+        Balancer(model, opt, replan_every=0)
+    assert info.value.field == "replan_every"
     with pytest.raises(ConfigError, match="2 devices but 1 ranks"):
         Balancer(model, opt, cluster="cpu-2")
     with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):

@@ -110,11 +110,11 @@ def test_settings_are_checked() -> None:
 def test_balancer_leaves_compression_off_by_default() -> None:
     import inspect
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig
     from poise.runtime.balancer import Balancer
 
     assert inspect.signature(Balancer).parameters["compression"].default is None
-    model = torch.nn.Sequential(MoE(8, 16, 4, 2))
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
     balancer = Balancer(model, torch.optim.AdamW(model.parameters()), "static")
     assert balancer.compression is None
     balancer.close()

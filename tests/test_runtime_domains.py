@@ -24,14 +24,16 @@ def _build(seed: int = 0):
     """Two residual MoE layers on 4 ranks, 3 slots per rank (2 homes + 1 spare), routers
     skewed to experts 0 and 1."""
     import torch
+    import torch.distributed as dist
 
-    from poise.nn import MoE
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
 
     torch.manual_seed(seed)
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList(
-        [MoE(D_MODEL, D_EXPERT, E, 2, num_slots=E // 4 + 1, init_seed=i) for i in range(2)]
+        [MoE(MoEConfig(D_MODEL, D_EXPERT, E, 2, init_seed=i)) for i in range(2)]
     )
+    apply_expert_parallel(model, dist.group.WORLD, num_slots=E // 4 + 1)
     with torch.no_grad():
         for block in model.blocks:
             block.router.weight[:2] += 0.5
@@ -47,7 +49,7 @@ def _rows(model) -> dict:
     """`{(layer, expert, tensor): weights}` of the experts homed on this rank."""
     out = {}
     for li, block in enumerate(model.blocks):
-        slots = block.layout.slots
+        slots = block.routing.slots
         for slot, e in enumerate(slots.expert.tolist()):
             if e >= 0 and slots.home[slot]:
                 for k, w in enumerate(block.experts.weights()):
@@ -57,7 +59,7 @@ def _rows(model) -> dict:
 
 class _Traffic:
     """Per forward and layer: counts `[E]`, the routes' cross-domain tokens `[E]` and which
-    experts this rank's domain holds `[E]` (the layout in force)."""
+    experts this rank's domain holds `[E]` (the routing in force)."""
 
     def __init__(self, model) -> None:
         self.log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -67,9 +69,9 @@ class _Traffic:
 
     def _record(self, layer) -> None:
         counts = layer.last_counts.numpy().copy()
-        routes = layer.layout.routes(counts)
+        routes = layer.routing.routes(counts)
         domain = np.arange(layer.world) // SIZE == layer.rank // SIZE
-        held = layer.layout.copies[domain].sum(axis=0) > 0
+        held = layer.routing.copies[domain].sum(axis=0) > 0
         self.log.append((counts, cross_domain_tokens(routes, layer.rank, SIZE), held))
 
     def close(self) -> None:
@@ -88,7 +90,9 @@ def _run(rank: int, W: int) -> dict:
     traffic.close()
     for name, ratio in VARIANTS.items():
         model, opt = _build()
-        balancer = Balancer(model, opt, "hybrid", every=EVERY, cluster=cluster, compression=ratio)
+        balancer = Balancer(
+            model, opt, "hybrid", replan_every=EVERY, cluster=cluster, compression=ratio
+        )
         traffic = _Traffic(model)
         recorder = DomainTraffic(model, SIZE)
         replicas: list[int] = []  # replicas of both layers in force after each step

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from poise.core.errors import ConfigError, PlanError
 from poise.layouts.pool import Layout
-from poise.nn import MoE, sync_router_grads
+from poise.nn import MoE, MoEConfig, apply_expert_parallel, sync_router_grads
 from poise.runtime.launch import run_ranks
 from poise.runtime.layouts import (
     all_reduce_expert_grads,
@@ -46,12 +46,16 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(TOKENS[rank], D, generator=g), torch.randn(TOKENS[rank], D, generator=g)
 
 
-def build(**kwargs: object) -> MoE:
-    moe = MoE(D, H, E, K, activation="swiglu", **kwargs)  # type: ignore[arg-type]
+def build(**ep: object) -> MoE:
+    """The layer on one process with the test's weights, then expert parallel with `ep`
+    (`apply_expert_parallel`'s arguments) when given: the slots take the full layer's rows."""
+    moe = MoE(MoEConfig(D, H, E, K, activation="swiglu"))
     w = weights()
     moe.load_expert_weights(w)
     with torch.no_grad():
         moe.router.weight.copy_(w["router"])
+    if ep:
+        apply_expert_parallel(moe, **ep)  # type: ignore[arg-type]
     return moe
 
 
@@ -70,7 +74,7 @@ def rank_fn(rank: int, world: int) -> dict:
     ]
     layout = Layout(devices=world, experts=E, layers=1, ep=2)
     groups = create_groups(layout)
-    moe = build(**groups.moe_kwargs())
+    moe = build(**groups.expert_parallel_kwargs())
     x, up = batch(rank)
     x.requires_grad_()
     y = moe(x)
@@ -84,7 +88,7 @@ def rank_fn(rank: int, world: int) -> dict:
         "y": y.detach(),
         "x_grad": x.grad,
         "router_grad": moe.router.weight.grad.clone(),
-        "slots": moe.layout.slots.expert.tolist(),
+        "slots": moe.routing.slots.expert.tolist(),
         "grads": {n: getattr(moe.experts, n).grad.clone() for n in ("w_in", "w_gate", "w_out")},
         "ep_ranks": groups.ep_ranks,
         "edp_ranks": groups.edp_ranks,
@@ -94,7 +98,7 @@ def rank_fn(rank: int, world: int) -> dict:
     out["replicas_agree"] = replicas_agree(moe, groups.edp)
     # A replica whose slots hold other experts must be refused, on every rank of its group.
     if rank == 2:
-        moe.layout.slots.expert[:] = moe.layout.slots.expert[::-1].copy()
+        moe.routing.slots.expert[:] = moe.routing.slots.expert[::-1].copy()
     try:
         all_reduce_expert_grads(moe, groups.edp)
         out["mismatch"] = "accepted"

@@ -17,7 +17,7 @@ import torch
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Block, GPTConfig, rotary_tables
-from poise.nn import MoE, NonFiniteInputError
+from poise.nn import MoE, MoEConfig, NonFiniteInputError
 from poise.runtime.launch import run_ranks
 from poise.runtime.parallel_choice import ParmChooser, ParmShape, local_cluster
 from poise.runtime.parallel_groups import ParallelGroups, check_degrees
@@ -38,7 +38,8 @@ def reference() -> dict[str, Any]:
     """The single-process block, its state, each node's input, upstream gradient and output,
     input gradients and parameter gradients summed over the two nodes."""
     torch.manual_seed(0)
-    block = Block(CFG, MoE(CFG.d_model, CFG.d_expert, CFG.num_experts, CFG.top_k, init_seed=3))
+    cfg = MoEConfig(CFG.d_model, CFG.d_expert, CFG.num_experts, CFG.top_k, init_seed=3)
+    block = Block(CFG, MoE(cfg))
     cos, sin = rotary_tables(CFG.context, CFG.head_dim, CFG.rope_base)
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(b, S, CFG.d_model, generator=gen) for b in BATCH]

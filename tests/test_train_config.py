@@ -10,6 +10,7 @@ import torch
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE, model_config
+from poise.nn import apply_expert_parallel
 from poise.train.config import TrainConfig, load_config, save_config
 from poise.train.loop import lr_at
 
@@ -106,7 +107,8 @@ def test_model_shapes_causality_and_init():
     # tied embeddings: no separate output matrix
     assert not any("head" in n for n, _ in model.named_parameters())
     # initialisation does not depend on the slots (spare slots for a balancing policy)
-    other = GPTMoE(cfg, seed=1, num_slots=cfg.num_experts + 2)
+    other = GPTMoE(cfg, seed=1)
+    apply_expert_parallel(other, None, num_slots=cfg.num_experts + 2)
     for (n, p), (_, q) in zip(
         model.dense_named_parameters(), other.dense_named_parameters(), strict=True
     ):

@@ -19,7 +19,7 @@ Five measurements, each fitted by least squares on relative residuals (`fit.py`)
    `dense_{fwd,bwd}_flops` and `dense_{fwd,bwd}_half_tokens` of the cluster.
 
 2. **Token dispatcher** (`poise.nn.dispatch.Dispatcher`), on the 2 gloo ranks at once: each rank
-   routes T tokens top-k to the static layout, every expert receiving T k / E of its rows
+   routes T tokens top-k with static EP, every expert receiving T k / E of its rows
    (random order), and runs the model's experts on its slots (`poise.nn.Experts`), as a
    training step does: what the experts leave in the caches and the allocator is part of the
    dispatcher's cost. Timed per call: the forward less the experts' own forward (the
@@ -327,9 +327,10 @@ def dispatch_points(
     `config.dispatch_tokens` tokens per rank (item 2), on the default process group (every
     rank calls it)."""
     import torch
+    import torch.distributed as dist
 
     from poise.calibrate.measure import _slowest
-    from poise.nn.dispatch import Dispatcher, Layout, world_and_rank
+    from poise.nn.dispatch import Dispatcher, RankRouting, world_and_rank
     from poise.nn.experts import Experts
 
     cfg = gpt_config(config)
@@ -338,9 +339,9 @@ def dispatch_points(
     slots = max(E // world, 1)
     torch.manual_seed(rank)
     experts_mod = Experts(slots, d, cfg.d_expert, cfg.activation)
-    disp = Dispatcher(E, k)
-    layout = Layout.static(E, world, rank, slots)
-    held = torch.as_tensor(layout.held)
+    disp = Dispatcher(E, k, dist.group.WORLD if world > 1 else None)
+    routing = RankRouting.static(E, world, rank, slots)
+    held = torch.as_tensor(routing.held)
     marks: dict[str, float] = {}
 
     def mark(name: str) -> Callable[[Any], None]:
@@ -365,7 +366,7 @@ def dispatch_points(
 
         def call(x: Any = x, w: Any = w, gy: Any = gy, experts: Any = experts) -> Any:
             t0 = time.perf_counter()
-            y = disp(x, experts, w, None, layout, expert_fn)
+            y = disp(x, experts, w, None, routing, expert_fn)
             t1 = time.perf_counter()
             y.backward(gy)
             t2 = time.perf_counter()

@@ -24,6 +24,7 @@ import numpy as np
 
 from poise.core.errors import PlanError
 from poise.core.spec import ModelSpec
+from poise.util.digest import digest
 
 _TOL = 1e-9
 
@@ -522,3 +523,9 @@ class Plan:
     def validate(self) -> None:
         self.placement.validate()
         self.assignment.validate(self.placement)
+
+    def digest(self) -> int:
+        """A 62-bit digest (`poise.util.digest`) of what ranks running the plan must agree on:
+        the placement (home, copies) and the assignment (weights, group weights and size)."""
+        p, a = self.placement, self.assignment
+        return digest(p.home, p.copies, a.weights, a.group_weights, a.group_size)

@@ -1,21 +1,22 @@
 """GPT-MoE: a decoder-only byte-level transformer with `poise.nn.MoE` feed-forward layers.
 
     cfg = model_config("tiny")                      # or GPTConfig(...), model_config("small", ...)
-    model = GPTMoE(cfg, group=None, num_slots=None, seed=0)
+    model = GPTMoE(cfg, seed=0)                     # compute only: every expert, one device
+    apply_expert_parallel(model, group)             # optional: expert parallel over `group`
     logits = model(idx)                             # idx [B, T] int64 -> logits [B, T, V]
     loss = cross_entropy(logits, targets) + model.aux_loss()
 
 Each block is pre-norm: `x + attn(norm(x))`, then `x + ffn(norm(x))`, with RMSNorm, rotary
 positions on queries and keys, causal `scaled_dot_product_attention`, and as FFN either an MoE
-layer (`poise.nn.MoE`, expert parallel over `group`) or a dense SwiGLU MLP. Layer i is MoE when
-`(i + 1) % moe_every == 0` (every layer for 1, every second layer starting with the second for
-2). The output head is the token embedding (tied weights).
+layer (`poise.nn.MoE`; `poise.nn.apply_expert_parallel` makes it expert parallel) or a dense
+SwiGLU MLP. Layer i is MoE when `(i + 1) % moe_every == 0` (every layer for 1, every second
+layer starting with the second for 2). The output head is the token embedding (tied weights).
 
 Initialisation does not depend on the world size or the layout: non-expert parameters are drawn
 from one generator seeded by `seed` in `named_parameters` order (normal(0, 0.02); the output
 projections of attention and FFN scaled by 1/sqrt(2 * layers)), and each expert from its own
 generator (the layer's `init_seed` and the expert id, see `poise.nn.MoE`). Every rank builds the
-same non-expert parameters; expert rows are the rank's slots.
+same model; `apply_expert_parallel` then keeps each rank's expert slots.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from poise.core.errors import ConfigError
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.config import MoEConfig
+from poise.nn.moe import MoE, find_moe_layers
 
 
 @dataclass(frozen=True)
@@ -211,17 +213,15 @@ class Block(nn.Module):
 class GPTMoE(nn.Module):
     """Decoder-only GPT with MoE FFNs: `forward(idx [B, T]) -> logits [B, T, V]` (T <= context).
 
-    `group`: the process group of expert parallelism (None: one process holds every expert);
-    `num_slots`: expert slots per rank (default E / W; more leaves room for replicas);
-    `balance_coef`, `z_loss_coef`, `expert_bias`: router settings (see `poise.nn.Router`);
+    Compute only: every MoE layer holds all E experts (`poise.nn.apply_expert_parallel` shards
+    them over a process group afterwards). `balance_coef`, `z_loss_coef`, `expert_bias`: router
+    settings (see `poise.nn.Router`);
     `seed`: initialisation (independent of the world size and the layout)."""
 
     def __init__(
         self,
         cfg: GPTConfig,
         *,
-        group: Any = None,
-        num_slots: int | None = None,
         balance_coef: float = 0.0,
         z_loss_coef: float = 0.0,
         expert_bias: bool = False,
@@ -237,22 +237,21 @@ class GPTMoE(nn.Module):
         blocks = []
         for i in range(cfg.layers):
             if cfg.is_moe(i):
-                ffn: nn.Module = MoE(
-                    cfg.d_model,
-                    cfg.d_expert,
-                    cfg.num_experts,
-                    cfg.top_k,
+                moe_cfg = MoEConfig(
+                    d_model=cfg.d_model,
+                    d_expert=cfg.d_expert,
+                    num_experts=cfg.num_experts,
+                    top_k=cfg.top_k,
                     activation=cfg.activation,  # type: ignore[arg-type]
                     balance_coef=balance_coef,
                     z_loss_coef=z_loss_coef,
                     expert_bias=expert_bias,
                     capacity_factor=cfg.capacity_factor,
-                    num_slots=num_slots,
                     overlap_degree=overlap_degree,
                     experts_impl=experts_impl,  # type: ignore[arg-type]
-                    group=group,
                     init_seed=seed * 7919 + i,
                 )
+                ffn: nn.Module = MoE(moe_cfg)
             else:
                 ffn = DenseFFN(cfg.d_model, cfg.d_ff, cfg.activation)
             blocks.append(Block(cfg, ffn))
@@ -267,8 +266,8 @@ class GPTMoE(nn.Module):
 
     # ------------------------------------------------------------------ parameters
     def expert_parameters(self) -> list[nn.Parameter]:
-        """The stacked per-slot expert tensors of every MoE layer (`[S, ...]` each)."""
-        return [w for m in moe_layers(self) for w in m.experts.weights()]
+        """The stacked per-slot expert tensors of every MoE layer (`[P, ...]` each)."""
+        return [w for m in find_moe_layers(self) for w in m.experts.weights()]
 
     def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every other parameter (replicated on all ranks: embedding, attention, norms, dense
@@ -288,12 +287,9 @@ class GPTMoE(nn.Module):
             std = scaled if name.endswith(("attn.proj.weight", "ffn.w_out.weight")) else 0.02
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def moe_layers(self) -> list[MoE]:
-        return moe_layers(self)
-
     def aux_loss(self) -> torch.Tensor:
         """The routers' weighted balance and z losses of the last forward, summed over layers."""
-        losses = [m.aux_loss for m in moe_layers(self)]
+        losses = [m.last_forward.aux_loss for m in find_moe_layers(self)]
         return torch.stack([x.to(self.rope_cos.device) for x in losses]).sum()
 
     def num_parameters(self) -> dict[str, int]:

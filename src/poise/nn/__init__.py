@@ -1,25 +1,30 @@
-"""The expert-parallel MoE layer: router, experts, dispatcher, slots (torch).
+"""The MoE layer, compute only, and expert parallelism attached from outside (torch).
 
-from poise.nn import MoE
-moe = MoE(d_model=512, d_expert=1024, num_experts=8, top_k=2)   # any world dividing E
-y = moe(x)                                                     # x [B, S, D]
-(loss(y) + moe.aux_loss).backward()
-sync_router_grads(model)                                       # with several ranks
+from poise.nn import MoE, MoEConfig, apply_expert_parallel
+model = MyModel(moe=MoE(MoEConfig(d_model=512, d_expert=1024, num_experts=8, top_k=2)))
+apply_expert_parallel(model, dist.group.WORLD)     # with several ranks: any world dividing E
+y = model(x)                                       # x [B, T, M]
+(loss(y) + moe.last_forward.aux_loss).backward()
+sync_router_grads(model)                           # with several ranks
 """
 
+from poise.nn.comm import comm_device
+from poise.nn.config import MoEConfig
 from poise.nn.dispatch import (
     Dispatcher,
-    Layout,
-    LayoutMismatchError,
     NonFiniteInputError,
+    RankRouting,
+    RoutingMismatchError,
 )
+from poise.nn.expert_parallel import apply_expert_parallel, check_ranks_agree
 from poise.nn.experts import Experts, ExpertsInputError, grouped_mm_problem
 from poise.nn.moe import (
+    ForwardRecord,
     MoE,
     check_world,
     default_slots,
+    find_moe_layers,
     install_bias_update,
-    moe_layers,
     sync_router_grads,
 )
 from poise.nn.router import ReplayRouter, Router, Routing, capacity_keep
@@ -29,20 +34,25 @@ __all__ = [
     "Dispatcher",
     "Experts",
     "ExpertsInputError",
-    "Layout",
-    "LayoutMismatchError",
+    "ForwardRecord",
     "MoE",
+    "MoEConfig",
     "NonFiniteInputError",
+    "RankRouting",
     "ReplayRouter",
     "Router",
     "Routing",
+    "RoutingMismatchError",
     "SlotMap",
+    "apply_expert_parallel",
     "capacity_keep",
+    "check_ranks_agree",
     "check_world",
+    "comm_device",
     "default_slots",
+    "find_moe_layers",
     "grouped_mm_problem",
     "install_bias_update",
-    "moe_layers",
     "slot_maps",
     "sync_router_grads",
 ]

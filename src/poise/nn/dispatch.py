@@ -1,15 +1,15 @@
 """Dispatch and combine: tokens to the ranks and slots holding their experts, and back.
 
-One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `W` ranks, `S` slots:
+One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `D` ranks, `P` slots:
 
 1. Sort the `T * k` assignments by expert (stable, so token order is kept inside an expert).
-2. Route: `Layout.routes(counts)` gives the integer routes `[E, W]` of this rank's counts (the
+2. Route: `RankRouting.routes(counts)` gives the integer routes `[E, D]` of this rank's counts (the
    `Assignment.split` rule: a rank holding a copy of e keeps its tokens for e; other ranks split
    theirs by the assignment's weights, largest remainder). Inside an expert's run, the first
    `routes[e, 0]` assignments go to rank 0, the next `routes[e, 1]` to rank 1, and so on.
-3. Exchange counts: one `all_to_all_single` of `[W, E + 2]` int64 (per destination: the counts
-   per expert, a non-finite-input flag and the layout's digest), so every rank knows what it
-   receives and every rank raises the same error on bad input or disagreeing layouts.
+3. Exchange counts: one `all_to_all_single` of `[D, E + 2]` int64 (per destination: the counts
+   per expert, a non-finite-input flag and the routing's digest), so every rank knows what it
+   receives and every rank raises the same error on bad input or disagreeing routings.
 4. Exchange tokens: `all_to_all_single` with split sizes, rows ordered by (destination, expert).
    With `overlap_degree` n, every (destination, expert) block is cut into n near-equal parts and
    part c of every block travels in chunk c: n token all-to-alls, launched asynchronously, each
@@ -17,7 +17,7 @@ One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `W` ra
 5. On the receiver, rows are regrouped from (source, expert) to (slot, source) order, the
    experts run, rows go back to (source, expert) order and return by the reverse all-to-all.
 6. Combine: each token's `k` outputs are gathered back to token order and summed with the
-   router's weights in one batched GEMM (`[T, 1, k] @ [T, k, D]`).
+   router's weights in one batched GEMM (`[T, 1, k] @ [T, k, M]`).
 
 Every permutation is a gather (`index_select`) forward and backward: the inverse permutations
 are computed once on the host, so no `index_add`/scatter runs on activations. With one rank
@@ -26,7 +26,6 @@ are computed once on the host, so no `index_add`/scatter runs on activations. Wi
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from poise.core.errors import ConfigError, PlanError, PoiseError
 from poise.core.placement import Assignment, Placement
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.slots import SlotMap, slot_maps
+from poise.util.digest import digest
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor | list[int]], torch.Tensor]
 
@@ -48,20 +48,20 @@ class NonFiniteInputError(PoiseError):
     """NaN or infinity in an MoE layer's input (found in the router's logits)."""
 
 
-class LayoutMismatchError(PlanError):
-    """Ranks run one MoE layer under different layouts."""
+class RoutingMismatchError(PlanError):
+    """Ranks run one MoE layer under different routings."""
 
 
-# ----------------------------------------------------------------------------- layout
+# ----------------------------------------------------------------------------- routing
 @dataclass(frozen=True, eq=False)
-class Layout:
-    """One MoE layer's expert layout as rank `rank` sees it.
+class RankRouting:
+    """One MoE layer's expert routing as rank `rank` sees it.
 
-    - `home [E]`: the owner rank of each expert; `copies [W, E]`: copies per rank;
-    - `weights [E, W]`: the share of this rank's tokens for expert e that go to each rank when
+    - `home [E]`: the owner rank of each expert; `copies [D, E]`: copies per rank;
+    - `weights [E, D]`: the share of this rank's tokens for expert e that go to each rank when
       this rank holds no copy of e (`Assignment.source_weights()[layer, rank]`: the plain
       per-expert weights, or the group-local ones where they apply);
-    - `slots`: this rank's `SlotMap` (which expert each of its S slots holds);
+    - `slots`: this rank's `SlotMap` (which expert each of its P slots holds);
     - `digest`: what every rank must agree on (home, copies, the assignment's global and group
       weights), compared at every forward; computed from home, copies and weights if 0."""
 
@@ -75,7 +75,7 @@ class Layout:
     def __post_init__(self) -> None:
         self.validate()
         if not self.digest:
-            object.__setattr__(self, "digest", _digest(self.home, self.copies, self.weights))
+            object.__setattr__(self, "digest", digest(self.home, self.copies, self.weights))
 
     @property
     def world(self) -> int:
@@ -103,9 +103,9 @@ class Layout:
         slots: SlotMap,
         rank: int,
         layer: int = 0,
-    ) -> Layout:
+    ) -> RankRouting:
         """Layer `layer` of a plan's placement and assignment, for rank `rank`."""
-        weights = assignment.source_weights()[layer, rank]  # [E, W]
+        weights = assignment.source_weights()[layer, rank]  # [E, D]
         home = np.asarray(placement.home[layer], dtype=np.int64)
         copies = np.asarray(placement.copies[layer], dtype=np.int64)
         shared = [home, copies, np.asarray(assignment.weights[layer], dtype=np.float64)]
@@ -117,16 +117,16 @@ class Layout:
             copies=copies,
             weights=np.asarray(weights, dtype=np.float64),
             slots=slots,
-            digest=_digest(*shared),
+            digest=digest(*shared),
         )
 
     @classmethod
-    def static(cls, num_experts: int, world: int, rank: int, num_slots: int) -> Layout:
-        """Static EP: experts in contiguous blocks (`e // (E / W)`); with more ranks than
-        experts, rank r holds expert `r * E // W` (the first rank of each block is the home, the
+    def static(cls, num_experts: int, world: int, rank: int, num_slots: int) -> RankRouting:
+        """Static EP: experts in contiguous blocks (`e // (E / D)`); with more ranks than
+        experts, rank r holds expert `r * E // D` (the first rank of each block is the home, the
         others replicas: expert-data parallelism) and tokens split evenly over the copies."""
         e = np.arange(num_experts)
-        # ceil(e W / E) when W > E: the first rank of each expert's block.
+        # ceil(e D / E) when D > E: the first rank of each expert's block.
         homes = (
             (e * world) // num_experts if world <= num_experts else -(-(e * world) // num_experts)
         )
@@ -137,15 +137,15 @@ class Layout:
         return cls.from_plan(placement, Assignment.even(placement), maps[rank], rank)
 
     def validate(self) -> None:
-        E, W = self.num_experts, self.world
-        if self.copies.shape != (W, E) or self.weights.shape != (E, W):
+        E, D = self.num_experts, self.world
+        if self.copies.shape != (D, E) or self.weights.shape != (E, D):
             raise PlanError(
                 f"copies {self.copies.shape} / weights {self.weights.shape} do not fit "
-                f"{E} experts on {W} ranks",
-                field="layout",
+                f"{E} experts on {D} ranks",
+                field="routing",
             )
-        if not 0 <= self.rank < W:
-            raise PlanError(f"rank {self.rank} outside {W} ranks", field="layout.rank")
+        if not 0 <= self.rank < D:
+            raise PlanError(f"rank {self.rank} outside {D} ranks", field="routing.rank")
         slot_of = self.slot_of
         held = self.held
         if np.any(held != (slot_of >= 0)):
@@ -153,13 +153,13 @@ class Layout:
             raise PlanError(
                 f"rank {self.rank}: expert {e} is {'held' if held[e] else 'not held'} by the "
                 f"placement but {'not ' if held[e] else ''}in the slot map",
-                field="layout.slots",
+                field="routing.slots",
             )
         if np.any((self.weights > 1e-9) & (self.copies.T == 0)):
-            raise PlanError("assignment sends tokens to a rank without a copy", field="layout")
+            raise PlanError("assignment sends tokens to a rank without a copy", field="routing")
 
     def routes(self, counts: np.ndarray) -> np.ndarray:
-        """Integer routes `[E, W]` of this rank's `counts [E]`: held experts stay here, the
+        """Integer routes `[E, D]` of this rank's `counts [E]`: held experts stay here, the
         rest split by `weights` with largest-remainder rounding (lower rank first on ties),
         exactly as `Assignment.split` does for this source."""
         counts = np.asarray(counts, dtype=np.int64)
@@ -174,16 +174,6 @@ class Layout:
         base += (rank_of < short[:, None]).astype(np.int64)
         base[held, self.rank] += counts[held]
         return base
-
-
-def _digest(*arrays: np.ndarray) -> int:
-    """A 62-bit digest of arrays (dtype, shape and bytes)."""
-    h = hashlib.blake2b(digest_size=8)
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(f"{a.dtype}{a.shape}".encode())
-        h.update(a.tobytes())
-    return int.from_bytes(h.digest(), "little") >> 2
 
 
 # ----------------------------------------------------------------------------- index helpers
@@ -247,7 +237,7 @@ def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
 def _sum_by_token(
     rows: torch.Tensor, index: TokenIndex, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`[T, D]`: for each token, the sum over its k choices j of `rows[by_choice[j, t]]`
+    """`[T, M]`: for each token, the sum over its k choices j of `rows[by_choice[j, t]]`
     (times `weights[t, j]` when given); dropped choices read zero. k gathers, no scatter."""
     if index.dropped:
         rows = _with_zero_row(rows)
@@ -264,7 +254,7 @@ def _sum_by_token(
 
 
 class _GatherTokens(torch.autograd.Function):
-    """`x [T, D]` -> `x[index.rows] [N, D]`; backward sums each token's rows (`_sum_by_token`)."""
+    """`x [T, M]` -> `x[index.rows] [N, M]`; backward sums each token's rows (`_sum_by_token`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, index: TokenIndex) -> torch.Tensor:
@@ -293,8 +283,8 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """`out [N, D]` (rows in send order), router weights `w [T, k]` ->
-    `y [T, D] = sum_j w[t, j] * out[row of (t, j)]` (dropped assignments add nothing).
+    """`out [N, M]` (rows in send order), router weights `w [T, k]` ->
+    `y [T, M] = sum_j w[t, j] * out[row of (t, j)]` (dropped assignments add nothing).
 
     Backward, in send order: `grad_out[i] = w_i * gy[token_i]` and `grad_w_i = out[i] . gy[token_i]`
     from one gather of `gy`."""
@@ -311,7 +301,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         out, wc = ctx.saved_tensors
         index: TokenIndex = ctx.index
-        gyg = gy.contiguous().index_select(0, index.rows)  # [N, D]
+        gyg = gy.contiguous().index_select(0, index.rows)  # [N, M]
         gw_rows = torch.linalg.vecdot(out, gyg)  # [N]
         if index.dropped:
             gw_rows = torch.cat([gw_rows, gw_rows.new_zeros(1)])
@@ -335,8 +325,8 @@ class _ChunkPlan:
 class Dispatcher:
     """Moves tokens to the holders of their experts and back, for one layer on one rank.
 
-    `group`: the process group (None: the default group when one is initialised, else one
-    process). `overlap_degree`: token chunks pipelined with expert compute (1: none).
+    `group`: the process group of expert parallelism (None: this process alone, no
+    collectives). `overlap_degree`: token chunks pipelined with expert compute (1: none).
     `seconds` holds the last forward's wall time per phase (`dispatch`, `experts`, `combine`)."""
 
     def __init__(
@@ -347,7 +337,7 @@ class Dispatcher:
         self.num_experts = int(num_experts)
         self.top_k = int(top_k)
         self.group = group
-        self.world, self.rank = world_and_rank(group)
+        self.world, self.rank = (1, 0) if group is None else world_and_rank(group)
         self.overlap_degree = int(overlap_degree)
         self.seconds: dict[str, float] = {}
 
@@ -357,13 +347,13 @@ class Dispatcher:
         experts: torch.Tensor,
         weights: torch.Tensor,
         keep: torch.Tensor | None,
-        layout: Layout,
+        routing: RankRouting,
         expert_fn: ExpertFn,
         nonfinite: bool = False,
     ) -> torch.Tensor:
-        """`x [T, D]`, `experts [T, k]`, `weights [T, k]`, `keep [T, k] | None` -> `y [T, D]`.
+        """`x [T, M]`, `experts [T, k]`, `weights [T, k]`, `keep [T, k] | None` -> `y [T, M]`.
 
-        `expert_fn(rows [R, D], tokens_per_slot [S]) -> [R, D]` runs this rank's slots.
+        `expert_fn(rows [R, M], tokens_per_slot [P]) -> [R, M]` runs this rank's slots.
         `nonfinite`: this rank's input had NaN/inf; with several ranks every rank raises
         `NonFiniteInputError` after the count exchange (no rank is left waiting)."""
         self.seconds = {}
@@ -372,8 +362,8 @@ class Dispatcher:
                 raise NonFiniteInputError(
                     "NaN or infinity in the MoE layer's input", field="moe.input"
                 )
-            return self._local(x, experts, weights, keep, layout, expert_fn)
-        return self._distributed(x, experts, weights, keep, layout, expert_fn, nonfinite)
+            return self._local(x, experts, weights, keep, routing, expert_fn)
+        return self._distributed(x, experts, weights, keep, routing, expert_fn, nonfinite)
 
     # ------------------------------------------------------------------ one process
     def _local(
@@ -382,21 +372,21 @@ class Dispatcher:
         experts: torch.Tensor,
         weights: torch.Tensor,
         keep: torch.Tensor | None,
-        layout: Layout,
+        routing: RankRouting,
         expert_fn: ExpertFn,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
         T, k = experts.shape
-        S = layout.slots.slots
-        slot_of = layout.slot_of
+        P = routing.slots.slots
+        slot_of = routing.slot_of
         if np.array_equal(slot_of, np.arange(self.num_experts)):
             key = experts.reshape(-1)
         else:
             key = torch.from_numpy(slot_of).to(experts.device)[experts.reshape(-1)]
         if keep is not None:
-            key = torch.where(keep.reshape(-1), key, S)
+            key = torch.where(keep.reshape(-1), key, P)
         order = torch.argsort(key, stable=True)
-        tokens_per_slot = torch.bincount(key, minlength=S + 1)[:S]
+        tokens_per_slot = torch.bincount(key, minlength=P + 1)[:P]
         if keep is not None:
             order = order[: int(keep.sum())]
         index = TokenIndex.build(order, T, k)
@@ -416,12 +406,12 @@ class Dispatcher:
         experts: torch.Tensor,
         weights: torch.Tensor,
         keep: torch.Tensor | None,
-        layout: Layout,
+        routing: RankRouting,
         expert_fn: ExpertFn,
         nonfinite: bool,
     ) -> torch.Tensor:
         t0 = time.perf_counter()
-        E, W, n = self.num_experts, self.world, self.overlap_degree
+        E, D, n = self.num_experts, self.world, self.overlap_degree
         T, k = experts.shape
         flat = experts.reshape(-1)
         if keep is not None:
@@ -429,18 +419,18 @@ class Dispatcher:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=E + 1)[:E].cpu().numpy()
         N = int(counts.sum())
-        routes = layout.routes(counts)  # [E, W]
-        recv_counts = self._exchange_counts(routes, layout, nonfinite, x.device)  # [W, E]
-        parts = split_parts(routes, n)  # [n, E, W]
+        routes = routing.routes(counts)  # [E, D]
+        recv_counts = self._exchange_counts(routes, routing, nonfinite, x.device)  # [D, E]
+        parts = split_parts(routes, n)  # [n, E, D]
         # Sorted buffer: blocks (expert, destination, part); wanted: (part, destination, expert).
-        blocks = np.arange(E * W * n).reshape(E, W, n).transpose(2, 1, 0).ravel()
+        blocks = np.arange(E * D * n).reshape(E, D, n).transpose(2, 1, 0).ravel()
         send_perm = gather_index(parts.transpose(1, 2, 0), blocks)
         send_idx = order[:N]
         if not np.array_equal(send_perm, np.arange(N)):
             send_idx = send_idx.index_select(0, torch.from_numpy(send_perm).to(x.device))
         index = TokenIndex.build(send_idx, T, k)
         send = _GatherTokens.apply(x, index)
-        chunks = [self._chunk_plan(parts[c], p, layout, x.device) for c, p in
+        chunks = [self._chunk_plan(parts[c], p, routing, x.device) for c, p in
                   enumerate(split_parts(recv_counts, n))]  # fmt: skip
         sends = send.split([sum(c.in_splits) for c in chunks])
         started = [
@@ -474,15 +464,15 @@ class Dispatcher:
         return y
 
     def _exchange_counts(
-        self, routes: np.ndarray, layout: Layout, nonfinite: bool, device: torch.device
+        self, routes: np.ndarray, routing: RankRouting, nonfinite: bool, device: torch.device
     ) -> np.ndarray:
-        """Send each rank its `[E]` counts plus (non-finite flag, layout digest); return the
-        received `[W, E]` counts. Raises the same error on every rank on bad input."""
-        E, W = self.num_experts, self.world
-        msg = np.zeros((W, E + 2), dtype=np.int64)
+        """Send each rank its `[E]` counts plus (non-finite flag, routing digest); return the
+        received `[D, E]` counts. Raises the same error on every rank on bad input."""
+        E, D = self.num_experts, self.world
+        msg = np.zeros((D, E + 2), dtype=np.int64)
         msg[:, :E] = routes.T
         msg[:, E] = int(nonfinite)
-        msg[:, E + 1] = layout.digest
+        msg[:, E + 1] = routing.digest
         send = torch.from_numpy(msg).to(device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
@@ -493,34 +483,38 @@ class Dispatcher:
                 f"NaN or infinity in the MoE layer's input on rank(s) {bad.tolist()}",
                 field="moe.input",
             )
-        if np.any(got[:, E + 1] != layout.digest):
-            other = np.flatnonzero(got[:, E + 1] != layout.digest).tolist()
-            raise LayoutMismatchError(
-                f"rank {self.rank}'s layout differs from that of rank(s) {other} "
-                "(set_layout must get the same plan on every rank)",
-                field="moe.layout",
+        if np.any(got[:, E + 1] != routing.digest):
+            other = np.flatnonzero(got[:, E + 1] != routing.digest).tolist()
+            raise RoutingMismatchError(
+                f"rank {self.rank}'s routing differs from that of rank(s) {other} "
+                "(set_routing must get the same plan on every rank)",
+                field="moe.routing",
             )
         return got[:, :E]
 
     def _chunk_plan(
-        self, send_parts: np.ndarray, recv_parts: np.ndarray, layout: Layout, device: torch.device
+        self,
+        send_parts: np.ndarray,
+        recv_parts: np.ndarray,
+        routing: RankRouting,
+        device: torch.device,
     ) -> _ChunkPlan:
-        """`send_parts [E, W]` this rank sends in a chunk, `recv_parts [W, E]` it receives."""
-        E, W = self.num_experts, self.world
-        unheld = ~layout.held
+        """`send_parts [E, D]` this rank sends in a chunk, `recv_parts [D, E]` it receives."""
+        E, D = self.num_experts, self.world
+        unheld = ~routing.held
         if recv_parts[:, unheld].any():
             e = int(np.flatnonzero(recv_parts[:, unheld].any(axis=0))[0])
-            raise LayoutMismatchError(
+            raise RoutingMismatchError(
                 f"rank {self.rank} received tokens for expert {np.flatnonzero(unheld)[e]}, "
                 "which it does not hold",
-                field="moe.layout",
+                field="moe.routing",
             )
-        slot_expert = layout.slots.expert
+        slot_expert = routing.slots.expert
         held_slots = np.flatnonzero(slot_expert >= 0)
-        tokens = np.zeros(layout.slots.slots, dtype=np.int64)
+        tokens = np.zeros(routing.slots.slots, dtype=np.int64)
         tokens[held_slots] = recv_parts[:, slot_expert[held_slots]].sum(axis=0)
         # Received buffer: blocks (source, expert); wanted: (slot, source).
-        blocks = (np.arange(W)[None, :] * E + slot_expert[held_slots][:, None]).ravel()
+        blocks = (np.arange(D)[None, :] * E + slot_expert[held_slots][:, None]).ravel()
         perm = gather_index(recv_parts, blocks)
         regroup = ungroup = None
         if not np.array_equal(perm, np.arange(perm.shape[0])):
@@ -544,9 +538,9 @@ def world_and_rank(group: Any = None) -> tuple[int, int]:
 
 __all__ = [
     "Dispatcher",
-    "Layout",
-    "LayoutMismatchError",
     "NonFiniteInputError",
+    "RankRouting",
+    "RoutingMismatchError",
     "gather_index",
     "inverse",
     "split_parts",

@@ -1,37 +1,41 @@
-"""The MoE layer: router, dispatcher and this rank's expert slots.
+"""The MoE layer: router, dispatcher and expert slots; compute only.
 
-    moe = MoE(d_model=512, d_expert=1024, num_experts=8, top_k=2)
-    y = moe(x)                      # x [B, S, D] (or [T, D]) -> y of the same shape
-    loss = task_loss(y) + moe.aux_loss
+    cfg = MoEConfig(d_model=512, d_expert=1024, num_experts=8, top_k=2)
+    moe = MoE(cfg)                  # all E experts, one device, no process group
+    y = moe(x)                      # x [B, T, M] (or [T, M]) -> y of the same shape
+    loss = task_loss(y) + moe.last_forward.aux_loss
 
-Without a process group (or with one rank) the layer holds every expert. With a process group of
-W ranks it runs expert parallelism: W must divide E (each rank holds E / W experts), or E must
-divide W (expert-data parallelism: each expert on W / E ranks). Each rank feeds its own tokens;
-expert weights live in `experts` (`[S, ...]` stacked over this rank's slots) and their gradients
-are for those slots. The router is replicated: after `backward`, sum its gradients over the ranks
-with `sync_router_grads(model)` (or include it in your data-parallel all-reduce with SUM) to get
-the gradient of the sum of the ranks' losses.
+Built alone, the layer holds every expert (`experts` stacked `[E, ...]`) and runs on one device.
+Expert parallelism is attached from outside: `apply_expert_parallel(model, group, num_slots=...)`
+(`poise.nn.expert_parallel`) keeps this rank's slots (`[P, ...]`, taken from the full layer),
+installs a `Dispatcher` over the group and checks that every rank agrees on the configuration.
+The same model thus runs on one device, under EP, or under the Balancer, unedited. Under EP each
+rank feeds its own tokens; the router is replicated: after `backward`, sum its gradients over
+the ranks with `sync_router_grads(model)` (or include it in your data-parallel all-reduce with
+SUM) to get the gradient of the sum of the ranks' losses.
 
-Layouts. By default experts sit in contiguous blocks (static EP, `Layout.static`). The runtime
-changes where experts live and where tokens go with `set_layout(placement, assignment,
+Routing. By default experts sit in contiguous blocks (static EP, `RankRouting.static`). The
+runtime changes where experts live and where tokens go with `set_routing(placement, assignment,
 slot_map)`, which takes effect at the next forward; it moves no weights (the runtime's Trans and
-migration fill the slots). `last_counts [E]` holds the assignments this rank's router produced in
-the last forward (before dispatch and drops), for the balancer to gather; nothing else in
-`forward` has balancing side effects. Each expert weight's gradient is accumulated once per
-backward (its post-accumulate-grad hooks fire once), also with `overlap_degree > 1`, where
-each token chunk runs the experts (autograd sums the chunks' gradients before accumulating).
+migration fill the slots). Each expert weight's gradient is accumulated once per backward (its
+post-accumulate-grad hooks fire once), also with `overlap_degree > 1`.
 
-Checks: the layer's configuration (and router weights) are compared across ranks at the first
-forward (`ConfigError` instead of a hang in a collective); inputs with NaN or infinity raise
-`NonFiniteInputError` on every rank (`check_finite=False` skips the check); ranks whose layouts
-differ raise `LayoutMismatchError`.
+State after a forward, all declared in `__init__`:
+- buffers (not saved in the state dict, moved by `.to()`): `last_counts [E]`, the assignments
+  this rank's router produced in the last forward (before dispatch and drops), for the Balancer;
+  `bias_counts [E]`, the training forwards' counts since the last `update_bias`;
+- `last_forward` (a `ForwardRecord`): the router's `aux_loss` (weighted balance + z losses),
+  `balance_loss`, `z_loss`, and `seconds` per phase (gate, dispatch, experts, combine).
+
+Checks: inputs with NaN or infinity raise `NonFiniteInputError` (on every rank under EP;
+`check_finite=False` skips the check); ranks whose routings differ raise `RoutingMismatchError`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,19 +44,24 @@ from torch import nn
 
 from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
-from poise.nn.dispatch import Dispatcher, Layout, world_and_rank
-from poise.nn.experts import Activation, Experts, ExpertsImpl
-from poise.nn.router import Router, Score
+from poise.nn.comm import comm_device
+from poise.nn.config import MoEConfig
+from poise.nn.dispatch import Dispatcher, RankRouting, world_and_rank
+from poise.nn.experts import Experts
+from poise.nn.router import Router
 from poise.nn.slots import SlotMap
+from poise.util.digest import digest
+
+EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
 
 
 def default_slots(num_experts: int, world: int) -> int:
-    """Slots per rank of the static layout: `E / W`, or 1 with more ranks than experts."""
+    """Slots per rank of the static layout: `E / D`, or 1 with more ranks than experts."""
     return max(num_experts // world, 1)
 
 
 def check_world(num_experts: int, world: int) -> None:
-    """Refuse worlds that do not fit the experts (W divides E, or E divides W)."""
+    """Refuse worlds that do not fit the experts (D divides E, or E divides D)."""
     if (world <= num_experts and num_experts % world) or (
         world > num_experts and world % num_experts
     ):
@@ -63,90 +72,76 @@ def check_world(num_experts: int, world: int) -> None:
         )
 
 
+@dataclass
+class ForwardRecord:
+    """What an `MoE` forward leaves besides its output: the router's losses (scalars, with
+    their autograd graph: add `aux_loss` to the loss) and the wall seconds per phase."""
+
+    aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    balance_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
 class MoE(nn.Module):
-    """A Mixture-of-Experts FFN layer with expert parallelism over `group`.
+    """A Mixture-of-Experts FFN layer: `forward(x [..., M]) -> y [..., M]`.
 
-    `forward(x [..., D]) -> y [..., D]`; after it, `aux_loss` (router's weighted balance + z
-    losses), `balance_loss`, `z_loss`, `last_counts [E]`, `last_seconds` (per phase: gate,
-    dispatch, experts, combine).
+    `config`: the layer (`MoEConfig`); `router`: a ready router instead of the config's (e.g. a
+    `ReplayRouter`; its shapes must match). Holds all `E` experts (`experts`, `[E, ...]`) until
+    `apply_expert_parallel` keeps this rank's `P` slots. After forward: the buffers
+    `last_counts [E]` and `bias_counts [E]`, and `last_forward` (losses, seconds)."""
 
-    Arguments: `activation` ("swiglu" | "gelu"), router options (`score`, `renormalize`,
-    `balance_coef`, `z_loss_coef`, `expert_bias`, `capacity_factor`; or a ready `router`, e.g. a
-    `ReplayRouter`), `num_slots` (expert slots per rank; more than `E / W` leaves room for
-    replicas), `overlap_degree` (token all-to-all chunks pipelined with expert compute),
-    `experts_impl` ("auto" | "grouped" | "loop"), `check_finite`, `group`, `init_seed` (expert e
-    is drawn from a generator seeded by (init_seed, e), so its weights do not depend on the
-    layout; default: one draw from torch's global generator)."""
+    last_counts: torch.Tensor
+    bias_counts: torch.Tensor
 
     def __init__(
         self,
-        d_model: int,
-        d_expert: int,
-        num_experts: int,
-        top_k: int = 2,
+        config: MoEConfig,
         *,
-        activation: Activation = "swiglu",
-        score: Score = "softmax",
-        renormalize: bool | None = None,
-        balance_coef: float = 0.0,
-        z_loss_coef: float = 0.0,
-        expert_bias: bool = False,
-        capacity_factor: float | None = None,
         router: Router | None = None,
-        num_slots: int | None = None,
-        overlap_degree: int = 1,
-        experts_impl: ExpertsImpl = "auto",
-        check_finite: bool = True,
-        group: Any = None,
-        init_seed: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.group = group
-        self.world, self.rank = world_and_rank(group)
-        check_world(num_experts, self.world)
-        need = default_slots(num_experts, self.world)
-        slots = need if num_slots is None else int(num_slots)
-        if slots < need:
-            raise ConfigError(
-                f"{num_experts} experts on {self.world} ranks need >= {need} slots, got {slots}",
-                field="num_slots",
-            )
-        self.num_experts = int(num_experts)
-        self.top_k = int(top_k)
+        if not isinstance(config, MoEConfig):
+            raise ConfigError(f"must be a MoEConfig, got {type(config).__name__}", field="config")
+        c = self.config = config
         self.router = router or Router(
-            d_model,
-            num_experts,
-            top_k,
-            score=score,
-            renormalize=renormalize,
-            balance_coef=balance_coef,
-            z_loss_coef=z_loss_coef,
-            expert_bias=expert_bias,
-            capacity_factor=capacity_factor,
-            device=device,
-            dtype=dtype,
-        )
-        _check_router(self.router, d_model, num_experts, top_k)
+            c.d_model, c.num_experts, c.top_k, score=c.score, renormalize=c.renormalize,
+            balance_coef=c.balance_coef, z_loss_coef=c.z_loss_coef, expert_bias=c.expert_bias,
+            capacity_factor=c.capacity_factor, device=device, dtype=dtype,
+        )  # fmt: skip
+        _check_router(self.router, c)
+        E = c.num_experts
         self.experts = Experts(
-            slots, d_model, d_expert, activation, impl=experts_impl, device=device, dtype=dtype
+            E, c.d_model, c.d_expert, c.activation, impl=c.experts_impl, device=device, dtype=dtype
         )
-        self.dispatcher = Dispatcher(num_experts, top_k, group, overlap_degree)
-        self.check_finite = check_finite
-        self.layout = Layout.static(num_experts, self.world, self.rank, slots)
-        self.init_seed = _draw_seed() if init_seed is None else int(init_seed)
+        # Expert parallelism (set by `apply_expert_parallel`): none, one process.
+        self.group: Any = None
+        self.world, self.rank = 1, 0
+        self.expert_parallel = False
+        self.dispatcher = Dispatcher(E, c.top_k, None, c.overlap_degree)
+        self.routing = RankRouting.static(E, 1, 0, E)
+        self.init_seed = _draw_seed() if c.init_seed is None else int(c.init_seed)
         self.reset_experts()
-        self.last_counts = torch.zeros(num_experts, dtype=torch.long)
-        self.bias_counts = torch.zeros(num_experts, dtype=torch.long)
-        self.aux_loss = self.balance_loss = self.z_loss = torch.zeros(())
-        self.last_seconds: dict[str, float] = {}
-        self._checked = self.world == 1
+        self.register_buffer("last_counts", torch.zeros(E, dtype=torch.long, device=device),
+                             persistent=False)  # fmt: skip
+        self.register_buffer("bias_counts", torch.zeros(E, dtype=torch.long, device=device),
+                             persistent=False)  # fmt: skip
+        self.last_forward = ForwardRecord()
 
     # ------------------------------------------------------------------ properties
     @property
     def d_model(self) -> int:
-        return self.experts.d_model
+        return self.config.d_model
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
 
     @property
     def num_slots(self) -> int:
@@ -156,29 +151,22 @@ class MoE(nn.Module):
     def overlap_degree(self) -> int:
         return self.dispatcher.overlap_degree
 
-    @overlap_degree.setter
-    def overlap_degree(self, n: int) -> None:
-        if int(n) < 1:
-            raise ConfigError(f"must be >= 1, got {n}", field="overlap_degree")
-        self.dispatcher.overlap_degree = int(n)
-
-    # ------------------------------------------------------------------ weights and layout
+    # ------------------------------------------------------------------ weights and routing
     def reset_experts(self) -> None:
         """Draw every held slot's weights from its expert's own generator; empty slots zero."""
-        for slot, e in enumerate(self.layout.slots.expert.tolist()):
+        for slot, e in enumerate(self.routing.slots.expert.tolist()):
             if e < 0:
                 with torch.no_grad():
                     for w in self.experts.weights():
                         w[slot].zero_()
                 continue
-            gen = expert_generator(self.init_seed, e)
-            self.experts.init_slot(slot, gen)
+            self.experts.init_slot(slot, expert_generator(self.init_seed, e))
 
     @torch.no_grad()
     def load_expert_weights(self, full: Mapping[str, torch.Tensor]) -> None:
         """Fill every held slot from stacked per-expert weights `full[name] [E, ...]` (names
         `w_in`, `w_gate`, `w_out`, as in `experts`); empty slots are zeroed."""
-        for name in ("w_in", "w_gate", "w_out"):
+        for name in EXPERT_WEIGHTS:
             w = getattr(self.experts, name)
             if w is None:
                 continue
@@ -189,13 +177,13 @@ class MoE(nn.Module):
                     f"got {list(src.shape)}",
                     field=name,
                 )
-            for slot, e in enumerate(self.layout.slots.expert.tolist()):
+            for slot, e in enumerate(self.routing.slots.expert.tolist()):
                 if e >= 0:
                     w[slot].copy_(src[e])
                 else:
                     w[slot].zero_()
 
-    def set_layout(
+    def set_routing(
         self,
         placement: Placement,
         assignment: Assignment,
@@ -203,7 +191,7 @@ class MoE(nn.Module):
         layer: int = 0,
     ) -> None:
         """From the next forward on, route by layer `layer` of `placement` (home `[E]`, copies
-        `[W, E]`) and `assignment` (weights `[E, W]`), with `slot_map` this rank's slots.
+        `[D, E]`) and `assignment` (weights `[E, D]`), with `slot_map` this rank's slots.
 
         Routing only: the slots' weights must be put in place by the caller (the runtime's
         Trans and migration, or `load_expert_weights`). Raises `PlanError` when the plan does
@@ -219,116 +207,82 @@ class MoE(nn.Module):
                 f"slot map has {slot_map.slots} slots, the layer {self.num_slots}",
                 field="placement.slots",
             )
-        self.layout = Layout.from_plan(placement, assignment, slot_map, self.rank, layer)
+        self.routing = RankRouting.from_plan(placement, assignment, slot_map, self.rank, layer)
 
-    def reset_layout(self) -> None:
-        """Back to the static layout (routing only, as `set_layout`)."""
-        self.layout = Layout.static(self.num_experts, self.world, self.rank, self.num_slots)
+    def reset_routing(self) -> None:
+        """Back to static EP's routing (routing only, as `set_routing`)."""
+        self.routing = RankRouting.static(self.num_experts, self.world, self.rank, self.num_slots)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x [..., D]` (e.g. `[B, S, D]`) -> `y` of the same shape."""
+        """`x [..., M]` (e.g. `[B, T, M]`) -> `y` of the same shape."""
         if x.shape[-1] != self.d_model:
             raise ConfigError(
                 f"input's last dimension is {x.shape[-1]}, the layer's d_model {self.d_model}",
                 field="moe.input",
             )
-        if not self._checked:
-            self._check_ranks_agree()
         t0 = time.perf_counter()
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens)
         counts = routing.counts.detach()
-        self.last_counts = counts
+        self.last_counts.copy_(counts)
         if self.training and self.router.expert_bias is not None:
-            self.bias_counts = self.bias_counts.to(counts.device) + counts
-        self.aux_loss, self.balance_loss, self.z_loss = (
-            routing.aux_loss,
-            routing.balance_loss,
-            routing.z_loss,
-        )
-        nonfinite = self.check_finite and not bool(torch.isfinite(routing.logits).all())
+            self.bias_counts.add_(counts.to(self.bias_counts.device))
+        nonfinite = self.config.check_finite and not bool(torch.isfinite(routing.logits).all())
         t_gate = time.perf_counter() - t0
         y = self.dispatcher(
             tokens,
             routing.experts,
             routing.weights,
             routing.keep,
-            self.layout,
+            self.routing,
             self.experts,
             nonfinite,
         )
-        self.last_seconds = {"gate": t_gate, **self.dispatcher.seconds}
+        self.last_forward = ForwardRecord(
+            aux_loss=routing.aux_loss,
+            balance_loss=routing.balance_loss,
+            z_loss=routing.z_loss,
+            seconds={"gate": t_gate, **self.dispatcher.seconds},
+        )
         return y.view(x.shape)
 
-    def _check_ranks_agree(self) -> None:
-        """Compare a digest of the configuration and one of the router weights across ranks."""
-        mine = torch.tensor([self.config_digest(), _tensor_digest(self.router.weight)])
-        mine = mine.to(_comm_device(self.group, self.router.weight.device))
-        got = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(got, mine, group=self.group)
-        table = torch.stack(got).cpu()
-        for col, what in ((0, "configuration"), (1, "router weights")):
-            other = (table[:, col] != table[self.rank, col]).nonzero().flatten().tolist()
-            if other:
-                hint = "seed every rank alike" if col else "build the layer alike on every rank"
-                raise ConfigError(
-                    f"MoE {what} on rank {self.rank} differs from rank(s) {other} ({hint})",
-                    field="moe",
-                )
-        self._checked = True
-
     def config_digest(self) -> int:
-        """A digest of what every rank must agree on (shapes, options, slots, dtype)."""
-        r, e = self.router, self.experts
-        parts = (
-            e.d_model, e.d_expert, self.num_experts, self.top_k, e.num_slots, e.activation,
+        """A digest of what every rank of an EP group must agree on: the config, the slots,
+        the weights' dtype and the router's kind and options."""
+        r = self.router
+        return digest(
+            self.config.digest(), self.num_slots, str(self.experts.w_in.dtype), type(r).__name__,
             r.score, r.renormalize, r.capacity_factor, r.expert_bias is not None,
-            self.overlap_degree, str(e.w_in.dtype), type(r).__name__,
         )  # fmt: skip
-        h = hashlib.blake2b(repr(parts).encode(), digest_size=8)
-        return int.from_bytes(h.digest(), "little") >> 2
 
     # ------------------------------------------------------------------ balancing helpers
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
         """DeepSeek-V3's bias update from the counts since the last update, summed over the
-        ranks (a collective when there are several): call it on every rank, outside forward."""
-        counts = self.bias_counts.to(self.router.weight.device)
+        ranks (a collective under EP): call it on every rank, outside forward."""
+        counts = self.bias_counts.clone()
         if self.world > 1:
-            counts = counts.to(_comm_device(self.group, counts.device))
+            counts = counts.to(comm_device(self.group, counts.device))
             dist.all_reduce(counts, group=self.group)
-        self.router.update_bias(counts, rate)
-        self.bias_counts = torch.zeros_like(self.bias_counts)
+        self.router.update_bias(counts.to(self.router.weight.device), rate)
+        self.bias_counts.zero_()
 
     def extra_repr(self) -> str:
         return f"world={self.world}, rank={self.rank}, overlap_degree={self.overlap_degree}"
 
 
-def _check_router(router: Router, d_model: int, num_experts: int, top_k: int) -> None:
+def _check_router(router: Router, config: MoEConfig) -> None:
     got = (router.d_model, router.num_experts, router.top_k)
-    if got != (d_model, num_experts, top_k):
+    want = (config.d_model, config.num_experts, config.top_k)
+    if got != want:
         raise ConfigError(
-            f"router is (d_model, experts, top_k) = {got}, the layer "
-            f"{(d_model, num_experts, top_k)}",
-            field="router",
+            f"router is (d_model, experts, top_k) = {got}, the layer {want}", field="router"
         )
 
 
 def _draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-def _tensor_digest(t: torch.Tensor) -> int:
-    data = t.detach().float().cpu().contiguous().numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
-
-
-def _comm_device(group: Any, device: torch.device) -> torch.device:
-    """Where collective buffers must live: CUDA for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return device if device.type == "cuda" else torch.device("cuda")
-    return torch.device("cpu")
 
 
 def expert_generator(init_seed: int, expert: int) -> torch.Generator:
@@ -338,20 +292,23 @@ def expert_generator(init_seed: int, expert: int) -> torch.Generator:
     return torch.Generator().manual_seed(init_seed * 1_000_003 + expert)
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """The `MoE` layers of `model` in module order."""
+def find_moe_layers(model: nn.Module) -> list[MoE]:
+    """The `MoE` layers of `model` in module order (`model` may itself be one)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def sync_router_grads(model: nn.Module, group: Any = None) -> None:
-    """Sum the routers' gradients of every `MoE` in `model` over `group` (one all-reduce).
+    """Sum the routers' gradients of every `MoE` in `model` over `group` (None: the default
+    group; one all-reduce).
 
     Each rank's router sees only its own tokens; after this, every rank holds the gradient of
     the sum of all ranks' losses (what one process computing every rank's tokens would get).
-    A no-op without a process group."""
+    A no-op without an initialised process group."""
     if world_and_rank(group)[0] == 1:
         return
-    params = [p for m in moe_layers(model) for p in m.router.parameters() if p.grad is not None]
+    params = [
+        p for m in find_moe_layers(model) for p in m.router.parameters() if p.grad is not None
+    ]
     _all_reduce_grads(params, group)
 
 
@@ -361,8 +318,7 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any) -> None:
         return
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    device = _comm_device(group, flat.device)
-    buf = flat.to(device)
+    buf = flat.to(comm_device(group, flat.device))
     dist.all_reduce(buf, group=group)
     flat = buf.to(flat.device)
     offset = 0
@@ -377,7 +333,7 @@ def install_bias_update(
 ) -> torch.utils.hooks.RemovableHandle:
     """Run `MoE.update_bias(rate)` on every `MoE` of `model` with an expert bias before each
     `optimizer.step()` (a step pre-hook; remove it with the returned handle)."""
-    layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+    layers = [m for m in find_moe_layers(model) if m.router.expert_bias is not None]
     if not layers:
         raise ConfigError("no MoE layer of the model has an expert bias", field="expert_bias")
 
@@ -389,10 +345,13 @@ def install_bias_update(
 
 
 __all__ = [
+    "EXPERT_WEIGHTS",
+    "ForwardRecord",
     "MoE",
     "check_world",
     "default_slots",
+    "expert_generator",
+    "find_moe_layers",
     "install_bias_update",
-    "moe_layers",
     "sync_router_grads",
 ]

@@ -1,7 +1,8 @@
 """Live balancing on torch.distributed: launching ranks, transfers, the Balancer.
 
     from poise.runtime import Balancer
-    balancer = Balancer(model, optimizer, policy="auto", every=10)   # then train as usual
+    apply_expert_parallel(model, group, num_slots=E // D + 1)        # poise.nn, on every rank
+    balancer = Balancer(model, optimizer, policy="auto", replan_every=10)  # then train as usual
 
 - `launch`: `run_ranks(fn, world_size, *args)` on spawned gloo ranks (tests, benchmarks);
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,

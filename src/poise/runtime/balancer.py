@@ -1,8 +1,9 @@
 """The Balancer: live load balancing of a model's `poise.nn.MoE` layers between training steps.
 
-    model = MyModel(...)        # poise.nn.MoE layers built with spare slots (num_slots > E / W)
+    model = MyModel(...)        # poise.nn.MoE layers, then
+    apply_expert_parallel(model, group, num_slots=E // D + 1)     # spare slots for replicas
     opt = torch.optim.AdamW(model.parameters(), ...)
-    balancer = Balancer(model, opt, policy="auto", every=10)      # on every rank, collective
+    balancer = Balancer(model, opt, policy="auto", replan_every=10)  # every rank, collective
     for batch in data:
         loss = model(batch).loss
         loss.backward()
@@ -21,15 +22,15 @@ optimizer, and the loop calls `before_step()` before and `after_step()` after `o
 Each step:
 
 - the layers' `last_counts[E]` (tokens this rank routed to each expert) are accumulated over the
-  step's forwards, then gathered (`all_gather`) so every rank holds `counts[L, W, E]`; a window of
+  step's forwards, then gathered (`all_gather`) so every rank holds `counts[L, D, E]`; a window of
   the last `history` steps is kept;
 - before the optimizer step: Agg (replica gradients summed into their homes, zeroed);
-- after it: every `every` steps the predictor forecasts `[L, W, E]` from the window and the
-  policy plans; every rank plans from the same data with the same deterministic code, and a hash
-  of the plan is compared across ranks (`PlanMismatchError` if they disagree). The plan takes
-  effect at once: `migrate` (weights and AdamW moments to new homes, replicas filled) and the
-  layers' new layouts. On other steps, Trans refreshes the replicas, launched asynchronously and
-  awaited by each layer just before it uses its experts.
+- after it: every `replan_every` steps the predictor forecasts `[L, D, E]` from the window and the
+  policy plans; every rank plans from the same data with the same deterministic code, and the
+  plan's digest (`Plan.digest`) is compared across ranks (`PlanMismatchError` if they disagree).
+  The plan takes effect at once: `migrate` (weights and AdamW moments to new homes, replicas
+  filled) and the layers' new routings. On other steps, Trans refreshes the replicas, launched
+  asynchronously and awaited by each layer just before it uses its experts.
 
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
@@ -45,7 +46,6 @@ are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -60,7 +60,8 @@ from poise.core.cluster import PRESETS, Cluster, get_cluster
 from poise.core.errors import ConfigError, PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.comm import comm_device
+from poise.nn.moe import MoE, find_moe_layers
 from poise.nn.slots import SlotMap, slot_maps
 from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
@@ -76,14 +77,9 @@ class PlanMismatchError(PoiseError):
     """Ranks computed different plans from the same gathered loads."""
 
 
-def find_moe_layers(model: nn.Module) -> list[MoE]:
-    """The model's `poise.nn.MoE` layers in module order (the order of `model.modules()`)."""
-    return moe_layers(model)
-
-
 def expert_params(layer: MoE) -> list[nn.Parameter]:
-    """The layer's stacked per-slot expert tensors, each `[S, ...]`: `w_in [S, D, H]`,
-    `w_gate [S, D, H]` (SwiGLU only), `w_out [S, H, D]`."""
+    """The layer's stacked per-slot expert tensors, each `[P, ...]`: `w_in [P, M, H]`,
+    `w_gate [P, M, H]` (SwiGLU only), `w_out [P, H, M]`."""
     return list(layer.experts.weights())
 
 
@@ -96,7 +92,7 @@ def default_cluster(world_size: int) -> Cluster:
 
 
 def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
-    """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [S, D, H]`),
+    """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [P, M, H]`),
     its expert count and top-k, the number of layers, the parameters' dtype, AdamW's two moments
     in the parameters' dtype, `tokens_per_device` tokens entering a layer per rank and step."""
     first = layers[0]
@@ -114,21 +110,6 @@ def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> Model
         optimizer_bytes_per_param=2.0 * dtype_bytes,
         activation=first.experts.activation,
     )
-
-
-def plan_hash(plan: Plan) -> int:
-    """A 63-bit digest of a plan's placement and assignment (what the ranks must agree on)."""
-    h = hashlib.blake2b(digest_size=8)
-    a = plan.assignment
-    parts = [plan.placement.home, plan.placement.copies, a.weights]
-    if a.group_weights is not None:
-        parts.append(a.group_weights)
-    for x in parts:
-        arr = np.ascontiguousarray(x)
-        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
-        h.update(arr.tobytes())
-    h.update(str(a.group_size).encode())
-    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _same_maps(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
@@ -169,13 +150,13 @@ class Balancer:
 
     - `policy`: a registered policy name (`auto`, `static`, `shadow`, `prophet`, `vexpert`,
       `eplb`, `permute`, `hybrid`);
-    - `every`: re-plan every K steps (the first plan after K observed steps);
+    - `replan_every`: re-plan every K steps (the first plan after K observed steps);
     - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
-      YAML path (the file `poise calibrate` writes); default `default_cluster(W)`;
+      YAML path (the file `poise calibrate` writes); default `default_cluster(D)`;
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
     - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);
-    - `options`: per-policy settings (`auto`'s horizon defaults to `every`);
+    - `options`: per-policy settings (`auto`'s horizon defaults to `replan_every`);
     - `history`: steps of counts kept for the predictor and the policies' look-back;
     - `hooks`: register the optimizer step hooks (else call `before_step`/`after_step`);
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
@@ -192,7 +173,7 @@ class Balancer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         policy: str = "auto",
-        every: int = 10,
+        replan_every: int = 10,
         *,
         cluster: Cluster | str | None = None,
         spec: ModelSpec | None = None,
@@ -206,8 +187,8 @@ class Balancer:
         keep_stats: int = 10_000,
         compression: Compression | float | None = None,
     ) -> None:
-        if every < 1:
-            raise ConfigError("must be >= 1", source=str(every), field="every")
+        if replan_every < 1:
+            raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
         get_policy(policy)  # unknown names fail here
         modules = find_moe_layers(model)
         if not modules:
@@ -215,7 +196,7 @@ class Balancer:
         self.model = model
         self.optimizer = optimizer
         self.policy = policy
-        self.every = every
+        self.replan_every = replan_every
         self.group = group if group is not None else modules[0].group
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [_LayerState(m, i) for i, m in enumerate(modules)]
@@ -233,20 +214,20 @@ class Balancer:
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
         self.options = {k: dict(v) for k, v in (options or {}).items()}
-        self.options.setdefault("auto", {}).setdefault("horizon", every)
+        self.options.setdefault("auto", {}).setdefault("horizon", replan_every)
         self.check_plans = check_plans
         self.overlap = overlap
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
-        self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, W, E] per step
+        self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.step = 0
         self.plan = self._initial_plan()
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
         self._handles: list[Any] = []
-        self._apply_layout(self.plan)
-        for state in self.layers:  # replicas of the initial layout start from their homes
+        self._apply_routing(self.plan)
+        for state in self.layers:  # replicas of the initial routing start from their homes
             if state.has_replicas:
                 self._start_trans(state, refresh=True).wait()
         self._register_layer_hooks()
@@ -264,27 +245,27 @@ class Balancer:
         return slots.pop()
 
     def _initial_plan(self) -> Plan:
-        """The plan the layers run now (their `layout`: the static one for fresh layers).
+        """The plan the layers run now (their `routing`: static EP's for fresh layers).
 
-        A layout's weights are this rank's source shares, so this assumes plain (not
-        group-local) routing, which is all a layer's own default layout uses."""
-        layouts = [s.layer.layout for s in self.layers]
-        if len({x.num_experts for x in layouts}) != 1:
+        A routing's weights are this rank's source shares, so this assumes plain (not
+        group-local) routing, which is all a layer's own default routing uses."""
+        routings = [s.layer.routing for s in self.layers]
+        if len({x.num_experts for x in routings}) != 1:
             raise ConfigError("MoE layers have different expert counts", field="num_experts")
         placement = Placement(
-            home=np.stack([x.home for x in layouts]).astype(np.int64),
-            copies=np.stack([x.copies for x in layouts]).astype(np.int32),
+            home=np.stack([x.home for x in routings]).astype(np.int64),
+            copies=np.stack([x.copies for x in routings]).astype(np.int32),
             slots_per_device=self.slots,
         )
         placement.validate()
-        assignment = Assignment(np.stack([x.weights for x in layouts]).astype(np.float64))
-        for state, layout in zip(self.layers, layouts, strict=True):
+        assignment = Assignment(np.stack([x.weights for x in routings]).astype(np.float64))
+        for state, routing in zip(self.layers, routings, strict=True):
             mine = slot_maps(placement, state.index, self.slots)[self.rank]
-            if not np.array_equal(mine.expert, layout.slots.expert):
+            if not np.array_equal(mine.expert, routing.slots.expert):
                 raise ConfigError(
                     f"MoE layer {state.index}'s slots are not in the order slot_maps derives "
                     "from its placement (homes, then replicas, then empty)",
-                    field="layout.slots",
+                    field="routing.slots",
                 )
         return Plan(
             policy="initial",
@@ -331,12 +312,13 @@ class Balancer:
     # ------------------------------------------------------------------------ layer hooks
     def _record(self, state: _LayerState) -> None:
         """Forward hook: add the layer's `last_counts[E]` to this step's counts and its phase
-        seconds (`last_seconds`: gate, dispatch, experts, combine) to the step's statistics."""
+        seconds (`last_forward.seconds`: gate, dispatch, experts, combine) to the step's
+        statistics."""
         if not state.layer.training:
             return
         counts = state.layer.last_counts.detach().to("cpu", torch.long)
         state.counts = counts.clone() if state.counts.numel() == 0 else state.counts + counts
-        for phase, seconds in state.layer.last_seconds.items():
+        for phase, seconds in state.layer.last_forward.seconds.items():
             if phase in LAYER_PHASES:
                 self._current.add_seconds(phase, float(seconds))
 
@@ -389,12 +371,13 @@ class Balancer:
         self._prepared = True
 
     def after_step(self) -> None:
-        """Re-plan and apply every `every` steps; otherwise launch Trans for the next forward."""
+        """Re-plan and apply every `replan_every` steps; otherwise launch Trans for the next
+        forward."""
         if not self._prepared:
             self.before_step()
         self.step += 1
         stats = self._current
-        if self.step % self.every == 0 and self.window:
+        if self.step % self.replan_every == 0 and self.window:
             self._replan(stats)
         else:
             t0 = time.perf_counter()
@@ -417,7 +400,7 @@ class Balancer:
 
     # ----------------------------------------------------------------------------- loads
     def _gather_counts(self) -> None:
-        """All ranks' counts of this step: `[L, W, E]` appended to the window."""
+        """All ranks' counts of this step: `[L, D, E]` appended to the window."""
         E = self.num_experts
         local = torch.stack(
             [
@@ -428,10 +411,10 @@ class Balancer:
         for s in self.layers:
             s.counts = torch.zeros(0, dtype=torch.long)
         if self.world_size > 1:
-            local = local.to(_comm_device(self.group))
+            local = local.to(comm_device(self.group, local.device))
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(parts, local, group=self.group)
-            gathered = torch.stack(parts, dim=1).cpu().numpy()  # [L, W, E]
+            gathered = torch.stack(parts, dim=1).cpu().numpy()  # [L, D, E]
         else:
             gathered = local.cpu().numpy()[:, None, :]
         self.window.append(gathered)
@@ -440,7 +423,7 @@ class Balancer:
     # -------------------------------------------------------------------------- planning
     def plan_next(self) -> Plan:
         """The policy's plan from the window (every rank computes the same one)."""
-        history = np.stack(self.window)  # [T, L, W, E]
+        history = np.stack(self.window)  # [S, L, D, E]
         loads = self.predictor.predict(history)
         ctx = PlanContext.create(
             self.cluster,
@@ -456,11 +439,11 @@ class Balancer:
 
     def verify_plan(self, plan: Plan) -> None:
         """Raise `PlanMismatchError` on every rank unless all ranks hold the same plan (one
-        all-reduce of a 63-bit hash). Collective."""
+        all-reduce of `Plan.digest`). Collective."""
         if self.world_size == 1:
             return
-        h = plan_hash(plan)
-        t = torch.tensor([h, -h], dtype=torch.long, device=_comm_device(self.group))
+        h = plan.digest()
+        t = torch.tensor([h, -h], dtype=torch.long, device=comm_device(self.group, "cpu"))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if int(t[0]) != -int(t[1]):
             raise PlanMismatchError(
@@ -478,7 +461,7 @@ class Balancer:
         stats.replanned = True
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
-        """Make `plan` the layout of every layer now: migrate weights and optimizer state where
+        """Make `plan` the routing of every layer now: migrate weights and optimizer state where
         the slot maps change (replicas filled too), Trans where they do not. Collective."""
         stats = stats if stats is not None else self._current
         t0 = time.perf_counter()
@@ -498,13 +481,13 @@ class Balancer:
             stats.migrate_bytes += moved.home_total_bytes
             stats.trans_bytes += moved.replica_total_bytes
             stats.moved_homes += moved.moved_homes
-            if self.compression is not None:  # replicas of the new layout, compressed
+            if self.compression is not None:  # replicas of the new routing, compressed
                 routes = tr.trans_routes(new_maps)
                 if len(routes):
                     done = self._compressed_trans(state, new_maps, routes, refresh=True)
                     done.wait()
                     stats.trans_bytes += done.total_bytes
-        self._apply_layout(plan)
+        self._apply_routing(plan)
         self.plan = plan
         stats.add_seconds("transfers", time.perf_counter() - t0)
 
@@ -534,12 +517,12 @@ class Balancer:
         self._shared[state.index] = pending.shared
         return pending
 
-    def _apply_layout(self, plan: Plan) -> None:
+    def _apply_routing(self, plan: Plan) -> None:
         """Tell each layer its placement, assignment and this rank's slot map."""
         for state in self.layers:
             maps = slot_maps(plan.placement, state.index, self.slots)
             state.set_maps(maps)
-            state.layer.set_layout(
+            state.layer.set_routing(
                 plan.placement, plan.assignment, maps[self.rank], layer=state.index
             )
 
@@ -550,18 +533,10 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 __all__ = [
     "Balancer",
     "PlanMismatchError",
     "default_cluster",
     "expert_params",
-    "find_moe_layers",
-    "plan_hash",
     "spec_from_layers",
 ]

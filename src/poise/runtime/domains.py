@@ -11,7 +11,7 @@ machinery; it builds the clusters and measures the traffic:
 - `domain_cluster`: a `Cluster` of `domains x nodes_per_domain x devices_per_node` ranks with
   the `cpu-2` preset's device and link rates inside a domain and a slower link between domains
   (what the planner prices: the rates of this machine do not matter for where tokens go);
-- `cross_domain_tokens`: from a layer's integer routes `[E, W]` (`Layout.routes`, the very
+- `cross_domain_tokens`: from a layer's integer routes `[E, D]` (`RankRouting.routes`, the very
   split the dispatcher sends), the tokens one rank sends to ranks of other domains, per expert;
 - `DomainTraffic`: forward hooks that record it for every MoE layer and forward.
 """
@@ -25,7 +25,7 @@ from torch import nn
 
 from poise.core.cluster import PRESETS, Cluster, Link
 from poise.core.errors import ConfigError
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.moe import MoE, find_moe_layers
 
 
 def domain_cluster(
@@ -56,21 +56,21 @@ def domain_cluster(
 
 def cross_domain_tokens(routes: np.ndarray, rank: int, size: int) -> np.ndarray:
     """`[E]` tokens rank `rank` sends to ranks outside its domain (`size` ranks per domain),
-    from its integer routes `routes[E, W]`."""
-    W = routes.shape[1]
-    other = np.arange(W) // size != rank // size
+    from its integer routes `routes[E, D]`."""
+    D = routes.shape[1]
+    other = np.arange(D) // size != rank // size
     return routes[:, other].sum(axis=1)
 
 
 class DomainTraffic:
     """Records, at every training forward of each `MoE` layer of `model`, the tokens this rank
     sends across domains per expert: `cross[i]` is `[L, E]` for forward i (layers in module
-    order). Reads the layer's `last_counts` and `layout`: the routes the dispatcher just used
+    order). Reads the layer's `last_counts` and `routing`: the routes the dispatcher just used
     (exactly, when the router drops nothing: `last_counts` are counted before capacity drops).
     `close()` removes the hooks."""
 
     def __init__(self, model: nn.Module, size: int) -> None:
-        self.layers: list[MoE] = moe_layers(model)
+        self.layers: list[MoE] = find_moe_layers(model)
         if not self.layers:
             raise ConfigError("the model has no poise.nn.MoE layer", field="model")
         if size < 1:
@@ -88,7 +88,7 @@ class DomainTraffic:
         if not layer.training:
             return
         counts = layer.last_counts.detach().cpu().numpy()
-        routes = layer.layout.routes(counts)
+        routes = layer.routing.routes(counts)
         self._row.append(cross_domain_tokens(routes, layer.rank, self.size))
         if index == len(self.layers) - 1:
             self.cross.append(np.stack(self._row))

@@ -5,7 +5,7 @@
   adds the ranks' sums, and the total is divided by E: every rank holds the same shared expert
   `[*row]` per tensor, the mean of the layer's experts at their homes' current weights (an
   all-reduce hands every rank the same bits; data parallelism relies on that too). Bytes, all
-  ranks together, counted as a ring all-reduce moves them: `2 (W - 1) sum_t numel(row_t) b_v`.
+  ranks together, counted as a ring all-reduce moves them: `2 (D - 1) sum_t numel(row_t) b_v`.
 - `trans_compressed_async`: one `all_to_all_single` (`transfers.exchange`) of each replica's
   packed row (`compress.pack`: the residual's top-k values and indices, or the dense row above
   the break-even); the receiver writes `shared + residual` into the replica slot. Sender and

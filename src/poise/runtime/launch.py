@@ -1,4 +1,4 @@
-"""Run a function on W local gloo ranks in spawned processes and collect what each returns.
+"""Run a function on D local gloo ranks in spawned processes and collect what each returns.
 
 Used by the multi-rank tests, the benchmarks and `poise calibrate`: every rank gets a gloo
 process group on 127.0.0.1 (with a collective timeout, so a disagreeing rank is an error, not a

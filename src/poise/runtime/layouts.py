@@ -5,14 +5,15 @@
 
     layout = Layout(devices=world, experts=E, layers=L, ep=2)      # or from `poise layouts`
     groups = create_groups(layout)                                  # once, on every rank
-    moe = MoE(d_model, d_expert, E, k, **groups.moe_kwargs())       # group=EP group, E/ep slots
+    model = MyModel(...)                                            # compute-only MoE layers
+    apply_expert_parallel(model, **groups.expert_parallel_kwargs()) # EP group, E/ep slots
     ...
     loss.backward()
     sync_router_grads(model)                     # dense/router gradients: SUM over the world
     all_reduce_expert_grads(model, groups.edp)   # expert gradients: SUM over the EDP group
     optimizer.step()
 
-A `poise.layouts.pool.Layout` with pipeline degree 1 splits the W ranks into W / ep contiguous EP
+A `poise.layouts.pool.Layout` with pipeline degree 1 splits the D ranks into D / ep contiguous EP
 groups of ep ranks (ranks [g ep, (g+1) ep)); each group holds every expert, E / ep per rank, and
 runs `poise.nn.MoE`'s expert parallelism on its own tokens. The ranks at the same position of
 every EP group (ranks {i, i + ep, i + 2 ep, ...}) form an EDP group: they hold the same experts
@@ -22,7 +23,7 @@ Why SUM (not mean). `poise.nn.MoE`'s backward already sums, into each slot, the 
 contributions of every rank of the EP group (the dispatcher returns them); the routers' and the
 dense parameters' gradients are summed over the ranks (`sync_router_grads`, the training loop's
 dense all-reduce) with each rank's loss normalised by the *global* token count. Summing the EDP
-copies therefore gives every copy the gradient of the sum of all W ranks' losses: what one
+copies therefore gives every copy the gradient of the sum of all D ranks' losses: what one
 process computing the whole global batch gets (tests/test_runtime_layouts.py checks it to
 1e-5). A mean would divide the expert gradients by edp and no others. Every copy then takes the
 same optimizer step from the same state, so the replicas stay identical without any weight
@@ -45,7 +46,8 @@ from torch import nn
 
 from poise.core.errors import ConfigError, PlanError
 from poise.layouts.pool import Layout
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.comm import comm_device
+from poise.nn.moe import MoE, find_moe_layers
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ class LayoutGroups:
         """Which replica of the expert set this rank belongs to (= its EP group's index)."""
         return self.edp_ranks.index(self.rank)
 
-    def moe_kwargs(self) -> dict[str, Any]:
-        """`group` and `num_slots` for `poise.nn.MoE` (E / ep experts per rank)."""
+    def expert_parallel_kwargs(self) -> dict[str, Any]:
+        """`group` and `num_slots` for `poise.nn.apply_expert_parallel` (E / ep experts per
+        rank)."""
         return {"group": self.ep, "num_slots": self.layout.experts_per_device}
 
 
@@ -107,7 +110,7 @@ def create_groups(layout: Layout) -> LayoutGroups:
 def _create_all(groups: list[list[int]], rank: int, world: int) -> tuple[Any, tuple[int, ...]]:
     """Create every group in `groups` (in order, on every rank) and return this rank's group
     and its ranks. A group of the whole world is the default group. Groups of one rank are
-    created too: `MoE(group=None)` would mean the default group."""
+    created too (None would mean no process group at all)."""
     mine: Any = None
     mine_ranks: tuple[int, ...] = ()
     for ranks in groups:
@@ -120,7 +123,7 @@ def _create_all(groups: list[list[int]], rank: int, world: int) -> tuple[Any, tu
 def expert_weights(model: nn.Module) -> list[nn.Parameter]:
     """The stacked slot weights (`[S, ...]` each) of every `poise.nn.MoE` in `model`, in module
     order (`model` may itself be one `MoE`)."""
-    return [w for m in moe_layers(model) for w in m.experts.weights()]
+    return [w for m in find_moe_layers(model) for w in m.experts.weights()]
 
 
 def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = True) -> None:
@@ -134,7 +137,7 @@ def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = T
     so every replica must keep its experts in the same slots."""
     if edp_group is None or dist.get_world_size(edp_group) == 1:
         return
-    layers = moe_layers(model)
+    layers = find_moe_layers(model)
     if check:
         _check_slots_agree(layers, edp_group)
     params = expert_weights(model)
@@ -149,7 +152,7 @@ def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = T
 def _all_reduce_flat(tensors: Iterable[torch.Tensor], group: Any) -> None:
     tensors = list(tensors)
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    buf = flat.to(_comm_device(group, flat.device))
+    buf = flat.to(comm_device(group, flat.device))
     dist.all_reduce(buf, group=group)
     flat = buf.to(flat.device)
     offset = 0
@@ -162,8 +165,8 @@ def _all_reduce_flat(tensors: Iterable[torch.Tensor], group: Any) -> None:
 def _check_slots_agree(layers: list[MoE], group: Any) -> None:
     if not layers:
         return
-    maps = torch.cat([torch.as_tensor(m.layout.slots.expert, dtype=torch.int64) for m in layers])
-    device = _comm_device(group, torch.device("cpu"))
+    maps = torch.cat([torch.as_tensor(m.routing.slots.expert, dtype=torch.int64) for m in layers])
+    device = comm_device(group, torch.device("cpu"))
     lo, hi = maps.to(device), maps.clone().to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
@@ -171,7 +174,7 @@ def _check_slots_agree(layers: list[MoE], group: Any) -> None:
         raise PlanError(
             "the ranks of an expert-data-parallel group hold different experts in their slots; "
             "their gradients cannot be summed slot by slot (plan every EP group alike)",
-            field="layout.slots",
+            field="routing.slots",
         )
 
 
@@ -185,18 +188,11 @@ def replicas_agree(model: nn.Module, edp_group: Any, atol: float = 0.0) -> bool:
     if not params:
         return True
     flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    device = _comm_device(edp_group, flat.device)
+    device = comm_device(edp_group, flat.device)
     lo, hi = flat.to(device), flat.clone().to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=edp_group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=edp_group)
     return bool((hi - lo).abs().max() <= atol)
-
-
-def _comm_device(group: Any, device: torch.device) -> torch.device:
-    """Where collective buffers must live: CUDA for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return device if device.type == "cuda" else torch.device("cuda")
-    return torch.device("cpu")
 
 
 __all__ = [

@@ -51,7 +51,6 @@ parallel replicas (the EP group; the world for routers that gated split tokens).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -61,7 +60,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Block, GPTConfig
-from poise.nn.dispatch import Dispatcher, Layout
+from poise.nn.dispatch import Dispatcher, RankRouting
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.moe import expert_generator
 from poise.nn.router import Router, Score
@@ -77,6 +76,7 @@ from poise.runtime.expert_shard import (
 from poise.runtime.parallel_choice import ParmChooser, ParmShape, ScheduleChooser
 from poise.runtime.parallel_groups import ParallelGroups
 from poise.runtime.tensor_parallel import ParallelAttention, even_sizes, gather_rows, split_rows
+from poise.util.digest import digest
 
 Schedule = Literal["baseline", "s1", "s2"]
 ScheduleChoice = Literal["baseline", "s1", "s2", "auto"]
@@ -159,12 +159,11 @@ class ParallelMoE(nn.Module):
         )
         # baseline and s1: EP all-to-all inside the EP group (node n is EP rank n)
         self.ep_dispatcher = Dispatcher(num_experts, top_k, groups.ep_group, overlap_degree)
-        self.ep_layout = Layout.static(num_experts, groups.ep, groups.node, E_loc)
+        self.ep_routing = RankRouting.static(num_experts, groups.ep, groups.node, E_loc)
         # s2: one all-to-all over the world to the E * M virtual experts (shards)
-        self.world_dispatcher = Dispatcher(
-            num_experts * M, top_k * M, groups.world_group, overlap_degree
-        )
-        self.world_layout = Layout.static(num_experts * M, groups.world, groups.rank, E_loc)
+        world_group = dist.group.WORLD if groups.world_group is None else groups.world_group
+        self.world_dispatcher = Dispatcher(num_experts * M, top_k * M, world_group, overlap_degree)
+        self.world_routing = RankRouting.static(num_experts * M, groups.world, groups.rank, E_loc)
         self._esp = {dup: EspExpertFn(self.experts, groups, dup) for dup in (False, True)}
         self._choice: Schedule | None = None
         self.last_schedule: Schedule | None = None
@@ -257,10 +256,10 @@ class ParallelMoE(nn.Module):
         the chooser about the largest token count of any node, checks that all ranks chose
         alike (`ConfigError` otherwise) and keeps that choice: a collective on every rank."""
         if self._choice is None:
-            digest = self._digest()
-            t = torch.tensor([digest, -digest, int(tokens)], dtype=torch.int64)
+            mine = self.config_digest()
+            t = torch.tensor([mine, -mine, int(tokens)], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world_group)
-            if int(t[0]) != digest or int(-t[1]) != digest:
+            if int(t[0]) != mine or int(-t[1]) != mine:
                 raise ConfigError(
                     "ranks disagree on the MoE configuration or router weights (build and seed "
                     "every rank alike)",
@@ -323,7 +322,7 @@ class ParallelMoE(nn.Module):
         I-Order (the ESP collectives run inside the dispatcher's expert function)."""
         r = self._gate(tokens)
         return self.ep_dispatcher(
-            tokens, r.experts, r.weights, r.keep, self.ep_layout, self._esp[dup], nonfinite
+            tokens, r.experts, r.weights, r.keep, self.ep_routing, self._esp[dup], nonfinite
         )
 
     def _s2(self, tokens: torch.Tensor, nonfinite: bool) -> torch.Tensor:
@@ -335,20 +334,17 @@ class ParallelMoE(nn.Module):
         weights = r.weights.repeat_interleave(M, dim=1)
         keep = None if r.keep is None else r.keep.repeat_interleave(M, dim=1)
         return self.world_dispatcher(
-            tokens, experts, weights, keep, self.world_layout, self.experts, nonfinite
+            tokens, experts, weights, keep, self.world_routing, self.experts, nonfinite
         )
 
-    def _digest(self) -> int:
+    def config_digest(self) -> int:
         """A digest of what every rank must agree on: options, shapes, the router's weights."""
         r, e = self.router, self.experts
-        parts = (
+        return digest(
             e.d_model, self.d_expert, self.num_experts, self.top_k, e.activation, r.score,
             r.renormalize, r.capacity_factor, self.schedule, self.overlap_degree,
-            str(e.w_in.dtype), self.groups.mp, self.groups.ep,
+            str(e.w_in.dtype), self.groups.mp, self.groups.ep, r.weight,
         )  # fmt: skip
-        h = hashlib.blake2b(repr(parts).encode(), digest_size=8)
-        h.update(r.weight.detach().float().cpu().contiguous().numpy().tobytes())
-        return int.from_bytes(h.digest(), "little") >> 2
 
     def extra_repr(self) -> str:
         g = self.groups

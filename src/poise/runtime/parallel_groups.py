@@ -1,6 +1,6 @@
 """Process groups of MP + EP + ESP (Parm, Pan et al., INFOCOM 2024, arXiv 2407.00599).
 
-A world of `W` ranks is cut into `W / M` model-parallel (MP) groups of `M` consecutive ranks
+A world of `D` ranks is cut into `D / M` model-parallel (MP) groups of `M` consecutive ranks
 (one node each, like DeepSpeed-MoE's tensor-parallel groups):
 
     rank r = node * M + local        node = r // M  (its MP group)   local = r % M
@@ -10,7 +10,7 @@ A world of `W` ranks is cut into `W / M` model-parallel (MP) groups of `M` conse
 - ESP group: each expert's hidden dimension (`d_expert`) is split across the ranks of one MP
   group (DeepSpeed-MoE's expert tensor parallelism, which Parm calls expert-sharding
   parallelism): ESP degree = MP degree and the ESP group *is* the MP group.
-- EP groups: `M` groups of `EP = W / M` ranks, one per local index: `{local, local + M, ...}`.
+- EP groups: `M` groups of `EP = D / M` ranks, one per local index: `{local, local + M, ...}`.
   Expert e lives on node `e // (E / EP)`, sharded over that node's M ranks; node n is the EP
   rank n of every EP group. EP groups also are the data-parallel groups of everything that is
   not an expert (attention shards, norms, routers): each node runs its own batch.

@@ -1,8 +1,8 @@
 """What the Balancer records per step, for logs and for checking the simulator.
 
-- Loads under the plan in force: from the gathered routing counts `counts[L, W, E]` (tokens each
+- Loads under the plan in force: from the gathered routing counts `counts[L, D, E]` (tokens each
   source rank routed to each expert) and the plan's `Placement`/`Assignment`, the tokens each
-  rank computes per layer, `[L, W]`, their max/mean per layer, and the tokens the dispatcher
+  rank computes per layer, `[L, D]`, their max/mean per layer, and the tokens the dispatcher
   moves to another rank.
 - Bytes moved at the step boundary: Trans (weights to replicas), Agg (replica gradients to
   homes), migration (weights and optimizer state of experts whose home changed); all ranks
@@ -24,7 +24,7 @@ from poise.core.placement import Assignment, Placement
 
 @dataclass(frozen=True)
 class LayerLoads:
-    """`device_tokens[L, W]` tokens (token-expert pairs) each rank computes per layer;
+    """`device_tokens[L, D]` tokens (token-expert pairs) each rank computes per layer;
     `max_over_mean[L]` their max over mean (1.0: perfectly balanced; 1.0 for an idle layer);
     `tokens_moved[L]` tokens the dispatcher sends to another rank (all sources together)."""
 
@@ -34,14 +34,14 @@ class LayerLoads:
 
 
 def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray) -> LayerLoads:
-    """Loads of `counts[L, W, E]` routed by `assignment` onto `placement` (integer routes, as
+    """Loads of `counts[L, D, E]` routed by `assignment` onto `placement` (integer routes, as
     the dispatcher sends them)."""
     routes = assignment.split(placement, counts)  # [L, W_src, E, W_dst]
-    device = routes.sum(axis=(1, 2)).astype(np.float64)  # [L, W]
+    device = routes.sum(axis=(1, 2)).astype(np.float64)  # [L, D]
     mean = device.mean(axis=1)
     ratio = np.where(mean > 0, device.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
-    W = counts.shape[1]
-    off_rank = ~np.eye(W, dtype=bool)[None, :, None, :]
+    D = counts.shape[1]
+    off_rank = ~np.eye(D, dtype=bool)[None, :, None, :]
     moved = np.where(off_rank, routes, 0).sum(axis=(1, 2, 3))
     return LayerLoads(device, ratio, moved.astype(np.int64))
 
@@ -50,7 +50,7 @@ def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray
 class StepStats:
     """One training step as the Balancer saw it (this rank's view of the timings).
 
-    `max_over_mean[L]`, `device_tokens[L][W]`, `tokens_moved[L]`: loads under the plan in force
+    `max_over_mean[L]`, `device_tokens[L][D]`, `tokens_moved[L]`: loads under the plan in force
     (see `LayerLoads`); `trans_bytes`, `agg_bytes`, `migrate_bytes`: all ranks together, moved
     at this step's boundary; `seconds`: this rank's time per phase (`gate`, `dispatch`,
     `experts`, `combine` when the layers report them; `transfers`, `plan`); `replanned`: a new

@@ -53,7 +53,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LAYOUT",
         help="SmartMoE layout, e.g. ep=2 or pp1-ep2-edp2: EP groups of ep ranks, each holding "
-        "every expert, expert gradients summed over the W / ep replicas (`poise layouts` ranks "
+        "every expert, expert gradients summed over the D / ep replicas (`poise layouts` ranks "
         "them; default: expert parallelism over all ranks)",
     )
     p.add_argument(

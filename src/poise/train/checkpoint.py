@@ -14,9 +14,9 @@ What a checkpoint holds (`torch.save` of plain tensors, lists and numbers; read 
   from the home slots (the owners' master copies) of all ranks;
 - `optimizer`: AdamW's state the same way: dense tensors by parameter name, expert moments
   `[E, ...]` by expert id (from the homes), each tensor's step count;
-- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, W, E]`, weights;
+- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, D, E]`, weights;
   with `auto`, its rivals' trails, `Plan.trails`, the same way), `balancer`: its step counter
-  and load window `[T, L, W, E]`, so a resumed run re-plans exactly as an uninterrupted one
+  and load window `[S, L, D, E]`, so a resumed run re-plans exactly as an uninterrupted one
   would;
 - `rng`: every rank's torch, CUDA, NumPy and Python random states;
 - `world_size`, `ep_size` (ranks of an expert-parallel group: the world, or a layout's ep),
@@ -29,7 +29,7 @@ number the run restarts from the static layout (the mathematics does not depend 
 
 In a SmartMoE layout (`poise.train.layout`: EP groups of ep ranks, each holding every expert)
 the experts are gathered over one EP group, the one holding global rank 0 (`expert_group`; the
-other groups hold the same experts), the random states of all W ranks over the world, and rank 0
+other groups hold the same experts), the random states of all D ranks over the world, and rank 0
 writes. Such a checkpoint resumes in the same layout (with its placement) and, experts being
 stored by id, on plain expert parallelism at any world size that fits (static placement).
 
@@ -53,7 +53,8 @@ from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.nn.moe import MoE, moe_layers
+from poise.nn.comm import comm_device
+from poise.nn.moe import MoE, find_moe_layers
 from poise.util.atomic import atomic_write_stream, atomic_write_text
 
 FORMAT = "poise-train-checkpoint"
@@ -144,12 +145,6 @@ def _world(group: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def _comm_device(group: Any, like: torch.device) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def expert_layer_names(model: nn.Module) -> dict[int, str]:
     """`{id(moe): module name}` of the model's MoE layers."""
     return {id(m): name for name, m in model.named_modules() if isinstance(m, MoE)}
@@ -158,7 +153,7 @@ def expert_layer_names(model: nn.Module) -> dict[int, str]:
 def _expert_param_names(model: nn.Module) -> set[str]:
     names = set()
     layers = expert_layer_names(model)
-    for m in moe_layers(model):
+    for m in find_moe_layers(model):
         for w_name in ("w_in", "w_gate", "w_out"):
             if getattr(m.experts, w_name) is not None:
                 names.add(f"{layers[id(m)]}.experts.{w_name}")
@@ -178,12 +173,12 @@ def _gather_rows(t: torch.Tensor, moe: MoE, group: Any, world: int) -> torch.Ten
     """`[E, ...]` from `t [S, ...]`: each expert's row from its home slot, summed to global
     rank 0 over `group` (which must hold it)."""
     full = torch.zeros((moe.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    slots = moe.layout.slots
+    slots = moe.routing.slots
     for slot, e in enumerate(slots.expert.tolist()):
         if e >= 0 and slots.home[slot]:
             full[e] = t[slot].detach()
     if world > 1:
-        buf = full.to(_comm_device(group, t.device))
+        buf = full.to(comm_device(group, t.device))
         dist.reduce(buf, dst=0, group=group)
         full = buf
     return full.cpu()
@@ -310,7 +305,7 @@ def snapshot(
             }
     experts: dict[str, dict[str, torch.Tensor]] = {}
     experts_opt: dict[str, dict[str, Any]] = {}
-    for moe in moe_layers(model) if gather else []:
+    for moe in find_moe_layers(model) if gather else []:
         lname = layers[id(moe)]
         experts[lname] = {}
         for w_name in ("w_in", "w_gate", "w_out"):
@@ -438,7 +433,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
         ) from None
     layers = expert_layer_names(model)
     saved = ckpt["model"]["experts"]
-    for moe in moe_layers(model):
+    for moe in find_moe_layers(model):
         lname = layers[id(moe)]
         if lname not in saved:
             raise CheckpointError(f"no experts for layer {lname}", source=source, field="model")
@@ -465,9 +460,9 @@ def _restore_optimizer(
         state[index[id(p)]] = dict(dense_opt[name])
     layers = expert_layer_names(model)
     experts_opt = ckpt["optimizer"]["experts"]
-    for moe in moe_layers(model):
+    for moe in find_moe_layers(model):
         lname = layers[id(moe)]
-        slots = moe.layout.slots
+        slots = moe.routing.slots
         for w_name in ("w_in", "w_gate", "w_out"):
             w = getattr(moe.experts, w_name)
             if w is None:

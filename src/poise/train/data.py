@@ -18,7 +18,7 @@ training; deterministic for a given source list.
 Batches: the training stream is cut into `N = (len - 1) // T` windows of `T + 1` tokens (input
 and shifted target). Sample `g` (counted from the start of training) is window
 `perm_{g // N}[g % N]`, where `perm_k` is a permutation drawn from `(seed, k)`. A global batch
-at data position `p` is samples `p .. p + B - 1`; rank r of W takes rows `r B/W .. (r+1) B/W - 1`
+at data position `p` is samples `p .. p + B - 1`; rank r of D takes rows `r B/D .. (r+1) B/D - 1`
 of it (its own shard), and the position then advances by `B`. The position (one integer) is
 what a checkpoint stores: restoring it restores the data exactly, on any number of ranks.
 """

@@ -2,18 +2,19 @@
 
     layout = resolve_layout(cfg, world)  # poise.train.config; None without `cfg.layout`
     groups = create_groups(layout)                # poise.runtime.layouts: once, on every rank
-    model = GPTMoE(..., group=groups.ep, num_slots=E / ep [+ spare_slots when balancing])
+    model = GPTMoE(...)                           # compute only, every expert
+    apply_expert_parallel(model, groups.ep, num_slots=E / ep [+ spare_slots when balancing])
     ...
     loss.backward(); dense all-reduce over the world; balancer.before_step()   # Agg done
     all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
-    summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, W, E]
+    summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, D, E]
 
 `cfg.layout` is any text `poise.layouts.pool.Layout.parse` reads (`"ep=2"`, `"pp1-ep2-edp2"`; the
-`poise layouts` command ranks them). On W ranks a layout of expert-parallel degree ep splits the
-ranks into edp = W / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
+`poise layouts` command ranks them). On D ranks a layout of expert-parallel degree ep splits the
+ranks into edp = D / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
 rank) and routing only its own tokens; the ranks at one position of every group form an EDP group
 and sum their expert gradients each step (`poise.runtime.layouts`, which says why a SUM gives
-the gradient of the global batch). The dense part stays data parallel over all W ranks and each
+the gradient of the global batch). The dense part stays data parallel over all D ranks and each
 rank still reads its own share of the global batch, so the losses do not depend on the layout.
 
 Balancing inside a layout. Each EP group runs its own `poise.runtime.Balancer` over its ep
@@ -27,7 +28,7 @@ gives every Balancer the same input, the counts summed over the EDP group,
 (position i of every group together: the tokens an EP group of ep ranks would route if it
 processed the whole global batch). The planners are deterministic, so every group plans alike,
 and `all_reduce_expert_grads` checks that the slot maps still agree before summing. The same
-gather gives the world's counts `[L, W, E]` for the routing trace. Absolute token counts seen by
+gather gives the world's counts `[L, D, E]` for the routing trace. Absolute token counts seen by
 the planner are edp times a rank's own (the whole global batch on ep ranks); compute and
 all-to-all are priced for that load, parameter transfers (Trans, Agg, migration) at their true
 size, so with edp > 1 the cost model leans towards replication by at most that factor.
@@ -94,20 +95,23 @@ def edp_counts(row: np.ndarray, groups: LayoutGroups) -> tuple[np.ndarray, np.nd
     """This step's routing counts of every rank from this EP group's `row [L, ep, E]` (what its
     Balancer gathered): one all-gather over the EDP group. Returns `summed [L, ep, E]` (summed
     over the EDP group: the same on every rank, the Balancer's planning input) and `counts [L,
-    W, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
+    D, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
     the EDP group; with edp = 1 both are `row`."""
     import torch
     import torch.distributed as dist
 
+    from poise.nn.comm import comm_device
+
     row = np.asarray(row, dtype=np.int64)
     if groups.edp is None:
         return row, row
-    local = torch.from_numpy(np.ascontiguousarray(row)).to(_comm_device(groups.edp))
+    local = torch.from_numpy(np.ascontiguousarray(row))
+    local = local.to(comm_device(groups.edp, local.device))
     parts = [torch.empty_like(local) for _ in groups.edp_ranks]
     dist.all_gather(parts, local, group=groups.edp)
     stacked = torch.stack(parts).cpu().numpy()  # [edp, L, ep, E], EDP rank g = EP group g
     L, E = row.shape[0], row.shape[2]
-    counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, W, E]
+    counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, D, E]
     return stacked.sum(axis=0), counts
 
 
@@ -121,29 +125,21 @@ def install_edp_bias_sum(
     import torch
     import torch.distributed as dist
 
-    from poise.nn.moe import moe_layers
+    from poise.nn.comm import comm_device
+    from poise.nn.moe import find_moe_layers
 
-    layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+    layers = [m for m in find_moe_layers(model) if m.router.expert_bias is not None]
     if edp_group is None or not layers:
         return None
 
     def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         local = torch.stack([m.bias_counts.to("cpu", torch.long) for m in layers])  # [L, E]
-        buf = local.to(_comm_device(edp_group))
+        buf = local.to(comm_device(edp_group, local.device))
         dist.all_reduce(buf, group=edp_group)
         for m, counts in zip(layers, buf.cpu(), strict=True):
-            m.bias_counts = counts.to(m.bias_counts.device)
+            m.bias_counts.copy_(counts)
 
     return optimizer.register_step_pre_hook(hook)
-
-
-def _comm_device(group: Any) -> torch.device:
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 __all__ = ["check_layout_text", "edp_counts", "install_edp_bias_sum", "parse_layout"]

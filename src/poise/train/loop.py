@@ -9,11 +9,11 @@ creates the group itself from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOC
 `MASTER_ADDR`, `MASTER_PORT`) when none exists, or trains in one process without one.
 
 Parallelism: every rank holds the replicated ("dense") parameters (embedding, attention, norms,
-dense FFNs, routers) and its expert slots (expert parallelism over all ranks: `E / W` experts
+dense FFNs, routers) and its expert slots (expert parallelism over all ranks: `E / D` experts
 each, plus `spare_slots` for replicas when the policy balances). Each rank reads its shard of the
 global batch. After `backward`, the dense gradients are summed over the ranks in one
 all-reduce; the loss on each rank is its tokens' cross-entropy sum divided by the global token
-count (and the routers' auxiliary loss divided by W), so the summed gradients are those of the
+count (and the routers' auxiliary loss divided by D), so the summed gradients are those of the
 global mean loss whatever the number of ranks. Expert gradients need no all-reduce: the
 dispatcher's backward brings every rank's contribution to the slot that computed it, and the
 `poise.runtime.Balancer` sums replica gradients into their homes (Agg).
@@ -62,7 +62,9 @@ import torch.nn.functional as F  # noqa: N812
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
-from poise.nn.moe import default_slots, install_bias_update, moe_layers
+from poise.nn.comm import comm_device
+from poise.nn.expert_parallel import apply_expert_parallel
+from poise.nn.moe import default_slots, find_moe_layers, install_bias_update
 from poise.runtime.launch import destroy_process_group
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
@@ -73,7 +75,6 @@ from poise.train.layout import edp_counts, install_edp_bias_sum
 from poise.train.runlog import RunLog
 from poise.train.setup import (
     check_config_agrees,
-    comm_device,
     init_distributed,
     load_corpus,
     lr_at,
@@ -158,12 +159,10 @@ class _Trainer:
             self.slots += cfg.spare_slots
         group = dist.group.WORLD if self.world > 1 else None
         if self.groups is not None:
-            group = self.groups.ep  # the EP group (the world when ep = W)
+            group = self.groups.ep  # the EP group (the world when ep = D)
         self.ep_group = group
         self.model = GPTMoE(
             self.mcfg,
-            group=group,
-            num_slots=self.slots,
             balance_coef=cfg.aux_loss,
             z_loss_coef=cfg.z_loss,
             expert_bias=cfg.bias_rate > 0,
@@ -172,6 +171,8 @@ class _Trainer:
             seed=cfg.seed,
             device=self.device,
         )
+        if group is not None:  # collective: checks that every rank built the same layers
+            apply_expert_parallel(self.model, group, num_slots=self.slots)
         self.dense = [p for _, p in self.model.dense_named_parameters()]
         self.experts = self.model.expert_parameters()
         self.optimizer = make_optimizer(self.model, cfg)
@@ -193,7 +194,7 @@ class _Trainer:
             self.model,
             self.optimizer,
             policy=cfg.policy,
-            every=cfg.replan_every,
+            replan_every=cfg.replan_every,
             cluster=make_cluster(cfg, self.world, self.ep),
             predictor=cfg.predictor,
             group=group,
@@ -226,7 +227,7 @@ class _Trainer:
         except Exception:
             return [], []
         keep = trace.step_ids < self.start
-        L = len(moe_layers(self.model))
+        L = len(find_moe_layers(self.model))
         if trace.counts.shape[1:] != (L, self.world, self.mcfg.num_experts):
             return [], []
         return list(trace.counts[keep]), [int(s) for s in trace.step_ids[keep]]
@@ -237,7 +238,7 @@ class _Trainer:
         if self.world == 1:
             return stats
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().reshape(-1)])
-        buf = flat.to(comm_device(self.device))
+        buf = flat.to(comm_device(None, self.device))
         dist.all_reduce(buf)
         flat = buf.to(self.device)
         offset = 0
@@ -251,7 +252,7 @@ class _Trainer:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
         group, and gather the step's counts over it; the Balancer's newest window row becomes
         the counts summed over the EDP group (its planning input, alike in every EP group).
-        Returns the world's counts `[L, W, E]` for the trace (None without replicas)."""
+        Returns the world's counts `[L, D, E]` for the trace (None without replicas)."""
         if self.edp_group is None or self.groups is None:
             return None
         from poise.runtime.layouts import all_reduce_expert_grads
@@ -277,14 +278,14 @@ class _Trainer:
             if p.grad is not None:
                 dense_sq += p.grad.double().square().sum()
         expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        for moe in moe_layers(self.model):
-            slots = moe.layout.slots
+        for moe in find_moe_layers(self.model):
+            slots = moe.routing.slots
             home = torch.as_tensor(slots.home & (slots.expert >= 0), device=dev)
             for w in moe.experts.weights():
                 if w.grad is not None:
                     expert_sq += w.grad.double().square().flatten(1).sum(1)[home].sum()
         if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
-            t = expert_sq.to(comm_device(dev))
+            t = expert_sq.to(comm_device(self.ep_group, dev))
             dist.all_reduce(t, group=self.ep_group)
             expert_sq = t.to(dev)
         norm = float((dense_sq + expert_sq).sqrt())
@@ -306,7 +307,7 @@ class _Trainer:
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             total += torch.tensor([float(loss), y.numel()], dtype=torch.float64)
         if self.world > 1:
-            t = total.to(comm_device(self.device))
+            t = total.to(comm_device(None, self.device))
             dist.all_reduce(t)
             total = t.cpu()
         self.model.train()
@@ -391,7 +392,7 @@ class _Trainer:
         self.header()
         inv_tokens = 1.0 / tokens
         totals = dict.fromkeys(PHASES, 0.0)
-        prev_hash = _plan_key(self.balancer.plan)
+        prev_hash = self.balancer.plan.digest()
         self.model.train()
         self.faults.install()
         try:
@@ -430,7 +431,7 @@ class _Trainer:
                 done = step + 1
 
                 stats = self.balancer.last_stats
-                key = _plan_key(self.balancer.plan)
+                key = self.balancer.plan.digest()
                 changed = key != prev_hash
                 prev_hash = key
                 self.plan_changes += int(changed)
@@ -522,12 +523,6 @@ def _lap(phases: dict[str, float], name: str, t: float) -> float:
     now = time.perf_counter()
     phases[name] = phases.get(name, 0.0) + now - t
     return now
-
-
-def _plan_key(plan: Any) -> int:
-    from poise.runtime.balancer import plan_hash
-
-    return plan_hash(plan)
 
 
 def train(cfg: TrainConfig, *, resume: str | None = None, quiet: bool = False) -> TrainResult:

@@ -4,7 +4,6 @@ that every rank runs the same config."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.train.config import TrainConfig
 from poise.train.data import Corpus, build_corpus
+from poise.util.digest import digest
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -62,8 +62,7 @@ def pick_device(cfg: TrainConfig) -> torch.device:
 
 def config_digest(cfg: TrainConfig) -> int:
     """A 62-bit digest of every config field (what all ranks must agree on)."""
-    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+    return digest(json.dumps(cfg.to_dict(), sort_keys=True, default=str))
 
 
 def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
@@ -90,13 +89,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def comm_device(device: torch.device) -> torch.device:
-    """Where tensors for a collective must live: `device` under NCCL, the CPU under gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return device
-    return torch.device("cpu")
 
 
 def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
