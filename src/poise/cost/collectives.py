@@ -1,5 +1,58 @@
-"""Alpha-beta models of the four collectives of MoE training, and an all-reduce on the
-hierarchical link model (NumPy only).
+"""Alpha-beta models of the collectives of MoE training, each by its algorithm, and an
+all-reduce on the hierarchical link model (NumPy only).
+
+**Collectives by their algorithms** (`p2p_s`, `broadcast_s`, `reduce_s`, `all_gather_s`,
+`reduce_scatter_s`, `all_to_all_s`, `hierarchical_all_to_all_s`, and the all-reduces below).
+One link level: latency `lat` (seconds per message and hop), bandwidth `bw` (bytes per second
+each way per member), `n` members, a message of `m` bytes. NCCL prices each algorithm it has
+for a collective as `lat * steps + bytes / bw` and runs the fastest (`ncclTopoGetAlgoTime` in
+NCCL's src/graph/tuning.cc); the functions below do the same, with the bandwidth term each
+algorithm needs at best. nccl-tests' doc/PERFORMANCE.md defines the algorithm bandwidth
+algBw = m / t and the bus bandwidth busBw = algBw * f(n), the rate each member's link must
+sustain, with f = 1 for broadcast and reduce (all m bytes leave the root / enter it), 2 (n - 1)
+/ n for all-reduce, (n - 1) / n for all-gather, reduce-scatter and all-to-all (`BUS_FACTOR`,
+`bus_bandwidth`). So at zero latency every ring below runs at busBw = bw exactly:
+
+    p2p                    m / bw + lat
+    broadcast / reduce     chain (pipelined ring, root first): m / bw + (n - 1) lat
+                           double binary tree:                  m / bw + ceil(log2 n) lat
+                           `broadcast_s` / `reduce_s`: the faster (the tree; they tie for n <= 3)
+    all_gather             ring: (n - 1) / n * m / bw + (n - 1) lat      m = the gathered output
+    reduce_scatter         ring: (n - 1) / n * m / bw + (n - 1) lat      m = each member's input
+    all_to_all (flat)      pairwise: (n - 1) / n * m / bw + (n - 1) lat  m = a member's send buffer
+    all_reduce             ring: 2 (n - 1) / n * m / bw + 2 (n - 1) lat;
+                           tree: 2 m / bw + 2 ceil(log2 n) lat (reduce, then broadcast)
+
+Broadcast and reduce pipeline the message in chunks, so for large m their time is one message
+(m / bw), not one per receiver: the root's link is the bottleneck and the receivers forward
+chunks (the chain: Thakur, Rabenseifner & Gropp, IJHPCA 2005, pipelined; the double binary
+tree, each member an inner node of one tree and a leaf of the other so that each sends m bytes
+in all: Sanders, Speck & Träff, Parallel Computing 2009, used by NCCL since 2.4). The chunks'
+fill time is not charged (it vanishes as chunks shrink, while NCCL keeps several in flight so
+the per-chunk latency overlaps the transfers): latency is charged once per hop.
+
+The hierarchical all-to-all (`hierarchical_all_to_all_s`) runs on two levels, g members per
+node in N nodes: an all-to-all inside each node that gathers on each member the data bound for
+the nodes it talks to, then an all-to-all among the N members of the same local index, one per
+node, each now carrying g members' data (Tutel's 2DH all-to-all: Hwang et al., "Tutel: Adaptive
+Mixture-of-Experts at Scale", MLSys 2023; DeepEP's node-aggregated dispatch runs the same two
+phases the other way round, the network first, then NVLink):
+
+    T_2DH = (g - 1) / g * m / bw0 + (g - 1) lat0  +  (N - 1) / N * m / bw1 + (N - 1) lat1
+
+against the flat pairwise exchange on the same levels (`two_level_all_to_all_s`), whose n - 1
+rounds of m / n bytes go g - 1 times inside the node and n - g times across:
+
+    T_flat = (g - 1) (lat0 + m / (n bw0)) + (n - g) (lat1 + m / (n bw1))
+
+2DH pays N - 1 network latencies instead of n - g at the price of one more pass over NVLink: it
+wins for small messages on many nodes.
+
+In MoE training these price: Trans (a broadcast from an expert's home to its replicas), Agg (a
+reduce of the replicas' gradients to the home), the expert-data-parallel copies' gradients (an
+all-reduce among them), a migration (a point-to-point transfer), the tokens' dispatch and
+combine (all-to-all) and the dense gradients (the hierarchical all-reduce below, every step for
+every policy: `poise.cost.step_overheads`).
 
 **Alpha-beta collectives** (`collective_time`, `CollectiveFit`; used by `poise.layouts.parm`). A
 collective runs on a group of `n` ranks. Its message size `m` (bytes) is defined per collective,
@@ -273,6 +326,135 @@ def alpha_beta_from_link_fit(collective: str, lat_s: float, bw_Bps: float, world
     return AlphaBeta(lat_s / steps, w / (steps * bw_Bps))
 
 
+# ---------------------------------------------------------- collectives by their algorithms
+BUS_FACTOR = {
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+def bus_bandwidth(collective: str, n: int, nbytes: float, seconds: float) -> float:
+    """nccl-tests' bus bandwidth (module docstring): busBw = algBw * f(n), algBw = `nbytes` /
+    `seconds`, `nbytes` the collective's size S as nccl-tests counts it (m above)."""
+    if collective not in BUS_FACTOR:
+        raise ConfigError(
+            f"unknown collective {collective!r} (known: {', '.join(BUS_FACTOR)})",
+            field="collective",
+        )
+    if n < 1 or not seconds > 0:
+        raise ConfigError(f"need n >= 1 and seconds > 0, got {n}, {seconds}", field=collective)
+    return float(nbytes) / float(seconds) * BUS_FACTOR[collective](n)
+
+
+def _none(n: int, nbytes: float) -> bool:
+    """One member or nothing to send: the collective costs nothing."""
+    return n <= 1 or nbytes <= 0
+
+
+def p2p_s(nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """One message from one device to another: m / bw + lat; 0 for nothing to send."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / bw_Bps + lat_s
+
+
+def chain_broadcast_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Pipelined chain (ring) broadcast from a root to n - 1 others: m / bw + (n - 1) lat."""
+    if _none(n, nbytes):
+        return 0.0
+    return nbytes / bw_Bps + (n - 1) * lat_s
+
+
+def tree_broadcast_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Pipelined double-binary-tree broadcast: m / bw + ceil(log2 n) lat."""
+    if _none(n, nbytes):
+        return 0.0
+    return nbytes / bw_Bps + math.ceil(math.log2(n)) * lat_s
+
+
+def broadcast_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """The faster of the chain and the tree: one root sends m bytes to n - 1 others (n members
+    in all, the root included). About one message's time for large m, whatever n."""
+    return min(
+        chain_broadcast_s(n, nbytes, bw_Bps, lat_s), tree_broadcast_s(n, nbytes, bw_Bps, lat_s)
+    )
+
+
+def chain_reduce_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Pipelined chain reduce of n buffers of m bytes to a root: the broadcast run backwards,
+    m / bw + (n - 1) lat (the additions are not charged)."""
+    return chain_broadcast_s(n, nbytes, bw_Bps, lat_s)
+
+
+def tree_reduce_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Pipelined double-binary-tree reduce: m / bw + ceil(log2 n) lat."""
+    return tree_broadcast_s(n, nbytes, bw_Bps, lat_s)
+
+
+def reduce_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """The faster of the chain and the tree: n members' m-byte buffers summed on one root."""
+    return min(chain_reduce_s(n, nbytes, bw_Bps, lat_s), tree_reduce_s(n, nbytes, bw_Bps, lat_s))
+
+
+def all_gather_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Ring all-gather of an m-byte output (m / n from each member): (n - 1) / n m / bw +
+    (n - 1) lat."""
+    if _none(n, nbytes):
+        return 0.0
+    return (n - 1) / n * nbytes / bw_Bps + (n - 1) * lat_s
+
+
+def reduce_scatter_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Ring reduce-scatter of an m-byte input (each member keeps m / n of the sum): (n - 1) / n
+    m / bw + (n - 1) lat."""
+    return all_gather_s(n, nbytes, bw_Bps, lat_s)
+
+
+def all_to_all_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
+    """Flat pairwise all-to-all, m = a member's send buffer (m / n to each member, its own
+    chunk included): n - 1 rounds of lat + m / (n bw)."""
+    if _none(n, nbytes):
+        return 0.0
+    return (n - 1) * (lat_s + nbytes / (n * bw_Bps))
+
+
+def two_level_all_to_all_s(
+    per_node: int,
+    nodes: int,
+    nbytes: float,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+) -> float:
+    """Flat pairwise all-to-all of n = `per_node` * `nodes` members on two levels, `intra` and
+    `inter` each `(bw_Bps, lat_s)`: the g - 1 rounds with members of the same node at the intra
+    level, the n - g others across (T_flat, module docstring)."""
+    n = per_node * nodes
+    if _none(n, nbytes):
+        return 0.0
+    (bw0, lat0), (bw1, lat1) = intra, inter
+    chunk = nbytes / n
+    return (per_node - 1) * (lat0 + chunk / bw0) + (n - per_node) * (lat1 + chunk / bw1)
+
+
+def hierarchical_all_to_all_s(
+    per_node: int,
+    nodes: int,
+    nbytes: float,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+) -> float:
+    """Two-phase (2DH) all-to-all of n = `per_node` * `nodes` members, m = a member's send
+    buffer: an all-to-all inside the node, then one among the members of the same local index
+    across the nodes (T_2DH, module docstring); `intra`, `inter`: `(bw_Bps, lat_s)`."""
+    if _none(per_node * nodes, nbytes):
+        return 0.0
+    return all_to_all_s(per_node, nbytes, *intra) + all_to_all_s(nodes, nbytes, *inter)
+
+
 # ----------------------------------------------------------------- hierarchical all-reduce
 def ring_allreduce_s(n: int, nbytes: float, bw_Bps: float, lat_s: float) -> float:
     """T_ring (module docstring); 0 for one member or nothing to reduce."""
@@ -324,17 +506,31 @@ def hierarchical_allreduce_s(
 
 
 __all__ = [
+    "BUS_FACTOR",
     "COLLECTIVES",
     "AlphaBeta",
     "CollectiveFit",
+    "all_gather_s",
+    "all_to_all_s",
     "allreduce_s",
     "alpha_beta_from_link_fit",
+    "broadcast_s",
+    "bus_bandwidth",
+    "chain_broadcast_s",
+    "chain_reduce_s",
     "check_collective",
     "collective_time",
     "fan_outs",
+    "hierarchical_all_to_all_s",
     "hierarchical_allreduce_s",
     "level_alpha_beta",
+    "p2p_s",
+    "reduce_s",
+    "reduce_scatter_s",
     "ring_allreduce_s",
     "span_level",
     "tree_allreduce_s",
+    "tree_broadcast_s",
+    "tree_reduce_s",
+    "two_level_all_to_all_s",
 ]
