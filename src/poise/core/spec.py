@@ -179,6 +179,7 @@ MODELS: dict[str, ModelSpec] = {
         moe_layers=24,
         dtype_bytes=2,
         tokens_per_device=8192,
+        compute_dtype="fp16",
     ),
     # Pro-Prophet's GPT-S/M/L (16 experts, one MoE layer per block).
     "gpt-s": ModelSpec(

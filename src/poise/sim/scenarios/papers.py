@@ -237,6 +237,7 @@ def smartmoe_spec(experts: int = 32) -> ModelSpec:
         moe_layers=16,
         dtype_bytes=2,
         tokens_per_device=8192,
+        compute_dtype="fp16",
     )
 
 
@@ -294,6 +295,7 @@ def _flexmoe() -> Scenario:
                 moe_layers=layers,
                 dtype_bytes=2,
                 tokens_per_device=4096,
+                compute_dtype="fp16",
             ),
             TraceRecipe(steps=REPLAY_STEPS, quick_steps=20, seed=31),
         )
@@ -362,6 +364,7 @@ def hybridep_spec(data_mb: float, top_k: int = 2) -> ModelSpec:
         moe_layers=12,
         dtype_bytes=dtype,
         tokens_per_device=tokens,
+        compute_dtype="fp16",
     )
 
 
@@ -425,6 +428,7 @@ def cross_dc_spec() -> ModelSpec:
         moe_layers=4,
         dtype_bytes=2,
         tokens_per_device=4096,
+        compute_dtype="fp16",
     )
 
 
