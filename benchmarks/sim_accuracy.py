@@ -211,7 +211,7 @@ def ablation_variants(cluster_path: Path, cluster: Any, dense: int) -> dict[str,
     import dataclasses
 
     from poise.calibrate import measurements_path
-    from poise.core.cluster import HostCosts
+    from poise.core.cluster import HostCosts, PeakFlops
 
     ffn = json.loads(measurements_path(cluster_path).read_text())["gemm_fits"]["forward+backward"]
     h = cluster.host
@@ -232,7 +232,10 @@ def ablation_variants(cluster_path: Path, cluster: Any, dense: int) -> dict[str,
     return {
         ABLATION[0]: (
             dataclasses.replace(
-                bare, gemm_flops=ffn["gemm_flops"], gemm_half_rows=ffn["half_rows"]
+                bare,
+                peak_flops=PeakFlops.uniform(ffn["gemm_flops"]),
+                gemm_efficiency=1.0,
+                gemm_half_rows=ffn["half_rows"],
             ),
             None,
         ),
@@ -369,7 +372,7 @@ def cluster_summary(cluster: Any, busy: float | None = None) -> dict[str, Any]:
         return float(f"{v:.4g}")
 
     return {
-        "gemm_gflops": round(cluster.gemm_flops / 1e9, 2),
+        "gemm_gflops": round(cluster.gemm_flops("fp32") / 1e9, 2),  # calibrated in fp32
         "gemm_half_rows": round(cluster.gemm_half_rows, 2),
         "a2a_GBps": round(cluster.intra_node.bw_Bps / 1e9, 3),
         "a2a_lat_us": round(cluster.intra_node.lat_s * 1e6, 1),

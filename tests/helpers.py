@@ -16,13 +16,14 @@ def toy_cluster(
     lat: float = 0.0,
     flops: float = 1e9,
 ) -> Cluster:
-    """Round numbers for hand computation: no small-GEMM loss, latency `lat` on every level."""
+    """Round numbers for hand computation: no small-GEMM loss, latency `lat` on every level,
+    `flops` FLOP/s for every compute dtype."""
     return Cluster(
         name="toy",
         devices_per_node=devices_per_node,
         nodes_per_domain=nodes,
         domains=domains,
-        gemm_flops=flops,
+        peak_flops=flops,
         memory_bytes=1e12,
         intra_node=Link(bw, lat),
         inter_node=Link(inter_bw or bw, lat),

@@ -52,7 +52,7 @@ from poise.calibrate.host_fit import (
     dispatcher_host_seconds,
 )
 from poise.cli import main
-from poise.core.cluster import Cluster, Link, get_cluster
+from poise.core.cluster import DTYPES, Cluster, Link, get_cluster
 from poise.core.errors import ConfigError, PoiseError
 from poise.cost.host import gpt_non_moe_flops_per_token
 from poise.layouts.parm import GemmModel, ParmLayer, choose_schedule, layer_time
@@ -75,7 +75,7 @@ def test_gemm_fit_recovers_its_own_model(F: float, h: float) -> None:
     assert fit.half_rows == pytest.approx(h, rel=1e-9, abs=1e-6)
     # and agrees with the cluster's own efficiency curve
     cluster = Cluster("c", 2, 1, 1, fit.gemm_flops, 1e9, *[Link(1e9, 0.0)] * 3, fit.half_rows)
-    np.testing.assert_allclose(cluster.gemm_rate(ROWS), F * ROWS / (ROWS + h), rtol=1e-9)
+    np.testing.assert_allclose(cluster.gemm_rate(ROWS, "fp32"), F * ROWS / (ROWS + h), rtol=1e-9)
 
 
 def test_gemm_fit_mixes_operations_of_different_flops() -> None:
@@ -284,7 +284,9 @@ def test_quick_calibration_writes_a_loadable_cluster(
     cluster = get_cluster(str(out))
     assert cluster.num_devices == 2
     assert cluster.name.startswith("calibrated-")
-    assert cluster.gemm_flops > 0 and cluster.gemm_half_rows >= 0
+    assert cluster.gemm_flops("fp32") > 0 and cluster.gemm_half_rows >= 0
+    # measured once (fp32 expert FFN): that rate for every dtype
+    assert {cluster.gemm_flops(t) for t in DTYPES} == {cluster.gemm_flops("fp32")}
     assert cluster.memory_bytes > 0
     assert cluster.intra_node.bw_Bps > 1e6
     assert 0 <= cluster.intra_node.lat_s < 1.0
@@ -295,7 +297,10 @@ def test_quick_calibration_writes_a_loadable_cluster(
     assert {p["collective"] for p in data["collectives"]} == {"all_to_all", "all_reduce"}
     assert set(data["link_fits"]) == {"all_to_all", "all_reduce"}
     fit = data["gemm_fits"]["forward+backward"]
-    assert (fit["gemm_flops"], fit["half_rows"]) == (cluster.gemm_flops, cluster.gemm_half_rows)
+    assert (fit["gemm_flops"], fit["half_rows"]) == (
+        cluster.gemm_flops("fp32"),
+        cluster.gemm_half_rows,
+    )
     a2a = data["link_fits"]["all_to_all"]
     assert (a2a["bw_Bps"], a2a["lat_s"]) == (cluster.intra_node.bw_Bps, cluster.intra_node.lat_s)
     # the host costs (measured by default) are in the cluster file and the measurements
@@ -511,7 +516,7 @@ def test_calibration_with_host_costs_writes_and_reads_them(tmp_path: Path) -> No
     cluster = cal.cluster()
     assert cluster.host.dense_bwd_flops == pytest.approx(3e10)
     # no model named: the GEMM curve stays the expert FFN's (as before)
-    assert cluster.gemm_flops == cal.gemm_fits["forward+backward"].gemm_flops
+    assert cluster.gemm_flops("bf16") == cal.gemm_fits["forward+backward"].gemm_flops
     out = tmp_path / "c.yaml"
     write_outputs(cal, out)
     assert get_cluster(str(out)) == cluster
@@ -520,7 +525,7 @@ def test_calibration_with_host_costs_writes_and_reads_them(tmp_path: Path) -> No
     assert data["host_fits"]["optimizer"]["slope_s"] == pytest.approx(2e-9)
     # a named model: its own experts give the GEMM curve
     named = fit_all(replace(config, model="tiny"), gemm, comm, host_points=synthetic_host_points())
-    assert named.cluster().gemm_flops == pytest.approx(8e10)
+    assert named.cluster().gemm_flops("fp32") == pytest.approx(8e10)
     assert named.gemm is named.gemm_fits["model_experts"]
 
 

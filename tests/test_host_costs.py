@@ -31,7 +31,7 @@ def test_gpt_block_flops_of_the_tiny_model() -> None:
 def test_default_dense_rate_is_the_cost_models_fnec() -> None:
     cluster = toy_cluster(flops=2e9)
     spec = toy_spec(tokens=300, non_moe=1e4)
-    fnec, bnec = dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
+    fnec, bnec = dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device, "fp32")
     assert fnec == pytest.approx(300 * 1e4 / 2e9)  # N F / gemm_flops
     assert bnec == pytest.approx(2 * fnec)
     placement = Placement.from_homes(np.array([[0, 1]]), 2, 1)
@@ -50,18 +50,18 @@ def test_measured_dense_rates_with_half_tokens() -> None:
         dense_bwd_half_tokens=20.0,
     )
     cluster = dataclasses.replace(toy_cluster(flops=9e9), host=host)
-    assert dense_rates(cluster) == (1e9, 100.0, 5e8, 20.0)
-    fnec, bnec = dense_seconds(cluster, 1e4, 300)
+    assert dense_rates(cluster, "fp32") == (1e9, 100.0, 5e8, 20.0)
+    fnec, bnec = dense_seconds(cluster, 1e4, 300, "fp32")
     # F (N + h_f) / R_f = 1e4 * 400 / 1e9; 2 F (N + h_b) / R_b = 2e4 * 320 / 5e8
     assert fnec == pytest.approx(4e-3)
     assert bnec == pytest.approx(1.28e-2)
-    assert dense_seconds(cluster, 1e4, 0) == (0.0, 0.0)
+    assert dense_seconds(cluster, 1e4, 0, "fp32") == (0.0, 0.0)
 
 
 def test_backward_rate_defaults_to_the_forwards() -> None:
     host = HostCosts(dense_fwd_flops=1e9, dense_fwd_half_tokens=100.0)
     cluster = dataclasses.replace(toy_cluster(), host=host)
-    fnec, bnec = dense_seconds(cluster, 1e4, 300)
+    fnec, bnec = dense_seconds(cluster, 1e4, 300, "fp32")
     assert bnec == pytest.approx(2 * fnec)
 
 

@@ -48,8 +48,8 @@ def test_levels_between_devices() -> None:
 
 def test_gemm_rate_small_batch_curve() -> None:
     c = PRESETS["v100-ib50"]
-    assert c.gemm_rate(c.gemm_half_rows) == pytest.approx(c.gemm_flops / 2)
-    assert c.gemm_rate(1e9) == pytest.approx(c.gemm_flops, rel=1e-5)
+    assert c.gemm_rate(c.gemm_half_rows, "fp32") == pytest.approx(c.gemm_flops("fp32") / 2)
+    assert c.gemm_rate(1e9, "fp32") == pytest.approx(c.gemm_flops("fp32"), rel=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -66,8 +66,15 @@ def test_yaml_roundtrip(tmp_path, name: str) -> None:
         (lambda d: d.pop("devices_per_node"), "devices_per_node"),
         (lambda d: d.__setitem__("devices_per_node", 0), "devices_per_node"),
         (lambda d: d.__setitem__("devices_per_node", 2.5), "devices_per_node"),
-        (lambda d: d["device"].__setitem__("gemm_flops", -1), "device.gemm_flops"),
-        (lambda d: d["device"].__setitem__("gemm_flops", "fast"), "device.gemm_flops"),
+        (lambda d: d["device"]["peak_flops"].__setitem__("fp32", -1), "device.peak_flops.fp32"),
+        (lambda d: d["device"]["peak_flops"].__setitem__("bf16", "x"), "device.peak_flops.bf16"),
+        (lambda d: d["device"]["peak_flops"].pop("fp32"), "device.peak_flops.fp32"),
+        (lambda d: d["device"]["peak_flops"].__setitem__("fp8", 1e15), "device.peak_flops.fp8"),
+        (lambda d: d["device"].__setitem__("peak_flops", 1e12), "device.peak_flops"),
+        (lambda d: d["device"].__setitem__("gemm_flops", 1e12), "device.gemm_flops"),
+        (lambda d: d["device"].__setitem__("gemm_efficiency", 1.5), "device.gemm_efficiency"),
+        (lambda d: d["device"].__setitem__("gemm_efficiency", 0), "device.gemm_efficiency"),
+        (lambda d: d["device"].pop("peak_flops"), "device.peak_flops"),
         (lambda d: d["links"]["intra_node"].__setitem__("bw_Bps", 0), "links.intra_node.bw_Bps"),
         (lambda d: d["links"].pop("intra_node"), "links.intra_node"),
         (lambda d: d.__setitem__("colour", "red"), "colour"),

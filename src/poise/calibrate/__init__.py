@@ -22,6 +22,10 @@ skips it):
 
        rate(n) = F * n / (n + h)          F = gemm_flops, h = gemm_half_rows
 
+   (`Cluster.gemm_rate`: F = peak_flops[dtype] * gemm_efficiency). The cluster file gets the
+   measured F as the peak of every dtype (the expert FFN runs in fp32 here; a CPU has no faster
+   path for the others) and efficiency 1.
+
    so that 1 / rate(n) = 1/F + (h/F) * (1/n) is linear in 1/n. `fit_gemm_curve` fits it.
 
 2. **Collectives** between 2 local gloo ranks (`torch.distributed`, spawned processes):

@@ -14,7 +14,7 @@ from poise.calibrate.config import WORLD_SIZE, CalibrationConfig, CalibrationErr
 from poise.calibrate.fit import GemmFit, LinkFit, fit_gemm_curve, fit_latency_bandwidth
 from poise.calibrate.host_fit import HostFit, HostPoint, fit_host, has_host_points
 from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoint, GemmPoint
-from poise.core.cluster import Cluster, HostCosts
+from poise.core.cluster import Cluster, HostCosts, PeakFlops
 from poise.core.errors import ConfigError
 from poise.core.fields import read_mapping_file
 from poise.cost.collectives import CollectiveFit, alpha_beta_from_link_fit
@@ -52,7 +52,9 @@ class Calibration:
         return self.link_fits["all_to_all"]
 
     def cluster(self, name: str | None = None, memory_bytes: float | None = None) -> Cluster:
-        """2 devices on one node; GEMM curve from `gemm`, intra-node link from the all-to-all,
+        """2 devices on one node; GEMM curve from `gemm` (measured on the fp32 expert FFN and
+        written as one rate for every dtype: this machine has no faster path for the others),
+        intra-node link from the all-to-all,
         memory half of this machine's RAM, the host costs of `host_fit` (if measured)."""
         link = self.intra_node.link()
         return Cluster(
@@ -60,7 +62,7 @@ class Calibration:
             devices_per_node=WORLD_SIZE,
             nodes_per_domain=1,
             domains=1,
-            gemm_flops=self.gemm.gemm_flops,
+            peak_flops=PeakFlops.uniform(self.gemm.gemm_flops),
             memory_bytes=memory_bytes or machine_memory_bytes() / WORLD_SIZE,
             intra_node=link,
             inter_node=link,

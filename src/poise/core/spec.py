@@ -7,6 +7,10 @@ Derived quantities (per MoE layer):
 - migration bytes    M_e = P_e * (dtype_bytes + optimizer_bytes_per_param)
 - forward FLOPs per routed token  F_t = 2 * P_e     (backward is twice forward)
 - bytes per routed token on the wire  B_t = d_model * dtype_bytes
+
+Compute is priced in `compute_dtype` (`core.cluster.DTYPES`: fp32, tf32, bf16, fp16; the
+device's rate for it is `Cluster.gemm_flops`). Left out, it follows `dtype_bytes`: 4 -> fp32,
+2 -> bf16 (`gemm_dtype`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from poise.core.cluster import DTYPES
 from poise.core.errors import ConfigError
 from poise.core.fields import get_int, get_number, get_str, read_mapping_file, reject_unknown
+
+DEFAULT_COMPUTE_DTYPE = {4: "fp32", 2: "bf16"}
+
+
+def resolve_compute_dtype(compute_dtype: str | None, dtype_bytes: int, source: str) -> str:
+    """`compute_dtype` checked against `DTYPES`, or (None) the default for `dtype_bytes`:
+    4 -> fp32, 2 -> bf16. Anything else raises `ConfigError` naming `compute_dtype`."""
+    if compute_dtype is None:
+        if dtype_bytes in DEFAULT_COMPUTE_DTYPE:
+            return DEFAULT_COMPUTE_DTYPE[dtype_bytes]
+        raise ConfigError(
+            f"no default for dtype_bytes {dtype_bytes} (4 -> fp32, 2 -> bf16): give one of "
+            f"{', '.join(DTYPES)}",
+            source=source,
+            field="compute_dtype",
+        )
+    if compute_dtype not in DTYPES:
+        raise ConfigError(
+            f"must be one of {', '.join(DTYPES)}, got {compute_dtype!r}",
+            source=source,
+            field="compute_dtype",
+        )
+    return compute_dtype
 
 
 @dataclass(frozen=True)
@@ -25,7 +53,8 @@ class ModelSpec:
     """`tokens_per_device` counts tokens (not token-expert pairs) entering a MoE layer on each
     device per step; `non_moe_flops_per_token` is the forward FLOPs of the rest of one block
     (attention, projections) per token (None: 24 * d_model**2, a GPT block's dense part without
-    its FFN, at 2 FLOPs per multiply-add and a short context)."""
+    its FFN, at 2 FLOPs per multiply-add and a short context). `compute_dtype`: the dtype its
+    GEMMs run in (`DTYPES`; None: from `dtype_bytes`, see `gemm_dtype`)."""
 
     name: str
     d_model: int
@@ -38,6 +67,7 @@ class ModelSpec:
     non_moe_flops_per_token: float | None = None
     optimizer_bytes_per_param: float = 12.0
     activation: str = "gelu"
+    compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -61,6 +91,13 @@ class ModelSpec:
             )
         if self.activation not in ("gelu", "swiglu"):
             raise ConfigError("must be gelu or swiglu", source=self.name, field="activation")
+        resolve_compute_dtype(self.compute_dtype, self.dtype_bytes, self.name)
+
+    @property
+    def gemm_dtype(self) -> str:
+        """The dtype compute is priced in: `compute_dtype`, or from `dtype_bytes` (4 -> fp32,
+        2 -> bf16)."""
+        return resolve_compute_dtype(self.compute_dtype, self.dtype_bytes, self.name)
 
     @property
     def expert_matrices(self) -> int:
@@ -117,7 +154,13 @@ class ModelSpec:
         kwargs["activation"] = get_str(
             data, "activation", source, default="gelu", choices=("gelu", "swiglu")
         )
-        return cls(**kwargs)
+        kwargs["compute_dtype"] = get_str(
+            data, "compute_dtype", source, default=None, choices=DTYPES
+        )
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, source=source, field=exc.field) from None
 
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
@@ -136,6 +179,7 @@ MODELS: dict[str, ModelSpec] = {
         moe_layers=24,
         dtype_bytes=2,
         tokens_per_device=8192,
+        compute_dtype="fp16",
     ),
     # Pro-Prophet's GPT-S/M/L (16 experts, one MoE layer per block).
     "gpt-s": ModelSpec(

@@ -5,17 +5,18 @@ by `poise calibrate`).
 **Non-MoE compute** (attention, norms, rotary positions, the router and the head's share of one
 block). With N tokens per device, F the non-MoE forward FLOPs per token and block
 (`ModelSpec.non_moe_flops_fwd`) and the small-batch rate curve of the expert GEMMs
-(`Cluster.gemm_rate`, rate(n) = R n / (n + h)) applied to this work:
+(`Cluster.gemm_rate`, rate(n) = R n / (n + h)) applied to this work, in the model's compute dtype
+t (`ModelSpec.gemm_dtype`):
 
     FNEC = N F / rate_f(N) = F (N + h_f) / R_f
     BNEC = 2 N F / rate_b(N) = 2 F (N + h_b) / R_b          (backward: twice the FLOPs)
 
-R_f, h_f = `dense_fwd_flops`, `dense_fwd_half_tokens`; R_b, h_b = `dense_bwd_*`. With the
-defaults (R_f = gemm_flops, h_f = 0, backward = forward's) these are the cost model's FNEC = N F /
-gemm_flops and BNEC = 2 FNEC (`poise.cost.model`; the non-expert computation of Pro-Prophet's
-FNEC/BNEC). The FLOPs of a GPT block (`gpt_non_moe_flops_per_token`) follow Kaplan et al.,
-"Scaling Laws for Neural Language Models" (2020), Table 1: 2 FLOPs per weight and token, plus the
-attention scores and values, here causal (mean (T + 1) / 2 positions attended).
+R_f, h_f = `dense_fwd_flops`, `dense_fwd_half_tokens`; R_b, h_b = `dense_bwd_*`. With the defaults
+(R_f = gemm_flops(t) = peak[t] * efficiency, h_f = 0, backward = forward's) these are the cost
+model's FNEC = N F / gemm_flops(t) and BNEC = 2 FNEC (`poise.cost.model`; the non-expert computation
+of Pro-Prophet's FNEC/BNEC). The FLOPs of a GPT block (`gpt_non_moe_flops_per_token`) follow Kaplan
+et al., "Scaling Laws for Neural Language Models" (2020), Table 1: 2 FLOPs per weight and token,
+plus the attention scores and values, here causal (mean (T + 1) / 2 positions attended).
 
 **Dispatcher host work** (`poise.nn.dispatch.Dispatcher`: sorting a layer's routed rows by
 expert, gathering them into the send buffer, the counts exchange, regrouping received rows by
@@ -47,11 +48,13 @@ import numpy as np
 from poise.core.cluster import Cluster, HostCosts
 
 
-def dense_rates(cluster: Cluster) -> tuple[float, float, float, float]:
-    """`(R_f, h_f, R_b, h_b)` of the module docstring, defaults filled in."""
+def dense_rates(cluster: Cluster, dtype: str) -> tuple[float, float, float, float]:
+    """`(R_f, h_f, R_b, h_b)` of the module docstring, defaults filled in (R_f: the large-GEMM
+    rate in compute dtype `dtype`, `Cluster.gemm_flops`). Measured rates (`HostCosts`) are one
+    rate, measured in the calibration's dtype, and apply to every dtype."""
     host = cluster.host
     if host.dense_fwd_flops is None:
-        r_f, h_f = cluster.gemm_flops, 0.0
+        r_f, h_f = cluster.gemm_flops(dtype), 0.0
     else:
         r_f, h_f = host.dense_fwd_flops, host.dense_fwd_half_tokens
     if host.dense_bwd_flops is None:
@@ -59,12 +62,14 @@ def dense_rates(cluster: Cluster) -> tuple[float, float, float, float]:
     return r_f, h_f, host.dense_bwd_flops, host.dense_bwd_half_tokens
 
 
-def dense_seconds(cluster: Cluster, flops_per_token: float, tokens: float) -> tuple[float, float]:
-    """`(FNEC, BNEC)` seconds of one block's non-MoE compute on `tokens` tokens (module
-    docstring); 0 for no tokens."""
+def dense_seconds(
+    cluster: Cluster, flops_per_token: float, tokens: float, dtype: str
+) -> tuple[float, float]:
+    """`(FNEC, BNEC)` seconds of one block's non-MoE compute on `tokens` tokens in compute dtype
+    `dtype` (module docstring); 0 for no tokens."""
     if tokens <= 0 or flops_per_token <= 0:
         return 0.0, 0.0
-    r_f, h_f, r_b, h_b = dense_rates(cluster)
+    r_f, h_f, r_b, h_b = dense_rates(cluster, dtype)
     return flops_per_token * (tokens + h_f) / r_f, 2.0 * flops_per_token * (tokens + h_b) / r_b
 
 

@@ -12,7 +12,9 @@ M_e migration bytes, see `core.spec.ModelSpec`):
   with h the holder mask and w the assignment weights.
 - Expert compute, forward (FasterMoE eq. 7's compute term B * F_t / P; Pro-Prophet's FEC):
       FEC = max_d sum_e R[d, e] * F_t / rate(R[d, e]),   BEC = 2 FEC
-  where rate(n) = gemm_flops * n / (n + gemm_half_rows) models small-GEMM inefficiency.
+  where rate(n) = peak[t] * efficiency * n / (n + half_rows) (`Cluster.gemm_rate`) in the
+  model's compute dtype t (`ModelSpec.gemm_dtype`): the device's dense peak for t, the fraction
+  large GEMMs reach, and the small-GEMM loss.
 - All-to-all on the hierarchical link model (FasterMoE eq. 7's B * B_t / W_net term, extended
   per level as in HybridEP eq. 10-11): for each device and link level v, S_v and R_v are the bytes
   it sends and receives over level v;
@@ -24,7 +26,8 @@ M_e migration bytes, see `core.spec.ModelSpec`):
   through the same per-level formula. Agg (Pro-Prophet eq. 4) returns W_e of gradient the other
   way, so Agg = Trans.
 - Migration: each home change moves M_e (weights + optimizer state) from old to new home.
-- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops, BNEC = 2 FNEC; on a
+- Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops(t), BNEC = 2 FNEC,
+  gemm_flops(t) = peak[t] * efficiency (`Cluster.gemm_flops`); on a
   cluster with measured host costs (`poise calibrate`), at the measured dense rates, plus the
   token dispatcher's host work per layer H_fwd, H_bwd = a + b * max_d (rows routed + rows
   computed) (`poise.cost.host`; `CostModel.complete`).
@@ -112,17 +115,18 @@ def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) 
 
 
 def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.ndarray:
-    """Forward seconds of one expert GEMM over `rows` tokens (elementwise):
-    rows * F_t / rate(max(rows, 1)), rate(n) = gemm_flops * n / (n + h) (`Cluster.gemm_rate`,
-    h = gemm_half_rows), which simplifies to
+    """Forward seconds of one expert GEMM over `rows` tokens (elementwise) in the spec's compute
+    dtype t (`ModelSpec.gemm_dtype`): rows * F_t / rate(max(rows, 1)),
+    rate(n) = peak[t] * efficiency * n / (n + h) (`Cluster.gemm_rate`, h = gemm_half_rows),
+    which simplifies to
 
-        F_t / gemm_flops * (rows + h * min(rows, 1))
+        F_t / (peak[t] * efficiency) * (rows + h * min(rows, 1))
 
     (for rows >= 1: (rows + h); below one row the rate of one row applies). The simplified form
     takes three passes over `rows` instead of seven."""
     rows = np.asarray(rows, dtype=np.float64)
     half = max(cluster.gemm_half_rows, 0.0)
-    scale = spec.flops_per_token_fwd / cluster.gemm_flops
+    scale = spec.flops_per_token_fwd / cluster.gemm_flops(spec.gemm_dtype)
     if half == 0.0:
         return rows * scale
     out = np.minimum(rows, 1.0)  # in place from here: one temporary instead of four
@@ -161,12 +165,15 @@ class CostModel:
     def non_moe_s(self) -> tuple[float, float]:
         """`(FNEC, BNEC)`: a block's non-MoE compute on one device, forward and backward. At the
         cluster's measured dense rates when it has them (`cost.host.dense_seconds`), else
-        tokens per device x non-MoE FLOPs per token / GEMM rate, and twice that backward."""
+        tokens per device x non-MoE FLOPs per token / the large-GEMM rate in the spec's compute
+        dtype (`Cluster.gemm_flops`), and twice that backward."""
         cluster, spec = self.cluster, self.spec
         host = cluster.host
         if host.dense_fwd_flops is not None or host.dense_bwd_flops is not None:
-            return dense_seconds(cluster, spec.non_moe_flops_fwd, spec.tokens_per_device)
-        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops
+            return dense_seconds(
+                cluster, spec.non_moe_flops_fwd, spec.tokens_per_device, spec.gemm_dtype
+            )
+        fnec = spec.tokens_per_device * spec.non_moe_flops_fwd / cluster.gemm_flops(spec.gemm_dtype)
         return fnec, 2.0 * fnec
 
     @property
@@ -221,12 +228,12 @@ class CostModel:
 
     def expert_compute_s(self, received: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """`[L, D]` forward seconds of expert GEMMs for `received[L, D, E]` tokens: the sum over
-        experts of `expert_seconds`, i.e. F_t / gemm_flops * (rows_d + h * sum_e min(R_de, 1))
+        experts of `expert_seconds`, i.e. F_t / gemm_flops(t) * (rows_d + h * sum_e min(R_de, 1))
         with `rows[L, D]` = sum_e R_de (computed here if not given): two passes over
         `received` instead of five."""
         cluster = self.cluster
         rows = received.sum(axis=2) if rows is None else rows
-        scale = self.spec.flops_per_token_fwd / cluster.gemm_flops
+        scale = self.spec.flops_per_token_fwd / cluster.gemm_flops(self.spec.gemm_dtype)
         half = max(cluster.gemm_half_rows, 0.0)
         if half == 0.0:
             return rows * scale

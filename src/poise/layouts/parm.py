@@ -55,8 +55,9 @@ Times (the alpha-beta model Parm decides with): a collective on a group of n ran
 formula of `poise.cost.collectives` with the alpha and beta of the slowest link level the group
 spans;
 a GEMM of F FLOPs over r rows costs F / rate(r), rate(r) = gemm_flops r / (r + half_rows)
-(`Cluster.gemm_rate`). S1 and S2 have the same gate, experts and MP-AllGather, so the choice
-depends on the collectives they place differently only (per pass):
+with gemm_flops = peak[t] * efficiency in the layer's compute dtype t (`Cluster.gemm_rate`).
+S1 and S2 have the same gate, experts and MP-AllGather, so the choice depends on the
+collectives they place differently only (per pass):
 
     s2 iff  2 t_a2a(P, N_ESP m') < 2 t_a2a(N_EP, m') + t_ag(N_ESP, N_ESP m') + t_rs(N_ESP, N_ESP m')
     with m' = E C' M b.
@@ -73,6 +74,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
+from poise.core.spec import resolve_compute_dtype
 from poise.cost.collectives import CollectiveFit
 
 Schedule = Literal["baseline", "s1", "s2"]
@@ -88,8 +90,9 @@ class ParmLayer:
     `batch` B and `seq_len` L: the samples and tokens per sample one MP group works on (each MP
     rank holds all T = B L of them); `d_model` M; `d_expert` H; `experts` E; `top_k` k;
     `capacity_factor` f; `mp` N_MP, `esp` N_ESP, `ep` N_EP (P = N_EP N_ESP ranks); `heads`: the
-    attention heads MP splits (None: not checked); `dtype_bytes` b. Invalid values raise
-    `ConfigError` naming the field."""
+    attention heads MP splits (None: not checked); `dtype_bytes` b; `compute_dtype` the dtype
+    its GEMMs run in (None: from `dtype_bytes`, `core.spec.resolve_compute_dtype`). Invalid
+    values raise `ConfigError` naming the field."""
 
     batch: int
     seq_len: int
@@ -104,6 +107,7 @@ class ParmLayer:
     heads: int | None = None
     dtype_bytes: int = 2
     name: str = "parm layer"
+    compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -121,6 +125,7 @@ class ParmLayer:
             _positive_int(getattr(self, f), f, self.name)
         if self.heads is not None:
             _positive_int(self.heads, "heads", self.name)
+        resolve_compute_dtype(self.compute_dtype, self.dtype_bytes, self.name)
         f = self.capacity_factor
         ok = isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f)
         if not ok or f <= 0:
@@ -158,6 +163,11 @@ class ParmLayer:
         _divides(mp, "mp", world, f"the world ({world} ranks)", name)
         _divides(esp, "esp", world, f"the world ({world} ranks)", name)
         return cls(mp=mp, esp=esp, ep=world // esp, **kw)  # type: ignore[arg-type]
+
+    @property
+    def gemm_dtype(self) -> str:
+        """The dtype its GEMMs are priced in (`compute_dtype`, or from `dtype_bytes`)."""
+        return resolve_compute_dtype(self.compute_dtype, self.dtype_bytes, self.name)
 
     @property
     def world(self) -> int:
@@ -294,8 +304,9 @@ class GemmModel:
     half_rows: float = 0.0
 
     @classmethod
-    def from_cluster(cls, cluster: Cluster) -> GemmModel:
-        return cls(cluster.gemm_flops, cluster.gemm_half_rows)
+    def from_cluster(cls, cluster: Cluster, dtype: str) -> GemmModel:
+        """The cluster's curve in compute dtype `dtype`: gemm_flops = peak[dtype] * efficiency."""
+        return cls(cluster.gemm_flops(dtype), cluster.gemm_half_rows)
 
     def seconds(self, flops: float, rows: float) -> float:
         rows = max(float(rows), 1.0)
@@ -309,11 +320,11 @@ def _fit(costs: Costs) -> CollectiveFit:
     return CollectiveFit.from_cluster(costs) if isinstance(costs, Cluster) else costs
 
 
-def _gemm(costs: Costs, gemm: GemmModel | None) -> GemmModel:
+def _gemm(costs: Costs, gemm: GemmModel | None, layer: ParmLayer) -> GemmModel:
     if gemm is not None:
         return gemm
     if isinstance(costs, Cluster):
-        return GemmModel.from_cluster(costs)
+        return GemmModel.from_cluster(costs, layer.gemm_dtype)
     raise ConfigError(
         "pricing GEMMs needs a GemmModel when the costs are a CollectiveFit", field="gemm"
     )
@@ -333,7 +344,7 @@ def layer_breakdown(
     layer: ParmLayer, schedule: str, costs: Costs, gemm: GemmModel | None = None
 ) -> dict[str, float]:
     """Seconds per operation label (forward and backward summed) under the alpha-beta model."""
-    fit, g = _fit(costs), _gemm(costs, gemm)
+    fit, g = _fit(costs), _gemm(costs, gemm, layer)
     out: dict[str, float] = {}
     for op in schedule_ops(layer, schedule):
         out[op.label] = out.get(op.label, 0.0) + op_seconds(layer, op, fit, g)

@@ -93,7 +93,8 @@ def default_cluster(world_size: int) -> Cluster:
 
 def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
     """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [P, M, H]`),
-    its expert count and top-k, the number of layers, the parameters' dtype, AdamW's two moments
+    its expert count and top-k, the number of layers, the parameters' dtype (its compute dtype:
+    fp32, bf16 or fp16 as the weights are; tf32 is not inferred), AdamW's two moments
     in the parameters' dtype, `tokens_per_device` tokens entering a layer per rank and step."""
     first = layers[0]
     w_in = first.experts.w_in
@@ -109,7 +110,12 @@ def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> Model
         tokens_per_device=max(1, int(tokens_per_device)),
         optimizer_bytes_per_param=2.0 * dtype_bytes,
         activation=first.experts.activation,
+        compute_dtype=_COMPUTE_DTYPES.get(str(w_in.dtype)),
     )
+
+
+# torch dtype names -> compute dtypes (`core.cluster.DTYPES`); others: from the element size
+_COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def _same_maps(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:

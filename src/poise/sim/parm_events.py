@@ -21,8 +21,8 @@ The operations are those of `poise.layouts.parm.schedule_ops`; only their pricin
   group and node, `Link.shared_by` devices per NIC), not always the all-to-all share:
 
       t = (n - 1) max_hop ( lat_hop + (m / n) / bw_hop ),     all-reduce: twice that.
-- **GEMMs** from `Cluster.gemm_rate` over each GEMM's rows (local experts one after another),
-  as in the alpha-beta model.
+- **GEMMs** from `Cluster.gemm_rate` (in the layer's compute dtype) over each GEMM's rows
+  (local experts one after another), as in the alpha-beta model.
 
 Every group of a kind runs its collective at the same time as the others (all EP groups
 dispatch together), which is what the shared NIC bandwidth accounts for. Operations of a
@@ -93,7 +93,7 @@ def ring_seconds(
 def op_seconds(cluster: Cluster, layer: ParmLayer, op: Op) -> float:
     """Seconds of one operation under the event model."""
     if not op.is_collective:
-        return GemmModel.from_cluster(cluster).seconds(op.flops, op.rows)
+        return GemmModel.from_cluster(cluster, layer.gemm_dtype).seconds(op.flops, op.rows)
     size, stride = layer.group(op.group)
     if op.kind == "all_to_all":
         return all_to_all_seconds(cluster, size, op.nbytes, stride)

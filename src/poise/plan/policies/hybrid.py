@@ -396,7 +396,8 @@ def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanConte
     link = cluster.inter_domain if cluster.domains > 1 else cluster.inter_node
     bw = link.per_device_bw_Bps * size
     p_e = float(spec.expert_bytes)
-    lat_pe = loads.sum(axis=(1, 2)) / G * spec.flops_per_token_fwd / (cluster.gemm_flops * size)
+    rate = cluster.gemm_flops(spec.gemm_dtype)
+    lat_pe = loads.sum(axis=(1, 2)) / G * spec.flops_per_token_fwd / (rate * size)
     p = 1.0 - bw * lat_pe / (p_e * (G - 1))
     return np.where(2.0 * data < G * p_e, np.clip(p, 0.0, 1.0), 0.0)
 

@@ -14,13 +14,13 @@ descending order (stable: lower expert index first on ties) shadowed:
     lat_k  = max_d ( 3 F_t / P * C_k[d] + 4 B_t / W_net * B_k[d] ) + k * t_shadow
     t_shadow = W_e / W_net * (1 + 2 (D - 1) / D)
 
-with F_t forward FLOPs per token (x3: forward and backward), P the device's GEMM rate
-(`cluster.gemm_flops`), B_t bytes per token (x4: dispatch and combine, forward and backward),
-W_e expert bytes, and W_net the per-device bandwidth of the slowest link level the cluster has
-(FasterMoE uses one network bandwidth). t_shadow is the FasterMoE prototype's cost of one
-shadowed expert: one broadcast of its parameters plus a ring reduction of its gradients (the
-SmartMoE fork uses 8 W_e / W_net; option `shadow_cost_factor` overrides the factor
-(1 + 2 (D - 1) / D)).
+with F_t forward FLOPs per token (x3: forward and backward), P the device's large-GEMM rate in the
+model's compute dtype (`cluster.gemm_flops(spec.gemm_dtype)`), B_t bytes per token (x4: dispatch and
+combine, forward and backward), W_e expert bytes, and W_net the per-device bandwidth of the slowest
+link level the cluster has (FasterMoE uses one network bandwidth). t_shadow is the FasterMoE
+prototype's cost of one shadowed expert: one broadcast of its parameters plus a ring reduction of
+its gradients (the SmartMoE fork uses 8 W_e / W_net; option `shadow_cost_factor` overrides the
+factor (1 + 2 (D - 1) / D)).
 
 Greedy (FasterMoE Algorithm 1): starting from lat_0, shadow the next expert while
 lat_{k+1} < lat_k (strict); the first non-improvement stops the walk.
@@ -221,7 +221,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     w_net = network_bw(cluster)
     factor = ctx.option(NAME, "shadow_cost_factor", None)
     factor = 1.0 + 2.0 * (D - 1) / D if factor is None else float(factor)
-    t_comp = 3.0 * spec.flops_per_token_fwd / cluster.gemm_flops
+    t_comp = 3.0 * spec.flops_per_token_fwd / cluster.gemm_flops(spec.gemm_dtype)
     t_feat = 4.0 * spec.token_bytes / w_net
     t_shadow = spec.expert_bytes / w_net * factor
     if D == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from poise.core.cluster import Cluster, get_cluster
+from poise.core.cluster import Cluster, PeakFlops, get_cluster
 from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
 from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
@@ -150,14 +150,17 @@ def prophet_spec(model: str, top_k: int, experts: int, tokens_per_device: int) -
 
 
 def lpwnv_cluster() -> Cluster:
-    """Pro-Prophet's LPWNV: "same as HPWNV except GPU type": 2 nodes of 4 RTX 2080 Ti. The GEMM
-    rate is the RTX 3090 preset's scaled by the cards' fp32 peak ratio (13.4 / 35.6 TFLOP/s),
-    memory 11 GiB."""
+    """Pro-Prophet's LPWNV: "same as HPWNV except GPU type": 2 nodes of 4 RTX 2080 Ti (11 GiB),
+    links, efficiency and small-GEMM curve as the RTX 3090 preset's. fp32 peak 13.45 TFLOP/s,
+    derived: 2 FLOPs x 4,352 CUDA cores x 1,545 MHz boost (the 2080 Ti's core count and boost
+    clock as reported from NVIDIA's Turing editor's day, wccftech, 2018-08-22). Its tensor-core
+    rates were not found in our sources: left out (the fp32 rate applies); the scenario trains
+    in fp32."""
     base = get_cluster("rtx3090-ib100:2")
     return dataclasses.replace(
         base,
         name="rtx2080ti-ib100:2",
-        gemm_flops=base.gemm_flops * 13.4 / 35.6,
+        peak_flops=PeakFlops(fp32=2 * 4352 * 1545e6),
         memory_bytes=11 * 2**30,
     )
 
@@ -234,6 +237,7 @@ def smartmoe_spec(experts: int = 32) -> ModelSpec:
         moe_layers=16,
         dtype_bytes=2,
         tokens_per_device=8192,
+        compute_dtype="fp16",
     )
 
 
@@ -291,6 +295,7 @@ def _flexmoe() -> Scenario:
                 moe_layers=layers,
                 dtype_bytes=2,
                 tokens_per_device=4096,
+                compute_dtype="fp16",
             ),
             TraceRecipe(steps=REPLAY_STEPS, quick_steps=20, seed=31),
         )
@@ -359,6 +364,7 @@ def hybridep_spec(data_mb: float, top_k: int = 2) -> ModelSpec:
         moe_layers=12,
         dtype_bytes=dtype,
         tokens_per_device=tokens,
+        compute_dtype="fp16",
     )
 
 
@@ -422,6 +428,7 @@ def cross_dc_spec() -> ModelSpec:
         moe_layers=4,
         dtype_bytes=2,
         tokens_per_device=4096,
+        compute_dtype="fp16",
     )
 
 
