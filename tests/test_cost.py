@@ -55,22 +55,35 @@ def test_hierarchical_levels_and_latency() -> None:
     assert send[0, 0, 0] == 100 and send[1, 0, 0] == 50 and send[2, 0, 0] == 0
     assert recv[0, 0, 1] == 100 and recv[1, 0, 2] == 50
     phases, _ = CostModel(cluster, spec).phases(p, Assignment.to_home(p), counts)
-    expected = 100 * 16 / 1e9 + 1e-6 + 50 * 16 / 1e8 + 1e-6
+    # Links as capacities, all at once: the busiest link is d0's NIC side (50 tokens of 16 bytes
+    # at 1e8 B/s = 8e-6 s; its 100 intra-node tokens take 1.6e-6 s on the port, in parallel);
+    # d0 uses both levels, so it pays both latencies: 8e-6 + 2e-6.
+    expected = max(100 * 16 / 1e9, 50 * 16 / 1e8) + 2e-6
     assert phases.dispatch_s[0] == pytest.approx(expected)
 
 
-def test_shared_link_divides_bandwidth() -> None:
-    shared = toy_cluster(devices_per_node=2, nodes=2, bw=1e9, inter_bw=1e8)
+def test_a_shared_link_is_a_capacity() -> None:
+    """One NIC per node of 2 devices (1e8 B/s): a lone sender gets the whole NIC; two senders
+    behind it share it; a receiver's NIC carries what enters its node."""
     from dataclasses import replace
 
     from poise.core.cluster import Link
 
+    shared = toy_cluster(devices_per_node=2, nodes=2, bw=1e9, inter_bw=1e8)
     shared = replace(shared, inter_node=Link(1e8, 0.0, shared_by=2))
     p = Placement.from_homes(np.array([[0, 1, 2, 3]]), 4, 1)
+    cost = CostModel(shared, toy_spec(experts=4))
     counts = np.zeros((1, 4, 4))
-    counts[0, 0, 2] = 50
-    phases, _ = CostModel(shared, toy_spec(experts=4)).phases(p, Assignment.to_home(p), counts)
-    assert phases.dispatch_s[0] == pytest.approx(50 * 16 / 0.5e8)
+    counts[0, 0, 2] = 50  # d0 -> e2 on d2 (node 1): 800 bytes through each node's NIC
+    phases, _ = cost.phases(p, Assignment.to_home(p), counts)
+    assert phases.dispatch_s[0] == pytest.approx(50 * 16 / 1e8)  # the whole NIC, not half
+    counts[0, 1, 3] = 50  # d1 -> e3 on d3: node 0's NIC now sends 1,600 bytes
+    phases, _ = cost.phases(p, Assignment.to_home(p), counts)
+    assert phases.dispatch_s[0] == pytest.approx(100 * 16 / 1e8)
+    counts[0, 1, 3] = 0
+    counts[0, 3, 2] = 30  # d3 -> e2: same node, over the port, not the NIC
+    phases, _ = cost.phases(p, Assignment.to_home(p), counts)
+    assert phases.dispatch_s[0] == pytest.approx(50 * 16 / 1e8)
 
 
 def test_migration_is_priced() -> None:

@@ -123,9 +123,7 @@ def test_p_star_in_unit_interval_and_never_slower(seed: int) -> None:
     static = make_plan("static", loads, None, ctx)
     assert all(0.0 <= p <= 1.0 for p in plan.notes["p_star"])
     assert np.all(plan.cost.layer_s <= static.cost.layer_s * (1 + 1e-12))
-    np.testing.assert_allclose(
-        np.array(plan.notes["hybrid_layer_s"])[:, 1], plan.cost.layer_s, rtol=1e-9
-    )
+    assert_priced_as_the_cost_model(plan, ctx.cost, loads)
 
 
 # ------------------------------------------------------------------ group-local routing
@@ -320,9 +318,7 @@ def test_routing_is_group_local_and_cuts_price_as_the_cost_model(
     np.testing.assert_array_equal(plan.assignment.weights, local.weights)
     np.testing.assert_array_equal(plan.assignment.group_weights, local.group_weights)
     assert plan.assignment.group_size == local.group_size
-    np.testing.assert_allclose(
-        np.array(plan.notes["hybrid_layer_s"])[:, 1], plan.cost.layer_s, rtol=1e-9
-    )
+    assert_priced_as_the_cost_model(plan, ctx.cost, loads)
     static = make_plan("static", loads, None, ctx)
     assert np.all(plan.cost.layer_s <= static.cost.layer_s * (1 + 1e-12))
     if D > 80:  # more pairs than prefixes priced one by one

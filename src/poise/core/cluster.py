@@ -6,8 +6,9 @@ Each of the three link levels has a bandwidth and a latency:
 - `inter_node`: between nodes of one domain (InfiniBand, RoCE, Ethernet);
 - `inter_domain`: between domains (a wide-area link between datacentres).
 
-A link may be shared by several devices (one NIC per node of eight GPUs: `shared_by=8`); during
-an all-to-all every device sends at once, so each gets `bw_Bps / shared_by`.
+A link is a capacity shared by the devices behind it (one NIC per node of eight GPUs:
+`shared_by=8`): what one device gets follows from the traffic (`poise.cost.network`), a lone
+sender the whole link, eight senders at once an eighth each.
 
 A device has memory and a GEMM rate per compute dtype (`DTYPES`): a GEMM of F FLOPs over n token
 rows in dtype t takes
@@ -120,8 +121,10 @@ class PeakFlops:
 
 @dataclass(frozen=True)
 class Link:
-    """One level of the network. `bw_Bps`: bytes/s of one link per direction; `lat_s`:
-    seconds per message; `shared_by`: devices that send through one such link at once."""
+    """One level of the network. `bw_Bps`: bytes/s of one link per direction (its capacity);
+    `lat_s`: seconds per message; `shared_by`: how many consecutive devices sit behind one such
+    link (it must divide the devices of a node for the device and node levels, of a domain for
+    the domain level)."""
 
     bw_Bps: float
     lat_s: float
@@ -129,6 +132,9 @@ class Link:
 
     @property
     def per_device_bw_Bps(self) -> float:
+        """The share of the link each device gets when every device behind it sends at once (a
+        collective in which all members move data together); the cost model's phases price the
+        link as a capacity under their actual traffic instead (`poise.cost.network`)."""
         return self.bw_Bps / self.shared_by
 
 
@@ -312,6 +318,14 @@ class Cluster:
                     "bw_Bps must be > 0, lat_s >= 0, shared_by >= 1",
                     source=self.name,
                     field=f"links.{level}",
+                )
+            behind = self.devices_per_domain if level == "inter_domain" else self.devices_per_node
+            if link.shared_by < behind and behind % link.shared_by:
+                where = "domain" if level == "inter_domain" else "node"
+                raise ConfigError(
+                    f"shared_by {link.shared_by} does not divide the {behind} devices of a {where}",
+                    source=self.name,
+                    field=f"links.{level}.shared_by",
                 )
 
     def gemm_flops(self, dtype: str) -> float:

@@ -29,7 +29,8 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
-from poise.cost.model import CostModel, expert_seconds, level_links, level_seconds
+from poise.cost.model import CostModel, expert_seconds
+from poise.cost.network import device_seconds, fair_share_links, link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import homes_traffic, level_traffic, migration_traffic, replica_traffic
 
@@ -137,7 +138,7 @@ class LayerState:
         assignment = Assignment.to_home(placement)
         R = assignment.received(placement, counts)  # [L, D, E]
         send, recv = level_traffic(cluster, placement, assignment, counts)
-        p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes, broadcast=False)
         L, D, _ = counts.shape
         state = cls._blank(cost, np.empty((L, D, cls.CELLS)))
         state.R = R
@@ -187,7 +188,7 @@ class LayerState:
         cluster = cost.cluster
         state = cls.__new__(cls)
         state.cost = cost
-        state.bw, state.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
+        state.bw, state.lat = fair_share_links(cluster)  # [3] each
         state.fnec, state.bnec = cost.non_moe_s
         # The link levels a message can take on this cluster (0 needs several devices per
         # node, 1 several nodes per domain, 2 several domains), as a range: the others carry
@@ -230,10 +231,9 @@ class LayerState:
         return self.device_links_s(send, recv).max(axis=-1)
 
     def device_links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """`[..., 3, D]` bytes -> `[..., D]` each device's seconds summed over the levels."""
-        per_level = level_seconds(np.maximum(send, recv), self.bw, self.lat)
-        # (level 0 + level 1) + level 2 whatever the memory order of the inputs.
-        return per_level[..., 0, :] + per_level[..., 1, :] + per_level[..., 2, :]
+        """`[..., 3, D]` bytes -> `[..., D]` each device's seconds (`network.device_seconds` at
+        each level's fair share per device)."""
+        return device_seconds(send, recv, self.bw, self.lat)
 
     def device_terms(
         self,
@@ -252,28 +252,20 @@ class LayerState:
     def packed_terms(self, packed: np.ndarray) -> np.ndarray:
         """`device_terms` of states packed side by side, `packed[..., CELLS, X]` (`cells`
         transposed: a column per device state, any leading axes), stacked: `[..., 3, X]`
-        (compute, all-to-all, Trans). The same numbers as `device_terms`, bit for bit, in fewer
-        passes: one max(sent, received) for both kinds (the token rows scaled to bytes after
-        the max, which equals the max of the scaled rows: scaling by B_t > 0 keeps the order
-        and rounds monotonically), one `level_seconds`, the levels summed in the same order.
-        Only the cluster's levels (`levels`) are priced: the others carry nothing, take 0 s,
-        and adding 0 to a sum of seconds (never -0) changes nothing."""
+        (compute, all-to-all, Trans): the same numbers as `device_terms`."""
         lead, X = packed.shape[:-2], packed.shape[-1]
-        lo, hi = self.levels
-        n, step = hi - lo, self.LEVEL_STEP
+        step = self.LEVEL_STEP
         out = np.empty((*lead, 3, X))
         out[..., 0, :] = packed[..., self.COMP, :]
-        sent = packed[..., self.SENT + step * lo : self.SENT + step * hi, :]
-        received = packed[..., self.RECEIVED + step * lo : self.RECEIVED + step * hi, :]
-        moved = np.maximum(sent, received).reshape(*lead, n, 2, X)  # [..., level, kind, X]
-        moved[..., 0, :] *= self.cost.spec.token_bytes
-        per_level = level_seconds(moved, self.bw[lo:hi, None], self.lat[lo:hi, None])
-        if n == 1:
-            out[..., 1:, :] = per_level[..., 0, :, :]
-        else:
-            np.add(per_level[..., 0, :, :], per_level[..., 1, :, :], out=out[..., 1:, :])
-        if n == 3:
-            out[..., 1:, :] += per_level[..., 2, :, :]
+        tb = self.cost.spec.token_bytes
+        for kind, (sent, received) in enumerate(
+            ((self.TOK_SEND, self.TOK_RECV), (self.PAR_SEND, self.PAR_RECV))
+        ):
+            send = packed[..., sent : sent + 3 * step : step, :]
+            recv = packed[..., received : received + 3 * step : step, :]
+            if kind == 0:
+                send, recv = send * tb, recv * tb
+            out[..., 1 + kind, :] = device_seconds(send, recv, self.bw, self.lat)
         return out
 
     def level_between(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -390,7 +382,6 @@ class ExpertColumns:
         self.devices = np.arange(D)
         self.levels = np.arange(3)[:, None]  # [3, 1]
         self.fnec, self.bnec = cost.non_moe_s
-        self.bw, self.lat = (x[:, None] for x in level_links(cluster))  # [3, 1]
         # Tokens are priced in bytes; Trans and migration rows already are.
         self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
         placement = Placement(home, copies, 0)
@@ -451,16 +442,27 @@ class ExpertColumns:
         inside[:, :, 1] -= inside[:, :, 0]  # domain - node
         np.multiply(remote[:, None], inside[0], out=out[:, 2:5])
         np.multiply(weights[:, None], inside[1], out=out[:, 11:14])
-        # Trans: each replica receives W_e from the home, over the level between them
-        # (`Cluster.level_between`: 0 same node, 1 same domain, 2 across domains).
+        # Trans, a broadcast from the home (`traffic.replica_traffic`): the copy enters each other
+        # domain at its first replica (level 2), each other node at its first (level 1), the
+        # rest of a node over level 0; the home sends it once, over the farthest level.
         level = (self.node_of != self.node_of[home][:, None]).view(np.int8) + (
             self.domain_of != self.domain_of[home][:, None]
         ).view(np.int8)  # [K, D]
         rep = held & (self.devices != home[:, None])
-        at = (level[:, None, :] == self.levels) & rep[:, None, :]  # [K, 3, D]
+        first_node = rep & (np.cumsum(rep.reshape(K, -1, self.dpn), axis=2) == 1).reshape(K, D)
+        first_dom = rep & (np.cumsum(rep.reshape(K, -1, self.dpd), axis=2) == 1).reshape(K, D)
+        hop = np.where(
+            level == 2,
+            np.where(first_dom, 2, np.where(first_node, 1, 0)),
+            np.where((level == 1) & first_node, 1, 0),
+        )
+        at = (hop[:, None, :] == self.levels) & rep[:, None, :]  # [K, 3, D]
         w_e = spec.expert_bytes
         np.multiply(at, w_e, out=out[:, 14:17])
-        out[np.arange(K), 5:8, home] = at.sum(axis=2) * w_e
+        replicated = np.flatnonzero(rep.any(axis=1))
+        if replicated.size:
+            farthest = np.where(rep, level, -1).max(axis=1)[replicated]
+            out[replicated, 5 + farthest, home[replicated]] = w_e
         # Migration: M_e from the home in force to the new home.
         if self.prev_home is not None:
             old = self.prev_home[layers, experts]
@@ -498,9 +500,10 @@ class ExpertColumns:
         kinds = 3 if self.prev_home is not None else 2
         send = totals[:, 2 : 2 + 3 * kinds].reshape(M, kinds, 3, D)  # [M, kind, level, D]
         recv = totals[:, 11 : 11 + 3 * kinds].reshape(M, kinds, 3, D)
-        moved = np.maximum(send, recv)
-        moved *= self.scale[:kinds]
-        link_s = level_seconds(moved, self.bw, self.lat).sum(axis=2).max(axis=2)  # [M, kind]
+        scale = self.scale[:kinds]  # [kinds, 1, 1]
+        send = np.moveaxis(send * scale, 2, 0)  # [level, M, kind, D]
+        recv = np.moveaxis(recv * scale, 2, 0)
+        link_s = link_seconds(self.cost.cluster, send, recv)  # [M, kind]
         a2a, trans = link_s[:, 0], link_s[:, 1]
         mig = link_s[:, 2] if kinds == 3 else np.zeros(M)
         fec = totals[:, ROW_COMP].max(axis=1)

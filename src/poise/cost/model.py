@@ -15,16 +15,20 @@ M_e migration bytes, see `core.spec.ModelSpec`):
   where rate(n) = peak[t] * efficiency * n / (n + half_rows) (`Cluster.gemm_rate`) in the
   model's compute dtype t (`ModelSpec.gemm_dtype`): the device's dense peak for t, the fraction
   large GEMMs reach, and the small-GEMM loss.
-- All-to-all on the hierarchical link model (FasterMoE eq. 7's B * B_t / W_net term, extended
-  per level as in HybridEP eq. 10-11): for each device and link level v, S_v and R_v are the bytes
-  it sends and receives over level v;
-      A = max_d sum_v [ max(S_v[d], R_v[d]) / bw_v + lat_v * (traffic at v > 0) ]
-  with bw_v the per-device share of the level's link. Dispatch and combine move the same bytes in
-  opposite directions, so A_c = A_d; backward repeats both (4 all-to-alls per step).
-- Trans (Pro-Prophet eq. 3; FasterMoE's t_model per shadowed expert): each replica receives W_e
-  from its home, directly; per device, the bytes it sends as a home and receives as a replica go
-  through the same per-level formula. Agg (Pro-Prophet eq. 4) returns W_e of gradient the other
-  way, so Agg = Trans.
+- All-to-all on the links as capacities (FasterMoE eq. 7's B * B_t / W_net term, per link as
+  in HybridEP eq. 10-11; `poise.cost.network`): S_v[d], R_v[d] are the bytes device d sends
+  and receives over level v; a level-0 link carries its devices' intra-node bytes, a NIC what
+  its devices send out of / receive into their node (S_1 + S_2), an uplink what leaves / enters
+  their domain (S_2); with load_k the larger direction summed over the devices behind link k,
+      A = max_{v, k} load_k / bw_v + max_d sum_v lat_v * [d moves traffic at v]
+  (a lone sender gets a whole shared NIC; eight at once an eighth each). Dispatch and combine
+  move the same bytes in opposite directions, so A_c = A_d; backward repeats both (4
+  all-to-alls per step).
+- Trans (Pro-Prophet eq. 4-5, FasterMoE's shadow broadcast): a broadcast from the home to its
+  replicas (`traffic.replica_traffic`): the home sends W_e once, over the farthest level; the
+  copy enters each other domain and node once and reaches the node's other replicas over
+  level 0; priced on the links like the all-to-all. Agg, the reduce back to the home, moves the
+  same bytes the other way, so Agg = Trans.
 - Migration: each home change moves M_e (weights + optimizer state) from old to new home.
 - Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops(t), BNEC = 2 FNEC,
   gemm_flops(t) = peak[t] * efficiency (`Cluster.gemm_flops`); on a
@@ -47,6 +51,7 @@ from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
 from poise.core.spec import ModelSpec
 from poise.cost.host import dense_seconds, dispatch_host_seconds, dispatch_rows
+from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
 from poise.cost.traffic import Routing, migration_traffic, replica_traffic
@@ -84,34 +89,13 @@ class PlanCost:
 
 
 PRICE_CHUNK_CELLS = 2**19  # layer x device x expert cells a pricer handles at once (4 MiB)
-MIN_TRAFFIC_BYTES = 1.0  # less than one byte on a level is float residue, not a message
-
-
-def level_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
-    """`(bw_Bps[3], lat_s[3])`: per-device bandwidth and latency of each link level."""
-    links = cluster.links()
-    return (
-        np.array([k.per_device_bw_Bps for k in links]),
-        np.array([k.lat_s for k in links]),
-    )
-
-
-def level_seconds(moved: np.ndarray, bw: np.ndarray, lat: np.ndarray) -> np.ndarray:
-    """Seconds to move `moved` bytes over a level (elementwise; `bw`, `lat` broadcast along the
-    level axis): moved / bw + latency. A level pays its latency only when at least
-    `MIN_TRAFFIC_BYTES` cross it, and less counts as nothing: shares computed as differences
-    (1 - in-domain share, totals updated by deltas) leave rounding residues near 1e-13 that are
-    not traffic. Every pricer (`link_time`, `cost.incremental`) goes through here."""
-    return np.where(moved >= MIN_TRAFFIC_BYTES, moved / bw + lat, 0.0)
 
 
 def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
-    """`[L]` seconds: slowest device's sum over levels of max(send, recv) / bw + latency
-    (`level_seconds`). `send_bytes`, `recv_bytes`: `[3, L, D]`."""
-    bw, lat = level_links(cluster)
-    moved = np.maximum(send_bytes, recv_bytes)
-    per_level = level_seconds(moved, bw[:, None, None], lat[:, None, None])
-    return per_level.sum(axis=0).max(axis=1)
+    """`[L]` seconds of a phase moving `send_bytes`, `recv_bytes` (`[3, L, D]`, by level) on the
+    cluster's links as capacities (`poise.cost.network.link_seconds`): the most loaded link's
+    bytes / bandwidth plus the latencies of the levels a device uses."""
+    return link_seconds(cluster, send_bytes, recv_bytes)
 
 
 def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.ndarray:

@@ -10,8 +10,9 @@ domain sums replace D x D traffic matrices (devices are numbered node-major).
 - Dispatch traffic (`level_traffic`, `Routing.traffic`): for each device and link level v
   (intra-node, inter-node, inter-domain), the tokens it sends and receives over v; with
   group-local routing (HybridEP) a source whose group holds e routes inside its group.
-- Trans (`replica_traffic`): each replica receives W_e from its home, directly, over the level
-  between them; migrations (`migration_traffic`) move M_e from the old home to the new one.
+- Trans (`replica_traffic`): each replica receives W_e once, over the level between it and its
+  home, and the home sends it once (a broadcast); migrations (`migration_traffic`) move M_e
+  from the old home to the new one.
 
 `cost/model.py` turns these into seconds.
 """
@@ -269,10 +270,21 @@ def _group_local_traffic(
 
 
 def replica_traffic(
-    cluster: Cluster, placement: Placement, bytes_per_copy: float
+    cluster: Cluster, placement: Placement, bytes_per_copy: float, *, broadcast: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes per level each device sends (as a home) and receives (as a replica holder) when every
-    replica gets `bytes_per_copy` from its home: `(send, recv)`, each `[3, L, D]`."""
+    """Bytes per level each device sends and receives when every replica gets `bytes_per_copy`
+    from its home (Trans; Agg moves the same bytes the other way): `(send, recv)`, each
+    `[3, L, D]`.
+
+    With `broadcast` (Trans as the pipelined broadcast NCCL runs, Agg as its reduce:
+    Pro-Prophet eq. 4-5 and FasterMoE's shadowing charge one copy whatever the number of
+    receivers) the home sends the copy once, over the farthest level it must reach; the copy
+    enters each other domain once (its first replica receives it over level 2), each other node
+    once (level 1), and the node's other replicas receive it over level 0 from a holder in
+    their node (`_broadcast_hops`); what replicas pass on is not charged beyond what they
+    receive. Without `broadcast`, the home sends one copy per replica and each receives it over
+    the level between it and the home (direct sends, the search heuristics of
+    `poise.cost.incremental.LayerState`)."""
     L, D, _ = placement.copies.shape
     # Replicas are few next to L * D * E cells: count them per (level, layer, device) from
     # their coordinates, each at the level between its holder and its home.
@@ -282,9 +294,42 @@ def replica_traffic(
     home = placement.home[layer, expert]
     level = cluster.level_between(device, home)  # 0, 1, 2 (a replica is not on its home)
     cells = 3 * L * D
-    recv = np.bincount((level * L + layer) * D + device, minlength=cells).reshape(3, L, D)
-    send = np.bincount((level * L + layer) * D + home, minlength=cells).reshape(3, L, D)
+    hop = _broadcast_hops(cluster, layer * E + expert, device, level) if broadcast else level
+    recv = np.bincount((hop * L + layer) * D + device, minlength=cells).reshape(3, L, D)
+    if broadcast and flat.size:
+        # One send per replicated (layer, expert), at the farthest level of its replicas.
+        column = layer * E + expert
+        farthest = np.zeros(L * E, dtype=np.int64)
+        np.maximum.at(farthest, column, level)
+        sources = np.unique(column)
+        lv, ly, src = farthest[sources], sources // E, placement.home.ravel()[sources]
+        send = np.bincount((lv * L + ly) * D + src, minlength=cells).reshape(3, L, D)
+    else:
+        send = np.bincount((level * L + layer) * D + home, minlength=cells).reshape(3, L, D)
     return send * float(bytes_per_copy), recv * float(bytes_per_copy)
+
+
+def _broadcast_hops(
+    cluster: Cluster, column: np.ndarray, device: np.ndarray, level: np.ndarray
+) -> np.ndarray:
+    """The level over which each replica receives a broadcast copy: 2 for the first replica
+    (lowest device) of a domain other than the home's, 1 for the first of a node other than the
+    home's within a reached domain, else 0 (its node already holds the copy). `column`,
+    `device`, `level` (to the home): one entry per replica."""
+    node = device // cluster.devices_per_node
+    domain = device // cluster.devices_per_domain
+    order = np.lexsort((device, column))  # by column, then device
+    first_in_node = np.zeros(len(device), dtype=bool)
+    first_in_domain = np.zeros(len(device), dtype=bool)
+    for key, first in ((node, first_in_node), (domain, first_in_domain)):
+        pairs = np.stack([column[order], key[order]], axis=1)
+        _, idx = np.unique(pairs, axis=0, return_index=True)
+        first[order[idx]] = True
+    return np.where(
+        level == 2,
+        np.where(first_in_domain, 2, np.where(first_in_node, 1, 0)),
+        np.where((level == 1) & first_in_node, 1, 0),
+    )
 
 
 def migration_traffic(

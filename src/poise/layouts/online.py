@@ -12,7 +12,7 @@ saving over the coming steps exceeds the cost of moving there:
 T_switch (`switch_seconds`): every device receives the weights and optimizer state of the
 experts (M_e each) and dense blocks (P_d (B_dtype + B_opt) each) it holds in the new layout and
 not in the old one, from the nearest old holder, priced per link level as the cost model prices
-migration (`cost.level_seconds`, slowest device).
+migration (`poise.cost.network.link_seconds`, the receiving side).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
-from poise.cost.model import level_links, level_seconds
+from poise.cost.network import link_seconds
 from poise.layouts.pool import Layout, LayoutSettings, dense_params
 from poise.layouts.price import LayoutCost, price_with_online
 
@@ -42,7 +42,7 @@ def switch_seconds(
     device receives the weights and optimizer state (M_e per expert, P_d (B_dtype + B_opt) per
     dense block) it holds under `new` but not under `old`, from the nearest old holder (same
     node, else same domain, else another domain), priced per level as the cost model prices
-    migration (`cost.level_seconds`, slowest device)."""
+    migration (`poise.cost.network.link_seconds`, the receiving side)."""
     held_old = held_state(old, old_homes)
     held_new = held_state(new, new_homes)
     need = held_new & ~held_old  # [L, D, E + 1]
@@ -61,9 +61,9 @@ def switch_seconds(
             (moved * (in_dom & ~in_node)).sum(axis=(0, 2)),
             (moved * ~in_dom).sum(axis=(0, 2)),
         ]
-    )  # [3, D]
-    bw, lat = level_links(cluster)
-    return float(level_seconds(per_level, bw[:, None], lat[:, None]).sum(axis=0).max())
+    )  # [3, D] bytes each device receives over each level
+    # The senders are spread over the old holders: charge the receiving side on the links.
+    return float(link_seconds(cluster, np.zeros_like(per_level), per_level))
 
 
 def held_state(layout: Layout, homes: np.ndarray | None = None) -> np.ndarray:

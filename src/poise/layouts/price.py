@@ -53,7 +53,8 @@ from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.collectives import hierarchical_allreduce_s
-from poise.cost.model import CostModel, level_links, level_seconds
+from poise.cost.model import CostModel
+from poise.cost.network import fair_share_links
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
 from poise.layouts.pool import (
@@ -140,10 +141,11 @@ def p2p_time(layout: Layout, cluster: Cluster, spec: ModelSpec, micro_batches: i
     if layout.pp == 1:
         return 0.0
     Ds = layout.stage_devices
-    bw, lat = level_links(cluster)
+    # Every device of a stage sends to its peer at once: each gets its fair share of a link.
+    bw, lat = fair_share_links(cluster)
     v = _span_level(cluster, np.arange(Ds), np.arange(Ds) + Ds)
     tokens = spec.tokens_per_device * layout.pp / micro_batches
-    return 2.0 * (layout.pp - 1) * float(level_seconds(tokens * spec.token_bytes, bw[v], lat[v]))
+    return 2.0 * (layout.pp - 1) * float(tokens * spec.token_bytes / bw[v] + lat[v])
 
 
 def _check_loads(loads: np.ndarray, layout: Layout, source: str = "loads") -> np.ndarray:

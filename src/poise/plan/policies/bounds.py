@@ -15,11 +15,9 @@ candidates first and skips a bounded one when `horizon * bound` exceeds the leas
   `FEC >= expert_seconds(max_e sum_d x[d, e])` (`cost.expert_seconds`; its other experts add
   more);
 - all-to-all: a device holds at most `slots` experts (a node `dpn * slots`, a domain `dpd *
-  slots`), so each source sends at least its tokens beyond its largest counts out of its
-  device, node and domain (`_all_to_all_s`); each device's time is a sum over link levels of
-  max(sent, received) / bandwidth + latency (FasterMoE eq. 7-8's per-link model, as
-  `cost.link_time` prices it), bounded from below by the sent part alone, one byte less per
-  level (a level carrying less than `cost.MIN_TRAFFIC_BYTES` is free), latencies counted as
+  slots`), so each source sends at least its tokens beyond its largest counts out of its node
+  and domain, through its NIC and uplink (`_all_to_all_s`); the phase takes at least its most
+  loaded link's bytes / capacity (`poise.cost.network.link_seconds`), latencies counted as
   zero;
 - Trans, Agg and migration: zero (no replicas; migration is not recurring);
 - non-MoE compute: exactly the cost model's (`CostModel.non_moe_s`); the dispatcher's host
@@ -36,7 +34,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from poise.cost.model import MIN_TRAFFIC_BYTES, expert_seconds, level_links
+from poise.cost.model import expert_seconds
+from poise.cost.network import MIN_TRAFFIC_BYTES, group_sizes
 from poise.cost.phases import PhaseTimes
 from poise.plan.policies.base import PlanContext
 
@@ -71,19 +70,20 @@ def homes_only_layer_s(loads: np.ndarray, ctx: PlanContext) -> np.ndarray | None
 
 
 def _all_to_all_s(loads: np.ndarray, expert_total: np.ndarray, ctx: PlanContext) -> np.ndarray:
-    """`[L]` lower bound on the dispatch all-to-all seconds of a one-copy-per-expert plan.
+    """`[L]` lower bound on the dispatch all-to-all seconds of a one-copy-per-expert plan on the
+    links as capacities (`poise.cost.network.link_seconds`, latencies counted as zero).
 
-    Source d keeps at most its `slots` largest counts on itself, its node's `dpn * slots`
-    largest inside the node and its domain's `dpd * slots` inside the domain, so at least
-    `S_dev`, `S_node`, `S_dom` of its tokens leave its device, node and domain. With link
-    bandwidths falling outward (b0 >= b1 >= b2) its send time `(T - O) / b0 + (O - Q) / b1 +
-    Q / b2` (T, O, Q: tokens leaving device, node, domain; T >= O >= Q) is least at the
-    smallest feasible T, O, Q. The home of e likewise receives at least e's tokens beyond the
-    largest device's, node's and domain's share from outside its device, node and domain. With
-    bandwidths not falling outward, the bytes leaving the device over the fastest level."""
+    A device holds at most `slots` experts, a node `dpn * slots`, a domain `dpd * slots`, so at
+    least all but source d's largest `dpn * slots` counts leave its node and all but its largest
+    `dpd * slots` leave its domain. A NIC carries what its devices send out of their node and
+    an uplink what its devices send out of their domain, so the most loaded NIC (uplink) carries
+    at least the largest sum of those minima over the devices behind one NIC (uplink). On the
+    receiving side, the home of e takes e's tokens from outside its node (domain) through its
+    NIC (uplink): at least all but the largest node's (domain's) share of them."""
     L, D, E = loads.shape
     cluster, tb = ctx.cluster, ctx.spec.token_bytes
-    bw, _ = level_links(cluster)
+    links = cluster.links()
+    sizes = group_sizes(cluster)
     slots = ctx.slots_per_device
     ascending = np.sort(loads, axis=2)  # [L, D, E]
     tokens = loads.sum(axis=2)  # [L, D]
@@ -94,41 +94,24 @@ def _all_to_all_s(loads: np.ndarray, expert_total: np.ndarray, ctx: PlanContext)
         kept = min(holders * slots, E)
         return np.maximum(tokens - ascending[:, :, E - kept :].sum(axis=2), 0.0)
 
-    def level_s(tokens: np.ndarray, b: float) -> np.ndarray:
-        return np.maximum(tokens * tb - MIN_TRAFFIC_BYTES, 0.0) / b
-
     def arriving(group: int) -> np.ndarray:
-        """`[L, E]` tokens of e from outside its home's run of `group` devices: at least all
-        but the largest such run's."""
+        """`[L]` the most tokens of one expert from outside its home's run of `group` devices:
+        at least all but the largest such run's."""
         runs = loads.reshape(L, D // group, group, E).sum(axis=2)
-        return expert_total - runs.max(axis=1)
+        return (expert_total - runs.max(axis=1)).max(axis=1)
 
-    if not (bw[0] >= bw[1] >= bw[2]):
-        sent = level_s(leaving(1).max(axis=1), bw.max())
-        return np.maximum(sent, level_s(arriving(1).max(axis=1), bw.max()))
-    dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
-    sent = _outward_s(leaving(1), leaving(dpn), leaving(dpd), bw, level_s).max(axis=1)
-    received = _outward_s(arriving(1), arriving(dpn), arriving(dpd), bw, level_s).max(axis=1)
-    return np.maximum(sent, received)
+    def seconds(tokens: np.ndarray, level: int) -> np.ndarray:
+        busy = tokens * tb
+        return np.where(busy >= MIN_TRAFFIC_BYTES, busy, 0.0) / links[level].bw_Bps
 
-
-def _outward_s(
-    off_dev: np.ndarray,
-    off_node: np.ndarray,
-    off_dom: np.ndarray,
-    bw: np.ndarray,
-    level_s: Callable[[np.ndarray, float], np.ndarray],
-) -> np.ndarray:
-    """Least seconds to move tokens of which at least `off_dev`, `off_node`, `off_dom` cross a
-    device's, node's and domain's boundary (any shape), bandwidths `bw[3]` falling outward:
-    (T - O) / b0 + (O - Q) / b1 + Q / b2 at the smallest T >= O >= Q allowed."""
-    off_node = np.maximum(off_node, off_dom)
-    off_dev = np.maximum(off_dev, off_node)
-    return (
-        level_s(off_dev - off_node, bw[0])
-        + level_s(off_node - off_dom, bw[1])
-        + level_s(off_dom, bw[2])
-    )
+    bound = np.zeros(L)
+    for level, group in ((1, cluster.devices_per_node), (2, cluster.devices_per_domain)):
+        if group == D:
+            continue  # nothing must cross this level
+        size = sizes[level]
+        sent = leaving(group).reshape(L, D // size, size).sum(axis=2).max(axis=1)
+        bound = np.maximum(bound, np.maximum(seconds(sent, level), seconds(arriving(group), level)))
+    return bound
 
 
 register_bound("static")(homes_only_layer_s)

@@ -368,11 +368,9 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     group_weights = to_home.weights.copy()
     group_weights[pairs.layer[taken], pairs.expert[taken], pairs.device[taken]] = 1.0
     assignment = Assignment(to_home.weights, group_weights, size)
-    # The chosen states are the plan's price (homes are the previous plan's: nothing migrates).
-    device_load = assignment.received(placement, loads).sum(axis=2)
-    phases = LayerState.from_cells(ctx.cost, chosen).phases()
-    priced = ctx.cost.cost_of(phases, loads, device_load)
-    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)
+    # The search priced each device alone with direct-send Trans (`LayerState`, an upper bound
+    # on shared links); the plan is priced by the cost model itself.
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
 
 
 def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanContext) -> np.ndarray:

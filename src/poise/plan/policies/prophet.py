@@ -265,10 +265,6 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "schedule": cost.schedule.name,
     }
     assignment = Assignment.to_home(placement)
-    # The search's state is the plan's price (the same phases under any schedule; homes are the
-    # previous plan's, so nothing migrates). A previous plan of another shape: priced afresh.
-    priced = None
-    if previous is None or previous.placement.home.shape == placement.home.shape:
-        device_load = assignment.received(placement, loads).sum(axis=2)
-        priced = ctx.cost.cost_of(state.phases(), loads, device_load)
-    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes, priced)
+    # The search priced each device alone with direct-send Trans (`LayerState`, an upper bound
+    # on shared links); the plan is priced by the cost model itself.
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)

@@ -1,0 +1,129 @@
+"""Links as capacities: the seconds a phase's bytes take on the cluster's links.
+
+The cluster has three link levels (`poise.core.cluster`): each device's port into its node's
+fabric (level 0: NVLink, PCIe), the node's network interfaces (level 1: InfiniBand, RoCE,
+Ethernet) and each domain's wide-area uplinks (level 2). A level's `Link` is one physical link
+of `bw_Bps` bytes/s per direction, shared by the `shared_by` consecutive devices behind it
+(numbered node-major): a node of 8 GPUs with one NIC has `shared_by=8` at level 1, eight NICs
+`shared_by=1`. What crosses which link:
+
+- a level-0 link carries the intra-node bytes of its devices;
+- a level-1 link (NIC) carries the bytes its devices send out of, or receive into, their node
+  (inter-node and inter-domain traffic);
+- a level-2 link (uplink) carries the bytes its devices send out of, or receive into, their
+  domain.
+
+For one phase with per-device bytes `send[v, d]`, `recv[v, d]` by the level they cross (the
+traffic of `poise.cost.traffic`), the load of link k at level v is
+
+    load_k = max( sum_{d behind k} out_v[d],  sum_{d behind k} in_v[d] )
+    out_0 = send_0,  out_1 = send_1 + send_2,  out_2 = send_2   (likewise `in` from `recv`)
+
+and the phase takes (the alpha-beta model per link; all links work at once)
+
+    T = max_{v, k} load_k / bw_v  +  max_d sum_v lat_v [device d moves at least a byte at v].
+
+A lone device behind a shared NIC thus gets the whole NIC, and a NIC shared by eight devices
+that all send at once gives each an eighth: what one device may use follows from the traffic,
+not from a fixed share. Adding bandwidth never slows a phase (T is non-increasing in every
+`bw_v`). Sources: the alpha-beta (Hockney) model per link as in FasterMoE eq. 7-8 and
+HybridEP eq. 10-11; the bottleneck-link (max over links) form of a concurrent transfer as in
+NCCL's and SimAI's network models of a fabric of independent links.
+
+Levels that cannot carry traffic on a cluster (one device per node, one node per domain, one
+domain) carry nothing and cost nothing. A level carrying less than `MIN_TRAFFIC_BYTES` per
+device is float residue, not a message, and costs nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+
+MIN_TRAFFIC_BYTES = 1.0  # less than one byte on a level is float residue, not a message
+
+
+def group_sizes(cluster: Cluster) -> tuple[int, int, int]:
+    """Devices behind one link of each level: `shared_by`, at most the devices of the node
+    (levels 0 and 1) or of the domain (level 2)."""
+    dpn, dpd = cluster.devices_per_node, cluster.devices_per_domain
+    links = cluster.links()
+    return (
+        min(links[0].shared_by, dpn),
+        min(links[1].shared_by, dpn),
+        min(links[2].shared_by, dpd),
+    )
+
+
+def _group_max(x: np.ndarray, size: int) -> np.ndarray:
+    """`[..., D]` per-device bytes -> `[...]` the largest sum over consecutive runs of `size`
+    devices (the most loaded link of a level)."""
+    if size == 1:
+        return x.max(axis=-1)
+    D = x.shape[-1]
+    return x.reshape(*x.shape[:-1], D // size, size).sum(axis=-1).max(axis=-1)
+
+
+def link_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """`[...]` seconds of a phase from the bytes each device sends and receives over each level,
+    `send[3, ..., D]`, `recv[3, ..., D]` (the module docstring's T)."""
+    send = np.asarray(send, dtype=np.float64)
+    recv = np.asarray(recv, dtype=np.float64)
+    sizes = group_sizes(cluster)
+    links = cluster.links()
+    out = (send[0], send[1] + send[2], send[2])
+    into = (recv[0], recv[1] + recv[2], recv[2])
+    bandwidth = np.zeros(send.shape[1:-1])
+    latency = np.zeros(send.shape[1:])
+    for v in range(3):
+        moved = np.maximum(send[v], recv[v])  # [..., D] this level's own traffic per device
+        used = moved >= MIN_TRAFFIC_BYTES
+        if not used.any():
+            continue
+        latency += np.where(used, links[v].lat_s, 0.0)
+        load = np.maximum(_group_max(out[v], sizes[v]), _group_max(into[v], sizes[v]))
+        busy = np.where(load >= MIN_TRAFFIC_BYTES, load, 0.0)
+        bandwidth = np.maximum(bandwidth, busy / links[v].bw_Bps)
+    return bandwidth + latency.max(axis=-1)
+
+
+def device_seconds(
+    send: np.ndarray, recv: np.ndarray, bw: np.ndarray, lat: np.ndarray
+) -> np.ndarray:
+    """`[..., X]` seconds per device state from `send[..., 3, X]`, `recv[..., 3, X]` bytes by
+    level, with `bw[3]` the bandwidth each device is granted per level and `lat[3]`:
+
+        t[d] = max_v load_v[d] / bw_v + sum_v lat_v [d moves at least a byte at v]
+        load_0 = max(send_0, recv_0), load_1 = max(send_1 + send_2, recv_1 + recv_2),
+        load_2 = max(send_2, recv_2)
+
+    the terms of `link_seconds` for one device alone behind each link. With `bw` the links'
+    capacities and no link shared (`shared_by` = 1 at every level) the maximum over devices is
+    `link_seconds` exactly; the incremental searches of `poise.cost.incremental`, which price a
+    few changed devices at a time, grant each device `bw_v / shared_by_v` on shared links
+    (`fair_share_links`), which can only overstate `link_seconds` (a link's load is at most
+    `shared_by` times its largest device's)."""
+    out = np.maximum(send[..., 1, :] + send[..., 2, :], recv[..., 1, :] + recv[..., 2, :])
+    bandwidth = np.where(out >= MIN_TRAFFIC_BYTES, out, 0.0) / bw[1]
+    latency = np.zeros(bandwidth.shape)
+    for v in range(3):
+        moved = np.maximum(send[..., v, :], recv[..., v, :])
+        used = moved >= MIN_TRAFFIC_BYTES
+        latency += np.where(used, lat[v], 0.0)
+        if v != 1:
+            np.maximum(bandwidth, np.where(used, moved, 0.0) / bw[v], out=bandwidth)
+    return bandwidth + latency
+
+
+def fair_share_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """`(bw_Bps[3], lat_s[3])`: each level's bandwidth per device when every device behind a
+    link sends at once (`Link.per_device_bw_Bps`), and its latency (for `device_seconds`)."""
+    links = cluster.links()
+    return (
+        np.array([k.per_device_bw_Bps for k in links]),
+        np.array([k.lat_s for k in links]),
+    )
+
+
+__all__ = ["MIN_TRAFFIC_BYTES", "device_seconds", "fair_share_links", "group_sizes", "link_seconds"]

@@ -1,0 +1,87 @@
+"""The fidelity rows and summary (`poise.sim.scenarios.fidelity`), on hand-made table rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from poise.sim.scenarios.core import Row
+from poise.sim.scenarios.fidelity import (
+    FACTOR,
+    explanation,
+    fidelity_row,
+    markdown,
+    same_direction,
+    summarise,
+)
+
+
+def _row(comparison: str, ours: float, published: float | None) -> Row:
+    return Row(
+        scenario="fastermoe",
+        setup="",
+        comparison=comparison,
+        ours=ours,
+        auto=ours,
+        published=published,
+        published_text=f"{published}x",
+        source="Fig. 13",
+        cases=["MoE-GPT-S"],
+    )
+
+
+def test_ratio_band_and_direction_by_hand() -> None:
+    # 1.2 / 1.6 = 0.75: inside [1/1.5, 1.5], both speed-ups.
+    near = fidelity_row("fastermoe", "FasterMoE", _row("smart scheduling alone", 1.2, 1.6))
+    assert near is not None and near.ratio == pytest.approx(0.75)
+    assert near.within and near.direction_ok and near.explained is None
+    # 0.5 against 1.95: a slow-down where the paper measured a speed-up, ratio 0.256.
+    off = fidelity_row(
+        "fastermoe", "FasterMoE", _row("dynamic shadowing alone vs FastMoE", 0.5, 1.95)
+    )
+    assert off is not None and off.ratio == pytest.approx(0.5 / 1.95)
+    assert not off.within and not off.direction_ok
+    assert off.explained is not None and "MoE layers alone" in off.explained
+    # The band's edges belong to it.
+    edge = fidelity_row("fastermoe", "FasterMoE", _row("x", 1.5 * FACTOR, 1.5))
+    assert edge is not None and edge.within
+
+
+def test_rows_without_a_published_number_are_left_out() -> None:
+    assert fidelity_row("fastermoe", "FasterMoE", _row("x", 1.2, None)) is None
+    assert fidelity_row("fastermoe", "FasterMoE", _row("x", math.nan, 1.2)) is None
+
+
+def test_same_direction_counts_one_as_neutral() -> None:
+    assert same_direction(1.4, 2.0) and same_direction(0.9, 0.5)
+    assert not same_direction(1.4, 0.9) and not same_direction(0.9, 1.4)
+    assert same_direction(1.0, 0.7) and same_direction(1.3, 1.0)
+
+
+def test_explanation_takes_the_longest_matching_prefix() -> None:
+    assert explanation("flexmoe", "FlexMoE vs FasterMoE") != explanation(
+        "flexmoe", "FlexMoE vs DeepSpeed-MoE"
+    )
+    assert explanation("cross-dc-1000", "anything") is not None  # the empty prefix
+    assert explanation("no-such-scenario", "x") is None
+
+
+def test_summary_by_hand() -> None:
+    rows = [
+        fidelity_row("fastermoe", "F", _row("smart scheduling alone", 2.0, 1.0)),  # log2 1
+        fidelity_row("fastermoe", "F", _row("smart scheduling alone", 1.0, 1.0)),  # log2 0
+        fidelity_row("fastermoe", "F", _row("dynamic shadowing alone", 0.5, 2.0)),  # 2, wrong
+        fidelity_row("smartmoe", "S", _row("unexplained", 0.8, 1.6)),  # log2 1, wrong
+    ]
+    got = summarise([r for r in rows if r is not None])
+    assert got == {
+        "summary": True,
+        "rows": 4,
+        "within_1_5": 1,
+        "median_abs_log2_ratio": 1.0,
+        "wrong_direction": 2,
+        "wrong_direction_unexplained": 1,
+    }
+    table = markdown([r for r in rows if r is not None], got)
+    assert "**opposite**" in table and "1 of 4 rows within a factor 1.5" in table
