@@ -29,34 +29,36 @@ NEUTRAL = 1.0  # speed-ups above it point one way, below it the other
 EXPLANATIONS: dict[tuple[str, str], str] = {
     ("fastermoe", "dynamic shadowing"): (
         "FasterMoE's Fig. 13 times the MoE layers alone (forward + backward of each layer, "
-        "§5.2), shadows from each iteration's own counts and broadcasts a shadowed expert; "
-        "Poise times the whole step, re-plans every 10 steps from a forecast and prices Trans "
-        "as direct sends from the home over a per-device share of the NIC"
+        "§5.2) and shadows from each iteration's own counts; Poise times the whole step "
+        "(dense compute included) and re-plans every 10 steps from a forecast"
     ),
     ("fastermoe", "shadowing + smart"): (
-        "as 'dynamic shadowing': MoE-layer time only in the paper, Trans as a broadcast there; "
-        "Poise prices Trans as direct sends over a per-device NIC share"
+        "as 'dynamic shadowing': MoE-layer time only and per-iteration shadowing in the paper, "
+        "whole steps and a forecast every 10 steps in Poise"
     ),
     ("pro-prophet", "FasterMoE"): (
-        "Pro-Prophet's FasterMoE baseline is dynamic shadowing alone (§V-A) and its Table IV "
-        "nodes bridge GPU pairs with NVLink; Poise's `shadow` pays direct-send Trans over a "
-        "quarter of a 100 Gb/s NIC (Pro-Prophet eq. 4-5 price a broadcast)"
+        "Pro-Prophet's FasterMoE baseline is dynamic shadowing alone (§V-A), and the paper "
+        "attributes FasterMoE's slow-down on GPT-DM to its parameter broadcasts; Poise's "
+        "FasterMoE runs shadowing with the pipelined schedule, whose overlap gains on its own"
     ),
     ("pro-prophet", "Pro-Prophet"): (
-        "Pro-Prophet plans every iteration under the all-to-all from the first 100 iterations "
-        "of real fp32 training (Table IV script: --train-iters 100); Poise re-plans every 10 "
-        "steps on a drifting synthetic trace and prices each replica's Trans as a direct send, "
-        "so `prophet` finds little worth replicating"
+        "Pro-Prophet plans every iteration, under the all-to-all, over the first 100 iterations "
+        "of real fp32 training (Table IV script: --train-iters 100) on nodes whose GPU pairs "
+        "share NVLink bridges; Poise re-plans every 10 steps on a drifting synthetic trace over "
+        "PCIe-only nodes, and `prophet`'s search prices each device at its fair share of the "
+        "shared NIC with direct-send Trans (`cost.incremental.LayerState`), a conservative view "
+        "under which it replicates less than the cost model would reward"
     ),
     ("smartmoe", "SmartMoE"): (
         "SmartMoE's 1.88x is its inky 16-GPU uncapped-gate case, whose gain comes from the "
         "parallel layout it chose (pp4 x dp4 x ep2 x edp2, online re-placement off) against "
-        "FasterMoE with one expert per GPU; the scenario's `permute` only moves expert homes"
+        "FasterMoE with one expert per GPU; the scenario's `permute` only moves expert homes, "
+        "which cannot spread the sample's hot experts (up to half a layer's tokens), while "
+        "FasterMoE's shadows can"
     ),
     ("flexmoe", "FlexMoE vs FasterMoE"): (
-        "FlexMoE's cluster, models and threshold are not published beyond its abstract; its "
-        "FasterMoE baseline broadcasts shadows, where Poise prices direct-send Trans, slowing "
-        "`shadow`"
+        "FlexMoE's cluster, models and threshold are not published beyond its abstract; the "
+        "scenario's are stated choices"
     ),
     ("flexmoe", "FlexMoE vs DeepSpeed"): (
         "FlexMoE's 1.70x averages BERT, GPT and Swin on its own cluster (abstract only); the "
@@ -67,7 +69,8 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
         "HybridEP's measured iterations include the dense layers' data-parallel all-reduce over "
         "10 Gb/s and framework time that neither system changes (at 6 MB HybridEP is 1.03x of "
         "Tutel, 2.48 s against 2.52 s), and its all-gather gives every GPU of a domain the "
-        "expert; Poise prices MoE layers and dense GEMMs with one replica per domain"
+        "expert; Poise's scenario prices MoE layers and dense GEMMs only, with one replica per "
+        "domain"
     ),
     ("parm", "Parm"): (
         "Parm's 1.13-5.77x pools 1,296 hand-configured layers on an 8-GPU server and a 32-GPU "
@@ -76,9 +79,9 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
     ),
     ("cross-dc-1000", ""): (
         "HybridEP's 1,000-datacentre figures come from a SimAI simulation whose bandwidth, "
-        "latency and GPU type are not in the paper's text (Fig. 17 only); Poise's static "
-        "placement keeps 250 expert-data-parallel copies of each expert whose Trans and Agg it "
-        "prices as direct sends instead of an all-reduce"
+        "latency and GPU type are not in the paper's text (Fig. 17 only); the scenario's 10 Gb/s "
+        "links 20 ms apart and its 32 experts on 8,000 devices (250 expert-data-parallel copies "
+        "of each under the static placement) are stated assumptions"
     ),
 }
 
