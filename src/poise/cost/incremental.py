@@ -449,20 +449,24 @@ class ExpertColumns:
             self.domain_of != self.domain_of[home][:, None]
         ).view(np.int8)  # [K, D]
         rep = held & (self.devices != home[:, None])
-        first_node = rep & (np.cumsum(rep.reshape(K, -1, self.dpn), axis=2) == 1).reshape(K, D)
-        first_dom = rep & (np.cumsum(rep.reshape(K, -1, self.dpd), axis=2) == 1).reshape(K, D)
-        hop = np.where(
-            level == 2,
-            np.where(first_dom, 2, np.where(first_node, 1, 0)),
-            np.where((level == 1) & first_node, 1, 0),
-        )
+        hop = np.zeros((K, D), dtype=np.int64)
+        with_rep = np.flatnonzero(rep.any(axis=1))
+        if with_rep.size:
+            r, lv = rep[with_rep], level[with_rep]
+            n = len(with_rep)
+            first_node = r & (np.cumsum(r.reshape(n, -1, self.dpn), axis=2) == 1).reshape(n, D)
+            first_dom = r & (np.cumsum(r.reshape(n, -1, self.dpd), axis=2) == 1).reshape(n, D)
+            hop[with_rep] = np.where(
+                lv == 2,
+                np.where(first_dom, 2, np.where(first_node, 1, 0)),
+                np.where((lv == 1) & first_node, 1, 0),
+            )
         at = (hop[:, None, :] == self.levels) & rep[:, None, :]  # [K, 3, D]
         w_e = spec.expert_bytes
         np.multiply(at, w_e, out=out[:, 14:17])
-        replicated = np.flatnonzero(rep.any(axis=1))
-        if replicated.size:
-            farthest = np.where(rep, level, -1).max(axis=1)[replicated]
-            out[replicated, 5 + farthest, home[replicated]] = w_e
+        if with_rep.size:
+            farthest = np.where(rep[with_rep], level[with_rep], -1).max(axis=1)
+            out[with_rep, 5 + farthest, home[with_rep]] = w_e
         # Migration: M_e from the home in force to the new home.
         if self.prev_home is not None:
             old = self.prev_home[layers, experts]

@@ -56,6 +56,13 @@ def group_sizes(cluster: Cluster) -> tuple[int, int, int]:
     )
 
 
+def carrying_levels(cluster: Cluster) -> tuple[int, ...]:
+    """The levels that can carry traffic on `cluster`: 0 with several devices per node, 1 with
+    several nodes (a NIC also carries what crosses domains), 2 with several domains."""
+    has = (cluster.devices_per_node > 1, cluster.num_nodes > 1, cluster.domains > 1)
+    return tuple(v for v in range(3) if has[v])
+
+
 def _group_max(x: np.ndarray, size: int) -> np.ndarray:
     """`[..., D]` per-device bytes -> `[...]` the largest sum over consecutive runs of `size`
     devices (the most loaded link of a level)."""
@@ -72,17 +79,21 @@ def link_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.nda
     recv = np.asarray(recv, dtype=np.float64)
     sizes = group_sizes(cluster)
     links = cluster.links()
-    out = (send[0], send[1] + send[2], send[2])
-    into = (recv[0], recv[1] + recv[2], recv[2])
     bandwidth = np.zeros(send.shape[1:-1])
     latency = np.zeros(send.shape[1:])
-    for v in range(3):
+    for v in carrying_levels(cluster):
         moved = np.maximum(send[v], recv[v])  # [..., D] this level's own traffic per device
         used = moved >= MIN_TRAFFIC_BYTES
         if not used.any():
             continue
         latency += np.where(used, links[v].lat_s, 0.0)
-        load = np.maximum(_group_max(out[v], sizes[v]), _group_max(into[v], sizes[v]))
+        if v == 1:  # a NIC also carries what leaves or enters the domain
+            out, into = send[1] + send[2], recv[1] + recv[2]
+            load = np.maximum(_group_max(out, sizes[1]), _group_max(into, sizes[1]))
+        elif sizes[v] == 1:
+            load = moved.max(axis=-1)
+        else:
+            load = np.maximum(_group_max(send[v], sizes[v]), _group_max(recv[v], sizes[v]))
         busy = np.where(load >= MIN_TRAFFIC_BYTES, load, 0.0)
         bandwidth = np.maximum(bandwidth, busy / links[v].bw_Bps)
     return bandwidth + latency.max(axis=-1)

@@ -316,15 +316,18 @@ def _broadcast_hops(
     (lowest device) of a domain other than the home's, 1 for the first of a node other than the
     home's within a reached domain, else 0 (its node already holds the copy). `column`,
     `device`, `level` (to the home): one entry per replica."""
-    node = device // cluster.devices_per_node
-    domain = device // cluster.devices_per_domain
-    order = np.lexsort((device, column))  # by column, then device
+    order = np.lexsort((device, column))  # by column, then device: nodes and domains ascend
     first_in_node = np.zeros(len(device), dtype=bool)
     first_in_domain = np.zeros(len(device), dtype=bool)
-    for key, first in ((node, first_in_node), (domain, first_in_domain)):
-        pairs = np.stack([column[order], key[order]], axis=1)
-        _, idx = np.unique(pairs, axis=0, return_index=True)
-        first[order[idx]] = True
+    col = column[order]
+    for size, first in (
+        (cluster.devices_per_node, first_in_node),
+        (cluster.devices_per_domain, first_in_domain),
+    ):
+        group = device[order] // size
+        starts = np.ones(len(order), dtype=bool)
+        starts[1:] = (col[1:] != col[:-1]) | (group[1:] != group[:-1])
+        first[order[starts]] = True
     return np.where(
         level == 2,
         np.where(first_in_domain, 2, np.where(first_in_node, 1, 0)),
