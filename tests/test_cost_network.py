@@ -135,3 +135,13 @@ def test_adding_bandwidth_never_slows_any_plan(seed: int, factor: float, level: 
     faster = replace(cluster, **{name: replace(link, bw_Bps=link.bw_Bps * factor)})
     fast = CostModel(faster, spec).price(placement, assignment, counts)
     assert np.all(fast.layer_s <= slow.layer_s * (1 + 1e-12))
+
+
+def test_a_nic_carries_the_domain_traffic_of_single_node_domains() -> None:
+    # 2 domains of one node of 2 devices: NIC 1e8 B/s, uplink 1e9 B/s (faster than the NIC).
+    # Device 0 sends 1e6 bytes to device 2 in the other domain: it crosses its NIC and the
+    # uplink; the NIC is the bottleneck, 1e6 / 1e8 = 1e-2 s, though no traffic stays between
+    # nodes of one domain.
+    cluster = toy_cluster(2, 1, 2, bw=1e10, inter_bw=1e8, wan_bw=1e9)
+    send, recv = _bytes(4, s2_0=1e6, r2_2=1e6)
+    assert link_seconds(cluster, send, recv)[0] == pytest.approx(1e6 / 1e8)

@@ -84,9 +84,10 @@ def link_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.nda
     for v in carrying_levels(cluster):
         moved = np.maximum(send[v], recv[v])  # [..., D] this level's own traffic per device
         used = moved >= MIN_TRAFFIC_BYTES
-        if not used.any():
+        if used.any():
+            latency += np.where(used, links[v].lat_s, 0.0)
+        elif v != 1:
             continue
-        latency += np.where(used, links[v].lat_s, 0.0)
         if v == 1:  # a NIC also carries what leaves or enters the domain
             out, into = send[1] + send[2], recv[1] + recv[2]
             load = np.maximum(_group_max(out, sizes[1]), _group_max(into, sizes[1]))
