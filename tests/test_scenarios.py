@@ -236,3 +236,23 @@ def test_paired_gap_se_uses_replanning_windows_as_samples() -> None:
     b = np.full(8, 10.0)
     assert paired_gap_se(a, b, warmup=2, window=2) == pytest.approx(1.0 / 3.0)
     assert paired_gap_se(a, b, warmup=2, window=6) is None  # one window: no spread to measure
+
+
+def test_the_timed_span_follows_the_paper() -> None:
+    """FasterMoE's Fig. 13 times the MoE layers alone: its replays price no dense compute and no
+    dense all-reduce; a paper that times whole steps pays both, the all-reduce of F_d / 2
+    parameters per block (F_d the block's dense forward FLOPs per token) in every block."""
+    from poise.sim.scenarios.core import timed_dense_params, timed_spec
+
+    faster = SCENARIOS["fastermoe"]
+    spec = faster.cases[0].spec
+    assert faster.timed == "moe"
+    assert timed_spec(faster, spec).non_moe_flops_fwd == 0.0
+    assert timed_dense_params(faster, spec) is None
+    prophet = SCENARIOS["pro-prophet"]
+    pspec = prophet.cases[0].spec
+    assert prophet.timed == "step" and timed_spec(prophet, pspec) == pspec
+    assert timed_dense_params(prophet, pspec) == pspec.moe_layers * 12 * pspec.d_model**2
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(faster, timed="iteration")
+    assert info.value.field == "timed"

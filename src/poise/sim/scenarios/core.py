@@ -136,11 +136,24 @@ class Scenario:
         "include their planners)"
     )
     all_policies: bool = True
+    # What the paper's times cover: "step", a whole training iteration (the MoE layers, the
+    # dense compute and, every step, the dense parameters' gradient all-reduce across the
+    # devices: `timed_spec`, `timed_dense_params`); "moe", the MoE layers alone (FasterMoE's
+    # Fig. 13): no dense compute and no dense all-reduce.
+    timed: str = "step"
     quick_cases: tuple[str, ...] = ()  # cases kept by --quick (empty: all)
     notes: tuple[str, ...] = ()
     # A scenario that is not a trace replay (Parm's schedule grid) computes its own result:
     # `runner(quick)` replaces the replay loop of `run_scenario`.
     runner: Callable[[bool], ScenarioResult] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timed not in ("step", "moe"):
+            raise ConfigError(
+                f"timed must be 'step' or 'moe', got {self.timed!r}",
+                source=self.name,
+                field="timed",
+            )
 
     @property
     def warmup_steps(self) -> int:
@@ -264,6 +277,7 @@ class ScenarioResult:
             "predictor": s.predictor,
             "warmup_steps": s.warmup_steps,
             "count_planning": s.count_planning,
+            "timed": s.timed,
             "planning_note": s.planning_note,
             "quick": self.quick,
             "wall_s": self.wall_s,
@@ -436,13 +450,14 @@ def run_scenario(
             result = simulate(
                 trace,
                 cluster,
-                case.spec,
+                timed_spec(scenario, case.spec),
                 names,
                 run.schedule,
                 scenario.replan_every,
                 scenario.predictor,
                 count_planning=scenario.count_planning,
                 background_planning=scenario.background_planning,
+                dense_params=timed_dense_params(scenario, case.spec),
             )
             charged, priced = {}, {}
             for n in names:
@@ -464,6 +479,24 @@ def run_scenario(
         quick=quick,
         trace_notes=trace_notes,
     )
+
+
+def timed_spec(scenario: Scenario, spec: ModelSpec) -> ModelSpec:
+    """The model a scenario replays: as given when the paper times whole steps, without its
+    dense (non-MoE) compute when it times the MoE layers alone (`Scenario.timed`)."""
+    if scenario.timed == "moe":
+        return spec.with_(non_moe_flops_per_token=0.0)
+    return spec
+
+
+def timed_dense_params(scenario: Scenario, spec: ModelSpec) -> int | None:
+    """The replicated (non-expert) parameters whose gradients every step all-reduces across the
+    devices, for a paper that times whole steps: a block's dense part, F_d / 2 parameters for
+    F_d forward FLOPs per token (2 FLOPs per multiply-add), in each of the model's MoE blocks.
+    None (nothing charged) when the paper times the MoE layers alone."""
+    if scenario.timed == "moe":
+        return None
+    return int(spec.moe_layers * spec.non_moe_flops_fwd / 2.0)
 
 
 def _check(
