@@ -285,3 +285,25 @@ def test_cli_simulate_bad_input_is_one_line(tmp_path, args: list[str], needle: s
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_cli_simulate_charges_the_dense_allreduce_by_default(tmp_path) -> None:
+    """`poise simulate` prices every policy's steps with the dense gradients' all-reduce of the
+    model's dense blocks (`ModelSpec.dense_params`) unless `--dense-params 0` times the MoE
+    layers alone; a negative count is one line naming the option."""
+    trace = tmp_path / "drift.npz"
+    drift_trace(steps=4, devices=16, experts=16).save(trace)
+    means = {}
+    for label, extra in (("default", []), ("moe-only", ["--dense-params", "0"])):
+        out = tmp_path / label
+        proc = _poise(
+            "simulate", str(trace), "--cluster", "dgx-h100:2", "--policies", "static",
+            "--out", str(out), *extra,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        means[label] = summary["policies"][0]["mean_step_s"]
+    assert means["default"] > means["moe-only"] > 0
+    proc = _poise("simulate", str(trace), "--dense-params", "-5", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--dense-params" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

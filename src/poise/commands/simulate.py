@@ -69,6 +69,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"
     )
+    p.add_argument(
+        "--dense-params",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replicated parameters whose gradients every step all-reduces across the devices "
+        "(default: the model's dense blocks, moe_layers x F_d / 2; 0: time the MoE layers alone)",
+    )
     p.add_argument("--out", default="poise-out/simulate", help="output folder")
     p.set_defaults(run=run)
 
@@ -98,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         source=args.trace,
     )
     names = _policies(args.policies)
+    dense = spec.dense_params if args.dense_params is None else int(args.dense_params)
+    if dense < 0:
+        raise ConfigError(f"must be >= 0, got {dense}", field="--dense-params")
     schedule = parse_schedule(args.schedule)
     predictor = parse_predictor(args.predictor)
     steps = trace.steps if args.steps is None else min(args.steps, trace.steps)
@@ -130,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             count_planning=not args.no_planning_time,
             background_planning=args.background_planning,
+            dense_params=dense or None,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))

@@ -131,6 +131,13 @@ class ModelSpec:
             return float(self.non_moe_flops_per_token)
         return 24.0 * self.d_model**2
 
+    @property
+    def dense_params(self) -> int:
+        """Replicated (non-expert) parameters of the MoE blocks: F_d / 2 per block (F_d the
+        block's dense forward FLOPs per token, 2 FLOPs per multiply-add) times `moe_layers`;
+        their gradients are all-reduced across the devices every step."""
+        return int(self.moe_layers * self.non_moe_flops_fwd / 2.0)
+
     def with_(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 

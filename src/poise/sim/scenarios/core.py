@@ -491,12 +491,11 @@ def timed_spec(scenario: Scenario, spec: ModelSpec) -> ModelSpec:
 
 def timed_dense_params(scenario: Scenario, spec: ModelSpec) -> int | None:
     """The replicated (non-expert) parameters whose gradients every step all-reduces across the
-    devices, for a paper that times whole steps: a block's dense part, F_d / 2 parameters for
-    F_d forward FLOPs per token (2 FLOPs per multiply-add), in each of the model's MoE blocks.
-    None (nothing charged) when the paper times the MoE layers alone."""
+    devices (`ModelSpec.dense_params`) for a paper that times whole steps; None (nothing
+    charged) when the paper times the MoE layers alone."""
     if scenario.timed == "moe":
         return None
-    return int(spec.moe_layers * spec.non_moe_flops_fwd / 2.0)
+    return spec.dense_params
 
 
 def _check(
