@@ -68,7 +68,7 @@ def _mean_after(x: np.ndarray, warmup: int) -> float:
 # ------------------------------------------------------------------------------- simulator
 def table_v(slots: str) -> None:
     """HybridEP Table V, one line per (datacentres, data size)."""
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.sim.scenarios.papers import (
         HYBRIDEP_PUBLISHED,
         HYBRIDEP_TABLE_V,
@@ -130,7 +130,8 @@ def table_v(slots: str) -> None:
 
 def sweep() -> None:
     """Inter-domain bandwidth x number of datacentres, `hybrid` against plain EP."""
-    from poise.core.cluster import GBIT, get_cluster
+    from poise.core.cluster import GBIT
+    from poise.core.presets import get_cluster
     from poise.sim.scenarios.papers import cross_dc_spec
     from poise.sim.simulator import simulate
     from poise.trace.generate import generate

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poise.core.cluster import get_cluster
 from poise.core.placement import Plan
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
 from poise.cost.model import CostModel
 from poise.plan.policies import REGISTRY

@@ -383,7 +383,7 @@ def cluster_summary(cluster: Any, busy: float | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.train.data import build_corpus
 
     build_corpus(None)

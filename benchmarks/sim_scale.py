@@ -26,7 +26,7 @@ POLICIES = ["static", "shadow", "prophet", "auto"]
 
 
 def one(devices: int, steps: int) -> dict[str, object]:
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
     from poise.sim.simulator import simulate
     from poise.trace.generate import generate

@@ -66,7 +66,7 @@ def test_readme_library_example_runs() -> None:
 
     section = _readme().split("## Library", 1)[1].split("\n## ", 1)[0]
     code = section.split("```python", 1)[1].split("```", 1)[0]
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
 
     spec, devices = MODELS["zipf-256"], get_cluster("dgx-h100:4").num_devices

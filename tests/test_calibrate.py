@@ -52,8 +52,9 @@ from poise.calibrate.host_fit import (
     dispatcher_host_seconds,
 )
 from poise.cli import main
-from poise.core.cluster import DTYPES, Cluster, Link, get_cluster
+from poise.core.cluster import DTYPES, Cluster, Link
 from poise.core.errors import ConfigError, PoiseError
+from poise.core.presets import get_cluster
 from poise.cost.host import gpt_non_moe_flops_per_token
 from poise.layouts.parm import GemmModel, ParmLayer, choose_schedule, layer_time
 

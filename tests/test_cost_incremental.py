@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.placement import Assignment, Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
 from poise.cost.incremental import ExpertColumns, LayerState
 from poise.cost.model import CostModel

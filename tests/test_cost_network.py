@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.core.cluster import Link, get_cluster
+from poise.core.cluster import Link
 from poise.core.placement import Assignment, Placement
+from poise.core.presets import get_cluster
 from poise.cost.model import CostModel
 from poise.cost.network import device_seconds, fair_share_links, link_seconds
 from poise.cost.traffic import replica_traffic

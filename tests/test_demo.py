@@ -72,7 +72,7 @@ def _fake_run(root: Path, policy: str, losses: np.ndarray, seed: int) -> Path:
 
 
 def _sim_section(trace_path: Path) -> SimSection:
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
     from poise.sim.simulator import simulate
 

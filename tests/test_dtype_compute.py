@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import yaml
 
-from poise.core.cluster import Cluster, Link, PeakFlops, get_cluster
+from poise.core.cluster import Cluster, Link, PeakFlops
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, expert_seconds
 

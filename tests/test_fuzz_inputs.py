@@ -26,8 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poise.cli import main
-from poise.core.cluster import Cluster, get_cluster
+from poise.core.cluster import Cluster
 from poise.core.errors import PoiseError
+from poise.core.presets import get_cluster
 from poise.trace.generate import generate
 from poise.trace.importers import load_any
 from poise.train.config import config_from_mapping, load_config

@@ -309,7 +309,7 @@ def test_select_layout_switches_only_when_the_saving_pays_for_the_move() -> None
 
 # ---------------------------------------------------------------------------- real data
 def test_smartmoe_sample_on_its_cluster(smartmoe_dir) -> None:
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import get_model
     from poise.trace.importers import load_any
     from poise.trace.loads import spec_for_trace

@@ -9,8 +9,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poise.core.cluster import HostCosts, get_cluster
+from poise.core.cluster import HostCosts
 from poise.core.placement import Assignment, Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
 from poise.cost.model import CostModel
 from poise.cost.schedule import parse_schedule

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
 from poise.plan.eplb_format import placement_from_eplb, placement_to_eplb
 from poise.plan.policies import PlanContext, make_plan

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS
 from poise.cost.model import CostModel

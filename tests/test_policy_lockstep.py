@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.placement import Assignment, Placement, balanced_weights
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
 from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel

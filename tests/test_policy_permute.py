@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poise.core.cluster import get_cluster
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.plan.policies import PlanContext, make_plan
 from poise.plan.policies.permute import greedy_homes

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.placement import Placement
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel
@@ -119,7 +119,7 @@ def test_never_slower_than_static_and_matches_cost_model(seed: int) -> None:
 def test_speed_256_experts_32_devices() -> None:
     import time
 
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
 
     cluster = get_cluster("v100-ib50:4")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.cluster import get_cluster
 from poise.core.placement import Assignment
+from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
 from poise.plan.policies import PlanContext, make_plan
 

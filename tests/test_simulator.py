@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from poise.core.cluster import HostCosts, get_cluster
+from poise.core.cluster import HostCosts
 from poise.core.errors import ConfigError
+from poise.core.presets import get_cluster
 from poise.cost.model import CostModel
 from poise.cost.schedule import Schedule
 from poise.plan.predict import OnlineForecast, Predictor

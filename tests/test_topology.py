@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import yaml
 
-from poise.core.cluster import GBIT, PRESETS, Cluster, HostCosts, get_cluster
+from poise.core.cluster import GBIT, Cluster, HostCosts
 from poise.core.errors import ConfigError
+from poise.core.presets import PRESETS, get_cluster
 
 from .helpers import toy_cluster
 

@@ -201,7 +201,7 @@ def train_run(cfg, console: Console) -> float:
 def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Console):
     """Replay `trace` on `CLUSTERS` under every registered policy, background planning on.
     Returns `SimSection`s."""
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
     from poise.plan.policies import (
         REGISTRY,
@@ -267,7 +267,7 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
 def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
     """The replay-only demo's traces: the SmartMoE-AE sample (when present) and a synthetic
     drifting Zipf trace, every policy on `v100-ib50`. Returns `ReplaySection`s."""
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.core.spec import MODELS
     from poise.cost.model import CostModel
     from poise.plan.policies import REGISTRY

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poise.commands.options import DEFAULT_MODEL
-from poise.core.cluster import get_cluster
+from poise.core.presets import get_cluster
 from poise.core.spec import get_model
 from poise.cost.schedule import parse_schedule
 from poise.layouts.pool import LayoutSettings

@@ -7,8 +7,9 @@ from typing import Any
 
 import yaml
 
-from poise.core.cluster import Cluster, get_cluster
+from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec, get_model
 from poise.cost.model import CostModel
 from poise.cost.schedule import parse_schedule

@@ -19,8 +19,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from poise.commands.options import DEFAULT_MODEL, parse_options
-from poise.core.cluster import get_cluster
 from poise.core.errors import ConfigError
+from poise.core.presets import get_cluster
 from poise.core.spec import get_model
 from poise.cost.schedule import parse_schedule
 from poise.plan.policies import REGISTRY

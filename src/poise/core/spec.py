@@ -132,11 +132,16 @@ class ModelSpec:
         return 24.0 * self.d_model**2
 
     @property
+    def dense_params_per_block(self) -> float:
+        """P_d: replicated (non-expert) parameters of one block, F_d / 2 (F_d the block's dense
+        forward FLOPs per token, 2 FLOPs per multiply-add)."""
+        return self.non_moe_flops_fwd / 2.0
+
+    @property
     def dense_params(self) -> int:
-        """Replicated (non-expert) parameters of the MoE blocks: F_d / 2 per block (F_d the
-        block's dense forward FLOPs per token, 2 FLOPs per multiply-add) times `moe_layers`;
-        their gradients are all-reduced across the devices every step."""
-        return int(self.moe_layers * self.non_moe_flops_fwd / 2.0)
+        """Replicated parameters of all the MoE blocks, `moe_layers` x P_d: their gradients are
+        all-reduced across the devices every step."""
+        return int(self.moe_layers * self.dense_params_per_block)
 
     def with_(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

@@ -26,7 +26,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
 from poise.cost.network import link_seconds
-from poise.layouts.pool import Layout, LayoutSettings, dense_params
+from poise.layouts.pool import Layout, LayoutSettings
 from poise.layouts.price import LayoutCost, price_with_online
 
 
@@ -53,7 +53,7 @@ def switch_seconds(
     in_node = held_old.reshape(L, nodes, D // nodes, C).any(axis=2)[:, cluster.node_of(), :]
     in_dom = held_old.reshape(L, domains, D // domains, C).any(axis=2)[:, cluster.domain_of(), :]
     size = np.full(C, spec.migration_bytes)
-    size[-1] = dense_params(spec) * (spec.dtype_bytes + spec.optimizer_bytes_per_param)
+    size[-1] = spec.dense_params_per_block * (spec.dtype_bytes + spec.optimizer_bytes_per_param)
     moved = need * size  # [L, D, C] bytes
     per_level = np.stack(
         [

@@ -308,15 +308,10 @@ def sub_cluster(cluster: Cluster, devices: int) -> Cluster | None:
     return None
 
 
-def dense_params(spec: ModelSpec) -> float:
-    """P_d: dense (non-expert) parameters of one block, F_d / 2 (see the module docstring)."""
-    return spec.non_moe_flops_fwd / 2.0
-
-
 def memory_bytes(layout: Layout, spec: ModelSpec) -> float:
     """Expert and dense state per device: (L / pp) ((E / ep) P_e + P_d) (B_dtype + B_opt)."""
     per_param = spec.dtype_bytes + spec.optimizer_bytes_per_param
-    per_layer = layout.experts_per_device * spec.expert_params + dense_params(spec)
+    per_layer = layout.experts_per_device * spec.expert_params + spec.dense_params_per_block
     return float(layout.layers_per_stage * per_layer * per_param)
 
 
@@ -351,7 +346,6 @@ __all__ = [
     "GIB",
     "Layout",
     "LayoutSettings",
-    "dense_params",
     "divisors",
     "enumerate_layouts",
     "layout_problem",

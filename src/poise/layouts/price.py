@@ -60,7 +60,6 @@ from poise.cost.schedule import Schedule
 from poise.layouts.pool import (
     Layout,
     LayoutSettings,
-    dense_params,
     enumerate_layouts,
     layout_problem,
     memory_bytes,
@@ -131,7 +130,7 @@ def allreduce_times(layout: Layout, cluster: Cluster, spec: ModelSpec) -> tuple[
         t_edp = hierarchical_allreduce_s(cluster, members, nbytes, len(np.unique(in_node)))
     t_dp = 0.0
     if Ds > 1:
-        nbytes = Ls * dense_params(spec) * spec.dtype_bytes
+        nbytes = Ls * spec.dense_params_per_block * spec.dtype_bytes
         t_dp = hierarchical_allreduce_s(cluster, np.arange(Ds), nbytes)
     return t_edp, t_dp
 

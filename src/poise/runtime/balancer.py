@@ -56,9 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.core.cluster import PRESETS, Cluster, get_cluster
+from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError, PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
 from poise.nn.moe import MoE, find_moe_layers

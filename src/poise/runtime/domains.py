@@ -23,8 +23,9 @@ import dataclasses
 import numpy as np
 from torch import nn
 
-from poise.core.cluster import PRESETS, Cluster, Link
+from poise.core.cluster import Cluster, Link
 from poise.core.errors import ConfigError
+from poise.core.presets import PRESETS
 from poise.nn.moe import MoE, find_moe_layers
 
 

@@ -43,7 +43,7 @@ ScheduleChooser = Callable[[ParmShape], str]
 def local_cluster(shape: ParmShape) -> Any:
     """The modelled cluster of this run when none is given: the `cpu-2` preset's rates with
     one node per MP group (`mp` devices per node, `ep` nodes)."""
-    from poise.core.cluster import PRESETS
+    from poise.core.presets import PRESETS
 
     return dataclasses.replace(
         PRESETS["cpu-2"],

@@ -118,7 +118,7 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
     """The modelled cluster a Balancer plans on: `ep` devices (default `world`), the EP group.
     `cfg.cluster` may name a cluster of `ep` devices, or of `world` devices, of which an EP group
     (contiguous ranks) is a part (`poise.layouts.pool.sub_cluster`)."""
-    from poise.core.cluster import get_cluster
+    from poise.core.presets import get_cluster
     from poise.layouts.pool import sub_cluster
     from poise.runtime.balancer import default_cluster
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from poise.core.cluster import Cluster, get_cluster
+from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.plan.policies.base import REGISTRY
 from poise.plan.policies.registry import get_policy

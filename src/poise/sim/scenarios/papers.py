@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from poise.core.cluster import Cluster, PeakFlops, get_cluster
+from poise.core.cluster import Cluster, PeakFlops
 from poise.core.errors import ConfigError
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
 from poise.sim.scenarios.parm import parm_scenario
