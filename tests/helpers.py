@@ -15,9 +15,14 @@ def toy_cluster(
     wan_bw: float | None = None,
     lat: float = 0.0,
     flops: float = 1e9,
+    nics_per_node: int | None = None,
 ) -> Cluster:
     """Round numbers for hand computation: no small-GEMM loss, latency `lat` on every level,
-    `flops` FLOP/s for every compute dtype."""
+    `flops` FLOP/s for every compute dtype. `nics_per_node`: None, one link per device at every
+    level; else that many NICs per node (each shared by devices_per_node / nics devices) and one
+    uplink per domain."""
+    shared = devices_per_node // nics_per_node if nics_per_node else 1
+    uplink = devices_per_node * nodes if nics_per_node else 1
     return Cluster(
         name="toy",
         devices_per_node=devices_per_node,
@@ -26,8 +31,8 @@ def toy_cluster(
         peak_flops=flops,
         memory_bytes=1e12,
         intra_node=Link(bw, lat),
-        inter_node=Link(inter_bw or bw, lat),
-        inter_domain=Link(wan_bw or inter_bw or bw, lat),
+        inter_node=Link(inter_bw or bw, lat, shared),
+        inter_domain=Link(wan_bw or inter_bw or bw, lat, uplink),
     )
 
 

@@ -14,7 +14,7 @@ from poise.core.cluster import Link
 from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.cost.model import CostModel
-from poise.cost.network import device_seconds, fair_share_links, link_seconds
+from poise.cost.network import device_seconds, group_seconds, link_seconds
 from poise.cost.traffic import replica_traffic
 
 from .helpers import toy_cluster, toy_spec
@@ -59,26 +59,29 @@ def test_levels_run_at_once_and_latencies_add_per_device() -> None:
     assert link_seconds(cluster, send, recv)[0] == pytest.approx(1e-3 + 1e-6 + 1e-4)
 
 
-def test_device_seconds_equal_link_seconds_where_nothing_is_shared() -> None:
-    cluster = get_cluster("dgx-h100:2")  # a NIC per GPU: no link shared
+@pytest.mark.parametrize("preset", ["dgx-h100:2", "v100-ib50", "cross-dc-1000", "a800-eth10:4"])
+def test_per_device_and_per_link_parts_make_link_seconds(preset: str) -> None:
+    # The split the incremental searches keep (each device's own links and latencies, the
+    # shared links' loads per link) recombines to `link_seconds` exactly, on clusters with a
+    # NIC per GPU, one NIC per 8 GPUs and shared wide-area uplinks.
+    cluster = get_cluster(preset)
+    D = min(cluster.num_devices, 256)
+    cluster = cluster if D == cluster.num_devices else _first_devices(cluster, D)
     rng = np.random.default_rng(0)
     send = rng.uniform(0, 1e8, size=(3, 5, cluster.num_devices))
     recv = rng.uniform(0, 1e8, size=(3, 5, cluster.num_devices))
-    send[2] = recv[2] = 0.0  # one domain
-    bw, lat = fair_share_links(cluster)
-    per_device = device_seconds(send.transpose(1, 0, 2), recv.transpose(1, 0, 2), bw, lat)
-    np.testing.assert_allclose(per_device.max(axis=1), link_seconds(cluster, send, recv))
+    send[:, rng.random(5) < 0.4] = 0.0  # some phases idle at some levels
+    if cluster.domains == 1:
+        send[2] = recv[2] = 0.0
+    port, latency = device_seconds(cluster, send.transpose(1, 0, 2), recv.transpose(1, 0, 2))
+    shared = group_seconds(cluster, send.transpose(1, 0, 2), recv.transpose(1, 0, 2))
+    recombined = np.maximum(port.max(axis=1), shared) + latency.max(axis=1)
+    np.testing.assert_allclose(recombined, link_seconds(cluster, send, recv), rtol=1e-15)
 
 
-def test_device_seconds_bound_link_seconds_on_shared_links() -> None:
-    cluster = get_cluster("v100-ib50")  # one NIC per 8 devices
-    rng = np.random.default_rng(1)
-    send = rng.uniform(0, 1e8, size=(3, 7, cluster.num_devices))
-    recv = rng.uniform(0, 1e8, size=(3, 7, cluster.num_devices))
-    send[2] = recv[2] = 0.0
-    bw, lat = fair_share_links(cluster)
-    per_device = device_seconds(send.transpose(1, 0, 2), recv.transpose(1, 0, 2), bw, lat)
-    assert np.all(link_seconds(cluster, send, recv) <= per_device.max(axis=1) * (1 + 1e-12))
+def _first_devices(cluster, devices: int):
+    """`cluster` cut to its first `devices` devices, whole domains (a smaller test case)."""
+    return replace(cluster, domains=devices // cluster.devices_per_domain)
 
 
 def test_r_replicas_cost_about_one_broadcast_not_r_sends() -> None:

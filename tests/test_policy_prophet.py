@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.placement import Placement
+from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.cost.incremental import LayerState
@@ -44,20 +44,18 @@ def test_hot_expert_replicated_on_its_two_senders_only() -> None:
     assert set(np.flatnonzero(plan.placement.replicas()[0, :, 0])) == {2, 5}
     # After: devices 2, 5 compute 2000 + 80 tokens: FEC = 2080*32768/1e12 = 6.815744e-5.
     # Every device sends or receives at most 70 tokens: A = 70*256/1e9 = 1.792e-5.
-    # Trans: the home sends 2 W_e: 131072/1e9 = 1.31072e-4, exposed 1.31072e-4 - FEC - 0;
-    # Agg hides under BEC = 1.3631488e-4. T = 4A + 3 FEC + (Trans - FEC).
-    fec, a2a, trans = 2080 * 32768 / 1e12, 70 * 256 / 1e9, 131072 / 1e9
+    # Trans, a broadcast: the home sends W_e once and each replica receives it once,
+    # 65536/1e9 = 6.5536e-5 s, below FEC, so Trans and Agg hide entirely: T = 4A + 3 FEC.
+    # (Priced as direct sends, 2 W_e from the home, Trans would show 1.31072e-4 - FEC.)
+    fec, a2a, trans = 2080 * 32768 / 1e12, 70 * 256 / 1e9, 65536 / 1e9
     after = 4 * a2a + 3 * fec + max(0.0, trans - fec) + max(0.0, trans - 2 * fec)
+    assert after == pytest.approx(4 * a2a + 3 * fec, rel=1e-15)
     # Before (static): device 0 computes 4060 tokens and receives 4050.
     before = 4 * 4050 * 256 / 1e9 + 3 * 4060 * 32768 / 1e12
+    # The search's own prices and the cost model's price of the plan: the same numbers.
     np.testing.assert_allclose(plan.notes["prophet_layer_s"][0], [before, after], rtol=1e-12)
-    # The search prices Trans as direct sends (above); the cost model as a broadcast: the home
-    # sends W_e once and each replica receives it once, 65536/1e9 = 6.5536e-5 s, now below FEC,
-    # so Trans and Agg hide entirely: T = 4A + 3 FEC.
-    broadcast = 65536 / 1e9
-    np.testing.assert_allclose(plan.cost.layer_s[0], 4 * a2a + 3 * fec, rtol=1e-12)
-    assert plan.cost.phases.trans_s[0] == pytest.approx(broadcast)
-    assert plan.cost.layer_s[0] <= after
+    np.testing.assert_allclose(plan.cost.layer_s[0], after, rtol=1e-12)
+    assert plan.cost.phases.trans_s[0] == pytest.approx(trans)
     # The lightest senders (10 tokens) got nothing: their Trans would only add exposed time.
     assert not plan.placement.replicas()[0, [1, 3, 4, 6, 7], 0].any()
     assert len(plan.transfers.migrations) == 0
@@ -139,15 +137,27 @@ def test_speed_256_experts_32_devices() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dpn", "nodes", "domains"),
-    [(4, 2, 2), (8, 1, 1), (1, 4, 1), (4, 1, 2), (1, 1, 3), (2, 3, 1), (8, 3, 3), (1, 1, 1)],
-)
-def test_packed_pricing_equals_layer_s_bit_for_bit(dpn: int, nodes: int, domains: int) -> None:
-    # `packed_terms` / `packed_layer_s` (what prophet and hybrid price with) price only the
-    # cluster's link levels, scale tokens after the max and sum the levels explicitly: the
-    # same numbers as `device_terms` / `layer_s`, bit for bit, with and without replicas.
+    ("dpn", "nodes", "domains", "shared"),
+    [(4, 2, 2, 1), (8, 1, 1, 1), (1, 4, 1, 1), (4, 1, 2, 4), (1, 1, 3, 1), (2, 3, 1, 2),
+     (8, 3, 3, 8), (8, 3, 3, 2), (1, 1, 1, 1)],
+)  # fmt: skip
+def test_packed_pricing_equals_the_cost_model(
+    dpn: int, nodes: int, domains: int, shared: int
+) -> None:
+    # `packed_layer_s` (what prophet and hybrid price with) of whole layers is the cost model's
+    # price of the placement the states describe: links as capacities (NICs shared by `shared`
+    # devices, uplinks by a whole domain), Trans a broadcast, with and without replicas; and
+    # `layer_s` on the unpacked arrays is the same number.
     cluster = toy_cluster(
-        dpn, nodes, domains, bw=1e9, inter_bw=2e8, wan_bw=1e7, lat=1e-6, flops=1e12
+        dpn,
+        nodes,
+        domains,
+        bw=1e9,
+        inter_bw=2e8,
+        wan_bw=1e7,
+        lat=1e-6,
+        flops=1e12,
+        nics_per_node=max(1, dpn // shared) if shared > 1 else None,
     )
     D = cluster.num_devices
     E = 2 * D + 1
@@ -159,27 +169,17 @@ def test_packed_pricing_equals_layer_s_bit_for_bit(dpn: int, nodes: int, domains
     counts = np.floor(rng.zipf(1.4, (3, D, E)) * rng.random((3, D, E)) * 50)
     counts[1] = 0.0
     for schedule in (Schedule("sync"), Schedule("pipelined", 4), Schedule("prophet")):
-        state = LayerState.stacked(CostModel(cluster, spec, schedule), placement, counts)
+        cost = CostModel(cluster, spec, schedule)
+        state = LayerState.stacked(cost, placement, counts)
         parts = (state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv)
         packed = np.ascontiguousarray(state.cells.swapaxes(1, 2))  # [L, CELLS, D]
-        terms = state.packed_terms(packed)
-        for i, want in enumerate(state.device_terms(*parts)):
-            assert np.array_equal(terms[:, i], want)
+        want = cost.price(placement, Assignment.to_home(placement), counts).layer_s
+        np.testing.assert_allclose(state.packed_layer_s(packed), want, rtol=1e-12)
         assert np.array_equal(state.packed_layer_s(packed), state.layer_s(*parts))
         # Many states at once (the max over devices taken down columns): the same numbers.
         many = packed[rng.integers(0, 3, 400)] * rng.choice([0.0, 0.5, 1.0, 3.0], (400, 1, D))
-        rows = np.ascontiguousarray(many.swapaxes(1, 2))
-        state_many = LayerState.__new__(LayerState)
-        state_many.__dict__.update(state.__dict__)
-        state_many._set_cells(rows)
-        want = state.layer_s(
-            state_many.comp,
-            state_many.tok_send,
-            state_many.tok_recv,
-            state_many.par_send,
-            state_many.par_recv,
-        )
-        assert np.array_equal(state.packed_layer_s(many), want)
+        one_by_one = np.array([state.packed_layer_s(x[None])[0] for x in many])
+        assert np.array_equal(state.packed_layer_s(many), one_by_one)
         # The levels left out carry nothing; `level_between` is the cluster's.
         lo, hi = state.levels
         for v in [v for v in range(3) if not lo <= v < hi]:
@@ -190,44 +190,40 @@ def test_packed_pricing_equals_layer_s_bit_for_bit(dpn: int, nodes: int, domains
 
 
 def _price_prefix(
-    state: LayerState, layer: int, home: int, cands: list[int], col: np.ndarray, r_home: float
+    cost: CostModel, home: np.ndarray, counts: np.ndarray, layer: int, expert: int, cands: list
 ) -> float:
-    """Layer seconds with replicas on `cands` (the home keeps the rest), the plain way: each
-    replica's own tokens computed and kept local, W_e sent to it from the home."""
-    cluster, W_e = state.cost.cluster, state.cost.spec.expert_bytes
-    one = state.take(layer)
-    comp, tok_send, tok_recv = one.comp.copy(), one.tok_send.copy(), one.tok_recv.copy()
-    par_send, par_recv = one.par_send.copy(), one.par_recv.copy()
-    moved = 0.0
-    for d in cands:
-        lv = int(cluster.level_between(home, d))
-        tok_send[lv, d] -= col[d]
-        tok_recv[lv, home] -= col[d]
-        par_send[lv, home] += W_e
-        par_recv[lv, d] += W_e
-        comp[d] += float(state.comp_s(col[d]))
-        moved += col[d]
-    comp[home] += float(state.comp_s(max(r_home - moved, 0.0)) - state.comp_s(r_home))
-    return float(
-        state.layer_s(comp[None], tok_send[None], tok_recv[None], par_send[None], par_recv[None])[0]
-    )
+    """The cost model's price of layer `layer` with `expert` replicated on `cands` (homes
+    `home[L, E]`, tokens to the homes otherwise): the reference a prefix's time must equal."""
+    D = counts.shape[1]
+    placement = Placement.from_homes(home[layer : layer + 1], D, 99)
+    placement.copies[0, cands, expert] = 1
+    priced = cost.price(placement, Assignment.to_home(placement), counts[layer : layer + 1])
+    return float(priced.layer_s[0])
 
 
-@pytest.mark.parametrize(("dpn", "nodes", "domains"), [(4, 2, 2), (8, 4, 3)])
-def test_prefix_times_equal_pricing_each_prefix(dpn: int, nodes: int, domains: int) -> None:
+@pytest.mark.parametrize(
+    ("dpn", "nodes", "domains", "nics"), [(4, 2, 2, 1), (8, 4, 3, 1), (8, 4, 3, 8), (4, 3, 1, 2)]
+)
+@pytest.mark.parametrize("schedule", ["prophet", "sync"])
+def test_prefix_times_equal_pricing_each_prefix(
+    dpn: int, nodes: int, domains: int, nics: int, schedule: str
+) -> None:
     # Every priced prefix (all of them below 80 candidates, a grid above: 96 devices) equals
-    # the plain pricing of its placement; the states kept for the chosen one are the same.
+    # the cost model's price of its placement. Tokens fall with the device index, so the
+    # search's heaviest-first order is the device order the broadcast enters a node by.
     cluster = toy_cluster(
-        dpn, nodes, domains, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13
-    )
+        dpn, nodes, domains, bw=1e10, inter_bw=1e9, wan_bw=5e8, lat=1e-6, flops=1e13,
+        nics_per_node=nics,
+    )  # fmt: skip
     D = cluster.num_devices
     spec = toy_spec(experts=8, layers=3, d_model=256, d_expert=256, tokens=8000, non_moe=1e7)
-    cost = CostModel(cluster, spec, Schedule("prophet"))
+    cost = CostModel(cluster, spec, parse_schedule(schedule))  # sync: Trans in full
     rng = np.random.default_rng(D)
     counts = np.floor(rng.zipf(1.3, (3, D, 8)) * 30.0)
     home = rng.integers(0, D, (3, 8))
-    state = LayerState.for_homes(cost, home, counts)
     layer, expert = np.arange(3), np.array([0, 3, 5])
+    counts[layer, :, expert] = 1000.0 * (D - np.arange(D)) + 1.0
+    state = LayerState.for_homes(cost, home, counts)
     h = home[layer, expert]
     col = counts[layer, :, expert]  # [3, D]
     ok = (col > 0) & (np.arange(D) != h[:, None]) & (rng.random((3, D)) < 0.9)
@@ -240,10 +236,38 @@ def test_prefix_times_equal_pricing_each_prefix(dpn: int, nodes: int, domains: i
             if n == 0:
                 assert pre.times[b, c] == np.inf
                 continue
-            want = _price_prefix(
-                state, b, int(h[b]), pre.cands[b, :n].tolist(), col[b], state.R[b, h[b], expert[b]]
-            )
+            want = _price_prefix(cost, home, counts, b, int(expert[b]), pre.cands[b, :n].tolist())
             assert pre.times[b, c] == pytest.approx(want, rel=1e-12)
+
+
+def test_prefix_times_in_any_order_differ_only_by_the_entry_device() -> None:
+    # With the heaviest sender not the lowest device of its node, the search lets the copy
+    # enter a node at the first replica it adds, the cost model at the lowest: the shared
+    # links carry the same bytes, so the two differ by at most one level-0 hop's seconds and
+    # latency per phase on an unshared-NIC cluster, and not at all where every NIC is shared.
+    for nics in (1, 4):
+        cluster = toy_cluster(
+            4, 4, 2, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-6, flops=1e13, nics_per_node=nics
+        )
+        D = cluster.num_devices
+        spec = toy_spec(experts=8, layers=1, d_model=256, d_expert=256, tokens=8000, non_moe=1e7)
+        cost = CostModel(cluster, spec, Schedule("prophet"))
+        counts = np.full((1, D, 8), 10.0)
+        counts[0, :, 0] = 1000.0 * (1 + np.arange(D))  # heaviest = highest device
+        home = np.zeros((1, 8), dtype=np.int64)
+        home[0] = np.arange(8) % D
+        state = LayerState.for_homes(cost, home, counts)
+        ok = np.arange(D)[None, :] != 0
+        pre = _Prefixes(state, np.array([0]), np.array([0]), ok, counts[:, :, 0], state.R[0, :1, 0])
+        W_e, links = spec.expert_bytes, cluster.links()
+        slack = 4 * (W_e / links[0].bw_Bps + links[0].lat_s + links[1].lat_s)
+        gaps = []
+        for c, n in enumerate(pre.cuts[0]):
+            want = _price_prefix(cost, home, counts, 0, 0, pre.cands[0, :n].tolist())
+            gaps.append(abs(pre.times[0, c] - want))
+        assert max(gaps) <= slack
+        if nics == 1:
+            assert max(gaps) <= 1e-12 * max(pre.times[0])
 
 
 def test_the_searched_price_equals_the_cost_model() -> None:

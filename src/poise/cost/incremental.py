@@ -30,7 +30,7 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
 from poise.cost.model import CostModel, expert_seconds
-from poise.cost.network import device_seconds, fair_share_links, link_seconds
+from poise.cost.network import device_seconds, group_seconds, link_bytes, link_seconds, link_split
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import homes_traffic, level_traffic, migration_traffic, replica_traffic
 
@@ -111,6 +111,10 @@ class LayerState:
     SENT = 1  # columns SENT:RECEIVED are sent, RECEIVED: received
     RECEIVED = 7
     CELLS = 13
+    # Rows of `packed_terms`: compute, then the all-to-all's and Trans' own-link seconds and
+    # latency sums.
+    T_COMP, T_TOK_PORT, T_TOK_LAT, T_PAR_PORT, T_PAR_LAT = range(5)
+    TERMS = 5
     TABLE_DEVICES = 64  # `level_between` from a table up to this many devices
 
     def __init__(self, cost: CostModel, placement: Placement, counts: np.ndarray) -> None:
@@ -138,7 +142,7 @@ class LayerState:
         assignment = Assignment.to_home(placement)
         R = assignment.received(placement, counts)  # [L, D, E]
         send, recv = level_traffic(cluster, placement, assignment, counts)
-        p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes, broadcast=False)
+        p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         L, D, _ = counts.shape
         state = cls._blank(cost, np.empty((L, D, cls.CELLS)))
         state.R = R
@@ -188,7 +192,7 @@ class LayerState:
         cluster = cost.cluster
         state = cls.__new__(cls)
         state.cost = cost
-        state.bw, state.lat = fair_share_links(cluster)  # [3] each
+        state.ports, state.shared = link_split(cluster)
         state.fnec, state.bnec = cost.non_moe_s
         # The link levels a message can take on this cluster (0 needs several devices per
         # node, 1 several nodes per domain, 2 several domains), as a range: the others carry
@@ -215,7 +219,12 @@ class LayerState:
     def take(self, layer: int | slice) -> LayerState:
         """Layer `layer` (or a run of layers) of a `stacked` state; its arrays are views."""
         state = LayerState.__new__(LayerState)
-        state.cost, state.fnec, state.bw, state.lat = self.cost, self.fnec, self.bw, self.lat
+        state.cost, state.fnec, state.ports, state.shared = (
+            self.cost,
+            self.fnec,
+            self.ports,
+            self.shared,
+        )
         state.bnec = self.bnec
         state.levels, state._table = self.levels, self._table
         state.R = self.R[layer]
@@ -226,46 +235,58 @@ class LayerState:
         """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
         return expert_seconds(self.cost.cluster, self.cost.spec, rows)
 
-    def links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """`[..., 3, D]` bytes -> `[...]` seconds, slowest device (`cost.link_time`)."""
-        return self.device_links_s(send, recv).max(axis=-1)
-
-    def device_links_s(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """`[..., 3, D]` bytes -> `[..., D]` each device's seconds (`network.device_seconds` at
-        each level's fair share per device)."""
-        return device_seconds(send, recv, self.bw, self.lat)
-
-    def device_terms(
-        self,
-        comp: np.ndarray,
-        tok_send: np.ndarray,
-        tok_recv: np.ndarray,
-        par_send: np.ndarray,
-        par_recv: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per device `(compute, all-to-all, Trans)` seconds `[..., D]` whose maxima over devices
-        give a layer's FEC, all-to-all and Trans times (`comp[..., D]`, the rest `[..., 3, D]`)."""
-        tb = self.cost.spec.token_bytes
-        a2a = self.device_links_s(tok_send * tb, tok_recv * tb)
-        return comp, a2a, self.device_links_s(par_send, par_recv)
+    def _kind_bytes(self, packed: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """`(send, recv)` `[..., 3, X]` bytes by level of kind 0 (dispatch tokens, scaled by
+        B_t) or 1 (Trans) from states packed side by side, `packed[..., CELLS, X]`."""
+        step = self.LEVEL_STEP
+        sent, received = ((self.TOK_SEND, self.TOK_RECV), (self.PAR_SEND, self.PAR_RECV))[kind]
+        send = packed[..., sent : sent + 3 * step : step, :]
+        recv = packed[..., received : received + 3 * step : step, :]
+        if kind == 0:
+            tb = self.cost.spec.token_bytes
+            return send * tb, recv * tb
+        return send, recv
 
     def packed_terms(self, packed: np.ndarray) -> np.ndarray:
-        """`device_terms` of states packed side by side, `packed[..., CELLS, X]` (`cells`
-        transposed: a column per device state, any leading axes), stacked: `[..., 3, X]`
-        (compute, all-to-all, Trans): the same numbers as `device_terms`."""
+        """Per device state, the parts of a layer's phases that are its own: `[..., TERMS, X]`
+        from states packed side by side, `packed[..., CELLS, X]` (`cells` transposed: a column
+        per device state, any leading axes). Rows: `T_COMP` forward expert seconds, then for the
+        all-to-all (`T_TOK_*`) and Trans (`T_PAR_*`) the seconds on the device's own links
+        (`PORT`) and its latency sum (`LAT`) (`network.device_seconds`). The maxima over a
+        layer's devices, with the shared links' `packed_groups`, give its phases
+        (`layer_s_from_parts`)."""
         lead, X = packed.shape[:-2], packed.shape[-1]
-        step = self.LEVEL_STEP
-        out = np.empty((*lead, 3, X))
-        out[..., 0, :] = packed[..., self.COMP, :]
-        tb = self.cost.spec.token_bytes
-        for kind, (sent, received) in enumerate(
-            ((self.TOK_SEND, self.TOK_RECV), (self.PAR_SEND, self.PAR_RECV))
-        ):
-            send = packed[..., sent : sent + 3 * step : step, :]
-            recv = packed[..., received : received + 3 * step : step, :]
-            if kind == 0:
-                send, recv = send * tb, recv * tb
-            out[..., 1 + kind, :] = device_seconds(send, recv, self.bw, self.lat)
+        out = np.empty((*lead, self.TERMS, X))
+        out[..., self.T_COMP, :] = packed[..., self.COMP, :]
+        cluster = self.cost.cluster
+        for kind, row in ((0, self.T_TOK_PORT), (1, self.T_PAR_PORT)):
+            port, lat = device_seconds(cluster, *self._kind_bytes(packed, kind))
+            out[..., row, :] = port
+            out[..., row + 1, :] = lat
+        return out
+
+    def packed_groups(self, packed: np.ndarray) -> np.ndarray:
+        """`[..., 2]` seconds of the busiest shared link (NIC or uplink several devices share)
+        in the all-to-all and in Trans, for whole layers packed `[..., CELLS, D]`
+        (`network.group_seconds`)."""
+        cluster = self.cost.cluster
+        out = np.zeros((*packed.shape[:-2], 2))
+        if self.shared:
+            for kind in (0, 1):
+                out[..., kind] = group_seconds(cluster, *self._kind_bytes(packed, kind))
+        return out
+
+    def group_inputs(self, packed: np.ndarray) -> np.ndarray:
+        """`[..., S, 4, X]` what each device state puts on the shared link of each shared level
+        s (`self.shared`): dispatch bytes out and in, Trans bytes out and in (`network.link_bytes`),
+        from `packed[..., CELLS, X]`; a link's load is the sum over the devices behind it."""
+        out = np.empty((*packed.shape[:-2], len(self.shared), 4, packed.shape[-1]))
+        for kind in (0, 1):
+            send, recv = self._kind_bytes(packed, kind)
+            for s, (v, _) in enumerate(self.shared):
+                o, i = link_bytes(send, recv, v)
+                out[..., s, 2 * kind, :] = o
+                out[..., s, 2 * kind + 1, :] = i
         return out
 
     def level_between(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -282,6 +303,33 @@ class LayerState:
         phases = PhaseTimes.from_parts(a2a, fec, fnec, trans, none, np.float64(self.bnec))
         return self.cost.schedule.layer_time(phases)
 
+    def phase_parts(
+        self, slowest: np.ndarray, groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(FEC, A, Trans)` `[...]` from the maxima over a layer's devices of `packed_terms`,
+        `slowest[..., TERMS]`, and its shared links' `groups[..., 2]`: a phase takes its busiest
+        link plus its largest latency sum (`network.link_seconds`)."""
+        a2a = np.maximum(slowest[..., self.T_TOK_PORT], groups[..., 0])
+        trans = np.maximum(slowest[..., self.T_PAR_PORT], groups[..., 1])
+        a2a = a2a + slowest[..., self.T_TOK_PORT + 1]
+        trans = trans + slowest[..., self.T_PAR_PORT + 1]
+        return slowest[..., self.T_COMP], a2a, trans
+
+    def layer_s_from_parts(self, slowest: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Layer seconds `[...]` from `phase_parts`' inputs."""
+        return self.layer_s_from_max(*self.phase_parts(slowest, groups))
+
+    def packed_layer_s(self, packed: np.ndarray) -> np.ndarray:
+        """Layer seconds `[...]` of whole layers packed side by side, `packed[..., CELLS, D]`:
+        `CostModel.price` of the layers these states describe."""
+        terms = self.packed_terms(packed)  # [..., TERMS, D]
+        if terms.size >= 4096:  # the max over many short rows: faster down contiguous columns
+            rows = terms.reshape(-1, terms.shape[-1])
+            slowest = rows.T.copy().max(axis=0).reshape(terms.shape[:-1])  # [..., TERMS]
+        else:
+            slowest = terms.max(axis=-1)
+        return self.layer_s_from_parts(slowest, self.packed_groups(packed))
+
     def layer_s(
         self,
         comp: np.ndarray,
@@ -292,39 +340,32 @@ class LayerState:
     ) -> np.ndarray:
         """Layer seconds under the cost model's schedule for a batch of states
         (`comp[M, D]`, the rest `[M, 3, D]`)."""
-        terms = self.device_terms(comp, tok_send, tok_recv, par_send, par_recv)
-        fec, a2a, trans = (t.max(axis=-1) for t in terms)
-        return self.layer_s_from_max(fec, a2a, trans)
-
-    def packed_layer_s(self, packed: np.ndarray) -> np.ndarray:
-        """`layer_s` of states packed side by side, `packed[..., CELLS, D]` -> `[...]`."""
-        terms = self.packed_terms(packed)  # [..., 3, D]
-        if terms.size >= 4096:  # the max over many short rows: faster down contiguous columns
-            rows = terms.reshape(-1, terms.shape[-1])
-            slowest = rows.T.copy().max(axis=0).reshape(terms.shape[:-1])  # [..., 3]
-        else:
-            slowest = terms.max(axis=-1)
-        return self.layer_s_from_max(slowest[..., 0], slowest[..., 1], slowest[..., 2])
+        M, D = comp.shape
+        packed = np.zeros((M, self.CELLS, D))
+        packed[:, self.COMP] = comp
+        step = self.LEVEL_STEP
+        for first, x in (
+            (self.TOK_SEND, tok_send),
+            (self.PAR_SEND, par_send),
+            (self.TOK_RECV, tok_recv),
+            (self.PAR_RECV, par_recv),
+        ):
+            packed[:, first : first + 3 * step : step] = x
+        return self.packed_layer_s(packed)
 
     def phases(self) -> PhaseTimes:
         """Phase times `[L]` of a stacked state (no migration: these states keep their homes),
         as `PlanPricer.phases` gives them for the placement the state describes (equal up to
         float rounding where the state was updated by differences)."""
-        terms = self.packed_terms(np.ascontiguousarray(self.cells.swapaxes(-1, -2)))
-        fec, a2a, trans = (terms[..., k, :].max(axis=-1) for k in range(3))
+        packed = np.ascontiguousarray(self.cells.swapaxes(-1, -2))
+        slowest = self.packed_terms(packed).max(axis=-1)
+        fec, a2a, trans = self.phase_parts(slowest, self.packed_groups(packed))
         fnec, bnec = np.full_like(fec, self.fnec), np.full_like(fec, self.bnec)
         return PhaseTimes.from_parts(a2a, fec, fnec, trans, 0.0 * fec, bnec)
 
     def current_s(self) -> float:
-        return float(
-            self.layer_s(
-                self.comp[None],
-                self.tok_send[None],
-                self.tok_recv[None],
-                self.par_send[None],
-                self.par_recv[None],
-            )[0]
-        )
+        packed = np.ascontiguousarray(self.cells.swapaxes(-1, -2))
+        return float(self.packed_layer_s(packed[None])[0])
 
 
 # Rows of the packed per-expert terms `[..., TERMS, D]` of `ExpertColumns`.

@@ -100,37 +100,80 @@ def link_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.nda
     return bandwidth + latency.max(axis=-1)
 
 
+def link_split(cluster: Cluster) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """`(port_levels, shared)`: the carrying levels whose links serve one device each (priced
+    per device) and `(level, devices behind one link)` of those whose links several devices
+    share (priced per group of consecutive devices). Together they are `carrying_levels`."""
+    sizes = group_sizes(cluster)
+    levels = carrying_levels(cluster)
+    return (
+        tuple(v for v in levels if sizes[v] == 1),
+        tuple((v, sizes[v]) for v in levels if sizes[v] > 1),
+    )
+
+
+def link_bytes(send: np.ndarray, recv: np.ndarray, level: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(out, into)` `[..., X]`: the bytes each device puts on its level-`level` link in each
+    direction, from `send[..., 3, X]`, `recv[..., 3, X]` by level (a NIC also carries what
+    leaves or enters the domain: out_1 = send_1 + send_2)."""
+    if level == 1:
+        return send[..., 1, :] + send[..., 2, :], recv[..., 1, :] + recv[..., 2, :]
+    return send[..., level, :], recv[..., level, :]
+
+
+def busy_s(load: np.ndarray, bw: float) -> np.ndarray:
+    """Seconds of `load` bytes on a link of `bw` bytes/s; less than `MIN_TRAFFIC_BYTES` is
+    float residue and costs nothing."""
+    return np.where(load >= MIN_TRAFFIC_BYTES, load, 0.0) / bw
+
+
 def device_seconds(
-    send: np.ndarray, recv: np.ndarray, bw: np.ndarray, lat: np.ndarray
-) -> np.ndarray:
-    """`[..., X]` seconds per device state from `send[..., 3, X]`, `recv[..., 3, X]` bytes by
-    level, with `bw[3]` the bandwidth each device is granted per level and `lat[3]`:
+    cluster: Cluster, send: np.ndarray, recv: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The per-device parts of `link_seconds`: `(port_s, latency_s)`, each `[..., X]`, from
+    `send[..., 3, X]`, `recv[..., 3, X]` bytes by level:
 
-        t[d] = max_v load_v[d] / bw_v + sum_v lat_v [d moves at least a byte at v]
-        load_0 = max(send_0, recv_0), load_1 = max(send_1 + send_2, recv_1 + recv_2),
-        load_2 = max(send_2, recv_2)
+        port_s[d]    = max_{v unshared} max(out_v[d], in_v[d]) / bw_v
+        latency_s[d] = sum_v lat_v [d moves at least a byte at v]
 
-    the terms of `link_seconds` for one device alone behind each link. With `bw` the links'
-    capacities and no link shared (`shared_by` = 1 at every level) the maximum over devices is
-    `link_seconds` exactly; the incremental searches of `poise.cost.incremental`, which price a
-    few changed devices at a time, grant each device `bw_v / shared_by_v` on shared links
-    (`fair_share_links`), which can only overstate `link_seconds` (a link's load is at most
-    `shared_by` times its largest device's)."""
-    out = np.maximum(send[..., 1, :] + send[..., 2, :], recv[..., 1, :] + recv[..., 2, :])
-    bandwidth = np.where(out >= MIN_TRAFFIC_BYTES, out, 0.0) / bw[1]
-    latency = np.zeros(bandwidth.shape)
-    for v in range(3):
+    With `group_seconds` (the links several devices share) a phase takes
+
+        T = max( max_d port_s[d], group_seconds ) + max_d latency_s[d]  =  link_seconds
+
+    so planners that change a few devices at a time keep these per device and the shared links'
+    loads per group (`poise.cost.incremental.LayerState`)."""
+    ports, _ = link_split(cluster)
+    links = cluster.links()
+    lead = send.shape[:-2] + send.shape[-1:]
+    port = np.zeros(lead)
+    latency = np.zeros(lead)
+    for v in carrying_levels(cluster):
         moved = np.maximum(send[..., v, :], recv[..., v, :])
-        used = moved >= MIN_TRAFFIC_BYTES
-        latency += np.where(used, lat[v], 0.0)
-        if v != 1:
-            np.maximum(bandwidth, np.where(used, moved, 0.0) / bw[v], out=bandwidth)
-    return bandwidth + latency
+        latency += np.where(moved >= MIN_TRAFFIC_BYTES, links[v].lat_s, 0.0)
+        if v in ports:
+            out, into = link_bytes(send, recv, v)
+            np.maximum(port, busy_s(np.maximum(out, into), links[v].bw_Bps), out=port)
+    return port, latency
+
+
+def group_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """`[...]` the busiest shared link's seconds (0 without shared links) for full states
+    `send[..., 3, D]`, `recv[..., 3, D]`: max over shared levels v and their links k of
+    max(sum_{d behind k} out_v[d], sum_{d behind k} in_v[d]) / bw_v."""
+    _, shared = link_split(cluster)
+    links = cluster.links()
+    out_s = np.zeros(send.shape[:-2])
+    for v, size in shared:
+        out, into = link_bytes(send, recv, v)
+        load = np.maximum(_group_max(out, size), _group_max(into, size))
+        np.maximum(out_s, busy_s(load, links[v].bw_Bps), out=out_s)
+    return out_s
 
 
 def fair_share_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     """`(bw_Bps[3], lat_s[3])`: each level's bandwidth per device when every device behind a
-    link sends at once (`Link.per_device_bw_Bps`), and its latency (for `device_seconds`)."""
+    link sends at once (`Link.per_device_bw_Bps`: a pipeline's stage-to-stage sends), and its
+    latency."""
     links = cluster.links()
     return (
         np.array([k.per_device_bw_Bps for k in links]),
@@ -138,4 +181,14 @@ def fair_share_links(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-__all__ = ["MIN_TRAFFIC_BYTES", "device_seconds", "fair_share_links", "group_sizes", "link_seconds"]
+__all__ = [
+    "MIN_TRAFFIC_BYTES",
+    "busy_s",
+    "device_seconds",
+    "fair_share_links",
+    "group_seconds",
+    "group_sizes",
+    "link_bytes",
+    "link_seconds",
+    "link_split",
+]

@@ -283,8 +283,8 @@ def replica_traffic(
     once (level 1), and the node's other replicas receive it over level 0 from a holder in
     their node (`_broadcast_hops`); what replicas pass on is not charged beyond what they
     receive. Without `broadcast`, the home sends one copy per replica and each receives it over
-    the level between it and the home (direct sends, the search heuristics of
-    `poise.cost.incremental.LayerState`)."""
+    the level between it and the home (direct sends: the reference the tests hold the
+    broadcast against)."""
     L, D, _ = placement.copies.shape
     # Replicas are few next to L * D * E cells: count them per (level, layer, device) from
     # their coordinates, each at the level between its holder and its home.

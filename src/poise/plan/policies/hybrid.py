@@ -40,9 +40,9 @@ the notes (`p_closed_form`) for comparison.
 A domain holds one replica of each expert moved into it, on the device of the domain that sends
 most tokens to that expert among those with a free slot (lowest index on ties); every device of
 the domain sends its tokens for that expert to that replica (`Assignment.group_local`: group
-weights route inside the domain, other sources go to the home). One replica per domain keeps
-the wide-area Trans to one copy per domain, which the cost model (direct home-to-replica Trans,
-no relay inside the domain) prices best; copies on every device of the domain would multiply it.
+weights route inside the domain, other sources go to the home). Trans is a broadcast (the cost
+model's): the copy crosses the wide-area link once per domain however many of its devices hold
+it, so further copies inside the domain would only add intra-domain hops and take slots.
 
 More devices than experts: the static placement already holds expert-data-parallel copies of every
 expert (device d holds expert floor(d E / D)) in blocks, so a domain holds only some experts.
@@ -256,6 +256,11 @@ def cut_times(
     before_sorted = cum[sl, pos] - st - np.where(first > 0, cum_first, 0.0)
     before = np.empty(N)
     before[order] = before_sorted
+    # Trans is a broadcast (`traffic.replica_traffic`): the home sends each expert's copy once,
+    # at the first of its pairs (every pair of an expert is in another domain, one replica per
+    # domain, so each replica receives it over the level between its domain and the home's).
+    first_pair = np.empty(N, dtype=bool)
+    first_pair[order] = run
     r_home = state.R[lyr, h, experts] - before
     comp_seg = np.concatenate([seg, seg])
     comp_dev = np.concatenate([devices, h])
@@ -278,7 +283,7 @@ def cut_times(
         base,
         cell,
         np.concatenate([comp_seg, send_seg, send_seg, seg, seg]),
-        np.concatenate([comp_delta, delta, delta, W_e, W_e]),
+        np.concatenate([comp_delta, delta, delta, np.where(first_pair, W_e, 0.0), W_e]),
         C,
     )
     states = states.reshape(C, B, LS.CELLS, D)
@@ -368,8 +373,8 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     group_weights = to_home.weights.copy()
     group_weights[pairs.layer[taken], pairs.expert[taken], pairs.device[taken]] = 1.0
     assignment = Assignment(to_home.weights, group_weights, size)
-    # The search priced each device alone with direct-send Trans (`LayerState`, an upper bound
-    # on shared links); the plan is priced by the cost model itself.
+    # The search priced each cut as the cost model prices it (`LayerState.packed_layer_s`);
+    # the plan is priced by the cost model itself.
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
 
 

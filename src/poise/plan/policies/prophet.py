@@ -29,11 +29,13 @@ the block before it's forward expert and non-expert compute, Agg under the backw
 with FEC = max_d sum_e R[d, e] F_t / rate(R[d, e]) (eq. 1-2 style), A the hierarchical all-to-all
 and Trans = Agg the replicas' weight traffic (`poise.cost`). `ctx.cost` is used when its schedule is
 `prophet`, otherwise a `prophet`-scheduled model on the same cluster and model. Each candidate is
-priced incrementally on its layer alone; the result equals `CostModel.price` on that layer (the
-tests check it). The returned plan is priced by `ctx.cost` like every other policy, so that
-`auto` compares like with like; the prophet-schedule layer times are in
-`notes["prophet_layer_s"]`, the replicated experts (in the order chosen) and their replica
-devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
+priced incrementally on its layer alone, links as capacities and Trans as a broadcast; the result
+equals `CostModel.price` on that layer (the tests check it) but for one choice: the search lets
+the copy enter a node at the first replica it adds there, the model at the node's lowest device
+(the same bytes on every shared link; `_broadcast_hops`). The returned plan is priced by
+`ctx.cost` like every other policy, so that `auto` compares like with like; the prophet-schedule
+layer times are in `notes["prophet_layer_s"]`, the replicated experts (in the order chosen) and
+their replica devices in `notes["replicated"][l]` and `notes["replica_devices"][l]`.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
+from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement, Plan
 from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.cost.model import CostModel
+from poise.cost.network import MIN_TRAFFIC_BYTES
 from poise.cost.schedule import Schedule
 from poise.plan.policies.base import PlanContext, finish_plan, register, start_homes
 
@@ -90,17 +94,20 @@ class _Prefixes:
         col: np.ndarray,
         r_home: np.ndarray,
     ) -> None:
-        """Layer seconds after each priced prefix, in O(B (D + m)).
+        """Layer seconds after each priced prefix, in O(B (D + m + G C)) with G the links of a
+        shared level.
 
         Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute
-        change once, at its step) and receives W_e; the home h receives fewer tokens and sends
-        one more W_e at every step. So for a prefix of length c the slowest device is the
-        slowest of: the home in its state after c steps, the candidates before c in their
-        changed state (a running maximum), the candidates from c on and every other device in
-        their current state (a suffix maximum and a constant). Equal to pricing each prefix's
-        full state (`LayerState.layer_s`); no `[C, 3, D]` state is built. `ok[B, D]`: the
-        candidate senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]`
-        the tokens its home computes."""
+        change once, at its step) and receives W_e over its broadcast hop; the home h receives
+        fewer tokens and sends W_e once, over the farthest level reached so far. So for a
+        prefix of length c the slowest device is the slowest of: the home in its state after c
+        steps, the candidates before c in their changed state (a running maximum), the
+        candidates from c on and every other device in their current state (a suffix maximum
+        and a constant); the links several devices share are priced from their loads after
+        each prefix (`_shared_link_s`). Equal to pricing each prefix's full state
+        (`LayerState.layer_s`); no `[C, CELLS, D]` state is built. `ok[B, D]`: the candidate
+        senders of each layer's expert, `col[B, D]` its tokens per source, `r_home[B]` the
+        tokens its home computes."""
         LS = LayerState
         B, D = ok.shape
         rows = np.arange(B)[:, None]
@@ -119,6 +126,7 @@ class _Prefixes:
         tok = col[rows, cands]  # [B, M] (padding: unused)
         # Link level home -> candidate (padding may be the home: level -1, its columns unused).
         lv = state.level_between(home[:, None], cands)
+        hop = _broadcast_hops(state.cost.cluster, cands, lv, valid)
         step = LS.LEVEL_STEP
         # Side by side (whole rows of `cells` gathered, then turned into columns): every device
         # now [D], each candidate now [M] and after its step [M], the home after each prefix
@@ -132,33 +140,38 @@ class _Prefixes:
         rows_of = np.take(state.cells.reshape(-1, LS.CELLS), idx, axis=0)
         side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
         cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
-        # The home after each step: tokens received, Trans sent per level, tokens it computes.
-        per_step = np.zeros((B, 7, M))
+        # The home after each step: tokens received per level, tokens it computes, and the
+        # broadcast's one copy sent over the farthest level reached so far.
+        per_step = np.zeros((B, 4, M))
         per_step[rows, lv, steps] = -tok
-        per_step[rows, 3 + lv, steps] = W_e
-        per_step[:, 6] = tok
-        after = np.cumsum(per_step, axis=2)  # [B, 7, M]
+        per_step[:, 3] = tok
+        after = np.cumsum(per_step, axis=2)  # [B, 4, M]
+        farthest = np.maximum.accumulate(np.where(valid, lv, -1), axis=1)  # [B, M]
         if not all_cuts:
-            after = np.take_along_axis(after, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
-        left = r_home[:, None] - after[:, 6]  # tokens the home computes
+            at_cut = np.maximum(cuts - 1, 0)
+            after = np.take_along_axis(after, at_cut[:, None, :], axis=2)
+            farthest = np.take_along_axis(farthest, at_cut, axis=1)
+        left = r_home[:, None] - after[:, 3]  # tokens the home computes
         seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
         home_side[:, LS.TOK_RECV : LS.TOK_RECV + 3 * step : step] += after[:, :3]
-        home_side[:, LS.PAR_SEND : LS.PAR_SEND + 3 * step : step] += after[:, 3:6]
+        for v in range(3):
+            home_side[:, LS.PAR_SEND + step * v] += np.where(farthest == v, W_e, 0.0)
         home_side[:, LS.COMP] += seconds[:, M : M + C]
         home_side[:, LS.COMP] -= seconds[:, M + C :]
-        # Each candidate after its own step.
+        # Each candidate after its own step: its tokens stay, the copy arrives over its hop.
         cand_side[:, LS.COMP] += seconds[:, :M]
         at = LS.TOK_SEND + step * lv
         cand_side[rows, at, steps] -= tok
-        cand_side[rows, at + (LS.PAR_RECV - LS.TOK_SEND), steps] += W_e
+        cand_side[rows, LS.PAR_RECV + step * hop, steps] += W_e
 
-        # Per-device (compute, all-to-all, Trans) seconds of all columns in one pass.
-        terms = state.packed_terms(side)  # [B, 3, D + 2 M + C]
+        # Per-device terms (compute, own links, latencies) of all columns in one pass.
+        terms = state.packed_terms(side)  # [B, TERMS, D + 2 M + C]
         now = terms[:, :, :D]
         others = ~ok  # neither a candidate (the senders in `ok`) nor the home
         others[rows[:, 0], home] = False
+        T = LS.TERMS
         # From each step on: the candidates not yet changed, then every other device.
-        rest = np.full((B, 3, M + 1), -np.inf)
+        rest = np.full((B, T, M + 1), -np.inf)
         np.copyto(rest[:, :, :M], terms[:, :, D : D + M], where=valid[:, None, :])
         rest[:, :, M] = np.where(others[:, None, :], now, -np.inf).max(axis=2)
         rest = np.maximum.accumulate(rest[:, :, ::-1], axis=2)[:, :, ::-1]
@@ -168,11 +181,93 @@ class _Prefixes:
         else:
             changed = np.take_along_axis(changed, np.maximum(cuts - 1, 0)[:, None, :], axis=2)
             unchanged = np.take_along_axis(rest, cuts[:, None, :], axis=2)
-        slowest = np.maximum(np.maximum(terms[:, :, D + 2 * M :], changed), unchanged)  # [B, 3, C]
-        times = state.layer_s_from_max(slowest[:, 0], slowest[:, 1], slowest[:, 2])
+        slowest = np.maximum(np.maximum(terms[:, :, D + 2 * M :], changed), unchanged)  # [B, T, C]
+        groups = _shared_link_s(state, side, home, cands, valid, cuts, all_cuts)  # [B, 2, C]
+        times = state.layer_s_from_parts(slowest.swapaxes(1, 2), groups.swapaxes(1, 2))
         self.cuts = cuts
         self.times = np.where(cuts > 0, times, np.inf)
         self.cands, self.side = cands, side
+
+
+def _broadcast_hops(
+    cluster: Cluster, cands: np.ndarray, lv: np.ndarray, valid: np.ndarray
+) -> np.ndarray:
+    """`[B, M]` the level over which candidate `cands[b, k]` receives the broadcast copy once
+    the first k + 1 candidates hold it (`traffic.replica_traffic`): 2 for the first of its
+    domain (outside the home's), 1 for the first of its node (outside the home's), else 0.
+    "First" is in the search's order (heaviest sender first), where the cost model takes the
+    lowest device of the node: the same bytes on every shared link, the level-0 and level-1
+    bytes of two devices of one node possibly swapped (the plan is priced by the model)."""
+    B, M = cands.shape
+    first = {}
+    for size, name in ((cluster.devices_per_node, "node"), (cluster.devices_per_domain, "dom")):
+        key = np.where(valid, (np.arange(B)[:, None] * cluster.num_devices + cands) // size, -1)
+        flat = key.ravel()
+        mark = np.zeros(flat.size, dtype=bool)
+        _, at = np.unique(flat, return_index=True)
+        mark[at] = True
+        first[name] = mark.reshape(B, M) & valid
+    return np.where(
+        lv == 2,
+        np.where(first["dom"], 2, np.where(first["node"], 1, 0)),
+        np.where((lv == 1) & first["node"], 1, 0),
+    )
+
+
+def _shared_link_s(
+    state: LayerState,
+    side: np.ndarray,
+    home: np.ndarray,
+    cands: np.ndarray,
+    valid: np.ndarray,
+    cuts: np.ndarray,
+    all_cuts: bool,
+) -> np.ndarray:
+    """`[B, 2, C]` seconds of the busiest shared link (all-to-all, Trans) after each priced
+    prefix, exactly: each link's load is the sum over the devices behind it, so per shared
+    level the loads of every link now, plus the changes of the candidates in the prefix (at
+    their links) and of the home (at its link), maxed over the links (`network.group_seconds`).
+    O(B G C) per shared level with G its links. `side`: `_Prefixes`' columns."""
+    B, _, X = side.shape
+    M, C = cands.shape[1], cuts.shape[1]
+    D = X - 2 * M - C
+    out = np.zeros((B, 2, C))
+    if not state.shared:
+        return out
+    links = state.cost.cluster.links()
+    inputs = state.group_inputs(side)  # [B, S, 4, X]
+    rows = np.arange(B)[:, None]
+    # The priced prefix (index into cuts) from which each candidate counts.
+    if all_cuts:
+        seg = np.broadcast_to(np.arange(M), (B, M))
+    else:
+        seg = np.stack(
+            [
+                np.searchsorted(np.where(c > 0, c, np.iinfo(np.int64).max), np.arange(1, M + 1))
+                for c in cuts
+            ]
+        )
+    for s, (v, size) in enumerate(state.shared):
+        G = D // size
+        x = inputs[:, s]  # [B, 4, X]
+        base = x[:, :, :D].reshape(B, 4, G, size).sum(axis=3)  # [B, 4, G]
+        delta = x[:, :, D + M : D + 2 * M] - x[:, :, D : D + M]  # [B, 4, M]
+        keep = valid & (seg < C)
+        b_i, k_i = np.nonzero(keep)
+        g_i = cands[b_i, k_i] // size
+        flat = ((b_i[:, None] * 4 + np.arange(4)) * G + g_i[:, None]) * C + seg[b_i, k_i][:, None]
+        acc = np.bincount(
+            flat.ravel(), weights=delta[b_i, :, k_i].ravel(), minlength=B * 4 * G * C
+        ).reshape(B, 4, G, C)
+        load = np.cumsum(acc, axis=3)
+        load += base[..., None]
+        hg = home // size
+        load[rows[:, 0], :, hg] += x[:, :, D + 2 * M :] - x[rows[:, 0], :, home][:, :, None]
+        busiest = load.max(axis=2)  # [B, 4, C]
+        busy = np.where(busiest >= MIN_TRAFFIC_BYTES, busiest, 0.0) / links[v].bw_Bps
+        np.maximum(out[:, 0], np.maximum(busy[:, 0], busy[:, 1]), out=out[:, 0])
+        np.maximum(out[:, 1], np.maximum(busy[:, 2], busy[:, 3]), out=out[:, 1])
+    return out
 
 
 def search_layers(
@@ -265,6 +360,6 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "schedule": cost.schedule.name,
     }
     assignment = Assignment.to_home(placement)
-    # The search priced each device alone with direct-send Trans (`LayerState`, an upper bound
-    # on shared links); the plan is priced by the cost model itself.
+    # The search priced each prefix as the cost model does, up to the device a broadcast enters
+    # a node by (`_broadcast_hops`); the plan is priced by the cost model itself.
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
