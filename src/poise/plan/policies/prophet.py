@@ -50,7 +50,13 @@ from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, pref
 from poise.cost.model import CostModel
 from poise.cost.network import MIN_TRAFFIC_BYTES
 from poise.cost.schedule import Schedule
-from poise.plan.policies.base import PlanContext, finish_plan, register, start_homes
+from poise.plan.policies.base import (
+    PlanContext,
+    finish_plan,
+    register,
+    start_homes,
+    static_placement,
+)
 
 NAME = "prophet"
 
@@ -345,9 +351,26 @@ def search_layers(
 
 @register(NAME, builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
-    """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement."""
-    L, D, _ = loads.shape
+    """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement.
+
+    More devices than experts (E < D; Pro-Prophet has one expert per GPU): the plan keeps the
+    static placement's expert-data-parallel copies and its even split over them, and no
+    lightweight replicas are searched (the search prices replicas against a single home), so
+    the plan is static's."""
+    L, D, E = loads.shape
     cost = prophet_cost(ctx)
+    if E < D:
+        static = static_placement(L, E, D, ctx.slots_per_device)
+        even = Assignment.even(static)
+        static_s = cost.price(static, even, loads).layer_s.tolist()
+        notes_edp: dict[str, Any] = {
+            "replicated": [[] for _ in range(L)],
+            "replica_devices": [[] for _ in range(L)],
+            "prophet_layer_s": [[t, t] for t in static_s],
+            "schedule": cost.schedule.name,
+            "edp_copies": True,
+        }
+        return finish_plan(NAME, static, even, loads, previous, ctx, notes_edp)
     placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     state = LayerState.for_homes(cost, placement.home, loads)
     replicated, replica_devices, layer_s = search_layers(

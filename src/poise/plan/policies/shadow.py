@@ -33,6 +33,14 @@ The placement keeps the homes in force (the static placement at the start) and d
 replicas; `Assignment.to_home` routes the rest (a shadowed expert is held everywhere, so every
 source is local). `plan.notes["shadowed"][l]` lists the shadowed experts of layer l in the order
 they were chosen; `notes["fastermoe_lat_s"][l]` is (lat_0, lat_k*) of the model above.
+
+More devices than experts (E < D; FasterMoE has no such case): the walk starts from the static
+placement, whose expert-data-parallel copies (device d holds expert floor(d E / D)) already
+split each expert's remote tokens evenly (`Assignment.even`). C_k and B_k are those of that
+split: a holder computes its own tokens and its share of the remote ones. A shadow goes to the
+devices without a copy (one slot on each), the copies stay, and the experts not shadowed keep
+the even split; with one slot per device (the least E < D needs) nothing fits and the plan is
+static's. `notes["edp_copies"]` is True.
 """
 
 from __future__ import annotations
@@ -42,8 +50,15 @@ from typing import Any
 import numpy as np
 
 from poise.core.cluster import Cluster
+from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement, Plan
-from poise.plan.policies.base import PlanContext, finish_plan, register, start_homes
+from poise.plan.policies.base import (
+    PlanContext,
+    finish_plan,
+    register,
+    start_homes,
+    static_placement,
+)
 
 NAME = "shadow"
 
@@ -111,7 +126,11 @@ class _Walk:
         self.recv0 = np.bincount(flat, weights=remote_total.ravel(), minlength=L * D).reshape(L, D)
         self.send0 = self.away.sum(axis=2)
         self.home, self.remote_total = home, remote_total
-        # Running sums after the steps done so far: compute, sent, received, slots used.
+        self._start(L, D)
+
+    def _start(self, L: int, D: int) -> None:
+        """Running sums after the steps done so far (none): compute, sent, received, slots
+        used, each `[L, 1, D]`."""
         self.done = 0
         self.d_comp = np.zeros((L, 1, D))
         self.d_send = np.zeros((L, 1, D))
@@ -124,6 +143,20 @@ class _Walk:
         crossing = np.maximum(self.send0[:, None, :] - d_send, self.recv0[:, None, :] - d_recv)
         return (self.t_comp * comp + self.t_feat * np.maximum(crossing, 0.0)).max(axis=2)
 
+    def _columns(
+        self, layer: np.ndarray, idx: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The steps' experts `idx[L, n]` (`layer[L, 1]`), each `[L, n, D]`: the tokens each
+        device sends away for it (`a`), the remote tokens each device receives for it (`hit`:
+        only its home), and the devices a shadow of it takes a slot on (all but its home)."""
+        L, D, _ = self.away.shape
+        n = idx.shape[1]
+        home_o = self.home[layer, idx]  # the steps' experts: homes, remote tokens, [L, n]
+        a = self.away[layer[:, :, None], np.arange(D), idx[:, :, None]]  # [L, n, D]
+        hit = np.zeros((L, n, D))
+        hit[layer, np.arange(n)[None, :], home_o] = self.remote_total[layer, idx]
+        return a, hit, home_o[:, :, None] != np.arange(D)[None, None, :]
+
     def first(self) -> tuple[np.ndarray, np.ndarray]:
         """`(lat[L, 1], fits[L, 1])` of row 0 (nothing shadowed)."""
         lat = self._lat(self.d_comp, self.d_send, self.d_recv) + self.t_shadow * np.arange(1)
@@ -133,25 +166,63 @@ class _Walk:
         """`(lat[L, n + 1], fits[L, n + 1])` for rows done..done + n (row r: the first r experts
         shadowed; lat[k] includes k t_shadow) and advance by n steps."""
         r0, r1 = self.done, self.done + n
-        L, D, _ = self.away.shape
-        layer, idx = np.arange(L)[:, None], self.order[:, r0:r1]
-        home_o = self.home[layer, idx]  # the steps' experts: homes, remote tokens, [L, n]
-        a = self.away[layer[:, :, None], np.arange(D), idx[:, :, None]]  # [L, n, D]
-        hit = np.zeros((L, n, D))
-        hit[layer, np.arange(n)[None, :], home_o] = self.remote_total[layer, idx]
-        # Step k: every device computes its own tokens; the home stops receiving.
+        L = self.away.shape[0]
+        a, hit, away = self._columns(np.arange(L)[:, None], self.order[:, r0:r1])
+        # Step k: every device computes its own tokens; the holders stop receiving.
         d_comp = np.cumsum(np.concatenate([self.d_comp, a - hit], axis=1), axis=1)
         d_send = np.cumsum(np.concatenate([self.d_send, a], axis=1), axis=1)
         d_recv = np.cumsum(np.concatenate([self.d_recv, hit], axis=1), axis=1)
         lat = self._lat(d_comp, d_send, d_recv) + self.t_shadow * np.arange(r0, r1 + 1)
-        # Slots: shadowing order[k] takes a slot on every device but its home.
-        away = home_o[:, :, None] != np.arange(D)[None, None, :]
+        # Slots: shadowing order[k] takes a slot on every device that does not hold it.
         used = np.cumsum(np.concatenate([self.used, away], axis=1), axis=1)
         fits = (used <= self.free[:, None, :]).all(axis=2)
         self.done = r1
         self.d_comp, self.d_send = d_comp[:, -1:], d_send[:, -1:]
         self.d_recv, self.used = d_recv[:, -1:], used[:, -1:]
         return lat, fits
+
+
+class _CopiesWalk(_Walk):
+    """FasterMoE's walk from a placement with several holders per expert (static's
+    expert-data-parallel copies, more devices than experts) and an ungrouped `assignment` over
+    them. A holder keeps its own tokens and receives `weights[l, e, d]` of the tokens of the
+    sources without a copy; shadowing e gives every device a copy: each computes its own
+    tokens, the holders stop receiving, and a slot is taken on each device that had none."""
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        placement: Placement,
+        assignment: Assignment,
+        free: np.ndarray,
+        t_comp: float,
+        t_feat: float,
+        t_shadow: float,
+    ) -> None:
+        if assignment.grouped:
+            raise PlanError("the shadow walk takes an ungrouped assignment", field="assignment")
+        L, D, _ = counts.shape
+        self.t_comp, self.t_feat, self.t_shadow = t_comp, t_feat, t_shadow
+        self.free = free
+        self.order = np.argsort(-counts.sum(axis=1), axis=1, kind="stable")
+        self.held = placement.holders()  # [L, D, E]
+        own = np.where(self.held, np.asarray(counts, dtype=np.float64), 0.0)
+        self.away = np.where(self.held, 0.0, np.asarray(counts, dtype=np.float64))
+        # Remote tokens each holder receives per expert, [L, D, E].
+        self.recv = (assignment.weights * self.away.sum(axis=1)[:, :, None]).transpose(0, 2, 1)
+        self.homed = (own + self.recv).sum(axis=2)  # tokens each device computes
+        self.recv0 = self.recv.sum(axis=2)
+        self.send0 = self.away.sum(axis=2)
+        self._start(L, D)
+
+    def _columns(
+        self, layer: np.ndarray, idx: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As `_Walk._columns`: the remote tokens go to every holder by the assignment, and a
+        shadow takes a slot on every device without a copy."""
+        D = self.away.shape[1]
+        at = (layer[:, :, None], np.arange(D), idx[:, :, None])  # -> [L, n, D]
+        return self.away[at], self.recv[at], ~self.held[at]
 
 
 def first_non_improvement(lat: np.ndarray) -> int:
@@ -174,8 +245,30 @@ def shadow_layers(
     (`shadow_latencies` then `first_non_improvement`). The walk stops at the first step that
     does not help, so the rows are computed a chunk at a time (4, 16, 64, ... steps) until
     every layer has stopped."""
-    L, _, E = counts.shape
-    walk = _Walk(counts, home, free, t_comp, t_feat, t_shadow)
+    return _walk_layers(_Walk(counts, home, free, t_comp, t_feat, t_shadow))
+
+
+def shadow_layers_on_copies(
+    counts: np.ndarray,
+    placement: Placement,
+    assignment: Assignment,
+    t_comp: float,
+    t_feat: float,
+    t_shadow: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`shadow_layers` from a placement whose experts may have several holders (static's
+    expert-data-parallel copies) and an ungrouped `assignment` over them: `counts[L, D, E]` ->
+    `(order[L, E], k[L], lat_0[L], lat_k[L])`. A shadow takes a slot on every device without a
+    copy of its expert; the free slots are what `placement` leaves."""
+    free = placement.slots_per_device - placement.slots_used()
+    walk = _CopiesWalk(counts, placement, assignment, free, t_comp, t_feat, t_shadow)
+    return _walk_layers(walk)
+
+
+def _walk_layers(walk: _Walk) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`shadow_layers`' walk on a built `_Walk` (its free slots `walk.free[L, D]`)."""
+    L, _, E = walk.away.shape
+    free = walk.free
     if not (free >= 0).all() or E == 0:  # (row 0, nothing shadowed, fits where free >= 0)
         lat0, fits0 = walk.first()
         if fits0.all():  # no expert
@@ -215,15 +308,17 @@ def shadow_layers(
 @register(NAME, builds_on="homes")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with the FasterMoE shadow set per layer."""
-    L, D, _ = loads.shape
+    L, D, E = loads.shape
     cluster, spec = ctx.cluster, ctx.spec
-    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     w_net = network_bw(cluster)
     factor = ctx.option(NAME, "shadow_cost_factor", None)
     factor = 1.0 + 2.0 * (D - 1) / D if factor is None else float(factor)
     t_comp = 3.0 * spec.flops_per_token_fwd / cluster.gemm_flops(spec.gemm_dtype)
     t_feat = 4.0 * spec.token_bytes / w_net
     t_shadow = spec.expert_bytes / w_net * factor
+    if E < D:
+        return _plan_on_edp_copies(loads, previous, ctx, (t_comp, t_feat, t_shadow), w_net)
+    placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     if D == 1:
         shadowed: list[list[int]] = [[] for _ in range(L)]
         lats: list[list[float]] = [[0.0, 0.0] for _ in range(L)]
@@ -241,3 +336,35 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         lats = np.stack([lat0, lat_k], axis=1).tolist()
     notes: dict[str, Any] = {"shadowed": shadowed, "fastermoe_lat_s": lats, "w_net_Bps": w_net}
     return finish_plan(NAME, placement, Assignment.to_home(placement), loads, previous, ctx, notes)
+
+
+def _plan_on_edp_copies(
+    loads: np.ndarray,
+    previous: Plan | None,
+    ctx: PlanContext,
+    times: tuple[float, float, float],
+    w_net: float,
+) -> Plan:
+    """More devices than experts: FasterMoE's walk from the static placement and its even split
+    over the expert-data-parallel copies; each shadow goes to the devices without a copy.
+    `times`: (t_comp, t_feat, t_shadow) of the module docstring."""
+    L, D, E = loads.shape
+    placement = static_placement(L, E, D, ctx.slots_per_device)
+    order, k, lat0, lat_k = shadow_layers_on_copies(
+        loads, placement, Assignment.even(placement), *times
+    )
+    take = np.arange(E)[None, :] < k[:, None]  # [L, E]
+    layer, rank = np.nonzero(take)
+    placement.copies[layer, :, order[layer, rank]] = np.maximum(
+        placement.copies[layer, :, order[layer, rank]], 1
+    )
+    order_list = order.tolist()
+    notes: dict[str, Any] = {
+        "shadowed": [order_list[layer][:n] for layer, n in enumerate(k.tolist())],
+        "fastermoe_lat_s": np.stack([lat0, lat_k], axis=1).tolist(),
+        "w_net_Bps": w_net,
+        "edp_copies": True,
+    }
+    # A shadowed expert is held everywhere; the others keep static's even split.
+    assignment = Assignment.even(placement)
+    return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)
