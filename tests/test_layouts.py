@@ -121,7 +121,7 @@ def test_sub_cluster_nesting() -> None:
 # ------------------------------------------------------------------------------- pricing
 def test_pure_ep_price_is_the_cost_models_static_plan() -> None:
     """With one EP group and no pipeline, a layout costs exactly the cost model's static plan
-    plus the dense all-reduce."""
+    plus the dense all-reduce and the simulator's other work outside the layers (T_out)."""
     cluster = toy_cluster(devices_per_node=4, bw=2e9, lat=1e-6)
     spec = toy_spec(experts=8, layers=2, d_model=16, d_expert=32, tokens=64, non_moe=100.0)
     rng = np.random.default_rng(1)
@@ -137,8 +137,11 @@ def test_pure_ep_price_is_the_cost_models_static_plan() -> None:
     ring = 2 * 3 / 4 * 400 / 2e9 + 2 * 3 * 1e-6
     tree = 2 * 400 / 2e9 + 2 * 2 * 1e-6
     assert tree < ring and t_dp == pytest.approx(tree)
-    np.testing.assert_allclose(got.steps_s, np.array(want) + t_dp, rtol=1e-12)
-    assert got.step_s == pytest.approx(np.mean(want) + t_dp)
+    # T_out: the counts' gather (2 x 8 int64) and the clip's scalar, tree all-reduces on the
+    # toy cluster (no measured host costs: no per-parameter clip or optimizer time).
+    assert got.outside_s == pytest.approx(2 * 128 / 2e9 + 2 * 2 * 1e-6 + 2 * 8 / 2e9 + 2 * 2e-6)
+    np.testing.assert_allclose(got.steps_s, np.array(want) + t_dp + got.outside_s, rtol=1e-12)
+    assert got.step_s == pytest.approx(np.mean(want) + t_dp + got.outside_s)
     assert got.edp_allreduce_s == 0 and got.bubble_s == 0 and got.p2p_s == 0
 
 
@@ -176,7 +179,7 @@ def test_edp_allreduce_and_pipeline_by_hand() -> None:
     settings = LayoutSettings(micro_batches=4)
     cost = price_layout(piped, cluster, spec, loads, settings)
     # m = 4, pp = 2: the slowest stage's time times (4 + 1) / 4; the bubble is a quarter of it.
-    stage = (cost.steps_s[0] - cost.p2p_s - cost.edp_allreduce_s) / 1.25
+    stage = (cost.steps_s[0] - cost.p2p_s - cost.edp_allreduce_s - cost.outside_s) / 1.25
     assert cost.bubble_s == pytest.approx(stage / 4)
     # Activations of 40 * 2 / 4 = 20 tokens of 32 bytes per hop, 2 * (pp - 1) hops.
     assert cost.p2p_s == pytest.approx(2 * (20 * 32 / 1e9 + 2e-6))
@@ -330,3 +333,31 @@ def test_smartmoe_sample_on_its_cluster(smartmoe_dir) -> None:
     assert pure.step_s < pure.static_s  # the online permute helps inside pure EP
     steps = [c.step_s for c in search.ranked]
     assert steps == sorted(steps)
+
+
+def test_pure_ep_price_is_the_simulators_static_step() -> None:
+    """The pool's pricer and the simulator charge the same work: a layout with no pipeline and
+    one EP group costs, step by step, what `simulate` charges the `static` policy with the
+    model's dense parameters' all-reduce and the other work outside the layers."""
+    from poise.sim.simulator import simulate
+
+    cluster = toy_cluster(devices_per_node=4, nodes=2, bw=4e9, inter_bw=1e9, lat=1e-6)
+    spec = toy_spec(experts=8, layers=2, d_model=16, d_expert=32, tokens=64, non_moe=100.0)
+    loads = np.random.default_rng(3).integers(0, 16, size=(4, 2, 8, 8))
+    got = price_layout(Layout(devices=8, experts=8, layers=2, ep=8), cluster, spec, loads)
+    run = simulate(loads, cluster, spec, ["static"], "sync", 100, dense_params=spec.dense_params)
+    priced = run.runs["static"].step_s - run.runs["static"].plan_s
+    np.testing.assert_allclose(got.steps_s, priced, rtol=1e-12)
+
+
+def test_micro_batches_follow_a_fixed_global_batch() -> None:
+    """Megatron-LM's m = gbs / (mbs dp): with 4,096 tokens per device and micro-batches of
+    1,024 tokens, pp = 1 runs 4 micro-batches (gradient accumulation) and pp = 4 runs 16 (each
+    stage device sees 4 x 4,096 tokens)."""
+    spec = toy_spec(experts=8, layers=4, tokens=4096)
+    s = LayoutSettings(micro_batch_tokens=1024)
+    assert s.micro_batches_for(Layout(16, 8, 4, pp=1, ep=8), spec) == 4
+    assert s.micro_batches_for(Layout(16, 8, 4, pp=4, ep=2), spec) == 16
+    assert LayoutSettings().micro_batches_for(Layout(16, 8, 4, pp=4, ep=2), spec) == 4
+    with pytest.raises(ConfigError, match="micro_batch_tokens"):
+        LayoutSettings(micro_batch_tokens=0)

@@ -244,11 +244,15 @@ class LayoutSettings:
     """How layouts are searched and priced.
 
     `pool`: layouts kept (SmartMoE's candidate pool); `micro_batches`: m of the pipeline
-    formula (the SmartMoE-AE sample records 4 per step); `max_steps`: at most this many trace
-    steps, evenly spaced, are priced; `online`: price each layout with its `permute` placement
-    for the mean loads (False: the static contiguous placement); `max_pp`: largest pipeline
-    degree tried (None: every divisor); `schedule`: how a layer's phases overlap;
-    `window`: steps of history `permute` averages online."""
+    formula (the SmartMoE-AE sample records 4 per step); `micro_batch_tokens`: when given, m
+    follows each layout instead, as Megatron-LM derives it from a fixed global batch (gbs) and
+    micro-batch size (mbs, sequences of s tokens): m = gbs / (mbs Ds) = ceil(T_stage / b), with
+    T_stage = pp x tokens per device the tokens of one stage device and b = mbs s
+    (`micro_batches_for`); `max_steps`: at most this many trace steps, evenly spaced, are
+    priced; `online`: price each layout with its `permute` placement for the mean loads (False:
+    the static contiguous placement); `max_pp`: largest pipeline degree tried (None: every
+    divisor); `schedule`: how a layer's phases overlap; `window`: steps of history `permute`
+    averages online."""
 
     pool: int = 4
     micro_batches: int = 4
@@ -257,14 +261,27 @@ class LayoutSettings:
     max_pp: int | None = None
     schedule: Schedule = field(default_factory=Schedule)
     window: int = 10
+    micro_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pool", "micro_batches", "max_steps", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"must be an integer >= 1, got {value!r}", field=name)
-        if self.max_pp is not None and (not isinstance(self.max_pp, int) or self.max_pp < 1):
-            raise ConfigError(f"must be an integer >= 1, got {self.max_pp!r}", field="max_pp")
+        for name in ("max_pp", "micro_batch_tokens"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigError(f"must be an integer >= 1, got {value!r}", field=name)
+
+    def micro_batches_for(self, layout: Layout, spec: ModelSpec) -> int:
+        """m for `layout`: `micro_batches`, or ceil(pp x tokens per device / micro_batch_tokens)
+        when `micro_batch_tokens` is set (class docstring)."""
+        if self.micro_batch_tokens is None:
+            return self.micro_batches
+        stage_tokens = layout.pp * spec.tokens_per_device
+        return max(1, -(-stage_tokens // self.micro_batch_tokens))
 
 
 # ------------------------------------------------------------------------- enumeration

@@ -26,8 +26,19 @@ Costs of one training step (seconds; `price_layout`):
   multiply-add): hierarchical all-reduces, each level the faster of a ring,
   2 (n - 1) / n * V / bw + 2 (n - 1) lat, and a binary tree, 2 V / bw + 2 ceil(log2 n) lat
   (`poise.cost.collectives`, with sources). Both are charged in full (not hidden under
-  backward):
-      T_step = T_pipe + T_p2p + T_edp + T_dp
+  backward).
+- The rest of the step's work outside the layers, as the simulator charges it
+  (`poise.cost.step_overheads`: the routing counts' gather, the global gradient norm with
+  clipping and the optimizer step), for the P = (L / pp) ((E / ep) P_e + P_d) parameters a
+  device of the layout holds; its dense all-reduce is T_dp + T_edp above:
+      T_out = T_counts + T_clip + T_opt
+      T_step = T_pipe + T_p2p + T_edp + T_dp + T_out
+  So a layout without a pipeline or EDP copies (pp = 1, ep = D) prices as `simulate` prices the
+  `static` policy with the model's dense parameters charged (`dense_params`) under the same
+  schedule, step by step (tests/test_layouts.py checks it; with measured host costs the
+  simulator's P also counts its spare slot per device); a pipeline adds its bubble and p2p.
+- m, the micro-batches per step: `LayoutSettings.micro_batches`, or per layout from a fixed
+  global batch (`LayoutSettings.micro_batch_tokens`, Megatron-LM's gbs / (mbs dp)).
 
 The ranking key is the mean of T_step over the trace's steps (the expectation of the step time
 under the load distribution, not the step time of the mean load: the slowest device's max is
@@ -57,6 +68,7 @@ from poise.cost.model import CostModel
 from poise.cost.network import fair_share_links
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
+from poise.cost.step_overheads import StepWork, step_overheads
 from poise.layouts.pool import (
     Layout,
     LayoutSettings,
@@ -91,6 +103,8 @@ class LayoutCost:
     memory_bytes: float
     homes: np.ndarray = field(repr=False)  # [L, E] group-local homes the price assumes
     steps_s: np.ndarray = field(repr=False)
+    outside_s: float = 0.0  # T_out: counts gather, clipping, optimizer (module docstring)
+    micro_batches: int = 1  # m the pipeline term used
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +120,8 @@ class LayoutCost:
             "p2p_s": self.p2p_s,
             "edp_allreduce_s": self.edp_allreduce_s,
             "dp_allreduce_s": self.dp_allreduce_s,
+            "outside_s": self.outside_s,
+            "micro_batches": self.micro_batches,
             "memory_bytes": self.memory_bytes,
             "homes": self.homes.tolist(),
         }
@@ -133,6 +149,18 @@ def allreduce_times(layout: Layout, cluster: Cluster, spec: ModelSpec) -> tuple[
         nbytes = Ls * spec.dense_params_per_block * spec.dtype_bytes
         t_dp = hierarchical_allreduce_s(cluster, np.arange(Ds), nbytes)
     return t_edp, t_dp
+
+
+def outside_time(layout: Layout, cluster: Cluster, spec: ModelSpec) -> float:
+    """T_out (module docstring): `step_overheads` without its dense all-reduce (the layout's
+    own T_dp and T_edp replace it), for the (L / pp) ((E / ep) P_e + P_d) parameters one device
+    of `layout` holds and the L E routing counts of a step."""
+    params = layout.layers_per_stage * (
+        layout.experts_per_device * spec.expert_params + spec.dense_params_per_block
+    )
+    work = StepWork(0, int(params), float(spec.dtype_bytes), 8.0 * layout.layers * spec.experts)
+    terms = step_overheads(cluster, work)
+    return float(sum(v for k, v in terms.items() if k != "grad_allreduce_s"))
 
 
 def p2p_time(layout: Layout, cluster: Cluster, spec: ModelSpec, micro_batches: int) -> float:
@@ -223,7 +251,8 @@ def price_layout(
         raise ConfigError(problem, source=layout.name, field="layout")
     loads = _check_loads(loads, layout)
     S, L, _, E = loads.shape
-    pp, Ds, Ls, m = layout.pp, layout.stage_devices, layout.layers_per_stage, settings.micro_batches
+    pp, Ds, Ls = layout.pp, layout.stage_devices, layout.layers_per_stage
+    m = settings.micro_batches_for(layout, spec)
     homes = layout.static_homes() if homes is None else np.asarray(homes, dtype=np.int64)
     if homes.shape != (L, E):
         raise PlanError(f"homes must be [{L}, {E}], got {homes.shape}", field="homes")
@@ -239,7 +268,8 @@ def price_layout(
     pipe = worst_stage * (m + pp - 1) / m if pp > 1 else worst_stage
     p2p = p2p_time(layout, cluster, spec, m)
     t_edp, t_dp = allreduce_times(layout, cluster, spec)
-    steps = pipe + p2p + t_edp + t_dp
+    t_out = outside_time(layout, cluster, spec)
+    steps = pipe + p2p + t_edp + t_dp + t_out
 
     def phase_mean(*arrays: np.ndarray, scale: float = 1.0) -> float:
         total = sum(a.reshape(S, pp, Ls).sum(axis=2) for a in arrays)
@@ -261,6 +291,8 @@ def price_layout(
         memory_bytes=memory_bytes(layout, spec),
         homes=homes,
         steps_s=steps,
+        outside_s=t_out,
+        micro_batches=m,
     )
 
 
@@ -368,6 +400,7 @@ class LayoutSearch:
             "settings": {
                 "pool": s.pool,
                 "micro_batches": s.micro_batches,
+                "micro_batch_tokens": s.micro_batch_tokens,
                 "max_steps": s.max_steps,
                 "online": s.online,
                 "max_pp": s.max_pp,
@@ -427,6 +460,7 @@ __all__ = [
     "allreduce_times",
     "expected_loads",
     "group_context",
+    "outside_time",
     "p2p_time",
     "permute_in_layout",
     "price_layout",

@@ -1,7 +1,8 @@
 """The published setups of the systems Poise compares with, replayed in the simulator.
 
 Modules: `core` (types, traces, the runner), `papers` (the six setups and their published
-figures), `report` (markdown and JSON).
+figures), `parm` and `smartmoe` (the scenarios that price their own rows: Parm's schedule grid,
+SmartMoE's layout pool against FasterMoE's EP), `report` (markdown and JSON).
 
 A `Scenario` is one paper's evaluation, reduced to what the simulator can model: a cluster
 preset, a model shape, a routing trace recipe, the schedules the systems ran with, the policies
@@ -13,7 +14,9 @@ Conventions (the same in every scenario, so the rows can be read together):
 - "speedup of X over Y" = mean step time of Y / mean step time of X (papers: time(Y) / time(X));
 - each system is a policy under the schedule it ships with: FastMoE and DeepSpeed-MoE =
   `static` + `sync`; Tutel = `static` + `pipelined(4)`; FasterMoE = `shadow` + `pipelined(4)`
-  (dynamic shadowing and smart scheduling both on, its default); SmartMoE = `permute` + `sync`;
+  (dynamic shadowing and smart scheduling both on, its default); SmartMoE = `permute` + `sync`
+  where it is a baseline on plain EP (HybridEP's Table V), and its offline pool's layout in its
+  own scenario (`smartmoe`);
   FlexMoE = `vexpert` + `sync`; Pro-Prophet = `prophet` + `prophet`; HybridEP = `hybrid` +
   `hybrid`;
 - every run of a scenario (one schedule) replays the *same* trace under every registered policy,
@@ -58,9 +61,9 @@ from poise.sim.scenarios.papers import (
     get_scenario,
     hybridep_spec,
     prophet_spec,
-    smartmoe_spec,
 )
 from poise.sim.scenarios.report import markdown_table, results_json
+from poise.sim.scenarios.smartmoe import smartmoe_spec
 
 __all__ = [
     "HYBRIDEP_PUBLISHED",

@@ -144,9 +144,10 @@ class Scenario:
     timed: str = "step"
     quick_cases: tuple[str, ...] = ()  # cases kept by --quick (empty: all)
     notes: tuple[str, ...] = ()
-    # A scenario that is not a trace replay (Parm's schedule grid) computes its own result:
-    # `runner(quick)` replaces the replay loop of `run_scenario`.
-    runner: Callable[[bool], ScenarioResult] | None = None
+    # A scenario that is not a plain trace replay (Parm's schedule grid, SmartMoE's layouts)
+    # computes its own result: `runner(quick, data)` replaces the replay loop of
+    # `run_scenario` (`data`: the folder holding `smartmoe-ae-sample/`, or None).
+    runner: Callable[[bool, Path | None], ScenarioResult] | None = None
 
     def __post_init__(self) -> None:
         if self.timed not in ("step", "moe"):
@@ -428,7 +429,7 @@ def run_scenario(
 ) -> ScenarioResult:
     """Replay every case of `scenario` under each of its runs and compute the figures."""
     if scenario.runner is not None:
-        return scenario.runner(quick)
+        return scenario.runner(quick, find_shared_data(data))
     started = time.perf_counter()
     data_dir = find_shared_data(data)
     cases = scenario.cases_for(quick)

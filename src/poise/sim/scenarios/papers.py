@@ -11,6 +11,7 @@ from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.sim.scenarios.core import MB, Case, Figure, Run, Scenario, TraceRecipe
 from poise.sim.scenarios.parm import parm_scenario
+from poise.sim.scenarios.smartmoe import smartmoe_scenario
 
 # --------------------------------------------------------------------------- the scenarios
 
@@ -231,60 +232,6 @@ def _pro_prophet() -> Scenario:
     )
 
 
-def smartmoe_spec(experts: int = 32) -> ModelSpec:
-    """SmartMoE-AE's inky model GPT-L16-H2560 (Megatron: FFN 4 h, fp16); the sample's experts
-    and top-2, and its 8,192 tokens per rank and step (inky's batch gives 16 x 1,024 per GPU)."""
-    return ModelSpec(
-        "smartmoe-gpt-l16-h2560",
-        d_model=2560,
-        d_expert=4 * 2560,
-        experts=experts,
-        top_k=2,
-        moe_layers=16,
-        dtype_bytes=2,
-        tokens_per_device=8192,
-        compute_dtype="fp16",
-    )
-
-
-def _smartmoe() -> Scenario:
-    src = "paper-figures.md §3: SmartMoE (ATC'23) abstract, §1 (headline maximum)"
-    recipe = TraceRecipe(kind="smartmoe", snapshots=(1001, 5001), hold=10)
-    cases = (
-        Case("16 GPUs", "v100-ib50", smartmoe_spec(), recipe),
-        Case("32 GPUs", "v100-ib50:4", smartmoe_spec(), recipe),
-    )
-    figures = tuple(
-        Figure(
-            "SmartMoE vs FasterMoE",
-            SMARTMOE,
-            (FASTERMOE,),
-            1.88,
-            "up to 1.88× (headline)",
-            src,
-            cases=(c.label,),
-        )
-        for c in cases
-    )
-    return Scenario(
-        name="smartmoe",
-        paper="SmartMoE (Zhai et al., USENIX ATC 2023)",
-        summary="GPT-L16-H2560 (16 MoE layers, fp16) on 16 and 32 V100 in nodes of 8 with one "
-        "50 Gb/s NIC per node (`v100-ib50`, `v100-ib50:4`; inky's hardware is not stated); the "
-        "shipped SmartMoE-AE routing sample (16 ranks, 32 experts, top-2), resampled to 32 "
-        "devices; FasterMoE = shadow + pipelined(4) (inky logs: shadowing and smart schedule on)",
-        cases=cases,
-        runs=(Run("sync", ("permute",)), Run("pipelined(4)", ("shadow",))),
-        figures=figures,
-        replan_every=5,
-        notes=(
-            "The sample's iteration 1 (an untrained, nearly uniform router) is not replayed; "
-            "iterations 1,001 and 5,001 are held 10 steps each, so the plan made at step 10 "
-            "from 1,001's loads is priced on 5,001's.",
-        ),
-    )
-
-
 def _flexmoe() -> Scenario:
     src = "paper-figures.md §4: FlexMoE (SIGMOD'23) abstract"
     models = [("GPT-MoE", 12, 1024), ("BERT-MoE", 24, 1024)]
@@ -488,7 +435,7 @@ def _registry() -> dict[str, Scenario]:
     for make in (
         _fastermoe,
         _pro_prophet,
-        _smartmoe,
+        smartmoe_scenario,
         _flexmoe,
         _hybridep,
         _cross_dc,

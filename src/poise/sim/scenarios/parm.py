@@ -12,6 +12,7 @@ model), since Poise's `auto` policy has no part in Parm's choice.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -57,8 +58,9 @@ def parm_scenario() -> Scenario:
     )
 
 
-def run_parm(quick: bool = False) -> ScenarioResult:
-    """Price the grid on both testbeds and build the rows (`quick`: the reduced grid)."""
+def run_parm(quick: bool = False, data: Path | None = None) -> ScenarioResult:
+    """Price the grid on both testbeds and build the rows (`quick`: the reduced grid; `data`,
+    the shared data folder, is not used: the grid needs no trace)."""
     started = time.perf_counter()
     scenario = parm_scenario()
     rows: list[Row] = []
