@@ -42,12 +42,14 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
         "FasterMoE runs shadowing with the pipelined schedule, whose overlap gains on its own"
     ),
     ("pro-prophet", "Pro-Prophet"): (
-        "Pro-Prophet plans every iteration, under the all-to-all, over the first 100 iterations "
-        "of real fp32 training (Table IV script: --train-iters 100) on nodes whose GPU pairs "
-        "share NVLink bridges; Poise re-plans every 10 steps on a drifting synthetic trace over "
-        "PCIe-only nodes, and `prophet`'s search prices each device at its fair share of the "
-        "shared NIC with direct-send Trans (`cost.incremental.LayerState`), a conservative view "
-        "under which it replicates less than the cost model would reward"
+        "Pro-Prophet's DeepSpeed-MoE settings are not published (§V-A); DeepSpeed-MoE without "
+        "token dropping pads every expert's buffer to the largest per-rank expert count in the "
+        "world (its top-k gating all-reduces the maximum of exp_counts), so under skew its "
+        "all-to-all and expert GEMMs carry padding, while Poise's DeepSpeed-MoE is static "
+        "dropless EP without padding, a faster baseline; the paper also plans every iteration "
+        "under the all-to-all over the first 100 iterations of real fp32 training (Table IV "
+        "script: --train-iters 100) on nodes whose GPU pairs share NVLink bridges, where Poise "
+        "re-plans every 10 steps on a drifting synthetic trace over PCIe-only nodes"
     ),
     ("smartmoe", "SmartMoE"): (
         "Poise's offline pool picks 16-stage pipelines without expert parallelism (one MoE "
@@ -71,11 +73,11 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
         "improving its placement"
     ),
     ("hybridep", "HybridEP"): (
-        "HybridEP's measured iterations include the dense layers' data-parallel all-reduce over "
-        "10 Gb/s and framework time that neither system changes (at 6 MB HybridEP is 1.03x of "
-        "Tutel, 2.48 s against 2.52 s), and its all-gather gives every GPU of a domain the "
-        "expert; Poise's scenario prices MoE layers and dense GEMMs only, with one replica per "
-        "domain"
+        "HybridEP's measured iterations carry framework time that neither system changes (at "
+        "6 MB HybridEP is 1.03x of Tutel, 2.48 s against 2.52 s, far above the MoE layers' "
+        "traffic), and its all-gather gives every GPU of a domain the expert; Poise's scenario "
+        "prices the MoE layers, the dense GEMMs and the dense gradients' all-reduce over the "
+        "10 Gb/s links, with one replica per domain, and adds no framework time it cannot source"
     ),
     ("parm", "Parm"): (
         "Parm's 1.13-5.77x pools 1,296 hand-configured layers on an 8-GPU server and a 32-GPU "
