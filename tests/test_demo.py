@@ -3,22 +3,29 @@ folders written in `poise train`'s format, and a bad output folder."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from poise.cli import main
 from poise.report.html import (
+    BREAKDOWN_GROUPS,
     LOSS_AGREEMENT_TOL,
     DemoData,
     MeasuredRun,
     SimSection,
+    breakdown_by_phase,
+    breakdown_table,
     write_demo_report,
 )
 from poise.trace.trace import Trace
+
+from .helpers import toy_cluster, toy_spec
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
@@ -105,7 +112,71 @@ def test_report_builder_on_run_folders(tmp_path) -> None:
     assert "Maximum loss difference: 3.000e-07 over 8 steps" in html
     assert "tiny &lt;b&gt;" in html  # escaped
     assert "dgx-h100:1 (simulated)" in html and "a note" in html
+    assert "step time by phase" in html and "dense all-reduce (ms)" in html
     assert not list(page.parent.glob(".*.tmp"))  # atomic write left no temporary file
+
+
+def _ms(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def test_demo_simulations_charge_the_dense_allreduce(tmp_path) -> None:
+    """The demo's simulated clusters (dgx-h100:8, cross-dc-1000) price whole steps as `poise
+    simulate` does: every step of every policy pays the all-reduce of the gradients of the
+    model's dense parameters (`ModelSpec.dense_params`) on the cluster's links, the note says
+    so, and the breakdown table shows it beside the other phases, adding up to the step time
+    (the demo's schedule is `sync`). A 2-step trace keeps this fast."""
+    from poise.commands.demo import CLUSTERS, simulate_clusters
+    from poise.cost.step_overheads import allreduce_seconds
+
+    run = _fake_run(tmp_path, "static", np.linspace(5.5, 3.0, 2), 0)
+    trace = Trace.load(run / "trace.npz")
+    sims = simulate_clusters(trace, 2, 2, Console(file=io.StringIO()))
+    assert [sec.key for sec in sims] == list(CLUSTERS)
+    for sec in sims:
+        res, spec = sec.result, sec.result.spec
+        assert spec.dense_params > 0
+        grad = allreduce_seconds(res.cluster, spec.dense_params * spec.dtype_bytes)
+        assert grad > 0
+        for name, r in res.runs.items():
+            np.testing.assert_allclose(r.outside_s["grad_allreduce_s"], grad, rtol=1e-12)
+            outside = sum(r.outside_s.values())
+            np.testing.assert_allclose(
+                r.step_s, r.layer_s.sum(axis=1) + outside + r.plan_s, rtol=1e-12, err_msg=name
+            )
+        assert f"{spec.dense_params:,} replicated (dense) parameters" in sec.note
+        columns, rows = breakdown_table(res)
+        assert len(rows) == len(res.runs) and "overlapped (ms)" not in columns
+        col = columns.index("dense all-reduce (ms)")
+        for row in rows:
+            assert _ms(row[col]) == pytest.approx(grad * 1e3, abs=0.005)
+            # rounded to 0.01 ms per cell
+            assert sum(_ms(c) for c in row[2:]) == pytest.approx(_ms(row[1]), abs=0.01 * len(row))
+        # The console's form: a row per phase, a column per policy asked for.
+        columns, rows = breakdown_by_phase(res, ["static", "auto", "static", "nope"])
+        assert columns == ["ms per step", "static", "auto"]
+        by_phase = {row[0]: row[1:] for row in rows}
+        assert _ms(by_phase["dense all-reduce"][0]) == pytest.approx(grad * 1e3, abs=0.005)
+        assert by_phase["step"][0] == next(
+            r[1] for r in breakdown_table(res)[1] if r[0] == "static"
+        )
+
+
+def test_breakdown_groups_cover_every_phase_and_show_overlap() -> None:
+    """Every phase a `PolicyRun` totals is in exactly one breakdown group; under an overlapping
+    schedule the table shows the hidden work as a negative column."""
+    from poise.sim.simulator import simulate
+
+    counts = np.random.default_rng(1).integers(0, 400, size=(2, 2, 4, 4)).astype(np.float64)
+    spec = toy_spec(experts=4, layers=2, d_model=64, d_expert=256, tokens=800, non_moe=1e5)
+    cluster = toy_cluster(2, 2, bw=1e9, inter_bw=1e8, lat=1e-6, flops=1e11)
+    res = simulate(counts, cluster, spec, ["static"], "pipelined(4)", count_planning=False)
+    grouped = [k for _, keys in BREAKDOWN_GROUPS for k in keys]
+    assert len(grouped) == len(set(grouped))
+    assert set(grouped) == set(res.runs["static"].phase_totals())
+    columns, rows = breakdown_table(res)
+    assert columns[-1] == "overlapped (ms)" and _ms(rows[0][-1]) < 0
+    assert sum(_ms(c) for c in rows[0][2:]) == pytest.approx(_ms(rows[0][1]), abs=0.01 * 12)
 
 
 def test_report_says_when_losses_disagree(tmp_path) -> None:

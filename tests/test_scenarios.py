@@ -26,6 +26,7 @@ from poise.sim.scenarios import (
     paired_gap_se,
     run_scenario,
 )
+from poise.sim.scenarios.core import timed_dense_params
 from poise.sim.scenarios.fidelity import fidelity_rows
 from poise.sim.simulator import simulate
 
@@ -161,6 +162,7 @@ def test_auto_keeps_room_for_vexpert_after_the_step_zero_tie() -> None:
         s.replan_every,
         s.predictor,
         count_planning=False,
+        dense_params=timed_dense_params(s, case.spec),  # None: the MoE layers alone
     )
     w = s.warmup_steps
     auto, vexpert = (result.runs[n].step_s[w:].mean() for n in ("auto", "vexpert"))
@@ -270,7 +272,7 @@ def test_the_timed_span_follows_the_paper() -> None:
     """FasterMoE's Fig. 13 times the MoE layers alone: its replays price no dense compute and no
     dense all-reduce; a paper that times whole steps pays both, the all-reduce of F_d / 2
     parameters per block (F_d the block's dense forward FLOPs per token) in every block."""
-    from poise.sim.scenarios.core import timed_dense_params, timed_spec
+    from poise.sim.scenarios.core import timed_spec
 
     faster = SCENARIOS["fastermoe"]
     spec = faster.cases[0].spec

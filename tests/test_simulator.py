@@ -162,12 +162,15 @@ def test_trace_and_model_disagree_on_experts() -> None:
 
 # ------------------------------------------------------------------ host costs and step work
 def test_cluster_without_host_costs_prices_as_the_cost_model() -> None:
-    """No `HostCosts` and no `dense_params`: every step is the cost model's price of the plan,
-    bit for bit, and the host and outside-the-layers terms stay zero."""
+    """No `HostCosts` and the MoE layers timed alone (`dense_params=None`): every step is the
+    cost model's price of the plan, bit for bit, and the host and outside-the-layers terms stay
+    zero."""
     trace = drift_trace(steps=5)
     cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
     spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512, non_moe=1e5)
-    run = simulate(trace, cluster, spec, ["static"], "sync", 100, "ema").runs["static"]
+    run = simulate(trace, cluster, spec, ["static"], "sync", 100, "ema", dense_params=None).runs[
+        "static"
+    ]
     plan = run.last_plan
     assert plan is not None
     cost = CostModel(cluster, spec, Schedule())
@@ -195,7 +198,9 @@ def test_host_costs_and_step_work_on_a_hand_computed_step() -> None:
         allreduce_lat_s=1e-4, allreduce_bw_Bps=1e9,
     )  # fmt: skip
     kw = {"slots_per_device": 1, "count_planning": False}
-    plain = simulate(counts, base, spec, ["static"], "sync", 10, "ema", **kw).runs["static"]
+    plain = simulate(counts, base, spec, ["static"], "sync", 10, "ema", dense_params=0, **kw).runs[
+        "static"
+    ]
     # Expert compute: device 1 computes 40 + 70 = 110 rows: FEC = 110 * 128 / 1e9, BEC = 2 FEC.
     fec = 110 * 128 / 1e9
     # All-to-all: each device sends or receives at most 40 rows of 16 bytes; 4 per step.
@@ -234,6 +239,51 @@ def test_host_costs_and_step_work_on_a_hand_computed_step() -> None:
     assert bare.step_s[0] - plain.step_s[0] == pytest.approx(on_links, rel=1e-9)
     with pytest.raises(ConfigError, match="must be >= 0"):
         simulate(counts, base, spec, ["static"], dense_params=-1)
+
+
+def test_default_charges_the_models_dense_allreduce_to_every_policy() -> None:
+    """By default `simulate` prices whole steps: every step of every policy, static included,
+    pays the all-reduce of the gradients of the model's dense parameters
+    (`ModelSpec.dense_params`) beyond the MoE layers; `dense_params=0` or None times the MoE
+    layers alone.
+
+    One node of 4 devices, 1 GB/s per device, 10 us; one fp32 block with F_d = 2e5 FLOPs per
+    token: P_d = F_d / 2 = 1e5 dense parameters, G = 4e5 bytes. Ring all-reduce
+    2 (3/4) 4e5 / 1e9 + 2 * 3 * 1e-5 = 6.6e-4 s (the tree, 2 * 4e5 / 1e9 + 2 * 2 * 1e-5 =
+    8.4e-4, is slower). The routing counts (8 L E = 32 bytes) and the clip's norm (8 bytes) go
+    by the tree: 2 * 32 / 1e9 + 4e-5 = 4.0064e-5 s and 2 * 8 / 1e9 + 4e-5 = 4.0016e-5 s. No
+    host costs: no optimizer or clip compute."""
+    cluster = toy_cluster(4, bw=1e9, lat=1e-5)
+    spec = toy_spec(experts=4, layers=1, tokens=100, non_moe=2e5)
+    assert spec.dense_params == 100_000
+    counts = np.random.default_rng(0).integers(0, 50, size=(4, 1, 4, 4)).astype(np.float64)
+    counts[:, 0, :, 0] += 200  # a hot expert: eplb's plans differ from static's
+    grad, gather, norm = 6.6e-4, 4.0064e-5, 4.0016e-5
+    policies = ["static", "eplb"]
+    args = (counts, cluster, spec, policies, "sync", 1, "last")
+    kw = {"count_planning": False, "slots_per_device": 2}
+    default = simulate(*args, **kw).runs
+    moe_only = simulate(*args, dense_params=0, **kw).runs
+    assert default["eplb"].last_plan.placement.replicas().sum() > 0
+    for name in policies:
+        run, bare = default[name], moe_only[name]
+        np.testing.assert_allclose(run.outside_s["grad_allreduce_s"], grad, rtol=1e-12)
+        np.testing.assert_array_equal(run.layer_s, bare.layer_s)  # the same plans and layers
+        extra = run.step_s - bare.step_s
+        assert np.all(extra >= grad)
+        np.testing.assert_allclose(extra, grad + gather + norm, rtol=1e-9)
+        assert all(not v.any() for v in bare.outside_s.values())
+        assert run.phase_totals()["grad_allreduce_s"] == pytest.approx(grad, rel=1e-12)
+    assert default["static"].mean_step_s >= moe_only["static"].mean_step_s + grad
+    # "spec" (the default, spelled out) and the model's own count price alike; None is 0.
+    for dense in ("spec", spec.dense_params):
+        again = simulate(*args, dense_params=dense, **kw).runs["static"]
+        np.testing.assert_array_equal(again.step_s, default["static"].step_s)
+    none = simulate(*args, dense_params=None, **kw).runs["static"]
+    np.testing.assert_array_equal(none.step_s, moe_only["static"].step_s)
+    with pytest.raises(ConfigError, match="'spec'") as info:
+        simulate(*args, dense_params="model", **kw)  # type: ignore[arg-type]
+    assert info.value.field == "dense_params"
 
 
 def _poise(*args: str) -> subprocess.CompletedProcess[str]:

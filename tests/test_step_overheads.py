@@ -72,7 +72,8 @@ def test_dense_gradients_all_reduced_every_step_for_every_policy() -> None:
     assert allreduce_seconds(cluster, 4e5) == pytest.approx(grad, rel=1e-12)
     policies = ["static", "eplb", "vexpert"]
     kw = {"count_planning": False, "slots_per_device": 2}
-    bare = simulate(counts, cluster, spec, policies, "sync", 1, "last", **kw).runs
+    bare = simulate(counts, cluster, spec, policies, "sync", 1, "last", dense_params=None, **kw)
+    bare = bare.runs
     runs = simulate(counts, cluster, spec, policies, "sync", 1, "last", dense_params=100_000, **kw)
     for name in policies:
         run = runs.runs[name]

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             count_planning=not args.no_planning_time,
             background_planning=args.background_planning,
-            dense_params=dense or None,
+            dense_params=dense,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))

@@ -18,11 +18,15 @@
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
   cost model with them (`CostModel.complete`: the non-MoE compute at its measured rate and the
   token dispatcher's host work per layer on each step's actual rows, H_fwd + H_bwd of
-  `poise.cost.host`), as the planners see it; given the model's
-  replicated parameters (`dense_params`), every step also pays its work outside the layers
-  (dense gradient all-reduce, the routing counts' gather, clipping, optimizer:
-  `poise.cost.step_overheads`). A cluster without
-  host costs and no `dense_params` price exactly as the cost model does.
+  `poise.cost.host`), as the planners see it;
+- every step, under every policy (static included), also pays its work outside the layers:
+  the all-reduce of the gradients of the model's replicated (dense) parameters across the
+  devices, the routing counts' gather, clipping and the optimizer
+  (`poise.cost.step_overheads`). By default the dense parameters are the model's
+  (`ModelSpec.dense_params`), as `poise simulate` charges them; `dense_params=N` sets the
+  count, and `dense_params=0` (or None) times the MoE layers alone, nothing outside them
+  (FasterMoE's MoE-only timing, `poise simulate --dense-params 0`). With the MoE layers
+  alone, a cluster without host costs prices exactly as the cost model does.
 
 Result (`SimResult`): per policy (`PolicyRun`) and step, the step time, the per-layer phase
 breakdown `[S, L]` (with the host terms in `host_phases`), the per-step work outside the layers
@@ -36,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 
@@ -57,6 +61,8 @@ from poise.trace.trace import Trace
 HOST_PHASES = ("dispatch_host_fwd_s", "dispatch_host_bwd_s")  # per layer, `poise.cost.host`
 PHASES = [f.name for f in fields(PhaseTimes) if f.name not in HOST_PHASES]
 HISTORY_STEPS = 100  # per-expert totals kept for policies that look back (SmartMoE's window)
+SPEC_DENSE: Final = "spec"  # `simulate(dense_params=...)`'s default: the model's own count
+DenseParams: TypeAlias = int | Literal["spec"] | None
 
 
 @dataclass
@@ -72,8 +78,8 @@ class PolicyRun:
     or not it was charged (`plan_s` is it when charged, else zeros);
     `host_phases[name][S, L]` the dispatcher's host seconds per layer (`HOST_PHASES`, zeros
     without host costs), included in `layer_s`; `outside_s[name][S]` the step's work outside
-    the layers (`poise.cost.step_overheads.OVERHEADS`, zeros without `dense_params`), included in
-    `step_s`."""
+    the layers (`poise.cost.step_overheads.OVERHEADS`, zeros when the MoE layers are timed
+    alone), included in `step_s`."""
 
     policy: str
     step_s: np.ndarray
@@ -194,7 +200,7 @@ def simulate(
     background_planning: bool = False,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    dense_params: int | None = None,
+    dense_params: DenseParams = SPEC_DENSE,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
@@ -204,8 +210,11 @@ def simulate(
     `background_planning`: see the module docstring; `workers`: policies replayed at once in
     threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
     of the planner's thread, so other work on the machine does not inflate it.
-    `dense_params`: the model's replicated (non-expert) parameters; given, every step pays the
-    work outside the layers (`poise.cost.step_overheads`), None: not priced."""
+    `dense_params`: the replicated (non-expert) parameters whose gradients every step
+    all-reduces across the devices, with the rest of the work outside the layers
+    (`poise.cost.step_overheads`): `"spec"` (the default, `SPEC_DENSE`) the model's own
+    (`ModelSpec.dense_params`), an int that count, 0 or None the MoE layers alone (nothing
+    outside them priced; so does a model whose count is 0)."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -226,9 +235,8 @@ def simulate(
     cost = CostModel(cluster, spec, schedule)
     slots = slots_per_device if slots_per_device is not None else -(-E // D) + 1
     base_ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=cost)
-    if dense_params is not None and dense_params < 0:
-        raise ConfigError("must be >= 0", source=str(dense_params), field="dense_params")
-    host = OutsideTerms.create(cluster, spec, base_ctx.slots_per_device, dense_params)
+    dense = resolve_dense_params(dense_params, spec)
+    host = OutsideTerms.create(cluster, spec, base_ctx.slots_per_device, dense)
     opts = {k: dict(v) for k, v in (options or {}).items()}
     opts.setdefault("auto", {}).setdefault("horizon", replan_every)
     S, L = scaled.steps, spec.moe_layers
@@ -287,12 +295,31 @@ def simulate(
     )
 
 
+def resolve_dense_params(dense_params: DenseParams, spec: ModelSpec) -> int | None:
+    """The dense parameters a replay charges (`simulate`'s `dense_params`): `"spec"` is
+    `spec.dense_params`; None when the MoE layers are timed alone (a count of 0, or None)."""
+    if isinstance(dense_params, str):
+        if dense_params != SPEC_DENSE:
+            raise ConfigError(
+                f"must be an int >= 0, None or {SPEC_DENSE!r}",
+                source=dense_params,
+                field="dense_params",
+            )
+        dense_params = spec.dense_params
+    if dense_params is None:
+        return None
+    if dense_params < 0:
+        raise ConfigError("must be >= 0", source=str(dense_params), field="dense_params")
+    return int(dense_params) or None
+
+
 @dataclass(frozen=True)
 class OutsideTerms:
     """The per-step work outside the layers the simulator adds to the cost model's price of a
-    step (module docstring): seconds by `OVERHEADS` name. `create` returns None without
-    `dense_params`, so such replays price bit for bit as the cost model does (whose price
-    includes the cluster's measured host costs inside the layers, `CostModel.complete`)."""
+    step (module docstring): seconds by `OVERHEADS` name. `create` returns None when the MoE
+    layers are timed alone (`dense_params` None), so such replays price bit for bit as the cost
+    model does (whose price includes the cluster's measured host costs inside the layers,
+    `CostModel.complete`)."""
 
     outside: dict[str, float]
 
@@ -417,10 +444,13 @@ def replay(
     predictor: Predictor | None = None,
     progress: Callable[[int, int], None] | None = None,
     count_planning: bool = False,
+    dense_params: DenseParams = None,
 ) -> dict[str, PolicyRun]:
     """`simulate` with a ready `PlanContext` (its cluster, model, cost model's schedule, slots
-    and options), counts `[S, L, D, E]` with D the cluster's devices. Planning time is not
-    charged by default (the demo compares placements)."""
+    and options), counts `[S, L, D, E]` with D the cluster's devices. It compares placements
+    (the demo's trace replays): planning time is not charged and the MoE layers are timed alone
+    by default (`dense_params=None`; pass `SPEC_DENSE` or a count for whole steps, as
+    `simulate` prices them by default)."""
     result = simulate(
         np.asarray(counts),
         ctx.cluster,
@@ -433,5 +463,6 @@ def replay(
         options={k: dict(v) for k, v in ctx.options.items()},
         count_planning=count_planning,
         progress=progress,
+        dense_params=dense_params,
     )
     return result.runs
