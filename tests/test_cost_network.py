@@ -66,7 +66,7 @@ def test_per_device_and_per_link_parts_make_link_seconds(preset: str) -> None:
     # NIC per GPU, one NIC per 8 GPUs and shared wide-area uplinks.
     cluster = get_cluster(preset)
     D = min(cluster.num_devices, 256)
-    cluster = cluster if D == cluster.num_devices else _first_devices(cluster, D)
+    cluster = cluster if cluster.num_devices == D else _first_devices(cluster, D)
     rng = np.random.default_rng(0)
     send = rng.uniform(0, 1e8, size=(3, 5, cluster.num_devices))
     recv = rng.uniform(0, 1e8, size=(3, 5, cluster.num_devices))
