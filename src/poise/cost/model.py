@@ -54,7 +54,7 @@ from poise.cost.host import dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
-from poise.cost.traffic import Routing, migration_traffic, replica_traffic
+from poise.cost.traffic import Routing, migration_traffic, padded_counts, replica_traffic
 
 
 @dataclass
@@ -272,6 +272,8 @@ class PlanPricer:
         plus the one-off `migrations` rows (layer, expert, old home, new home)."""
         cost = self.cost
         counts = cost.check_loads(counts)
+        if cost.schedule.pads:  # DeepSpeed-MoE's dispatcher: every pair at capacity
+            counts = padded_counts(counts)
         if counts.shape[0] != self.layers:
             raise PlanError(
                 f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"

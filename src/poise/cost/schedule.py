@@ -15,6 +15,13 @@ slowest device) into the time a layer adds to one training step (forward + backw
   backward compute:
       T = sync terms without Trans/Agg + max(0, Trans - FEC - FNEC) + max(0, Agg - BEC - BNEC)
   Planning for the next step hides under the step's all-to-alls (`planning_s`).
+- `padded` (DeepSpeed-MoE's dispatcher without token dropping): the `sync` timing, on loads
+  padded to capacity (`traffic.padded_counts`): DeepSpeed's top-k gating with
+  `drop_tokens=False` sets the capacity to the largest per-rank expert count in the world (an
+  all-reduce of the maximum of `exp_counts`) and dispatches a `[E, capacity, d_model]` buffer
+  per rank, so every (rank, expert) pair moves and computes that many rows, padding included.
+  A policy's plan under `padded` is priced on the padded loads (DeepSpeed-MoE = `static` under
+  `padded`).
 - `hybrid` (HybridEP's overlap, reconstructed from its description): the expert all-gather inside
   a domain (Trans) starts as the layer does and hides under the pre-expert (non-MoE) forward
   compute; the gradients' reduction back (Agg) under the non-MoE backward compute:
@@ -37,7 +44,8 @@ from poise.cost.phases import PhaseTimes
 
 @dataclass(frozen=True)
 class Schedule:
-    """`kind` is sync, pipelined, prophet or hybrid; `chunks` the pipeline depth (pipelined)."""
+    """`kind` is sync, pipelined, prophet, hybrid or padded; `chunks` the pipeline depth
+    (pipelined)."""
 
     kind: str = "sync"
     chunks: int = 1
@@ -45,6 +53,11 @@ class Schedule:
     @property
     def name(self) -> str:
         return f"pipelined({self.chunks})" if self.kind == "pipelined" else self.kind
+
+    @property
+    def pads(self) -> bool:
+        """Whether loads are padded to capacity before pricing (`padded`, DeepSpeed-MoE)."""
+        return self.kind == "padded"
 
     def layer_time(self, p: PhaseTimes) -> np.ndarray:
         """Seconds each layer adds to a step, `[L]`."""
@@ -81,9 +94,9 @@ def _pipeline(a: np.ndarray, c: np.ndarray, b: np.ndarray, n: int) -> np.ndarray
 
 
 def parse_schedule(text: str) -> Schedule:
-    """`sync`, `prophet`, `hybrid`, `pipelined`, `pipelined(4)` or `pipelined:4`."""
+    """`sync`, `prophet`, `hybrid`, `padded`, `pipelined`, `pipelined(4)` or `pipelined:4`."""
     text = text.strip()
-    if text in ("sync", "prophet", "hybrid"):
+    if text in ("sync", "prophet", "hybrid", "padded"):
         return Schedule(text, 1)
     m = re.fullmatch(r"pipelined(?:\((\d+)\)|:(\d+))?", text)
     if m:
@@ -92,7 +105,7 @@ def parse_schedule(text: str) -> Schedule:
             raise ConfigError("pipeline chunks must be >= 1", source=text, field="schedule")
         return Schedule("pipelined", chunks)
     raise ConfigError(
-        "unknown schedule (known: sync, pipelined(n), prophet, hybrid)",
+        "unknown schedule (known: sync, pipelined(n), prophet, hybrid, padded)",
         source=text,
         field="schedule",
     )

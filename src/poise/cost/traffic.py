@@ -335,6 +335,19 @@ def _broadcast_hops(
     )
 
 
+def padded_counts(counts: np.ndarray) -> np.ndarray:
+    """`[..., L, D, E]` loads as DeepSpeed-MoE's dropless dispatcher moves and computes them: every
+    (source, expert) pair of a layer carries the layer's capacity, the largest count of any
+    source for any expert, C_l = max_{s, e} counts[l, s, e] (DeepSpeed's `top1gating` /
+    `top2gating` with `drop_tokens=False`: capacity = all-reduce MAX of each rank's largest
+    `exp_counts`, then one `[E, C, d_model]` buffer per rank, padding included). Idempotent."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.size == 0:
+        return counts
+    capacity = counts.max(axis=(-2, -1), keepdims=True)  # per layer (and step)
+    return np.broadcast_to(capacity, counts.shape).copy()
+
+
 def migration_traffic(
     cluster: Cluster, migrations: np.ndarray, layers: int, bytes_per_move: float
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -52,6 +52,7 @@ from poise.cost.model import CostModel, PlanPricer
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule, parse_schedule
 from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
+from poise.cost.traffic import padded_counts
 from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
@@ -255,6 +256,8 @@ def simulate(
     with ThreadPoolExecutor(threads) as pool:
         for s in range(S):
             actual = scaled.step(s)  # [L, D, E]
+            if schedule.pads:  # DeepSpeed's dispatcher: what it moves is what planners see
+                actual = padded_counts(actual)
             loads, ctx = None, None
             if s % replan_every == 0:
                 if forecast.seen:
