@@ -2,7 +2,9 @@
 
 On 2 and 4 gloo ranks (one spawn each, every policy inside it): 20 AdamW steps of a two-layer
 MoE stack with skewed routing, re-planning every 2 steps, end with the parameters and losses of
-plain static EP (no Balancer) within 1e-5 under every policy that replicates or moves experts.
+plain static EP (no Balancer) within 1e-5 under every policy that replicates or moves experts,
+with each step's tokens split among the replicas by the step's counts (the default) and, for
+two policies, by the plans' fixed shares (`:fixed`).
 A forced change of every home moves the AdamW moments with the weights; ranks that disagree on
 a plan get one clear error. One-process tests cover the helpers."""
 
@@ -17,7 +19,7 @@ from poise.runtime.launch import run_ranks
 
 from .helpers import train_residual_moe
 
-POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto"]
+POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto", "shadow:fixed", "eplb:fixed"]
 E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY = 8, 8, 16, 64, 20, 2
 TOL = 1e-5
 
@@ -76,7 +78,10 @@ def _equivalence(rank: int, W: int) -> dict:
     cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
     for policy in POLICIES:
         model, opt = _build(W)
-        balancer = Balancer(model, opt, policy, replan_every=EVERY, cluster=cluster)
+        name, _, fixed = policy.partition(":")
+        balancer = Balancer(
+            model, opt, name, replan_every=EVERY, cluster=cluster, split_tokens=not fixed
+        )
         losses = _train(model, opt, rank, STEPS)
         balancer.close()
         stats = list(balancer.stats)
@@ -88,6 +93,21 @@ def _equivalence(rank: int, W: int) -> dict:
             sum(s.replanned for s in stats),
             float(np.mean(stats[-1].max_over_mean)),
             float(np.mean(stats[0].max_over_mean)),
+        )
+        plan = balancer.plan
+        fixed_routes = plan.assignment.with_split(False)
+        result[f"{policy}.split"] = (
+            plan.assignment.by_counts,
+            bool(plan.placement.replicas().any()),
+            [b.routing.by_counts for b in model.blocks],
+            # steps of the window the split routes differently from the plan's fixed shares
+            sum(
+                not np.array_equal(
+                    plan.assignment.split(plan.placement, c),
+                    fixed_routes.split(plan.placement, c),
+                )
+                for c in balancer.window
+            ),
         )
     if W == 2:
         result["forced"] = _forced_home_change(rank, W, cluster)
@@ -179,6 +199,13 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
             assert balance_end < balance_start, policy
         else:
             assert trans == migrate == 0
+        by_counts, replicated, layers_split, _ = results[0][f"{policy}.split"]
+        assert by_counts == (not policy.endswith(":fixed")), policy
+        assert layers_split == [by_counts] * 2, policy
+        if policy in ("shadow", "eplb", "auto"):
+            assert replicated, policy  # splitting had replicas to split among
+    if world_size > 2:  # (on 2 ranks a replica sits on both: no remote tokens to split)
+        assert sum(results[0][f"{p}.split"][3] for p in POLICIES if ":" not in p) > 0
 
 
 def _check_forced(results: list[dict]) -> None:

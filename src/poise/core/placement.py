@@ -8,7 +8,10 @@
   are zero off the holders and sum to one per (layer, expert): tokens are conserved. Optionally
   (HybridEP's domain-local routing) `group_weights[L, E, D]` with `group_size`: a source in a
   group (a contiguous run of `group_size` devices) whose group weights for e sum to one splits its
-  tokens inside its group by them instead; elsewhere the global `weights` apply.
+  tokens inside its group by them instead; elsewhere the global `weights` apply. With
+  `by_counts` (per-step splitting, `poise.core.token_split`) the weights are where each step
+  starts: the executors split the remote tokens of every replicated expert by that step's
+  actual counts (`resolve`).
 - `Transfers`: what a plan costs to set up and to keep each step, in bytes: Trans (weights to
   replicas, every step), Agg (replica gradients back, every step), migrations (home changes, once,
   with optimizer state).
@@ -24,6 +27,7 @@ import numpy as np
 
 from poise.core.errors import PlanError
 from poise.core.spec import ModelSpec
+from poise.core.token_split import split_routes, split_weights
 from poise.util.digest import digest
 
 _TOL = 1e-9
@@ -136,15 +140,47 @@ class Assignment:
                       = w[e, d]                     otherwise
 
     Without groups (the default) this is the plain per-expert `weights` rule. Consumers should go
-    through `received`, `split` or `traffic.level_traffic`, which apply both rules."""
+    through `received`, `split` or `traffic.level_traffic`, which apply both rules.
+
+    `by_counts` (per-step splitting; experts no group routes locally): each step's remote tokens of
+    a replicated expert are split among its holders by that step's counts to level the device
+    loads (`poise.core.token_split`), starting from `weights`; `resolve(placement, counts)` is
+    the plain assignment a step runs under. `received` and `split` apply it; the cost model's
+    `PlanPricer` resolves it per priced step; the runtime's dispatcher computes the same
+    integer routes on every rank from the gathered counts."""
 
     weights: np.ndarray
     group_weights: np.ndarray | None = None
     group_size: int = 0
+    by_counts: bool = False
 
     @property
     def grouped(self) -> bool:
         return self.group_weights is not None and self.group_size > 0
+
+    def with_split(self, on: bool = True) -> Assignment:
+        """This assignment with per-step splitting on (or off)."""
+        if on == self.by_counts:
+            return self
+        return Assignment(self.weights, self.group_weights, self.group_size, by_counts=on)
+
+    def global_only(self) -> np.ndarray:
+        """`[L, E]` bool: experts that no group routes locally (all, without groups): those
+        that split by counts under `by_counts`; group-local routing keeps its locality."""
+        return ~self.local_mask().any(axis=2)
+
+    def resolve(self, placement: Placement, counts: np.ndarray) -> Assignment:
+        """The assignment a step with `counts[L, D, E]` runs under: with `by_counts`, `weights`
+        of the experts in `global_only` split by the counts (`token_split.split_weights`),
+        started from the plan's own split; else this one. Real shares: the runtime's integer
+        routes (`split`) differ by rounding only."""
+        if not self.by_counts:
+            return self
+        fixed = self.with_split(False)
+        held = placement.holders()
+        start = np.where(held, fixed.received(placement, counts) - np.where(held, counts, 0), 0.0)
+        weights = split_weights(placement.copies, self.weights, counts, start, self.global_only())
+        return Assignment(weights, self.group_weights, self.group_size)
 
     def _group_sums(self) -> np.ndarray:
         """`[L, E, n_groups]` sum of `group_weights` over each group's devices."""
@@ -256,17 +292,19 @@ class Assignment:
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
         idx = np.asarray(layers)
         gw = None if self.group_weights is None else self.group_weights[idx]
-        return Assignment(self.weights[idx], gw, self.group_size)
+        return Assignment(self.weights[idx], gw, self.group_size, self.by_counts)
 
     @classmethod
     def from_layers(cls, picks: list[tuple[Assignment, int]]) -> Assignment:
         """Stack layer `l` of each `(assignment, l)` into one assignment (e.g. `auto` choosing
         per layer). Group-local routing is kept; layers picked from ungrouped assignments get zero
-        group weights (global routing). All grouped picks must share one group size."""
+        group weights (global routing). All grouped picks must share one group size. The
+        result splits by counts (`by_counts`) when every pick does."""
         weights = np.stack([a.weights[layer] for a, layer in picks])
         sizes = {a.group_size for a, _ in picks if a.grouped}
+        by_counts = all(a.by_counts for a, _ in picks)
         if not sizes:
-            return cls(weights)
+            return cls(weights, by_counts=by_counts)
         if len(sizes) > 1:
             raise PlanError(
                 f"cannot stack group sizes {sorted(sizes)}", field="assignment.group_size"
@@ -279,7 +317,7 @@ class Assignment:
                 for a, layer in picks
             ]
         )
-        return cls(weights, gw, sizes.pop())
+        return cls(weights, gw, sizes.pop(), by_counts)
 
     def validate(self, placement: Placement) -> None:
         w = self.weights
@@ -329,7 +367,10 @@ class Assignment:
             )
 
     def received(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
-        """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`."""
+        """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`
+        (split by the counts themselves with `by_counts`)."""
+        if self.by_counts:
+            return self.resolve(placement, counts).received(placement, counts)
         held = placement.holders()
         counts = np.asarray(counts, dtype=np.float64)
         remote = np.where(held, 0.0, counts)  # [L, D, E]
@@ -365,8 +406,17 @@ class Assignment:
     def split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """Integer routes `[L, D_src, E, D_dst]` for integer `counts[L, D, E]`: each source keeps
         what it holds locally and splits the rest by the weights, rounding by largest remainder so
-        that every (layer, source, expert) count is conserved exactly. Memory is L*D*E*D: meant
-        for the live runtime's handful of ranks, not for cluster-scale simulation."""
+        that every (layer, source, expert) count is conserved exactly. With `by_counts`, those
+        routes are where the per-step integer split starts (`token_split.split_routes`). Memory
+        is L*D*E*D: meant for the live runtime's handful of ranks, not for cluster-scale
+        simulation."""
+        routes = self._fixed_split(placement, counts)
+        if not self.by_counts:
+            return routes
+        return split_routes(placement.copies, routes, counts, self.global_only())
+
+    def _fixed_split(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
+        """`split` by the fixed weights alone."""
         counts = np.asarray(counts, dtype=np.int64)
         L, D, E = counts.shape
         held = placement.holders()
@@ -528,4 +578,5 @@ class Plan:
         """A 62-bit digest (`poise.util.digest`) of what ranks running the plan must agree on:
         the placement (home, copies) and the assignment (weights, group weights and size)."""
         p, a = self.placement, self.assignment
-        return digest(p.home, p.copies, a.weights, a.group_weights, a.group_size)
+        parts = [p.home, p.copies, a.weights, a.group_weights, a.group_size]
+        return digest(*parts, "by_counts") if a.by_counts else digest(*parts)

@@ -9,7 +9,10 @@ M_e migration bytes, see `core.spec.ModelSpec`):
 
 - Tokens computed on device d for expert e (`Assignment.received`):
       R[d, e] = c[d, e] * h[d, e] + w[e, d] * sum_s c[s, e] * (1 - h[s, e])
-  with h the holder mask and w the assignment weights.
+  with h the holder mask and w the assignment weights. An assignment that splits by counts
+  (`Assignment.by_counts`, as the runtime executes it) has w resolved from each priced step's
+  own counts (`Assignment.resolve`, `poise.core.token_split`): every term below then prices
+  that step's split.
 - Expert compute, forward (FasterMoE eq. 7's compute term B * F_t / P; Pro-Prophet's FEC):
       FEC = max_d sum_e R[d, e] * F_t / rate(R[d, e]),   BEC = 2 FEC
   where rate(n) = peak[t] * efficiency * n / (n + half_rows) (`Cluster.gemm_rate`) in the
@@ -254,12 +257,15 @@ class CostModel:
 class PlanPricer:
     """Prices one placement and assignment on any number of load matrices: what depends only on
     the plan (its `Routing`, Trans and Agg seconds, the non-MoE compute) is computed once, so a
-    simulator replaying a plan for K steps pays for it once, not K times."""
+    simulator replaying a plan for K steps pays for it once, not K times. An assignment that
+    splits by counts (`Assignment.by_counts`) is resolved on each priced load matrix: its
+    routing is built per call."""
 
     def __init__(self, cost: CostModel, placement: Placement, assignment: Assignment) -> None:
         self.cost = cost
         cluster, spec = cost.cluster, cost.spec
         self.layers = placement.layers
+        self.placement, self.assignment = placement, assignment
         self.routing = Routing(cluster, placement, assignment)
         t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
@@ -279,13 +285,18 @@ class PlanPricer:
                 f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"
             )
         cluster, spec, L = cost.cluster, cost.spec, self.layers
+        whole = self.routing
+        if self.assignment.by_counts:  # this step's split of the replicated experts' tokens
+            whole = Routing(
+                cluster, self.placement, self.assignment.resolve(self.placement, counts)
+            )
         # Layers in chunks of at most PRICE_CHUNK_CELLS cells: the temporaries stay small enough
         # for the allocator to reuse (no page faults per step on 8,192 devices), same results.
         per_chunk = max(1, PRICE_CHUNK_CELLS // max(1, counts[0].size))
         fec, a2a, device_load = np.zeros(L), np.zeros(L), np.zeros((L, cluster.num_devices))
         for start in range(0, L, per_chunk):
             stop = min(L, start + per_chunk)
-            routing = self.routing if per_chunk >= L else self.routing.take_layers(start, stop)
+            routing = whole if per_chunk >= L else whole.take_layers(start, stop)
             part = counts[start:stop]
             remote = routing.remote(part)
             split = routing.split(remote)

@@ -10,6 +10,11 @@ One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `D` ra
 3. Exchange counts: one `all_to_all_single` of `[D, E + 2]` int64 (per destination: the counts
    per expert, a non-finite-input flag and the routing's digest), so every rank knows what it
    receives and every rank raises the same error on bad input or disagreeing routings.
+   Under a routing that splits by counts (`RankRouting.by_counts`, `Assignment.by_counts`),
+   steps 2 and 3 swap: one `all_gather` of every rank's `[E + 2]` (its counts, the flag, the
+   digest), then every rank computes all ranks' routes `[D, E, D]` from the same counts with
+   the same code (`Assignment.split`: the step's split among the holders,
+   `poise.core.token_split`), its own row to send and its own column to receive.
 4. Exchange tokens: `all_to_all_single` with split sizes, rows ordered by (destination, expert).
    With `overlap_degree` n, every (destination, expert) block is cut into n near-equal parts and
    part c of every block travels in chunk c: n token all-to-alls, launched asynchronously, each
@@ -63,7 +68,10 @@ class RankRouting:
       per-expert weights, or the group-local ones where they apply);
     - `slots`: this rank's `SlotMap` (which expert each of its P slots holds);
     - `digest`: what every rank must agree on (home, copies, the assignment's global and group
-      weights), compared at every forward; computed from home, copies and weights if 0."""
+      weights), compared at every forward; computed from home, copies and weights if 0;
+    - `split`: the layer's placement and assignment (one layer each) when the assignment
+      splits by counts (`Assignment.by_counts`): routes then come from every rank's counts
+      (`routes_all`); None: this rank's routes follow `weights` alone."""
 
     rank: int
     home: np.ndarray
@@ -71,6 +79,7 @@ class RankRouting:
     weights: np.ndarray
     slots: SlotMap
     digest: int = 0
+    split: tuple[Placement, Assignment] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +93,11 @@ class RankRouting:
     @property
     def num_experts(self) -> int:
         return int(self.home.shape[0])
+
+    @property
+    def by_counts(self) -> bool:
+        """Routes are split by every rank's counts of the step (`routes_all`)."""
+        return self.split is not None
 
     @property
     def held(self) -> np.ndarray:
@@ -111,6 +125,10 @@ class RankRouting:
         shared = [home, copies, np.asarray(assignment.weights[layer], dtype=np.float64)]
         if assignment.grouped and assignment.group_weights is not None:
             shared += [assignment.group_weights[layer], np.array([assignment.group_size])]
+        split = None
+        if assignment.by_counts:
+            split = (placement.take_layers([layer]), assignment.take_layers([layer]))
+            shared.append("by_counts")
         return cls(
             rank=int(rank),
             home=home,
@@ -118,6 +136,7 @@ class RankRouting:
             weights=np.asarray(weights, dtype=np.float64),
             slots=slots,
             digest=digest(*shared),
+            split=split,
         )
 
     @classmethod
@@ -174,6 +193,16 @@ class RankRouting:
         base += (rank_of < short[:, None]).astype(np.int64)
         base[held, self.rank] += counts[held]
         return base
+
+    def routes_all(self, counts: np.ndarray) -> np.ndarray:
+        """Integer routes `[D_src, E, D_dst]` of every rank's `counts [D, E]`: with `by_counts`
+        the step's split (`Assignment.split` of the layer), else each rank's `weights` rule
+        (valid for this rank's own row only under group-local routing)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if self.split is None:
+            raise PlanError("this routing does not split by counts", field="routing")
+        placement, assignment = self.split
+        return assignment.split(placement, counts[None])[0]
 
 
 # ----------------------------------------------------------------------------- index helpers
@@ -419,8 +448,13 @@ class Dispatcher:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=E + 1)[:E].cpu().numpy()
         N = int(counts.sum())
-        routes = routing.routes(counts)  # [E, D]
-        recv_counts = self._exchange_counts(routes, routing, nonfinite, x.device)  # [D, E]
+        if routing.by_counts:
+            every = self._gather_counts(counts, routing, nonfinite, x.device)  # [D, E]
+            all_routes = routing.routes_all(every)  # [D_src, E, D_dst]
+            routes, recv_counts = all_routes[self.rank], all_routes[:, :, self.rank]
+        else:
+            routes = routing.routes(counts)  # [E, D]
+            recv_counts = self._exchange_counts(routes, routing, nonfinite, x.device)  # [D, E]
         parts = split_parts(routes, n)  # [n, E, D]
         # Sorted buffer: blocks (expert, destination, part); wanted: (part, destination, expert).
         blocks = np.arange(E * D * n).reshape(E, D, n).transpose(2, 1, 0).ravel()
@@ -463,6 +497,21 @@ class Dispatcher:
         }
         return y
 
+    def _gather_counts(
+        self, counts: np.ndarray, routing: RankRouting, nonfinite: bool, device: torch.device
+    ) -> np.ndarray:
+        """Every rank's counts `[D, E]` (one `all_gather` of `[E + 2]` int64: counts, the
+        non-finite flag, the routing digest), checked as `_exchange_counts` checks."""
+        E = self.num_experts
+        msg = np.zeros(E + 2, dtype=np.int64)
+        msg[:E] = counts
+        msg[E] = int(nonfinite)
+        msg[E + 1] = routing.digest
+        send = torch.from_numpy(msg).to(device)
+        parts = [torch.empty_like(send) for _ in range(self.world)]
+        dist.all_gather(parts, send, group=self.group)
+        return self._check_received(torch.stack(parts).cpu().numpy(), routing)
+
     def _exchange_counts(
         self, routes: np.ndarray, routing: RankRouting, nonfinite: bool, device: torch.device
     ) -> np.ndarray:
@@ -476,7 +525,12 @@ class Dispatcher:
         send = torch.from_numpy(msg).to(device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        got = recv.cpu().numpy()
+        return self._check_received(recv.cpu().numpy(), routing)
+
+    def _check_received(self, got: np.ndarray, routing: RankRouting) -> np.ndarray:
+        """`got [D, E + 2]` from the ranks -> their `[D, E]` counts; raises the same error on
+        every rank when one had non-finite input or runs another routing."""
+        E = self.num_experts
         bad = np.flatnonzero(got[:, E])
         if bad.size:
             raise NonFiniteInputError(

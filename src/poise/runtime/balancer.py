@@ -171,7 +171,11 @@ class Balancer:
     - `check_plans`: compare a hash of every plan across ranks;
     - `compression`: None (default: replicas get the exact weights), or a ratio in (0, 1] (or a
       `Compression`): replicas get the shared expert plus that share of their residual's
-      entries (HybridEP's compressed migration; it changes the mathematics).
+      entries (HybridEP's compressed migration; it changes the mathematics);
+    - `split_tokens` (default on): within a plan, each step's tokens of a replicated expert are
+      split among its holders by that step's actual counts (`Assignment.by_counts`,
+      `poise.core.token_split`; the planner prices plans so too); off: by the plan's fixed
+      shares.
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`)."""
 
@@ -193,6 +197,7 @@ class Balancer:
         group: dist.ProcessGroup | None = None,
         keep_stats: int = 10_000,
         compression: Compression | float | None = None,
+        split_tokens: bool = True,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
@@ -223,6 +228,7 @@ class Balancer:
         self.options = {k: dict(v) for k, v in (options or {}).items()}
         self.options.setdefault("auto", {}).setdefault("horizon", replan_every)
         self.check_plans = check_plans
+        self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
@@ -266,6 +272,7 @@ class Balancer:
         )
         placement.validate()
         assignment = Assignment(np.stack([x.weights for x in routings]).astype(np.float64))
+        assignment = assignment.with_split(self.split_tokens)
         for state, routing in zip(self.layers, routings, strict=True):
             mine = slot_maps(placement, state.index, self.slots)[self.rank]
             if not np.array_equal(mine.expert, routing.slots.expert):
@@ -438,6 +445,7 @@ class Balancer:
             slots_per_device=self.slots,
             history=history.sum(axis=2).astype(np.float64),
             options=self.options,
+            split_tokens=self.split_tokens,
         )
         plan = make_plan(self.policy, loads, self.plan, ctx)
         if self.check_plans and self.world_size > 1:

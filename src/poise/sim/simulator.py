@@ -202,6 +202,7 @@ def simulate(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     dense_params: DenseParams = SPEC_DENSE,
+    split_tokens: bool = False,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
@@ -215,7 +216,10 @@ def simulate(
     all-reduces across the devices, with the rest of the work outside the layers
     (`poise.cost.step_overheads`): `"spec"` (the default, `SPEC_DENSE`) the model's own
     (`ModelSpec.dense_params`), an int that count, 0 or None the MoE layers alone (nothing
-    outside them priced; so does a model whose count is 0)."""
+    outside them priced; so does a model whose count is 0).
+    `split_tokens`: every plan splits each step's tokens of its replicated experts by that
+    step's counts, as the live runtime does by default (`PlanContext.split_tokens`,
+    `Assignment.by_counts`); off by default, so the papers' systems run their own fixed splits."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -235,7 +239,9 @@ def simulate(
     scaled = ScaledTrace.create(counts, D, seed)
     cost = CostModel(cluster, spec, schedule)
     slots = slots_per_device if slots_per_device is not None else -(-E // D) + 1
-    base_ctx = PlanContext.create(cluster, spec, slots_per_device=slots, cost=cost)
+    base_ctx = PlanContext.create(
+        cluster, spec, slots_per_device=slots, cost=cost, split_tokens=split_tokens
+    )
     dense = resolve_dense_params(dense_params, spec)
     host = OutsideTerms.create(cluster, spec, base_ctx.slots_per_device, dense)
     opts = {k: dict(v) for k, v in (options or {}).items()}
@@ -243,7 +249,9 @@ def simulate(
     S, L = scaled.steps, spec.moe_layers
     start: Plan | None = None
     if background_planning:
-        ctx0 = PlanContext(cluster, spec, cost, base_ctx.slots_per_device, options=opts)
+        ctx0 = PlanContext(
+            cluster, spec, cost, base_ctx.slots_per_device, options=opts, split_tokens=split_tokens
+        )
         start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
     replays = [
         _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start, host)
@@ -273,6 +281,7 @@ def simulate(
                     base_ctx.slots_per_device,
                     history=np.array(history) if history else None,
                     options=opts,
+                    split_tokens=split_tokens,
                 )
             step = _Step(s, actual, loads, ctx)
             # Policies share nothing they write: several replay at once (NumPy frees the GIL).
@@ -453,7 +462,7 @@ def replay(
     and options), counts `[S, L, D, E]` with D the cluster's devices. It compares placements
     (the demo's trace replays): planning time is not charged and the MoE layers are timed alone
     by default (`dense_params=None`; pass `SPEC_DENSE` or a count for whole steps, as
-    `simulate` prices them by default)."""
+    `simulate` prices them by default). Per-step splitting follows `ctx.split_tokens`."""
     result = simulate(
         np.asarray(counts),
         ctx.cluster,
@@ -467,5 +476,6 @@ def replay(
         count_planning=count_planning,
         progress=progress,
         dense_params=dense_params,
+        split_tokens=ctx.split_tokens,
     )
     return result.runs

@@ -243,6 +243,7 @@ def plan_to_payload(plan: Plan) -> dict[str, Any]:
         if a.group_weights is None
         else torch.from_numpy(np.asarray(a.group_weights, dtype=np.float64)),
         "group_size": int(a.group_size),
+        "by_counts": bool(a.by_counts),
         # `auto`'s trails (its rivals' own plans), so a resumed run re-plans as the first would.
         "trails": {name: plan_to_payload(trail) for name, trail in plan.trails.items()},
     }
@@ -256,7 +257,10 @@ def plan_from_payload(p: dict[str, Any], previous: Placement | None, spec: Any) 
     )
     gw = p["group_weights"]
     assignment = Assignment(
-        p["weights"].numpy(), None if gw is None else gw.numpy(), int(p["group_size"])
+        p["weights"].numpy(),
+        None if gw is None else gw.numpy(),
+        int(p["group_size"]),
+        bool(p.get("by_counts", False)),  # older checkpoints: fixed shares
     )
     plan = Plan(
         str(p["policy"]), placement, assignment, transfers_between(previous, placement, spec)
@@ -512,7 +516,10 @@ def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) 
     if saved["window"] is not None:
         for row in saved["window"].numpy():
             balancer.window.append(row)
-    balancer.apply(plan_from_payload(plan, balancer.plan.placement, balancer.spec()))
+    restored = plan_from_payload(plan, balancer.plan.placement, balancer.spec())
+    # this run's splitting setting, whatever the saved run's was
+    restored.assignment = restored.assignment.with_split(balancer.split_tokens)
+    balancer.apply(restored)
     return True
 
 

@@ -13,6 +13,9 @@ parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-e
 `compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
 expert plus this share (0, 1] of their residual's entries (`poise.runtime.compress`). It changes
 the mathematics (replicas compute with approximate weights), hence off by default.
+`split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
+by that step's counts (`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the
+plan's fixed shares.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class TrainConfig:
     predictor: str = "ema"
     cluster: str | None = None
     compression: float | None = None
+    split_tokens: bool = True
     # parallelism
     layout: str | None = None
     # run
@@ -173,6 +177,7 @@ def _rules() -> dict[str, _Rule]:
         "predictor": _Rule(_STR),
         "cluster": _Rule(_STR, nullable=True),
         "compression": _Rule(_NUM, nullable=True, low=0, high=1, low_open=True),
+        "split_tokens": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),

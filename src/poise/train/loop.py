@@ -199,6 +199,7 @@ class _Trainer:
             predictor=cfg.predictor,
             group=group,
             compression=cfg.compression,
+            split_tokens=cfg.split_tokens,
         )
         self.resumed_plan = False
         if self.ckpt is not None:

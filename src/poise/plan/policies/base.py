@@ -60,7 +60,10 @@ class PlanContext:
 
     `history[S, L, E]`: tokens routed to each expert (summed over sources) in the last observed
     steps, oldest first (may be empty);
-    `options[policy][key]`: per-policy settings (thresholds, windows)."""
+    `options[policy][key]`: per-policy settings (thresholds, windows);
+    `split_tokens`: the executor splits each step's tokens of replicated experts by that step's
+    counts (`Assignment.by_counts`, `poise.core.token_split`): every plan's assignment is
+    marked so (`finish_plan`) and priced as the executor runs it."""
 
     cluster: Cluster
     spec: ModelSpec
@@ -68,6 +71,7 @@ class PlanContext:
     slots_per_device: int
     history: np.ndarray | None = None
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    split_tokens: bool = False
 
     @classmethod
     def create(
@@ -79,6 +83,7 @@ class PlanContext:
         cost: CostModel | None = None,
         history: np.ndarray | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
+        split_tokens: bool = False,
     ) -> PlanContext:
         D, E = cluster.num_devices, spec.experts
         needed = max(1, math.ceil(E / D))
@@ -96,6 +101,7 @@ class PlanContext:
             slots_per_device=slots,
             history=history,
             options=options or {},
+            split_tokens=split_tokens,
         )
 
     @property
@@ -167,7 +173,11 @@ def finish_plan(
     cost: PlanCost | None = None,
 ) -> Plan:
     """Check the invariants, work out the transfers from `previous`, price on `loads` (unless
-    the policy already priced the plan, migrations from `previous` included: `cost`)."""
+    the policy already priced the plan, migrations from `previous` included: `cost`). Under
+    `ctx.split_tokens` the assignment splits by counts and is priced so (a policy's own price
+    of its fixed split is dropped)."""
+    if ctx.split_tokens and not assignment.by_counts:
+        assignment, cost = assignment.with_split(), None
     placement.slots_per_device = ctx.slots_per_device
     placement.validate()
     assignment.validate(placement)

@@ -1,0 +1,194 @@
+"""Per-step token splitting: a replicated expert's tokens split among its holders by the counts
+of *this* step, not by the shares a plan fixed from a forecast.
+
+One layer, `D` devices, `E` experts; `c[s, e]` tokens source s routes to expert e this step
+(known on every rank once the dispatcher has gathered the counts), `H_e` the devices holding a
+copy of e, `w[e, d]` the plan's fixed shares (`Assignment.weights`). As in `Assignment.to_home`
+and `Assignment.balanced`, a holder keeps its own tokens; only the remote total
+`R_e = sum_{s not in H_e} c[s, e]` is split, as `x[e, h] >= 0` over `h in H_e` with
+`sum_h x[e, h] = R_e`. Device d then computes
+
+    load[d] = sum_{e : d in H_e} (c[d, e] + x[e, d])
+
+and the split aims at the least `max_d load[d]`.
+
+Algorithm (block coordinate descent over experts, Gauss-Seidel):
+
+1. Start from the plan's split: `x[e, h] = w[e, h] R_e` (real) or the integer routes of
+   `Assignment.split` (integer: each source's remote tokens split by `w`, largest remainder).
+2. `SWEEPS` times, for each expert with several holders and remote tokens, in expert order
+   (layers at once): take x[e, :] off the loads, `base[h] = load[h]`, and water-fill R_e onto
+   the holders: `x[e, h] = max(0, lam - base[h])` with `lam` solving `sum_h x[e, h] = R_e`.
+   Integer: `floor(max(0, lam - base[h]))`, then the tokens left (fewer than |H_e| + 1) one each
+   to the holders with the least `base + x`, the lower device first on ties.
+
+Each block step gives e's holders the least maximum they can have with the other experts fixed
+and touches no other device, so the largest device load never rises: the split is never worse
+than the plan's fixed one (real or integer). Water-filling also minimises the sum of squared
+loads over H_e, so the sweeps descend the sum of squared device loads; on this problem
+(divisible tokens, holders fixed) the load vector minimising it is the lexicographically
+optimal one, which also has the least maximum (Fujishige, "Lexicographically optimal base of a
+polymatroid with respect to a weight vector", Math. Oper. Res. 5(2), 1980: the achievable load
+vectors form a polymatroid's base polytope, translated by the kept tokens). A fixed number of
+sweeps need not reach it exactly; one sweep from the plan's split usually does when the holder
+sets of replicated experts do not overlap.
+
+Integer routes per source (`split_routes`): holder h's quota `x[e, h]` is cut among the
+non-holding sources in proportion to their counts by one deterministic sequence of the `R_e`
+tokens: holder h's j-th token has the key `(j + 1/2) / x[e, h]` (Sainte-Lague's sequential
+apportionment), tokens sorted by (key, holder); source s takes the positions
+`[C_{s-1}, C_s)` (C the running sum of the sources' counts in device order). Both margins are
+exact: each source sends all its tokens, each holder receives its quota, and every source's
+split is close to proportional (what the cost model's traffic assumes).
+
+Everything is computed from the counts with the same code on every rank, so the ranks agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SWEEPS = 2  # Gauss-Seidel sweeps over the replicated experts
+
+
+def _level(base: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Water level `lam[m]` with `sum_h max(0, lam - base[m, h]) = total[m]`; `base[m, W]` with
+    `inf` on padding (at least one finite entry per row)."""
+    order = np.sort(base, axis=1)
+    finite = np.isfinite(order)
+    cum = np.cumsum(np.where(finite, order, 0.0), axis=1)
+    k = np.arange(1, base.shape[1] + 1)[None, :]
+    # Filling the k lowest holders up to the next one's base costs next * k - cum[k - 1].
+    nxt = np.concatenate([order[:, 1:], np.full((len(order), 1), np.inf)], axis=1)
+    need = np.where(np.isfinite(nxt), nxt * k - cum, np.inf)
+    active = np.minimum((need < total[:, None]).sum(axis=1), finite.sum(axis=1) - 1)
+    rows = np.arange(len(order))
+    return (total + cum[rows, active]) / (active + 1)
+
+
+def water_fill(base: np.ndarray, total: np.ndarray, integer: bool) -> np.ndarray:
+    """`x[m, W]` splitting `total[m]` tokens over holders with loads `base[m, W]` (`inf` on
+    padding, which gets nothing) to level them (module docstring, step 2)."""
+    lam = _level(base, total)
+    x = np.where(np.isfinite(base), np.maximum(0.0, lam[:, None] - base), 0.0)
+    if not integer:
+        return x
+    x = np.floor(x)
+    left = np.rint(total - x.sum(axis=1)).astype(np.int64)
+    order = np.argsort(base + x, axis=1, kind="stable")  # padding (inf) last; lower device first
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(base.shape[1])[None, :].repeat(len(base), 0), 1)
+    return x + (rank < left[:, None])
+
+
+def splittable(copies: np.ndarray, counts: np.ndarray, only: np.ndarray | None) -> np.ndarray:
+    """`[L, E]` bool: the experts a step splits: several holders, remote tokens, and `only`
+    (`[L, E]`, default all: e.g. the experts no group routes locally)."""
+    held = copies > 0
+    remote = np.where(held, 0, counts).sum(axis=1)
+    multi = (held.sum(axis=1) > 1) & (remote > 0)
+    return multi if only is None else multi & only
+
+
+def split_totals(
+    copies: np.ndarray,
+    counts: np.ndarray,
+    start: np.ndarray,
+    integer: bool = False,
+    only: np.ndarray | None = None,
+) -> np.ndarray:
+    """Remote tokens each holder computes, `x[L, D, E]`, for `counts[L, D, E]` on holders
+    `copies[L, D, E] > 0`, from the plan's split `start[L, D, E]` (the remote tokens it gives
+    each holder; zero off the holders). `integer`: counts, start and result in whole tokens.
+    Experts outside `splittable(copies, counts, only)` keep `start` (and weigh on the loads)."""
+    held = copies > 0
+    counts = np.asarray(counts, dtype=np.float64)
+    x = np.array(start, dtype=np.float64)
+    remote = np.where(held, 0.0, counts).sum(axis=1)  # [L, E]
+    multi = splittable(copies, counts, only)
+    layer, expert = np.nonzero(multi)  # row-major: experts in order within each layer
+    if not layer.size:
+        return x
+    load = np.where(held, counts, 0.0).sum(axis=2) + x.sum(axis=2)  # [L, D]
+    # Holders packed left in device order: `dev[m, W]`, padding marked by `pad`.
+    held_m = held[layer, :, expert]  # [M, D]
+    width = int(held_m.sum(axis=1).max())
+    dev = np.argsort(~held_m, axis=1, kind="stable")[:, :width]
+    pad = ~np.take_along_axis(held_m, dev, axis=1)
+    xm = np.where(pad, 0.0, x[layer[:, None], dev, expert[:, None]])
+    first = np.searchsorted(layer, layer)  # position of each pair among its layer's pairs
+    pos = np.arange(layer.size) - first
+    for _ in range(SWEEPS):
+        for k in range(int(pos.max()) + 1):
+            m = np.flatnonzero(pos == k)
+            lm, dm = layer[m][:, None], dev[m]
+            base = np.where(pad[m], np.inf, load[lm, dm] - xm[m])
+            new = water_fill(base, remote[layer[m], expert[m]], integer)
+            delta = np.where(pad[m], 0.0, new - xm[m])
+            np.add.at(load, (np.broadcast_to(lm, dm.shape), dm), delta)
+            xm[m] = new
+    cells = (layer[:, None], dev, expert[:, None])
+    x[cells] = np.where(pad, x[cells], xm)
+    return x
+
+
+def split_weights(
+    copies: np.ndarray,
+    weights: np.ndarray,
+    counts: np.ndarray,
+    start: np.ndarray,
+    only: np.ndarray | None = None,
+) -> np.ndarray:
+    """The step's shares `[L, E, D]` (an `Assignment.weights`) from the plan's `weights[L, E,
+    D]`, holders `copies[L, D, E]`, the step's `counts[L, D, E]` and the remote tokens the
+    plan gives each holder, `start[L, D, E]` (`Assignment.received` less the kept tokens), in
+    real numbers (what the cost model prices). Experts outside `splittable` keep `weights`."""
+    held = copies > 0
+    remote = np.where(held, 0.0, np.asarray(counts, dtype=np.float64)).sum(axis=1)  # [L, E]
+    x = split_totals(copies, counts, start, only=only)
+    shares = x.transpose(0, 2, 1) / np.where(remote > 0, remote, 1.0)[:, :, None]
+    return np.where(splittable(copies, counts, only)[:, :, None], shares, weights)
+
+
+def split_routes(
+    copies: np.ndarray,
+    plan_routes: np.ndarray,
+    counts: np.ndarray,
+    only: np.ndarray | None = None,
+) -> np.ndarray:
+    """Integer routes `[L, D_src, E, D_dst]` of the step's `counts[L, D, E]` (int): holders keep
+    their own tokens, the remote ones follow the integer split of `split_totals` started from
+    `plan_routes` (the plan's fixed routes, `Assignment.split`), cut per source by the
+    module docstring's token sequence. Experts outside `splittable` keep `plan_routes`."""
+    counts = np.asarray(counts, dtype=np.int64)
+    held = copies > 0
+    kept = np.where(held, counts, 0)
+    remote = counts - kept  # [L, D, E]
+    received = np.asarray(plan_routes).sum(axis=1).transpose(0, 2, 1)  # [L, D, E]
+    start = np.where(held, received - kept, 0)
+    x = split_totals(copies, counts, start, integer=True, only=only)
+    x = np.rint(x).astype(np.int64)
+    routes = np.array(plan_routes, dtype=np.int64)
+    layer, expert = np.nonzero(splittable(copies, counts, only))
+    for lyr, e in zip(layer.tolist(), expert.tolist(), strict=True):
+        col = _cut(remote[lyr, :, e], x[lyr, :, e])  # [D_src, D_dst]
+        own = np.flatnonzero(held[lyr, :, e])
+        col[own, own] += counts[lyr, own, e]
+        routes[lyr, :, e, :] = col
+    return routes
+
+
+def _cut(sent: np.ndarray, quota: np.ndarray) -> np.ndarray:
+    """`[D_src, D_dst]` tokens from each source (`sent[D]`) to each holder (`quota[D]`, same
+    total): the token sequence of the module docstring."""
+    D = sent.shape[0]
+    holders = np.flatnonzero(quota > 0)
+    q = quota[holders]
+    tickets = np.repeat(np.arange(holders.size), q)
+    j = np.arange(tickets.size) - np.repeat(np.cumsum(q) - q, q)
+    order = np.lexsort((tickets, (j + 0.5) / q[tickets]))
+    label = holders[tickets[order]]
+    source = np.repeat(np.arange(D), sent)
+    out = np.zeros((D, D), dtype=np.int64)
+    np.add.at(out, (source, label), 1)
+    return out
