@@ -439,6 +439,12 @@ def measured_summary(runs: dict, skip: int, c_s: float) -> MeasuredSummary:
             f"auto earned {gain:.0%} of the possible gain "
             f"({'met' if verdict['target_met'] else 'not met'}: {verdict['rule']})."
         )
+    if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
+        text += (
+            " A speedup outside what balance can explain means the machine's load changed "
+            "between the two runs (other processes took CPU from one of them): compare "
+            "benchmarks/train_speedup.py, which alternates the runs and takes medians."
+        )
     if steps < 30:
         text += (
             f" {steps} steps are too few to measure a speedup on a shared machine: run the "
