@@ -286,3 +286,23 @@ def test_the_timed_span_follows_the_paper() -> None:
     with pytest.raises(ConfigError) as info:
         dataclasses.replace(faster, timed="iteration")
     assert info.value.field == "timed"
+
+
+def test_cli_scenarios_plan_in_the_background_unless_inline(tmp_path, monkeypatch) -> None:
+    """`poise scenarios` keeps each scenario's background planning (the default, as the
+    runtime); `--inline-planning` charges planning on the critical path."""
+    import poise.commands.scenarios as cmd
+
+    seen: list[tuple[bool, str]] = []
+
+    def fake(scenario, **kw):
+        seen.append((scenario.background_planning, scenario.planning_note))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cmd, "run_scenario", fake)
+    assert get_scenario("smartmoe").background_planning
+    for extra in ([], ["--inline-planning"]):
+        with pytest.raises(SystemExit):
+            main(["scenarios", "--only", "smartmoe", "--quick", "--out", str(tmp_path), *extra])
+    assert [b for b, _ in seen] == [True, False]
+    assert "critical path" in seen[1][1]

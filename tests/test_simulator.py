@@ -358,3 +358,24 @@ def test_cli_simulate_charges_the_dense_allreduce_by_default(tmp_path) -> None:
     proc = _poise("simulate", str(trace), "--dense-params", "-5", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--dense-params" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_simulate_plans_in_the_background_by_default(tmp_path, monkeypatch) -> None:
+    """`poise simulate` plans in a thread beside training by default, as the runtime's Balancer
+    does; `--no-background-planning` charges planning on the critical path."""
+    import poise.commands.simulate as cmd
+    from poise.cli import main
+
+    trace = tmp_path / "drift.npz"
+    drift_trace(steps=2, devices=16, experts=16).save(trace)
+    seen: list[bool] = []
+
+    def fake(*args, **kw):
+        seen.append(kw["background_planning"])
+        raise SystemExit(0)  # stop before the outputs
+
+    monkeypatch.setattr(cmd, "simulate", fake)
+    for extra in ([], ["--no-background-planning"], ["--background-planning"]):
+        with pytest.raises(SystemExit):
+            main(["simulate", str(trace), "--policies", "static", "--out", str(tmp_path), *extra])
+    assert seen == [True, False, True]

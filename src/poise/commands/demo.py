@@ -1,20 +1,27 @@
 """`poise demo`: the main job on a laptop-sized default.
 
-1. Trains the `tiny` GPT-MoE (byte-level, on the Python standard library's source) on 2 local
-   ranks without an auxiliary balance loss, twice from the same seed: static expert parallelism
-   and `auto` balancing. Each run is `python -m poise.train` on 2 gloo ranks, started the way
-   `poise train CONFIG --nproc 2` starts them, into `OUT/train-static` and `OUT/train-auto`
-   (config, metrics, routing trace, summary).
-2. Replays the recorded routing trace in the simulator under every registered policy with
-   background planning, on `dgx-h100:8` (64 H100) and `cross-dc-1000` (8,000 H100 in 1,000
-   datacentres); the 2-rank trace is resampled onto the modelled devices. Every step pays the
-   all-reduce of the model's dense gradients, as `poise simulate` charges it (the simulator's
-   default); the report breaks each policy's step time down by phase.
-3. Replays the SmartMoE-AE sample (from ../shared/data or `--data`, when present) and a
-   synthetic drifting Zipf trace on `v100-ib50`, as the replay-only demo did.
-4. Writes `OUT/report.html` with PNG plots next to it, and prints a summary.
+1. Measured: trains the `tiny` GPT-MoE with larger, fewer-per-token experts (16 experts top-1,
+   d_expert 1024: the router's skew then costs real time on CPU ranks) on 2 local ranks without
+   an auxiliary balance loss, twice from the same seed: static expert parallelism and `auto`
+   balancing. Each run is `python -m poise.train` on 2 gloo ranks, started the way
+   `poise train CONFIG --nproc 2` starts them, into `OUT/train-static` and `OUT/train-auto`.
+   Beside them, the ideal: the static run's steps with its experts perfectly balanced for free
+   (`poise.report.ideal`, the expert cost measured here by `poise.calibrate.experts`), and the
+   verdict of `poise.report.ideal.judge`.
+2. Simulated: real routing on clusters with at least as many experts as devices
+   (`poise.commands.demo_sims`): the run's own trace, the SmartMoE-AE sample, OLMoE's routing
+   (64 experts top-8 on 64 H100) and the same split to 256 experts top-8 at DeepSeek-V3's widths
+   on 64 (and, in the full demo, 256) H100; every registered policy, background planning (as
+   the runtime plans), the dense gradients' all-reduce in every step. The real data comes from
+   `--data`, `$POISE_SHARED_DATA` or `../shared/data`; without it the report says so and
+   replays what it has.
+3. Trace replays of the planners alone on `v100-ib50` (the SmartMoE-AE sample when present, a
+   synthetic drifting Zipf trace).
+4. Writes `OUT/report.html` with PNG plots next to it and `OUT/demo.json` (`measured`:
+   `static_tok_s`, `auto_tok_s`, `speedup`, `ideal_speedup`, ...; `simulated`: one entry per
+   table), both atomically, and prints a summary.
 
-`--quick` trains 24 steps per run instead of 300 and replays fewer steps on `cross-dc-1000`.
+`--quick` trains 12 steps per run instead of 120 and replays fewer steps.
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from poise.core.errors import ConfigError, PoiseError
+
+if TYPE_CHECKING:
+    from poise.report.html import MeasuredSummary
 
 
 class DemoError(PoiseError):
@@ -40,26 +51,42 @@ class DemoError(PoiseError):
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How much the demo does. `steps`: training steps per run; `cross_dc_steps`: trace steps
-    replayed on `cross-dc-1000` (all of them on `dgx-h100:8`)."""
+    """How much the demo does. `steps`: training steps per run; `sim_steps`: the most steps a
+    simulated replay runs; `expert_repeats`: timings per point of the expert cost."""
 
     steps: int
     warmup: int
     replan_every: int
     eval_batches: int
-    cross_dc_steps: int
+    sim_steps: int
     drift_steps: int
+    expert_repeats: int
 
 
 FULL = DemoSize(
-    steps=300, warmup=20, replan_every=10, eval_batches=4, cross_dc_steps=60, drift_steps=60
+    steps=120,
+    warmup=20,
+    replan_every=10,
+    eval_batches=2,
+    sim_steps=30,
+    drift_steps=60,
+    expert_repeats=9,
 )
 QUICK = DemoSize(
-    steps=24, warmup=4, replan_every=4, eval_batches=2, cross_dc_steps=10, drift_steps=20
+    steps=12,
+    warmup=3,
+    replan_every=3,
+    eval_batches=1,
+    sim_steps=12,
+    drift_steps=20,
+    expert_repeats=2,
 )
 POLICIES = ("static", "auto")
 WORLD = 2
-CLUSTERS = ("dgx-h100:8", "cross-dc-1000")
+# The measured model: the `tiny` preset with 16 experts of width 1024, top-1. With the preset's
+# 8 small experts top-2 the experts are a third of a CPU step and balance is worth < 10%
+# (benchmarks/train_speedup.py `tiny`); here the slowest rank's expert work sets the step.
+MODEL_ARGS: dict[str, int] = {"num_experts": 16, "top_k": 1, "d_expert": 1024}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK.steps} training steps per run, not {FULL.steps}, and shorter replays",
+        help=f"{QUICK.steps} training steps per run, not {FULL.steps}, and shorter replays "
+        "(a smoke test: too few steps to measure a speedup)",
     )
     p.add_argument("--steps", type=int, default=None, help="training steps per run")
     p.add_argument(
@@ -86,21 +114,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data",
         default=None,
-        help="folder with smartmoe-ae-sample/ (default ../shared/data or $POISE_SHARED_DATA)",
+        help="folder with smartmoe-ae-sample/ and olmoe-expert-counts/ (default "
+        "$POISE_SHARED_DATA or ../shared/data)",
     )
     p.set_defaults(run=run)
 
 
 def find_smartmoe_sample(explicit: str | None) -> Path | None:
-    candidates = [
-        explicit,
-        os.environ.get("POISE_SHARED_DATA"),
-        "../shared/data",
-        str(Path(__file__).resolve().parents[3].parent / "shared" / "data"),
-    ]
-    for c in candidates:
-        if c and (Path(c) / "smartmoe-ae-sample").is_dir():
-            return Path(c) / "smartmoe-ae-sample"
+    """The SmartMoE-AE sample folder under the shared data (`demo_sims.find_shared_data`)."""
+    from poise.commands.demo_sims import SMARTMOE_DIR, find_shared_data
+
+    root = find_shared_data(explicit)
+    if root is not None and (root / SMARTMOE_DIR).is_dir():
+        return root / SMARTMOE_DIR
     return None
 
 
@@ -128,6 +154,7 @@ def demo_config(policy: str, out: Path, size: DemoSize, *, steps: int, corpus: s
     device = "auto" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "cpu"
     return TrainConfig(
         model="tiny",
+        model_args=dict(MODEL_ARGS),
         device=device,
         context=128,
         batch=16,
@@ -200,13 +227,16 @@ def train_run(cfg, console: Console) -> float:
     return time.perf_counter() - started
 
 
-def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Console):
-    """Replay `trace` on `CLUSTERS` under every registered policy, background planning on, each
-    step charged the work outside the MoE layers of the model's dense parameters
-    (`ModelSpec.dense_params`, the simulator's default, as `poise simulate`). Returns
-    `SimSection`s."""
+def simulate_clusters(
+    trace, size: DemoSize, data_dir: str | None, console: Console, *, quick: bool
+) -> tuple[list, list[str]]:
+    """Replay the demo's simulated cases (`demo_sims.sim_cases`: the run's own `trace`, then
+    the real routing found) under every registered policy, background planning on, each step
+    charged the work outside the MoE layers of the model's dense parameters
+    (`ModelSpec.dense_params`, the simulator's default, as `poise simulate`). Returns the
+    `SimSection`s and, in words, the real data that was not found."""
+    from poise.commands.demo_sims import sim_cases
     from poise.core.presets import get_cluster
-    from poise.core.spec import MODELS
     from poise.plan.policies import (
         REGISTRY,
         registry,  # noqa: F401  (fills the registry)
@@ -214,71 +244,84 @@ def simulate_clusters(trace, replan_every: int, cross_dc_steps: int, console: Co
     from poise.report.html import SimSection
     from poise.sim.simulator import simulate
 
-    spec = MODELS["smartmoe-gpt"].with_(
-        name="smartmoe-gpt widths",
-        experts=trace.experts,
-        top_k=trace.top_k,
-        moe_layers=trace.layers,
-    )
+    found = sim_cases(trace, data_dir, quick=quick, sim_steps=size.sim_steps)
     names = sorted(REGISTRY)
     sections = []
-    for cluster_name in CLUSTERS:
-        cluster = get_cluster(cluster_name)
-        steps = trace.steps if cluster_name.startswith("dgx") else min(cross_dc_steps, trace.steps)
+    for case in found.cases:
+        cluster = get_cluster(case.cluster)
+        if case.spec.experts < cluster.num_devices:
+            raise ConfigError(
+                f"{case.spec.experts} experts on {cluster.num_devices} devices: the demo "
+                "simulates only clusters with at least as many experts as devices",
+                source=case.key,
+                field="cluster",
+            )
+        steps = case.trace.steps if case.steps is None else min(case.steps, case.trace.steps)
         t0 = time.perf_counter()
         with console.status(
-            f"simulating {steps} steps x {len(names)} policies on {cluster_name} "
+            f"simulating {case.title}: {steps} steps x {len(names)} policies "
             f"({cluster.num_devices:,} devices)"
         ):
             result = simulate(
-                trace,
+                case.trace,
                 cluster,
-                spec,
+                case.spec,
                 names,
                 "sync",
-                replan_every,
+                case.replan_every,
                 "ema",
                 steps=steps,
                 background_planning=True,
             )
         seconds = time.perf_counter() - t0
-        copies = cluster.num_devices // trace.experts
-        note = (
-            f"The trace's routing is priced at the widths of the SmartMoE GPT (d_model "
-            f"{spec.d_model}, d_expert {spec.d_expert}, fp16, {spec.tokens_per_device:,} tokens "
-            f"per device) with the trace's {trace.experts} experts: the tiny model's own widths "
-            f"would take microseconds on an H100. With {trace.experts} experts on "
-            f"{cluster.num_devices:,} devices the static placement already keeps {copies:,} "
-            f"expert-data-parallel copies of each expert, so balancing has less to gain than on "
-            f"the 2 measured ranks. Steps replayed: {steps}."
-        )
-        outside = result.runs["static"].outside_s if "static" in result.runs else {}
-        if "grad_allreduce_s" in outside:
-            grad_ms = 1e3 * float(outside["grad_allreduce_s"].mean())
-            rest_ms = 1e3 * sum(
-                float(v.mean()) for k, v in outside.items() if k != "grad_allreduce_s"
-            )
-            note += (
-                f" Every step of every policy pays the all-reduce of the gradients of the "
-                f"model's {spec.dense_params:,} replicated (dense) parameters across the "
-                f"{cluster.num_devices:,} devices ({grad_ms:,.2f} ms), as poise simulate "
-                f"charges it, and the routing counts' gather and the gradient norm's all-reduce "
-                f"({rest_ms:,.2f} ms together)."
-            )
-        phases = result.runs["static"].phase_totals() if "static" in result.runs else {}
-        work = sum(phases.values())
-        copy_s = phases.get("trans_s", 0.0) + phases.get("agg_s", 0.0)
-        if work > 0 and copy_s > 0.5 * work:
-            note += (
-                f" {100 * copy_s / work:.1f}% of static's simulated work per step is Trans and "
-                "Agg of those copies: the cost model prices each copy's weights and gradients "
-                "as a direct transfer from and to its home, which overstates a broadcast or "
-                "reduction tree at this scale."
-            )
         sections.append(
-            SimSection(cluster_name, f"{cluster_name} (simulated)", result, seconds, note)
+            SimSection(
+                case.key,
+                f"{case.title} (simulated)",
+                result,
+                seconds,
+                case.why + " " + _sim_note(result),
+            )
         )
-    return sections
+    return sections, found.missing
+
+
+def _sim_note(result) -> str:
+    """What a simulated table shows, in words: who wins, by how much, and what static pays."""
+    rows = result.summary_rows()
+    if "static" not in result.runs or not rows:
+        return ""
+    static_ms = 1e3 * result.runs["static"].mean_step_s
+    best = rows[0]["policy"]
+    best_ms = 1e3 * result.runs[best].mean_step_s
+    parts = [
+        f"Static's step is {static_ms:,.2f} ms with its busiest device at "
+        f"{float(result.runs['static'].max_over_mean.mean()):.2f}x the mean load."
+    ]
+    if "auto" in result.runs:
+        auto_ms = 1e3 * result.runs["auto"].mean_step_s
+        plan_ms = 1e3 * float(result.runs["auto"].plan_s.mean())
+        parts.append(
+            f"auto: {auto_ms:,.2f} ms ({static_ms / auto_ms:.2f}x static), of which "
+            f"{plan_ms:,.2f} ms per step is planning time a planner thread could not hide."
+        )
+        if best != "auto":
+            parts.append(
+                f"The fastest here is {best} ({best_ms:,.2f} ms, {static_ms / best_ms:.2f}x): "
+                f"auto is {auto_ms / best_ms:.2f}x its step."
+            )
+        else:
+            parts.append("auto is the fastest policy here.")
+    outside = result.runs["static"].outside_s
+    if "grad_allreduce_s" in outside:
+        grad_ms = 1e3 * float(outside["grad_allreduce_s"].mean())
+        parts.append(
+            f"Every policy's step includes the all-reduce of the model's "
+            f"{result.spec.dense_params:,} replicated (dense) parameters' gradients "
+            f"({grad_ms:,.2f} ms), as poise simulate charges it; the steps before the first "
+            "plan takes effect run static's placement in every policy."
+        )
+    return " ".join(parts)
 
 
 def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
@@ -362,7 +405,104 @@ def compare_traces(a, b) -> str:
     )
 
 
+def measured_summary(runs: dict, skip: int, c_s: float) -> MeasuredSummary:
+    """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
+    `c_s` seconds per routed token of expert work, the verdict, and what it means in words."""
+    from poise.report.html import MeasuredSummary
+    from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
+
+    static, auto = runs["static"], runs["auto"]
+    st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
+    ideal = ideal_of(static, c_s, skip)
+    speedup, ideal_speedup = au / st, ideal["ideal_speedup"]
+    verdict = judge(speedup, ideal_speedup)
+    steps = len(static.step_s[measured_steps(static.step_s, skip)])
+    text = (
+        f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
+        f"auto trained at {au:,.0f} tokens/s against static's {st:,.0f}: {speedup:.3f}x. "
+        f"The ideal, {ideal_speedup:.3f}x, is the static run with its experts perfectly "
+        f"balanced for free: in each MoE layer the slowest rank computed "
+        f"{ideal['max_over_mean']:.2f}x the mean rank's token-expert pairs, "
+        f"{ideal['slowest_expert_ms']:.0f} ms of expert work per step where balance would take "
+        f"{ideal['balanced_expert_ms']:.0f} ms (at {c_s * 1e6:.2f} us per routed token of "
+        f"forward and backward, measured here), beside {ideal['non_expert_ms']:.0f} ms of "
+        "everything else, which balance cannot shorten. "
+    )
+    gain = verdict["gain_fraction"]
+    if not verdict["judged_gain"]:
+        text += (
+            f"With an ideal below {1.10:.2f}x there is little to gain here, so only 'do no "
+            f"harm' is judged: auto/static >= 0.99 ({'met' if verdict['no_harm'] else 'not met'})."
+        )
+    else:
+        text += (
+            f"auto earned {gain:.0%} of the possible gain "
+            f"({'met' if verdict['target_met'] else 'not met'}: {verdict['rule']})."
+        )
+    if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
+        text += (
+            " A speedup outside what balance can explain means the machine's load changed "
+            "between the two runs (other processes took CPU from one of them): compare "
+            "benchmarks/train_speedup.py, which alternates the runs and takes medians."
+        )
+    if steps < 30:
+        text += (
+            f" {steps} steps are too few to measure a speedup on a shared machine: run the "
+            "full demo (no --quick) or benchmarks/train_speedup.py for a figure."
+        )
+    return MeasuredSummary(
+        static_tok_s=st,
+        auto_tok_s=au,
+        speedup=speedup,
+        ideal_speedup=ideal_speedup,
+        verdict=verdict,
+        measured_steps=steps,
+        expert_us_per_token=c_s * 1e6,
+        text=text,
+    )
+
+
+def demo_json(summary: MeasuredSummary, sims: list, missing: list[str]) -> dict:
+    """`OUT/demo.json`: the measured line, then one entry per simulated table."""
+    simulated = []
+    for sec in sims:
+        res = sec.result
+        simulated.append(
+            {
+                "key": sec.key,
+                "title": sec.title,
+                "cluster": res.cluster.name,
+                "devices": int(res.cluster.num_devices),
+                "experts": int(res.spec.experts),
+                "top_k": int(res.spec.top_k),
+                "model": res.spec.name,
+                "trace": res.trace_name,
+                "steps": int(res.steps),
+                "replan_every": int(res.replan_every),
+                "policies": [
+                    {
+                        "policy": row["policy"],
+                        "step_ms": round(row["mean_step_s"] * 1e3, 4),
+                        "vs_static": None
+                        if row["speedup_vs_static"] is None
+                        else round(row["speedup_vs_static"], 4),
+                        "planning_ms_per_step": round(row["planning_s_per_step"] * 1e3, 4),
+                    }
+                    for row in res.summary_rows()
+                ],
+            }
+        )
+    return {
+        "measured": summary.as_json(),
+        "simulated": simulated,
+        "real_data_missing": list(missing),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
+    import json
+
+    from poise.calibrate.experts import expert_seconds_per_token
     from poise.report.html import (
         MEASURED_COLUMNS,
         SIM_COLUMNS,
@@ -377,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from poise.trace.trace import Trace
     from poise.train.data import build_corpus
+    from poise.util.atomic import atomic_write_text
 
     console = Console()
     size = QUICK if args.quick else FULL
@@ -400,8 +541,8 @@ def run(args: argparse.Namespace) -> int:
     mcfg = first.model_config()
     console.print(
         f"poise demo: {first.model} GPT-MoE ({mcfg.layers} layers, d_model {mcfg.d_model}, "
-        f"{mcfg.num_experts} experts top-{mcfg.top_k}, no aux loss) on {WORLD} ranks, "
-        f"{steps} steps per run, seed {first.seed}; corpus {corpus.source} "
+        f"{mcfg.num_experts} experts of width {mcfg.d_expert} top-{mcfg.top_k}, no aux loss) "
+        f"on {WORLD} ranks, {steps} steps per run, seed {first.seed}; corpus {corpus.source} "
         f"({len(corpus.tokens):,} bytes)"
     )
     for policy in POLICIES:
@@ -413,14 +554,49 @@ def run(args: argparse.Namespace) -> int:
             raise DemoError("the run recorded no routing trace", source=str(r.path))
         traces[p] = Trace.load(r.trace_path)
     trace_note = compare_traces(traces["static"], traces["auto"])
+    t0 = time.perf_counter()
+    with console.status("timing the experts on this machine (for the ideal)"):
+        cost = expert_seconds_per_token(
+            mcfg.d_model,
+            mcfg.d_expert,
+            max(1, mcfg.num_experts // WORLD),
+            activation=mcfg.activation,
+            repeats=size.expert_repeats,
+        )
+    wall["expert cost for the ideal"] = time.perf_counter() - t0
+    summary = measured_summary(runs, first.replan_every + 2, cost["c_s"])
 
-    sims = simulate_clusters(traces["static"], size.replan_every, size.cross_dc_steps, console)
+    sims, missing = simulate_clusters(
+        traces["static"], size, args.data, console, quick=bool(args.quick)
+    )
     for sec in sims:
         wall[f"simulate {sec.key} ({sec.result.steps} steps)"] = sec.seconds
     t0 = time.perf_counter()
     replays = replay_sections(args.data, size, console)
     wall["trace replays"] = time.perf_counter() - t0
 
+    sim_intro = [
+        "Each table below replays a routing trace in the simulator on a modelled cluster with "
+        "at least as many experts as devices, as in real expert-parallel training (with fewer "
+        "experts than devices, static EP keeps several copies of each expert and there is "
+        "little to balance). Every registered policy re-plans from the loads it has already "
+        "seen (EMA-predicted), in a planner thread beside training as the runtime plans, so a "
+        "plan takes effect the step after it is made and only planning time beyond that step "
+        "is charged. Columns: mean step time over all replayed steps, its ratio to static, the "
+        "busiest device's load over the mean, bytes moved per step (Trans, Agg, migration), "
+        "planning time charged per step and the planner's CPU time per layer on this machine."
+    ]
+    if missing:
+        sim_intro.append(
+            "Real routing not found: "
+            + "; ".join(missing)
+            + " (looked in --data, $POISE_SHARED_DATA and ../shared/data), so those tables are "
+            "left out and only what was found is replayed."
+        )
+        console.print(
+            "[yellow]real routing not found: " + "; ".join(missing) + "; replaying the "
+            "rest[/yellow]"
+        )
     settings = {
         "model": f"{first.model}: {mcfg.layers} layers, d_model {mcfg.d_model}, "
         f"{mcfg.num_experts} experts (d_expert {mcfg.d_expert}) top-{mcfg.top_k} in every layer, "
@@ -430,13 +606,27 @@ def run(args: argparse.Namespace) -> int:
         f"{steps} steps, AdamW lr {first.lr:g}, seed {first.seed}, no auxiliary loss",
         "policies": f"static EP ({mcfg.num_experts // WORLD} slots per rank) and auto "
         f"(re-plan every {first.replan_every} steps, {first.spare_slots} spare slot per rank)",
-        "simulated": ", ".join(CLUSTERS) + ", every registered policy, background planning, "
-        "the dense gradients' all-reduce in every step",
+        "simulated": ", ".join(f"{s.key} on {s.result.cluster.name}" for s in sims)
+        + "; every registered policy, background planning, the dense gradients' all-reduce in "
+        "every step",
     }
     data = DemoData(
-        runs=runs, sims=sims, replays=replays, settings=settings, notes=[trace_note], wall_s=wall
+        runs=runs,
+        sims=sims,
+        replays=replays,
+        settings=settings,
+        notes=[trace_note],
+        wall_s=wall,
+        summary=summary,
+        sim_intro=sim_intro,
+        replay_intro="The planners alone: each policy's plans priced by the cost model on "
+        "FasterMoE's cluster (16 V100, 32 experts), layer by layer, without the work outside "
+        "the MoE layers: a check that the policies behave on real and synthetic skew.",
     )
     wall["total before the report"] = time.perf_counter() - started
+    atomic_write_text(
+        out / "demo.json", json.dumps(demo_json(summary, sims, missing), indent=1) + "\n"
+    )
     with console.status("writing the report"):
         report = write_demo_report(data, out)
     total = time.perf_counter() - started
@@ -449,21 +639,24 @@ def run(args: argparse.Namespace) -> int:
     for row in measured_rows(runs):
         table.add_row(*(row[i] for i in shown))
     console.print(table)
+    console.print(summary.text)
     agreement = loss_agreement(runs["static"], runs["auto"])
     console.print(agreement_sentence(agreement, "static", "auto"))
     for sec in sims:
         t = Table(
             title=f"{sec.title}: {sec.result.cluster.num_devices:,} devices, "
-            f"{sec.result.steps} steps"
+            f"{sec.result.spec.experts} experts, {sec.result.steps} steps"
         )
         for col in SIM_COLUMNS:
             t.add_column(col, justify="left" if col == "policy" else "right")
         for row in sim_rows(sec.result):
             t.add_row(*row)
         console.print(t)
+    if sims:
+        sec = sims[-1]
         fastest = sec.result.summary_rows()[0]["policy"]
         columns, rows = breakdown_by_phase(sec.result, ["static", fastest, "auto"])
-        t = Table(title=f"{sec.title}: step time by phase (the report has every policy)")
+        t = Table(title=f"{sec.title}: step time by phase (the report has every table's)")
         for i, col in enumerate(columns):
             t.add_column(col, justify="left" if i == 0 else "right")
         for row in rows:
@@ -471,4 +664,5 @@ def run(args: argparse.Namespace) -> int:
         console.print(t)
     console.print(f"demo finished in {total:.1f} s")
     console.print(f"report: {report}")
+    console.print(f"summary: {out / 'demo.json'}")
     return 0

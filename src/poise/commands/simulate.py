@@ -3,7 +3,8 @@
 Prints a table (rich), writes `summary.json`, `steps.csv` (per step and policy), `layers.csv`
 (per step, layer and policy: the phase breakdown) and plots (`step_time.png`, `breakdown.png`,
 `device_load.png`) to `--out`. A trace recorded on fewer ranks than the cluster has devices is
-scaled by resampling its source rows; the output says so.
+scaled by resampling its source rows; the output says so. Planning runs in the background by
+default, as in the runtime (`--no-background-planning` charges it on the critical path).
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--background-planning",
-        action="store_true",
-        help="plan in a thread beside training: plans take effect one step later and only "
-        "planning time beyond that step is charged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan in a thread beside training, as the runtime's Balancer does (the default): "
+        "plans take effect one step later and only planning time beyond that step is charged; "
+        "--no-background-planning charges planning on the critical path of the step it is "
+        "made in",
     )
     p.add_argument(
         "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"

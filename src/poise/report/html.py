@@ -321,9 +321,40 @@ class ReplaySection:
 
 
 @dataclass
+class MeasuredSummary:
+    """The measured part in one line: static and auto tokens/s over the steps after the
+    warm-up, their ratio, the ideal (`poise.report.ideal`) and the verdict of
+    `poise.report.ideal.judge`; `text`: what it means, in words."""
+
+    static_tok_s: float
+    auto_tok_s: float
+    speedup: float
+    ideal_speedup: float
+    verdict: dict[str, Any]
+    measured_steps: int
+    expert_us_per_token: float
+    text: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "static_tok_s": round(self.static_tok_s, 1),
+            "auto_tok_s": round(self.auto_tok_s, 1),
+            "speedup": round(self.speedup, 4),
+            "ideal_speedup": round(self.ideal_speedup, 4),
+            "gain_fraction": self.verdict.get("gain_fraction"),
+            "target_met": self.verdict.get("target_met"),
+            "judged_gain": self.verdict.get("judged_gain"),
+            "rule": self.verdict.get("rule"),
+            "measured_steps": self.measured_steps,
+            "expert_us_per_token": round(self.expert_us_per_token, 3),
+        }
+
+
+@dataclass
 class DemoData:
     """Everything the demo's page shows. `settings`: label -> value lines for the first table;
-    `notes`: extra paragraphs under it; `wall_s`: what took how long."""
+    `notes`: extra paragraphs under it; `summary`: static, auto and the ideal in one table;
+    `sim_intro`: paragraphs before the simulated tables; `wall_s`: what took how long."""
 
     runs: dict[str, MeasuredRun]
     sims: list[SimSection] = field(default_factory=list)
@@ -331,6 +362,9 @@ class DemoData:
     settings: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     wall_s: dict[str, float] = field(default_factory=dict)
+    summary: MeasuredSummary | None = None
+    sim_intro: list[str] = field(default_factory=list)
+    replay_intro: str = ""
 
 
 SIM_COLUMNS = (
@@ -548,6 +582,26 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
 
     # Speed.
     page.heading("Measured step time and tokens/s", anchor="speed")
+    if data.summary is not None:
+        m = data.summary
+        gain = m.verdict.get("gain_fraction")
+        page.table(
+            ("static tok/s", "auto tok/s", "auto / static", "ideal", "share of the gain", "met"),
+            [
+                (
+                    f"{m.static_tok_s:,.0f}",
+                    f"{m.auto_tok_s:,.0f}",
+                    f"{m.speedup:.3f}x",
+                    f"{m.ideal_speedup:.3f}x",
+                    "" if gain is None else f"{gain:.2f}",
+                    "yes" if m.verdict.get("target_met") else "no",
+                )
+            ],
+            caption=f"measured, the {m.measured_steps} steps after the warm-up; "
+            f"judged: {m.verdict.get('rule', '')}",
+        )
+        if m.text:
+            page.paragraph(m.text)
     page.table(MEASURED_COLUMNS, measured_rows(runs), caption="measured on this machine")
     speed_png = "demo-speed.png"
     train_speed_plot(
@@ -598,6 +652,8 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     # Simulated clusters.
     if data.sims:
         page.heading("Simulated clusters", anchor="sim")
+    for text in data.sim_intro:
+        page.paragraph(text)
     for sec in data.sims:
         res = sec.result
         page.heading(sec.title, level=3)
@@ -630,6 +686,8 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     # Trace replays.
     if data.replays:
         page.heading("Trace replays", anchor="replay")
+        if data.replay_intro:
+            page.paragraph(data.replay_intro)
     for rep in data.replays:
         page.heading(rep.title, level=3)
         if rep.note:
@@ -661,6 +719,7 @@ __all__ = [
     "HtmlPage",
     "LossAgreement",
     "MeasuredRun",
+    "MeasuredSummary",
     "ReplaySection",
     "SimSection",
     "agreement_sentence",

@@ -213,6 +213,7 @@ def import_smartmoe(
     top_k: int = 2,
     tokens_per_device: int | None = None,
     name: str | None = None,
+    micro_batches: str = "sum",
 ) -> Trace:
     """Read a SmartMoE-AE `moe_trace` folder of `table_iter{N}_rank{R}.log` files.
 
@@ -220,9 +221,17 @@ def import_smartmoe(
     the assignments rank R sent to each expert at iteration N. Steps are the sorted iterations
     N (`step_ids`), devices the ranks 0..R-1 (every iteration must have every rank); the
     micro-batches of a step are summed. Counts `[S, L, D, E]`. `tokens_per_device` defaults to
-    `ceil(max row sum / top_k)`. `meta`: micro-batch count and tokens per micro-batch."""
+    `ceil(max row sum / top_k)`. `meta`: micro-batch count and tokens per micro-batch.
+
+    `micro_batches="steps"` makes each micro-batch a step of its own instead (M steps per
+    iteration, `step_ids` = N * M + m, `meta["iterations"]` the iterations): real routing of
+    consecutive batches, where the summed form has one step per snapshot."""
     folder = Path(folder)
     src = str(folder)
+    if micro_batches not in ("sum", "steps"):
+        raise TraceError(
+            f"must be 'sum' or 'steps', got {micro_batches!r}", source=src, field="micro_batches"
+        )
     if not folder.is_dir():
         raise TraceError("not a folder (expected a SmartMoE-AE moe_trace folder)", source=src)
     found: dict[int, dict[int, Path]] = {}
@@ -275,6 +284,12 @@ def import_smartmoe(
         "tokens_per_micro_batch": max(1, -(-mb_max // top_k)) if _is_int(top_k) else None,
         "ranks": D,
     }
+    if micro_batches == "steps":
+        S, L, _, M, E = raw.shape
+        counts = raw.transpose(0, 3, 1, 2, 4).reshape(S * M, L, D, E)
+        ids = np.array([it * M + m for it in iters for m in range(M)])
+        meta["iterations"] = iters
+        return _finish(counts, ids, top_k, tokens_per_device, name or folder.name, meta, src)
     return _finish(
         raw.sum(axis=3), np.array(iters), top_k, tokens_per_device, name or folder.name, meta, src
     )

@@ -1,0 +1,79 @@
+"""Seconds per routed token of one expert's forward and backward on this machine.
+
+    c = expert_seconds_per_token(d_model=128, d_expert=1024, slots=8)["c_s"]
+
+`poise.nn.Experts` (the model's activation, SwiGLU by default) at one intra-op thread, rows
+spread evenly over `slots`, timed forward + backward at 1,024 to 4,096 rows; `c_s` is the slope
+of the least-squares line through the medians, so a fixed per-call overhead (the intercept) is
+left out. The ideal of a measured run (`poise.report.ideal`) multiplies it by the token-expert
+pairs the slowest rank computed above the mean.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from poise.core.errors import ConfigError
+
+ROWS = (1024, 2048, 3072, 4096)
+
+
+def expert_seconds_per_token(
+    d_model: int,
+    d_expert: int,
+    slots: int,
+    *,
+    activation: str = "swiglu",
+    repeats: int = 15,
+    rows: tuple[int, ...] = ROWS,
+) -> dict[str, Any]:
+    """Fit `seconds = c_s * rows + intercept_s` for forward + backward of `slots` experts.
+
+    Returns `{"c_s", "intercept_s", "rows", "times_s"}` (`times_s`: the median of `repeats`
+    timings per row count, after 2 untimed calls). Restores the caller's thread count."""
+    import torch
+
+    from poise.nn.experts import Experts
+
+    if slots < 1 or repeats < 1 or len(rows) < 2:
+        raise ConfigError(
+            f"need slots >= 1, repeats >= 1 and 2 or more row counts, got {slots}, {repeats}, "
+            f"{list(rows)}",
+            field="expert_seconds_per_token",
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        experts = Experts(slots, d_model, d_expert, activation)
+        times = []
+        for n in rows:
+            counts = [n // slots] * slots
+            counts[0] += n - sum(counts)
+            x = torch.randn(n, d_model, generator=gen, requires_grad=True)
+            gy = torch.randn(n, d_model, generator=gen)
+            samples = []
+            for i in range(repeats + 2):
+                t0 = time.perf_counter()
+                experts(x, counts).backward(gy)
+                if i >= 2:
+                    samples.append(time.perf_counter() - t0)
+                experts.zero_grad(set_to_none=True)
+                x.grad = None
+            times.append(statistics.median(samples))
+    finally:
+        torch.set_num_threads(threads)
+    slope, intercept = np.polyfit(list(rows), times, 1)
+    return {
+        "c_s": float(slope),
+        "intercept_s": float(intercept),
+        "rows": list(rows),
+        "times_s": times,
+    }
+
+
+__all__ = ["ROWS", "expert_seconds_per_token"]

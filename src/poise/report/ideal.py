@@ -1,0 +1,112 @@
+"""What perfect balance would give a measured training run, and whether balancing earned it.
+
+A MoE layer's ranks meet at its all-to-alls, so each layer costs its slowest rank's expert
+compute; perfectly balanced experts would cost the mean rank's. With `n[s, l, r]` the
+token-expert pairs rank r computed in layer l at step s of the *static* run and `c` the seconds
+per routed token of one expert's forward and backward (`poise.calibrate.experts`):
+
+    excess[s]     = c * sum_l (max_r n[s, l, r] - mean_r n[s, l, r])
+    ideal[s]      = step_static[s] - excess[s]        (everything else as measured)
+    ideal_speedup = sum_s step_static[s] / sum_s ideal[s]
+
+The ideal is free balance: no Trans, Agg, migration or planning, nothing else changed.
+
+Judging (`judge`): `gain_fraction = (speedup - 1) / (ideal_speedup - 1)` is the share of the
+possible gain achieved. It is judged only where balance is worth something
+(`ideal_speedup >= IDEAL_MIN`, 1.10); doing nothing scores 0 there, so it cannot pass. In every
+setting balancing must do no harm: `speedup >= NO_HARM` (0.99). `speedup / ideal_speedup`
+(`fraction_of_ideal`) is reported too but not judged: it rewards doing nothing when the ideal
+is small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+GAIN_TARGET = 0.5  # share of the possible gain that counts as "pays for itself"
+IDEAL_MIN = 1.10  # below this ideal speedup there is too little to gain to judge the share
+NO_HARM = 0.99  # auto / static, in every setting
+
+
+def measured_steps(step_s: np.ndarray, skip: int) -> slice:
+    """The steps after `skip` warm-up steps (at least the last one)."""
+    return slice(min(max(skip, 0), len(step_s) - 1), None)
+
+
+def tokens_per_s(run: Any, skip: int) -> float:
+    """Tokens per second of a `MeasuredRun` over its steps after `skip`: every step counts,
+    re-planning and migration included."""
+    w = measured_steps(run.step_s, skip)
+    return float(run.tokens_per_step * len(run.step_s[w]) / run.step_s[w].sum())
+
+
+def ideal_of(static: Any, c_s: float, skip: int) -> dict[str, float]:
+    """The ideal of one static `MeasuredRun` (module docstring) over its steps after `skip`:
+    `ideal_speedup`, and per step the non-expert ms, the slowest and mean rank's expert ms and
+    the mean slowest/mean rank load."""
+    w = measured_steps(static.step_s, skip)
+    n = np.asarray(static.device_tokens, dtype=float)[w]  # [S, L, W]
+    if n.ndim != 3 or n.shape[0] == 0:
+        raise ValueError(f"device_tokens must be [steps, layers, ranks], got {n.shape}")
+    step = np.asarray(static.step_s, dtype=float)[w]
+    slow = n.max(axis=2).sum(axis=1)  # slowest rank's pairs, summed over layers, [S]
+    mean = n.mean(axis=2).sum(axis=1)
+    ideal = step - c_s * (slow - mean)
+    return {
+        "ideal_speedup": float(step.sum() / ideal.sum()),
+        "non_expert_ms": float((step - c_s * slow).mean() * 1e3),
+        "slowest_expert_ms": float((c_s * slow).mean() * 1e3),
+        "balanced_expert_ms": float((c_s * mean).mean() * 1e3),
+        "max_over_mean": float((n.max(axis=2) / np.maximum(n.mean(axis=2), 1e-9)).mean()),
+    }
+
+
+def judge(
+    speedup: float,
+    ideal_speedup: float,
+    *,
+    gain_target: float = GAIN_TARGET,
+    ideal_min: float = IDEAL_MIN,
+    no_harm: float = NO_HARM,
+) -> dict[str, Any]:
+    """Judge `speedup` (auto / static) against `ideal_speedup` (module docstring).
+
+    Returns `gain_fraction` (None when the ideal is <= 1), `fraction_of_ideal`, `judged_gain`
+    (whether the ideal is large enough to judge the gain), `no_harm` and `target_met`: no harm,
+    and where judged, `gain_fraction >= gain_target`.
+
+    >>> judge(1.00, 1.25)["target_met"]   # doing nothing where balance is worth 25%
+    False
+    >>> judge(1.15, 1.25)["gain_fraction"], judge(1.15, 1.25)["target_met"]
+    (0.6, True)
+    >>> judge(0.995, 1.05)["target_met"]  # little to gain: only "do no harm" is judged
+    True
+    """
+    if not (speedup > 0 and ideal_speedup > 0):
+        raise ValueError(f"speedups must be > 0, got {speedup} and {ideal_speedup}")
+    gain = (speedup - 1.0) / (ideal_speedup - 1.0) if ideal_speedup > 1.0 else None
+    judged = ideal_speedup >= ideal_min
+    harmless = speedup >= no_harm
+    met = harmless and (not judged or (gain is not None and gain >= gain_target))
+    return {
+        "gain_fraction": None if gain is None else round(gain, 3),
+        "fraction_of_ideal": round(speedup / ideal_speedup, 4),
+        "judged_gain": judged,
+        "no_harm": harmless,
+        "target_met": met,
+        "rule": f"auto/static >= {no_harm:g}, and gain_fraction >= {gain_target:g} "
+        f"where ideal >= {ideal_min:g}",
+    }
+
+
+__all__ = [
+    "GAIN_TARGET",
+    "IDEAL_MIN",
+    "NO_HARM",
+    "ideal_of",
+    "judge",
+    "measured_steps",
+    "tokens_per_s",
+]

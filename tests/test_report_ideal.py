@@ -1,0 +1,118 @@
+"""`poise.report.ideal`: the ideal of a measured run and the judging of a speedup, on hand-made
+numbers; `benchmarks/train_speedup.py` judges by it (its JSON line, with training faked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from poise.report.ideal import GAIN_TARGET, IDEAL_MIN, NO_HARM, ideal_of, judge, tokens_per_s
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "train_speedup.py"
+
+
+def test_judge_rewards_the_gain_not_doing_nothing() -> None:
+    # Balance is worth 20%; doing nothing keeps 83% of the ideal but earns none of the gain.
+    nothing = judge(1.0, 1.2)
+    assert nothing["fraction_of_ideal"] == pytest.approx(1 / 1.2, abs=1e-4)
+    assert nothing["gain_fraction"] == 0.0 and nothing["judged_gain"]
+    assert not nothing["target_met"]
+    # Half the gain: 1.10 of 1.20.
+    half = judge(1.10, 1.20)
+    assert half["gain_fraction"] == pytest.approx(0.5) and half["target_met"]
+    assert not judge(1.09, 1.20)["target_met"]  # 0.45 of the gain
+    assert judge(1.19, 1.20)["gain_fraction"] == pytest.approx(0.95)
+
+
+def test_judge_little_to_gain_only_asks_for_no_harm() -> None:
+    small = judge(0.995, 1.05)  # ideal below 1.10: the gain is not judged
+    assert not small["judged_gain"] and small["no_harm"] and small["target_met"]
+    assert small["gain_fraction"] == pytest.approx(-0.1)
+    harm = judge(0.98, 1.05)
+    assert not harm["no_harm"] and not harm["target_met"]
+    # Harm fails even where the gain would be judged.
+    assert not judge(0.98, 1.5)["target_met"]
+    assert judge(1.0, 1.0)["gain_fraction"] is None and judge(1.0, 1.0)["target_met"]
+    assert judge(1.0, IDEAL_MIN)["judged_gain"]
+    assert (GAIN_TARGET, IDEAL_MIN, NO_HARM) == (0.5, 1.10, 0.99)
+    with pytest.raises(ValueError):
+        judge(0.0, 1.2)
+
+
+def _run(step_s: list[float], tokens: np.ndarray, per_step: int = 1000) -> SimpleNamespace:
+    return SimpleNamespace(step_s=np.array(step_s), device_tokens=tokens, tokens_per_step=per_step)
+
+
+def test_ideal_of_hand_made_run() -> None:
+    """2 steps, 1 layer, 2 ranks: loads (300, 100) then (200, 200); c = 1 ms per pair.
+    Step 1 wastes (300 - 200) ms, step 2 nothing: ideal = (1.0 + 0.6) / (0.9 + 0.6)."""
+    tokens = np.array([[[300.0, 100.0]], [[200.0, 200.0]]])
+    run = _run([1.0, 0.6], tokens)
+    got = ideal_of(run, 1e-3, skip=0)
+    assert got["ideal_speedup"] == pytest.approx(1.6 / 1.5)
+    assert got["slowest_expert_ms"] == pytest.approx(250.0)
+    assert got["balanced_expert_ms"] == pytest.approx(200.0)
+    assert got["non_expert_ms"] == pytest.approx(((1.0 - 0.3) + (0.6 - 0.2)) / 2 * 1e3)
+    assert got["max_over_mean"] == pytest.approx((1.5 + 1.0) / 2)
+    assert tokens_per_s(run, 0) == pytest.approx(2000 / 1.6)
+    assert tokens_per_s(run, 1) == pytest.approx(1000 / 0.6)  # warm-up left out
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("train_speedup_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_speedup_settings_all() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--settings", "all"])
+    assert args.settings == list(bench.SETTINGS) and len(args.settings) >= 3
+    assert {bench.SETTINGS[n][0] for n in args.settings} == {2, 4}
+
+
+def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
+    """With training faked (static 1.0 s per step with loads 3:1; auto 0.98 s, balanced), the
+    JSON line's verdict is `judge`'s on the gain, not the old fraction-of-ideal >= 0.8."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    steps = 20
+    static_tokens = np.tile(np.array([[[3000.0, 1000.0]]]), (steps, 4, 1))
+    auto_tokens = np.full((steps, 4, 2), 2000.0)
+
+    def fake_train(cfg, world: int):
+        assert world == 2
+        static = cfg.policy == "static"
+        n = steps
+        return SimpleNamespace(
+            step_s=np.full(n, 1.0 if static else 0.98),
+            device_tokens=static_tokens if static else auto_tokens,
+            tokens_per_step=2048,
+            phases={"forward": np.full(n, 0.3)},
+            moe_phases={"experts": np.full(n, 0.1)},
+            max_over_mean=1.5 if static else 1.0,
+            moe_phase_mean=lambda k: 0.0,
+        )
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    # c = 25 us: 4 layers x 1000 excess pairs x 25 us = 0.1 s of a 1.0 s step -> ideal 1/0.9.
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    args = bench.parse_args(["--settings", "skewed", "--steps", str(steps), "--repeats", "1"])
+    line = bench.bench_setting("skewed", args, tmp_path)
+    assert line["ideal_speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
+    assert line["speedup"] == pytest.approx(1 / 0.98, abs=1e-4)
+    want = judge(line["speedup"], line["ideal_speedup"])
+    assert line["gain_fraction"] == want["gain_fraction"] == pytest.approx(0.184, abs=2e-3)
+    # 0.918 of the ideal passed the old rule (>= 0.8); 18% of the gain does not pass.
+    assert line["fraction_of_ideal"] > 0.8
+    assert line["target_met"] is False and line["judged_gain"] is True
+    assert line["ranks"] == 2
