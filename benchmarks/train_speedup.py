@@ -31,7 +31,7 @@ cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its
 slowest one, so its excess work still runs at about `c` per token.
 
 Judged (`poise.report.ideal.judge`): `gain_fraction = (speedup - 1) / (ideal_speedup - 1)`, the
-share of the possible gain achieved, must be >= 0.5 where `ideal_speedup >= 1.10`; in every
+share of the possible gain achieved, must be >= 0.75 where `ideal_speedup >= 1.10`; in every
 setting `speedup >= 0.99` (do no harm). `target_met` is both. `fraction_of_ideal = speedup /
 ideal_speedup` is printed but not judged: it rewards doing nothing when the ideal is small.
 The JSON line also gives the measured parts: non-expert ms per step, slowest-rank expert ms per

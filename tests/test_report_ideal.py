@@ -22,10 +22,10 @@ def test_judge_rewards_the_gain_not_doing_nothing() -> None:
     assert nothing["fraction_of_ideal"] == pytest.approx(1 / 1.2, abs=1e-4)
     assert nothing["gain_fraction"] == 0.0 and nothing["judged_gain"]
     assert not nothing["target_met"]
-    # Half the gain: 1.10 of 1.20.
-    half = judge(1.10, 1.20)
-    assert half["gain_fraction"] == pytest.approx(0.5) and half["target_met"]
-    assert not judge(1.09, 1.20)["target_met"]  # 0.45 of the gain
+    # Four fifths of the gain (1.16 of 1.20) meets the 0.75 target; half of it does not.
+    most = judge(1.16, 1.20)
+    assert most["gain_fraction"] == pytest.approx(0.8) and most["target_met"]
+    assert not judge(1.10, 1.20)["target_met"]  # 0.5 of the gain
     assert judge(1.19, 1.20)["gain_fraction"] == pytest.approx(0.95)
 
 
@@ -39,7 +39,7 @@ def test_judge_little_to_gain_only_asks_for_no_harm() -> None:
     assert not judge(0.98, 1.5)["target_met"]
     assert judge(1.0, 1.0)["gain_fraction"] is None and judge(1.0, 1.0)["target_met"]
     assert judge(1.0, IDEAL_MIN)["judged_gain"]
-    assert (GAIN_TARGET, IDEAL_MIN, NO_HARM) == (0.5, 1.10, 0.99)
+    assert (GAIN_TARGET, IDEAL_MIN, NO_HARM) == (0.75, 1.10, 0.99)
     with pytest.raises(ValueError):
         judge(0.0, 1.2)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-GAIN_TARGET = 0.5  # share of the possible gain that counts as "pays for itself"
+GAIN_TARGET = 0.75  # share of the possible gain that counts as "pays for itself" (issue 18)
 IDEAL_MIN = 1.10  # below this ideal speedup there is too little to gain to judge the share
 NO_HARM = 0.99  # auto / static, in every setting
 
