@@ -75,11 +75,14 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
         "improving its placement"
     ),
     ("hybridep", "HybridEP"): (
-        "HybridEP's measured iterations carry framework time that neither system changes (at "
-        "6 MB HybridEP is 1.03x of Tutel, 2.48 s against 2.52 s, far above the MoE layers' "
-        "traffic), and its all-gather gives every GPU of a domain the expert; Poise's scenario "
-        "prices the MoE layers, the dense GEMMs and the dense gradients' all-reduce over the "
-        "10 Gb/s links, with one replica per domain, and adds no framework time it cannot source"
+        "HybridEP's measured iterations carry framework time that neither system changes: a "
+        "line through Table V's Tutel times (2.52 s at 6 MB, 20.35 s at 192 MB) meets 0 MB at "
+        "about 1.9 s, where Poise's Tutel step is 0.07 s (its slope, 0.111 s/MB, is within 16% "
+        "of the paper's 0.096); Poise prices the MoE layers, the dense GEMMs and the dense "
+        "gradients' all-reduce over the 10 Gb/s links and adds no time it cannot source, so its "
+        "small-data speed-ups are too large; HybridEP's analytic model also assumes an even "
+        "gate and its all-gather has no slot limit, which on these cases (tried: uniform "
+        "routing, 32 slots per device) moves Poise's 192 MB speed-up to 30x, further off"
     ),
     ("parm", "Parm"): (
         "Parm's 1.13-5.77x pools 1,296 hand-configured layers on an 8-GPU server and a 32-GPU "
