@@ -29,12 +29,13 @@ NEUTRAL = 1.0  # speed-ups above it point one way, below it the other
 EXPLANATIONS: dict[tuple[str, str], str] = {
     ("fastermoe", "dynamic shadowing"): (
         "FasterMoE's Fig. 13 times the MoE layers alone (forward + backward of each layer, "
-        "§5.2) and shadows from each iteration's own counts; Poise times the whole step "
-        "(dense compute included) and re-plans every 10 steps from a forecast"
+        "§5.2) and shadows from each iteration's own counts; Poise times the MoE layers too and "
+        "shadows every iteration, but from a forecast of the last steps' counts (the "
+        "simulator never plans on the step it prices)"
     ),
     ("fastermoe", "shadowing + smart"): (
-        "as 'dynamic shadowing': MoE-layer time only and per-iteration shadowing in the paper, "
-        "whole steps and a forecast every 10 steps in Poise"
+        "as 'dynamic shadowing': per-iteration shadowing on the iteration's own counts in the "
+        "paper, on a forecast from the previous steps in Poise"
     ),
     ("pro-prophet", "FasterMoE"): (
         "Poise's FasterMoE here is dynamic shadowing alone, re-planned every iteration, as "
