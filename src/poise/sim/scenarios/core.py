@@ -404,7 +404,9 @@ def step_times(result: SimResult, policy: str) -> tuple[np.ndarray, np.ndarray]:
     return priced + run.plan_charge_s, priced
 
 
-def _window(x: np.ndarray, warmup: int) -> float:
+def measured_mean(x: np.ndarray, warmup: int) -> float:
+    """Mean of the step seconds `x[S]` after the `warmup` steps (the last step if none is
+    left)."""
     return float(x[min(warmup, len(x) - 1) :].mean())
 
 
@@ -464,9 +466,9 @@ def run_scenario(
             charged, priced = {}, {}
             for n in names:
                 c, p = step_times(result, n)
-                charged[n], priced[n] = _window(c, warmup), _window(p, warmup)
+                charged[n], priced[n] = measured_mean(c, warmup), measured_mean(p, warmup)
             means[case.label][run.schedule] = charged if scenario.count_planning else priced
-            checks.append(_check(scenario, case.label, run.schedule, result, charged, priced))
+            checks.append(auto_check(scenario, case.label, run.schedule, result, charged, priced))
             done += 1
             if progress is not None:
                 progress(what, done, total)
@@ -500,7 +502,7 @@ def timed_dense_params(scenario: Scenario, spec: ModelSpec) -> int | None:
     return spec.dense_params
 
 
-def _check(
+def auto_check(
     scenario: Scenario,
     case: str,
     schedule: str,

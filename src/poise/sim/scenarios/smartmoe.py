@@ -68,9 +68,9 @@ from poise.sim.scenarios.core import (
     Scenario,
     ScenarioResult,
     TraceRecipe,
-    _check,
-    _window,
+    auto_check,
     build_trace,
+    measured_mean,
     step_times,
 )
 from poise.sim.simulator import simulate
@@ -237,8 +237,8 @@ def compare(lc: LayoutCase, counts: np.ndarray, scenario: Scenario) -> LayoutCom
     charged, priced = {}, {}
     for n in policies:
         c, p = step_times(result, n)
-        charged[n], priced[n] = _window(c, warmup), _window(p, warmup)
-    check = _check(scenario, lc.label, FASTERMOE[0], result, charged, priced)
+        charged[n], priced[n] = measured_mean(c, warmup), measured_mean(p, warmup)
+    check = auto_check(scenario, lc.label, FASTERMOE[0], result, charged, priced)
     means = charged if scenario.count_planning else priced
     return LayoutComparison(search.ranked, chosen, paper, paper_rank, means, check)
 
