@@ -13,6 +13,10 @@ parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-e
 `compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
 expert plus this share (0, 1] of their residual's entries (`poise.runtime.compress`). It changes
 the mathematics (replicas compute with approximate weights), hence off by default.
+`balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
+the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
+`self_calibrate` (default on): plans are priced with the cluster's compute and network constants
+fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class TrainConfig:
     predictor: str = "ema"
     cluster: str | None = None
     compression: float | None = None
+    balance_guard: bool = True
+    self_calibrate: bool = True
     # parallelism
     layout: str | None = None
     # run
@@ -173,6 +179,8 @@ def _rules() -> dict[str, _Rule]:
         "predictor": _Rule(_STR),
         "cluster": _Rule(_STR, nullable=True),
         "compression": _Rule(_NUM, nullable=True, low=0, high=1, low_open=True),
+        "balance_guard": _Rule(_BOOL),
+        "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),
