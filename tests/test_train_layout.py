@@ -70,7 +70,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
             policy="auto",
             balance_guard=False,
             self_calibrate=False,
-        ),  # fmt: skip
+        ),
     }
     for name, cfg in runs.items():
         out[name] = _result(train(cfg, quiet=True))
