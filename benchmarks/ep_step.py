@@ -156,7 +156,11 @@ class _Runner:
             y = y + block(y)
         (y * self.g).sum().backward()
         sync_router_grads(self.model)
+        if self.balancer is not None:
+            self.balancer.reduce_replicas()
         self.opt.step()
+        if self.balancer is not None:
+            self.balancer.step()
         self.opt.zero_grad()
         self.times.append(time.perf_counter() - t0)
 

@@ -272,7 +272,11 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
                 n = p.numel()
                 p.grad.copy_(flat[at : at + n].view_as(p))
                 at += n
+            if balancer is not None:
+                balancer.reduce_replicas()
             opt.step()
+            if balancer is not None:
+                balancer.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(flat[-1]) / tokens)
         wall = time.perf_counter() - t0

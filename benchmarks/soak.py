@@ -71,14 +71,15 @@ def _soak_rank(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
 
     rss: list[int] = []
     plans: list[int] = []
-    original = Balancer.after_step
+    original = Balancer.step
 
-    def after_step(self: Balancer) -> None:
-        original(self)
+    def step(self: Balancer) -> Any:
+        stats = original(self)
         rss.append(rss_bytes())
         plans.append(self.plan.digest())
+        return stats
 
-    Balancer.after_step = after_step  # type: ignore[method-assign]
+    Balancer.step = step  # type: ignore[method-assign]
     cfg = TrainConfig(
         model="tiny",
         steps=steps,

@@ -86,10 +86,13 @@ def tiny_train_config(root: str, name: str, **overrides: object):
     return TrainConfig(**base)
 
 
-def train_residual_moe(model, opt, rank: int, steps: int, tokens: int, d_model: int) -> list[float]:
+def train_residual_moe(
+    model, opt, rank: int, steps: int, tokens: int, d_model: int, balancer=None
+) -> list[float]:
     """This rank's loss per step of a residual stack of MoE layers (`model.blocks`) regressing
     random targets: inputs and targets drawn from a generator seeded by the rank, router
-    gradients summed over the ranks before each optimizer step."""
+    gradients summed over the ranks before each optimizer step; with a `balancer`, its
+    `reduce_replicas()` before and `step()` after the optimizer step."""
     import torch
 
     from poise.nn import sync_router_grads
@@ -105,7 +108,11 @@ def train_residual_moe(model, opt, rank: int, steps: int, tokens: int, d_model: 
         loss = ((y - target) ** 2).mean()
         loss.backward()
         sync_router_grads(model)
+        if balancer is not None:
+            balancer.reduce_replicas()
         opt.step()
+        if balancer is not None:
+            balancer.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
-from poise.nn import MoE, MoEConfig, apply_expert_parallel
+from poise.nn import MoE, MoEConfig, apply_expert_parallel, raise_if_nonfinite
 from poise.nn.dispatch import RankRouting, gather_index, inverse, split_parts
 from poise.nn.slots import SlotMap, slot_maps
 from poise.runtime.launch import run_ranks
@@ -105,7 +105,7 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     x = torch.randn(5, 8)
     if rank == 1:
         x[3, 0] = float("nan")
-    attempt("nan", lambda: moe(x))
+    attempt("nan", lambda: (moe(x), raise_if_nonfinite(moe)))  # raised at the step boundary
     other = Placement.from_homes(np.array([[0, 0, 1, 1, 2, 2]]), world, 2)
     if rank == 2:
         other = Placement.from_homes(np.array([[0, 1, 0, 1, 2, 2]]), world, 2)

@@ -171,7 +171,7 @@ def _rank_readme(rank: int, world: int) -> dict:
     exec(compile(_readme_snippet(), "README.md", "exec"), scope)
     model, balancer = scope["model"], scope["balancer"]
     return {
-        "steps": balancer.step,
+        "steps": balancer.steps_done,
         "slots": model.moe.num_slots,
         "loss": float(scope["loss"]),
         "replan_every": balancer.replan_every,

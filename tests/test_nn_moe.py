@@ -22,6 +22,7 @@ from poise.nn import (
     RankRouting,
     apply_expert_parallel,
     install_bias_update,
+    raise_if_nonfinite,
     slot_maps,
     sync_router_grads,
 )
@@ -276,9 +277,59 @@ def test_nan_input_is_one_clear_error_and_can_be_switched_off():
     moe = MoE(cfg)
     x = torch.randn(6, 16)
     x[2, 3] = float("nan")
+    moe(x)  # forward only sets a device flag: no host synchronisation
     with pytest.raises(NonFiniteInputError, match="NaN or infinity"):
-        moe(x)
-    MoE(cfg.replace(check_finite=False))(x)  # no check, no error
+        raise_if_nonfinite(moe)  # the step boundary
+    raise_if_nonfinite(moe)  # the flag was reset
+    moe(torch.randn(6, 16))
+    raise_if_nonfinite(moe)  # finite input: nothing
+    quiet = MoE(cfg.replace(check_finite=False))
+    quiet(x)
+    raise_if_nonfinite(quiet)  # no check, no error
+
+
+HOST_SYNCS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist")
+
+
+def count_host_syncs(monkeypatch, fn) -> dict[str, int]:
+    """Run `fn()` with every tensor-to-Python conversion (`HOST_SYNCS`, each a device-to-host
+    synchronisation on an accelerator) counted, by name."""
+    calls = dict.fromkeys(HOST_SYNCS, 0)
+    for name in HOST_SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    fn()
+    monkeypatch.undo()
+    return calls
+
+
+def test_forward_does_not_synchronise_with_the_host(monkeypatch):
+    """Dropless MoE.forward (with a Balancer's hooks attached) converts no tensor to a Python
+    value, the finiteness check included. One process, so there is no counts exchange; the
+    one conversion allowed is its equivalent: the grouped GEMM's sizes per slot (one
+    `tolist`). Infinity in the input still raises, at the step boundary."""
+    from poise.runtime.balancer import Balancer, default_cluster
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(16, 32, 4, 2))
+    apply_expert_parallel(moe, None, num_slots=5)
+    balancer = Balancer(moe, torch.optim.AdamW(moe.parameters()), "auto", 2,
+                        cluster=default_cluster(1))  # fmt: skip
+    x = torch.randn(24, 16)
+    x[3, 1] = float("inf")
+    moe(x)  # warm-up (lazy initialisation may convert)
+    calls = count_host_syncs(monkeypatch, lambda: moe(x))
+    group_sizes = calls.pop("tolist")
+    assert calls == dict.fromkeys(calls, 0), calls
+    assert group_sizes <= 1  # the grouped GEMM's sizes, as the counts exchange gives them
+    with pytest.raises(NonFiniteInputError, match="NaN or infinity"):
+        balancer.reduce_replicas()  # the step boundary raises
+    balancer.close()
 
 
 def test_world_must_fit_the_experts():

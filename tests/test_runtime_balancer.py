@@ -1,12 +1,15 @@
 """The Balancer changes where experts live, never the mathematics.
 
 On 2 and 4 gloo ranks (one spawn each, every policy inside it): 20 AdamW steps of a two-layer
-MoE stack with skewed routing, re-planning every 2 steps, end with the parameters and losses of
-plain static EP (no Balancer) within 1e-5 under every policy that replicates or moves experts,
-with each step's tokens split among the replicas by the step's counts (the default) and, for
-two policies, by the plans' fixed shares (`:fixed`).
-A forced change of every home moves the AdamW moments with the weights; ranks that disagree on
-a plan get one clear error. One-process tests cover the helpers."""
+MoE stack with skewed routing, the loop calling `reduce_replicas()` and `step()` itself, plans
+requested every 2 steps and adopted one step later on the planner thread, end with the
+parameters and losses of plain static EP (no Balancer) within 1e-5 under every policy that
+replicates or moves experts, with each step's tokens split among the replicas by the step's
+counts (the default) and, for two policies, by the plans' fixed shares (`:fixed`); every rank
+switches plans at the same steps. A forced change of every home moves the AdamW moments with the
+weights; ranks that disagree on a plan get one clear error. The guard (2 ranks) adopts a plan
+that clearly pays, refuses one whose switch costs more than it saves, and never switches when
+the load is balanced. One-process tests cover the helpers."""
 
 from __future__ import annotations
 
@@ -47,9 +50,9 @@ def _build(W: int, seed: int = 0):
     return model, opt
 
 
-def _train(model, opt, rank: int, steps: int) -> list[float]:
-    """This rank's loss per step."""
-    return train_residual_moe(model, opt, rank, steps, TOKENS, D_MODEL)
+def _train(model, opt, rank: int, steps: int, balancer=None) -> list[float]:
+    """This rank's loss per step (the Balancer's calls named by the loop)."""
+    return train_residual_moe(model, opt, rank, steps, TOKENS, D_MODEL, balancer)
 
 
 def _home_rows(model, opt, rank: int) -> dict:
@@ -79,12 +82,13 @@ def _equivalence(rank: int, W: int) -> dict:
     for policy in POLICIES:
         model, opt = _build(W)
         name, _, fixed = policy.partition(":")
-        balancer = Balancer(
-            model, opt, name, replan_every=EVERY, cluster=cluster, split_tokens=not fixed
-        )
-        losses = _train(model, opt, rank, STEPS)
+        # every plan that differs is adopted (guard off), priced on the toy cluster as given
+        balancer = Balancer(model, opt, name, replan_every=EVERY, cluster=cluster,
+                            guard=False, calibrate=False, split_tokens=not fixed)  # fmt: skip
+        losses = _train(model, opt, rank, STEPS, balancer)
         balancer.close()
         stats = list(balancer.stats)
+        result[f"{policy}.switched_at"] = [s.step for s in stats if s.switched]
         result[policy] = (losses, _home_rows(model, opt, rank))
         result["routers"][policy] = [b.router.weight.detach().numpy() for b in model.blocks]
         result[f"{policy}.moved"] = (
@@ -112,6 +116,7 @@ def _equivalence(rank: int, W: int) -> dict:
     if W == 2:
         result["forced"] = _forced_home_change(rank, W, cluster)
         result["mismatch"] = _mismatch(rank, W)
+        result["guard"] = _guarded(rank, W)
     return result
 
 
@@ -121,7 +126,7 @@ def _forced_home_change(rank: int, W: int, cluster) -> dict:
 
     model, opt = _build(W)
     balancer = Balancer(model, opt, "static", replan_every=1000, cluster=cluster)
-    _train(model, opt, rank, 3)
+    _train(model, opt, rank, 3, balancer)
     before = _home_rows(model, opt, rank)
     steps_before = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
     home = (balancer.plan.placement.home + 1) % W  # every home changes rank
@@ -134,7 +139,7 @@ def _forced_home_change(rank: int, W: int, cluster) -> dict:
     balancer.apply(plan)
     after = _home_rows(model, opt, rank)
     steps_after = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
-    losses = _train(model, opt, rank, 1)  # the new layout trains
+    losses = _train(model, opt, rank, 1, balancer)  # the new layout trains
     balancer.close()
     return {"before": before, "after": after, "steps": (steps_before, steps_after), "loss": losses}
 
@@ -156,6 +161,56 @@ def _mismatch(rank: int, W: int) -> str:
     finally:
         balancer.close()
     return ""
+
+
+def _guarded(rank: int, W: int) -> dict:
+    """The guard on 2 ranks (defaults: plan lag 1, guard on), 10 steps, re-planning every 2:
+    `pays`: fast links, slow GEMMs, a skewed load (eplb replicates the hot experts);
+    `costly`: the same plans over links of 100 B/s, expected to serve one step and to pay for
+    their switch twice (the modelled switch costs 0.7 of the modelled saving of one step);
+    `balanced`: every rank routes evenly (a replayed uniform trace), policy auto, calibrating."""
+    import torch
+    import torch.distributed as dist
+
+    from poise.nn import MoE, MoEConfig, ReplayRouter, apply_expert_parallel
+    from poise.runtime.balancer import Balancer
+    from poise.trace.trace import Trace
+    from tests.helpers import toy_cluster
+
+    out = {}
+    settings = {
+        "pays": dict(policy="eplb", cluster=toy_cluster(W, bw=1e12, flops=1e6), calibrate=False),
+        "costly": dict(policy="eplb", cluster=toy_cluster(W, bw=1e2, flops=1e6), calibrate=False,
+                       guard_horizon=1, guard_margin=1.0),
+        "balanced": dict(policy="auto"),
+    }  # fmt: skip
+    for name, kw in settings.items():
+        if name == "balanced":
+            torch.manual_seed(0)
+            uniform = Trace(np.full((1, 2, W, E), 8), np.arange(1), top_k=2, tokens_per_device=32)
+            model = torch.nn.Module()
+            model.blocks = torch.nn.ModuleList(
+                [MoE(MoEConfig(D_MODEL, D_EXPERT, E, 2, init_seed=i),
+                     router=ReplayRouter(D_MODEL, E, 2, uniform, layer=i, rank=rank))
+                 for i in range(2)]
+            )  # fmt: skip
+            apply_expert_parallel(model, dist.group.WORLD, num_slots=E // W + 2)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+        else:
+            model, opt = _build(W)
+        balancer = Balancer(model, opt, replan_every=EVERY, **kw)
+        _train(model, opt, rank, 10, balancer)
+        balancer.close()
+        stats = list(balancer.stats)
+        out[name] = {
+            "switched_at": [s.step for s in stats if s.switched],
+            "decisions": [s.decision for s in stats if s.replanned],
+            "gain_switch": [(s.gain_s, s.switch_cost_s) for s in stats if s.replanned],
+            "bytes": sum(s.trans_bytes + s.migrate_bytes for s in stats),
+            "fit": stats[-1].fit if name == "balanced" else None,
+            "fits": [s.fit for s in stats if s.replanned],
+        }
+    return out
 
 
 def _merge(results: list[dict], key: str) -> dict:
@@ -193,7 +248,11 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
         for a, b in routers:
             np.testing.assert_allclose(a, b, atol=TOL)
         trans, migrate, replans, balance_end, balance_start = results[0][f"{policy}.moved"]
-        assert replans == STEPS // EVERY
+        assert replans == STEPS // EVERY - 1  # the last request (step 20) is never decided
+        switched = [r[f"{policy}.switched_at"] for r in results]
+        assert all(s == switched[0] for s in switched), (policy, switched)  # the same boundary
+        # requested at the boundary after step 2k, adopted after step 2k + 1 (stats count from 0)
+        assert all(s % EVERY == 0 for s in switched[0]), switched[0]
         if policy != "static":
             assert trans + migrate > 0, policy  # the policy really replicated or moved experts
             assert balance_end < balance_start, policy
@@ -236,6 +295,23 @@ def test_ranks_with_different_plans_get_one_clear_error(two_ranks: list[dict]) -
         assert "ranks computed different plans" in r["mismatch"]
 
 
+@pytest.mark.dist
+def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict]) -> None:
+    guards = [r["guard"] for r in two_ranks]
+    for name in ("pays", "costly", "balanced"):  # every rank took the same decisions
+        assert all(g[name]["switched_at"] == guards[0][name]["switched_at"] for g in guards)
+        assert all(g[name]["decisions"] == guards[0][name]["decisions"] for g in guards)
+    pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
+    assert pays["switched_at"] and pays["decisions"][0] == "adopt", pays
+    assert costly["switched_at"] == [] and costly["bytes"] == 0, costly
+    assert "no-gain" in costly["decisions"], costly
+    assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly
+    assert balanced["switched_at"] == [] and balanced["bytes"] == 0, balanced
+    assert len(balanced["decisions"]) == 4  # decided at steps 3, 5, 7, 9: all kept static
+    fit = balanced["fits"][-1]  # the self-calibration saw the steps and fitted both scales
+    assert fit["rows"] > 0 and fit["k_compute"] > 0 and fit["k_network"] > 0, fit
+
+
 # ------------------------------------------------------------------------- one process
 def test_plan_digest_sees_every_part_of_a_plan() -> None:
     placement = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
@@ -272,13 +348,17 @@ def test_one_process_balancer_records_and_plans() -> None:
     model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)), MoE(MoEConfig(8, 16, 4, 2)))
     apply_expert_parallel(model, None, num_slots=5)  # one rank with a spare slot
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1))
+    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
+                        plan_lag=0)  # fmt: skip
     for _ in range(4):
         model(torch.randn(16, 8)).square().mean().backward()
+        balancer.reduce_replicas()
         opt.step()
+        balancer.step()
         opt.zero_grad()
     stats = list(balancer.stats)
     assert [s.replanned for s in stats] == [False, True, False, True]
+    assert all(s.decision for s in stats[1::2]) and stats[1].seconds["plan"] > 0
     assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
     assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
     assert stats[-1].as_dict()["step"] == 3
@@ -306,3 +386,60 @@ def test_bad_arguments_are_config_errors() -> None:
         Balancer(model, opt, cluster="cpu-2")
     with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):
         Balancer(torch.nn.Linear(2, 2), opt)
+
+
+def test_guard_prices_switches_with_what_they_measured() -> None:
+    from poise.runtime.guard import Assessment, SwitchGuard
+
+    guard = SwitchGuard(horizon=10, margin=0.2)
+    plan = Assessment(False, current_s=1.0, candidate_s=0.9, switch_s=0.5)  # saves 0.1 s/step
+    assert guard.decide(plan).adopt  # 1.0 s over 10 steps > 1.2 * 0.5 s
+    assert not guard.decide(plan, wait_s=0.4).adopt  # the planner's delay counts
+    assert not SwitchGuard(horizon=2).decide(plan).adopt  # 0.2 s over 2 steps: no
+    guard.record_switch(measured_s=2.0, modelled_s=0.5)  # switches cost 4x the model here
+    decision = guard.decide(plan)
+    assert not decision.adopt and decision.reason == "no-gain" and decision.switch_s == 2.0
+    assert guard.decide(Assessment(same=True)).reason == "same"
+    assert SwitchGuard(horizon=2, enabled=False).decide(plan).adopt  # guard off: adopt
+    # keeping it: a plan that does not make steps faster falls back, and re-plans back off
+    assert guard.pays(np.array([1.0, 1.1]), np.array([0.8, 0.9]))
+    assert not guard.pays(np.array([1.0, 1.1]), np.array([1.2, 1.0]))
+    assert guard.pays(np.array([]), np.array([5.0]))  # nothing to compare yet
+    guard.fell_back()
+    assert guard.skip_replan() and not guard.skip_replan()
+    guard.fell_back()
+    assert [guard.skip_replan() for _ in range(3)] == [True, True, False]  # doubled
+
+
+def test_self_calibration_fits_the_scales() -> None:
+    from poise.runtime import selfcal
+
+    assert selfcal.fit_scale(np.array([2.0, 4.0]), np.array([1.0, 2.0]), 0.0) == 2.0
+    pulled = selfcal.fit_scale(np.array([2.0, 4.0]), np.array([1.0, 2.0]), 4.0)
+    assert 1.0 < pulled < 2.0  # the preset's prior pulls towards 1
+    assert selfcal.fit_scale(np.array([]), np.array([]), 4.0) == 1.0
+    from tests.helpers import toy_cluster
+
+    prior = toy_cluster(2, bw=1e9, flops=1e9, lat=1e-6)
+    fitted = selfcal.scaled_cluster(prior, 2.0, 4.0)
+    assert fitted.gemm_flops("fp32") == prior.gemm_flops("fp32") / 2
+    assert fitted.intra_node.bw_Bps == 1e9 / 4 and fitted.intra_node.lat_s == 4e-6
+
+
+def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
+    import threading
+
+    from poise.core.errors import PoiseError
+    from poise.runtime.planner import BackgroundPlanner
+
+    planner = BackgroundPlanner()
+    release = threading.Event()
+    planner.submit(lambda: release.wait(5) and "plan", requested_at=4, adopt_at=5)
+    assert planner.busy and not planner.due(4) and planner.due(5)
+    with pytest.raises(PoiseError, match="in flight"):
+        planner.submit(lambda: None, 5, 6)
+    threading.Timer(0.05, release.set).start()
+    done = planner.take()  # waits for the thread
+    assert done.value == "plan" and done.wait_s > 0 and done.plan_s >= done.wait_s
+    assert (done.requested_at, done.adopt_at) == (4, 5) and not planner.busy
+    planner.close()

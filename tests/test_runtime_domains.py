@@ -91,8 +91,17 @@ def _run(rank: int, W: int) -> dict:
     for name, ratio in VARIANTS.items():
         model, opt = _build()
         balancer = Balancer(
-            model, opt, "hybrid", replan_every=EVERY, cluster=cluster, compression=ratio
-        )
+            model,
+            opt,
+            "hybrid",
+            replan_every=EVERY,
+            cluster=cluster,
+            compression=ratio,
+            hooks=True,
+            plan_lag=0,
+            guard=False,
+            calibrate=False,
+        )  # fmt: skip  (the legacy optimizer-hook mode, planning at the boundary it is asked)
         traffic = _Traffic(model)
         recorder = DomainTraffic(model, SIZE)
         replicas: list[int] = []  # replicas of both layers in force after each step

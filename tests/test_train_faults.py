@@ -50,6 +50,8 @@ def _argv(root: Path, name: str, *extra: str) -> list[str]:
         "tensorboard": False,
         "progress": False,
         "cache_dir": str(root / "cache"),
+        "balance_guard": False,  # every plan auto makes is adopted: faults hit real transfers
+        "self_calibrate": False,
     }
     argv = ["train", "tiny", "--nproc", "2", "--steps", str(STEPS), "--policy", "auto"]
     argv += ["--replan-every", "2", "--out", str(root / name), "--quiet"]

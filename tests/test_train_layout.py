@@ -63,7 +63,14 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     runs = {
         "plain4": _cfg(root, "plain4"),
         "layout": _cfg(root, "layout", layout="ep=2"),
-        "balanced": _cfg(root, "balanced", layout="pp1-ep2-edp2", policy="auto"),
+        "balanced": _cfg(
+            root,
+            "balanced",
+            layout="pp1-ep2-edp2",
+            policy="auto",
+            balance_guard=False,
+            self_calibrate=False,
+        ),
     }
     for name, cfg in runs.items():
         out[name] = _result(train(cfg, quiet=True))

@@ -6,6 +6,7 @@ apply_expert_parallel(model, dist.group.WORLD)     # with several ranks: any wor
 y = model(x)                                       # x [B, T, M]
 (loss(y) + moe.last_forward.aux_loss).backward()
 sync_router_grads(model)                           # with several ranks
+raise_if_nonfinite(model)        # at the step boundary (the Balancer does it in reduce_replicas)
 """
 
 from poise.nn.comm import comm_device
@@ -25,6 +26,7 @@ from poise.nn.moe import (
     default_slots,
     find_moe_layers,
     install_bias_update,
+    raise_if_nonfinite,
     sync_router_grads,
 )
 from poise.nn.router import ReplayRouter, Router, Routing, capacity_keep
@@ -53,6 +55,7 @@ __all__ = [
     "find_moe_layers",
     "grouped_mm_problem",
     "install_bias_update",
+    "raise_if_nonfinite",
     "slot_maps",
     "sync_router_grads",
 ]

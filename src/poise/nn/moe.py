@@ -27,8 +27,12 @@ State after a forward, all declared in `__init__`:
 - `last_forward` (a `ForwardRecord`): the router's `aux_loss` (weighted balance + z losses),
   `balance_loss`, `z_loss`, and `seconds` per phase (gate, dispatch, experts, combine).
 
-Checks: inputs with NaN or infinity raise `NonFiniteInputError` (on every rank under EP;
-`check_finite=False` skips the check); ranks whose routings differ raise `RoutingMismatchError`.
+Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
+on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
+gathers the flags with the step's counts (`Balancer.reduce_replicas`) and raises
+`NonFiniteInputError` on every rank; without a Balancer call `raise_if_nonfinite(model)` where
+the loss is read (`check_finite=False` sets no flag). Ranks whose routings differ raise
+`RoutingMismatchError` in forward (the dispatcher's count exchange carries the digest).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
 from poise.nn.comm import comm_device
 from poise.nn.config import MoEConfig
-from poise.nn.dispatch import Dispatcher, RankRouting, world_and_rank
+from poise.nn.dispatch import Dispatcher, NonFiniteInputError, RankRouting, world_and_rank
 from poise.nn.experts import Experts
 from poise.nn.router import Router
 from poise.nn.slots import SlotMap
@@ -89,10 +93,12 @@ class MoE(nn.Module):
     `config`: the layer (`MoEConfig`); `router`: a ready router instead of the config's (e.g. a
     `ReplayRouter`; its shapes must match). Holds all `E` experts (`experts`, `[E, ...]`) until
     `apply_expert_parallel` keeps this rank's `P` slots. After forward: the buffers
-    `last_counts [E]` and `bias_counts [E]`, and `last_forward` (losses, seconds)."""
+    `last_counts [E]`, `bias_counts [E]` and `nonfinite_seen []` (bool, since the last
+    `take_nonfinite`), and `last_forward` (losses, seconds)."""
 
     last_counts: torch.Tensor
     bias_counts: torch.Tensor
+    nonfinite_seen: torch.Tensor
 
     def __init__(
         self,
@@ -127,6 +133,8 @@ class MoE(nn.Module):
         self.register_buffer("last_counts", torch.zeros(E, dtype=torch.long, device=device),
                              persistent=False)  # fmt: skip
         self.register_buffer("bias_counts", torch.zeros(E, dtype=torch.long, device=device),
+                             persistent=False)  # fmt: skip
+        self.register_buffer("nonfinite_seen", torch.zeros((), dtype=torch.bool, device=device),
                              persistent=False)  # fmt: skip
         self.last_forward = ForwardRecord()
 
@@ -228,16 +236,11 @@ class MoE(nn.Module):
         self.last_counts.copy_(counts)
         if self.training and self.router.expert_bias is not None:
             self.bias_counts.add_(counts.to(self.bias_counts.device))
-        nonfinite = self.config.check_finite and not bool(torch.isfinite(routing.logits).all())
+        if self.config.check_finite:  # on the device: read at the step boundary
+            self.nonfinite_seen |= ~torch.isfinite(routing.logits.detach()).all()
         t_gate = time.perf_counter() - t0
         y = self.dispatcher(
-            tokens,
-            routing.experts,
-            routing.weights,
-            routing.keep,
-            self.routing,
-            self.experts,
-            nonfinite,
+            tokens, routing.experts, routing.weights, routing.keep, self.routing, self.experts
         )
         self.last_forward = ForwardRecord(
             aux_loss=routing.aux_loss,
@@ -246,6 +249,13 @@ class MoE(nn.Module):
             seconds={"gate": t_gate, **self.dispatcher.seconds},
         )
         return y.view(x.shape)
+
+    def take_nonfinite(self) -> torch.Tensor:
+        """The flag `[]` (bool, on the layer's device) of NaN or infinity in the router's logits
+        since the last call, and reset it. No host synchronisation."""
+        seen = self.nonfinite_seen.clone()
+        self.nonfinite_seen.zero_()
+        return seen
 
     def config_digest(self) -> int:
         """A digest of what every rank of an EP group must agree on: the config, the slots,
@@ -312,6 +322,33 @@ def sync_router_grads(model: nn.Module, group: Any = None) -> None:
     _all_reduce_grads(params, group)
 
 
+def nonfinite_error(ranks: list[int], step: int | None = None) -> NonFiniteInputError:
+    """The error for NaN or infinity seen in MoE inputs on `ranks` (during step `step`)."""
+    when = f" during step {step}" if step is not None else ""
+    return NonFiniteInputError(
+        f"NaN or infinity in the MoE layer's input on rank(s) {ranks}{when}", field="moe.input"
+    )
+
+
+def raise_if_nonfinite(model: nn.Module, group: Any = None, step: int | None = None) -> None:
+    """Raise `NonFiniteInputError` on every rank of `group` if any `MoE` of `model` on any
+    rank saw NaN or infinity since the last check (one all-reduce of `[D]` flags; a host
+    synchronisation: call it at the step boundary, where the loss is read). Resets the flags."""
+    layers = find_moe_layers(model)
+    if not layers:
+        return
+    seen = torch.stack([m.take_nonfinite() for m in layers]).any()
+    world, rank = world_and_rank(group)
+    flags = torch.zeros(world, dtype=torch.long, device=seen.device)
+    flags[rank] = seen.long()
+    if world > 1:
+        flags = flags.to(comm_device(group, flags.device))
+        dist.all_reduce(flags, group=group)
+    bad = torch.nonzero(flags.cpu()).flatten().tolist()
+    if bad:
+        raise nonfinite_error(bad, step)
+
+
 def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     params = list(params)
     if not params:
@@ -353,5 +390,7 @@ __all__ = [
     "expert_generator",
     "find_moe_layers",
     "install_bias_update",
+    "nonfinite_error",
+    "raise_if_nonfinite",
     "sync_router_grads",
 ]

@@ -7,30 +7,41 @@
     for batch in data:
         loss = model(batch).loss
         loss.backward()
-        sync_router_grads(model)  # + the data-parallel all-reduce of other non-expert gradients
-        opt.step()                # the Balancer's step hooks: Agg before the step; Trans, or
-        opt.zero_grad()           # re-planning and migration, after it
+        sync_router_grads(model)   # + the data-parallel all-reduce of other non-expert gradients
+        balancer.reduce_replicas() # Agg: replica gradients summed into their homes; counts
+        clip_grad_norm_(...)       # anything that reads expert gradients comes after it
+        opt.step()
+        balancer.step()            # the step boundary: adopt a plan, or launch Trans
+        opt.zero_grad()
 
-That is the whole call pattern: the Balancer hooks into the optimizer (a step pre-hook runs
-`before_step`, a post-hook `after_step`) and into the layers (forward hooks record counts and wait
-for Trans; gradient hooks launch Agg as soon as a layer's expert gradients are ready). Code that
-reads gradients between `backward()` and `opt.step()` (gradient clipping, logging norms) must call
-`balancer.before_step()` first, so that replica gradients are already summed into their homes;
-`before_step` is idempotent within a step. With `hooks=False` nothing is registered on the
-optimizer, and the loop calls `before_step()` before and `after_step()` after `opt.step()`.
+The training loop names both calls, as vLLM's engine steps its EPLB state; `reduce_replicas` is
+idempotent within a step and `step` calls it if the loop did not. Hooks remain only where they
+buy overlap: forward hooks record counts and wait for Trans just before a layer runs, gradient
+hooks launch Agg as soon as a layer's expert gradients are ready (`overlap=False`: both at the
+step boundary). `hooks=True` is a legacy mode that registers `reduce_replicas` as an optimizer
+step pre-hook and `step` as a post-hook, for loops that cannot call them.
 
 Each step:
 
-- the layers' `last_counts[E]` (tokens this rank routed to each expert) are accumulated over the
-  step's forwards, then gathered (`all_gather`) so every rank holds `counts[L, D, E]`; a window of
-  the last `history` steps is kept;
-- before the optimizer step: Agg (replica gradients summed into their homes, zeroed);
-- after it: every `replan_every` steps the predictor forecasts `[L, D, E]` from the window and the
-  policy plans; every rank plans from the same data with the same deterministic code, and the
-  plan's digest (`Plan.digest`) is compared across ranks (`PlanMismatchError` if they disagree).
-  The plan takes effect at once: `migrate` (weights and AdamW moments to new homes, replicas
-  filled) and the layers' new routings. On other steps, Trans refreshes the replicas, launched
-  asynchronously and awaited by each layer just before it uses its experts.
+- the layers' `last_counts[E]` (tokens this rank routed to each expert) are accumulated on their
+  device over the step's forwards (no host synchronisation in forward), then gathered
+  (`all_gather`, with each rank's non-finite flag and its phase timings) at `reduce_replicas`,
+  so every rank holds `counts[L, D, E]` and the slowest rank's seconds per phase; a window of
+  the last `history` steps is kept. A NaN or infinity any layer saw on any rank raises
+  `NonFiniteInputError` there, on every rank, before the optimizer steps;
+- `reduce_replicas`: Agg (replica gradients summed into their homes, zeroed);
+- `step`: every `replan_every` steps a plan is requested from the background planner
+  (`poise.runtime.planner`): it fits the cost model's constants to the measured phases
+  (`poise.runtime.selfcal`), forecasts `[L, D, E]` from the window and runs the policy, while
+  training goes on. The plan is decided `plan_lag` steps later, at the same step boundary on
+  every rank (each waits for its own planner there if it must; `plan_lag=0` plans at once).
+  The guard (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan
+  horizon exceeds the switch's measured cost by a margin, skips it when it equals the plan in
+  force, and falls back to the static layout when a plan in force does not make steps faster;
+  the ranks vote and compare the plan's digest (`Plan.digest`, `PlanMismatchError` if they
+  disagree) in one all-reduce. An adopted plan takes effect at once: `migrate` (weights and
+  AdamW moments to new homes, replicas filled) and the layers' new routings. Otherwise Trans
+  refreshes the replicas, launched asynchronously and awaited by each layer before it runs.
 
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
@@ -61,17 +72,23 @@ from poise.core.errors import ConfigError, PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec
+from poise.cost.model import CostModel
 from poise.nn.comm import comm_device
-from poise.nn.moe import MoE, find_moe_layers
+from poise.nn.moe import MoE, find_moe_layers, nonfinite_error
 from poise.nn.slots import SlotMap, slot_maps
 from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import Predictor, parse_predictor
+from poise.runtime import selfcal
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
+from poise.runtime.guard import Assessment, SwitchGuard, assess
+from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.stats import StepStats, layer_loads
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
+FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
+N_MEASURED = len(selfcal.MEASURED)
 
 
 class PlanMismatchError(PoiseError):
@@ -157,18 +174,30 @@ class Balancer:
 
     - `policy`: a registered policy name (`auto`, `static`, `shadow`, `prophet`, `vexpert`,
       `eplb`, `permute`, `hybrid`);
-    - `replan_every`: re-plan every K steps (the first plan after K observed steps);
+    - `replan_every`: request a plan every K steps (the first after K observed steps);
+    - `plan_lag`: a plan requested at step s is decided at step s + plan_lag (0 <= plan_lag <=
+      replan_every; 0: planned and decided at the same boundary, on the training thread);
     - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
-      YAML path (the file `poise calibrate` writes); default `default_cluster(D)`;
+      YAML path (the file `poise calibrate` writes); default `default_cluster(D)`. It is the
+      prior of the self-calibration (`calibrate`);
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
     - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);
     - `options`: per-policy settings (`auto`'s horizon defaults to `replan_every`);
     - `history`: steps of counts kept for the predictor and the policies' look-back;
-    - `hooks`: register the optimizer step hooks (else call `before_step`/`after_step`);
+    - `guard`: adopt a plan only when it pays, fall back to the static layout when it does not
+      (`poise.runtime.guard`); False: adopt every plan that differs from the one in force;
+      `guard_margin`: the switch must be paid (1 + margin) times; `guard_horizon`: steps a plan
+      is expected to serve (default `replan_every`);
+    - `calibrate`: fit the cluster's compute and network constants to this run's measured
+      phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
+    - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
-    - `check_plans`: compare a hash of every plan across ranks;
+    - `check_plans`: compare a hash of every decided plan across ranks;
+    - `vote_group`: the ranks that must take the same decisions (default the Balancer's group;
+      the world when several EP groups must keep the same layout); measurements are then also
+      reduced over it;
     - `compression`: None (default: replicas get the exact weights), or a ratio in (0, 1] (or a
       `Compression`): replicas get the shared expert plus that share of their residual's
       entries (HybridEP's compressed migration; it changes the mathematics);
@@ -177,7 +206,8 @@ class Balancer:
       `poise.core.token_split`; the planner prices plans so too); off: by the plan's fixed
       shares.
 
-    Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`)."""
+    Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
+    `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""
 
     def __init__(
         self,
@@ -186,21 +216,31 @@ class Balancer:
         policy: str = "auto",
         replan_every: int = 10,
         *,
+        plan_lag: int = 1,
         cluster: Cluster | str | None = None,
         spec: ModelSpec | None = None,
         predictor: Predictor | str = "ema",
         options: Mapping[str, Mapping[str, Any]] | None = None,
         history: int = 100,
-        hooks: bool = True,
+        guard: bool = True,
+        guard_margin: float = 0.2,
+        guard_horizon: int | None = None,
+        calibrate: bool = True,
+        hooks: bool = False,
         overlap: bool = True,
         check_plans: bool = True,
         group: dist.ProcessGroup | None = None,
+        vote_group: dist.ProcessGroup | None = None,
         keep_stats: int = 10_000,
         compression: Compression | float | None = None,
         split_tokens: bool = True,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
+        if not 0 <= plan_lag <= replan_every:
+            raise ConfigError(
+                f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
+            )
         get_policy(policy)  # unknown names fail here
         modules = find_moe_layers(model)
         if not modules:
@@ -209,7 +249,9 @@ class Balancer:
         self.optimizer = optimizer
         self.policy = policy
         self.replan_every = replan_every
+        self.plan_lag = plan_lag
         self.group = group if group is not None else modules[0].group
+        self.vote_group = vote_group
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [_LayerState(m, i) for i, m in enumerate(modules)]
         self.slots = self._slots()
@@ -222,6 +264,9 @@ class Balancer:
                 source=self.cluster.name,
                 field="cluster",
             )
+        self.fitted_cluster = self.cluster
+        self.fit = selfcal.Fit()
+        self.calibrate = calibrate
         self._spec = spec
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
@@ -230,12 +275,23 @@ class Balancer:
         self.check_plans = check_plans
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
+        self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
+        self.planner = BackgroundPlanner()
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
+        # per step, aligned with `window`: [step, *selfcal.MEASURED] (slowest rank's seconds)
+        self.measured: deque[np.ndarray] = deque(maxlen=history)
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
-        self.step = 0
+        self.steps_done = 0
+        self.switches = 0
         self.plan = self._initial_plan()
+        self.static_plan = self.plan  # the layout to fall back to
+        self._plan_since = 0  # first step run under `plan`
+        self._prev_since = 0  # first step run under the plan before it
+        self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
+        self._t_reduce: float | None = None  # when the last `reduce_replicas` started
+        self._boundary_s = 0.0  # this rank's seconds in the last `step`
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
         self._handles: list[Any] = []
@@ -245,8 +301,10 @@ class Balancer:
                 self._start_trans(state, refresh=True).wait()
         self._register_layer_hooks()
         if hooks:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.before_step()))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.after_step()))
+            self._handles.append(
+                optimizer.register_step_pre_hook(lambda *_: self.reduce_replicas())
+            )
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
 
     # ----------------------------------------------------------------------------- set-up
     def _slots(self) -> int:
@@ -316,21 +374,23 @@ class Balancer:
                 )
 
     def close(self) -> None:
-        """Finish transfers in flight and remove every hook the Balancer registered."""
+        """Finish transfers in flight, drop a plan in flight and remove every hook the Balancer
+        registered."""
         for state in self.layers:
             self._wait(state)
+        self.planner.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
     # ------------------------------------------------------------------------ layer hooks
     def _record(self, state: _LayerState) -> None:
-        """Forward hook: add the layer's `last_counts[E]` to this step's counts and its phase
-        seconds (`last_forward.seconds`: gate, dispatch, experts, combine) to the step's
-        statistics."""
+        """Forward hook: add the layer's `last_counts[E]` to this step's counts (on the layer's
+        device: no host synchronisation) and its phase seconds (`last_forward.seconds`: gate,
+        dispatch, experts, combine) to the step's statistics."""
         if not state.layer.training:
             return
-        counts = state.layer.last_counts.detach().to("cpu", torch.long)
+        counts = state.layer.last_counts.detach()
         state.counts = counts.clone() if state.counts.numel() == 0 else state.counts + counts
         for phase, seconds in state.layer.last_forward.seconds.items():
             if phase in LAYER_PHASES:
@@ -364,12 +424,14 @@ class Balancer:
         self._current.add_seconds("transfers", time.perf_counter() - t0)
 
     # ---------------------------------------------------------------------- step boundary
-    def before_step(self) -> None:
-        """Agg (finish those launched from gradient hooks, run the rest) and gather the step's
-        counts. Call before anything that reads expert gradients; idempotent within a step."""
+    def reduce_replicas(self) -> None:
+        """After `backward`, before anything reads expert gradients (clipping, norms, the
+        optimizer): Agg (finish those launched from gradient hooks, run the rest), gather the
+        step's counts, flags and timings; raise `NonFiniteInputError` on every rank if any
+        layer saw NaN or infinity. Collective; idempotent within a step."""
         if self._prepared:
             return
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         for state in self.layers:
             for p in state.params:
                 if p.grad is None:  # every rank steps every tensor: keep AdamW's state in step
@@ -380,67 +442,113 @@ class Balancer:
                 pending.wait()
             state.aggs.clear()
             state.grads_ready.clear()
-        self._current.add_seconds("transfers", time.perf_counter() - t0)
-        self._gather_counts()
+        self._current.add_seconds("transfers", time.perf_counter() - t_start)
+        period = 0.0 if self._t_reduce is None else t_start - self._t_reduce
+        self._t_reduce = t_start
+        self._gather(period)
         self._prepared = True
 
-    def after_step(self) -> None:
-        """Re-plan and apply every `replan_every` steps; otherwise launch Trans for the next
-        forward."""
-        if not self._prepared:
-            self.before_step()
-        self.step += 1
+    def step(self) -> StepStats:
+        """The step boundary, after `optimizer.step()`: decide a plan that is due (adopt it,
+        skip it, or fall back to the static layout), request the next plan every
+        `replan_every` steps, otherwise launch Trans for the next forward. Calls
+        `reduce_replicas` first if the loop did not. Collective; returns the step's stats."""
+        self.reduce_replicas()
+        t0 = time.perf_counter()
+        self.steps_done += 1
+        s = self.steps_done
         stats = self._current
-        if self.step % self.replan_every == 0 and self.window:
-            self._replan(stats)
-        else:
-            t0 = time.perf_counter()
+        switched = self.planner.due(s) and self._decide(stats)
+        if s % self.replan_every == 0 and self.window and not self.guard.skip_replan():
+            self._request(s)
+            if self.planner.due(s):  # plan_lag 0
+                switched = self._decide(stats) or switched
+        if not switched:
+            t1 = time.perf_counter()
             for state in self.layers:
                 self._wait(state)
                 if state.has_replicas:
                     state.trans = self._start_trans(state)
                     stats.trans_bytes += state.trans.total_bytes
-            stats.add_seconds("transfers", time.perf_counter() - t0)
             if not self.overlap:
                 for state in self.layers:
                     self._wait(state)
+            stats.add_seconds("transfers", time.perf_counter() - t1)
+        self._boundary_s = time.perf_counter() - t0
+        stats.add_seconds("boundary", self._boundary_s)
         self.stats.append(stats)
-        self._current = StepStats(step=self.step, policy=self.policy)
+        self._current = StepStats(step=self.steps_done, policy=self.policy)
         self._prepared = False
+        return stats
 
     @property
     def last_stats(self) -> StepStats | None:
         return self.stats[-1] if self.stats else None
 
     # ----------------------------------------------------------------------------- loads
-    def _gather_counts(self) -> None:
-        """All ranks' counts of this step: `[L, D, E]` appended to the window."""
-        E = self.num_experts
-        local = torch.stack(
+    def _gather(self, period_s: float) -> None:
+        """All ranks' counts of this step, `[L, D, E]`, appended to the window, with the
+        slowest rank's seconds per `selfcal.MEASURED` column; non-finite flags raise here. One
+        `all_gather` of `[L * E + 1 + len(MEASURED)]` int64 per rank (seconds as ns)."""
+        L, E, D = len(self.layers), self.num_experts, self.world_size
+        device = self.layers[0].params[0].device
+        counts = torch.stack(
             [
-                s.counts if s.counts.numel() else torch.zeros(E, dtype=torch.long)
+                s.counts.to(device) if s.counts.numel() else torch.zeros(E, dtype=torch.long,
+                                                                          device=device)
                 for s in self.layers
             ]
-        )  # [L, E]
+        ).reshape(-1)  # [L * E]  # fmt: skip
         for s in self.layers:
             s.counts = torch.zeros(0, dtype=torch.long)
-        if self.world_size > 1:
+        flag = torch.stack([s.layer.take_nonfinite().to(device) for s in self.layers]).any()
+        sec = self._current.seconds
+        mine = [
+            period_s,
+            self._boundary_s,
+            sec.get("gate", 0.0),
+            sec.get("dispatch", 0.0) + sec.get("combine", 0.0),
+            sec.get("experts", 0.0),
+        ]
+        ns = torch.tensor([round(x * 1e9) for x in mine], dtype=torch.long, device=device)
+        local = torch.cat([counts.long(), flag.long().reshape(1), ns])
+        if D > 1:
             local = local.to(comm_device(self.group, local.device))
-            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            parts = [torch.empty_like(local) for _ in range(D)]
             dist.all_gather(parts, local, group=self.group)
-            gathered = torch.stack(parts, dim=1).cpu().numpy()  # [L, D, E]
+            table = torch.stack(parts).cpu().numpy()  # [D, n]
         else:
-            gathered = local.cpu().numpy()[:, None, :]
-        self.window.append(gathered)
+            table = local.cpu().numpy()[None, :]
+        bad = np.flatnonzero(table[:, L * E])
+        if bad.size:
+            raise nonfinite_error(bad.tolist(), self.steps_done + 1)
+        gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
+        measured = table[:, L * E + 1 :].max(axis=0).astype(np.float64) / 1e9
+        if self.vote_group is not None and D > 1:
+            measured = self._max_over_vote_group(measured)
+        self.window.append(np.ascontiguousarray(gathered))
+        self.measured.append(np.concatenate([[self.steps_done], measured]))
+        self._current.measured_period_s = float(measured[selfcal.PERIOD])
         self._current.set_loads(layer_loads(self.plan.placement, self.plan.assignment, gathered))
+        if self._switch_check is not None and self._switch_check[0] == self.steps_done:
+            _, modelled, wait = self._switch_check
+            self.guard.record_switch(float(measured[selfcal.BOUNDARY]) - wait, modelled)
+            self._switch_check = None
+
+    def _max_over_vote_group(self, measured: np.ndarray) -> np.ndarray:
+        ns = torch.as_tensor(np.round(measured * 1e9).astype(np.int64))
+        ns = ns.to(comm_device(self.vote_group, "cpu"))
+        dist.all_reduce(ns, op=dist.ReduceOp.MAX, group=self.vote_group)
+        return ns.cpu().numpy().astype(np.float64) / 1e9
 
     # -------------------------------------------------------------------------- planning
     def plan_next(self) -> Plan:
-        """The policy's plan from the window (every rank computes the same one)."""
+        """The policy's plan from the window, now, on this thread (every rank computes the same
+        one; verified across ranks when `check_plans`)."""
         history = np.stack(self.window)  # [S, L, D, E]
         loads = self.predictor.predict(history)
         ctx = PlanContext.create(
-            self.cluster,
+            self.fitted_cluster,
             self.spec(),
             slots_per_device=self.slots,
             history=history.sum(axis=2).astype(np.float64),
@@ -452,6 +560,96 @@ class Balancer:
             self.verify_plan(plan)
         return plan
 
+    def _request(self, step: int) -> None:
+        """Submit a planning job on snapshots of this step's window: fit the cluster to the
+        steps run under the plan in force, forecast, plan, price against the plan in force."""
+        history = np.stack(self.window)  # [S, L, D, E], a copy
+        # the newest rows of both, measured under the plan in force (a restored window may
+        # hold older rows that were not measured)
+        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
+        fit_counts = history[len(history) - n :]
+        fit_measured = measured[len(measured) - n :, 1:]
+        current, prior, spec = self.plan, self.cluster, self.spec()
+        policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
+        calibrate = self.calibrate
+
+        def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit]:
+            cluster, fit = prior, selfcal.Fit()
+            if calibrate:
+                cost = CostModel(prior, spec)
+                cluster, fit = selfcal.fit_cluster(prior, cost, current, fit_counts, fit_measured)
+            loads = predictor.predict(history)
+            ctx = PlanContext.create(
+                cluster, spec, slots_per_device=slots,
+                history=history.sum(axis=2).astype(np.float64), options=options,
+            )  # fmt: skip
+            plan = make_plan(policy, loads, current, ctx)
+            return plan, assess(ctx.cost, current, plan, loads), cluster, fit
+
+        self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
+
+    def _decide(self, stats: StepStats) -> bool:
+        """Take the planner's result and decide (guard, vote, digest check); returns whether a
+        plan took effect."""
+        done = self.planner.take()
+        plan, assessment, cluster, fit = done.value
+        self.fitted_cluster, self.fit = cluster, fit
+        stats.add_seconds("plan", done.plan_s)
+        stats.add_seconds("plan_wait", done.wait_s)
+        stats.replanned = True
+        stats.fit = fit.as_dict()
+        fallback = False
+        if self.plan.digest() != self.static_plan.digest():
+            fallback = not self.guard.pays(*self._periods())
+        decision = self.guard.decide(assessment, done.wait_s)
+        refuse, fallback = self._vote(plan, not decision.adopt, fallback)
+        stats.gain_s, stats.switch_cost_s = decision.gain_s, decision.switch_s
+        stats.predicted_step_s = assessment.candidate_s if not refuse else assessment.current_s
+        if fallback:
+            stats.decision = "fallback"
+            self.guard.fell_back()
+            self._switch(self.static_plan, stats, 0.0, done.wait_s)
+            return True
+        if refuse:
+            stats.decision = decision.reason if decision.reason != "adopt" else "vetoed"
+            return False
+        self.guard.kept()
+        stats.decision = decision.reason
+        self._switch(plan, stats, assessment.switch_s, done.wait_s)
+        return True
+
+    def _periods(self) -> tuple[np.ndarray, np.ndarray]:
+        """Step periods (slowest rank) before the plan in force, under the previous plan, and
+        under it, each leaving out the step that carried a switch."""
+        rows = np.stack(self.measured) if self.measured else np.zeros((0, 2))
+        step, period = rows[:, 0], rows[:, 1 + selfcal.PERIOD]
+        before = period[(step > self._prev_since) & (step < self._plan_since)]
+        after = period[step > self._plan_since]
+        return before[-self.guard.horizon :], after
+
+    def _vote(self, plan: Plan, refuse: bool, fallback: bool) -> tuple[bool, bool]:
+        """One all-reduce (MAX) over the vote group: any rank refusing refuses, any rank falling
+        back falls back; the plan's digest is compared too (`PlanMismatchError`)."""
+        group = self.vote_group if self.vote_group is not None else self.group
+        if self.world_size == 1 and self.vote_group is None:
+            return refuse, fallback
+        h = plan.digest()
+        t = torch.tensor([h, -h, int(refuse), int(fallback)], dtype=torch.long)
+        t = t.to(comm_device(group, "cpu"))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if self.check_plans and int(t[0]) != -int(t[1]):
+            self._mismatch()
+        return bool(t[2]), bool(t[3])
+
+    def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
+        """Apply `plan` now and start measuring it."""
+        self.apply(plan, stats)
+        stats.switched = True
+        self.switches += 1
+        self._prev_since, self._plan_since = self._plan_since, self.steps_done
+        self._switch_check = (self.steps_done, modelled_s, wait_s)
+
     def verify_plan(self, plan: Plan) -> None:
         """Raise `PlanMismatchError` on every rank unless all ranks hold the same plan (one
         all-reduce of `Plan.digest`). Collective."""
@@ -461,19 +659,16 @@ class Balancer:
         t = torch.tensor([h, -h], dtype=torch.long, device=comm_device(self.group, "cpu"))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if int(t[0]) != -int(t[1]):
-            raise PlanMismatchError(
-                f"ranks computed different plans at step {self.step} (policy {self.policy!r}): "
-                "the planner saw different inputs or is not deterministic on these machines",
-                source=f"rank {self.rank}",
-                field="plan",
-            )
+            self._mismatch()
 
-    def _replan(self, stats: StepStats) -> None:
-        t0 = time.perf_counter()
-        plan = self.plan_next()
-        stats.add_seconds("plan", time.perf_counter() - t0)
-        self.apply(plan, stats)
-        stats.replanned = True
+    def _mismatch(self) -> None:
+        raise PlanMismatchError(
+            f"ranks computed different plans at step {self.steps_done} (policy "
+            f"{self.policy!r}): the planner saw different inputs or is not deterministic on "
+            "these machines",
+            source=f"rank {self.rank}",
+            field="plan",
+        )
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
         """Make `plan` the routing of every layer now: migrate weights and optimizer state where

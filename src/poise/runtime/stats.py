@@ -8,8 +8,9 @@
   homes), migration (weights and optimizer state of experts whose home changed); all ranks
   together.
 - Seconds this rank spent per phase: the layer's own phases where it reports them (gate,
-  dispatch, experts, combine), transfers (launching and waiting for Trans/Agg/migration), and
-  planning.
+  dispatch, experts, combine), transfers (launching and waiting for Trans/Agg/migration),
+  planning (on the planner's thread, and what of it delayed the step boundary).
+- What the guard decided at a re-plan and on which figures (`poise.runtime.guard`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ class StepStats:
     `max_over_mean[L]`, `device_tokens[L][D]`, `tokens_moved[L]`: loads under the plan in force
     (see `LayerLoads`); `trans_bytes`, `agg_bytes`, `migrate_bytes`: all ranks together, moved
     at this step's boundary; `seconds`: this rank's time per phase (`gate`, `dispatch`,
-    `experts`, `combine` when the layers report them; `transfers`, `plan`); `replanned`: a new
-    plan took effect after this step, with `moved_homes` experts changing rank."""
+    `experts`, `combine` when the layers report them; `transfers`; `plan`: the planner thread's
+    seconds for the plan decided here, `plan_wait`: how much of it this boundary waited;
+    `boundary`: the whole `Balancer.step`).
+
+    Decisions: `replanned`: a plan was decided after this step; `decision`: what the guard
+    decided (`adopt`, `same`, `no-gain`, `vetoed`, `fallback`, `off`; empty: nothing decided);
+    `switched`: a new plan took effect after this step, with `moved_homes` experts changing
+    rank; `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
+    switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
+    `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
+    this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned."""
 
     step: int
     policy: str
@@ -66,6 +76,13 @@ class StepStats:
     migrate_bytes: int = 0
     moved_homes: int = 0
     replanned: bool = False
+    decision: str = ""
+    switched: bool = False
+    gain_s: float = 0.0
+    switch_cost_s: float = 0.0
+    predicted_step_s: float = 0.0
+    measured_period_s: float = 0.0
+    fit: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_seconds(self, phase: str, s: float) -> None:

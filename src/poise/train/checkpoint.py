@@ -352,7 +352,7 @@ def snapshot(
         payload["plan"] = plan_to_payload(balancer.plan)
         window = np.stack(list(balancer.window)) if balancer.window else None
         payload["balancer"] = {
-            "step": int(balancer.step),
+            "step": int(balancer.steps_done),
             "window": None if window is None else torch.from_numpy(window.astype(np.int64)),
         }
     return payload
@@ -500,7 +500,7 @@ def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) 
     balancer's group); returns whether it did. Always restores the balancer's step counter."""
     saved = ckpt.get("balancer")
     if saved is not None:
-        balancer.step = int(saved["step"])
+        balancer.steps_done = int(saved["step"])
     plan = ckpt.get("plan")
     if plan is None or saved is None:
         return False

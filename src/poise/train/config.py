@@ -15,7 +15,11 @@ expert plus this share (0, 1] of their residual's entries (`poise.runtime.compre
 the mathematics (replicas compute with approximate weights), hence off by default.
 `split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
 by that step's counts (`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the
-plan's fixed shares.
+plan's fixed shares;
+`balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
+the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
+`self_calibrate` (default on): plans are priced with the cluster's compute and network constants
+fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class TrainConfig:
     cluster: str | None = None
     compression: float | None = None
     split_tokens: bool = True
+    balance_guard: bool = True
+    self_calibrate: bool = True
     # parallelism
     layout: str | None = None
     # run
@@ -178,6 +184,8 @@ def _rules() -> dict[str, _Rule]:
         "cluster": _Rule(_STR, nullable=True),
         "compression": _Rule(_NUM, nullable=True, low=0, high=1, low_open=True),
         "split_tokens": _Rule(_BOOL),
+        "balance_guard": _Rule(_BOOL),
+        "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),

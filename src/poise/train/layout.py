@@ -5,7 +5,7 @@
     model = GPTMoE(...)                           # compute only, every expert
     apply_expert_parallel(model, groups.ep, num_slots=E / ep [+ spare_slots when balancing])
     ...
-    loss.backward(); dense all-reduce over the world; balancer.before_step()   # Agg done
+    loss.backward(); dense all-reduce over the world; balancer.reduce_replicas()  # Agg done
     all_reduce_expert_grads(model, groups.edp)                      # expert grads: SUM over EDP
     summed, counts = edp_counts(balancer.window[-1], groups)        # [L, ep, E], [L, D, E]
 
@@ -33,7 +33,7 @@ the planner are edp times a rank's own (the whole global batch on ep ranks); com
 all-to-all are priced for that load, parameter transfers (Trans, Agg, migration) at their true
 size, so with edp > 1 the cost model leans towards replication by at most that factor.
 
-The EDP gradient sum runs after `balancer.before_step()`: Agg, launched asynchronously from the
+The EDP gradient sum runs after `balancer.reduce_replicas()`: Agg, launched asynchronously from the
 gradient hooks, zeroes replica rows at launch and adds them into their homes at completion; a sum
 between the two would add homes without their replicas' share. Once Agg is done, replica rows
 are zero and homes hold their EP group's sums, and the slot-by-slot SUM over EDP completes them.

@@ -26,10 +26,19 @@ gradients are summed over the EDP group after Agg, and the clipping norm sums th
 squares over one EP group (each expert once). Data, loss scaling and dense gradients are as
 above, so the losses are those of plain expert parallelism.
 
-One step: data -> forward -> backward -> dense all-reduce -> `balancer.before_step()` (Agg,
-gather the routing counts) -> [layout: EDP sum of expert gradients, EDP gather of the counts]
--> global gradient norm and clipping -> AdamW step (the balancer's
-hook then re-plans every `replan_every` steps, or launches Trans) -> log. The learning rate
+One step, every call named here:
+
+    loss.backward()
+    dense all-reduce (with the loss)            # _sync_dense
+    balancer.reduce_replicas()                  # Agg; gather counts, non-finite flags, timings
+    [layout: EDP sum of expert gradients, EDP gather of the counts]
+    global gradient norm and clipping
+    optimizer.step()
+    balancer.step()                             # decide a due plan / request one / Trans
+    log
+
+NaN or infinity in an MoE layer's input raises `NonFiniteInputError` at `reduce_replicas` on
+every rank (forward only sets a device flag). The learning rate
 warms up linearly for `warmup` steps, then follows a cosine down to `lr * min_lr_ratio` at
 `steps`.
 
@@ -64,7 +73,7 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
-from poise.nn.moe import default_slots, find_moe_layers, install_bias_update
+from poise.nn.moe import default_slots, find_moe_layers, install_bias_update, raise_if_nonfinite
 from poise.runtime.launch import destroy_process_group
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
@@ -198,6 +207,9 @@ class _Trainer:
             cluster=make_cluster(cfg, self.world, self.ep),
             predictor=cfg.predictor,
             group=group,
+            vote_group=dist.group.WORLD if self.groups is not None else None,
+            guard=cfg.balance_guard,
+            calibrate=cfg.self_calibrate,
             compression=cfg.compression,
             split_tokens=cfg.split_tokens,
         )
@@ -311,6 +323,7 @@ class _Trainer:
             t = total.to(comm_device(None, self.device))
             dist.all_reduce(t)
             total = t.cpu()
+        raise_if_nonfinite(self.model, dist.group.WORLD if self.world > 1 else None)
         self.model.train()
         return float(total[0] / total[1])
 
@@ -418,15 +431,17 @@ class _Trainer:
                 self.faults.at(step + 1, "backward")
                 summed = self._sync_dense(torch.stack([ce.detach(), aux.detach()]).double())
                 t = _lap(ph, "grad_sync", t)
-                self.balancer.before_step()
+                self.balancer.reduce_replicas()
                 t = _lap(ph, "balance", t)
                 world_counts = self._sync_experts(step)
                 t = _lap(ph, "grad_sync", t)
                 norm = self._grad_norm_and_clip()
                 t = _lap(ph, "clip", t)
-                self.optimizer.step()  # the balancer's hook re-plans or launches Trans
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.step()
                 t = _lap(ph, "optimizer", t)
+                self.balancer.step()  # decide a due plan, request the next, or launch Trans
+                self.optimizer.zero_grad(set_to_none=True)
+                t = _lap(ph, "balance", t)
                 step_s = t - t_start
                 self.position += cfg.batch
                 done = step + 1
@@ -462,6 +477,13 @@ class _Trainer:
                     "trans_bytes": stats.trans_bytes if stats else 0,
                     "agg_bytes": stats.agg_bytes if stats else 0,
                     "migrate_bytes": stats.migrate_bytes if stats else 0,
+                    "decision": stats.decision if stats else "",
+                    "switched": bool(stats.switched) if stats else False,
+                    "gain_s": stats.gain_s if stats else 0.0,
+                    "switch_cost_s": stats.switch_cost_s if stats else 0.0,
+                    "predicted_step_s": stats.predicted_step_s if stats else 0.0,
+                    "measured_period_s": stats.measured_period_s if stats else 0.0,
+                    "fit": dict(stats.fit) if stats else {},
                     "phases_s": ph,
                     "moe_s": dict(stats.seconds) if stats else {},
                 }
