@@ -379,3 +379,24 @@ def test_cli_simulate_plans_in_the_background_by_default(tmp_path, monkeypatch) 
         with pytest.raises(SystemExit):
             main(["simulate", str(trace), "--policies", "static", "--out", str(tmp_path), *extra])
     assert seen == [True, False, True]
+
+
+def test_cli_simulate_splits_tokens_on_request(tmp_path, monkeypatch) -> None:
+    """`--split-tokens` replays with each step's tokens split among the replicas by that step's
+    counts (the runtime's default); without it, by the plans' fixed shares."""
+    import poise.commands.simulate as cmd
+    from poise.cli import main
+
+    trace = tmp_path / "drift.npz"
+    drift_trace(steps=2, devices=16, experts=16).save(trace)
+    seen: list[bool] = []
+
+    def fake(*args, **kw):
+        seen.append(kw["split_tokens"])
+        raise SystemExit(0)  # stop before the outputs
+
+    monkeypatch.setattr(cmd, "simulate", fake)
+    for extra in ([], ["--split-tokens"]):
+        with pytest.raises(SystemExit):
+            main(["simulate", str(trace), "--policies", "static", "--out", str(tmp_path), *extra])
+    assert seen == [False, True]

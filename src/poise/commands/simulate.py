@@ -50,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies", default="all", help="comma-separated policies (default all registered)"
     )
-    p.add_argument("--schedule", default="sync", help="sync, pipelined(n), prophet or hybrid")
+    p.add_argument(
+        "--schedule", default="sync", help="sync, pipelined(n), prophet, hybrid or padded"
+    )
     p.add_argument("--replan-every", type=int, default=10, help="steps between re-plans")
     p.add_argument("--steps", type=int, default=None, help="replay the first N steps")
     p.add_argument("--predictor", default="ema", help="last, window[:w] or ema[:alpha]")
@@ -69,6 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "plans take effect one step later and only planning time beyond that step is charged; "
         "--no-background-planning charges planning on the critical path of the step it is "
         "made in",
+    )
+    p.add_argument(
+        "--split-tokens",
+        action="store_true",
+        help="split each step's tokens of a replicated expert among its holders by that step's "
+        "counts, as the runtime's Balancer does by default (off: by the plans' fixed shares)",
     )
     p.add_argument(
         "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"
@@ -146,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             count_planning=not args.no_planning_time,
             background_planning=args.background_planning,
             dense_params=dense,
+            split_tokens=args.split_tokens,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))
