@@ -456,6 +456,26 @@ class Cluster:
         host = HostCosts()
         if "host" in data:
             host = HostCosts.from_dict(get_mapping(data, "host", source), source)
+        try:
+            return cls._built(data, source, dpn, npd, domains, peaks, host, links)
+        except ConfigError as exc:  # the whole-cluster checks name the file, not the cluster
+            raise ConfigError(exc.message, source=source, field=exc.field) from None
+
+    @classmethod
+    def _built(
+        cls,
+        data: dict[str, Any],
+        source: str,
+        dpn: int,
+        npd: int,
+        domains: int,
+        peaks: PeakFlops,
+        host: HostCosts,
+        links: dict[str, Link],
+    ) -> Cluster:
+        """`from_dict`'s cluster from its checked parts (`Cluster.__post_init__` checks the
+        whole)."""
+        device = get_mapping(data, "device", source)
         return cls(
             name=get_str(data, "name", source, default=Path(source).stem),
             devices_per_node=dpn,
