@@ -547,13 +547,8 @@ class Balancer:
         one; verified across ranks when `check_plans`)."""
         history = np.stack(self.window)  # [S, L, D, E]
         loads = self.predictor.predict(history)
-        ctx = PlanContext.create(
-            self.fitted_cluster,
-            self.spec(),
-            slots_per_device=self.slots,
-            history=history.sum(axis=2).astype(np.float64),
-            options=self.options,
-            split_tokens=self.split_tokens,
+        ctx = _planning_context(
+            self.fitted_cluster, self.spec(), self.slots, history, self.options, self.split_tokens
         )
         plan = make_plan(self.policy, loads, self.plan, ctx)
         if self.check_plans and self.world_size > 1:
@@ -572,7 +567,7 @@ class Balancer:
         fit_measured = measured[len(measured) - n :, 1:]
         current, prior, spec = self.plan, self.cluster, self.spec()
         policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
-        calibrate = self.calibrate
+        calibrate, split_tokens = self.calibrate, self.split_tokens
 
         def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit]:
             cluster, fit = prior, selfcal.Fit()
@@ -580,10 +575,7 @@ class Balancer:
                 cost = CostModel(prior, spec)
                 cluster, fit = selfcal.fit_cluster(prior, cost, current, fit_counts, fit_measured)
             loads = predictor.predict(history)
-            ctx = PlanContext.create(
-                cluster, spec, slots_per_device=slots,
-                history=history.sum(axis=2).astype(np.float64), options=options,
-            )  # fmt: skip
+            ctx = _planning_context(cluster, spec, slots, history, options, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
             return plan, assess(ctx.cost, current, plan, loads), cluster, fit
 
@@ -735,6 +727,26 @@ class Balancer:
             state.layer.set_routing(
                 plan.placement, plan.assignment, maps[self.rank], layer=state.index
             )
+
+
+def _planning_context(
+    cluster: Cluster,
+    spec: ModelSpec,
+    slots: int,
+    history: np.ndarray,
+    options: Mapping[str, Mapping[str, Any]],
+    split_tokens: bool,
+) -> PlanContext:
+    """The context a plan is made in from the window `history[S, L, D, E]` (the same on every
+    rank, on the Balancer's thread or its planner's)."""
+    return PlanContext.create(
+        cluster,
+        spec,
+        slots_per_device=slots,
+        history=history.sum(axis=2).astype(np.float64),
+        options=options,
+        split_tokens=split_tokens,
+    )
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:
