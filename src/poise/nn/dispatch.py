@@ -126,7 +126,11 @@ class RankRouting:
         if assignment.grouped and assignment.group_weights is not None:
             shared += [assignment.group_weights[layer], np.array([assignment.group_size])]
         split = None
-        if assignment.by_counts:
+        # Splitting needs an expert held twice and sent tokens by a rank without a copy:
+        # otherwise every route is fixed anyway (a lone holder takes all, holders keep their
+        # own), and the fixed routes spare the counts' all_gather and the per-step routes.
+        holders = (copies > 0).sum(axis=0)  # [E]
+        if assignment.by_counts and bool(((holders > 1) & (holders < len(copies))).any()):
             split = (placement.take_layers([layer]), assignment.take_layers([layer]))
             shared.append("by_counts")
         return cls(
