@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                     cluster=str(cluster_path),
                 )
                 busy = busy_fraction()
-                run = train(cfg)
+                run = train(cfg, 2)
                 mcfg = cfg.model_config()
                 spec = tiny_spec(mcfg, cfg.batch // 2 * mcfg.context)
                 dense = dense_params(mcfg)
