@@ -360,9 +360,22 @@ def test_cli_simulate_charges_the_dense_allreduce_by_default(tmp_path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_cli_simulate_plans_in_the_background_by_default(tmp_path, monkeypatch) -> None:
-    """`poise simulate` plans in a thread beside training by default, as the runtime's Balancer
-    does; `--no-background-planning` charges planning on the critical path."""
+@pytest.mark.parametrize(
+    ("keyword", "runs"),
+    [
+        # plans in a thread beside training by default, as the runtime's Balancer does;
+        # --no-background-planning charges planning on the critical path
+        (
+            "background_planning",
+            [([], True), (["--no-background-planning"], False), (["--background-planning"], True)],
+        ),
+        # --split-tokens splits each step's tokens of a replicated expert among its holders by
+        # that step's counts (the runtime's default); without it, by the plans' fixed shares
+        ("split_tokens", [([], False), (["--split-tokens"], True)]),
+    ],
+)
+def test_cli_simulate_passes_its_switches(tmp_path, monkeypatch, keyword: str, runs: list) -> None:
+    """`poise simulate`'s switches reach `simulate` as the documented defaults and values."""
     import poise.commands.simulate as cmd
     from poise.cli import main
 
@@ -371,32 +384,11 @@ def test_cli_simulate_plans_in_the_background_by_default(tmp_path, monkeypatch) 
     seen: list[bool] = []
 
     def fake(*args, **kw):
-        seen.append(kw["background_planning"])
+        seen.append(kw[keyword])
         raise SystemExit(0)  # stop before the outputs
 
     monkeypatch.setattr(cmd, "simulate", fake)
-    for extra in ([], ["--no-background-planning"], ["--background-planning"]):
+    for extra, _ in runs:
         with pytest.raises(SystemExit):
             main(["simulate", str(trace), "--policies", "static", "--out", str(tmp_path), *extra])
-    assert seen == [True, False, True]
-
-
-def test_cli_simulate_splits_tokens_on_request(tmp_path, monkeypatch) -> None:
-    """`--split-tokens` replays with each step's tokens split among the replicas by that step's
-    counts (the runtime's default); without it, by the plans' fixed shares."""
-    import poise.commands.simulate as cmd
-    from poise.cli import main
-
-    trace = tmp_path / "drift.npz"
-    drift_trace(steps=2, devices=16, experts=16).save(trace)
-    seen: list[bool] = []
-
-    def fake(*args, **kw):
-        seen.append(kw["split_tokens"])
-        raise SystemExit(0)  # stop before the outputs
-
-    monkeypatch.setattr(cmd, "simulate", fake)
-    for extra in ([], ["--split-tokens"]):
-        with pytest.raises(SystemExit):
-            main(["simulate", str(trace), "--policies", "static", "--out", str(tmp_path), *extra])
-    assert seen == [False, True]
+    assert seen == [want for _, want in runs]
