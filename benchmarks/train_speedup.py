@@ -126,7 +126,7 @@ def train(cfg, world: int) -> Any:
     """Run `cfg` on `world` local ranks as `poise train --nproc world` does; the loaded
     `MeasuredRun`."""
     from poise.commands.train import launch
-    from poise.report.html import MeasuredRun
+    from poise.report.runs import MeasuredRun
     from poise.train.config import save_config
 
     out = Path(cfg.out)

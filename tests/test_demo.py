@@ -13,16 +13,9 @@ import pytest
 from rich.console import Console
 
 from poise.cli import main
-from poise.report.html import (
-    BREAKDOWN_GROUPS,
-    LOSS_AGREEMENT_TOL,
-    DemoData,
-    MeasuredRun,
-    SimSection,
-    breakdown_by_phase,
-    breakdown_table,
-    write_demo_report,
-)
+from poise.report.html import DemoData, SimSection, write_demo_report
+from poise.report.runs import LOSS_AGREEMENT_TOL, MeasuredRun
+from poise.report.tables import BREAKDOWN_GROUPS, breakdown_by_phase, breakdown_table
 from poise.trace.trace import Trace
 
 from .helpers import toy_cluster, toy_spec

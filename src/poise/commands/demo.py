@@ -503,17 +503,14 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from poise.calibrate.experts import expert_seconds_per_token
-    from poise.report.html import (
+    from poise.report.html import DemoData, write_demo_report
+    from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
+    from poise.report.tables import (
         MEASURED_COLUMNS,
         SIM_COLUMNS,
-        DemoData,
-        MeasuredRun,
-        agreement_sentence,
         breakdown_by_phase,
-        loss_agreement,
         measured_rows,
         sim_rows,
-        write_demo_report,
     )
     from poise.trace.trace import Trace
     from poise.train.data import build_corpus

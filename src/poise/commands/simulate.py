@@ -26,7 +26,7 @@ from poise.core.spec import get_model
 from poise.cost.schedule import parse_schedule
 from poise.plan.policies import REGISTRY
 from poise.plan.predict import parse_predictor
-from poise.report.html import SIM_COLUMNS, sim_rows
+from poise.report.tables import SIM_COLUMNS, sim_rows
 from poise.sim.simulator import PHASES, SimResult, simulate
 from poise.trace.loads import spec_for_trace
 from poise.util.atomic import atomic_write_text

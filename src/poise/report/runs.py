@@ -1,0 +1,220 @@
+"""Measured training runs as `poise train` writes them, and whether two runs' losses agree.
+
+    run = MeasuredRun.load("poise-out/train-static")
+
+`MeasuredRun.load` reads a run folder (`config.yaml`, `metrics.jsonl`, `summary.json`,
+`trace.npz`); `loss_agreement` and `agreement_sentence` compare two runs' losses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from poise.core.errors import ConfigError
+
+# Two runs of the same seed that differ only in float summation order give the same loss to
+# rounding at first (the training tests hold static and auto to 1e-5 per step over 30 steps);
+# later, rounding differences grow through training (and can flip near-tied router choices), as
+# between any two runs that sum in a different order.
+LOSS_AGREEMENT_TOL = 1e-5
+EARLY_STEPS = 30
+
+
+# ------------------------------------------------------------------------------ measured runs
+@dataclass
+class MeasuredRun:
+    """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
+
+    `device_tokens[S, L, D]`: token-expert pairs each rank computed per MoE layer (under the plan
+    in force); `phases[name][S]`: rank 0's seconds per step phase (data, forward, backward,
+    grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
+    layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
+    `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary."""
+
+    policy: str
+    path: Path
+    steps: np.ndarray
+    losses: np.ndarray
+    step_s: np.ndarray
+    tokens_per_step: int
+    tokens_per_s: float
+    device_tokens: np.ndarray
+    phases: dict[str, np.ndarray]
+    moe_phases: dict[str, np.ndarray]
+    bytes_moved: np.ndarray
+    plan_changes: int
+    val: list[tuple[int, float]]
+    config: dict[str, Any]
+    world_size: int
+    trace_path: Path | None
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredRun:
+        """Read a run folder; a missing or unreadable file is one `ConfigError` naming it."""
+        path = Path(path)
+        metrics = path / "metrics.jsonl"
+        records = []
+        try:
+            for line in metrics.read_text().splitlines():
+                if line.strip():
+                    records.append(json.loads(line))
+            summary = json.loads((path / "summary.json").read_text())
+            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(
+                f"cannot read the training run: {exc}", source=str(path), field="run"
+            ) from None
+        if not records:
+            raise ConfigError("no steps logged", source=str(metrics), field="metrics")
+        phase_names = list(records[0].get("phases_s", {}))
+        moe_names = sorted({k for r in records for k in r.get("moe_s", {})})
+        trace = path / "trace.npz"
+        return cls(
+            policy=str(config.get("policy", summary.get("policy", path.name))),
+            path=path,
+            steps=np.array([r["step"] for r in records], dtype=np.int64),
+            losses=np.array([r["loss"] for r in records], dtype=float),
+            step_s=np.array([r["step_s"] for r in records], dtype=float),
+            tokens_per_step=int(records[0].get("tokens", summary.get("tokens_per_step", 0))),
+            tokens_per_s=float(summary.get("tokens_per_s", 0.0)),
+            device_tokens=np.array([r.get("device_tokens", []) for r in records], dtype=float),
+            phases={k: np.array([r["phases_s"].get(k, 0.0) for r in records]) for k in phase_names},
+            moe_phases={
+                k: np.array([r.get("moe_s", {}).get(k, 0.0) for r in records]) for k in moe_names
+            },
+            bytes_moved=np.array(
+                [
+                    r.get("trans_bytes", 0) + r.get("agg_bytes", 0) + r.get("migrate_bytes", 0)
+                    for r in records
+                ],
+                dtype=float,
+            ),
+            plan_changes=int(summary.get("plan_changes", records[-1].get("plan_changes", 0))),
+            val=[(int(s), float(v)) for s, v in summary.get("val", [])],
+            config=config,
+            world_size=int(summary.get("world_size", 1)),
+            trace_path=trace if trace.is_file() else None,
+        )
+
+    def warm(self) -> slice:
+        """The measured steps: the first `min(3, S // 4)` are warm-up (as `TrainResult`)."""
+        return slice(min(3, len(self.step_s) // 4), None)
+
+    @property
+    def median_step_s(self) -> float:
+        return float(np.median(self.step_s[self.warm()]))
+
+    @property
+    def max_over_mean(self) -> float:
+        """Slowest rank's load over the mean rank load, averaged over layers and steps."""
+        x = self.device_tokens
+        if x.ndim != 3 or x.size == 0:
+            return 1.0
+        mean = x.mean(axis=2)
+        return float(
+            np.mean(np.divide(x.max(axis=2), mean, out=np.ones_like(mean), where=mean > 0))
+        )
+
+    def moe_phase_mean(self, name: str) -> float:
+        """Mean seconds per measured step of one `moe_phases` entry (0 when not logged)."""
+        series = self.moe_phases.get(name)
+        return float(series[self.warm()].mean()) if series is not None else 0.0
+
+    def phase_means(self) -> dict[str, float]:
+        """Mean seconds per measured step by phase (rank 0), `_s` suffixed for the plots."""
+        w = self.warm()
+        return {f"{k}_s": float(v[w].mean()) for k, v in self.phases.items()}
+
+
+@dataclass(frozen=True)
+class LossAgreement:
+    """How two loss curves of the same seed compare at the steps both logged: the largest
+    absolute difference over all of them (`max_diff`) and over the first `EARLY_STEPS`
+    (`early_max`), the first step whose difference exceeds `LOSS_AGREEMENT_TOL`
+    (`first_above`, None if none) and the last validation losses (NaN when not measured)."""
+
+    steps: int
+    max_diff: float
+    max_step: int
+    early_steps: int
+    early_max: float
+    first_above: int | None
+    val: tuple[float, float]
+
+    @property
+    def agrees(self) -> bool:
+        """Equal to rounding over the first steps (where summation order alone cannot have
+        grown yet)."""
+        return self.steps > 0 and self.early_max <= LOSS_AGREEMENT_TOL
+
+
+def loss_agreement(a: MeasuredRun, b: MeasuredRun) -> LossAgreement:
+    common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+    nan = float("nan")
+    va = a.val[-1][1] if a.val else nan
+    vb = b.val[-1][1] if b.val else nan
+    if len(common) == 0:
+        return LossAgreement(0, nan, 0, 0, nan, None, (va, vb))
+    diff = np.abs(a.losses[ia] - b.losses[ib])
+    early = int(np.sum(common <= common[0] + EARLY_STEPS - 1))
+    above = np.flatnonzero(diff > LOSS_AGREEMENT_TOL)
+    return LossAgreement(
+        steps=len(common),
+        max_diff=float(diff.max()),
+        max_step=int(common[int(diff.argmax())]),
+        early_steps=early,
+        early_max=float(diff[:early].max()),
+        first_above=int(common[above[0]]) if len(above) else None,
+        val=(va, vb),
+    )
+
+
+def agreement_sentence(ag: LossAgreement, a: str, b: str) -> str:
+    """The report's statement about two loss curves of the same seed."""
+    if ag.steps == 0:
+        return f"The {a} and {b} runs share no logged step, so their losses cannot be compared."
+    head = (
+        f"The {a} and {b} loss curves agree to float summation order: over the first "
+        f"{ag.early_steps} steps the largest difference is {ag.early_max:.2e} nats/byte "
+        f"(fp32 rounding of the loss)."
+    )
+    if not ag.agrees:
+        return (
+            f"The {a} and {b} loss curves differ by {ag.early_max:.2e} nats/byte within the first "
+            f"{ag.early_steps} steps, more than float summation order explains (tolerance "
+            f"{LOSS_AGREEMENT_TOL:.0e}): something changed the training. Largest difference "
+            f"{ag.max_diff:.2e} (step {ag.max_step})."
+        )
+    if ag.first_above is None:
+        tail = (
+            f" The largest difference over all {ag.steps} steps is {ag.max_diff:.2e}. Balancing "
+            f"moves and replicates experts but never changes the mathematics of training; only "
+            f"the order in which expert outputs and gradients are summed differs."
+        )
+    else:
+        tail = (
+            f" Only the order in which expert outputs and gradients are summed differs, and "
+            f"training amplifies such rounding differences (they can flip near-tied router "
+            f"choices): they first exceed {LOSS_AGREEMENT_TOL:.0e} at step {ag.first_above}, "
+            f"and the largest difference over all {ag.steps} steps is {ag.max_diff:.2e} "
+            f"(step {ag.max_step})."
+        )
+    if np.isfinite(ag.val[0]) and np.isfinite(ag.val[1]):
+        tail += f" Final validation loss: {ag.val[0]:.4f} ({a}) and {ag.val[1]:.4f} ({b})."
+    return head + tail
+
+
+__all__ = [
+    "EARLY_STEPS",
+    "LOSS_AGREEMENT_TOL",
+    "LossAgreement",
+    "MeasuredRun",
+    "agreement_sentence",
+    "loss_agreement",
+]
