@@ -319,6 +319,10 @@ def test_routing_is_group_local_and_cuts_price_as_the_cost_model(
     np.testing.assert_array_equal(plan.assignment.group_weights, local.group_weights)
     assert plan.assignment.group_size == local.group_size
     assert_priced_as_the_cost_model(plan, ctx.cost, loads)
+    # the search's own price of the chosen cut (Trans a broadcast: each expert's copy leaves
+    # its home once however many domains receive it) is the cost model's
+    searched = [after for _, after in plan.notes["hybrid_layer_s"]]
+    np.testing.assert_allclose(searched, plan.cost.layer_s, rtol=1e-9)
     static = make_plan("static", loads, None, ctx)
     assert np.all(plan.cost.layer_s <= static.cost.layer_s * (1 + 1e-12))
     if D > 80:  # more pairs than prefixes priced one by one
