@@ -18,6 +18,7 @@ import pytest
 
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.cost.model import CostModel
 from poise.runtime.launch import run_ranks
 
 from .helpers import train_residual_moe
@@ -403,7 +404,7 @@ def test_guard_prices_switches_with_what_they_measured() -> None:
     from poise.runtime.guard import Assessment, SwitchGuard
 
     guard = SwitchGuard(horizon=10, margin=0.2)
-    plan = Assessment(False, current_s=1.0, candidate_s=0.9, switch_s=0.5)  # saves 0.1 s/step
+    plan = Assessment(False, switch_s=0.5, current_busy_s=1.0, candidate_busy_s=0.9)  # 0.1 s/step
     assert guard.decide(plan).adopt  # 1.0 s over 10 steps > 1.2 * 0.5 s
     assert not guard.decide(plan, wait_s=0.4).adopt  # the planner's delay counts
     assert not SwitchGuard(horizon=2).decide(plan).adopt  # 0.2 s over 2 steps: no
@@ -412,14 +413,65 @@ def test_guard_prices_switches_with_what_they_measured() -> None:
     assert not decision.adopt and decision.reason == "no-gain" and decision.switch_s == 2.0
     assert guard.decide(Assessment(same=True)).reason == "same"
     assert SwitchGuard(horizon=2, enabled=False).decide(plan).adopt  # guard off: adopt
-    # keeping it: a plan that does not make steps faster falls back, and re-plans back off
-    assert guard.pays(np.array([1.0, 1.1]), np.array([0.8, 0.9]))
-    assert not guard.pays(np.array([1.0, 1.1]), np.array([1.2, 1.0]))
-    assert guard.pays(np.array([]), np.array([5.0]))  # nothing to compare yet
-    guard.fell_back()
+    guard.fell_back()  # a fallback skips the next re-plan, doubling on repeats
     assert guard.skip_replan() and not guard.skip_replan()
     guard.fell_back()
     assert [guard.skip_replan() for _ in range(3)] == [True, True, False]  # doubled
+
+
+def _replica_case():
+    """tests/test_cost.py's hand-computed case: 2 devices, experts homed on d0, d1; counts
+    [[10, 30], [20, 40]]; the candidate replicates e1 on d0 (d0's 30 e1-tokens stay home).
+    toy_spec: token 16 B, expert 256 B, 128 FLOP per token forward; 1e9 B/s, 1e9 FLOP/s.
+    Static: d1 computes 70 tokens, d0 sends 30 -> busy = 3 * 70 * 128 + 2 * 30 * 16 = 27,840 ns.
+    Replica: loads [60, 40], d0 sends 20 -> busy = 3 * 60 * 128 + 2 * 20 * 16 = 23,680 ns;
+    Trans + Agg = 2 * 256 = 512 ns."""
+    from tests.helpers import toy_cluster, toy_spec
+
+    spec = toy_spec(experts=2)
+    cost = CostModel(toy_cluster(bw=1e9, flops=1e9), spec)
+    p = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    static = Plan("static", p, Assignment.to_home(p), transfers_between(None, p, spec))
+    r = p.copy()
+    r.copies[0, 0, 1] = 1
+    replica = Plan("r", r, Assignment.to_home(r), transfers_between(p, r, spec))
+    counts = np.array([[[10, 30], [20, 40]]], dtype=float)
+    return cost, static, replica, counts
+
+
+def test_guard_prices_a_plan_by_its_live_parts() -> None:
+    from poise.runtime.guard import SwitchGuard, assess
+
+    cost, static, replica, counts = _replica_case()
+    a = assess(cost, static, replica, counts)
+    assert a.current_busy_s == pytest.approx(27_840e-9)
+    assert a.candidate_busy_s == pytest.approx(23_680e-9)
+    assert a.current_transfers_s == 0 and a.candidate_transfers_s == pytest.approx(512e-9)
+    assert a.live_gain_s() == pytest.approx(4_160e-9 - 512e-9)
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    assert guard.decide(a).adopt
+    # transfers measured at 4160 / 512 = 8.125 times the model's: the replica saves nothing
+    assert not guard.decide(a, k_transfer=8.2).adopt
+
+
+def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
+    from poise.runtime import selfcal
+    from poise.runtime.guard import SwitchGuard, Verdict, verdict
+
+    cost, static, replica, counts = _replica_case()
+    steps = np.stack([counts, counts])  # [S=2, L, D, E]: saves 2 * 4,160 ns
+    measured = np.zeros((2, len(selfcal.MEASURED)))
+    measured[:, selfcal.BOUNDARY] = 1e-6  # Trans launches
+    measured[:, selfcal.PERIOD] = 1.0  # wall clock plays no part
+    measured[:, selfcal.TRANSFERS] = 3e-6
+    v = verdict(cost, static, replica, steps, measured)
+    assert v.saving_s == pytest.approx(8_320e-9) and v.cost_s == pytest.approx(8e-6)
+    guard = SwitchGuard(horizon=10)
+    assert guard.pays(v)
+    measured[:, selfcal.TRANSFERS] = 4e-6  # 10 us of transfers for 8.32 us saved
+    assert not guard.pays(verdict(cost, static, replica, steps, measured))
+    assert guard.pays(Verdict(0.0, 1.0, 0)) and guard.pays(None)  # nothing run yet
+    assert SwitchGuard(horizon=10, enabled=False).pays(Verdict(0.0, 1.0, 5))
 
 
 def test_self_calibration_fits_the_scales() -> None:
@@ -429,6 +481,13 @@ def test_self_calibration_fits_the_scales() -> None:
     pulled = selfcal.fit_scale(np.array([2.0, 4.0]), np.array([1.0, 2.0]), 4.0)
     assert 1.0 < pulled < 2.0  # the preset's prior pulls towards 1
     assert selfcal.fit_scale(np.array([]), np.array([]), 4.0) == 1.0
+    # one row for all ranks: the slowest rank's seconds, but the all-to-all's of the rank that
+    # reached it last (rank 1 here, its experts 3 s; rank 0 waited 2 s more in it)
+    per_rank = np.zeros((2, len(selfcal.MEASURED)))
+    per_rank[:, selfcal.EXPERTS] = [1.0, 3.0]
+    per_rank[:, selfcal.A2A] = [2.5, 0.5]
+    row = selfcal.across_ranks(per_rank)
+    assert row[selfcal.EXPERTS] == 3.0 and row[selfcal.A2A] == 0.5
     from tests.helpers import toy_cluster
 
     prior = toy_cluster(2, bw=1e9, flops=1e9, lat=1e-6)

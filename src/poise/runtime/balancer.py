@@ -26,9 +26,10 @@ Each step:
 - the layers' `last_counts[E]` (tokens this rank routed to each expert) are accumulated on their
   device over the step's forwards (no host synchronisation in forward), then gathered
   (`all_gather`, with each rank's non-finite flag and its phase timings) at `reduce_replicas`,
-  so every rank holds `counts[L, D, E]` and the slowest rank's seconds per phase; a window of
-  the last `history` steps is kept. A NaN or infinity any layer saw on any rank raises
-  `NonFiniteInputError` there, on every rank, before the optimizer steps;
+  so every rank holds `counts[L, D, E]` and one figure per phase for all ranks
+  (`selfcal.across_ranks`); a window of the last `history` steps is kept. A NaN or infinity
+  any layer saw on any rank raises `NonFiniteInputError` there, on every rank, before the
+  optimizer steps;
 - `reduce_replicas`: Agg (replica gradients summed into their homes, zeroed);
 - `step`: every `replan_every` steps a plan is requested from the background planner
   (`poise.runtime.planner`): it fits the cost model's constants to the measured phases
@@ -82,7 +83,7 @@ from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
-from poise.runtime.guard import Assessment, SwitchGuard, assess
+from poise.runtime.guard import Assessment, SwitchGuard, Verdict, assess, verdict
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.stats import StepStats, layer_loads
 
@@ -280,7 +281,7 @@ class Balancer:
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
-        # per step, aligned with `window`: [step, *selfcal.MEASURED] (slowest rank's seconds)
+        # per step, aligned with `window`: [step, *selfcal.MEASURED] (`selfcal.across_ranks`)
         self.measured: deque[np.ndarray] = deque(maxlen=history)
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
@@ -288,7 +289,6 @@ class Balancer:
         self.plan = self._initial_plan()
         self.static_plan = self.plan  # the layout to fall back to
         self._plan_since = 0  # first step run under `plan`
-        self._prev_since = 0  # first step run under the plan before it
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
         self._boundary_s = 0.0  # this rank's seconds in the last `step`
@@ -488,8 +488,8 @@ class Balancer:
     # ----------------------------------------------------------------------------- loads
     def _gather(self, period_s: float) -> None:
         """All ranks' counts of this step, `[L, D, E]`, appended to the window, with the
-        slowest rank's seconds per `selfcal.MEASURED` column; non-finite flags raise here. One
-        `all_gather` of `[L * E + 1 + len(MEASURED)]` int64 per rank (seconds as ns)."""
+        seconds (`selfcal.across_ranks`) per `selfcal.MEASURED` column; non-finite flags raise
+        here. One `all_gather` of `[L * E + 1 + len(MEASURED)]` int64 per rank (seconds as ns)."""
         L, E, D = len(self.layers), self.num_experts, self.world_size
         device = self.layers[0].params[0].device
         counts = torch.stack(
@@ -509,6 +509,7 @@ class Balancer:
             sec.get("gate", 0.0),
             sec.get("dispatch", 0.0) + sec.get("combine", 0.0),
             sec.get("experts", 0.0),
+            sec.get("transfers", 0.0),
         ]
         ns = torch.tensor([round(x * 1e9) for x in mine], dtype=torch.long, device=device)
         local = torch.cat([counts.long(), flag.long().reshape(1), ns])
@@ -523,7 +524,7 @@ class Balancer:
         if bad.size:
             raise nonfinite_error(bad.tolist(), self.steps_done + 1)
         gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
-        measured = table[:, L * E + 1 :].max(axis=0).astype(np.float64) / 1e9
+        measured = selfcal.across_ranks(table[:, L * E + 1 :].astype(np.float64) / 1e9)
         if self.vote_group is not None and D > 1:
             measured = self._max_over_vote_group(measured)
         self.window.append(np.ascontiguousarray(gathered))
@@ -557,27 +558,36 @@ class Balancer:
 
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
-        steps run under the plan in force, forecast, plan, price against the plan in force."""
+        steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
+        forecast, plan, price against the plan in force."""
         history = np.stack(self.window)  # [S, L, D, E], a copy
         # the newest rows of both, measured under the plan in force (a restored window may
         # hold older rows that were not measured)
         measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
         n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
         fit_counts = history[len(history) - n :]
-        fit_measured = measured[len(measured) - n :, 1:]
+        fit_rows = measured[len(measured) - n :]
+        after = fit_rows[:, 0] > self._plan_since  # leaves out the step that carried the switch
         current, prior, spec = self.plan, self.cluster, self.spec()
+        static = self.static_plan
+        judge = current.digest() != static.digest()
         policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
         calibrate, split_tokens = self.calibrate, self.split_tokens
 
-        def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit]:
+        def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit, Verdict | None]:
             cluster, fit = prior, selfcal.Fit()
             if calibrate:
                 cost = CostModel(prior, spec)
-                cluster, fit = selfcal.fit_cluster(prior, cost, current, fit_counts, fit_measured)
+                rows = fit_rows[:, 1:]
+                cluster, fit = selfcal.fit_cluster(prior, cost, current, fit_counts, rows)
+            fitted = CostModel(cluster, spec)
+            paid = None
+            if judge:
+                paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
             loads = predictor.predict(history)
             ctx = _planning_context(cluster, spec, slots, history, options, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
-            return plan, assess(ctx.cost, current, plan, loads), cluster, fit
+            return plan, assess(fitted, current, plan, loads), cluster, fit, paid
 
         self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
 
@@ -585,7 +595,7 @@ class Balancer:
         """Take the planner's result and decide (guard, vote, digest check); returns whether a
         plan took effect."""
         done = self.planner.take()
-        plan, assessment, cluster, fit = done.value
+        plan, assessment, cluster, fit, paid = done.value
         self.fitted_cluster, self.fit = cluster, fit
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
@@ -593,8 +603,8 @@ class Balancer:
         stats.fit = fit.as_dict()
         fallback = False
         if self.plan.digest() != self.static_plan.digest():
-            fallback = not self.guard.pays(*self._periods())
-        decision = self.guard.decide(assessment, done.wait_s)
+            fallback = not self.guard.pays(paid)
+        decision = self.guard.decide(assessment, done.wait_s, fit.k_transfer)
         refuse, fallback = self._vote(plan, not decision.adopt, fallback)
         stats.gain_s, stats.switch_cost_s = decision.gain_s, decision.switch_s
         stats.predicted_step_s = assessment.candidate_s if not refuse else assessment.current_s
@@ -610,15 +620,6 @@ class Balancer:
         stats.decision = decision.reason
         self._switch(plan, stats, assessment.switch_s, done.wait_s)
         return True
-
-    def _periods(self) -> tuple[np.ndarray, np.ndarray]:
-        """Step periods (slowest rank) before the plan in force, under the previous plan, and
-        under it, each leaving out the step that carried a switch."""
-        rows = np.stack(self.measured) if self.measured else np.zeros((0, 2))
-        step, period = rows[:, 0], rows[:, 1 + selfcal.PERIOD]
-        before = period[(step > self._prev_since) & (step < self._plan_since)]
-        after = period[step > self._plan_since]
-        return before[-self.guard.horizon :], after
 
     def _vote(self, plan: Plan, refuse: bool, fallback: bool) -> tuple[bool, bool]:
         """One all-reduce (MAX) over the vote group: any rank refusing refuses, any rank falling
@@ -639,7 +640,7 @@ class Balancer:
         self.apply(plan, stats)
         stats.switched = True
         self.switches += 1
-        self._prev_since, self._plan_since = self._plan_since, self.steps_done
+        self._plan_since = self.steps_done
         self._switch_check = (self.steps_done, modelled_s, wait_s)
 
     def verify_plan(self, plan: Plan) -> None:

@@ -1,10 +1,22 @@
 """Do no harm: adopt a plan only when it pays, and fall back to the static layout when it does
 not.
 
-Adoption (`SwitchGuard.decide`). A candidate plan is priced against the plan in force on the
-forecast loads by the (self-calibrated, `poise.runtime.selfcal`) cost model:
+What a placement changes in a live step, per step and summed over layers, from the cost model's
+phases (`poise.runtime.selfcal.live_parts`, priced on the self-calibrated cluster):
 
-    gain   = (step_s(current) - step_s(candidate)) * horizon          seconds saved
+    busy      = expert forward + backward, dispatch + combine (with the dispatcher's host work)
+    transfers = Trans + Agg (the model's seconds before any overlap)
+    live_s    = busy + k_transfer * transfers
+
+`k_transfer` is the run's measured exposed transfer seconds (Trans waits and Agg in the step,
+Trans launches at the boundary) over the model's, fitted on the steps of the plan in force
+(`selfcal.fit_cluster`; 1 before any plan with replicas has run). The non-MoE work is the same
+under every placement and cancels.
+
+Adoption (`SwitchGuard.decide`). A candidate is priced against the plan in force on the forecast
+loads:
+
+    gain   = (live_s(current) - live_s(candidate)) * horizon          seconds saved
     switch = k_switch * (migrate_s + fill_s)(candidate) + wait_s      seconds the switch costs
 
 with `horizon` the steps the plan serves before the next re-plan, `migrate_s + fill_s` the
@@ -14,12 +26,14 @@ first), and `wait_s` the seconds the boundary waited for the planner. The plan i
 `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in force (same
 placement and assignment) is skipped outright: no transfer, no routing change.
 
-Keeping it (`SwitchGuard.pays`). After a switch the Balancer keeps measuring the step period
-(the slowest rank's wall time between two step boundaries). At the next decision, the median
-period under the new plan (the first step after the switch, which carries the migration, left
-out) is compared with the median of the steps before it under the previous plan; when the new
-plan is not faster, the Balancer goes back to the static layout and skips the next `backoff`
-re-plans (doubling after each fallback in a row, up to `max_backoff`).
+Keeping it (`SwitchGuard.pays`). A counterfactual on the same steps, not a comparison of wall
+clocks across time (on a shared machine two runs of the same static layout differ by more than
+balancing saves): over the steps run under the plan in force (the step that carried the switch
+left out), the saving is the static layout's `busy` minus the plan's, both priced on the very
+counts those steps routed with the fitted cluster, and the cost is the transfer seconds the
+steps measured. When the saving does not exceed the cost, the Balancer goes back to the static
+layout and skips the next `backoff` re-plans (doubling after each fallback in a row, up to
+`max_backoff`).
 
 Every input is identical on every rank (gathered measurements, the same plan from the same
 loads); the Balancer still takes a vote across ranks (any rank refusing refuses), so a rank's
@@ -35,18 +49,40 @@ import numpy as np
 from poise.core.errors import ConfigError
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
+from poise.runtime.selfcal import exposed_transfers_s, live_parts
 
 
 @dataclass(frozen=True)
 class Assessment:
     """A candidate priced against the plan in force on the forecast, model seconds:
-    `current_s`, `candidate_s` per step, `switch_s` the one-off transfers; `same`: the
-    candidate's placement and assignment equal the current ones."""
+    `current_s`, `candidate_s` per step (the cost model's step), `switch_s` the one-off
+    transfers; `*_busy_s`, `*_transfers_s` the live parts per step (module docstring); `same`:
+    the candidate's placement and assignment equal the current ones."""
 
     same: bool
     current_s: float = 0.0
     candidate_s: float = 0.0
     switch_s: float = 0.0
+    current_busy_s: float = 0.0
+    candidate_busy_s: float = 0.0
+    current_transfers_s: float = 0.0
+    candidate_transfers_s: float = 0.0
+
+    def live_gain_s(self, k_transfer: float = 1.0) -> float:
+        """`live_s(current) - live_s(candidate)` per step."""
+        busy = self.current_busy_s - self.candidate_busy_s
+        return busy + k_transfer * (self.current_transfers_s - self.candidate_transfers_s)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the plan in force pays, over `steps` steps run under it: `saving_s` (static's
+    busy seconds minus the plan's, priced on those steps' counts) against `cost_s` (their
+    measured transfer seconds)."""
+
+    saving_s: float
+    cost_s: float
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +106,22 @@ def assess(cost: CostModel, current: Plan, candidate: Plan, loads: np.ndarray) -
     migrations = candidate.transfers.migrations if candidate.transfers is not None else None
     phases, _ = cost.phases(candidate.placement, candidate.assignment, loads, migrations)
     switch = float(phases.migrate_s.sum() + phases.trans_s.sum())  # homes moved + replicas filled
-    return Assessment(False, now.step_s, new.step_s, switch)
+    ((cur_busy, cur_tr),) = live_parts(cost, current, loads[None])
+    ((new_busy, new_tr),) = live_parts(cost, candidate, loads[None])
+    return Assessment(False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr)
+
+
+def verdict(
+    cost: CostModel, static: Plan, current: Plan, counts: np.ndarray, measured: np.ndarray
+) -> Verdict:
+    """Whether `current` paid on the steps it ran: `counts[S, L, D, E]` and their
+    `measured[S, len(selfcal.MEASURED)]` (module docstring). NumPy only."""
+    if len(counts) == 0:
+        return Verdict(0.0, 0.0, 0)
+    static_busy = live_parts(cost, static, counts)[:, 0]
+    plan_busy = live_parts(cost, current, counts)[:, 0]
+    cost_s = float(exposed_transfers_s(measured).sum())
+    return Verdict(float((static_busy - plan_busy).sum()), cost_s, len(counts))
 
 
 class SwitchGuard:
@@ -109,11 +160,11 @@ class SwitchGuard:
         self._next_backoff = self.backoff
 
     # ------------------------------------------------------------------ adoption
-    def decide(self, a: Assessment, wait_s: float = 0.0) -> Decision:
+    def decide(self, a: Assessment, wait_s: float = 0.0, k_transfer: float = 1.0) -> Decision:
         """Adopt or not (see the module docstring)."""
         if a.same:
             return Decision(False, "same")
-        gain = (a.current_s - a.candidate_s) * self.horizon
+        gain = a.live_gain_s(k_transfer) * self.horizon
         switch = self.k_switch * a.switch_s + max(0.0, wait_s)
         if not self.enabled:
             return Decision(True, "off", gain, switch)
@@ -130,15 +181,12 @@ class SwitchGuard:
         self.k_switch += (ratio - self.k_switch) / self._switches
 
     # ------------------------------------------------------------------ keeping it
-    def pays(self, before_s: np.ndarray, after_s: np.ndarray) -> bool:
-        """Whether the plan in force pays: the median step period `after_s` under it below the
-        median `before_s` under the previous plan (True while either is empty)."""
-        before = np.asarray(before_s, float)
-        after = np.asarray(after_s, float)
-        before, after = before[before > 0], after[after > 0]
-        if not self.enabled or before.size == 0 or after.size == 0:
+    def pays(self, v: Verdict | None) -> bool:
+        """Whether the plan in force pays: its saving over the static layout on the steps it
+        ran exceeds their measured transfer seconds (True without such steps)."""
+        if not self.enabled or v is None or v.steps == 0:
             return True
-        return float(np.median(after)) < float(np.median(before))
+        return v.saving_s > v.cost_s
 
     def fell_back(self) -> None:
         """Record a fallback: skip the next re-plans (doubling on repeats)."""
@@ -158,4 +206,4 @@ class SwitchGuard:
         return False
 
 
-__all__ = ["Assessment", "Decision", "SwitchGuard", "assess"]
+__all__ = ["Assessment", "Decision", "SwitchGuard", "Verdict", "assess", "verdict"]

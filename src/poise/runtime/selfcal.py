@@ -1,12 +1,14 @@
 """Self-calibration: the cost model's compute and network constants fitted to this run.
 
 Each step the Balancer measures its layers' forward phases on every rank and keeps, per step,
-the slowest rank's seconds (gathered with the counts, so every rank holds the same figures):
-`experts_s` (the expert GEMMs) and `a2a_s` (dispatch + combine: the token all-to-all with its
-host work). Priced on the same steps' counts under the plan that ran them, the cost model
-predicts `expert_fwd_s` and `dispatch_s + combine_s` (summed over layers). Two scales relate
-them, each a least-squares fit through the origin over a window of steps, pulled towards 1
-(the cluster preset) by a prior worth `prior_rows` steps of the mean prediction:
+one figure per phase for all ranks (gathered with the counts, so every rank holds the same
+figures; `across_ranks`): `experts_s` (the expert GEMMs, the slowest rank's) and `a2a_s`
+(dispatch + combine: the token all-to-all with its host work, the fastest rank's, since the
+others' include waiting for the slowest rank's experts). Priced on the same steps' counts under
+the plan that ran them, the cost model predicts `expert_fwd_s` and `dispatch_s + combine_s`
+(summed over layers). Two scales relate them, each a least-squares fit through the origin over
+a window of steps, pulled towards 1 (the cluster preset) by a prior worth
+`prior_rows` steps of the mean prediction:
 
     k = (sum_s m_s p_s + w P^2) / (sum_s p_s^2 + w P^2),   P = mean_s p_s,  w = prior_rows
 
@@ -28,11 +30,13 @@ from poise.core.cluster import Cluster, Link, PeakFlops
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
 
-# Columns of the Balancer's gathered measurement rows (seconds, slowest rank): the wall time
+# Columns of the Balancer's gathered measurement rows (seconds, `across_ranks`): the wall time
 # between two step boundaries, the boundary itself (Trans launch, migration, waiting for the
 # planner), and the layers' forward phases.
-MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s")
-PERIOD, BOUNDARY, GATE, A2A, EXPERTS = range(len(MEASURED))
+# `transfers_s`: the step's Trans waits in forward and its Agg (launch and wait); the boundary
+# (`boundary_s`, the previous step's) holds the Trans launches.
+MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers_s")
+PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS = range(len(MEASURED))
 SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: clipped
 
 
@@ -44,6 +48,7 @@ class Fit:
 
     k_compute: float = 1.0
     k_network: float = 1.0
+    k_transfer: float = 1.0
     rows: int = 0
     gemm_flops: float = 0.0
     intra_bw_Bps: float = 0.0
@@ -60,6 +65,33 @@ def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndar
     for s, row in enumerate(counts):
         phases, _ = pricer.phases(row.astype(np.float64))
         out[s] = (phases.expert_fwd_s.sum(), (phases.dispatch_s + phases.combine_s).sum())
+    return out
+
+
+def across_ranks(per_rank: np.ndarray) -> np.ndarray:
+    """One row of `MEASURED` from every rank's `per_rank[D, len(MEASURED)]`: the slowest rank's
+    seconds, except the all-to-all's, which is the fastest rank's. An all-to-all ends when the
+    last rank has sent, so a rank that reaches it early waits there for the slowest one's
+    experts: the slowest rank's all-to-all seconds are mostly imbalance, the fastest rank's
+    (the one that arrived last) are the exchange itself."""
+    out = per_rank.max(axis=0)
+    out[A2A] = per_rank[:, A2A].min()
+    return out
+
+
+def live_parts(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
+    """Model seconds per step `[S, 2]` of `plan` on `counts[S, L, D, E]`, summed over layers:
+    `busy` (expert forward and backward, dispatch and combine with their host work: what a
+    placement changes on the critical path, slowest device per layer) and `transfers` (Trans +
+    Agg, before any overlap). The live guard prices a plan as `busy + k_transfer * transfers`,
+    `k_transfer` fitted to the exposed transfer seconds the run measures."""
+    pricer = cost.pricer(plan.placement, plan.assignment)
+    out = np.zeros((len(counts), 2))
+    for s, row in enumerate(counts):
+        ph, _ = pricer.phases(row.astype(np.float64))
+        busy = ph.expert_fwd_s + ph.expert_bwd_s + ph.dispatch_s + ph.combine_s
+        busy = busy + ph.dispatch_host_fwd_s + ph.dispatch_host_bwd_s
+        out[s] = (busy.sum(), (ph.trans_s + ph.agg_s).sum())
     return out
 
 
@@ -106,19 +138,30 @@ def fit_cluster(
     measured: np.ndarray,
     prior_rows: float = 4.0,
 ) -> tuple[Cluster, Fit]:
-    """The cluster fitted to `measured[S, len(MEASURED)]` (slowest rank's seconds per step)
+    """The cluster fitted to `measured[S, len(MEASURED)]` (seconds per step, `across_ranks`)
     from steps run under `plan` with `counts[S, L, D, E]`; `cost` prices on `prior`."""
     if len(counts) == 0:
-        return prior, _fit_of(prior, cost, 1.0, 1.0, 0)
+        return prior, _fit_of(prior, cost, 1.0, 1.0, 1.0, 0)
     predicted = predicted_phases(cost, plan, counts)
     k_c = fit_scale(measured[:, EXPERTS], predicted[:, 0], prior_rows)
     k_n = fit_scale(measured[:, A2A], predicted[:, 1], prior_rows)
-    return scaled_cluster(prior, k_c, k_n), _fit_of(prior, cost, k_c, k_n, len(counts))
+    fitted = scaled_cluster(prior, k_c, k_n)
+    k_t = 1.0
+    if plan.placement.copies.sum() > plan.placement.home.size:  # replicas: Trans and Agg ran
+        modelled = live_parts(CostModel(fitted, cost.spec, cost.schedule), plan, counts)[:, 1]
+        k_t = fit_scale(exposed_transfers_s(measured), modelled, prior_rows)
+    return fitted, _fit_of(prior, cost, k_c, k_n, k_t, len(counts))
 
 
-def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_n: float, rows: int) -> Fit:
+def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
+    """`[S]` seconds the steps of `measured[S, len(MEASURED)]` spent on balancing's transfers
+    on the critical path: Trans waits and Agg in the step, Trans launches at the boundary."""
+    return measured[:, TRANSFERS] + measured[:, BOUNDARY]
+
+
+def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_n: float, k_t: float, rows: int) -> Fit:
     flops = prior.gemm_flops(cost.spec.gemm_dtype) / k_c
-    return Fit(k_c, k_n, rows, flops, prior.intra_node.bw_Bps / k_n)
+    return Fit(k_c, k_n, k_t, rows, flops, prior.intra_node.bw_Bps / k_n)
 
 
 __all__ = [
@@ -128,9 +171,13 @@ __all__ = [
     "GATE",
     "MEASURED",
     "PERIOD",
+    "TRANSFERS",
     "Fit",
+    "across_ranks",
+    "exposed_transfers_s",
     "fit_cluster",
     "fit_scale",
+    "live_parts",
     "predicted_phases",
     "scaled_cluster",
 ]
