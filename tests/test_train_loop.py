@@ -3,9 +3,10 @@ resume exactly (same ranks: 2 onto 2, 4 onto 4) and re-shard (4 ranks onto 2), `
 --nproc 2` runs.
 
 Two spawns carry the multi-rank checks: 4 ranks train 6 steps with a checkpoint at step 3; then
-2 ranks run everything else (each policy for 4 steps, static and auto for 30, a resume of the auto
-run from step 20, and the 4-rank checkpoint resumed on 2 ranks). The `tiny` model with context 32
-and a global batch of 8 sequences keeps it quick."""
+2 ranks run everything else (static and each policy for 8 steps on a skewed 16-expert variant,
+every plan adopted; static and auto for 30; a resume of the auto run from step 20; the 4-rank
+checkpoint resumed on 2 ranks). The `tiny` model with context 32 and a global batch of 8
+sequences keeps it quick."""
 
 from __future__ import annotations
 
@@ -23,6 +24,28 @@ pytestmark = pytest.mark.dist
 
 TOL = 1e-5
 POLICIES = ["shadow", "prophet", "vexpert", "permute", "eplb", "hybrid"]
+
+
+POLICY_STEPS = 8  # re-plan every 2 steps, each adopted one step later
+PLANNED = 5  # steps 6-8 run plans made after the first few steps' loads
+# 16 experts top-1 over 16 sequences: the untrained router's skew persists from step to step
+# (static's device max/mean about 1.5), so a plan made from past steps fits the next ones
+SKEWED = dict(model_args={"num_experts": 16, "top_k": 1, "d_expert": 64}, batch=16)
+
+
+def _two_nodes():
+    """`cpu-2` as 2 nodes of 1 device, the link between them 4x slower: HybridEP's domains
+    (a single node gives it none, and it plans nothing)."""
+    import dataclasses
+
+    from poise.core.cluster import Link
+    from poise.core.presets import PRESETS
+
+    cpu = PRESETS["cpu-2"]
+    slow = Link(cpu.intra_node.bw_Bps / 4, cpu.intra_node.lat_s)
+    return dataclasses.replace(
+        cpu, name="cpu-2-two-nodes", devices_per_node=1, nodes_per_domain=2, inter_node=slow
+    )
 
 
 def _cfg(root: str, name: str, **kw):
@@ -50,9 +73,13 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     from poise.train import train
 
     out: dict = {}
-    for policy in POLICIES:
-        r = train(_cfg(root, policy, steps=4, policy=policy), quiet=True)
-        out[policy] = (r.losses, r.plan_changes)
+    for policy in ["static", *POLICIES]:  # every plan that differs is adopted, on the preset
+        cluster = f"{root}/two-nodes.yaml" if policy == "hybrid" else None
+        name = policy if policy != "static" else "static-skewed"
+        cfg = _cfg(root, name, steps=POLICY_STEPS, policy=policy, cluster=cluster,
+                   balance_guard=False, self_calibrate=False, **SKEWED)  # fmt: skip
+        r = train(cfg, quiet=True)
+        out[name] = (r.losses, r.plan_changes, r.max_over_mean)
     static = train(_cfg(root, "static", steps=30, policy="static"), quiet=True)
     auto_cfg = _cfg(
         root,
@@ -76,7 +103,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         resume=f"{root}/four/checkpoints/step-00000003.pt",
         quiet=True,
     )
-    out["static"] = (static.losses, static.plan_changes, static.tokens_per_s)
+    out["static"] = (static.losses, static.plan_changes, static.tokens_per_s, static.max_over_mean)
     out["auto"] = (auto.losses, auto.plan_changes, auto.tokens_per_s, auto.max_over_mean)
     out["resumed"] = (resumed.steps, resumed.losses, resumed.resumed_plan)
     out["four-on-two"] = (moved.steps, moved.losses, moved.resumed_plan)
@@ -86,6 +113,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     root = tmp_path_factory.mktemp("train")
+    _two_nodes().save(root / "two-nodes.yaml")
     four = run_ranks(_four_ranks, 4, str(root), timeout_s=300)
     two = run_ranks(_two_ranks, 2, str(root), timeout_s=400)
     for key in two[0]:  # every rank reports the same global losses
@@ -96,11 +124,25 @@ def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
 
 def test_every_policy_trains_with_the_same_losses(runs):
     _, _, two = runs
-    reference = np.array(two["shadow"][0])
-    assert len(reference) == 4 and np.all(np.isfinite(reference))
+    reference = np.array(two["static-skewed"][0])
+    assert len(reference) == POLICY_STEPS and np.all(np.isfinite(reference))
     for policy in POLICIES:
-        losses, _ = two[policy]
+        losses = two[policy][0]
         assert np.max(np.abs(np.array(losses) - reference)) <= TOL, policy
+
+
+def test_every_policy_changes_plans_and_lowers_device_imbalance(runs):
+    """The same steps route the same tokens (equal losses), so static's device max/mean on
+    them is the reference: each policy, its plans adopted, must have changed the plan and run
+    its planned steps with less imbalance than static on the same steps."""
+    _, _, two = runs
+    static = np.array(two["static-skewed"][2])[PLANNED:]
+    assert static.mean() > 1.2  # there is imbalance to remove
+    for policy in POLICIES:
+        _, changes, max_over_mean = two[policy]
+        assert changes >= 1, policy
+        planned = np.mean(max_over_mean[PLANNED:])
+        assert planned < static.mean(), (policy, max_over_mean, static)
 
 
 def test_static_and_auto_give_the_same_losses(runs):

@@ -373,6 +373,7 @@ class Dispatcher:
         self.world, self.rank = (1, 0) if group is None else world_and_rank(group)
         self.overlap_degree = int(overlap_degree)
         self.seconds: dict[str, float] = {}
+        self.rows_computed = 0  # token-expert rows this rank's slots computed in the last call
 
     def __call__(
         self,
@@ -423,6 +424,7 @@ class Dispatcher:
         if keep is not None:
             order = order[: int(keep.sum())]
         index = TokenIndex.build(order, T, k)
+        self.rows_computed = int(order.numel())  # a shape: no host synchronisation
         xs = _GatherTokens.apply(x, index)
         t1 = time.perf_counter()
         out = expert_fn(xs, tokens_per_slot)
@@ -459,6 +461,7 @@ class Dispatcher:
         else:
             routes = routing.routes(counts)  # [E, D]
             recv_counts = self._exchange_counts(routes, routing, nonfinite, x.device)  # [D, E]
+        self.rows_computed = int(recv_counts.sum())  # known on the host from the exchange
         parts = split_parts(routes, n)  # [n, E, D]
         # Sorted buffer: blocks (expert, destination, part); wanted: (part, destination, expert).
         blocks = np.arange(E * D * n).reshape(E, D, n).transpose(2, 1, 0).ravel()

@@ -85,6 +85,7 @@ class ForwardRecord:
     balance_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     seconds: dict[str, float] = field(default_factory=dict)
+    rows: int = 0  # token-expert rows this rank's slots computed (its measured device load)
 
 
 class MoE(nn.Module):
@@ -247,6 +248,7 @@ class MoE(nn.Module):
             balance_loss=routing.balance_loss,
             z_loss=routing.z_loss,
             seconds={"gate": t_gate, **self.dispatcher.seconds},
+            rows=self.dispatcher.rows_computed,
         )
         return y.view(x.shape)
 

@@ -158,6 +158,7 @@ class _LayerState:
         self.trans: tr.Pending | None = None
         self.aggs: list[tr.Pending] = []
         self.counts = torch.zeros(0, dtype=torch.long)
+        self.rows = 0  # token-expert rows this rank computed in the layer this step
         self.grads_ready: set[int] = set()
 
     @property
@@ -392,6 +393,7 @@ class Balancer:
             return
         counts = state.layer.last_counts.detach()
         state.counts = counts.clone() if state.counts.numel() == 0 else state.counts + counts
+        state.rows += int(state.layer.last_forward.rows)
         for phase, seconds in state.layer.last_forward.seconds.items():
             if phase in LAYER_PHASES:
                 self._current.add_seconds(phase, float(seconds))
@@ -499,8 +501,10 @@ class Balancer:
                 for s in self.layers
             ]
         ).reshape(-1)  # [L * E]  # fmt: skip
+        rows = torch.tensor([s.rows for s in self.layers], dtype=torch.long, device=device)
         for s in self.layers:
             s.counts = torch.zeros(0, dtype=torch.long)
+            s.rows = 0
         flag = torch.stack([s.layer.take_nonfinite().to(device) for s in self.layers]).any()
         sec = self._current.seconds
         mine = [
@@ -512,7 +516,7 @@ class Balancer:
             sec.get("transfers", 0.0),
         ]
         ns = torch.tensor([round(x * 1e9) for x in mine], dtype=torch.long, device=device)
-        local = torch.cat([counts.long(), flag.long().reshape(1), ns])
+        local = torch.cat([counts.long(), flag.long().reshape(1), rows, ns])
         if D > 1:
             local = local.to(comm_device(self.group, local.device))
             parts = [torch.empty_like(local) for _ in range(D)]
@@ -524,13 +528,15 @@ class Balancer:
         if bad.size:
             raise nonfinite_error(bad.tolist(), self.steps_done + 1)
         gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
-        measured = selfcal.across_ranks(table[:, L * E + 1 :].astype(np.float64) / 1e9)
+        computed = table[:, L * E + 1 : L * E + 1 + L].T.astype(np.float64)  # [L, D]
+        measured = selfcal.across_ranks(table[:, L * E + 1 + L :].astype(np.float64) / 1e9)
         if self.vote_group is not None and D > 1:
             measured = self._max_over_vote_group(measured)
         self.window.append(np.ascontiguousarray(gathered))
         self.measured.append(np.concatenate([[self.steps_done], measured]))
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
-        self._current.set_loads(layer_loads(self.plan.placement, self.plan.assignment, gathered))
+        planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
+        self._current.set_loads(planned.measured(computed))
         if self._switch_check is not None and self._switch_check[0] == self.steps_done:
             _, modelled, wait = self._switch_check
             self.guard.record_switch(float(measured[selfcal.BOUNDARY]) - wait, modelled)

@@ -33,14 +33,25 @@ class LayerLoads:
     max_over_mean: np.ndarray
     tokens_moved: np.ndarray
 
+    def measured(self, device_tokens: np.ndarray) -> LayerLoads:
+        """These loads with `device_tokens[L, D]` as the ranks measured them (rows their slots
+        computed) in place of the routed prediction; `tokens_moved` kept."""
+        device = np.asarray(device_tokens, dtype=np.float64)
+        return LayerLoads(device, max_over_mean(device), self.tokens_moved)
+
+
+def max_over_mean(device: np.ndarray) -> np.ndarray:
+    """`[L]` max over mean of `device[L, D]` (1.0 for an idle layer)."""
+    mean = device.mean(axis=1)
+    return np.where(mean > 0, device.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+
 
 def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray) -> LayerLoads:
     """Loads of `counts[L, D, E]` routed by `assignment` onto `placement` (integer routes, as
     the dispatcher sends them)."""
     routes = assignment.split(placement, counts)  # [L, W_src, E, W_dst]
     device = routes.sum(axis=(1, 2)).astype(np.float64)  # [L, D]
-    mean = device.mean(axis=1)
-    ratio = np.where(mean > 0, device.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+    ratio = max_over_mean(device)
     D = counts.shape[1]
     off_rank = ~np.eye(D, dtype=bool)[None, :, None, :]
     moved = np.where(off_rank, routes, 0).sum(axis=(1, 2, 3))
