@@ -48,9 +48,11 @@ that all ranks share the config) is `poise.train.setup`; rank 0's console and me
 
 Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
 `config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
-load, plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing
-counts `[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the
-end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboard is installed.
+load, the expert load of `poise.train.expert_load` (`tokens_per_expert`, `cv`, drops, replicas),
+plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing counts
+`[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the end),
+`checkpoints/`, `summary.json`, TensorBoard events in `tb/` (`poise.train.tboard`; unless
+`tensorboard: false`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, resolve_layout, save_config
 from poise.train.data import Sampler, shard_rows
+from poise.train.expert_load import ExpertLoad, expert_load
 from poise.train.faults import Fault, FaultInjector
 from poise.train.layout import edp_counts, install_edp_bias_sum
 from poise.train.runlog import RunLog
@@ -261,6 +264,28 @@ class _Trainer:
             offset += n
         return flat[offset:]
 
+    def _step_scalars(self, ce: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """`[2 + L]` float64: the step's cross-entropy sum, auxiliary loss and each MoE layer's
+        dropped assignments, summed over the ranks with the dense gradients (no extra
+        collective)."""
+        dropped = [m.last_forward.dropped.to(ce.device) for m in find_moe_layers(self.model)]
+        return torch.stack([ce.detach(), aux.detach(), *dropped]).double()
+
+    def _expert_load(
+        self, world_counts: np.ndarray | None, dropped: torch.Tensor
+    ) -> ExpertLoad | None:
+        """The step's expert load (`poise.train.expert_load`) from the world's counts
+        `[L, D, E]` (the Balancer's newest window row without a layout), the plan in force and
+        `dropped [L]` (summed over the ranks); replicas are those of the plan in force from the
+        next step (after this step's boundary). None when no counts were gathered."""
+        counts = world_counts
+        if counts is None and self.balancer.window:
+            counts = self.balancer.window[-1]
+        if counts is None:
+            return None
+        drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
+        return expert_load(counts, self.balancer.plan.placement.copies, drops)
+
     def _sync_experts(self, step: int) -> np.ndarray | None:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
         group, and gather the step's counts over it; the Balancer's newest window row becomes
@@ -429,7 +454,7 @@ class _Trainer:
                 loss.backward()
                 t = _lap(ph, "backward", t)
                 self.faults.at(step + 1, "backward")
-                summed = self._sync_dense(torch.stack([ce.detach(), aux.detach()]).double())
+                summed = self._sync_dense(self._step_scalars(ce, aux))
                 t = _lap(ph, "grad_sync", t)
                 self.balancer.reduce_replicas()
                 t = _lap(ph, "balance", t)
@@ -458,6 +483,7 @@ class _Trainer:
                     self.trace_counts.append(self.balancer.window[-1].copy())
                     self.trace_steps.append(step)
                 loss_value = float(summed[0]) * inv_tokens
+                load = self._expert_load(world_counts, summed[2:])
                 record: dict[str, Any] = {
                     "step": done,
                     "loss": loss_value,
@@ -487,6 +513,8 @@ class _Trainer:
                     "phases_s": ph,
                     "moe_s": dict(stats.seconds) if stats else {},
                 }
+                if load is not None:
+                    record.update(load.as_record())
                 for k, v in ph.items():
                     totals[k] += v
                 res.steps.append(done)
