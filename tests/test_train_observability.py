@@ -51,7 +51,8 @@ def test_worst_layer_text_names_the_largest_cv():
 @pytest.mark.dist
 def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
     """A 4-step 2-rank `poise train tiny --out DIR` leaves TensorBoard event files under DIR and
-    JSONL lines with `tokens_per_expert` and `cv` that agree with the recorded trace."""
+    JSONL lines with `tokens_per_expert` and `cv` that agree with the recorded trace; with
+    `megatron_trace` the same counts as Megatron-Core router traces."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from poise.cli import main
@@ -60,7 +61,7 @@ def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
     out = tmp_path / "run"
     args = ["train", "tiny", "--nproc", "2", "--steps", "4", "--policy", "auto", "--out", str(out)]
     for kv in ("context=32", "batch=4", "eval_every=0", "checkpoint_every=0",
-               f"cache_dir={tmp_path / 'cache'}"):  # fmt: skip
+               "megatron_trace=true", f"cache_dir={tmp_path / 'cache'}"):  # fmt: skip
         args += ["--set", kv]
     assert main(args) == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -75,6 +76,11 @@ def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
         assert len(r["replicas"]) == L and min(r["replicas"]) >= 0
         assert len(r["device_tokens"]) == L and "plan_changes" in r
         assert r["worst_layer"] == int(np.argmax(r["cv"]))
+    from poise.trace.megatron import import_megatron
+
+    megatron = import_megatron(out / "megatron-trace", experts=E)  # what Megatron-Core writes
+    np.testing.assert_array_equal(megatron.counts, trace.counts)
+    assert megatron.step_ids.tolist() == trace.step_ids.tolist() == [0, 1, 2, 3]
     events = list((out / "tb").glob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     acc = EventAccumulator(str(out / "tb"), size_guidance={"histograms": 0, "scalars": 0})

@@ -81,13 +81,15 @@ def check_world(num_experts: int, world: int) -> None:
 class ForwardRecord:
     """What an `MoE` forward leaves besides its output: the router's losses (scalars, with
     their autograd graph: add `aux_loss` to the loss), `dropped` (`[]` long, on the layer's
-    device: assignments this rank's router dropped for capacity, 0 when dropless) and the wall
-    seconds per phase."""
+    device: assignments this rank's router dropped for capacity, 0 when dropless), `choices`
+    (`[T, k]` long: the experts each token chose, before drops; no copy) and the wall seconds
+    per phase."""
 
     aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     balance_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    choices: torch.Tensor | None = None
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -255,6 +257,7 @@ class MoE(nn.Module):
                 if routing.keep is not None
                 else torch.zeros((), dtype=torch.long, device=counts.device)
             ),
+            choices=routing.experts.detach(),
             seconds={"gate": t_gate, **self.dispatcher.seconds},
         )
         return y.view(x.shape)

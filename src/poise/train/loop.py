@@ -52,7 +52,8 @@ load, the expert load of `poise.train.expert_load` (`tokens_per_expert`, `cv`, d
 plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing counts
 `[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the end),
 `checkpoints/`, `summary.json`, TensorBoard events in `tb/` (`poise.train.tboard`; unless
-`tensorboard: false`).
+`tensorboard: false`), and with `megatron_trace: true` every rank's routing as Megatron-Core
+router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.trace.megatron`).
 """
 
 from __future__ import annotations
@@ -75,8 +76,15 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
-from poise.nn.moe import default_slots, find_moe_layers, install_bias_update, raise_if_nonfinite
+from poise.nn.moe import (
+    MoE,
+    default_slots,
+    find_moe_layers,
+    install_bias_update,
+    raise_if_nonfinite,
+)
 from poise.runtime.launch import destroy_process_group
+from poise.trace.megatron import MegatronTraceWriter
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, resolve_layout, save_config
@@ -224,6 +232,11 @@ class _Trainer:
             install_edp_bias_sum(self.optimizer, self.model, self.edp_group)  # runs first
             install_bias_update(self.optimizer, self.model, cfg.bias_rate)
         self.log = RunLog(cfg, self.out, self.rank == 0, self.start, quiet)
+        self.megatron = (
+            MegatronTraceWriter(self.out / "megatron-trace", self.rank, self.start)
+            if cfg.megatron_trace
+            else None
+        )
         self.trace_counts, self.trace_steps = self._previous_trace()
         self.plan_changes = int(self.ckpt["extra"].get("plan_changes", 0)) if self.ckpt else 0
         self.autocast = (
@@ -285,6 +298,17 @@ class _Trainer:
             return None
         drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
         return expert_load(counts, self.balancer.plan.placement.copies, drops)
+
+    def _write_megatron(self, step: int) -> None:
+        """This rank's routing of the step (0-based) as Megatron-Core router-trace records, one
+        per MoE layer (`layer`: the block's index), when `megatron_trace` is on."""
+        if self.megatron is None:
+            return
+        for name, moe in self.model.named_modules():
+            if isinstance(moe, MoE) and moe.last_forward.choices is not None:
+                layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+                self.megatron.record(step, layer, moe.last_forward.choices.cpu().numpy())
+        self.megatron.flush()
 
     def _sync_experts(self, step: int) -> np.ndarray | None:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
@@ -468,6 +492,7 @@ class _Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 t = _lap(ph, "balance", t)
                 step_s = t - t_start
+                self._write_megatron(step)
                 self.position += cfg.batch
                 done = step + 1
 
@@ -539,6 +564,8 @@ class _Trainer:
             self.faults.uninstall()
             self.log.close()
             self.balancer.close()
+            if self.megatron is not None:
+                self.megatron.close()
         res.trace_path = self.save_trace()
         if res.trace_path is None and cfg.record_trace:
             res.trace_path = str(self.out / "trace.npz")
