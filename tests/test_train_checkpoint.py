@@ -151,8 +151,12 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         save(2)
     monkeypatch.undo()
 
-    def rename_fails(src, dst):
-        raise OSError("disk gone")
+    real_replace = poise.util.atomic._replace
+
+    def rename_fails(src, dst):  # the rename of the finished folder into place
+        if Path(src).name.startswith(".step-"):
+            raise OSError("disk gone")
+        real_replace(src, dst)
 
     monkeypatch.setattr(poise.util.atomic, "_replace", rename_fails)
     with pytest.raises(ck.CheckpointError, match="cannot write checkpoint"):
