@@ -30,7 +30,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	$(BIN)/python benchmarks/planner.py
+	$(BIN)/python benchmarks/moe_layer.py
+	$(BIN)/python benchmarks/ep_step.py
 
 clean:
 	rm -rf $(VENV) poise-out .pytest_cache

@@ -15,8 +15,13 @@ Implementations: `poise` (`poise.nn.MoE`, dropless), `dense`, and where `deepspe
 (the `bench` extra), DeepSpeed-MoE's `deepspeed.moe.layer.MoE` on a 1-rank gloo group with the
 same expert FFN: `deepspeed-drop` (capacity factor 1.0, tokens dropped) and `deepspeed-nodrop`
 (every expert padded to the largest load). Each step is forward, `(y * g).sum() + 0.01 * aux`
-backward, gradients dropped. Repetitions are interleaved (rotating order); figures are medians,
-`ratio_vs_dense` the median of per-repetition time ratios. One JSON line per (routing, impl).
+backward, gradients dropped. Where `torchtitan` imports (the `bench` extra), torchtitan's MoE
+layer (`torchtitan.models.common.moe.MoE`, torchtitan 0.3: SwiGLU experts, local token
+dispatcher, softmax top-k, no load-balancing bias) runs as `torchtitan` beside `poise-swiglu`
+(Poise with SwiGLU experts of the same size, its peer). Repetitions are interleaved (rotating
+order); figures are medians, `ratio_vs_dense` and `ratio_vs_poise` the medians of per-repetition
+time ratios (`ratio_vs_poise`: against `poise`, or `poise-swiglu` for SwiGLU layers). One JSON
+line per (routing, impl).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routing", nargs="+", default=["uniform", "zipf"])
     p.add_argument("--experts-impl", choices=["auto", "grouped", "loop"], default="auto")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed-MoE")
+    p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's MoE")
     return p.parse_args(argv)
 
 
@@ -117,7 +123,9 @@ class DenseFFN(nn.Module):
 
 
 class PoiseLayer(nn.Module):
-    def __init__(self, args: argparse.Namespace, gate: torch.Tensor) -> None:
+    def __init__(
+        self, args: argparse.Namespace, gate: torch.Tensor, activation: str = "gelu"
+    ) -> None:
         super().__init__()
         self.moe = MoE(
             MoEConfig(
@@ -125,7 +133,7 @@ class PoiseLayer(nn.Module):
                 args.d_expert,
                 args.experts,
                 args.top_k,
-                activation="gelu",
+                activation=activation,
                 balance_coef=1.0,
                 experts_impl=args.experts_impl,
                 check_finite=True,
@@ -136,6 +144,54 @@ class PoiseLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.moe(x), self.moe.last_forward.aux_loss
+
+
+class TorchtitanLayer(nn.Module):
+    """torchtitan 0.3's MoE layer with SwiGLU experts of hidden `d_expert`, the same gate."""
+
+    def __init__(self, args: argparse.Namespace, gate: torch.Tensor) -> None:
+        super().__init__()
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import (
+            GroupedExperts,
+            RoutedExperts,
+            TokenChoiceTopKRouter,
+        )
+        from torchtitan.models.common.moe import MoE as TTMoE
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+        E, M, F, k = args.experts, args.d_model, args.d_expert, args.top_k
+        config = TTMoE.Config(
+            num_experts=E,
+            routed_experts=RoutedExperts.Config(
+                inner_experts=GroupedExperts.Config(dim=M, hidden_dim=F, num_experts=E),
+                token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k),
+            ),
+            router=TokenChoiceTopKRouter.Config(
+                num_experts=E,
+                gate=Linear.Config(in_features=M, out_features=E),
+                top_k=k,
+                score_func="softmax",
+            ),
+            load_balance_coeff=None,
+        )
+        self.moe = config.build()
+        with torch.no_grad():
+            for p in self.moe.parameters():
+                nn.init.normal_(p, std=0.02)
+            self.moe.router.gate.weight.copy_(gate)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.moe(x.unsqueeze(0)).squeeze(0), x.new_zeros(())
+
+
+def init_torchtitan() -> str:
+    """ "" when torchtitan's MoE layer imports, else why not."""
+    try:
+        import torchtitan.models.common.moe  # noqa: F401
+    except Exception as exc:  # ImportError, or a version with another layout
+        return f"torchtitan not importable: {type(exc).__name__}: {exc}"
+    return ""
 
 
 class DeepSpeedLayer(nn.Module):
@@ -265,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         with stdout_to_stderr():
             layers["deepspeed-drop"] = DeepSpeedLayer(args, gate, drop=True)
             layers["deepspeed-nodrop"] = DeepSpeedLayer(args, gate, drop=False)
+    tt_note = "skipped (--no-torchtitan)" if args.no_torchtitan else init_torchtitan()
+    if tt_note:
+        print(f"# torchtitan: {tt_note}", file=sys.stderr)
+    else:
+        layers["poise-swiglu"] = PoiseLayer(args, gate, activation="swiglu")
+        layers["torchtitan"] = TorchtitanLayer(args, gate)
     for layer in layers.values():
         layer.to(device=device, dtype=dtype)
     for routing in args.routing:
@@ -289,6 +351,7 @@ def run_routing(
     assert (poise_counts == np.bincount(choices.ravel(), minlength=args.experts)).all()
     dense = times["dense"]
     out = []
+    swiglu = ("poise-swiglu", "torchtitan")
     for name, ts in times.items():
         med = statistics.median(ts)
         line: dict[str, Any] = {
@@ -299,6 +362,15 @@ def run_routing(
             "tokens_per_s": round(args.tokens / med, 1),
             "ratio_vs_dense": round(
                 statistics.median(a / b for a, b in zip(ts, dense, strict=True)), 3
+            ),
+            "ratio_vs_poise": round(
+                statistics.median(
+                    a / b
+                    for a, b in zip(
+                        ts, times["poise-swiglu" if name in swiglu else "poise"], strict=True
+                    )
+                ),
+                3,
             ),
         }
         if name == "poise":

@@ -70,7 +70,7 @@ def _losses(run: Path) -> list[float]:
 def _final_tensors(run: Path) -> dict:
     from poise.train.checkpoint import read_file
 
-    ckpt = read_file(run / "checkpoints" / f"step-{STEPS:08d}.pt")
+    ckpt = read_file(run / "checkpoints" / f"step-{STEPS:08d}")
     flat = {f"dense.{k}": v for k, v in ckpt["model"]["dense"].items()}
     for layer, ws in ckpt["model"]["experts"].items():
         flat.update({f"{layer}.{k}": v for k, v in ws.items()})

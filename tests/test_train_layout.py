@@ -42,7 +42,7 @@ def _cfg(root: str, name: str, **kw):
 
 
 def _ckpt(root: str, name: str, step: int = 3) -> str:
-    return f"{root}/{name}/checkpoints/step-{step:08d}.pt"
+    return f"{root}/{name}/checkpoints/step-{step:08d}"
 
 
 def _result(r) -> dict:
@@ -169,8 +169,8 @@ def test_checkpoint_and_trace_of_a_layout_run(runs):
     from poise.train.checkpoint import read_file
 
     root, _ = runs
-    lay = read_file(root / "layout" / "checkpoints" / "step-00000006.pt")
-    plain = read_file(root / "plain4" / "checkpoints" / "step-00000006.pt")
+    lay = read_file(root / "layout" / "checkpoints" / "step-00000006")
+    plain = read_file(root / "plain4" / "checkpoints" / "step-00000006")
     assert (lay["world_size"], lay["ep_size"], len(lay["rng"])) == (4, 2, 4)
     assert (plain["world_size"], plain["ep_size"]) == (4, 4)
     assert lay["config"]["layout"] == "ep=2"

@@ -1,7 +1,7 @@
 """`poise trace`: inspect, convert and generate routing traces.
 
 poise trace stats FILE [--json] [--layout-devices D]
-poise trace convert SRC DST.npz [--format smartmoe|eplb|expert-counts|auto] [options]
+poise trace convert SRC DST.npz [--format smartmoe|eplb|expert-counts|megatron|auto] [options]
 poise trace generate KIND OUT.npz --steps S --layers L --devices D --experts E
                      [--top-k K] [--tokens-per-device T] [--seed N] [--param key=value ...]
 """
@@ -47,10 +47,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_import_options(stats)
 
-    convert = sub.add_parser("convert", help="import SmartMoE-AE / EPLB / expert-count data")
+    convert = sub.add_parser(
+        "convert", help="import SmartMoE-AE / EPLB / expert-count / Megatron-Core router-trace data"
+    )
     convert.add_argument(
         "src",
-        help="SmartMoE-AE folder, EPLB weight .npy/.json, expert-count .json, or a .npz trace",
+        help="SmartMoE-AE folder, EPLB weight .npy/.json, expert-count .json, Megatron-Core "
+        "router-trace folder (router_trace_rank<N>.jsonl), or a .npz trace",
     )
     convert.add_argument("dst", help="output trace (.npz)")
     _add_import_options(convert)
@@ -101,6 +104,9 @@ def _add_import_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="expert-counts: domain(s), comma-separated (default: all, one per step)",
     )
+    g.add_argument(
+        "--experts", type=int, default=None, help="megatron: experts (default: max index + 1)"
+    )
     g.add_argument("--name", default=None, help="trace name")
 
 
@@ -112,6 +118,7 @@ def _load(args: argparse.Namespace, path: str) -> Trace:
         "model": args.model,
         "kind": args.kind,
         "domain": args.domain,
+        "experts": args.experts,
     }
     trace = load_any(path, format=args.format, **opts)
     if args.name:

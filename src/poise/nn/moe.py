@@ -25,7 +25,8 @@ State after a forward, all declared in `__init__`:
   this rank's router produced in the last forward (before dispatch and drops), for the Balancer;
   `bias_counts [E]`, the training forwards' counts since the last `update_bias`;
 - `last_forward` (a `ForwardRecord`): the router's `aux_loss` (weighted balance + z losses),
-  `balance_loss`, `z_loss`, and `seconds` per phase (gate, dispatch, experts, combine).
+  `balance_loss`, `z_loss`, `dropped` (assignments dropped for capacity), and `seconds` per
+  phase (gate, dispatch, experts, combine).
 
 Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
 on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
@@ -79,11 +80,16 @@ def check_world(num_experts: int, world: int) -> None:
 @dataclass
 class ForwardRecord:
     """What an `MoE` forward leaves besides its output: the router's losses (scalars, with
-    their autograd graph: add `aux_loss` to the loss) and the wall seconds per phase."""
+    their autograd graph: add `aux_loss` to the loss), `dropped` (`[]` long, on the layer's
+    device: assignments this rank's router dropped for capacity, 0 when dropless), `choices`
+    (`[T, k]` long: the experts each token chose, before drops; no copy) and the wall seconds
+    per phase."""
 
     aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     balance_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    choices: torch.Tensor | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     rows: int = 0  # token-expert rows this rank's slots computed (its measured device load)
 
@@ -247,6 +253,12 @@ class MoE(nn.Module):
             aux_loss=routing.aux_loss,
             balance_loss=routing.balance_loss,
             z_loss=routing.z_loss,
+            dropped=(
+                (~routing.keep).sum()
+                if routing.keep is not None
+                else torch.zeros((), dtype=torch.long, device=counts.device)
+            ),
+            choices=routing.experts.detach(),
             seconds={"gate": t_gate, **self.dispatcher.seconds},
             rows=self.dispatcher.rows_computed,
         )

@@ -6,6 +6,8 @@ file (`source`) and the offending field or line (`field`) for any input it canno
 - `import_smartmoe(folder)`: SmartMoE-AE `moe_trace` logs, `table_iter{N}_rank{R}.log`.
 - `import_eplb(path)`: an EPLB-style `weight[L, E]` load matrix (`.npy` or `.json`), one step.
 - `import_expert_counts(path)`: per-layer expert counts JSON, `data[model][kind][domain]`.
+- `import_megatron(folder)`: Megatron-Core router traces, `router_trace_rank{R}.jsonl`
+  (`poise.trace.megatron`).
 - `load_any(path, format="auto", **opts)`: dispatch on the path and its content.
 """
 
@@ -21,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from poise.core.errors import ConfigError, TraceError
+from poise.trace.megatron import FILE_RE as MEGATRON_FILE
+from poise.trace.megatron import import_megatron
 from poise.trace.trace import Trace
 
-FORMATS = ("auto", "npz", "smartmoe", "eplb", "expert-counts")
+FORMATS = ("auto", "npz", "smartmoe", "eplb", "expert-counts", "megatron")
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -495,14 +499,20 @@ IMPORTERS: dict[str, Callable[..., Trace]] = {
     "smartmoe": import_smartmoe,
     "eplb": import_eplb,
     "expert-counts": import_expert_counts,
+    "megatron": import_megatron,
 }
 
 
 def detect_format(path: str | Path) -> str:
-    """`npz`, `smartmoe`, `eplb` or `expert-counts`, from the path and (for JSON) its content."""
+    """`npz`, `smartmoe`, `eplb`, `expert-counts` or `megatron`, from the path and (for JSON)
+    its content."""
     path = Path(path)
     src = str(path)
+    if MEGATRON_FILE.match(path.name):
+        return "megatron"
     if path.is_dir():
+        if any(MEGATRON_FILE.match(p.name) for p in path.glob("router_trace_rank*.jsonl")):
+            return "megatron"
         return "smartmoe"
     if not path.exists():
         raise TraceError("file not found", source=src)
@@ -522,7 +532,7 @@ def detect_format(path: str | Path) -> str:
         )
     raise TraceError(
         f"unknown trace format {suffix or '(no suffix)'!r} (expected .npz, "
-        f".npy, .json or a SmartMoE-AE folder)",
+        f".npy, .json, a SmartMoE-AE folder or Megatron-Core router_trace_rank<N>.jsonl)",
         source=src,
     )
 
@@ -552,6 +562,6 @@ def load_any(path: str | Path, format: str = "auto", **opts: Any) -> Trace:
             source=str(path),
             field=", ".join(extra),
         )
-    if fmt != "smartmoe" and Path(path).is_dir():
+    if fmt not in ("smartmoe", "megatron") and Path(path).is_dir():
         raise TraceError(f"is a folder, not a {fmt} file", source=str(path))
     return fn(path, **given)

@@ -1,130 +1,250 @@
-"""Checkpoints of a GPT-MoE run, independent of the placement and of the number of ranks.
+"""Checkpoints of a GPT-MoE run in `torch.distributed.checkpoint` (DCP) format, independent of
+the placement and of the number of ranks.
 
     path = save(model, optimizer, balancer, out_dir, step=s, data_position=p, config=cfg.to_dict())
-    ckpt = load(resolve("poise-out/train"))              # a file, or a run / checkpoints folder
-    restore(model, optimizer, ckpt)                      # on the fresh (static-layout) model
+    ckpt = load(resolve("poise-out/train"))              # a folder: the checkpoint, or a run's
+    restore(model, optimizer, ckpt)                      # collective, on the fresh static model
     restore_plan(balancer, ckpt)                         # same world size: the saved placement
 
-What a checkpoint holds (`torch.save` of plain tensors, lists and numbers; read back with
-`weights_only=True`):
+A checkpoint is a folder `<out>/checkpoints/step-<step, 8 digits>/` holding
 
-- `step` (optimizer steps done) and `data_position` (samples consumed, see `poise.train.data`);
-- `model.dense`: every non-expert tensor of the state dict (replicated on all ranks: rank 0's);
-- `model.experts[layer][name]`: `[E, ...]` weights of each expert by global expert id, gathered
-  from the home slots (the owners' master copies) of all ranks;
-- `optimizer`: AdamW's state the same way: dense tensors by parameter name, expert moments
-  `[E, ...]` by expert id (from the homes), each tensor's step count;
-- `plan`: the placement and assignment in force (home `[L, E]`, copies `[L, D, E]`, weights;
-  with `auto`, its rivals' trails, `Plan.trails`, the same way), `balancer`: its step counter
-  and load window `[S, L, D, E]`, so a resumed run re-plans exactly as an uninterrupted one
-  would;
-- `rng`: every rank's torch, CUDA, NumPy and Python random states;
-- `world_size`, `ep_size` (ranks of an expert-parallel group: the world, or a layout's ep),
-  `config`, `format`, `version`.
+- DCP's files (`.metadata`, one `__<rank>_0.distcp` per rank that saved tensors), written by
+  every rank in parallel with `torch.distributed.checkpoint.save`: the dense tensors and their
+  AdamW state once (global rank 0), each expert's weights and moments by global expert id from
+  its home rank (keys in `poise.train.ckpt_state`);
+- `poise.pt` (rank 0, `torch.save` of plain values, read with `weights_only=True`): `format`,
+  `version`, `step` (optimizer steps done), `data_position` (samples consumed, see
+  `poise.train.data`), `plan` (the placement and assignment in force: home `[L, E]`, copies
+  `[L, D, E]`, weights; with `auto`, its rivals' trails), `balancer` (its step counter and load
+  window `[S, L, D, E]`, so a resumed run re-plans exactly as an uninterrupted one would), `rng`
+  (every rank's torch, CUDA, NumPy and Python random states), `world_size`, `ep_size` (ranks of
+  an expert-parallel group: the world, or a layout's ep), `config`, `extra`.
 
-Because experts are stored by id, a checkpoint loads on any number of ranks that fits the
-experts: each rank copies the rows of the experts its slots hold. With the same number of ranks
+Resharding: DCP reads by key, and experts are keyed by id, so a rank of any world that fits the
+experts asks for exactly the experts its slots hold. With the same number of ranks
 `restore_plan` re-applies the saved placement (a migration from the static layout); with another
 number the run restarts from the static layout (the mathematics does not depend on placement).
+In a SmartMoE layout (EP groups of ep ranks, each holding every expert) the EP group holding
+global rank 0 saves the experts; such a checkpoint resumes in the same layout (with its
+placement) and on plain expert parallelism at any world size that fits (static placement).
 
-In a SmartMoE layout (`poise.train.layout`: EP groups of ep ranks, each holding every expert)
-the experts are gathered over one EP group, the one holding global rank 0 (`expert_group`; the
-other groups hold the same experts), the random states of all D ranks over the world, and rank 0
-writes. Such a checkpoint resumes in the same layout (with its placement) and, experts being
-stored by id, on plain expert parallelism at any world size that fits (static placement).
+Writes are atomic: every rank writes into `<out>/checkpoints/.step-NNNNNNNN.tmp/` (DCP fsyncs
+each file), rank 0 adds `poise.pt` (itself written atomically), fsyncs the folder and renames it
+to `step-NNNNNNNN`, then points `latest` at it and removes older ones beyond `keep`. A crash at
+any point leaves the previous checkpoint and `latest` intact; a half-written `.tmp` folder is
+ignored and removed by the next save.
 
-Writes are atomic: rank 0 serialises into a temporary file in the same folder, flushes, fsyncs,
-renames it over the target and fsyncs the folder; a crash at any point leaves the previous
-checkpoint (and the `latest` pointer to it) intact. Files are `step-<step, 8 digits>.pt` in
-`<out>/checkpoints/`, `latest` names the newest, older ones beyond `keep` are removed.
+Checkpoints of Poise before DCP (one `step-NNNNNNNN.pt` file, format `poise-train-checkpoint`
+version 1) are refused with one error naming that format.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.nn.comm import comm_device
-from poise.nn.moe import MoE, find_moe_layers
-from poise.util.atomic import atomic_write_stream, atomic_write_text
+from poise.train.ckpt_state import (
+    expert_param_names,
+    expert_weights,
+    held_slots,
+    home_slots,
+    optimizer_state_names,
+    state_to_save,
+)
+from poise.util.atomic import atomic_publish_dir, atomic_write_stream, atomic_write_text
 
-FORMAT = "poise-train-checkpoint"
-VERSION = 1
-MOMENTS = ("exp_avg", "exp_avg_sq")
+FORMAT = "poise-dcp-checkpoint"
+VERSION = 2
+META = "poise.pt"
+OLD_FORMAT = "poise-train-checkpoint v1 (one torch.save .pt file)"
 
 
 class CheckpointError(PoiseError):
     """A checkpoint that cannot be found, read or used."""
 
 
+def _old_format_error(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"this is a {OLD_FORMAT}; this Poise reads {FORMAT} v{VERSION} folders "
+        "(torch.distributed.checkpoint): resume it with the Poise that wrote it",
+        source=str(path),
+        field="format",
+    )
+
+
 # ------------------------------------------------------------------------------ file level
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's notice that it saves or loads in a single process (on purpose here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _serialize(obj: Any, fh: BinaryIO) -> None:
     torch.save(obj, fh)
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """`poise.util.atomic.atomic_write_stream`: a crash mid-write leaves the previous file."""
-    atomic_write_stream(path, write)
-
-
 def write_file(payload: dict[str, Any], path: str | Path) -> None:
-    """Serialise a checkpoint payload to `path` atomically."""
-    write_atomic(path, lambda fh: _serialize(payload, fh))
+    """Serialise the checkpoint's `poise.pt` payload to `path` atomically."""
+    atomic_write_stream(path, lambda fh: _serialize(payload, fh))
 
 
-def read_file(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint file (tensors on the CPU); `CheckpointError` when it is not one."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError("no such checkpoint file", source=str(path))
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    """`poise.pt` of a checkpoint folder (everything but the tensors); `CheckpointError` when
+    it is not one."""
+    folder = Path(folder)
+    if folder.is_file() and folder.suffix == ".pt":
+        raise _old_format_error(folder)
+    meta_path = folder / META
+    if not meta_path.is_file() or not (folder / ".metadata").is_file():
+        raise CheckpointError("not a complete Poise checkpoint folder", source=str(folder))
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds on a damaged file
         raise CheckpointError(
             f"cannot read ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
-            source=str(path),
+            source=str(meta_path),
         ) from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise CheckpointError("not a Poise training checkpoint", source=str(path))
-    if ckpt.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError("not a Poise training checkpoint", source=str(meta_path))
+    if meta.get("version") != VERSION:
         raise CheckpointError(
-            f"checkpoint version {ckpt.get('version')}, this Poise reads {VERSION}",
-            source=str(path),
+            f"checkpoint version {meta.get('version')}, this Poise reads {VERSION}",
+            source=str(meta_path),
             field="version",
         )
-    return ckpt
+    return meta
+
+
+def _saved_tensors(folder: Path) -> dict[str, Any]:
+    """`{key: TensorStorageMetadata}` of a checkpoint's DCP files."""
+    try:
+        md = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read DCP metadata ({type(exc).__name__}: {str(exc)[:200]})",
+            source=str(folder / ".metadata"),
+        ) from None
+    return dict(md.state_dict_metadata)
+
+
+def _empty_like_saved(info: Any) -> torch.Tensor:
+    return torch.empty(tuple(info.size), dtype=info.properties.dtype)
+
+
+def _dcp_load(state: dict[str, torch.Tensor], folder: Path, group: Any = None) -> None:
+    """Fill `state` in place from the checkpoint (collective over the world unless alone)."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    try:
+        with _quiet():
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(str(folder)),
+                process_group=group,
+                no_dist=alone,
+            )
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read tensors ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+            source=str(folder),
+        ) from None
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A whole checkpoint in this process's memory (tools and tests; no process group): the
+    `poise.pt` values plus `model.dense[name]`, `model.experts[layer][w] [E, ...]`,
+    `optimizer.dense[name][k]`, `optimizer.experts["<layer>.<w>"][k]` (moments `[E, ...]`)."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    saved = _saved_tensors(folder)
+    state = {k: _empty_like_saved(v) for k, v in saved.items()}
+    try:
+        with _quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read tensors ({exc})", source=str(folder)) from None
+    out = dict(meta)
+    model: dict[str, Any] = {"dense": {}, "experts": {}}
+    opt: dict[str, Any] = {"dense": {}, "experts": {}}
+    rows: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    for key, v in state.items():
+        kind, rest = key.split(".", 1)
+        part, rest = rest.split(".", 1)
+        if kind == "model" and part == "dense":
+            model["dense"][rest] = v
+        elif kind == "model":
+            base, e = rest.rsplit(".", 1)
+            layer, w = base.rsplit(".", 1)
+            rows.setdefault(("model", layer, w), {})[int(e)] = v
+        elif part == "dense":
+            name, k = rest.rsplit(".", 1)
+            opt["dense"].setdefault(name, {})[k] = v
+        else:
+            base, k = rest.rsplit(".", 1)
+            head, last = base.rsplit(".", 1)
+            if last.isdigit():  # <layer>.<w>.<e>.<k>
+                rows.setdefault(("optim", head, k), {})[int(last)] = v
+            else:
+                opt["experts"].setdefault(base, {})[k] = v
+    for (kind, a, b), by_id in rows.items():
+        stacked = torch.stack([by_id[e] for e in sorted(by_id)])
+        if kind == "model":
+            model["experts"].setdefault(a, {})[b] = stacked
+        else:
+            opt["experts"].setdefault(a, {})[b] = stacked
+    out.update(model=model, optimizer=opt, path=str(folder))
+    return out
 
 
 def checkpoint_dir(out: str | Path) -> Path:
     return Path(out) / "checkpoints"
 
 
+def _complete(folder: Path) -> bool:
+    return folder.is_dir() and (folder / META).is_file() and (folder / ".metadata").is_file()
+
+
 def resolve(path: str | Path) -> Path:
-    """A checkpoint file from `path`: the file itself, or in a folder (a run's output folder or
-    its `checkpoints/`) the one `latest` names, else the highest step."""
+    """A checkpoint folder from `path`: the folder itself, or in a run's output folder or its
+    `checkpoints/` the one `latest` names, else the highest complete step. Old-format `.pt`
+    files (named, or the only checkpoints in the folder) are one clear error."""
     p = Path(path)
     if p.is_file():
-        return p
+        if p.suffix == ".pt":
+            raise _old_format_error(p)
+        raise CheckpointError("not a checkpoint folder", source=str(p), field="resume")
     if not p.is_dir():
-        raise CheckpointError("no such checkpoint file or folder", source=str(p), field="resume")
+        raise CheckpointError("no such checkpoint folder", source=str(p), field="resume")
+    if (p / META).is_file():
+        return p
     if (p / "checkpoints").is_dir() and not (p / "latest").exists():
         p = p / "checkpoints"
     latest = p / "latest"
     if latest.is_file():
         name = latest.read_text().strip()
-        if (p / name).is_file():
+        if name.endswith(".pt") and (p / name).is_file():
+            raise _old_format_error(p / name)
+        if _complete(p / name):
             return p / name
-    found = sorted(p.glob("step-*.pt"))
+    found = sorted(x for x in p.glob("step-*") if _complete(x))
     if not found:
+        old = sorted(p.glob("step-*.pt"))
+        if old:
+            raise _old_format_error(old[-1])
         raise CheckpointError("no checkpoint in this folder", source=str(p), field="resume")
     return found[-1]
 
@@ -133,9 +253,9 @@ def publish(path: Path, keep: int) -> None:
     """Point `latest` at `path` (atomically) and remove older checkpoints beyond `keep`."""
     folder = path.parent
     atomic_write_text(folder / "latest", path.name + "\n")
-    for old in sorted(folder.glob("step-*.pt"))[:-keep]:
+    for old in sorted(x for x in folder.glob("step-*") if x.is_dir())[:-keep]:
         if old != path:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- model level
@@ -145,21 +265,6 @@ def _world(group: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def expert_layer_names(model: nn.Module) -> dict[int, str]:
-    """`{id(moe): module name}` of the model's MoE layers."""
-    return {id(m): name for name, m in model.named_modules() if isinstance(m, MoE)}
-
-
-def _expert_param_names(model: nn.Module) -> set[str]:
-    names = set()
-    layers = expert_layer_names(model)
-    for m in find_moe_layers(model):
-        for w_name in ("w_in", "w_gate", "w_out"):
-            if getattr(m.experts, w_name) is not None:
-                names.add(f"{layers[id(m)]}.experts.{w_name}")
-    return names
-
-
 def _holds_rank0(group: Any) -> bool:
     """Whether global rank 0 belongs to `group` (None or the world: yes)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
@@ -167,31 +272,6 @@ def _holds_rank0(group: Any) -> bool:
     if group is dist.group.WORLD:
         return True
     return 0 in dist.get_process_group_ranks(group)
-
-
-def _gather_rows(t: torch.Tensor, moe: MoE, group: Any, world: int) -> torch.Tensor:
-    """`[E, ...]` from `t [S, ...]`: each expert's row from its home slot, summed to global
-    rank 0 over `group` (which must hold it)."""
-    full = torch.zeros((moe.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    slots = moe.routing.slots
-    for slot, e in enumerate(slots.expert.tolist()):
-        if e >= 0 and slots.home[slot]:
-            full[e] = t[slot].detach()
-    if world > 1:
-        buf = full.to(comm_device(group, t.device))
-        dist.reduce(buf, dst=0, group=group)
-        full = buf
-    return full.cpu()
-
-
-def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """`{id(param): index}` as `optimizer.state_dict()` numbers them."""
-    index, i = {}, 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            index.setdefault(id(p), i)
-            i += 1
-    return index
 
 
 def capture_rng() -> dict[str, Any]:
@@ -273,8 +353,6 @@ def plan_from_payload(p: dict[str, Any], previous: Placement | None, spec: Any) 
 
 
 def snapshot(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
     balancer: Any,
     *,
     step: int,
@@ -282,49 +360,11 @@ def snapshot(
     config: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     group: Any = None,
-    expert_group: Any = None,
+    ep_size: int | None = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint payload (collective: call on every rank of `group`, the world by default);
-    global rank 0 gets it, others None. `expert_group`: this rank's expert-parallel group
-    (default `group`); experts are gathered only over the one that holds rank 0."""
+    """The `poise.pt` payload (collective over `group`, the world by default: gathers every
+    rank's random states); global rank 0 gets it, others None."""
     world, rank = _world(group)
-    ep_group = group if expert_group is None else expert_group
-    ep_world = _world(ep_group)[0]
-    gather = _holds_rank0(ep_group)
-    layers = expert_layer_names(model)
-    expert_names = _expert_param_names(model)
-    dense = {
-        k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in expert_names
-    }
-    index = _param_index(optimizer)
-    opt_state = optimizer.state_dict()["state"]
-    dense_opt = {}
-    for name, p in model.named_parameters():
-        if name in expert_names:
-            continue
-        st = opt_state.get(index.get(id(p), -1))
-        if st:
-            dense_opt[name] = {
-                k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in st.items()
-            }
-    experts: dict[str, dict[str, torch.Tensor]] = {}
-    experts_opt: dict[str, dict[str, Any]] = {}
-    for moe in find_moe_layers(model) if gather else []:
-        lname = layers[id(moe)]
-        experts[lname] = {}
-        for w_name in ("w_in", "w_gate", "w_out"):
-            w = getattr(moe.experts, w_name)
-            if w is None:
-                continue
-            experts[lname][w_name] = _gather_rows(w, moe, ep_group, ep_world)
-            st = optimizer.state.get(w, {})
-            entry: dict[str, Any] = {}
-            for k, v in st.items():
-                if k in MOMENTS:
-                    entry[k] = _gather_rows(v, moe, ep_group, ep_world)
-                else:
-                    entry[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-            experts_opt[f"{lname}.{w_name}"] = entry
     rng = [None] * world
     mine = capture_rng()
     if world > 1:
@@ -339,10 +379,8 @@ def snapshot(
         "step": int(step),
         "data_position": int(data_position),
         "world_size": world,
-        "ep_size": ep_world,
+        "ep_size": int(ep_size or world),
         "config": dict(config or {}),
-        "model": {"dense": dense, "experts": experts},
-        "optimizer": {"dense": dense_opt, "experts": experts_opt},
         "plan": None,
         "balancer": None,
         "rng": rng,
@@ -372,52 +410,78 @@ def save(
     group: Any = None,
     expert_group: Any = None,
 ) -> Path:
-    """Gather, write `<out>/checkpoints/step-NNNNNNNN.pt` (the step, 8 digits) atomically on
-    rank 0, point `latest` at it, prune old ones, and wait for rank 0 (collective over `group`;
-    `expert_group` as in `snapshot`). Returns the path."""
+    """Write `<out>/checkpoints/step-NNNNNNNN/` (the step, 8 digits) with DCP, every rank its
+    share in parallel, publish it atomically, point `latest` at it and prune old ones
+    (collective over `group`, the world; `expert_group`: this rank's expert-parallel group,
+    default the world: only the one holding global rank 0 saves experts). Returns the folder."""
+    world, rank = _world(group)
+    ep_group = group if expert_group is None else expert_group
+    final = checkpoint_dir(out) / f"step-{step:08d}"
+    tmp = final.parent / f".{final.name}.tmp"
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            for stale in final.parent.glob(".step-*.tmp"):  # crashed saves' leftovers
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    if world > 1:
+        dist.barrier(group=group)
     payload = snapshot(
-        model,
-        optimizer,
         balancer,
         step=step,
         data_position=data_position,
         config=config,
         extra=extra,
         group=group,
-        expert_group=expert_group,
+        ep_size=_world(ep_group)[0],
     )
-    path = checkpoint_dir(out) / f"step-{step:08d}.pt"
-    error = None
-    if payload is not None:
+    state = state_to_save(model, optimizer, dense=rank == 0, experts=_holds_rank0(ep_group))
+    if error is None and tmp.is_dir():
+        with _quiet():
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                process_group=group,
+                no_dist=world == 1,
+            )
+    if payload is not None and error is None:
         try:
-            write_file(payload, path)
-            publish(path, keep)
+            write_file(payload, tmp / META)
+            atomic_publish_dir(tmp, final)
+            publish(final, keep)
         except OSError as exc:
             error = exc
-    if _world(group)[0] > 1:
+    if world > 1:
         dist.barrier(group=group)
     if error is not None:
-        raise CheckpointError(f"cannot write checkpoint: {error}", source=str(path))
-    return path
+        raise CheckpointError(f"cannot write checkpoint: {error}", source=str(final))
+    return final
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read the checkpoint that `path` resolves to (see `resolve`); adds `path` to it."""
-    file = resolve(path)
-    ckpt = read_file(file)
-    ckpt["path"] = str(file)
+    """The `poise.pt` values of the checkpoint `path` resolves to (see `resolve`), with `path`
+    (the folder); the tensors are read by `restore`."""
+    folder = resolve(path)
+    ckpt = read_meta(folder)
+    ckpt["path"] = str(folder)
     return ckpt
 
 
 @torch.no_grad()
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> None:
     """Load weights and optimizer state into a freshly built model (its MoE layers in their
-    static layout, no replicas) and its optimizer. Works at any number of ranks that fits."""
-    source = ckpt.get("path", "checkpoint")
-    expert_names = _expert_param_names(model)
-    dense = ckpt["model"]["dense"]
-    expected = {k for k in model.state_dict() if k not in expert_names}
-    missing, unexpected = expected - set(dense), set(dense) - expected
+    static layout, no replicas) and its optimizer: each rank reads the dense tensors and the
+    experts its slots hold (collective over the world when there is one). Works at any number
+    of ranks that fits."""
+    folder = Path(ckpt["path"])
+    source = str(folder)
+    saved = _saved_tensors(folder)
+    expert_names = expert_param_names(model)
+    own = {k: v for k, v in model.state_dict().items() if k not in expert_names}
+    have = {k[len("model.dense.") :] for k in saved if k.startswith("model.dense.")}
+    missing, unexpected = set(own) - have, have - set(own)
     if missing or unexpected:
         what = (
             f"missing {sorted(missing)[:3]}" if missing else f"unexpected {sorted(unexpected)[:3]}"
@@ -427,64 +491,94 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
             source=source,
             field="model",
         )
-    try:
-        model.load_state_dict(dense, strict=False)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"the model's shapes do not match the checkpoint: {str(exc).splitlines()[-1]}",
-            source=source,
-            field="model",
-        ) from None
-    layers = expert_layer_names(model)
-    saved = ckpt["model"]["experts"]
-    for moe in find_moe_layers(model):
-        lname = layers[id(moe)]
-        if lname not in saved:
-            raise CheckpointError(f"no experts for layer {lname}", source=source, field="model")
-        try:
-            moe.load_expert_weights(saved[lname])
-        except (PoiseError, KeyError) as exc:
-            raise CheckpointError(f"layer {lname}: {exc}", source=source, field="model") from None
-    _restore_optimizer(model, optimizer, ckpt, expert_names, source)
+    for k, v in own.items():
+        size = tuple(saved[f"model.dense.{k}"].size)
+        if size != tuple(v.shape):
+            raise CheckpointError(
+                f"the model's shapes do not match the checkpoint: {k} is {list(v.shape)} here, "
+                f"{list(size)} in the checkpoint",
+                source=source,
+                field="model",
+            )
+    dense_opt, row_opt, other_opt = optimizer_state_names(saved, model)
+    want = {k: _empty_like_saved(saved[k]) for k in saved if not k.startswith("model.experts.")}
+    want = {k: v for k, v in want.items() if not _is_expert_row_state(k)}
+    for lname, moe, w_name, w in expert_weights(model):
+        base = f"{lname}.{w_name}"
+        n_saved = sum(1 for k in saved if k.startswith(f"model.experts.{base}.")
+                      and k[len(f"model.experts.{base}.") :].isdigit())  # fmt: skip
+        if n_saved != moe.num_experts:
+            raise CheckpointError(
+                f"layer {lname}: {w_name} of {n_saved} experts in the checkpoint, the model "
+                f"has {moe.num_experts}",
+                source=source,
+                field="model",
+            )
+        for _, e in held_slots(moe):
+            key = f"model.experts.{base}.{e}"
+            size = tuple(saved[key].size)
+            if size != tuple(w.shape[1:]):
+                raise CheckpointError(
+                    f"layer {lname}: {w_name} must be [{moe.num_experts}, "
+                    f"{', '.join(map(str, w.shape[1:]))}], the checkpoint holds "
+                    f"[{n_saved}, {', '.join(map(str, size))}]",
+                    source=source,
+                    field="model",
+                )
+            want[key] = _empty_like_saved(saved[key])
+        for _, e in home_slots(moe):
+            for k in row_opt[base]:
+                key = f"optim.experts.{base}.{e}.{k}"
+                if key in saved:
+                    want[key] = _empty_like_saved(saved[key])
+    _dcp_load(want, folder)
+    model.load_state_dict({k: want[f"model.dense.{k}"] for k in own}, strict=False)
+    for lname, moe, w_name, w in expert_weights(model):
+        base = f"{lname}.{w_name}"
+        for slot, e in enumerate(moe.routing.slots.expert.tolist()):
+            if e >= 0:
+                w[slot].copy_(want[f"model.experts.{base}.{e}"])
+            else:
+                w[slot].zero_()
+    _restore_optimizer(model, optimizer, want, dense_opt, row_opt, other_opt, source)
+
+
+def _is_expert_row_state(key: str) -> bool:
+    """`optim.experts.<layer>.<w>.<e>.<k>` (a per-expert moment)."""
+    if not key.startswith("optim.experts."):
+        return False
+    return key.rsplit(".", 2)[-2].isdigit()
 
 
 def _restore_optimizer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    ckpt: dict[str, Any],
-    expert_names: set[str],
+    loaded: dict[str, torch.Tensor],
+    dense_opt: dict[str, list[str]],
+    row_opt: dict[str, list[str]],
+    other_opt: dict[str, list[str]],
     source: str,
 ) -> None:
     index = _param_index(optimizer)
     state: dict[int, dict[str, Any]] = {}
-    dense_opt = ckpt["optimizer"]["dense"]
+    expert_names = expert_param_names(model)
     for name, p in model.named_parameters():
-        if name in expert_names or name not in dense_opt:
+        if name in expert_names or not dense_opt.get(name):
             continue
-        state[index[id(p)]] = dict(dense_opt[name])
-    layers = expert_layer_names(model)
-    experts_opt = ckpt["optimizer"]["experts"]
-    for moe in find_moe_layers(model):
-        lname = layers[id(moe)]
-        slots = moe.routing.slots
-        for w_name in ("w_in", "w_gate", "w_out"):
-            w = getattr(moe.experts, w_name)
-            if w is None:
-                continue
-            saved = experts_opt.get(f"{lname}.{w_name}")
-            if not saved:
-                continue
-            entry: dict[str, Any] = {}
-            for k, v in saved.items():
-                if k in MOMENTS:
-                    rows = torch.zeros(w.shape, dtype=v.dtype)
-                    for slot, e in enumerate(slots.expert.tolist()):
-                        if e >= 0 and slots.home[slot]:
-                            rows[slot] = v[e]
-                    entry[k] = rows
-                else:
-                    entry[k] = v
-            state[index[id(w)]] = entry
+        state[index[id(p)]] = {k: loaded[f"optim.dense.{name}.{k}"] for k in dense_opt[name]}
+    for lname, moe, w_name, w in expert_weights(model):
+        base = f"{lname}.{w_name}"
+        if not row_opt[base] and not other_opt[base]:
+            continue
+        entry: dict[str, Any] = {k: loaded[f"optim.experts.{base}.{k}"] for k in other_opt[base]}
+        for k in row_opt[base]:
+            rows = torch.zeros(w.shape, dtype=torch.float32)
+            for slot, e in home_slots(moe):
+                row = loaded[f"optim.experts.{base}.{e}.{k}"]
+                rows = rows.to(row.dtype)
+                rows[slot] = row
+            entry[k] = rows
+        state[index[id(w)]] = entry
     sd = optimizer.state_dict()
     try:
         optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
@@ -492,6 +586,16 @@ def _restore_optimizer(
         raise CheckpointError(
             f"optimizer state does not fit: {exc}", source=source, field="optimizer"
         ) from None
+
+
+def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """`{id(param): index}` as `optimizer.state_dict()` numbers them."""
+    index, i = {}, 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index.setdefault(id(p), i)
+            i += 1
+    return index
 
 
 def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) -> bool:
@@ -530,12 +634,14 @@ def restore_rng(ckpt: dict[str, Any], rank: int) -> None:
 
 
 __all__ = [
+    "FORMAT",
     "CheckpointError",
     "capture_rng",
     "checkpoint_dir",
     "load",
     "publish",
     "read_file",
+    "read_meta",
     "resolve",
     "restore",
     "restore_plan",
@@ -543,6 +649,5 @@ __all__ = [
     "save",
     "set_rng",
     "snapshot",
-    "write_atomic",
     "write_file",
 ]

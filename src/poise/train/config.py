@@ -93,6 +93,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     record_trace: bool = True
+    megatron_trace: bool = False  # also each rank's routing as Megatron-Core router traces
     tensorboard: bool = True
     progress: bool = True
     device: str = "auto"
@@ -195,6 +196,7 @@ def _rules() -> dict[str, _Rule]:
         "eval_every": _Rule(_INT, low=0),
         "eval_batches": _Rule(_INT, low=1),
         "record_trace": _Rule(_BOOL),
+        "megatron_trace": _Rule(_BOOL),
         "tensorboard": _Rule(_BOOL),
         "progress": _Rule(_BOOL),
         "device": _Rule(_STR, choices=("auto", "cpu", "cuda")),

@@ -48,9 +48,12 @@ that all ranks share the config) is `poise.train.setup`; rank 0's console and me
 
 Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
 `config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
-load, plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing
-counts `[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the
-end), `checkpoints/`, `summary.json`, TensorBoard events in `tb/` when tensorboard is installed.
+load, the expert load of `poise.train.expert_load` (`tokens_per_expert`, `cv`, drops, replicas),
+plan changes, seconds by phase, validation loss when measured), `trace.npz` (the routing counts
+`[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the end),
+`checkpoints/`, `summary.json`, TensorBoard events in `tb/` (`poise.train.tboard`; unless
+`tensorboard: false`), and with `megatron_trace: true` every rank's routing as Megatron-Core
+router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.trace.megatron`).
 """
 
 from __future__ import annotations
@@ -73,12 +76,20 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
-from poise.nn.moe import default_slots, find_moe_layers, install_bias_update, raise_if_nonfinite
+from poise.nn.moe import (
+    MoE,
+    default_slots,
+    find_moe_layers,
+    install_bias_update,
+    raise_if_nonfinite,
+)
 from poise.runtime.launch import destroy_process_group
+from poise.trace.megatron import MegatronTraceWriter
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, resolve_layout, save_config
 from poise.train.data import Sampler, shard_rows
+from poise.train.expert_load import ExpertLoad, expert_load
 from poise.train.faults import Fault, FaultInjector
 from poise.train.layout import edp_counts, install_edp_bias_sum
 from poise.train.runlog import RunLog
@@ -221,6 +232,11 @@ class _Trainer:
             install_edp_bias_sum(self.optimizer, self.model, self.edp_group)  # runs first
             install_bias_update(self.optimizer, self.model, cfg.bias_rate)
         self.log = RunLog(cfg, self.out, self.rank == 0, self.start, quiet)
+        self.megatron = (
+            MegatronTraceWriter(self.out / "megatron-trace", self.rank, self.start)
+            if cfg.megatron_trace
+            else None
+        )
         self.trace_counts, self.trace_steps = self._previous_trace()
         self.plan_changes = int(self.ckpt["extra"].get("plan_changes", 0)) if self.ckpt else 0
         self.autocast = (
@@ -260,6 +276,39 @@ class _Trainer:
             p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
             offset += n
         return flat[offset:]
+
+    def _step_scalars(self, ce: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """`[2 + L]` float64: the step's cross-entropy sum, auxiliary loss and each MoE layer's
+        dropped assignments, summed over the ranks with the dense gradients (no extra
+        collective)."""
+        dropped = [m.last_forward.dropped.to(ce.device) for m in find_moe_layers(self.model)]
+        return torch.stack([ce.detach(), aux.detach(), *dropped]).double()
+
+    def _expert_load(
+        self, world_counts: np.ndarray | None, dropped: torch.Tensor
+    ) -> ExpertLoad | None:
+        """The step's expert load (`poise.train.expert_load`) from the world's counts
+        `[L, D, E]` (the Balancer's newest window row without a layout), the plan in force and
+        `dropped [L]` (summed over the ranks); replicas are those of the plan in force from the
+        next step (after this step's boundary). None when no counts were gathered."""
+        counts = world_counts
+        if counts is None and self.balancer.window:
+            counts = self.balancer.window[-1]
+        if counts is None:
+            return None
+        drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
+        return expert_load(counts, self.balancer.plan.placement.copies, drops)
+
+    def _write_megatron(self, step: int) -> None:
+        """This rank's routing of the step (0-based) as Megatron-Core router-trace records, one
+        per MoE layer (`layer`: the block's index), when `megatron_trace` is on."""
+        if self.megatron is None:
+            return
+        for name, moe in self.model.named_modules():
+            if isinstance(moe, MoE) and moe.last_forward.choices is not None:
+                layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+                self.megatron.record(step, layer, moe.last_forward.choices.cpu().numpy())
+        self.megatron.flush()
 
     def _sync_experts(self, step: int) -> np.ndarray | None:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
@@ -429,7 +478,7 @@ class _Trainer:
                 loss.backward()
                 t = _lap(ph, "backward", t)
                 self.faults.at(step + 1, "backward")
-                summed = self._sync_dense(torch.stack([ce.detach(), aux.detach()]).double())
+                summed = self._sync_dense(self._step_scalars(ce, aux))
                 t = _lap(ph, "grad_sync", t)
                 self.balancer.reduce_replicas()
                 t = _lap(ph, "balance", t)
@@ -443,6 +492,7 @@ class _Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 t = _lap(ph, "balance", t)
                 step_s = t - t_start
+                self._write_megatron(step)
                 self.position += cfg.batch
                 done = step + 1
 
@@ -458,6 +508,7 @@ class _Trainer:
                     self.trace_counts.append(self.balancer.window[-1].copy())
                     self.trace_steps.append(step)
                 loss_value = float(summed[0]) * inv_tokens
+                load = self._expert_load(world_counts, summed[2:])
                 record: dict[str, Any] = {
                     "step": done,
                     "loss": loss_value,
@@ -487,6 +538,8 @@ class _Trainer:
                     "phases_s": ph,
                     "moe_s": dict(stats.seconds) if stats else {},
                 }
+                if load is not None:
+                    record.update(load.as_record())
                 for k, v in ph.items():
                     totals[k] += v
                 res.steps.append(done)
@@ -511,6 +564,8 @@ class _Trainer:
             self.faults.uninstall()
             self.log.close()
             self.balancer.close()
+            if self.megatron is not None:
+                self.megatron.close()
         res.trace_path = self.save_trace()
         if res.trace_path is None and cfg.record_trace:
             res.trace_path = str(self.out / "trace.npz")

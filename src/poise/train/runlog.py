@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from poise.train.config import TrainConfig
+from poise.train.tboard import TensorBoardLog
 from poise.util.atomic import atomic_write_text
 
 
 class RunLog:
     """Rank 0's outputs: console (a rich progress bar on a terminal, plain lines otherwise),
-    `metrics.jsonl`, TensorBoard when installed. Other ranks log nothing."""
+    `metrics.jsonl`, TensorBoard (`poise.train.tboard`, unless `tensorboard: false`). Other
+    ranks log nothing. The live view names the worst layer (largest CV of tokens per expert)."""
 
     def __init__(self, cfg: TrainConfig, out: Path, active: bool, start: int, quiet: bool):
         self.cfg, self.out, self.active, self.quiet = cfg, out, active, quiet
@@ -40,12 +40,7 @@ class RunLog:
         atomic_write_text(path, "".join(x + "\n" for x in kept))
         self.metrics = path.open("a", encoding="utf-8")
         if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tb"), purge_step=start + 1 if start else None)
-            except Exception:  # tensorboard not installed: skip quietly
-                self.tb = None
+            self.tb = TensorBoardLog(out / "tb", purge_step=start + 1 if start else None)
         if cfg.progress and not quiet and self.console.is_terminal:
             from rich.progress import (
                 BarColumn,
@@ -78,14 +73,9 @@ class RunLog:
         self.metrics.flush()
         s = record["step"]
         if self.tb is not None:
-            self.tb.add_scalar("loss/train", record["loss"], s)
-            self.tb.add_scalar("tokens_per_s", record["tokens_per_s"], s)
-            self.tb.add_scalar("lr", record["lr"], s)
-            if record["max_over_mean"]:
-                self.tb.add_scalar("load/max_over_mean", float(np.mean(record["max_over_mean"])), s)
-            if "val_loss" in record:
-                self.tb.add_scalar("loss/val", record["val_loss"], s)
-        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+            self.tb.step(record)
+        worst = worst_layer_text(record)
+        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s  {worst}"
         if self.progress is not None:
             self.progress.update(self.task, completed=s, info=info)
         if s % self.cfg.log_every == 0 or s == self.cfg.steps or "val_loss" in record:
@@ -93,7 +83,7 @@ class RunLog:
             line = (
                 f"step {s}/{self.cfg.steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  max/mean [{loads}]  "
-                f"plan changes {record['plan_changes']}"
+                f"plan changes {record['plan_changes']}  {worst}"
             )
             if "val_loss" in record:
                 line += f"  val {record['val_loss']:.4f}"
@@ -106,3 +96,19 @@ class RunLog:
             self.metrics.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def worst_layer_text(record: dict[str, Any]) -> str:
+    """The step's worst MoE layer for the console, e.g. `worst layer 2: cv 0.61, experts
+    max/mean 2.10, devices 1.35, dropped 0` (empty without expert loads in `record`)."""
+    cv = record.get("cv") or []
+    if not cv:
+        return ""
+    layer = int(record.get("worst_layer", 0))
+    expert = record.get("expert_max_over_mean") or [1.0] * len(cv)
+    device = record.get("max_over_mean") or [1.0] * len(cv)
+    dropped = record.get("dropped_tokens") or [0] * len(cv)
+    return (
+        f"worst layer {layer}: cv {cv[layer]:.2f}, experts max/mean {expert[layer]:.2f}, "
+        f"devices {device[layer]:.2f}, dropped {dropped[layer]}"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,3 +63,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_publish_dir(tmp: str | Path, final: str | Path) -> None:
+    """Make the finished folder `tmp` appear as `final` in one rename: fsync `tmp`, move an
+    existing `final` aside (it is removed once the new one is in place), rename, fsync the
+    parent. A crash or error before the rename leaves `final` as it was (a failed rename puts
+    the previous folder back); readers never see a folder half written (only a process killed
+    between the two renames leaves the previous one beside it as `.NAME.old`)."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_dir(tmp)
+    old = final.parent / f".{final.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        _replace(str(final), old)
+    try:
+        _replace(str(tmp), final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)  # put the previous folder back
+        raise
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
