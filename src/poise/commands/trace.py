@@ -15,7 +15,10 @@ from typing import Any
 
 from rich.console import Console
 
+from poise.commands.argparsing import int_in
+from poise.core.budget import check_fits
 from poise.core.errors import ConfigError
+from poise.core.outputs import check_output_file
 from poise.trace.generate import (
     DEFAULT_TOKENS_PER_DEVICE,
     DEFAULT_TOP_K,
@@ -23,6 +26,7 @@ from poise.trace.generate import (
     generate,
 )
 from poise.trace.importers import FORMATS, load_any
+from poise.trace.loads import require_tokens
 from poise.trace.stats import stats_table, trace_stats
 from poise.trace.trace import Trace
 
@@ -40,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument(
         "--layout-devices",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="D",
         help="devices of the static contiguous placement (default: trace devices)",
@@ -55,17 +59,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     convert.add_argument("dst", help="output trace (.npz)")
     _add_import_options(convert)
 
-    gen = sub.add_parser("generate", help="write a synthetic trace")
-    gen.add_argument("kind", help=f"one of {', '.join(GENERATORS)}")
+    gen = sub.add_parser(
+        "generate",
+        help="write a synthetic trace",
+        description="Write a seeded synthetic routing trace [steps, layers, devices, experts] as "
+        ".npz. Memory is estimated first: a trace that cannot fit is refused.",
+    )
+    gen.add_argument("kind", help=f"generator: one of {', '.join(GENERATORS)}")
     gen.add_argument("out", help="output trace (.npz)")
-    gen.add_argument("--steps", type=int, default=100)
-    gen.add_argument("--layers", type=int, default=4)
-    gen.add_argument("--devices", type=int, default=8)
-    gen.add_argument("--experts", type=int, default=32)
-    gen.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    gen.add_argument("--tokens-per-device", type=int, default=DEFAULT_TOKENS_PER_DEVICE)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--name", default=None)
+    gen.add_argument("--steps", type=int_in(1), default=100, help="training steps (rows)")
+    gen.add_argument("--layers", type=int_in(1), default=4, help="MoE layers")
+    gen.add_argument("--devices", type=int_in(1), default=8, help="source devices (ranks)")
+    gen.add_argument("--experts", type=int_in(1), default=32, help="experts per layer")
+    gen.add_argument("--top-k", type=int_in(1), default=DEFAULT_TOP_K, help="experts per token")
+    gen.add_argument(
+        "--tokens-per-device",
+        type=int_in(1),
+        default=DEFAULT_TOKENS_PER_DEVICE,
+        help="tokens each device routes per step and layer",
+    )
+    gen.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="random seed")
+    gen.add_argument("--name", default=None, help="trace name (default: the generator's)")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="model preset recorded in the trace's metadata, used by simulate/plan/layouts "
+        "(default: none recorded)",
+    )
     gen.add_argument(
         "--param",
         action="append",
@@ -80,17 +100,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_import_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("importer options (only those the format uses)")
-    g.add_argument("--format", choices=FORMATS, default="auto")
-    g.add_argument("--top-k", type=int, default=None, help="experts per token")
+    g.add_argument(
+        "--format", choices=FORMATS, default="auto", help="source format (default: auto-detect)"
+    )
+    g.add_argument("--top-k", type=int_in(1), default=None, help="experts per token")
     g.add_argument(
         "--tokens-per-device",
-        type=int,
+        type=int_in(1),
         default=None,
         help="tokens per source per step (default: inferred from the counts)",
     )
     g.add_argument(
         "--devices",
-        type=int,
+        type=int_in(1),
         default=None,
         help="eplb/expert-counts: source devices to spread loads over (default 1)",
     )
@@ -119,9 +141,25 @@ def _load(args: argparse.Namespace, path: str) -> Trace:
     return trace
 
 
-def _check_npz(path: str) -> None:
+def _check_npz(path: str, option: str) -> None:
     if Path(path).suffix != ".npz":
-        raise ConfigError("output must end in .npz", source=path)
+        raise ConfigError("output must end in .npz", source=path, field=option)
+    check_output_file(path, option)
+
+
+TRACE_BYTES_PER_CELL = 8 * 3  # int64 counts, plus the generator's float work arrays
+
+
+def check_trace_size(steps: int, layers: int, devices: int, experts: int, field: str) -> None:
+    """Refuse a `[S, L, D, E]` trace that cannot fit in memory, with the estimate."""
+    cells = steps * layers * devices * experts
+    check_fits(
+        cells * TRACE_BYTES_PER_CELL,
+        f"a trace of {steps} steps x {layers} layers x {devices} devices x {experts} experts",
+        source="trace",
+        field=field,
+        hint="use fewer steps, layers, devices or experts",
+    )
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -141,6 +179,7 @@ def parse_param(text: str) -> tuple[str, Any]:
 
 def _run_stats(args: argparse.Namespace) -> int:
     trace = _load(args, args.file)
+    require_tokens(trace, args.file)
     stats = trace_stats(trace, args.layout_devices)
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -150,7 +189,7 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    _check_npz(args.dst)
+    _check_npz(args.dst, "dst")
     trace = _load(args, args.src)
     trace.save(args.dst)
     print(
@@ -162,8 +201,13 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    _check_npz(args.out)
+    _check_npz(args.out, "out")
     params = dict(parse_param(p) for p in args.param)
+    check_trace_size(args.steps, args.layers, args.devices, args.experts, "--steps")
+    if args.model is not None:
+        from poise.core.spec import get_model
+
+        get_model(args.model)  # an unknown model fails before any work
     trace = generate(
         args.kind,
         steps=args.steps,
@@ -176,6 +220,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         name=args.name,
         **params,
     )
+    if args.model is not None:
+        trace.meta["model"] = args.model
     trace.save(args.out)
     print(
         f"wrote {args.out}: {trace.meta['generator']} trace, {trace.steps} steps x "
