@@ -29,7 +29,10 @@ def build_parser() -> PoiseParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 2
     retain_freed_memory()  # planning's temporaries reuse the heap (`poise.util.heap`)
     try:
         return int(args.run(args) or 0)

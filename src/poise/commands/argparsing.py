@@ -48,7 +48,7 @@ class PoiseParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         text = " ".join(message.split())
-        sys.stderr.write(f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+        sys.stderr.write(f"poise: error: {text} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 

@@ -127,6 +127,13 @@ def _policies(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ConfigError("no policy named", source=text, field="--policies")
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ConfigError(
+            f"unknown policy {', '.join(unknown)} (known: {', '.join(sorted(REGISTRY))})",
+            source="--policies",
+            field="policy",
+        )
     return names
 
 

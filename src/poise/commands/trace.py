@@ -39,7 +39,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
 
-    stats = sub.add_parser("stats", help="skew, drift and static-placement imbalance of a trace")
+    stats = sub.add_parser(
+        "stats",
+        help="skew, drift and static-placement imbalance of a trace",
+        description="Print a trace's skew per layer (max/mean, Gini, top share), its drift "
+        "between rows recorded 1, 10 and 100 iterations apart, and the imbalance of the static "
+        "contiguous placement. An all-zero trace is refused.",
+    )
     stats.add_argument("file", help="a .npz trace, or any source `convert` reads")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument(
@@ -51,7 +57,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_import_options(stats)
 
-    convert = sub.add_parser("convert", help="import SmartMoE-AE / EPLB / expert-count data")
+    convert = sub.add_parser(
+        "convert",
+        help="import SmartMoE-AE / EPLB / expert-count data",
+        description="Convert a SmartMoE-AE folder, an EPLB weight matrix or expert-count JSON "
+        "into a Poise trace (.npz). The output path is checked before reading.",
+    )
     convert.add_argument(
         "src",
         help="SmartMoE-AE folder, EPLB weight .npy/.json, expert-count .json, or a .npz trace",
