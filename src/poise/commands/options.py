@@ -79,8 +79,8 @@ def model_for_trace(model: str | None, trace: Trace, source: str) -> ModelSpec:
             base = get_model(recorded)
         except ConfigError:
             print(
-                f"poise: warning: {source}: the trace's recorded model {recorded!r} is not a "
-                f"known preset; pricing it as {DEFAULT_MODEL!r} (pass --model)",
+                f"poise: note: {source}: the trace's recorded model {recorded!r} is not a Poise "
+                f"model preset; priced with {DEFAULT_MODEL}'s widths (--model chooses)",
                 file=sys.stderr,
             )
         else:

@@ -22,7 +22,7 @@ import numpy as np
 
 from poise.core.budget import check_fits
 from poise.core.errors import ConfigError, TraceError
-from poise.trace.trace import Trace
+from poise.trace.trace import Trace, load_failure
 
 FORMATS = ("auto", "npz", "smartmoe", "eplb", "expert-counts")
 
@@ -337,7 +337,7 @@ def _read_npy(path: Path) -> np.ndarray:
     except FileNotFoundError:
         raise TraceError("file not found", source=src) from None
     except (OSError, ValueError, EOFError) as exc:
-        raise TraceError(f"not a readable .npy array: {exc}", source=src) from None
+        raise TraceError(f"not a readable .npy array: {load_failure(exc)}", source=src) from None
     if not isinstance(arr, np.ndarray):
         raise TraceError("expected a single .npy array (not an .npz archive)", source=src)
     if arr.dtype.kind not in "iuf":
