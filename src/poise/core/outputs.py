@@ -52,7 +52,9 @@ def _check_folder_chain(folder: Path, src: str, option: str) -> None:
             break
         current = current.parent
     if not current.is_dir():
-        raise ConfigError(f"{current} is a file, not a folder", source=src, field=option)
+        raise ConfigError(
+            f"not writable: {current} is a file, not a folder", source=src, field=option
+        )
     if not os.access(current, os.W_OK | os.X_OK) or not _can_create_in(current):
         raise ConfigError(f"folder {current} is not writable", source=src, field=option)
 
