@@ -58,6 +58,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run each case in a scratch folder: a default output (plan.json) never lands in the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 SCENARIO = next(iter(SCENARIOS))
 HUGE_GENERATE = ["trace", "generate", "zipf", "OUT/o.npz", "--steps", "1000000", "--layers", "1000"]
 # (argv with placeholders, text the error line must hold). Placeholders: see `files`.
@@ -279,3 +285,24 @@ def test_no_traceback_end_to_end(files: dict[str, str], argv: list[str]) -> None
         timeout=120,
     )
     assert_one_line_error(proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trace", "generate", "zipf", "OUT/small.npz", "--steps", "50"],
+        ["simulate", "T", "--out", "OUT", "--policies", "static"],
+        ["trace", "convert", "W", "OUT/w.npz", "--devices", "64"],
+    ],
+    ids=["generate", "simulate", "convert"],
+)
+def test_memory_estimate_is_checked_against_what_is_available(
+    files: dict[str, str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """On a machine with 1 KiB available, even modest requests are refused up front, with the
+    estimate (a broken estimate would run them, or take forever on the huge ones)."""
+    import poise.core.budget as budget
+
+    monkeypatch.setattr(budget, "available_memory_bytes", lambda: float(2**10))
+    code, _, err = run_cli(_fill(argv, files))
+    assert_one_line_error(code, err, "needs about", "1.0 KiB")
