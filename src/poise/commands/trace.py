@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from poise.commands.argparsing import int_in
-from poise.core.budget import check_fits
+from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
 from poise.core.outputs import check_output_file
 from poise.trace.generate import (
@@ -161,16 +162,28 @@ def _check_npz(path: str, option: str) -> None:
 TRACE_BYTES_PER_CELL = 8 * 3  # int64 counts, plus the generator's float work arrays
 
 
+LONG_BYTES = 2**26  # from this estimate on, say that the work will take a while
+
+
 def check_trace_size(steps: int, layers: int, devices: int, experts: int, field: str) -> None:
-    """Refuse a `[S, L, D, E]` trace that cannot fit in memory, with the estimate."""
+    """Refuse a `[S, L, D, E]` trace that cannot fit in memory, with the estimate; announce
+    one that fits but is large (it takes seconds to minutes)."""
     cells = steps * layers * devices * experts
+    need = cells * TRACE_BYTES_PER_CELL
     check_fits(
-        cells * TRACE_BYTES_PER_CELL,
+        need,
         f"a trace of {steps} steps x {layers} layers x {devices} devices x {experts} experts",
         source="trace",
         field=field,
         hint="use fewer steps, layers, devices or experts",
     )
+    if need >= LONG_BYTES:
+        print(
+            f"poise: generating {cells:,} counts (about {human_bytes(need)} of memory); "
+            "this takes a while",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def parse_param(text: str) -> tuple[str, Any]:
