@@ -74,7 +74,7 @@ def test_layouts_on_smartmoe_sample(smartmoe_dir, tmp_path, capsys) -> None:
         (["layouts", "{trace}", "--model", "tiny"], "experts"),  # tiny has 8 experts, trace 16
         (["layouts", "{trace}", "--cluster", "nowhere-9"], "nowhere-9"),
         (["layouts", "{trace}", "--pool", "0"], "pool"),
-        (["layouts", "{trace}", "--micro-batches", "0"], "micro_batches"),
+        (["layouts", "{trace}", "--micro-batches", "0"], "micro-batches"),
         (["layouts", "{trace}", "--schedule", "eager"], "schedule"),
     ],
 )

@@ -113,20 +113,20 @@ def _ms(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
-def test_demo_simulations_charge_the_dense_allreduce(tmp_path) -> None:
+def test_demo_simulations_charge_the_dense_allreduce(tmp_path, monkeypatch) -> None:
     """The demo's simulated clusters price whole steps as `poise
     simulate` does: every step of every policy pays the all-reduce of the gradients of the
     model's dense parameters (`ModelSpec.dense_params`) on the cluster's links, the note says
     so, and the breakdown table shows it beside the other phases, adding up to the step time
     (the demo's schedule is `sync`). A 2-step trace keeps this fast."""
+    import poise.commands.demo_sims as demo_sims
     from poise.commands.demo import QUICK, simulate_clusters
     from poise.cost.step_overheads import allreduce_seconds
 
     run = _fake_run(tmp_path, "static", np.linspace(5.5, 3.0, 2), 0)
     trace = Trace.load(run / "trace.npz")
-    sims, _ = simulate_clusters(
-        trace, QUICK, str(tmp_path / "no-data"), Console(file=io.StringIO()), quick=True
-    )
+    monkeypatch.setattr(demo_sims, "find_shared_data", lambda explicit: None)  # no shared data
+    sims, _ = simulate_clusters(trace, QUICK, None, Console(file=io.StringIO()), quick=True)
     assert sims and sims[0].key == "own"
     for sec in sims:
         res, spec = sec.result, sec.result.spec

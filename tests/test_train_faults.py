@@ -1,7 +1,8 @@
-"""Faults: a rank killed (SIGKILL) at a random step, or in the middle of Agg, Trans, a migration
-or a checkpoint write, restarts with `poise train --max-restarts` from the last complete
-checkpoint and ends with the same parameters and the same loss curve as an uninterrupted run;
-ranks that disagree on the config fail with one clear error instead of hanging.
+"""Faults: a rank killed (SIGKILL) at a fixed step and rank (parametrised, so a failure
+repeats), at the start of a step or in the middle of Agg, Trans, a migration or a checkpoint
+write, restarts with `poise train --max-restarts` from the last complete checkpoint and ends with
+the same parameters and the same loss curve as an uninterrupted run; ranks that disagree on the
+config fail with one clear error instead of hanging.
 
 Every run is `poise train tiny --nproc 2` (real processes on gloo), 12 steps of the `tiny`
 model with context 32, re-planning every 2 steps with `auto`, a checkpoint every 3 steps."""
@@ -9,7 +10,6 @@ model with context 32, re-planning every 2 steps with `auto`, a checkpoint every
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -88,14 +88,39 @@ def reference(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("phase", ["loop", "agg", "trans", "migrate", "checkpoint"])
-def test_killed_rank_restarts_to_the_same_model(reference: Path, phase: str, capsys) -> None:
-    if phase == "loop":  # the start of a step, after its forward or after its backward
-        phase = random.choice(["step", "forward", "backward"])
+# Fixed cases (a failure repeats): every phase, both ranks, the ends of each step range. The
+# default run has one case per kind of kill point (the loop, inside a collective, a migration,
+# a checkpoint write); the other cases are marked slow (`-m slow` runs them).
+KILL_CASES = [
+    pytest.param("forward", STEP_RANGE["forward"][0], 1, id="forward-first-rank1"),
+    pytest.param("agg", STEP_RANGE["agg"][1], 0, id="agg-last-rank0"),
+    pytest.param("trans", STEP_RANGE["trans"][0], 1, id="trans-first-rank1"),
+    pytest.param("migrate", STEP_RANGE["migrate"][1], 0, id="migrate-last-rank0"),
+    pytest.param("checkpoint", STEP_RANGE["checkpoint"][0], 0, id="checkpoint-first-rank0"),
+    pytest.param("step", STEP_RANGE["step"][1], 0, id="step-last-rank0", marks=pytest.mark.slow),
+    pytest.param(
+        "backward", STEP_RANGE["backward"][0] + 1, 1, id="backward-rank1", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        "checkpoint",
+        STEP_RANGE["checkpoint"][1],
+        1,
+        id="checkpoint-last-rank1",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "migrate", STEP_RANGE["migrate"][0], 1, id="migrate-first-rank1", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize(("phase", "step", "rank"), KILL_CASES)
+def test_killed_rank_restarts_to_the_same_model(
+    reference: Path, phase: str, step: int, rank: int, capsys
+) -> None:
     low, high = STEP_RANGE[phase]
-    step = random.Random().randint(low, high)
-    rank = random.Random().randint(0, 1)
-    name = f"killed-{phase}"
+    assert low <= step <= high
+    name = f"killed-{phase}-{step}-{rank}"
     fault = ["--fail-at-step", str(step), "--fail-rank", str(rank), "--fail-phase", phase]
     code = main(_argv(reference, name, "--max-restarts", "1", *fault))
     err = capsys.readouterr().err

@@ -4,19 +4,19 @@ stderr and exit status 2; no traceback."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
 from poise import __version__
+from poise.commands.argparsing import PoiseParser
 from poise.core.errors import PoiseError
 from poise.util.heap import retain_freed_memory
 
 COMMANDS = ("calibrate", "demo", "layouts", "plan", "scenarios", "simulate", "trace", "train")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> PoiseParser:
+    parser = PoiseParser(
         prog="poise",
         description="Expert-parallel MoE training that stays balanced under skewed, drifting load.",
     )
@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 2
     retain_freed_memory()  # planning's temporaries reuse the heap (`poise.util.heap`)
     try:
         return int(args.run(args) or 0)

@@ -17,6 +17,7 @@ from poise.calibrate.measure import GROUP_COLLECTIVES, LINK_COLLECTIVES, CommPoi
 from poise.core.cluster import Cluster, HostCosts, PeakFlops
 from poise.core.errors import ConfigError
 from poise.core.fields import read_mapping_file
+from poise.core.outputs import check_output_file
 from poise.cost.collectives import CollectiveFit, alpha_beta_from_link_fit
 from poise.util.atomic import atomic_write_text
 
@@ -240,18 +241,10 @@ def machine_memory_bytes() -> float:
 
 def check_output(path: str | Path) -> Path:
     """The cluster YAML path: must end in .yaml/.yml (so `get_cluster` reads it as a file) and
-    its folder must be creatable and writable; else `ConfigError` naming `--out`."""
-    path = Path(path)
-    if path.suffix not in (".yaml", ".yml"):
-        raise ConfigError("must end in .yaml or .yml", source=str(path), field="--out")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot create output folder: {exc.strerror or exc}", source=str(path), field="--out"
-        ) from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ConfigError("output folder is not writable", source=str(path), field="--out")
+    it and the measurements JSON beside it must be writable (`poise.core.outputs`); else
+    `ConfigError` naming `--out`, before any measuring."""
+    path = check_output_file(path, "--out", suffixes=(".yaml", ".yml"))
+    check_output_file(measurements_path(path), "--out")
     return path
 
 

@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from poise.commands.argparsing import int_in
+
 if TYPE_CHECKING:
     from poise.calibrate import Calibration
 
@@ -46,21 +48,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--d-model",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="N",
         help="expert input width (default 1024; quick 256)",
     )
     parser.add_argument(
         "--d-expert",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="N",
         help="expert hidden width (default 2048; quick 512)",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="N",
         help="torch threads for the GEMMs (default: torch's) and each rank's host costs "

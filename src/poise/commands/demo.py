@@ -27,8 +27,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from poise.commands.argparsing import int_in
 from poise.core.errors import ConfigError, PoiseError
 
 if TYPE_CHECKING:
@@ -104,7 +103,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"{QUICK.steps} training steps per run, not {FULL.steps}, and shorter replays "
         "(a smoke test: too few steps to measure a speedup)",
     )
-    p.add_argument("--steps", type=int, default=None, help="training steps per run")
+    p.add_argument(
+        "--steps",
+        type=int_in(2),
+        default=None,
+        help=f"training steps per run (default {FULL.steps}; --quick {QUICK.steps})",
+    )
     p.add_argument(
         "--corpus",
         default=None,
@@ -131,12 +135,13 @@ def find_smartmoe_sample(explicit: str | None) -> Path | None:
 
 
 def check_output_folder(out: Path) -> None:
-    """Create `out` if needed and prove it writable; else one `ConfigError` naming it."""
+    """Check `out` (`poise.core.outputs.check_output_dir`) and create it; else one
+    `ConfigError` naming it."""
+    from poise.core.outputs import check_output_dir
+
+    check_output_dir(out, "--out")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".poise-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ConfigError(
@@ -523,6 +528,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"must be >= 2, got {steps}", source=str(steps), field="--steps")
     out = Path(args.out)
     check_output_folder(out)
+    if args.data:
+        from poise.commands.demo_sims import find_shared_data
+
+        find_shared_data(args.data)  # a --data folder without the data fails before training
     started = time.perf_counter()
     wall: dict[str, float] = {}
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from poise.core.errors import ConfigError
 from poise.core.spec import MODELS, ModelSpec
 
 SMARTMOE_DIR = "smartmoe-ae-sample"
@@ -86,9 +87,18 @@ class SimCases:
 
 def find_shared_data(explicit: str | None) -> Path | None:
     """The first of `explicit`, `$POISE_SHARED_DATA`, `../shared/data` and the `shared/data`
-    beside this checkout that holds the SmartMoE-AE sample or OLMoE's counts; None if none."""
+    beside this checkout that holds the SmartMoE-AE sample or OLMoE's counts; None if none.
+    A folder named explicitly (`--data`) that holds neither is an error, not replaced."""
+    if explicit:
+        root = Path(explicit)
+        if not ((root / SMARTMOE_DIR).is_dir() or (root / OLMOE_FILE).is_file()):
+            raise ConfigError(
+                f"holds neither {SMARTMOE_DIR}/ nor {OLMOE_FILE}",
+                source=str(explicit),
+                field="--data",
+            )
+        return root
     candidates = [
-        explicit,
         os.environ.get("POISE_SHARED_DATA"),
         "../shared/data",
         str(Path(__file__).resolve().parents[3].parent / "shared" / "data"),

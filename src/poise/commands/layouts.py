@@ -17,13 +17,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.options import DEFAULT_MODEL
+from poise.commands.argparsing import int_in
+from poise.commands.options import MODEL_HELP, SCHEDULE_HELP, check_cluster_size, model_for_trace
+from poise.core.outputs import check_output_file
 from poise.core.presets import get_cluster
-from poise.core.spec import get_model
 from poise.cost.schedule import parse_schedule
 from poise.layouts.pool import LayoutSettings
 from poise.layouts.price import LayoutSearch, rank_layouts
-from poise.trace.loads import fit_devices, spec_for_trace
+from poise.trace.loads import fit_devices, require_tokens
 from poise.util.atomic import atomic_write_text
 
 
@@ -36,35 +37,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(.npz, SmartMoE-AE folder, EPLB weights, expert-count JSON) and keep the best --pool.",
     )
     p.add_argument("trace", help="routing trace")
-    p.add_argument("--cluster", default="v100-ib50", help="preset, preset:N or YAML")
     p.add_argument(
-        "--model",
+        "--cluster", default="v100-ib50", help="preset, preset:N or YAML (default v100-ib50)"
+    )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--pool", type=int_in(1), default=4, help="layouts kept in the pool (default 4)")
+    p.add_argument(
+        "--micro-batches",
+        type=int_in(1, 4096),
+        default=4,
+        help="pipeline micro-batches per step (default 4)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int_in(1),
+        default=32,
+        help="price at most N evenly spaced steps (default 32)",
+    )
+    p.add_argument(
+        "--max-pp",
+        type=int_in(1),
         default=None,
-        help=f"model preset or YAML (default {DEFAULT_MODEL} with the trace's experts, "
-        "top-k and layers)",
+        help="largest pipeline degree tried (default: all)",
     )
-    p.add_argument("--pool", type=int, default=4, help="layouts kept in the pool (default 4)")
-    p.add_argument(
-        "--micro-batches", type=int, default=4, help="pipeline micro-batches per step (default 4)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=32, help="price at most N evenly spaced steps (default 32)"
-    )
-    p.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree tried")
-    p.add_argument("--schedule", default="sync", help="sync, pipelined(n), prophet or hybrid")
+    p.add_argument("--schedule", default="sync", help=SCHEDULE_HELP)
     p.add_argument(
         "--static",
         action="store_true",
         help="price the static expert placement only (no online permute inside each layout)",
     )
     p.add_argument("--all", action="store_true", help="print every layout, not only the top 12")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the ranking as JSON")
+    p.add_argument(
+        "--json", default=None, metavar="OUT", help="write the ranking as JSON (default: none)"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from poise.trace.importers import load_any
 
+    if args.json:
+        check_output_file(args.json, "--json")
     settings = LayoutSettings(
         pool=args.pool,
         micro_batches=args.micro_batches,
@@ -73,12 +86,11 @@ def run(args: argparse.Namespace) -> int:
         max_pp=args.max_pp,
         schedule=parse_schedule(args.schedule),
     )
-    trace = load_any(args.trace)
     cluster = get_cluster(args.cluster)
-    explicit = args.model is not None
-    spec = spec_for_trace(
-        get_model(args.model or DEFAULT_MODEL), trace, explicit=explicit, source=args.trace
-    )
+    check_cluster_size(cluster, "--cluster")
+    trace = load_any(args.trace)
+    require_tokens(trace, args.trace)
+    spec = model_for_trace(args.model, trace, args.trace)
     loads = fit_devices(trace.counts, cluster.num_devices, args.trace)
     search = rank_layouts(loads, cluster, spec, settings)
     meta = {
@@ -115,7 +127,7 @@ def _print(search: LayoutSearch, meta: dict[str, Any], show_all: bool) -> None:
         if col == "layout":
             table.add_column(col, no_wrap=True, min_width=13)
         else:
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", overflow="fold")
     shown = search.ranked if show_all else search.ranked[: max(12, s.pool)]
     for i, c in enumerate(shown):
         table.add_row(

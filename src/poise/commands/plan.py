@@ -11,7 +11,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from poise.commands.argparsing import int_in
 from poise.commands.options import add_planning_args, planning_context
+from poise.core.outputs import check_output_dir, check_output_file
 from poise.plan.files import write_plan_json
 from poise.plan.policies.registry import make_plan
 from poise.trace.loads import fit_devices
@@ -27,9 +29,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "JSON; loads are averaged over the trace's last --steps steps.",
     )
     p.add_argument("loads", help="trace or load statistics file")
-    p.add_argument("--policy", default="auto", help="balancing policy (default auto)")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="balancing policy: static, shadow, prophet, vexpert, permute, eplb, hybrid or "
+        "auto (default auto)",
+    )
     add_planning_args(p, cluster_default="v100-ib50")
-    p.add_argument("--steps", type=int, default=None, help="average the last N steps (default all)")
+    p.add_argument(
+        "--steps", type=int_in(1), default=None, help="average the last N steps (default all)"
+    )
     p.add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
     p.add_argument(
         "--eplb",
@@ -44,9 +53,12 @@ def run(args: argparse.Namespace) -> int:
     from poise.plan.eplb_format import placement_to_eplb
     from poise.trace.importers import load_any
 
+    check_output_file(args.out, "--out")
+    if args.eplb:
+        check_output_dir(args.eplb, "--eplb")
     trace = load_any(args.loads)
     cluster, spec, ctx = planning_context(args, trace, args.loads)
-    counts = trace.counts if args.steps is None else trace.counts[-max(1, args.steps) :]
+    counts = trace.counts if args.steps is None else trace.counts[-args.steps :]
     loads = fit_devices(counts, cluster.num_devices, args.loads).mean(axis=0).astype(np.float64)
     baseline = make_plan("static", loads, None, ctx)
     plan = make_plan(args.policy, loads, None, ctx)
@@ -90,7 +102,7 @@ def _print_summary(plan, baseline, args: argparse.Namespace, cluster: str) -> No
         "static ms",
         "plan ms",
     ):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     chosen = plan.notes.get("chosen")
     if chosen:
         table.add_column("chosen", justify="left")

@@ -16,14 +16,15 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from poise.core.outputs import check_output_dir
 from poise.sim.scenarios import (
     SCENARIOS,
     ScenarioResult,
+    find_shared_data,
     get_scenario,
     markdown_table,
     results_json,
@@ -37,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "scenarios",
         help="the papers' setups (FasterMoE, Pro-Prophet, SmartMoE, FlexMoE, HybridEP, "
         "1,000 datacentres) in the simulator, our figures beside the published ones",
+        description="Replay the published setups of FasterMoE, Pro-Prophet, SmartMoE, FlexMoE, "
+        "HybridEP and a 1,000-datacentre case in the simulator; print one table of our "
+        "figures beside the published ones and write OUT/scenarios.md and OUT/scenarios.json. "
+        "The SmartMoE cases replay the SmartMoE-AE sample from --data.",
     )
     p.add_argument(
         "--only",
@@ -67,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     names = list(dict.fromkeys(args.only)) if args.only else list(SCENARIOS)
     scenarios = [get_scenario(n) for n in names]  # unknown names fail before any work
+    out = check_output_dir(args.out, "--out")
+    if args.data is not None:
+        find_shared_data(args.data)  # a --data folder without the sample fails here
     if args.inline_planning:
         scenarios = [
             dataclasses.replace(
@@ -102,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - started
     text = markdown_table(results)
     sys.stdout.write(text)
-    out = Path(args.out)
     md, js = out / "scenarios.md", out / "scenarios.json"
     atomic_write_text(md, text)
     payload = results_json(results)

@@ -19,17 +19,30 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from poise.commands.options import DEFAULT_MODEL, parse_options
+from poise.commands.argparsing import int_in
+from poise.commands.options import (
+    MAX_SLOTS,
+    MODEL_HELP,
+    OPTION_HELP,
+    SCHEDULE_HELP,
+    check_cluster_size,
+    check_plan_size,
+    model_for_trace,
+    parse_options,
+)
+from poise.core.budget import check_fits
 from poise.core.errors import ConfigError
+from poise.core.outputs import check_output_dir
 from poise.core.presets import get_cluster
-from poise.core.spec import get_model
 from poise.cost.schedule import parse_schedule
 from poise.plan.policies import REGISTRY
 from poise.plan.predict import parse_predictor
 from poise.report.tables import SIM_COLUMNS, sim_rows
 from poise.sim.simulator import PHASES, SimResult, simulate
-from poise.trace.loads import spec_for_trace
+from poise.trace.loads import require_tokens
 from poise.util.atomic import atomic_write_text
+
+DEFAULT_REPLAN_EVERY = 10
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,23 +54,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "is priced on each step's actual loads.",
     )
     p.add_argument("trace", help="routing trace")
-    p.add_argument("--cluster", default="v100-ib50", help="preset, preset:N or YAML")
     p.add_argument(
-        "--model",
-        default=None,
-        help=f"model preset or YAML (default {DEFAULT_MODEL} with the trace's experts)",
+        "--cluster", default="v100-ib50", help="preset, preset:N or YAML (default v100-ib50)"
     )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument(
         "--policies", default="all", help="comma-separated policies (default all registered)"
     )
+    p.add_argument("--schedule", default="sync", help=SCHEDULE_HELP)
     p.add_argument(
-        "--schedule", default="sync", help="sync, pipelined(n), prophet, hybrid or padded"
+        "--replan-every",
+        type=int_in(1),
+        default=None,
+        help=f"steps between re-plans (default {DEFAULT_REPLAN_EVERY}, or half the trace's "
+        "steps if it is shorter, so that it is re-planned at least once)",
     )
-    p.add_argument("--replan-every", type=int, default=10, help="steps between re-plans")
-    p.add_argument("--steps", type=int, default=None, help="replay the first N steps")
-    p.add_argument("--predictor", default="ema", help="last, window[:w] or ema[:alpha]")
-    p.add_argument("--slots", type=int, default=None, help="slots per device")
-    p.add_argument("--seed", type=int, default=0, help="seed of the trace scaling")
+    p.add_argument(
+        "--steps", type=int_in(1), default=None, help="replay the first N steps (default all)"
+    )
+    p.add_argument(
+        "--predictor", default="ema", help="last, window[:w] or ema[:alpha] (default ema)"
+    )
+    p.add_argument(
+        "--slots",
+        type=int_in(1, MAX_SLOTS),
+        default=None,
+        help="slots per device (default: ceil(experts/devices) + 1)",
+    )
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the trace scaling")
     p.add_argument(
         "--no-planning-time",
         action="store_true",
@@ -79,17 +103,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "counts, as the runtime's Balancer does by default (off: by the plans' fixed shares)",
     )
     p.add_argument(
-        "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help="policy setting"
+        "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help=OPTION_HELP
     )
     p.add_argument(
         "--dense-params",
-        type=int,
+        type=int_in(0),
         default=None,
         metavar="N",
         help="replicated parameters whose gradients every step all-reduces across the devices "
         "(default: the model's dense blocks, moe_layers x F_d / 2; 0: time the MoE layers alone)",
     )
-    p.add_argument("--out", default="poise-out/simulate", help="output folder")
+    p.add_argument(
+        "--out", default="poise-out/simulate", help="output folder (default poise-out/simulate)"
+    )
     p.set_defaults(run=run)
 
 
@@ -101,6 +127,13 @@ def _policies(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ConfigError("no policy named", source=text, field="--policies")
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ConfigError(
+            f"unknown policy {', '.join(unknown)} (known: {', '.join(sorted(REGISTRY))})",
+            source="--policies",
+            field="policy",
+        )
     return names
 
 
@@ -109,28 +142,39 @@ def run(args: argparse.Namespace) -> int:
     from poise.trace.importers import load_any
 
     console = Console(stderr=True)
-    trace = load_any(args.trace)
-    cluster = get_cluster(args.cluster)
-    spec = spec_for_trace(
-        get_model(args.model or DEFAULT_MODEL),
-        trace,
-        explicit=args.model is not None,
-        source=args.trace,
-    )
-    names = _policies(args.policies)
-    dense = spec.dense_params if args.dense_params is None else int(args.dense_params)
-    if dense < 0:
-        raise ConfigError(f"must be >= 0, got {dense}", field="--dense-params")
+    out = check_output_dir(args.out, "--out")
+    options = parse_options(args.option)
     schedule = parse_schedule(args.schedule)
     predictor = parse_predictor(args.predictor)
+    cluster = get_cluster(args.cluster)
+    check_cluster_size(cluster, "--cluster")
+    names = _policies(args.policies)
+    trace = load_any(args.trace)
+    require_tokens(trace, args.trace)
+    spec = model_for_trace(args.model, trace, args.trace)
+    dense = spec.dense_params if args.dense_params is None else int(args.dense_params)
     steps = trace.steps if args.steps is None else min(args.steps, trace.steps)
-    out = Path(args.out)
+    slots = args.slots if args.slots is not None else -(-spec.experts // cluster.num_devices) + 1
+    check_plan_size(trace.layers, cluster.num_devices, slots, spec.experts, steps=1)
+    check_fits(
+        steps * trace.layers * cluster.num_devices * (spec.experts + 4 * len(names)) * 8,
+        f"replaying {steps} steps x {trace.layers} layers on {cluster.num_devices} devices "
+        f"under {len(names)} policies",
+        source="--cluster",
+        field="size",
+        hint="use fewer --steps, a smaller --cluster or fewer --policies",
+    )
+    replan_every = _replan_every(args.replan_every, steps, console)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(
-            f"cannot create output folder: {exc}", source=args.out, field="--out"
+            f"cannot create output folder: {exc.strerror or exc}", source=args.out, field="--out"
         ) from None
+    console.print(
+        f"simulating {steps} steps x {len(names)} policies of {trace.name} on {cluster.name} "
+        f"({cluster.num_devices} devices), model {spec.name}, re-plan every {replan_every}"
+    )
     columns = (
         TextColumn("simulating"),
         BarColumn(),
@@ -145,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
             spec,
             names,
             schedule,
-            args.replan_every,
+            replan_every,
             predictor,
             slots_per_device=args.slots,
             steps=args.steps,
-            options=parse_options(args.option),
+            options=options,
             seed=args.seed,
             count_planning=not args.no_planning_time,
             background_planning=args.background_planning,
@@ -158,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))
+    Console().print(headline(result), soft_wrap=True)
     console.print(result.scaling)
     _write_outputs(result, out, args.trace)
     title = f"{Path(args.trace).name} on {cluster.name} ({schedule.name})"
@@ -179,6 +224,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replan_every(given: int | None, steps: int, console: Console) -> int:
+    """`--replan-every`, or the default fitted to the trace: a trace no longer than the interval
+    is never re-planned (every policy would tie with static), so the default shrinks to half
+    the trace, and an explicit interval that long is warned about."""
+    if given is None:
+        fitted = min(DEFAULT_REPLAN_EVERY, max(1, steps // 2))
+        if fitted != DEFAULT_REPLAN_EVERY:
+            console.print(
+                f"note: the trace has {steps} steps; re-planning every {fitted} step(s) "
+                f"instead of {DEFAULT_REPLAN_EVERY} so that it is re-planned (--replan-every)"
+            )
+        return fitted
+    if given >= steps:
+        console.print(
+            f"[yellow]warning: --replan-every {given} >= the {steps} steps replayed: no policy "
+            "ever re-plans after the first step, so all match static; use a smaller "
+            "--replan-every[/yellow]"
+        )
+    return given
+
+
+def headline(result: SimResult) -> str:
+    """The table's key figures as one line, printed below it so a narrow terminal that folds
+    the table still shows them whole."""
+    rows = result.summary_rows()
+    best = rows[0]
+    text = f"fastest: {best['policy']} {best['mean_step_s'] * 1e3:,.2f} ms/step"
+    if best["speedup_vs_static"] is not None and best["policy"] != "static":
+        static = result.runs["static"].mean_step_s
+        text += f", {best['speedup_vs_static']:.2f}x static ({static * 1e3:,.2f} ms/step)"
+    return text + f"; {best['bytes_moved_per_step'] / 1e9:,.3f} GB moved/step"
+
+
 def _table(result: SimResult) -> Table:
     c, s = result.cluster, result.spec
     table = Table(
@@ -187,7 +265,7 @@ def _table(result: SimResult) -> Table:
         f"re-plan every {result.replan_every}, predictor {result.predictor.name}"
     )
     for col in SIM_COLUMNS:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     for row in sim_rows(result):
         table.add_row(*row)
     return table

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from poise.commands.argparsing import int_in
+from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
+from poise.core.outputs import check_output_file
 from poise.trace.generate import (
     DEFAULT_TOKENS_PER_DEVICE,
     DEFAULT_TOP_K,
@@ -23,6 +27,7 @@ from poise.trace.generate import (
     generate,
 )
 from poise.trace.importers import FORMATS, load_any
+from poise.trace.loads import require_tokens
 from poise.trace.stats import stats_table, trace_stats
 from poise.trace.trace import Trace
 
@@ -35,12 +40,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
 
-    stats = sub.add_parser("stats", help="skew, drift and static-placement imbalance of a trace")
+    stats = sub.add_parser(
+        "stats",
+        help="skew, drift and static-placement imbalance of a trace",
+        description="Print a trace's skew per layer (max/mean, Gini, top share), its drift "
+        "between rows recorded 1, 10 and 100 iterations apart, and the imbalance of the static "
+        "contiguous placement. An all-zero trace is refused.",
+    )
     stats.add_argument("file", help="a .npz trace, or any source `convert` reads")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument(
         "--layout-devices",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="D",
         help="devices of the static contiguous placement (default: trace devices)",
@@ -48,7 +59,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_import_options(stats)
 
     convert = sub.add_parser(
-        "convert", help="import SmartMoE-AE / EPLB / expert-count / Megatron-Core router-trace data"
+        "convert",
+        help="import SmartMoE-AE / EPLB / expert-count / Megatron-Core router-trace data",
+        description="Convert a SmartMoE-AE folder, an EPLB weight matrix, expert-count JSON or "
+        "Megatron-Core router traces into a Poise trace (.npz). The output path is checked "
+        "before reading.",
     )
     convert.add_argument(
         "src",
@@ -58,17 +73,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     convert.add_argument("dst", help="output trace (.npz)")
     _add_import_options(convert)
 
-    gen = sub.add_parser("generate", help="write a synthetic trace")
-    gen.add_argument("kind", help=f"one of {', '.join(GENERATORS)}")
+    gen = sub.add_parser(
+        "generate",
+        help="write a synthetic trace",
+        description="Write a seeded synthetic routing trace [steps, layers, devices, experts] as "
+        ".npz. Memory is estimated first: a trace that cannot fit is refused.",
+    )
+    gen.add_argument("kind", help=f"generator: one of {', '.join(GENERATORS)}")
     gen.add_argument("out", help="output trace (.npz)")
-    gen.add_argument("--steps", type=int, default=100)
-    gen.add_argument("--layers", type=int, default=4)
-    gen.add_argument("--devices", type=int, default=8)
-    gen.add_argument("--experts", type=int, default=32)
-    gen.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    gen.add_argument("--tokens-per-device", type=int, default=DEFAULT_TOKENS_PER_DEVICE)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--name", default=None)
+    gen.add_argument("--steps", type=int_in(1), default=100, help="training steps (rows)")
+    gen.add_argument("--layers", type=int_in(1), default=4, help="MoE layers")
+    gen.add_argument("--devices", type=int_in(1), default=8, help="source devices (ranks)")
+    gen.add_argument("--experts", type=int_in(1), default=32, help="experts per layer")
+    gen.add_argument("--top-k", type=int_in(1), default=DEFAULT_TOP_K, help="experts per token")
+    gen.add_argument(
+        "--tokens-per-device",
+        type=int_in(1),
+        default=DEFAULT_TOKENS_PER_DEVICE,
+        help="tokens each device routes per step and layer",
+    )
+    gen.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="random seed")
+    gen.add_argument("--name", default=None, help="trace name (default: the generator's)")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="model preset recorded in the trace's metadata, used by simulate/plan/layouts "
+        "(default: none recorded)",
+    )
     gen.add_argument(
         "--param",
         action="append",
@@ -83,17 +114,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_import_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("importer options (only those the format uses)")
-    g.add_argument("--format", choices=FORMATS, default="auto")
-    g.add_argument("--top-k", type=int, default=None, help="experts per token")
+    g.add_argument(
+        "--format", choices=FORMATS, default="auto", help="source format (default: auto-detect)"
+    )
+    g.add_argument("--top-k", type=int_in(1), default=None, help="experts per token")
     g.add_argument(
         "--tokens-per-device",
-        type=int,
+        type=int_in(1),
         default=None,
         help="tokens per source per step (default: inferred from the counts)",
     )
     g.add_argument(
         "--devices",
-        type=int,
+        type=int_in(1),
         default=None,
         help="eplb/expert-counts: source devices to spread loads over (default 1)",
     )
@@ -105,7 +138,7 @@ def _add_import_options(p: argparse.ArgumentParser) -> None:
         help="expert-counts: domain(s), comma-separated (default: all, one per step)",
     )
     g.add_argument(
-        "--experts", type=int, default=None, help="megatron: experts (default: max index + 1)"
+        "--experts", type=int_in(1), default=None, help="megatron: experts (default: max index + 1)"
     )
     g.add_argument("--name", default=None, help="trace name")
 
@@ -126,9 +159,37 @@ def _load(args: argparse.Namespace, path: str) -> Trace:
     return trace
 
 
-def _check_npz(path: str) -> None:
+def _check_npz(path: str, option: str) -> None:
     if Path(path).suffix != ".npz":
-        raise ConfigError("output must end in .npz", source=path)
+        raise ConfigError("output must end in .npz", source=path, field=option)
+    check_output_file(path, option)
+
+
+TRACE_BYTES_PER_CELL = 8 * 3  # int64 counts, plus the generator's float work arrays
+
+
+LONG_BYTES = 2**26  # from this estimate on, say that the work will take a while
+
+
+def check_trace_size(steps: int, layers: int, devices: int, experts: int, field: str) -> None:
+    """Refuse a `[S, L, D, E]` trace that cannot fit in memory, with the estimate; announce
+    one that fits but is large (it takes seconds to minutes)."""
+    cells = steps * layers * devices * experts
+    need = cells * TRACE_BYTES_PER_CELL
+    check_fits(
+        need,
+        f"a trace of {steps} steps x {layers} layers x {devices} devices x {experts} experts",
+        source="trace",
+        field=field,
+        hint="use fewer steps, layers, devices or experts",
+    )
+    if need >= LONG_BYTES:
+        print(
+            f"poise: generating {cells:,} counts (about {human_bytes(need)} of memory); "
+            "this takes a while",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -148,6 +209,7 @@ def parse_param(text: str) -> tuple[str, Any]:
 
 def _run_stats(args: argparse.Namespace) -> int:
     trace = _load(args, args.file)
+    require_tokens(trace, args.file)
     stats = trace_stats(trace, args.layout_devices)
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -157,7 +219,7 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    _check_npz(args.dst)
+    _check_npz(args.dst, "dst")
     trace = _load(args, args.src)
     trace.save(args.dst)
     print(
@@ -169,8 +231,13 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    _check_npz(args.out)
+    _check_npz(args.out, "out")
     params = dict(parse_param(p) for p in args.param)
+    check_trace_size(args.steps, args.layers, args.devices, args.experts, "--steps")
+    if args.model is not None:
+        from poise.core.spec import get_model
+
+        get_model(args.model)  # an unknown model fails before any work
     trace = generate(
         args.kind,
         steps=args.steps,
@@ -183,6 +250,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         name=args.name,
         **params,
     )
+    if args.model is not None:
+        trace.meta["model"] = args.model
     trace.save(args.out)
     print(
         f"wrote {args.out}: {trace.meta['generator']} trace, {trace.steps} steps x "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from poise.commands.argparsing import int_in
     from poise.train.__main__ import add_train_arguments
 
     p = sub.add_parser(
@@ -31,18 +32,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(gloo on the CPU, NCCL on GPUs), balanced live by a Poise policy.",
     )
     add_train_arguments(p)
-    p.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks (default 1)")
+    p.add_argument(
+        "--nproc", type=int_in(1, 4096), default=1, metavar="N", help="local ranks (default 1)"
+    )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=int_in(0, 1000),
         default=0,
         metavar="N",
         help="when a rank dies, restart all ranks from the last complete checkpoint, up to N "
         "times (like torchrun's elastic agent; default 0)",
     )
     fault = p.add_argument_group("fault injection (tests; also POISE_FAIL_* variables)")
-    fault.add_argument("--fail-at-step", type=int, default=None, metavar="S", help="1-based step")
-    fault.add_argument("--fail-rank", type=int, default=0, metavar="R", help="rank to kill")
+    fault.add_argument(
+        "--fail-at-step", type=int_in(1), default=None, metavar="S", help="1-based step"
+    )
+    fault.add_argument(
+        "--fail-rank", type=int_in(0), default=0, metavar="R", help="rank to kill (default 0)"
+    )
     fault.add_argument(
         "--fail-phase",
         default="step",
@@ -53,12 +60,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from poise.core.errors import ConfigError
+    from poise.core.outputs import check_output_dir
     from poise.train.__main__ import config_from_args
     from poise.train.config import resolve_layout, save_config
     from poise.train.data import build_corpus, shard_rows
     from poise.train.faults import Fault
 
     cfg = config_from_args(args)
+    check_output_dir(cfg.out, "--out")
     n = args.nproc
     if n < 1:
         raise ConfigError(f"must be >= 1, got {n}", source="--nproc", field="nproc")
@@ -77,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
         from poise.train.checkpoint import resolve
 
         args.resume = str(resolve(args.resume))
+    if not args.quiet:  # the corpus and model take seconds to build: say what is starting
+        print(
+            f"poise train: model {cfg.model}, policy {cfg.policy}, {cfg.steps} steps on {n} "
+            f"rank(s), output {cfg.out}; preparing the corpus and the model...",
+            file=sys.stderr,
+            flush=True,
+        )
     supervised = args.max_restarts > 0 or fault is not None
     if n == 1 and not supervised and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         from poise.train.loop import train

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from poise.core.budget import check_fits
 from poise.core.errors import ConfigError, TraceError
 from poise.trace.megatron import FILE_RE as MEGATRON_FILE
 from poise.trace.megatron import import_megatron
-from poise.trace.trace import Trace
+from poise.trace.trace import Trace, load_failure
 
 FORMATS = ("auto", "npz", "smartmoe", "eplb", "expert-counts", "megatron")
 
@@ -145,6 +146,19 @@ def _check_nesting(values: Any, source: str, field: str, ndim: int) -> None:
                 field=field,
             )
         level = nxt
+
+
+def _check_spread(steps: int, shape: tuple[int, ...], devices: int, source: str) -> None:
+    """Refuse spreading loads `[L, E]` over more devices than memory allows (int64 counts plus
+    `spread_evenly`'s work arrays), before allocating."""
+    layers, experts = (int(n) for n in shape[-2:])
+    check_fits(
+        steps * layers * devices * experts * 8 * 4,
+        f"spreading {steps} step(s) x {layers} layers x {experts} experts over {devices} devices",
+        source=source,
+        field="devices",
+        hint="use fewer --devices",
+    )
 
 
 def spread_evenly(totals: np.ndarray, devices: int) -> np.ndarray:
@@ -327,7 +341,7 @@ def _read_npy(path: Path) -> np.ndarray:
     except FileNotFoundError:
         raise TraceError("file not found", source=src) from None
     except (OSError, ValueError, EOFError) as exc:
-        raise TraceError(f"not a readable .npy array: {exc}", source=src) from None
+        raise TraceError(f"not a readable .npy array: {load_failure(exc)}", source=src) from None
     if not isinstance(arr, np.ndarray):
         raise TraceError("expected a single .npy array (not an .npz archive)", source=src)
     if arr.dtype.kind not in "iuf":
@@ -379,6 +393,7 @@ def import_eplb(
     if not path.exists():
         raise TraceError("file not found", source=src)
     weight = _eplb_weight(path)
+    _check_spread(1, weight.shape, int(devices), src)
     counts = spread_evenly(weight, int(devices))[None]
     meta = {"format": "eplb", "source": src, "spread_over_devices": int(devices)}
     return _finish(counts, np.array([0]), top_k, tokens_per_device, name or path.stem, meta, src)
@@ -461,6 +476,7 @@ def import_expert_counts(
         raise TraceError(
             f"cannot infer top_k for model {model!r}; pass top_k", source=src, field="top_k"
         )
+    _check_spread(len(steps), steps[0].shape, int(devices), src)
     counts = np.stack([spread_evenly(a, int(devices)) for a in steps])
     meta: dict[str, Any] = {
         "format": "expert-counts",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poise.core.errors import ConfigError
+from poise.core.errors import ConfigError, TraceError
 from poise.core.spec import ModelSpec
 from poise.trace.trace import Trace
 
@@ -46,3 +46,12 @@ def spec_for_trace(spec: ModelSpec, trace: Trace, *, explicit: bool, source: str
             field="experts",
         )
     return spec.with_(experts=trace.experts, top_k=trace.top_k, moe_layers=trace.layers)
+
+
+def require_tokens(trace: Trace, source: str) -> None:
+    """Refuse an all-zero trace: it routes no tokens, so its statistics (tokens per device,
+    skew) and every price of it would be nonsense."""
+    if not trace.counts.any():
+        raise TraceError(
+            "every count is zero: the trace routes no tokens", source=source, field="counts"
+        )

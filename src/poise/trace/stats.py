@@ -6,10 +6,11 @@ All measures work on the expert loads `load[s, l, e] = sum_d counts[s, l, d, e]`
 - Skew, per step and layer, averaged over steps for each layer:
   `max_over_mean = max_e load / mean_e load`; `gini` = Gini coefficient of the loads
   (0: all equal, (E-1)/E: one expert takes everything); `top_share = max_e load / sum_e load`.
-- Drift at lag k (in trace rows, not iterations): the mean over layers and steps s of the total
-  variation distance `TV(p_s, p_{s+k}) = 0.5 * sum_e |p_s[e] - p_{s+k}[e]|` between normalised
-  load distributions `p_s = load[s, l] / sum_e load[s, l]`; `None` when the trace has no pair
-  of rows `k` apart.
+- Drift at lag k (in training iterations, by the trace's recorded `step_ids`): the mean over
+  layers and row pairs of the total variation distance `TV(p_s, p_t) = 0.5 * sum_e |p_s[e] -
+  p_t[e]|` between normalised load distributions `p_s = load[s, l] / sum_e load[s, l]` of rows
+  recorded k iterations apart; `None` when the trace has no such pair. A trace sampled every
+  1,000 iterations has no lag-1 pair; its consecutive rows are reported with their gap.
 - Device imbalance of the static placement: experts in contiguous blocks, expert e on device
   `floor(e * D / E)`; `max_d / mean_d` of the device loads per step and layer, averaged over
   steps. `D` is the trace's device count unless `devices` says otherwise.
@@ -62,15 +63,40 @@ def tv_distance(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return 0.5 * np.abs(np.asarray(p) - np.asarray(q)).sum(axis=-1)
 
 
-def drift_at_lag(load: np.ndarray, lag: int) -> float | None:
+def drift_at_lag(load: np.ndarray, lag: int, step_ids: np.ndarray | None = None) -> float | None:
     """Mean TV distance between rows `lag` apart of the normalised loads `[S, L, E]`; `None`
-    if `S <= lag` or no pair has traffic on both sides."""
+    if no pair is `lag` apart or none has traffic on both sides. With `step_ids` (the
+    recorded iteration of each row, increasing), rows are paired by iteration: rows recorded
+    at iterations i and i + lag, so a trace of iterations 1, 1001, 5001 has no lag-1 pair."""
     if lag < 1:
         raise ConfigError(f"must be >= 1, got {lag}", field="lag")
-    if lag >= load.shape[0]:
+    if step_ids is None:
+        if lag >= load.shape[0]:
+            return None
+        p = distributions(load)
+        return _mean(tv_distance(p[lag:], p[:-lag]))
+    ids = np.asarray(step_ids, dtype=np.int64)
+    later = np.searchsorted(ids, ids + lag)
+    ok = later < len(ids)
+    ok[ok] = ids[later[ok]] == ids[ok] + lag
+    if not ok.any():
         return None
     p = distributions(load)
-    return _mean(tv_distance(p[lag:], p[:-lag]))
+    return _mean(tv_distance(p[later[ok]], p[ok]))
+
+
+def consecutive_drift(load: np.ndarray, step_ids: np.ndarray) -> dict[str, Any] | None:
+    """Mean TV distance between consecutive rows, with the range of iteration gaps between
+    them (`gap_min`, `gap_max`); `None` for a one-row trace."""
+    if load.shape[0] < 2:
+        return None
+    gaps = np.diff(np.asarray(step_ids, dtype=np.int64))
+    p = distributions(load)
+    return {
+        "tv": _mean(tv_distance(p[1:], p[:-1])),
+        "gap_min": int(gaps.min()),
+        "gap_max": int(gaps.max()),
+    }
 
 
 def static_device_of(experts: int, devices: int) -> np.ndarray:
@@ -167,7 +193,8 @@ def trace_stats(
         "tokens_per_device": trace.tokens_per_device,
         "total_assignments": int(trace.counts.sum()),
         "skew": skew,
-        "drift": {lag: drift_at_lag(load, lag) for lag in DRIFT_LAGS},
+        "drift": {lag: drift_at_lag(load, lag, trace.step_ids) for lag in DRIFT_LAGS},
+        "drift_consecutive": consecutive_drift(load, trace.step_ids),
         "device_imbalance": {"devices": D, "per_layer": imbalance, **_summary(imbalance)},
     }
 
@@ -186,6 +213,15 @@ def stats_table(stats: dict[str, Any]) -> Table:
     drift_text = ", ".join(
         f"lag {lag}: {_fmt(drift.get(lag, drift.get(str(lag))), 3)}" for lag in DRIFT_LAGS
     )
+    drift_text = f"{drift_text} iterations"
+    rows = stats.get("drift_consecutive")
+    if rows and (rows["gap_min"], rows["gap_max"]) != (1, 1):
+        gap = (
+            str(rows["gap_min"])
+            if rows["gap_min"] == rows["gap_max"]
+            else f"{rows['gap_min']}-{rows['gap_max']}"
+        )
+        drift_text += f"; consecutive rows ({gap} iterations apart): {_fmt(rows['tv'], 3)}"
     table = Table(
         title=f"{stats['name']}: {S} steps x {L} layers x {D} devices x {E} experts, "
         f"top-{stats['top_k']}, {stats['tokens_per_device']} tokens/device",

@@ -139,7 +139,7 @@ class Trace:
         except FileNotFoundError:
             raise TraceError("file not found", source=src) from None
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise TraceError(f"not a Poise trace (.npz): {exc}", source=src) from None
+            raise TraceError(f"not a Poise trace (.npz): {load_failure(exc)}", source=src) from None
         for key in ("schema_version", "counts", "step_ids", "top_k", "tokens_per_device"):
             if key not in data:
                 raise TraceError("missing array", source=src, field=key)
@@ -167,6 +167,15 @@ class Trace:
         trace.meta = meta
         trace.validate(source=src)
         return trace
+
+
+def load_failure(exc: BaseException) -> str:
+    """Why NumPy could not read a file, in words that never advise loading it with pickle: an
+    array of Python objects is refused outright (unpickling runs arbitrary code)."""
+    text = str(exc)
+    if "pickle" in text.lower() or "object arrays" in text.lower():
+        return "it holds Python objects, not numbers (Poise never unpickles files)"
+    return text or type(exc).__name__
 
 
 def _scalar_int(value: np.ndarray, source: str, field_name: str) -> int:

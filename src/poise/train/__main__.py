@@ -39,15 +39,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default=None,
-        help="static, shadow, prophet, vexpert, permute, eplb, hybrid or auto",
+        help="static, shadow, prophet, vexpert, permute, eplb, hybrid or auto (default: the "
+        "config's)",
     )
     p.add_argument(
-        "--replan-every", type=int, default=None, metavar="K", help="re-plan every K steps"
+        "--replan-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="re-plan every K steps (default: the config's)",
     )
-    p.add_argument("--steps", type=int, default=None, help="training steps")
-    p.add_argument("--out", default=None, help="output folder")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
+    p.add_argument("--out", default=None, help="output folder (default: the config's)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python stdlib)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the config's)")
     p.add_argument(
         "--layout",
         default=None,

@@ -58,6 +58,7 @@ router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.trace.megat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -451,7 +452,12 @@ class _Trainer:
         tokens = cfg.batch * self.mcfg.context
         res.tokens_per_step = tokens
         if self.rank == 0:
-            save_config(cfg, self.out / "config.yaml")
+            # The written config says what this run does: `tensorboard: true` only if events
+            # are written (TensorBoard is optional and skipped when absent).
+            written = cfg
+            if cfg.tensorboard and self.log.tb is None:
+                written = dataclasses.replace(cfg, tensorboard=False)
+            save_config(written, self.out / "config.yaml")
         self.header()
         inv_tokens = 1.0 / tokens
         totals = dict.fromkeys(PHASES, 0.0)

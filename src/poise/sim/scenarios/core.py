@@ -304,9 +304,19 @@ class ScenarioResult:
 
 def find_shared_data(explicit: str | Path | None = None) -> Path | None:
     """The folder holding `smartmoe-ae-sample/`: `explicit`, `$POISE_SHARED_DATA`,
-    `../shared/data`, or the workspace's `shared/data` next to the repository."""
+    `../shared/data`, or the workspace's `shared/data` next to the repository. A folder named
+    explicitly (`--data`) that lacks the sample is an error, never silently replaced by a
+    generated trace."""
+    if explicit is not None and str(explicit) != "":
+        if not (Path(explicit) / SMARTMOE_SAMPLE).is_dir():
+            what = "no such folder" if not Path(explicit).is_dir() else "no such sub-folder"
+            raise ConfigError(
+                f"{what}: expected {Path(explicit) / SMARTMOE_SAMPLE}/ (the SmartMoE-AE sample)",
+                source=str(explicit),
+                field="--data",
+            )
+        return Path(explicit)
     candidates = [
-        str(explicit) if explicit else None,
         os.environ.get("POISE_SHARED_DATA"),
         "../shared/data",
         str(Path(__file__).resolve().parents[3].parent / "shared" / "data"),
