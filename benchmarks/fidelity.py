@@ -8,8 +8,11 @@ the factor or pointing the other way, or null); then one summary line:
 `{"summary": true, "rows": N, "within_1_5": n, "median_abs_log2_ratio": x, "wrong_direction": k,
 "wrong_direction_unexplained": k2}`.
 
-`--write-doc docs/scenarios.md` replaces the part of that file between the markers
-`<!-- fidelity:start -->` and `<!-- fidelity:end -->` with the table generated from this run.
+`--write-doc docs/scenarios.md` replaces the parts of that file between the markers
+`<!-- fidelity:start -->` and `<!-- fidelity:end -->` (the row-by-row table) and
+`<!-- results:start -->` and `<!-- results:end -->` (what `poise scenarios` prints: the
+comparison table, `auto` against every other policy per run, the setups) with those of this
+run, so that both come from one run of one model.
 
 Run from the repository root: .venv/bin/python benchmarks/fidelity.py [--quick] [--only NAME ...]
 """
@@ -23,9 +26,11 @@ from pathlib import Path
 
 from poise.sim.scenarios import SCENARIOS, get_scenario, run_scenario
 from poise.sim.scenarios.fidelity import fidelity_rows, markdown, summarise
+from poise.sim.scenarios.report import markdown_table
 from poise.util.atomic import atomic_write_text
 
-START, END = "<!-- fidelity:start -->", "<!-- fidelity:end -->"
+FIDELITY = ("<!-- fidelity:start -->", "<!-- fidelity:end -->")
+RESULTS = ("<!-- results:start -->", "<!-- results:end -->")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,14 +42,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_doc(path: Path, table: str) -> None:
-    """Replace the text between the fidelity markers of `path` with `table`."""
-    text = path.read_text()
-    if START not in text or END not in text:
-        sys.exit(f"fidelity: {path} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    atomic_write_text(path, f"{head}{START}\n{table}\n{END}{tail}")
+def replaced(text: str, markers: tuple[str, str], body: str, path: Path) -> str:
+    """`text` with the part between `markers` replaced by `body`."""
+    start, end = markers
+    if start not in text or end not in text:
+        sys.exit(f"fidelity: {path} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def write_doc(path: Path, fidelity_table: str, results_text: str) -> None:
+    """Replace the marked fidelity and results parts of `path` (one atomic write)."""
+    text = replaced(path.read_text(), FIDELITY, fidelity_table, path)
+    atomic_write_text(path, replaced(text, RESULTS, results_text, path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows)
     print(json.dumps({**summary, "quick": args.quick}), flush=True)
     if args.write_doc:
-        write_doc(Path(args.write_doc), markdown(rows, summary))
+        write_doc(Path(args.write_doc), markdown(rows, summary), markdown_table(results))
     return 0
 
 
