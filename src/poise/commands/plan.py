@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="balancing policy: static, shadow, prophet, vexpert, permute, eplb, hybrid or "
         "auto (default auto)",
     )
-    add_planning_args(p, cluster_default="v100-ib50")
+    add_planning_args(p)
     p.add_argument(
         "--steps", type=int_in(1), default=None, help="average the last N steps (default all)"
     )

@@ -4,6 +4,7 @@ poise trace stats FILE [--json] [--layout-devices D]
 poise trace convert SRC DST.npz [--format smartmoe|eplb|expert-counts|megatron|auto] [options]
 poise trace generate KIND OUT.npz --steps S --layers L --devices D --experts E
                      [--top-k K] [--tokens-per-device T] [--seed N] [--param key=value ...]
+                     [--model MODEL] [--cluster CLUSTER]  (recorded in the trace's metadata)
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 from rich.console import Console
 
 from poise.commands.argparsing import int_in
+from poise.commands.options import check_cluster_size
 from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
 from poise.core.outputs import check_output_file
+from poise.core.presets import get_cluster
 from poise.trace.generate import (
     DEFAULT_TOKENS_PER_DEVICE,
     DEFAULT_TOP_K,
@@ -30,6 +33,8 @@ from poise.trace.importers import FORMATS, load_any
 from poise.trace.loads import require_tokens
 from poise.trace.stats import stats_table, trace_stats
 from poise.trace.trace import Trace
+
+DEFAULT_DEVICES = 8  # `trace generate`'s source devices without --devices or --cluster
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -83,7 +88,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     gen.add_argument("out", help="output trace (.npz)")
     gen.add_argument("--steps", type=int_in(1), default=100, help="training steps (rows)")
     gen.add_argument("--layers", type=int_in(1), default=4, help="MoE layers")
-    gen.add_argument("--devices", type=int_in(1), default=8, help="source devices (ranks)")
+    gen.add_argument(
+        "--devices",
+        type=int_in(1),
+        default=None,
+        help=f"source devices (ranks) (default: the --cluster's devices, else {DEFAULT_DEVICES})",
+    )
     gen.add_argument("--experts", type=int_in(1), default=32, help="experts per layer")
     gen.add_argument("--top-k", type=int_in(1), default=DEFAULT_TOP_K, help="experts per token")
     gen.add_argument(
@@ -99,6 +109,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="model preset recorded in the trace's metadata, used by simulate/plan/layouts "
         "(default: none recorded)",
+    )
+    gen.add_argument(
+        "--cluster",
+        default=None,
+        help="cluster recorded in the trace's metadata (preset, preset:N or YAML; its devices "
+        "are the trace's), used by simulate/plan/layouts (default: none recorded)",
     )
     gen.add_argument(
         "--param",
@@ -230,10 +246,28 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_devices(args: argparse.Namespace) -> int:
+    """`--devices`, else the `--cluster`'s devices, else `DEFAULT_DEVICES`; a `--cluster` of
+    another size is refused (the trace records the cluster it was generated for)."""
+    if args.cluster is None:
+        return DEFAULT_DEVICES if args.devices is None else args.devices
+    cluster = get_cluster(args.cluster)
+    check_cluster_size(cluster, "--cluster")
+    if args.devices is not None and args.devices != cluster.num_devices:
+        raise ConfigError(
+            f"{args.cluster} has {cluster.num_devices} devices but --devices is {args.devices} "
+            "(leave --devices out to use the cluster's)",
+            source="--cluster",
+            field="devices",
+        )
+    return cluster.num_devices
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     _check_npz(args.out, "out")
     params = dict(parse_param(p) for p in args.param)
-    check_trace_size(args.steps, args.layers, args.devices, args.experts, "--steps")
+    devices = _generate_devices(args)
+    check_trace_size(args.steps, args.layers, devices, args.experts, "--steps")
     if args.model is not None:
         from poise.core.spec import get_model
 
@@ -242,7 +276,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.kind,
         steps=args.steps,
         layers=args.layers,
-        devices=args.devices,
+        devices=devices,
         experts=args.experts,
         top_k=args.top_k,
         tokens_per_device=args.tokens_per_device,
@@ -252,6 +286,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     if args.model is not None:
         trace.meta["model"] = args.model
+    if args.cluster is not None:
+        trace.meta["cluster"] = args.cluster
     trace.save(args.out)
     print(
         f"wrote {args.out}: {trace.meta['generator']} trace, {trace.steps} steps x "
