@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
+from poise.util.argparsing import int_in
 
 if TYPE_CHECKING:
     from poise.calibrate import Calibration

@@ -17,7 +17,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
 from poise.commands.options import (
     MODEL_HELP,
     SCHEDULE_HELP,
@@ -32,6 +31,7 @@ from poise.cost.schedule import parse_schedule
 from poise.layouts.pool import LayoutSettings
 from poise.layouts.price import LayoutSearch, rank_layouts
 from poise.trace.loads import fit_devices, require_tokens
+from poise.util.argparsing import int_in
 from poise.util.atomic import atomic_write_text
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import yaml
 
-from poise.commands.argparsing import int_in
 from poise.core.budget import check_fits
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
@@ -20,6 +19,7 @@ from poise.cost.schedule import parse_schedule
 from poise.plan.policies.base import PlanContext
 from poise.trace.loads import require_tokens, spec_for_trace
 from poise.trace.trace import Trace
+from poise.util.argparsing import int_in
 
 DEFAULT_MODEL = "smartmoe-gpt"
 DEFAULT_CLUSTER = "v100-ib50"

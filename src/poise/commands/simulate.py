@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
 from poise.commands.options import (
     MAX_SLOTS,
     MODEL_HELP,
@@ -42,6 +41,7 @@ from poise.plan.predict import parse_predictor
 from poise.report.tables import SIM_COLUMNS, sim_rows
 from poise.sim.simulator import PHASES, SimResult, simulate
 from poise.trace.loads import require_tokens
+from poise.util.argparsing import int_in
 from poise.util.atomic import atomic_write_text
 
 DEFAULT_REPLAN_EVERY = 10

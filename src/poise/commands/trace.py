@@ -17,7 +17,6 @@ from typing import Any
 
 from rich.console import Console
 
-from poise.commands.argparsing import int_in
 from poise.commands.options import check_cluster_size
 from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
@@ -33,6 +32,7 @@ from poise.trace.importers import FORMATS, load_any
 from poise.trace.loads import require_tokens
 from poise.trace.stats import stats_table, trace_stats
 from poise.trace.trace import Trace
+from poise.util.argparsing import int_in
 
 DEFAULT_DEVICES = 8  # `trace generate`'s source devices without --devices or --cluster
 
