@@ -154,6 +154,25 @@ def test_a_recorded_cluster_that_is_no_preset_is_noted(tmp_path: Path) -> None:
     assert json.loads(plan.read_text())["cluster"] == "v100-ib50"
 
 
+def test_a_large_conversion_is_announced_and_a_small_one_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import poise.commands.trace as trace_cmd
+
+    src = tmp_path / "weights.json"
+    src.write_text(json.dumps([[1] * 64] * 16))  # EPLB weights: 16 layers x 64 experts
+    argv = ["trace", "convert", str(src), str(tmp_path / "w.npz"), "--devices", "4"]
+    code, _, err = run_cli(argv)
+    assert code == 0 and err == "", err  # small: nothing but the result on stdout
+    monkeypatch.setattr(trace_cmd, "LONG_BYTES", 2**10)  # as if 1 KiB were large
+    code, _, err = run_cli(argv)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len(lines) == 2 and all("this takes a while" in line for line in lines), err
+    assert "converting" in lines[0] and "KiB to read" in lines[0]  # reading, with its size
+    assert "writing 4,096 counts" in lines[1]  # and the write, announced before it starts
+
+
 def test_explicit_replan_interval_longer_than_the_trace_is_warned(tmp_path: Path) -> None:
     path = tmp_path / "t.npz"
     generate("zipf", steps=3, layers=1, devices=4, experts=8, tokens_per_device=64).save(path)

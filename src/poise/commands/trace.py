@@ -184,7 +184,7 @@ def _check_npz(path: str, option: str) -> None:
 TRACE_BYTES_PER_CELL = 8 * 3  # int64 counts, plus the generator's float work arrays
 
 
-LONG_BYTES = 2**26  # from this estimate on, say that the work will take a while
+LONG_BYTES = 2**26  # from this estimate (or input, or output) on, say that the work takes a while
 
 
 def check_trace_size(steps: int, layers: int, devices: int, experts: int, field: str) -> None:
@@ -200,12 +200,7 @@ def check_trace_size(steps: int, layers: int, devices: int, experts: int, field:
         hint="use fewer steps, layers, devices or experts",
     )
     if need >= LONG_BYTES:
-        print(
-            f"poise: generating {cells:,} counts (about {human_bytes(need)} of memory); "
-            "this takes a while",
-            file=sys.stderr,
-            flush=True,
-        )
+        _announce(f"generating {cells:,} counts (about {human_bytes(need)} of memory)")
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -234,9 +229,32 @@ def _run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def input_bytes(path: str | Path) -> int:
+    """Bytes a conversion reads: the file's size, or the sum over a folder's files."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        return p.stat().st_size if p.is_file() else 0
+    except OSError:
+        return 0  # unreadable: the importer says why
+
+
+def _announce(text: str) -> None:
+    print(f"poise: {text}; this takes a while", file=sys.stderr, flush=True)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     _check_npz(args.dst, "dst")
+    size = input_bytes(args.src)
+    if size >= LONG_BYTES:  # parsing JSON / JSONL runs at tens of MB/s
+        _announce(f"converting {args.src} ({human_bytes(size)} to read)")
     trace = _load(args, args.src)
+    if trace.counts.nbytes >= LONG_BYTES:  # compressing the counts runs at tens of MB/s too
+        _announce(
+            f"writing {trace.counts.size:,} counts ({human_bytes(trace.counts.nbytes)} before "
+            f"compression) to {args.dst}"
+        )
     trace.save(args.dst)
     print(
         f"wrote {args.dst}: {trace.steps} steps x {trace.layers} layers x {trace.devices} "
