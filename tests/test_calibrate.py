@@ -606,3 +606,21 @@ def test_dispatcher_and_allreduce_are_timed_on_gloo_ranks() -> None:
     grads = dense_grad_bytes(gpt_config(config))  # an eighth, once and four times these
     assert [p.size for p in allreduce] == [grads // 8 // 4 * 4, grads, 4 * grads]
     assert all(p.seconds > 0 for p in points)
+
+
+@pytest.mark.parametrize("width", [60, 40])
+def test_tables_fold_on_a_narrow_terminal(width: int) -> None:
+    """On a narrow terminal every table's numbers wrap onto further lines, none is cut with '…'
+    (as `poise simulate`'s table)."""
+    import io
+
+    from rich.console import Console
+
+    from poise.commands.calibrate import comm_table, fit_table, gemm_table, host_table
+
+    config, gemm, comm = synthetic_points(FITTED)
+    cal = fit_all(config, gemm, comm, {"hostname": "h"}, host_points=synthetic_host_points())
+    for table in (gemm_table(cal), comm_table(cal), fit_table(cal), host_table(cal)):
+        buf = io.StringIO()
+        Console(file=buf, width=width).print(table)
+        assert "…" not in buf.getvalue(), buf.getvalue()

@@ -78,6 +78,18 @@ def test_first_stats_and_plan_on_each_shipped_data_set(
     assert "predictedsteptime" in _squeeze(stdout) and f"writtento{plan}" in _squeeze(stdout)
 
 
+@pytest.mark.parametrize("width", ["60", "40"])
+def test_stats_table_folds_on_a_narrow_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: str
+) -> None:
+    path = tmp_path / "t.npz"
+    generate("zipf", steps=4, layers=2, devices=64, experts=8, tokens_per_device=64).save(path)
+    monkeypatch.setenv("COLUMNS", width)
+    code, stdout, err = run_cli(["trace", "stats", str(path)])
+    assert code == 0, err
+    assert "…" not in stdout and "Gini" in _squeeze(stdout)  # folded, never cut
+
+
 def test_stats_drift_uses_the_recorded_iterations() -> None:
     """Rows of iterations 1, 1001 and 5001 are not 1 iteration apart: no lag-1 drift; the
     consecutive rows are reported with their real gap."""
