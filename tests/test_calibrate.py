@@ -221,20 +221,21 @@ def test_quick_preset_keeps_explicit_widths() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "needle"),
     [
-        ["--d-model", "0"],
-        ["--d-expert", "-1"],
-        ["--threads", "0"],
-        ["--d-model", "100000", "--d-expert", "100000"],  # more memory than the machine has
+        (["--d-model", "0"], "--d-model: must be an integer >= 1, got 0"),
+        (["--d-expert", "-1"], "--d-expert: must be an integer >= 1, got -1"),
+        (["--threads", "0"], "--threads: must be an integer >= 1, got 0"),
+        # more memory than the machine has
+        (["--d-model", "100000", "--d-expert", "100000"], "calibrate: slot_counts: "),
     ],
 )
 def test_cli_bad_sizes_exit_2_with_one_line(
-    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["calibrate", "--quick", "--out", str(tmp_path / "c.yaml"), *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("poise: error: calibrate: ")
+    assert err.startswith("poise: error: ") and needle in err, err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "c.yaml").exists()
 
