@@ -181,6 +181,29 @@ def test_out_of_range_error_says_what_is_allowed(files: dict[str, str]) -> None:
     assert_one_line_error(code, err, "must be an integer >= 1, got 0")
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["tiny", "--steps", "0"], "must be an integer >= 1, got 0"),
+        (["tiny", "--seed", "-1"], "--seed"),
+        (["tiny", "--replan-every", "x"], "--replan-every"),
+        (["tiny", "--no-such-flag"], "--no-such-flag"),
+        ([], "CONFIG"),
+    ],
+)
+def test_train_module_bad_input_is_one_line(argv: list[str], needle: str) -> None:
+    """`python -m poise.train` (each rank's entry point) refuses bad flags as `poise` does."""
+    from poise.train.__main__ import main as train_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = train_main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    assert_one_line_error(code, err.getvalue(), needle)
+
+
 def test_size_error_states_the_estimate(files: dict[str, str]) -> None:
     argv = ["trace", "generate", "zipf", "OUT/o.npz", "--steps", "1000000", "--layers", "1000"]
     code, _, err = run_cli(_fill([*argv, "--devices", "1000", "--experts", "1000"], files))

@@ -78,6 +78,18 @@ def test_first_stats_and_plan_on_each_shipped_data_set(
     assert "predictedsteptime" in _squeeze(stdout) and f"writtento{plan}" in _squeeze(stdout)
 
 
+@pytest.mark.parametrize("width", ["60", "40"])
+def test_stats_table_folds_on_a_narrow_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: str
+) -> None:
+    path = tmp_path / "t.npz"
+    generate("zipf", steps=4, layers=2, devices=64, experts=8, tokens_per_device=64).save(path)
+    monkeypatch.setenv("COLUMNS", width)
+    code, stdout, err = run_cli(["trace", "stats", str(path)])
+    assert code == 0, err
+    assert "…" not in stdout and "Gini" in _squeeze(stdout)  # folded, never cut
+
+
 def test_stats_drift_uses_the_recorded_iterations() -> None:
     """Rows of iterations 1, 1001 and 5001 are not 1 iteration apart: no lag-1 drift; the
     consecutive rows are reported with their real gap."""
@@ -106,6 +118,71 @@ def test_trace_model_is_used_by_default_and_a_mismatch_warned(tmp_path: Path) ->
         ["plan", str(path), "--out", str(plan), "--policy", "static", "--model", "zipf-256"]
     )
     assert "warning" in err and "'tiny'" in err  # recorded tiny, priced as another model
+
+
+def test_trace_cluster_is_used_by_default_and_a_mismatch_warned(tmp_path: Path) -> None:
+    path = tmp_path / "t.npz"
+    argv = ["trace", "generate", "zipf", str(path), "--steps", "4", "--layers", "1"]
+    code, _, err = run_cli([*argv, "--experts", "8", "--cluster", "cpu-2"])
+    assert code == 0, err
+    trace = Trace.load(path)
+    assert trace.meta["cluster"] == "cpu-2" and trace.devices == 2  # the cluster's devices
+    code, _, err = run_cli([*argv, "--experts", "8", "--cluster", "cpu-2", "--devices", "4"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--devices" in err
+    plan = tmp_path / "plan.json"
+    base = ["plan", str(path), "--out", str(plan), "--policy", "static"]
+    code, _, err = run_cli(base)
+    assert code == 0, err
+    assert json.loads(plan.read_text())["cluster"] == "cpu-2"  # recorded cluster by default
+    assert "note" in err and "'cpu-2'" in err and "warning" not in err  # and it says so
+    sim = ["simulate", str(path), "--policies", "static", "--out", str(tmp_path / "sim")]
+    code, _, err = run_cli(sim)
+    assert code == 0, err
+    assert json.loads((tmp_path / "sim" / "summary.json").read_text())["cluster"] == "cpu-2"
+    layouts = ["layouts", str(path), "--json", str(tmp_path / "l.json")]
+    code, _, err = run_cli(layouts)
+    assert code == 0, err
+    assert json.loads((tmp_path / "l.json").read_text())["cluster"] == "cpu-2"
+    code, _, err = run_cli([*base, "--cluster", "cpu-2:1"])  # the same cluster, spelt otherwise
+    assert code == 0 and "warning" not in err, err
+    for cmd in (base, sim, layouts):
+        code, _, err = run_cli([*cmd, "--cluster", "v100-ib50"])
+        assert code == 0, err
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and "'cpu-2'" in warnings[0], err  # one line, naming both
+        assert "v100-ib50" in warnings[0]
+    assert json.loads(plan.read_text())["cluster"] == "v100-ib50"
+
+
+def test_a_recorded_cluster_that_is_no_preset_is_noted(tmp_path: Path) -> None:
+    path = tmp_path / "t.npz"
+    trace = generate("zipf", steps=3, layers=1, devices=2, experts=8, tokens_per_device=64)
+    trace.meta["cluster"] = "cpu-3"  # `poise train` on 3 ranks without a cluster config
+    trace.save(path)
+    plan = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", str(path), "--out", str(plan), "--policy", "static"])
+    assert code == 0, err
+    assert "'cpu-3'" in err and "not a Poise cluster preset" in err
+    assert json.loads(plan.read_text())["cluster"] == "v100-ib50"
+
+
+def test_a_large_conversion_is_announced_and_a_small_one_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import poise.commands.trace as trace_cmd
+
+    src = tmp_path / "weights.json"
+    src.write_text(json.dumps([[1] * 64] * 16))  # EPLB weights: 16 layers x 64 experts
+    argv = ["trace", "convert", str(src), str(tmp_path / "w.npz"), "--devices", "4"]
+    code, _, err = run_cli(argv)
+    assert code == 0 and err == "", err  # small: nothing but the result on stdout
+    monkeypatch.setattr(trace_cmd, "LONG_BYTES", 2**10)  # as if 1 KiB were large
+    code, _, err = run_cli(argv)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len(lines) == 2 and all("this takes a while" in line for line in lines), err
+    assert "converting" in lines[0] and "KiB to read" in lines[0]  # reading, with its size
+    assert "writing 4,096 counts" in lines[1]  # and the write, announced before it starts
 
 
 def test_explicit_replan_interval_longer_than_the_trace_is_warned(tmp_path: Path) -> None:
@@ -174,3 +251,6 @@ def test_written_config_says_tensorboard_only_when_it_writes(
     assert not (tmp_path / "run" / "tb").exists()
     trace = Trace.load(tmp_path / "run" / "trace.npz")  # and the trace names its model
     assert trace.meta["model"] == "tiny"
+    # and the cluster it planned on: no `cluster` config, the modelled one of its 1 CPU rank
+    assert trace.meta["cluster"] == "cpu-1"
+    assert trace.meta["world_size"] == 1 and trace.meta["device_type"] == "cpu"

@@ -8,8 +8,8 @@ import importlib
 import sys
 
 from poise import __version__
-from poise.commands.argparsing import PoiseParser
 from poise.core.errors import PoiseError
+from poise.util.argparsing import PoiseParser
 from poise.util.heap import retain_freed_memory
 
 COMMANDS = ("calibrate", "demo", "layouts", "plan", "scenarios", "simulate", "trace", "train")

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
+from poise.util.argparsing import int_in
 
 if TYPE_CHECKING:
     from poise.calibrate import Calibration
@@ -154,12 +154,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# Every column folds (overflow="fold"): on a narrow terminal a number wraps onto the next line
+# instead of being cut with '…', as `poise simulate`'s table does.
+
+
 def gemm_table(c: Calibration) -> Table:
     """Measured forward / backward rates per row count beside the forward+backward fit."""
     cfg = c.config
     table = Table(title=f"expert FFN GEMMs, d_model={cfg.d_model}, d_expert={cfg.d_expert} (fp32)")
     for col in ("rows", "fwd ms", "fwd GFLOP/s", "bwd ms", "bwd GFLOP/s", "fit GFLOP/s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     by = {(p.phase, p.rows): p for p in c.gemm_points}
     for n in cfg.rows:
         f, b = by[("forward", n)], by[("backward", n)]
@@ -178,7 +182,7 @@ def comm_table(c: Calibration) -> Table:
     """Measured collective times and bandwidths per message size."""
     table = Table(title="collectives, 2 gloo ranks (all-to-all: bytes each rank sends)")
     for col in ("bytes", "all-to-all ms", "a2a GB/s", "all-reduce ms", "ar GB/s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     by = {(p.collective, p.nbytes): p for p in c.comm_points}
     for size in c.config.message_bytes:
         a, r = by[("all_to_all", size)], by[("all_reduce", size)]
@@ -196,7 +200,9 @@ def fit_table(c: Calibration) -> Table:
     """Fitted F, h per GEMM phase and lat, bw per collective; * marks what the cluster uses."""
     table = Table(title="fits (* = written to the cluster file)")
     for col in ("model", "rate / bandwidth", "half rows / latency", "note"):
-        table.add_column(col, justify="left" if col in ("model", "note") else "right")
+        table.add_column(
+            col, justify="left" if col in ("model", "note") else "right", overflow="fold"
+        )
     for phase, g in c.gemm_fits.items():
         mark = " *" if g is c.gemm else ""
         table.add_row(
@@ -220,7 +226,7 @@ def host_table(c: Calibration) -> Table:
         "written to the cluster file"
     )
     for col in ("model", "fit", "note"):
-        table.add_column(col, justify="left")
+        table.add_column(col, justify="left", overflow="fold")
     for name, g in (("non-MoE forward", fit.dense_fwd), ("non-MoE backward", fit.dense_bwd)):
         table.add_row(
             name, f"{g.gemm_flops / 1e9:.1f} GFLOP/s, half tokens {g.half_rows:.1f}", g.note

@@ -37,8 +37,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
 from poise.core.errors import ConfigError, PoiseError
+from poise.util.argparsing import int_in
 
 if TYPE_CHECKING:
     from poise.report.html import MeasuredSummary

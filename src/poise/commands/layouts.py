@@ -17,14 +17,21 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
-from poise.commands.options import MODEL_HELP, SCHEDULE_HELP, check_cluster_size, model_for_trace
+from poise.commands.options import (
+    MODEL_HELP,
+    SCHEDULE_HELP,
+    add_cluster_arg,
+    check_cluster_size,
+    cluster_for_trace,
+    model_for_trace,
+)
 from poise.core.outputs import check_output_file
 from poise.core.presets import get_cluster
 from poise.cost.schedule import parse_schedule
 from poise.layouts.pool import LayoutSettings
 from poise.layouts.price import LayoutSearch, rank_layouts
 from poise.trace.loads import fit_devices, require_tokens
+from poise.util.argparsing import int_in
 from poise.util.atomic import atomic_write_text
 
 
@@ -37,9 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(.npz, SmartMoE-AE folder, EPLB weights, expert-count JSON) and keep the best --pool.",
     )
     p.add_argument("trace", help="routing trace")
-    p.add_argument(
-        "--cluster", default="v100-ib50", help="preset, preset:N or YAML (default v100-ib50)"
-    )
+    add_cluster_arg(p)
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--pool", type=int_in(1), default=4, help="layouts kept in the pool (default 4)")
     p.add_argument(
@@ -86,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
         max_pp=args.max_pp,
         schedule=parse_schedule(args.schedule),
     )
-    cluster = get_cluster(args.cluster)
-    check_cluster_size(cluster, "--cluster")
+    if args.cluster is not None:  # a bad --cluster fails before the trace is read
+        check_cluster_size(get_cluster(args.cluster), "--cluster")
     trace = load_any(args.trace)
     require_tokens(trace, args.trace)
+    cluster = cluster_for_trace(args.cluster, trace, args.trace)
     spec = model_for_trace(args.model, trace, args.trace)
     loads = fit_devices(trace.counts, cluster.num_devices, args.trace)
     search = rank_layouts(loads, cluster, spec, settings)

@@ -3,33 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
 import yaml
 
-from poise.commands.argparsing import int_in
 from poise.core.budget import check_fits
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
-from poise.core.presets import get_cluster
+from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec, get_model
 from poise.cost.model import CostModel
 from poise.cost.schedule import parse_schedule
 from poise.plan.policies.base import PlanContext
 from poise.trace.loads import require_tokens, spec_for_trace
 from poise.trace.trace import Trace
+from poise.util.argparsing import int_in
 
 DEFAULT_MODEL = "smartmoe-gpt"
+DEFAULT_CLUSTER = "v100-ib50"
 
 
-def add_planning_args(p: argparse.ArgumentParser, *, cluster_default: str) -> None:
-    p.add_argument(
-        "--cluster",
-        default=cluster_default,
-        help="preset name, preset:N (nodes or domains) or a cluster YAML "
-        f"(default {cluster_default})",
-    )
+def add_cluster_arg(p: argparse.ArgumentParser) -> None:
+    """`--cluster`, default none: the cluster the trace recorded if it is a preset, else
+    `DEFAULT_CLUSTER` (`cluster_for_trace`)."""
+    p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
+
+
+def add_planning_args(p: argparse.ArgumentParser) -> None:
+    add_cluster_arg(p)
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument(
         "--slots",
@@ -48,6 +51,10 @@ def add_planning_args(p: argparse.ArgumentParser, *, cluster_default: str) -> No
 
 
 MAX_SLOTS = 4096  # expert slots per device; more is no placement any cluster holds
+CLUSTER_HELP = (
+    "preset name, preset:N (nodes or domains) or a cluster YAML (default: the cluster recorded "
+    f"in the trace if it is a preset, else {DEFAULT_CLUSTER})"
+)
 MODEL_HELP = (
     "model preset or YAML (default: the model recorded in the trace, else "
     f"{DEFAULT_MODEL}'s widths; either with the trace's experts, top-k and layers)"
@@ -88,6 +95,64 @@ def model_for_trace(model: str | None, trace: Trace, source: str) -> ModelSpec:
     return spec_for_trace(get_model(DEFAULT_MODEL), trace, explicit=False, source=source)
 
 
+def recorded_cluster(trace: Trace) -> str | None:
+    """The cluster `trace` recorded (`meta["cluster"]`, as `poise train` and `poise trace
+    generate --cluster` write it), or None."""
+    recorded = trace.meta.get("cluster") if isinstance(trace.meta, dict) else None
+    return recorded if isinstance(recorded, str) and recorded else None
+
+
+def _preset_cluster(name: str) -> Cluster | None:
+    """`name` as a preset or `preset:N`, or None (a YAML path or an unknown name)."""
+    if name.partition(":")[0] not in PRESETS:
+        return None
+    try:
+        return get_cluster(name)
+    except ConfigError:
+        return None
+
+
+def _same_cluster(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    ca, cb = _preset_cluster(a), _preset_cluster(b)
+    if ca is None or cb is None:
+        return False
+    return dataclasses.replace(ca, name="") == dataclasses.replace(cb, name="")
+
+
+def cluster_for_trace(cluster: str | None, trace: Trace, source: str) -> Cluster:
+    """The cluster to model `trace` on: `--cluster` if given (a one-line warning on stderr if the
+    trace recorded another), else the cluster the trace recorded if it is a preset (saying so),
+    else `DEFAULT_CLUSTER`. Checked for size (`check_cluster_size`)."""
+    recorded = recorded_cluster(trace)
+    if cluster is not None:
+        if recorded is not None and not _same_cluster(recorded, cluster):
+            print(
+                f"poise: warning: {source}: the trace was recorded on cluster {recorded!r}; "
+                f"modelling it on --cluster {cluster!r}",
+                file=sys.stderr,
+            )
+        chosen = get_cluster(cluster)
+    elif recorded is not None and (preset := _preset_cluster(recorded)) is not None:
+        print(
+            f"poise: note: {source}: modelled on the cluster the trace recorded, {recorded!r} "
+            "(--cluster chooses another)",
+            file=sys.stderr,
+        )
+        chosen = preset
+    else:
+        if recorded is not None:
+            print(
+                f"poise: note: {source}: the trace's recorded cluster {recorded!r} is not a "
+                f"Poise cluster preset; modelled on {DEFAULT_CLUSTER} (--cluster chooses)",
+                file=sys.stderr,
+            )
+        chosen = get_cluster(DEFAULT_CLUSTER)
+    check_cluster_size(chosen, "--cluster")
+    return chosen
+
+
 def parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
     """`POLICY.KEY=VALUE` items -> `{policy: {key: value}}`, each policy, key and value checked
     (`poise.plan.policies.options.check_option`): a typo is an error, never silently ignored."""
@@ -115,9 +180,10 @@ def planning_context(
     source: str,
 ) -> tuple[Cluster, ModelSpec, PlanContext]:
     options = parse_options(args.option)
-    cluster = get_cluster(args.cluster)
-    check_cluster_size(cluster, "--cluster")
+    if args.cluster is not None:  # a bad --cluster fails before the trace is examined
+        check_cluster_size(get_cluster(args.cluster), "--cluster")
     require_tokens(trace, source)
+    cluster = cluster_for_trace(args.cluster, trace, source)
     spec = model_for_trace(args.model, trace, source)
     slots = args.slots
     if slots is None:

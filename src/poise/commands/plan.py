@@ -11,12 +11,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
 from poise.commands.options import add_planning_args, planning_context
 from poise.core.outputs import check_output_dir, check_output_file
 from poise.plan.files import write_plan_json
 from poise.plan.policies.registry import make_plan
 from poise.trace.loads import fit_devices
+from poise.util.argparsing import int_in
 from poise.util.atomic import atomic_write_bytes, atomic_write_text
 
 
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="balancing policy: static, shadow, prophet, vexpert, permute, eplb, hybrid or "
         "auto (default auto)",
     )
-    add_planning_args(p, cluster_default="v100-ib50")
+    add_planning_args(p)
     p.add_argument(
         "--steps", type=int_in(1), default=None, help="average the last N steps (default all)"
     )

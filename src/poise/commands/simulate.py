@@ -19,14 +19,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from poise.commands.argparsing import int_in
 from poise.commands.options import (
     MAX_SLOTS,
     MODEL_HELP,
     OPTION_HELP,
     SCHEDULE_HELP,
+    add_cluster_arg,
     check_cluster_size,
     check_plan_size,
+    cluster_for_trace,
     model_for_trace,
     parse_options,
 )
@@ -40,6 +41,7 @@ from poise.plan.predict import parse_predictor
 from poise.report.tables import SIM_COLUMNS, sim_rows
 from poise.sim.simulator import PHASES, SimResult, simulate
 from poise.trace.loads import require_tokens
+from poise.util.argparsing import int_in
 from poise.util.atomic import atomic_write_text
 
 DEFAULT_REPLAN_EVERY = 10
@@ -54,9 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "is priced on each step's actual loads.",
     )
     p.add_argument("trace", help="routing trace")
-    p.add_argument(
-        "--cluster", default="v100-ib50", help="preset, preset:N or YAML (default v100-ib50)"
-    )
+    add_cluster_arg(p)
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument(
         "--policies", default="all", help="comma-separated policies (default all registered)"
@@ -146,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.option)
     schedule = parse_schedule(args.schedule)
     predictor = parse_predictor(args.predictor)
-    cluster = get_cluster(args.cluster)
-    check_cluster_size(cluster, "--cluster")
+    if args.cluster is not None:  # a bad --cluster fails before the trace is read
+        check_cluster_size(get_cluster(args.cluster), "--cluster")
     names = _policies(args.policies)
     trace = load_any(args.trace)
     require_tokens(trace, args.trace)
+    cluster = cluster_for_trace(args.cluster, trace, args.trace)
     spec = model_for_trace(args.model, trace, args.trace)
     dense = spec.dense_params if args.dense_params is None else int(args.dense_params)
     steps = trace.steps if args.steps is None else min(args.steps, trace.steps)

@@ -4,6 +4,7 @@ poise trace stats FILE [--json] [--layout-devices D]
 poise trace convert SRC DST.npz [--format smartmoe|eplb|expert-counts|megatron|auto] [options]
 poise trace generate KIND OUT.npz --steps S --layers L --devices D --experts E
                      [--top-k K] [--tokens-per-device T] [--seed N] [--param key=value ...]
+                     [--model MODEL] [--cluster CLUSTER]  (recorded in the trace's metadata)
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 
 from rich.console import Console
 
-from poise.commands.argparsing import int_in
+from poise.commands.options import check_cluster_size
 from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
 from poise.core.outputs import check_output_file
+from poise.core.presets import get_cluster
 from poise.trace.generate import (
     DEFAULT_TOKENS_PER_DEVICE,
     DEFAULT_TOP_K,
@@ -30,6 +32,9 @@ from poise.trace.importers import FORMATS, load_any
 from poise.trace.loads import require_tokens
 from poise.trace.stats import stats_table, trace_stats
 from poise.trace.trace import Trace
+from poise.util.argparsing import int_in
+
+DEFAULT_DEVICES = 8  # `trace generate`'s source devices without --devices or --cluster
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -83,7 +88,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     gen.add_argument("out", help="output trace (.npz)")
     gen.add_argument("--steps", type=int_in(1), default=100, help="training steps (rows)")
     gen.add_argument("--layers", type=int_in(1), default=4, help="MoE layers")
-    gen.add_argument("--devices", type=int_in(1), default=8, help="source devices (ranks)")
+    gen.add_argument(
+        "--devices",
+        type=int_in(1),
+        default=None,
+        help=f"source devices (ranks) (default: the --cluster's devices, else {DEFAULT_DEVICES})",
+    )
     gen.add_argument("--experts", type=int_in(1), default=32, help="experts per layer")
     gen.add_argument("--top-k", type=int_in(1), default=DEFAULT_TOP_K, help="experts per token")
     gen.add_argument(
@@ -99,6 +109,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="model preset recorded in the trace's metadata, used by simulate/plan/layouts "
         "(default: none recorded)",
+    )
+    gen.add_argument(
+        "--cluster",
+        default=None,
+        help="cluster recorded in the trace's metadata (preset, preset:N or YAML; its devices "
+        "are the trace's), used by simulate/plan/layouts (default: none recorded)",
     )
     gen.add_argument(
         "--param",
@@ -168,7 +184,7 @@ def _check_npz(path: str, option: str) -> None:
 TRACE_BYTES_PER_CELL = 8 * 3  # int64 counts, plus the generator's float work arrays
 
 
-LONG_BYTES = 2**26  # from this estimate on, say that the work will take a while
+LONG_BYTES = 2**26  # from this estimate (or input, or output) on, say that the work takes a while
 
 
 def check_trace_size(steps: int, layers: int, devices: int, experts: int, field: str) -> None:
@@ -184,12 +200,7 @@ def check_trace_size(steps: int, layers: int, devices: int, experts: int, field:
         hint="use fewer steps, layers, devices or experts",
     )
     if need >= LONG_BYTES:
-        print(
-            f"poise: generating {cells:,} counts (about {human_bytes(need)} of memory); "
-            "this takes a while",
-            file=sys.stderr,
-            flush=True,
-        )
+        _announce(f"generating {cells:,} counts (about {human_bytes(need)} of memory)")
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -218,9 +229,32 @@ def _run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def input_bytes(path: str | Path) -> int:
+    """Bytes a conversion reads: the file's size, or the sum over a folder's files."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        return p.stat().st_size if p.is_file() else 0
+    except OSError:
+        return 0  # unreadable: the importer says why
+
+
+def _announce(text: str) -> None:
+    print(f"poise: {text}; this takes a while", file=sys.stderr, flush=True)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     _check_npz(args.dst, "dst")
+    size = input_bytes(args.src)
+    if size >= LONG_BYTES:  # parsing JSON / JSONL runs at tens of MB/s
+        _announce(f"converting {args.src} ({human_bytes(size)} to read)")
     trace = _load(args, args.src)
+    if trace.counts.nbytes >= LONG_BYTES:  # compressing the counts runs at tens of MB/s too
+        _announce(
+            f"writing {trace.counts.size:,} counts ({human_bytes(trace.counts.nbytes)} before "
+            f"compression) to {args.dst}"
+        )
     trace.save(args.dst)
     print(
         f"wrote {args.dst}: {trace.steps} steps x {trace.layers} layers x {trace.devices} "
@@ -230,10 +264,28 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_devices(args: argparse.Namespace) -> int:
+    """`--devices`, else the `--cluster`'s devices, else `DEFAULT_DEVICES`; a `--cluster` of
+    another size is refused (the trace records the cluster it was generated for)."""
+    if args.cluster is None:
+        return DEFAULT_DEVICES if args.devices is None else args.devices
+    cluster = get_cluster(args.cluster)
+    check_cluster_size(cluster, "--cluster")
+    if args.devices is not None and args.devices != cluster.num_devices:
+        raise ConfigError(
+            f"{args.cluster} has {cluster.num_devices} devices but --devices is {args.devices} "
+            "(leave --devices out to use the cluster's)",
+            source="--cluster",
+            field="devices",
+        )
+    return cluster.num_devices
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     _check_npz(args.out, "out")
     params = dict(parse_param(p) for p in args.param)
-    check_trace_size(args.steps, args.layers, args.devices, args.experts, "--steps")
+    devices = _generate_devices(args)
+    check_trace_size(args.steps, args.layers, devices, args.experts, "--steps")
     if args.model is not None:
         from poise.core.spec import get_model
 
@@ -242,7 +294,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.kind,
         steps=args.steps,
         layers=args.layers,
-        devices=args.devices,
+        devices=devices,
         experts=args.experts,
         top_k=args.top_k,
         tokens_per_device=args.tokens_per_device,
@@ -252,6 +304,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     if args.model is not None:
         trace.meta["model"] = args.model
+    if args.cluster is not None:
+        trace.meta["cluster"] = args.cluster
     trace.save(args.out)
     print(
         f"wrote {args.out}: {trace.meta['generator']} trace, {trace.steps} steps x "

@@ -22,8 +22,8 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from poise.commands.argparsing import int_in
     from poise.train.__main__ import add_train_arguments
+    from poise.util.argparsing import int_in
 
     p = sub.add_parser(
         "train",

@@ -228,11 +228,9 @@ def stats_table(stats: dict[str, Any]) -> Table:
         caption=f"drift (mean TV): {drift_text}\ndevice max/mean: static contiguous placement on "
         f"{dev['devices']} devices",
     )
-    table.add_column("layer", justify="right")
-    table.add_column("max/mean", justify="right")
-    table.add_column("Gini", justify="right")
-    table.add_column("top share", justify="right")
-    table.add_column("device max/mean", justify="right")
+    # numbers fold on a narrow terminal instead of being cut with '…'
+    for col in ("layer", "max/mean", "Gini", "top share", "device max/mean"):
+        table.add_column(col, justify="right", overflow="fold")
     for layer in range(L):
         table.add_row(
             str(layer),

@@ -6,8 +6,9 @@
 
 `poise train CONFIG --nproc N` starts N local ranks running this same module. CONFIG is a YAML
 file (see `poise.train.config`) or the name of a model preset (`tiny`, `small`, `medium`) with
-default settings. `--layout ep=2` trains in a SmartMoE layout (`poise.train.layout`). Bad input
-is one line on stderr and exit status 2.
+default settings. `--layout ep=2` trains in a SmartMoE layout (`poise.train.layout`). Bad input,
+a bad flag or a number out of range included (`poise.util.argparsing`, as `poise` parses), is one
+line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.core.errors import ConfigError, PoiseError
+from poise.util.argparsing import PoiseParser, int_in
 from poise.util.heap import retain_freed_memory
 
 # command-line option -> config field
@@ -44,15 +46,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--replan-every",
-        type=int,
+        type=int_in(1),
         default=None,
         metavar="K",
         help="re-plan every K steps (default: the config's)",
     )
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
+    p.add_argument(
+        "--steps", type=int_in(1), default=None, help="training steps (default: the config's)"
+    )
     p.add_argument("--out", default=None, help="output folder (default: the config's)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python stdlib)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: the config's)")
+    p.add_argument(
+        "--seed", type=int_in(0), default=None, help="random seed (default: the config's)"
+    )
     p.add_argument(
         "--layout",
         default=None,
@@ -117,7 +123,7 @@ def rank_label() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = PoiseParser(
         prog="python -m poise.train",
         description="One rank of Poise training (run it under torchrun, or use `poise train`).",
     )

@@ -390,7 +390,10 @@ class _Trainer:
                 "source": "poise train",
                 "policy": self.cfg.policy,
                 "model": self.cfg.model,
+                # the cluster the run planned on: its `cluster` config, else the modelled one
+                "cluster": self.cfg.cluster or make_cluster(self.cfg, self.world).name,
                 "world_size": self.world,
+                "device_type": self.device.type,
                 "batch": self.cfg.batch,
                 "context": self.mcfg.context,
                 "seed": self.cfg.seed,

@@ -40,7 +40,10 @@ class RunLog:
         atomic_write_text(path, "".join(x + "\n" for x in kept))
         self.metrics = path.open("a", encoding="utf-8")
         if cfg.tensorboard:
-            self.tb = TensorBoardLog(out / "tb", purge_step=start + 1 if start else None)
+            try:
+                self.tb = TensorBoardLog(out / "tb", purge_step=start + 1 if start else None)
+            except ImportError:  # TensorBoard absent: no events (the written config says so)
+                self.tb = None
         if cfg.progress and not quiet and self.console.is_terminal:
             from rich.progress import (
                 BarColumn,

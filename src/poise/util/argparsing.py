@@ -1,4 +1,7 @@
-"""The command line's parser: one-line errors, defaults shown in `--help`, checked numbers.
+"""The command lines' parser: one-line errors, defaults shown in `--help`, checked numbers.
+
+Shared by `poise` (`poise.cli`, `poise.commands`) and `python -m poise.train`, hence here, below
+both in the layers.
 
 `PoiseParser` reports a bad flag as one line on stderr naming the option, with exit status 2 (as
 a `PoiseError` is reported), instead of argparse's usage block. Its help formatter appends the
