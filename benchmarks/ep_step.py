@@ -232,6 +232,7 @@ class _PeerRunner:
         self.capacity_factor = args.capacity_factor
         self.times: list[float] = []
         self.rows: list[int] = []  # per layer, expert rows this rank computes (DeepSpeed)
+        self.dropped: list[float] = []  # per layer, share of this rank's assignments dropped
 
     def _replicated(self) -> list[Any]:
         from peers import DeepSpeedLayer
@@ -279,6 +280,7 @@ class _PeerRunner:
                     got = block.last_counts
                     if self.system == "deepspeed-drop":
                         cap = math.ceil(self.capacity_factor * want.sum() / want.size)
+                        self.dropped.append(float(np.maximum(want - cap, 0).sum() / want.sum()))
                     else:
                         top = torch.tensor(float(want.max()))
                         dist.all_reduce(top, op=dist.ReduceOp.MAX)
@@ -352,9 +354,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
         t = torch.tensor(runner.times[args.warmup :], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
         out[key] = t.tolist()
-    out["peer_rows"] = {
-        k: r.rows for k, r in runners.items() if isinstance(r, _PeerRunner) and r.rows
-    }
+    peers = {k: r for k, r in runners.items() if isinstance(r, _PeerRunner)}
+    out["peer_rows"] = {k: r.rows for k, r in peers.items() if r.rows}
+    dropped = {k: torch.tensor(r.dropped).mean() for k, r in peers.items() if r.dropped}
+    for t in dropped.values():
+        dist.all_reduce(t)  # mean over the ranks
+    out["peer_dropped"] = {k: float(t) / world for k, t in dropped.items()}
     balancer = runners["balanced"].balancer
     assert balancer is not None
     stats = list(balancer.stats)[args.warmup :]
@@ -434,6 +439,7 @@ def peer_line(
     }
     if system == "deepspeed-drop":
         line["capacity_factor"] = args.capacity_factor
+        line["dropped_fraction"] = round(res["peer_dropped"][system], 4)
     rows = res["peer_rows"].get(system)
     if rows:
         line["expert_rows_per_rank"] = round(float(np.mean(rows)))
