@@ -26,6 +26,24 @@ machine noise hits all alike:
 - `ideal`: static EP on uniform routing (every rank computes exactly the mean load, and there
   is nothing to transfer): perfectly balanced compute at no transfer cost.
 
+Peers, where the `bench` extra is installed (each guarded: a JSON line that says why it was
+skipped otherwise), step in the same rotation on the same per-rank tokens, the same per-layer
+expert choices (those the `ReplayRouter`s make, fed to the peer's own top-k gate as routing
+features `y + f_l`, where `f_l` marks a token's first and second expert, and checked on the first
+step) and the same residual stack, loss, gate all-reduce and AdamW:
+
+- `deepspeed-nodrop` and `deepspeed-drop`: `deepspeed.moe.layer.MoE` with SwiGLU experts,
+  expert-parallel over both ranks (`ep_size` 2, 16 experts per rank, DeepSpeed's all-to-all on
+  the gloo group), dropless (every expert padded to the largest load over the ranks) and with
+  capacity factor `--capacity-factor` (default 1.25, assignments past it dropped);
+- `torchtitan`: torchtitan 0.3's MoE layer (`torchtitan.models.common.moe.MoE`, SwiGLU grouped
+  experts, local token dispatcher) without expert parallelism: every rank holds all 32 experts
+  and computes its own tokens (no all-to-all, no device imbalance; only the gate's gradient is
+  summed over the ranks, as for the others).
+
+Each peer's line gives its median step and `ratio_vs_static` / `ratio_vs_balanced`, medians over
+rounds of its step over Poise's static and balanced steps of the same round (lower is faster).
+
 Each rank times its own steps from a common start (a barrier); a step's time is the slowest
 rank's. `*_ms` are medians over the timed steps, after a warm-up that includes the first plan;
 `speedup` and `ideal_speedup` are medians over rounds of static / balanced and static / ideal
@@ -38,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -47,9 +66,12 @@ from typing import Any
 
 import numpy as np
 
+from peers import deepspeed_note, torchtitan_note
 from poise.runtime.launch import run_ranks
 
 SMARTMOE_LAYERS = (0, 8, 15, 23)
+PEERS = {"deepspeed": ("deepspeed-nodrop", "deepspeed-drop"), "torchtitan": ("torchtitan",)}
+FEATURE = 16.0  # routing feature of a token's second expert (first: 2x), against |y| of a few
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +93,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (the first plan included)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--world", type=int, default=2)
+    p.add_argument(
+        "--capacity-factor", type=float, default=1.25, help="DeepSpeed-MoE with dropping"
+    )
+    p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed-MoE")
+    p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's MoE")
     return p.parse_args(argv)
+
+
+def peer_notes(args: argparse.Namespace) -> dict[str, str]:
+    """Per peer package, "" when it runs here, else why not ("... not installed", "skipped")."""
+    return {
+        "deepspeed": "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_note(),
+        "torchtitan": "skipped (--no-torchtitan)" if args.no_torchtitan else torchtitan_note(),
+    }
+
+
+def peer_systems(notes: dict[str, str]) -> list[str]:
+    """The peer systems (`PEERS`' names) whose package runs here."""
+    return [name for pkg, names in PEERS.items() if not notes[pkg] for name in names]
 
 
 # ----------------------------------------------------------------------------------- traces
@@ -124,6 +164,134 @@ def _model(args: argparse.Namespace, trace: Any, rank: int) -> Any:
     return model
 
 
+def _routing_features(
+    args: argparse.Namespace, trace: Any, rank: int
+) -> tuple[list[Any], list[np.ndarray]]:
+    """Per layer, `f_l [T, D]`: `2 * FEATURE` in column e1 and `FEATURE` in column e2 of each
+    token, its first and second expert as this rank's `ReplayRouter` for layer l chooses them;
+    and per layer the `[E]` assignments per expert."""
+    import torch
+
+    from poise.nn import ReplayRouter
+
+    if args.top_k != 2 or args.experts > args.d_model:
+        raise SystemExit("the peers need --top-k 2 and --experts <= --d-model")
+    feats, counts = [], []
+    for layer in range(args.layers):
+        router = ReplayRouter(args.d_model, args.experts, args.top_k, trace, layer=layer, rank=rank)
+        choices = router.select(torch.zeros(args.tokens, args.experts))
+        f = torch.zeros(args.tokens, args.d_model)
+        rows = torch.arange(args.tokens)
+        f[rows, choices[:, 0]] = 2 * FEATURE
+        f[rows, choices[:, 1]] = FEATURE
+        feats.append(f)
+        counts.append(np.bincount(choices.reshape(-1).numpy(), minlength=args.experts))
+    return feats, counts
+
+
+def _peer_model(args: argparse.Namespace, system: str) -> Any:
+    """`blocks`: one peer MoE layer per layer, SwiGLU experts, the gate reading columns `:E`."""
+    import torch
+    import torch.distributed as dist
+
+    from peers import DeepSpeedLayer, TorchtitanLayer, init_deepspeed_comm
+
+    torch.manual_seed(0)  # gates and replicated weights alike on every rank
+    gate = torch.zeros(args.experts, args.d_model)
+    gate[:, : args.experts] = torch.eye(args.experts)
+    dims = (args.d_model, args.d_expert, args.experts, args.top_k, gate)
+    if system.startswith("deepspeed"):
+        init_deepspeed_comm()
+        drop = system == "deepspeed-drop"
+        cf = args.capacity_factor if drop else 1.0
+        ep = dist.get_world_size()
+        make = lambda: DeepSpeedLayer(  # noqa: E731
+            *dims, drop=drop, capacity_factor=cf, activation="swiglu", ep_size=ep
+        )
+    else:
+        make = lambda: TorchtitanLayer(*dims)  # noqa: E731
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([make() for _ in range(args.layers)])
+    return model
+
+
+class _PeerRunner:
+    """A peer's stack on this rank's tokens and routing: forward, backward, gate gradients
+    summed over the ranks, AdamW step (expert parameters local to the rank)."""
+
+    def __init__(self, args: argparse.Namespace, trace: Any, rank: int, system: str) -> None:
+        import torch
+
+        self.system = system
+        self.model = _peer_model(args, system)
+        self.feats, self.want = _routing_features(args, trace, rank)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(100 + rank)
+        self.x = torch.randn(args.tokens, args.d_model, generator=gen)
+        self.g = torch.randn(args.tokens, args.d_model, generator=gen)
+        self.capacity_factor = args.capacity_factor
+        self.times: list[float] = []
+        self.rows: list[int] = []  # per layer, expert rows this rank computes (DeepSpeed)
+        self.dropped: list[float] = []  # per layer, share of this rank's assignments dropped
+
+    def _replicated(self) -> list[Any]:
+        from peers import DeepSpeedLayer
+
+        out = []
+        for block in self.model.blocks:
+            if isinstance(block, DeepSpeedLayer):
+                out += block.replicated_parameters()
+            else:
+                out += list(block.moe.router.parameters())
+        return out
+
+    def step(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = self.x
+        for block, f in zip(self.model.blocks, self.feats, strict=True):
+            y = y + block(y + f)[0]
+        (y * self.g).sum().backward()
+        for p in self._replicated():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        self.opt.step()
+        self.opt.zero_grad()
+        self.times.append(time.perf_counter() - t0)
+        if len(self.times) == 1:  # routed as Poise's ReplayRouters (before any drop)
+            self._check_routing()
+
+    def _check_routing(self) -> None:
+        """Assert every layer routed as Poise's `ReplayRouter`s (counts before any drop) and
+        record DeepSpeed's expert rows per rank (`E * capacity`, as its all-to-all pads)."""
+        import torch
+        import torch.distributed as dist
+
+        from peers import DeepSpeedLayer
+
+        y = self.x
+        with torch.no_grad():
+            blocks = zip(self.model.blocks, self.feats, self.want, strict=True)
+            for layer, (block, f, want) in enumerate(blocks):
+                out = block(y + f)[0]
+                if isinstance(block, DeepSpeedLayer):
+                    got = block.last_counts
+                    if self.system == "deepspeed-drop":
+                        cap = math.ceil(self.capacity_factor * want.sum() / want.size)
+                        self.dropped.append(float(np.maximum(want - cap, 0).sum() / want.sum()))
+                    else:
+                        top = torch.tensor(float(want.max()))
+                        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+                        cap = int(top)
+                    self.rows.append(cap * want.size)
+                else:
+                    got = block.counts(y + f)
+                assert got is not None and (got.cpu().numpy() == want).all(), (self.system, layer)
+                y = y + out
+
+
 class _Runner:
     """One model, its optimizer and (optionally) its Balancer, stepped one step at a time."""
 
@@ -174,15 +342,24 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
         "balanced": _Runner(args, load_trace(name, args), rank, args.policy),
         "ideal": _Runner(args, load_trace("uniform", args), rank, None),
     }
+    for system in getattr(args, "peers", []):
+        runners[system] = _PeerRunner(args, load_trace(name, args), rank, system)
     order = list(runners)
+    n = len(order)
     for r in range(args.warmup + args.steps):
-        for key in order[r % 3 :] + order[: r % 3]:  # rotate who goes first
+        for key in order[r % n :] + order[: r % n]:  # rotate who goes first
             runners[key].step()
     out: dict[str, Any] = {}
     for key, runner in runners.items():
         t = torch.tensor(runner.times[args.warmup :], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
         out[key] = t.tolist()
+    peers = {k: r for k, r in runners.items() if isinstance(r, _PeerRunner)}
+    out["peer_rows"] = {k: r.rows for k, r in peers.items() if r.rows}
+    dropped = {k: torch.tensor(r.dropped).mean() for k, r in peers.items() if r.dropped}
+    for t in dropped.values():
+        dist.all_reduce(t)  # mean over the ranks
+    out["peer_dropped"] = {k: float(t) / world for k, t in dropped.items()}
     balancer = runners["balanced"].balancer
     assert balancer is not None
     stats = list(balancer.stats)[args.warmup :]
@@ -202,7 +379,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
     return out
 
 
-def run_trace(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Poise's line for the trace, then one line per peer in `args.peers`."""
     load_before = os.getloadavg()[0]
     res = run_ranks(_rank, args.world, args, name, timeout_s=600)[0]
     static = statistics.median(res["static"]) * 1e3
@@ -212,9 +390,11 @@ def run_trace(name: str, args: argparse.Namespace) -> dict[str, Any]:
     speedup = statistics.median(s / b for s, b, _ in rounds)
     ideal_speedup = statistics.median(s / i for s, _, i in rounds)
     st = res["stats"]
-    return {
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    poise = {
         "bench": "ep_step",
         "trace": name,
+        "impl": "poise",
         "static_ms": round(static, 2),
         "balanced_ms": round(balanced, 2),
         "ideal_ms": round(ideal, 2),
@@ -233,14 +413,60 @@ def run_trace(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "transfer_bytes_per_step": round(st["bytes_per_step"]),
         "balanced_ms_by_phase": {k: round(v * 1e3, 2) for k, v in st["seconds"].items()},
         # Other processes on this machine take CPU from the ranks and hide their imbalance.
-        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "load_avg_1min": load,
     }
+    return [poise] + [peer_line(name, system, res, args, load) for system in args.peers]
+
+
+def peer_line(
+    trace: str, system: str, res: dict[str, Any], args: argparse.Namespace, load: list[float]
+) -> dict[str, Any]:
+    """A peer's JSON line: median step and its per-round ratios to Poise's static and balanced
+    steps; DeepSpeed's expert rows per rank and layer (`E * capacity`) against Poise's `T * k`."""
+    ts = res[system]
+    line: dict[str, Any] = {
+        "bench": "ep_step",
+        "trace": trace,
+        "impl": system,
+        "step_ms": round(statistics.median(ts) * 1e3, 2),
+        "ratio_vs_static": round(
+            statistics.median(p / s for p, s in zip(ts, res["static"], strict=True)), 3
+        ),
+        "ratio_vs_balanced": round(
+            statistics.median(p / b for p, b in zip(ts, res["balanced"], strict=True)), 3
+        ),
+        "expert_parallel": system.startswith("deepspeed"),
+    }
+    if system == "deepspeed-drop":
+        line["capacity_factor"] = args.capacity_factor
+        line["dropped_fraction"] = round(res["peer_dropped"][system], 4)
+    rows = res["peer_rows"].get(system)
+    if rows:
+        line["expert_rows_per_rank"] = round(float(np.mean(rows)))
+        line["poise_assignments_per_rank"] = args.tokens * args.top_k
+    line["load_avg_1min"] = load
+    return line
+
+
+def skipped_lines(notes: dict[str, str]) -> list[dict[str, Any]]:
+    """One line per peer system that cannot run here, with the reason."""
+    return [
+        {"bench": "ep_step", "impl": name, "skipped": note}
+        for pkg, note in notes.items()
+        if note
+        for name in PEERS[pkg]
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    notes = peer_notes(args)
+    args.peers = peer_systems(notes)
+    for line in skipped_lines(notes):
+        print(json.dumps(line), flush=True)
     for name in args.traces:
-        print(json.dumps(run_trace(name, args)), flush=True)
+        for line in run_trace(name, args):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,36 +13,42 @@ experts (distinct), expert 0 the hottest.
 
 Implementations: `poise` (`poise.nn.MoE`, dropless), `dense`, and where `deepspeed` imports
 (the `bench` extra), DeepSpeed-MoE's `deepspeed.moe.layer.MoE` on a 1-rank gloo group with the
-same expert FFN: `deepspeed-drop` (capacity factor 1.0, tokens dropped) and `deepspeed-nodrop`
-(every expert padded to the largest load). Each step is forward, `(y * g).sum() + 0.01 * aux`
-backward, gradients dropped. Where `torchtitan` imports (the `bench` extra), torchtitan's MoE
-layer (`torchtitan.models.common.moe.MoE`, torchtitan 0.3: SwiGLU experts, local token
-dispatcher, softmax top-k, no load-balancing bias) runs as `torchtitan` beside `poise-swiglu`
-(Poise with SwiGLU experts of the same size, its peer). Repetitions are interleaved (rotating
-order); figures are medians, `ratio_vs_dense` and `ratio_vs_poise` the medians of per-repetition
-time ratios (`ratio_vs_poise`: against `poise`, or `poise-swiglu` for SwiGLU layers). One JSON
-line per (routing, impl).
+same expert FFN: `deepspeed-drop` (capacity factor `--capacity-factor`, default 1.25, assignments
+past it dropped) and `deepspeed-nodrop` (dropless: every expert padded to the largest load).
+Each step is forward, `(y * g).sum() + 0.01 * aux` backward, gradients dropped. Where
+`torchtitan` imports (the `bench` extra; on a CPU build of torch it also needs `triton`),
+torchtitan's MoE layer (`torchtitan.models.common.moe.MoE`, torchtitan 0.3: SwiGLU experts
+computed in bf16, local token dispatcher, softmax top-k, no load-balancing bias) runs as
+`torchtitan` beside `poise-swiglu` (Poise with SwiGLU experts of the same size, its peer).
+Repetitions are interleaved (rotating order); figures are medians, `ratio_vs_dense` and
+`ratio_vs_poise` the medians of per-repetition time ratios (`ratio_vs_poise`: against `poise`,
+or `poise-swiglu` for SwiGLU layers). Every layer's routing is checked against the inputs'
+choices. One JSON line per (routing, impl), and one per peer system that cannot run (`skipped`:
+why).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from peers import (
+    DeepSpeedLayer,
+    TorchtitanLayer,
+    deepspeed_note,
+    init_deepspeed_comm,
+    torchtitan_note,
+)
 from poise.nn import MoE, MoEConfig
 from poise.nn.router import capacity_keep
-from poise.runtime.launch import free_port
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ZIPF_S = 1.2
@@ -63,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--routing", nargs="+", default=["uniform", "zipf"])
     p.add_argument("--experts-impl", choices=["auto", "grouped", "loop"], default="auto")
+    p.add_argument(
+        "--capacity-factor", type=float, default=1.25, help="DeepSpeed-MoE with dropping"
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed-MoE")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's MoE")
     return p.parse_args(argv)
@@ -146,113 +155,6 @@ class PoiseLayer(nn.Module):
         return self.moe(x), self.moe.last_forward.aux_loss
 
 
-class TorchtitanLayer(nn.Module):
-    """torchtitan 0.3's MoE layer with SwiGLU experts of hidden `d_expert`, the same gate."""
-
-    def __init__(self, args: argparse.Namespace, gate: torch.Tensor) -> None:
-        super().__init__()
-        from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.moe import (
-            GroupedExperts,
-            RoutedExperts,
-            TokenChoiceTopKRouter,
-        )
-        from torchtitan.models.common.moe import MoE as TTMoE
-        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
-        E, M, F, k = args.experts, args.d_model, args.d_expert, args.top_k
-        config = TTMoE.Config(
-            num_experts=E,
-            routed_experts=RoutedExperts.Config(
-                inner_experts=GroupedExperts.Config(dim=M, hidden_dim=F, num_experts=E),
-                token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k),
-            ),
-            router=TokenChoiceTopKRouter.Config(
-                num_experts=E,
-                gate=Linear.Config(in_features=M, out_features=E),
-                top_k=k,
-                score_func="softmax",
-            ),
-            load_balance_coeff=None,
-        )
-        self.moe = config.build()
-        with torch.no_grad():
-            for p in self.moe.parameters():
-                nn.init.normal_(p, std=0.02)
-            self.moe.router.gate.weight.copy_(gate)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.moe(x.unsqueeze(0)).squeeze(0), x.new_zeros(())
-
-
-def init_torchtitan() -> str:
-    """ "" when torchtitan's MoE layer imports, else why not."""
-    try:
-        import torchtitan.models.common.moe  # noqa: F401
-    except Exception as exc:  # ImportError, or a version with another layout
-        return f"torchtitan not importable: {type(exc).__name__}: {exc}"
-    return ""
-
-
-class DeepSpeedLayer(nn.Module):
-    def __init__(self, args: argparse.Namespace, gate: torch.Tensor, drop: bool) -> None:
-        super().__init__()
-        from deepspeed.moe.layer import MoE as DSMoE
-
-        expert = nn.Sequential(
-            nn.Linear(args.d_model, args.d_expert, bias=False),
-            nn.GELU(),
-            nn.Linear(args.d_expert, args.d_model, bias=False),
-        )
-        self.moe = DSMoE(
-            args.d_model,
-            expert,
-            num_experts=args.experts,
-            ep_size=1,
-            k=args.top_k,
-            capacity_factor=1.0,
-            eval_capacity_factor=1.0,
-            min_capacity=0,
-            drop_tokens=drop,
-            top2_2nd_expert_sampling=False,  # deterministic top-2, as the other layers
-        )
-        self.moe.set_deepspeed_parallelism()
-        with torch.no_grad():
-            self.moe.deepspeed_moe.gate.wg.weight.copy_(gate)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, aux, _ = self.moe(x)
-        return y, aux
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """DeepSpeed prints progress on stdout (Python and C++): keep stdout for the JSON lines."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def init_deepspeed() -> str:
-    """Import DeepSpeed and give it a 1-rank gloo group; "" when ready, else why not."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except Exception as exc:  # ImportError, or a broken install
-        return f"deepspeed not importable: {type(exc).__name__}: {exc}"
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    os.environ.update(env, MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    return ""
-
-
 # ----------------------------------------------------------------------------- timing
 def make_step(
     layer: nn.Module, x: torch.Tensor, g: torch.Tensor, device: torch.device
@@ -298,35 +200,62 @@ def dropped_fraction(choices: np.ndarray, experts: int, capacity_factor: float) 
     return float(1.0 - keep.float().mean())
 
 
+def peer_notes(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
+    """Per peer system, "" when it runs here, else why not ("... not installed", "skipped
+    ..."). DeepSpeed gets its 1-rank gloo group here when it imports."""
+    ds = "skipped (--no-deepspeed)" if args.no_deepspeed else ""
+    if not ds and device.type != "cpu":
+        ds = "skipped: timed on the CPU (gloo) only"
+    if not ds:
+        ds = deepspeed_note()
+        if not ds:
+            init_deepspeed_comm()
+    tt = "skipped (--no-torchtitan)" if args.no_torchtitan else torchtitan_note()
+    return {"deepspeed": ds, "torchtitan": tt}
+
+
+def skipped_lines(notes: dict[str, str]) -> list[dict[str, Any]]:
+    """One line per peer system that cannot run here, with the reason."""
+    systems = {"deepspeed": ("deepspeed-drop", "deepspeed-nodrop"), "torchtitan": ("torchtitan",)}
+    return [
+        {"bench": "moe_layer", "impl": name, "skipped": note}
+        for pkg, note in notes.items()
+        if note
+        for name in systems[pkg]
+    ]
+
+
+def peer_layers(
+    args: argparse.Namespace, gate: torch.Tensor, notes: dict[str, str]
+) -> dict[str, nn.Module]:
+    """The peers' layers (and `poise-swiglu`, torchtitan's Poise counterpart) that can run."""
+    dims = (args.d_model, args.d_expert, args.experts, args.top_k, gate)
+    layers: dict[str, nn.Module] = {}
+    if not notes["deepspeed"]:
+        cf = args.capacity_factor
+        layers["deepspeed-drop"] = DeepSpeedLayer(*dims, drop=True, capacity_factor=cf)
+        layers["deepspeed-nodrop"] = DeepSpeedLayer(*dims, drop=False)
+    if not notes["torchtitan"]:
+        layers["poise-swiglu"] = PoiseLayer(args, gate, activation="swiglu")
+        layers["torchtitan"] = TorchtitanLayer(*dims)
+    return layers
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ds_note = "skipped (--no-deepspeed)" if args.no_deepspeed else ""
-    if not ds_note and device.type != "cpu":
-        ds_note = "skipped: timed on the CPU (gloo) only"
-    if not ds_note:
-        with stdout_to_stderr():
-            ds_note = init_deepspeed()
-    if ds_note:
-        print(f"# deepspeed: {ds_note}", file=sys.stderr)
+    notes = peer_notes(args, device)
+    for line in skipped_lines(notes):
+        print(json.dumps(line), flush=True)
     gate = gate_weight(args.experts, args.d_model, args.top_k)
     layers: dict[str, nn.Module] = {
         "poise": PoiseLayer(args, gate),
         "dense": DenseFFN(args.d_model, args.top_k * args.d_expert),
     }
-    if not ds_note:
-        with stdout_to_stderr():
-            layers["deepspeed-drop"] = DeepSpeedLayer(args, gate, drop=True)
-            layers["deepspeed-nodrop"] = DeepSpeedLayer(args, gate, drop=False)
-    tt_note = "skipped (--no-torchtitan)" if args.no_torchtitan else init_torchtitan()
-    if tt_note:
-        print(f"# torchtitan: {tt_note}", file=sys.stderr)
-    else:
-        layers["poise-swiglu"] = PoiseLayer(args, gate, activation="swiglu")
-        layers["torchtitan"] = TorchtitanLayer(args, gate)
+    layers.update(peer_layers(args, gate, notes))
     for layer in layers.values():
         layer.to(device=device, dtype=dtype)
     for routing in args.routing:
@@ -347,8 +276,15 @@ def run_routing(
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(device, dtype)
     steps = {name: make_step(layer, x, g, device) for name, layer in layers.items()}
     times = interleaved(steps, args.reps, args.warmup)
-    poise_counts = layers["poise"].moe.last_counts.cpu().numpy()
-    assert (poise_counts == np.bincount(choices.ravel(), minlength=args.experts)).all()
+    want = np.bincount(choices.ravel(), minlength=args.experts)
+    # Every layer routed as the inputs say (DeepSpeed's counts are before any drop).
+    assert (layers["poise"].moe.last_counts.cpu().numpy() == want).all()
+    for name, layer in layers.items():
+        if isinstance(layer, DeepSpeedLayer):
+            assert layer.last_counts is not None
+            assert (layer.last_counts.cpu().numpy() == want).all(), name
+        if isinstance(layer, TorchtitanLayer):
+            assert (layer.counts(x).cpu().numpy() == want).all(), name
     dense = times["dense"]
     out = []
     swiglu = ("poise-swiglu", "torchtitan")
@@ -376,7 +312,9 @@ def run_routing(
         if name == "poise":
             line["experts_impl"] = layers[name].moe.experts.resolved_impl(x)
         if name == "deepspeed-drop":
-            line["dropped_fraction"] = round(dropped_fraction(choices, args.experts, 1.0), 4)
+            cf = args.capacity_factor
+            line["capacity_factor"] = cf
+            line["dropped_fraction"] = round(dropped_fraction(choices, args.experts, cf), 4)
         if name == "deepspeed-nodrop":
             line["padded_rows"] = int(np.bincount(choices.ravel()).max()) * args.experts
         line.update(
