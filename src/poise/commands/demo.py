@@ -641,7 +641,7 @@ def run(args: argparse.Namespace) -> int:
     shown = [0, 2, 4, 5, 6, 7, 8]  # policy, final loss, step, tokens/s, vs static, load, plans
     for i in shown:
         col = MEASURED_COLUMNS[i]
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     for row in measured_rows(runs):
         table.add_row(*(row[i] for i in shown))
     console.print(table)
@@ -654,7 +654,7 @@ def run(args: argparse.Namespace) -> int:
             f"{sec.result.spec.experts} experts, {sec.result.steps} steps"
         )
         for col in SIM_COLUMNS:
-            t.add_column(col, justify="left" if col == "policy" else "right")
+            t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
         for row in sim_rows(sec.result):
             t.add_row(*row)
         console.print(t)
@@ -664,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
         columns, rows = breakdown_by_phase(sec.result, ["static", fastest, "auto"])
         t = Table(title=f"{sec.title}: step time by phase (the report has every table's)")
         for i, col in enumerate(columns):
-            t.add_column(col, justify="left" if i == 0 else "right")
+            t.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
         for row in rows:
             t.add_row(*row)
         console.print(t)
