@@ -48,8 +48,8 @@ import numpy as np
 
 from poise.core.errors import ConfigError
 from poise.core.placement import Plan
-from poise.cost.model import CostModel
-from poise.runtime.selfcal import exposed_transfers_s, live_parts
+from poise.cost.model import CostModel, PlanCost
+from poise.runtime.selfcal import busy_and_transfers, exposed_transfers_s, live_parts
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,15 @@ def assess(cost: CostModel, current: Plan, candidate: Plan, loads: np.ndarray) -
     NumPy only (runs on the planner's thread)."""
     if current.digest() == candidate.digest():
         return Assessment(same=True)
-    now = cost.price(current.placement, current.assignment, loads)
-    new = cost.price(candidate.placement, candidate.assignment, loads)
+    cur_phases, cur_load = cost.phases(current.placement, current.assignment, loads)
+    new_phases, new_load = cost.phases(candidate.placement, candidate.assignment, loads)
+    now = PlanCost.under(cost.schedule, cur_phases, cur_load)
+    new = PlanCost.under(cost.schedule, new_phases, new_load)
     migrations = candidate.transfers.migrations if candidate.transfers is not None else None
     phases, _ = cost.phases(candidate.placement, candidate.assignment, loads, migrations)
     switch = float(phases.migrate_s.sum() + phases.trans_s.sum())  # homes moved + replicas filled
-    ((cur_busy, cur_tr),) = live_parts(cost, current, loads[None])
-    ((new_busy, new_tr),) = live_parts(cost, candidate, loads[None])
+    cur_busy, cur_tr = busy_and_transfers(cur_phases)
+    new_busy, new_tr = busy_and_transfers(new_phases)
     return Assessment(False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from poise.core.cluster import Cluster, Link, PeakFlops
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
+from poise.cost.phases import PhaseTimes
 
 # Columns of the Balancer's gathered measurement rows (seconds, `across_ranks`): the wall time
 # between two step boundaries, the boundary itself (Trans launch, migration, waiting for the
@@ -88,11 +89,15 @@ def live_parts(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
     pricer = cost.pricer(plan.placement, plan.assignment)
     out = np.zeros((len(counts), 2))
     for s, row in enumerate(counts):
-        ph, _ = pricer.phases(row.astype(np.float64))
-        busy = ph.expert_fwd_s + ph.expert_bwd_s + ph.dispatch_s + ph.combine_s
-        busy = busy + ph.dispatch_host_fwd_s + ph.dispatch_host_bwd_s
-        out[s] = (busy.sum(), (ph.trans_s + ph.agg_s).sum())
+        out[s] = busy_and_transfers(pricer.phases(row.astype(np.float64))[0])
     return out
+
+
+def busy_and_transfers(ph: PhaseTimes) -> tuple[float, float]:
+    """`(busy, transfers)` seconds of one step's phases, summed over layers (`live_parts`)."""
+    busy = ph.expert_fwd_s + ph.expert_bwd_s + ph.dispatch_s + ph.combine_s
+    busy = busy + ph.dispatch_host_fwd_s + ph.dispatch_host_bwd_s
+    return float(busy.sum()), float((ph.trans_s + ph.agg_s).sum())
 
 
 def fit_scale(measured: np.ndarray, predicted: np.ndarray, prior_rows: float) -> float:
@@ -174,6 +179,7 @@ __all__ = [
     "TRANSFERS",
     "Fit",
     "across_ranks",
+    "busy_and_transfers",
     "exposed_transfers_s",
     "fit_cluster",
     "fit_scale",
