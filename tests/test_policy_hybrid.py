@@ -352,3 +352,62 @@ def test_the_chosen_states_price_as_the_cost_model(cluster_name: str) -> None:
         for plan, on in ((first, loads), (again, other)):
             assert_priced_as_the_cost_model(plan, cost, on)
     assert replicated > 0
+
+
+def _four_dc_ctx(experts: int, expert_domain: int | None) -> tuple[PlanContext, ModelSpec]:
+    """4 DCs x 8 A800 (`a800-eth10:4`), `experts` of SPEC's size; `hybrid.expert_domain` set when
+    given."""
+    cluster = get_cluster("a800-eth10:4")
+    spec = ModelSpec("h", d_model=1024, d_expert=1024, experts=experts, top_k=1, moe_layers=1,
+                     dtype_bytes=2, tokens_per_device=4096)  # fmt: skip
+    options = {} if expert_domain is None else {"hybrid": {"expert_domain": expert_domain}}
+    ctx = PlanContext.create(
+        cluster, spec, slots_per_device=2, cost=CostModel(cluster, spec), options=options
+    )
+    return ctx, spec
+
+
+@pytest.mark.parametrize("expert_domain", [None, 2])
+def test_a_fixed_expert_domain_gathers_only_inside_its_block(expert_domain: int | None) -> None:
+    """HybridEP's S_ED (§V-G, "S_ED fixed"): 32 experts homed one per device (expert e on device
+    e, DC e // 8); every device of DC 0 sends 1000 tokens to each expert of DC 1 and 2000 to each
+    of DC 2 (16-32 MB of tokens over the 10 Gb/s WAN per expert and all-to-all against 4 MiB of
+    weights), 10 to the rest; DC 0 has 8 free slots. Free (no S_ED), it gathers the heavier DC
+    2's experts 16-23; with S_ED = 2 DCs (blocks {0, 1}, {2, 3}) only DC 1's experts 8-15."""
+    ctx, _ = _four_dc_ctx(32, expert_domain)
+    loads = np.full((1, 32, 32), 10.0)
+    loads[0, :8, 8:16] = 1000.0
+    loads[0, :8, 16:24] = 2000.0
+    plan = make_plan("hybrid", loads, None, ctx)
+    gathered = set(plan.notes["replicated"][0][0])
+    assert gathered == (set(range(16, 24)) if expert_domain is None else set(range(8, 16)))
+    if expert_domain is not None:
+        for g, experts in enumerate(plan.notes["replicated"][0]):
+            block = range(g // 2 * 16, g // 2 * 16 + 16)  # the experts homed in g's block
+            assert set(experts) <= set(block), (g, experts)
+
+
+@pytest.mark.parametrize(("expert_domain", "replicated"), [(None, [[1, 2, 3], [0, 2, 3],
+                         [0, 1, 3], [0, 1, 2]]), (2, [[1], [0], [3], [2]])])  # fmt: skip
+def test_a_fixed_expert_domain_limits_the_copies_gathered(
+    expert_domain: int | None, replicated: list[list[int]]
+) -> None:
+    """More devices than experts: 4 experts on 4 DCs of 8, static holds expert g on all of DC g.
+    Even loads: every DC lacks three experts and has 8 free slots. Free, each DC gathers all
+    three (heaviest first, ties to the lower expert); with S_ED = 2 DCs, only the one held in its
+    block (DC 0 <-> 1, DC 2 <-> 3), and the tokens for the other block's experts still cross."""
+    ctx, _ = _four_dc_ctx(4, expert_domain)
+    loads = np.full((1, 32, 4), 1024.0)
+    plan = make_plan("hybrid", loads, None, ctx)
+    assert plan.notes["replicated"][0] == replicated
+    crossing = _cross_domain_tokens(plan, ctx.cluster, loads)
+    assert crossing == (0.0 if expert_domain is None else pytest.approx(32 * 2 * 1024.0))
+
+
+def test_expert_domain_option_is_checked() -> None:
+    from poise.core.errors import ConfigError
+    from poise.plan.policies.options import check_option
+
+    assert check_option("hybrid", "expert_domain", 4) == 4
+    with pytest.raises(ConfigError, match=r"hybrid\.expert_domain"):
+        check_option("hybrid", "expert_domain", 0)

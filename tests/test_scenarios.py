@@ -131,6 +131,11 @@ def test_cross_dc_reduced() -> None:
     assert not auto_slower(res)
     assert not res.scenario.count_planning  # stated in the setup line
     assert "planning not charged" in markdown_table([res])
+    # §V-G's two curves: a fixed expert domain (4 of the 25 DCs, which hold a few of the 32
+    # experts) gains less than the free cut, and cannot be slower than static.
+    ours = {row.comparison: row.ours for row in res.rows}
+    fixed, free = ours["HybridEP vs EP (S_ED fixed)"], ours["HybridEP vs EP (p fixed)"]
+    assert 1.0 - 1e-9 <= fixed < free
 
 
 @pytest.mark.slow

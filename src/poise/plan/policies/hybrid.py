@@ -79,6 +79,15 @@ NAME = "hybrid"
 _CHUNK_CELLS = 2**21  # prefix states (layers x cuts x 13 D) priced at once
 
 
+def expert_domain(ctx: PlanContext) -> int | None:
+    """HybridEP's expert-domain size S_ED in domains (`--option hybrid.expert_domain=N`): a
+    domain gathers only the experts held in its block of N consecutive domains (the paper's
+    §V-G "S_ED fixed"); None (the default): any expert, the domains as large as the cut
+    chooses ("p fixed")."""
+    value = ctx.option(NAME, "expert_domain", None)
+    return None if value is None else int(value)
+
+
 def domain_grouping(cluster: Cluster) -> tuple[str | None, int]:
     """`(level, devices per domain)` HybridEP partitions on: the cluster's domains, nodes when a
     single domain's inter-node link is the per-device bottleneck, else `(None, 0)`."""
@@ -124,17 +133,28 @@ def _first_sorted(key: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def choose_pairs(counts: np.ndarray, home: np.ndarray, free: np.ndarray, size: int) -> Pairs:
+def choose_pairs(
+    counts: np.ndarray,
+    home: np.ndarray,
+    free: np.ndarray,
+    size: int,
+    expert_domain: int | None = None,
+) -> Pairs:
     """Greedy candidates of every layer: `counts[L, D, E]`, `home[L, E]`, `free[L, D]` free
-    slots, `size` devices per group. Each group's wanted experts (homed outside it, with
-    tokens) most tokens first (stable: lower expert first), each on the group's device that
-    sends it most tokens among those with a free slot (lowest device on ties); a layer's pairs
-    are then ordered by T descending (stable: group by group, picks in order)."""
+    slots, `size` devices per group; `expert_domain` (HybridEP's S_ED, in groups; None: all):
+    a group may take only experts homed in its block of `expert_domain` consecutive groups.
+    Each group's wanted experts (homed outside it, with tokens) most tokens first (stable: lower
+    expert first), each on the group's device that sends it most tokens among those with a free
+    slot (lowest device on ties); a layer's pairs are then ordered by T descending (stable:
+    group by group, picks in order)."""
     L, D, E = counts.shape
     G = D // size
     per_group = counts.reshape(L, G, size, E)
     T = per_group.sum(axis=2)  # [L, G, E] tokens each group sends to e
-    wanted = (home[:, None, :] // size != np.arange(G)[None, :, None]) & (T > 0)
+    home_group = home[:, None, :] // size  # [L, 1, E]
+    wanted = (home_group != np.arange(G)[None, :, None]) & (T > 0)
+    if expert_domain is not None:
+        wanted &= home_group // expert_domain == np.arange(G)[None, :, None] // expert_domain
     free = free.reshape(L * G, size).copy()
     take = np.minimum(free.sum(axis=1), wanted.reshape(L * G, E).sum(axis=1))  # pairs per group
     K = int(take.max(initial=0))
@@ -313,7 +333,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     home = placement.home
     homed = np.bincount((np.arange(L)[:, None] * D + home).ravel(), minlength=L * D)
     free = ctx.slots_per_device - homed.reshape(L, D)  # [L, D] (the copies are the homes)
-    pairs = choose_pairs(loads, home, free, size)
+    pairs = choose_pairs(loads, home, free, size, expert_domain(ctx))
     state = LayerState.for_homes(ctx.cost, home, loads)
     # Layers in chunks whose prefix states stay within _CHUNK_CELLS cells per array.
     C = len(prefix_cuts(int(np.diff(pairs.start).max(initial=0))))
@@ -406,24 +426,33 @@ def p_closed_form(loads: np.ndarray, home: np.ndarray, size: int, ctx: PlanConte
 
 
 def _fill_domains(
-    placement: Placement, loads: np.ndarray, size: int
+    placement: Placement, loads: np.ndarray, size: int, expert_domain: int | None = None
 ) -> list[list[list[tuple[int, int]]]]:
     """Give every domain a copy of each expert it lacks, heaviest first (tokens the domain sends
     to it), each on the domain's device with the most free slots (lowest index on ties), while
-    slots last; `placement.copies` is updated in place. Returns `[L][G]` lists of (expert,
-    device) added."""
-    L, D, _ = loads.shape
+    slots last; `placement.copies` is updated in place. `expert_domain` (S_ED, in domains;
+    None: all): a domain gathers only experts held in its block of `expert_domain` consecutive
+    domains before this call. Returns `[L][G]` lists of (expert, device) added."""
+    L, D, E = loads.shape
     G = D // size
     copies = placement.copies
+    block = G if expert_domain is None else min(expert_domain, G)
     added: list[list[list[tuple[int, int]]]] = []
     for layer in range(L):
         free = placement.slots_per_device - copies[layer].sum(axis=1)  # [D]
+        by_group = copies[layer].reshape(G, size, E).sum(axis=1) > 0  # [G, E] before adding
         per_layer = []
         for g in range(G):
             devs = np.arange(g * size, (g + 1) * size)
             held = copies[layer, devs].sum(axis=0) > 0  # [E]
+            lo = g // block * block
+            reachable = by_group[lo : lo + block].any(axis=0)  # [E] held in g's expert domain
             demand = loads[layer, devs].sum(axis=0)  # [E]
-            missing = [e for e in np.argsort(-demand, kind="stable").tolist() if not held[e]]
+            missing = [
+                e
+                for e in np.argsort(-demand, kind="stable").tolist()
+                if reachable[e] and not held[e]
+            ]
             got = []
             for e in missing:
                 d = int(devs[np.argmax(free[devs])])
@@ -452,7 +481,7 @@ def _plan_with_edp_copies(
     static = static_placement(L, E, D, ctx.slots_per_device)
     even = Assignment.even(static)
     placement = static.copy()
-    added = _fill_domains(placement, loads, size)
+    added = _fill_domains(placement, loads, size, expert_domain(ctx))
     local = Assignment.group_local(placement, size, base=Assignment.even(placement))
     # Per layer the cheaper placement (the gathered experts cost Trans and Agg over the slow link,
     # and keeping tokens in their domain can pile them on few copies): never slower than static.

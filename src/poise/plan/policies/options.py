@@ -73,6 +73,7 @@ POLICY_OPTIONS: dict[str, dict[str, Check]] = {
         "mode": _choice("auto", "hierarchical", "global"),
         "routing": _choice("balanced", "even"),
     },
+    "hybrid": {"expert_domain": _integer(1)},
     "permute": {"window": _integer(1)},
     "shadow": {"shadow_cost_factor": _number(0)},
     "vexpert": {"threshold": _number(0, above=True), "max_moves": _integer(0)},

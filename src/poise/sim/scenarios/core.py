@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,10 +76,18 @@ class TraceRecipe:
 
 @dataclass(frozen=True)
 class Run:
-    """One `simulate` call per case: a schedule and the policies it must include."""
+    """One `simulate` call per case: a schedule and the policies it must include. `options`:
+    per-policy settings of this call (`simulate`'s `options`); `key`: the name figures use for
+    this run (default: the schedule), for two runs of one schedule with different options."""
 
     schedule: str
     policies: tuple[str, ...]
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    key: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.key or self.schedule
 
 
 @dataclass(frozen=True)
@@ -399,7 +407,7 @@ def _policies(scenario: Scenario, run: Run, figures: Sequence[Figure]) -> list[s
     names.extend(run.policies)
     for f in figures:
         for sched, pol in (f.system, *f.baselines):
-            if sched == run.schedule:
+            if sched == run.name:
                 names.append(pol)
     names.append("auto")
     return list(dict.fromkeys(names))
@@ -458,7 +466,7 @@ def run_scenario(
         means[case.label] = {}
         for run in scenario.runs:
             names = _policies(scenario, run, scenario.figures)
-            what = f"{scenario.name}: {case.label}, {run.schedule}"
+            what = f"{scenario.name}: {case.label}, {run.name}"
             if progress is not None:
                 progress(what, done, total)
             result = simulate(
@@ -472,13 +480,14 @@ def run_scenario(
                 count_planning=scenario.count_planning,
                 background_planning=scenario.background_planning,
                 dense_params=timed_dense_params(scenario, case.spec),
+                options={k: dict(v) for k, v in run.options.items()},
             )
             charged, priced = {}, {}
             for n in names:
                 c, p = step_times(result, n)
                 charged[n], priced[n] = measured_mean(c, warmup), measured_mean(p, warmup)
-            means[case.label][run.schedule] = charged if scenario.count_planning else priced
-            checks.append(auto_check(scenario, case.label, run.schedule, result, charged, priced))
+            means[case.label][run.name] = charged if scenario.count_planning else priced
+            checks.append(auto_check(scenario, case.label, run.name, result, charged, priced))
             done += 1
             if progress is not None:
                 progress(what, done, total)

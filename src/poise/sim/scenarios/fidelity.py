@@ -91,15 +91,22 @@ EXPLANATIONS: dict[tuple[str, str], str] = {
         "scenario's value grid and clusters are stated choices"
     ),
     ("cross-dc-1000", ""): (
-        "HybridEP's Fig. 17 has two curves (§V-G): with the expert domain S_ED fixed as the DCs "
-        "grow, the share p its model moves to all-gathers shrinks and the speed-up with it "
-        "(1.05-1.45x at 1,000 DCs); with p fixed the domains grow (1.31-3.76x). Poise's hybrid "
-        "chooses the cut freely (every DC may hold any expert), which is the second curve; the "
-        "first needs S_ED, given only in the figure, and the paper's own model (p = 1 - "
-        "S_ED/G) puts it near 1.0x for any small S_ED at 8,000 GPUs. The SimAI bandwidths, "
-        "latency and GPU are not in the text either; the scenario's 10 Gb/s links 20 ms apart "
-        "and its 32 experts on 8,000 devices (250 expert-data-parallel copies each under the "
-        "static placement) are stated assumptions"
+        "HybridEP's Fig. 17 has two curves (§V-G): with p fixed the expert domains grow with the "
+        "DCs (1.31-3.76x at 1,000 DCs), which is Poise's `hybrid` free to gather any expert into "
+        "any DC; with the domain S_ED fixed the share moved to all-gathers shrinks (1.05-1.45x). "
+        "The SimAI bandwidths, latency and GPU are not in the text; the scenario's 10 Gb/s links "
+        "20 ms apart and its 32 experts on 8,000 devices (250 expert-data-parallel copies each "
+        "under the static placement) are stated assumptions"
+    ),
+    ("cross-dc-1000", "HybridEP vs EP (S_ED fixed)"): (
+        "the figure's S_ED is not given; Poise fixes it at 4 DCs, the largest expert domain the "
+        "paper trained with (Cluster-L, §V-D: its domain includes all DCs). Four DCs' 32 devices "
+        "hold one or two of the 32 experts (blocks of 250 copies), so almost every token still "
+        "crosses the wide-area links: 1.00x. The paper's own model agrees for any small S_ED "
+        "(an even gate leaves p = 1 - S_ED/G of the data in all-to-alls, so the speed-up is at "
+        "most G / (G - S_ED): 1.004x for 32 of 8,000 GPUs); 1.45x needs p = 0.69, an expert "
+        "domain of some 300 DCs (Poise: S_ED 32 DCs 1.09x, 125 DCs 1.33x), or a placement or "
+        "expert count the text does not state"
     ),
 }
 

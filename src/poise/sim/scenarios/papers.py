@@ -420,8 +420,8 @@ def _cross_dc() -> Scenario:
     figures = (
         Figure(
             "HybridEP vs EP (S_ED fixed)",
-            HYBRIDEP,
-            (("hybrid", "static"),),
+            ("s-ed-4", "hybrid"),
+            (("s-ed-4", "static"),),
             1.45,
             "1.05-1.45×",
             src,
@@ -443,9 +443,17 @@ def _cross_dc() -> Scenario:
         summary="1,000 datacentres of one 8-GPU node (`cross-dc-1000`: 8,000 H100, NVLink "
         "inside, 10 Gb/s wide-area links 20 ms apart); a drifting trace generated on 64 ranks "
         "and resampled to 8,000 devices; GPT-Medium widths, 32 experts (so DeepSpeed's static "
-        "placement keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers",
+        "placement keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers; `hybrid` "
+        "free to gather any expert into any DC (p fixed), and with the expert domain fixed at 4 "
+        "DCs (`s-ed-4`: `--option hybrid.expert_domain=4`)",
         cases=(case,),
-        runs=(Run("hybrid", ("static", "hybrid")),),
+        runs=(
+            Run("hybrid", ("static", "hybrid")),
+            # §V-G's first curve fixes the expert domain S_ED while the DCs grow: S_ED = 4 DCs,
+            # the largest expert domain the paper trained with (Cluster-L, whose domain "includes
+            # all DCs", §V-A and §V-D); the figure's own S_ED is not given.
+            Run("hybrid", ("static", "hybrid"), {"hybrid": {"expert_domain": 4}}, key="s-ed-4"),
+        ),
         figures=figures,
         replan_every=2,
         count_planning=False,
