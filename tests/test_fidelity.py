@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,8 @@ from poise.sim.scenarios.fidelity import (
     explanation,
     fidelity_row,
     markdown,
+    outside_range,
+    published_range,
     same_direction,
     summarise,
 )
@@ -85,3 +88,28 @@ def test_summary_by_hand() -> None:
     }
     table = markdown([r for r in rows if r is not None], got)
     assert "**opposite**" in table and "1 of 4 rows within a factor 1.5" in table
+
+
+def test_a_row_below_its_published_range_carries_its_reason() -> None:
+    """HybridEP's 1,000-DC "S_ED fixed" row: 1.00x against "1.05-1.45×" is inside the factor 1.5
+    of 1.45 (0.69) but below the range: the row carries its recorded reason, and the table
+    says so."""
+    assert published_range("1.05-1.45×") == (1.05, 1.45)
+    assert published_range("1.31–3.76×") == (1.31, 3.76)
+    assert published_range("up to 1.88×") is None and published_range("1.45×") is None
+    assert outside_range("1.05-1.45×", 1.0007) and outside_range("1.05-1.45×", 1.5)
+    assert not outside_range("1.05-1.45×", 1.2) and not outside_range("1.05-1.45×", 1.046)
+    assert not outside_range("1.45×", 1.0)
+    row = dataclasses.replace(
+        _row("HybridEP vs EP (S_ED fixed)", 1.0007, 1.45),
+        scenario="cross-dc-1000",
+        published_text="1.05-1.45×",
+    )
+    f = fidelity_row("cross-dc-1000", "HybridEP", row)
+    assert f is not None and f.within and f.direction_ok
+    assert f.explained == explanation("cross-dc-1000", "HybridEP vs EP (S_ED fixed)")
+    assert "S_ED" in f.explained
+    table = markdown([f], summarise([f]))
+    assert "(outside the published range)" in table and "S_ED is not given" in table
+    inside = fidelity_row("cross-dc-1000", "HybridEP", dataclasses.replace(row, ours=1.3))
+    assert inside is not None and inside.explained is None

@@ -204,7 +204,7 @@ def test_registry_carries_the_published_tables() -> None:
         assert set(s.quick_cases) <= labels
         for f in s.figures:
             assert set(f.cases) <= labels and f.aggregate in ("one", "max", "mean")
-            scheds = {r.schedule for r in s.runs}
+            scheds = {r.name for r in s.runs}
             assert f.system[0] in scheds and all(b[0] in scheds for b in f.baselines)
 
 

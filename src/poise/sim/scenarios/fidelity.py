@@ -15,6 +15,7 @@ in the paper's set-up, never a tuning knob. It stays until the model reproduces 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from poise.sim.scenarios.core import Row, ScenarioResult
 
 FACTOR = 1.5  # a row is "within" when Poise / published is in [1 / FACTOR, FACTOR]
 NEUTRAL = 1.0  # speed-ups above it point one way, below it the other
+_RANGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*[-\u2013]\s*(\d+(?:\.\d+)?)")
 
 # (scenario, comparison label prefix) -> the modelling reason a row of it may be off. Sources are
 # the papers' sections named in docs/paper-figures.md.
@@ -151,6 +153,21 @@ def same_direction(published: float, poise: float) -> bool:
     return (published > NEUTRAL) == (poise > NEUTRAL)
 
 
+def published_range(text: str) -> tuple[float, float] | None:
+    """`(low, high)` of a published figure stated as a range ("1.05-1.45×"), else None."""
+    m = _RANGE.match(text)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
+def outside_range(published_text: str, poise: float, rel: float = 0.005) -> bool:
+    """Whether Poise's figure falls outside a published range (by more than `rel` of its
+    ends: the paper's two decimals); False for a single published number."""
+    bounds = published_range(published_text)
+    if bounds is None:
+        return False
+    return not bounds[0] * (1 - rel) <= poise <= bounds[1] * (1 + rel)
+
+
 def fidelity_row(scenario: str, paper: str, row: Row) -> FidelityRow | None:
     """The `FidelityRow` of a table row with a published number (None without one)."""
     if row.published is None or row.published <= 0 or not math.isfinite(row.ours):
@@ -170,7 +187,11 @@ def fidelity_row(scenario: str, paper: str, row: Row) -> FidelityRow | None:
         ratio=ratio,
         direction_ok=ok,
         within=within,
-        explained=None if (within and ok) else explanation(scenario, row.comparison),
+        explained=(
+            None
+            if within and ok and not outside_range(row.published_text, row.ours)
+            else explanation(scenario, row.comparison)
+        ),
     )
 
 
@@ -213,6 +234,8 @@ def markdown(rows: list[FidelityRow], summary: dict[str, Any]) -> str:
     ]
     for r in rows:
         mark = "" if r.within else f" (outside {FACTOR}x)"
+        if outside_range(r.published_text, r.poise):
+            mark += " (outside the published range)"
         lines.append(
             f"| {r.scenario} | {r.comparison} | {r.cases} | {r.published_text} | {r.poise:.2f}x | "
             f"{r.ratio:.2f}{mark} | {'same' if r.direction_ok else '**opposite**'} |"
@@ -227,7 +250,10 @@ def markdown(rows: list[FidelityRow], summary: dict[str, Any]) -> str:
     ]
     reasons = sorted({(r.scenario, r.explained) for r in rows if r.explained})
     if reasons:
-        lines.append("Reasons recorded for the rows outside the factor or pointing the other way:")
+        lines.append(
+            "Reasons recorded for the rows outside the factor, outside a published range or "
+            "pointing the other way:"
+        )
         lines.append("")
         lines += [f"- **{name}**: {why}." for name, why in reasons]
         lines.append("")
@@ -242,6 +268,8 @@ __all__ = [
     "fidelity_row",
     "fidelity_rows",
     "markdown",
+    "outside_range",
+    "published_range",
     "same_direction",
     "summarise",
 ]
