@@ -128,3 +128,30 @@ def test_auto_plans_the_same_with_candidates_in_threads(monkeypatch) -> None:
     np.testing.assert_array_equal(threaded.placement.copies, alone.placement.copies)
     np.testing.assert_array_equal(threaded.assignment.weights, alone.assignment.weights)
     assert threaded.cost.step_s == alone.cost.step_s
+
+
+def test_auto_migration_scale_weighs_the_one_off_moves() -> None:
+    """`total = K * recurring + m * migrate` per layer: from the static placement on skewed
+    loads, m = 0 makes moving free, so each layer takes a candidate whose recurring time is the
+    least of all (to the tie window); a prohibitive m leaves only candidates that move nothing
+    (`keep`, or replicas whose fill the cost model counts as Trans, not migration)."""
+    rng = np.random.default_rng(5)
+    cluster = toy_cluster(4, 2, 1, bw=1e10, inter_bw=1e9, lat=2e-6, flops=1e13)
+    spec = toy_spec(experts=16, layers=3, d_model=512, d_expert=1024, tokens=4096)
+    loads = rng.zipf(1.3, size=(3, 8, 16)).astype(float) * 50
+
+    def ctx(scale: float) -> PlanContext:
+        return PlanContext.create(
+            cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec),
+            options={"auto": {"migration_scale": scale}},
+        )  # fmt: skip
+
+    static = make_plan("static", loads, None, ctx(1.0))
+    free = make_plan("auto", loads, static, ctx(0.0))
+    dear = make_plan("auto", loads, static, ctx(1e12))
+    others = [make_plan(n, loads, static, ctx(0.0)) for n in POLICIES if n != "auto"]
+    recurring = free.cost.layer_s - free.cost.phases.migrate_s
+    for p in others:
+        assert np.all(recurring <= (p.cost.layer_s - p.cost.phases.migrate_s) * (1 + 1e-9))
+    assert free.cost.phases.migrate_s.sum() > 0  # moving homes pays when it is free
+    assert np.all(dear.cost.phases.migrate_s == 0)

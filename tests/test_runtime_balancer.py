@@ -320,8 +320,10 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly
     assert balanced["switched_at"] == [] and balanced["bytes"] == 0, balanced
     assert len(balanced["decisions"]) == 4  # decided at steps 3, 5, 7, 9: all kept static
-    fit = balanced["fits"][-1]  # the self-calibration saw the steps and fitted both scales
-    assert fit["rows"] > 0 and fit["k_compute"] > 0 and fit["k_network"] > 0, fit
+    fit = balanced["fits"][-1]  # the self-calibration saw the steps and fitted its constants
+    assert fit["rows"] > 0 and fit["k_compute"] > 0, fit
+    assert fit["k_transfer"] == 1.0, fit  # no replica ran: the prior's links stay
+    assert fit["dispatch_s_per_row"] > 0, fit  # gloo's all-to-all: host work beyond the link
 
 
 # ------------------------------------------------------------------------- one process
@@ -494,6 +496,46 @@ def test_self_calibration_fits_the_scales() -> None:
     fitted = selfcal.scaled_cluster(prior, 2.0, 4.0)
     assert fitted.gemm_flops("fp32") == prior.gemm_flops("fp32") / 2
     assert fitted.intra_node.bw_Bps == 1e9 / 4 and fitted.intra_node.lat_s == 4e-6
+
+
+def test_self_calibration_fits_compute_transfers_and_dispatch_by_hand() -> None:
+    """`_replica_case`'s replica plan, modelled per step: expert forward 60 * 128 FLOP / 1e9 =
+    7,680 ns (d0's 60 tokens), dispatch + combine 2 * 20 * 16 B / 1e9 = 640 ns, Trans + Agg
+    512 ns, the busiest dispatcher 100 rows (d0: 40 routed + 60 computed; d1: 60 + 40). Steps
+    measured at 2x the compute, 3x the transfers and 3x the link plus 100 ns per row: without
+    a prior the fit recovers exactly 2, 3 and 100 ns, and the fitted cluster prices the plan's
+    transfers at 3 * 512 ns and its dispatcher at 100 ns per row."""
+    from poise.runtime import selfcal
+    from poise.runtime.selfcal import A2A, BOUNDARY, EXPERTS, TRANSFERS
+
+    cost, static, replica, counts = _replica_case()
+    steps = np.stack([counts, 2 * counts, 3 * counts])  # [S=3, L, D, E]
+    scale = np.array([1.0, 2.0, 3.0])
+    measured = np.zeros((3, len(selfcal.MEASURED)))
+    measured[:, EXPERTS] = 2 * 7_680e-9 * scale
+    measured[:, TRANSFERS] = 3 * 512e-9 - 100e-9  # Trans + Agg do not grow with tokens
+    measured[:, BOUNDARY] = 100e-9
+    measured[:, A2A] = (3 * 640e-9 + 100e-9 * 100) * scale
+    fitted, fit = selfcal.fit_cluster(cost.cluster, cost, replica, steps, measured, prior_rows=0)
+    assert fit.k_compute == pytest.approx(2.0)
+    assert fit.k_transfer == pytest.approx(3.0)
+    assert fit.dispatch_s_per_row == pytest.approx(100e-9)
+    assert fitted.intra_node.bw_Bps == pytest.approx(1e9 / 3)
+    assert fitted.host.dispatch_fwd_s_per_row == pytest.approx(100e-9)
+    phases, _ = CostModel(fitted, cost.spec).phases(replica.placement, replica.assignment, counts)
+    assert float((phases.trans_s + phases.agg_s).sum()) == pytest.approx(3 * 512e-9)
+    assert float(phases.dispatch_host_fwd_s.sum()) == pytest.approx(100 * 100e-9)
+    # A step whose boundary carried the switch is left out of the transfer fit; a plan without
+    # replicas keeps the previous fit's k_transfer (and the prior pulls towards it).
+    spiked = np.concatenate([measured, measured[-1:]])
+    spiked[-1, BOUNDARY] = 1e-3
+    _, fit2 = selfcal.fit_cluster(
+        cost.cluster, cost, replica, np.concatenate([steps, steps[-1:]]), spiked,
+        prior_rows=0, settled=np.array([True, True, True, False]),
+    )  # fmt: skip
+    assert fit2.k_transfer == pytest.approx(3.0)
+    _, kept = selfcal.fit_cluster(cost.cluster, cost, static, steps, measured, previous=fit)
+    assert kept.k_transfer == pytest.approx(3.0)
 
 
 def test_background_planner_hands_results_over_at_the_adoption_step() -> None:

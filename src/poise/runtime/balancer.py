@@ -574,26 +574,31 @@ class Balancer:
         fit_counts = history[len(history) - n :]
         fit_rows = measured[len(measured) - n :]
         after = fit_rows[:, 0] > self._plan_since  # leaves out the step that carried the switch
-        current, prior, spec = self.plan, self.cluster, self.spec()
+        current, prior, spec, previous = self.plan, self.cluster, self.spec(), self.fit
         static = self.static_plan
         judge = current.digest() != static.digest()
         policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
         calibrate, split_tokens = self.calibrate, self.split_tokens
+        k_switch = self.guard.k_switch
 
         def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit, Verdict | None]:
             cluster, fit = prior, selfcal.Fit()
             if calibrate:
                 cost = CostModel(prior, spec)
                 rows = fit_rows[:, 1:]
-                cluster, fit = selfcal.fit_cluster(prior, cost, current, fit_counts, rows)
+                cluster, fit = selfcal.fit_cluster(
+                    prior, cost, current, fit_counts, rows, previous=previous, settled=after
+                )
             fitted = CostModel(cluster, spec)
             paid = None
             if judge:
                 paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
             loads = predictor.predict(history)
-            ctx = _planning_context(cluster, spec, slots, history, options, split_tokens)
+            opts = _with_migration_scale(options, k_switch / fit.k_transfer)
+            ctx = _planning_context(cluster, spec, slots, history, opts, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
-            return plan, assess(fitted, current, plan, loads), cluster, fit, paid
+            a = assess(fitted, current, plan, loads, switch_cost=CostModel(prior, spec))
+            return plan, a, cluster, fit, paid
 
         self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
 
@@ -610,7 +615,7 @@ class Balancer:
         fallback = False
         if self.plan.digest() != self.static_plan.digest():
             fallback = not self.guard.pays(paid)
-        decision = self.guard.decide(assessment, done.wait_s, fit.k_transfer)
+        decision = self.guard.decide(assessment, done.wait_s)
         refuse, fallback = self._vote(plan, not decision.adopt, fallback)
         stats.gain_s, stats.switch_cost_s = decision.gain_s, decision.switch_s
         stats.predicted_step_s = assessment.candidate_s if not refuse else assessment.current_s
@@ -754,6 +759,18 @@ def _planning_context(
         options=options,
         split_tokens=split_tokens,
     )
+
+
+def _with_migration_scale(
+    options: Mapping[str, Mapping[str, Any]], scale: float
+) -> dict[str, dict[str, Any]]:
+    """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
+    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`) divided
+    by the fitted links' scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
+    charges a migration what the guard will."""
+    out = {k: dict(v) for k, v in options.items()}
+    out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
+    return out
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,13 @@ phases (`poise.runtime.selfcal.live_parts`, priced on the self-calibrated cluste
 
     busy      = expert forward + backward, dispatch + combine (with the dispatcher's host work)
     transfers = Trans + Agg (the model's seconds before any overlap)
-    live_s    = busy + k_transfer * transfers
+    live_s    = busy + k * transfers
 
-`k_transfer` is the run's measured exposed transfer seconds (Trans waits and Agg in the step,
-Trans launches at the boundary) over the model's, fitted on the steps of the plan in force
-(`selfcal.fit_cluster`; 1 before any plan with replicas has run). The non-MoE work is the same
-under every placement and cancels.
+priced on the self-calibrated cluster, whose links move bulk bytes at the rate this run's
+exposed transfers measured (Trans waits and Agg in the step, Trans launches at the boundary:
+`selfcal`'s `k_transfer`) and whose dispatcher pays the host work per row the token
+all-to-all measured, so `k` = 1 (`decide` takes another `k_transfer` for a further scale).
+The non-MoE work is the same under every placement and cancels.
 
 Adoption (`SwitchGuard.decide`). A candidate is priced against the plan in force on the forecast
 loads:
@@ -96,9 +97,17 @@ class Decision:
     switch_s: float = 0.0
 
 
-def assess(cost: CostModel, current: Plan, candidate: Plan, loads: np.ndarray) -> Assessment:
-    """Price `candidate` (with its migrations from `current`) and `current` on `loads[L, D, E]`.
-    NumPy only (runs on the planner's thread)."""
+def assess(
+    cost: CostModel,
+    current: Plan,
+    candidate: Plan,
+    loads: np.ndarray,
+    switch_cost: CostModel | None = None,
+) -> Assessment:
+    """Price `candidate` (with its migrations from `current`) and `current` on `loads[L, D, E]`;
+    the switch on `switch_cost` (default `cost`: the live Balancer passes the prior cluster's,
+    so that `k_switch`, measured against it, keeps one meaning while the fit moves). NumPy
+    only (runs on the planner's thread)."""
     if current.digest() == candidate.digest():
         return Assessment(same=True)
     cur_phases, cur_load = cost.phases(current.placement, current.assignment, loads)
@@ -106,7 +115,9 @@ def assess(cost: CostModel, current: Plan, candidate: Plan, loads: np.ndarray) -
     now = PlanCost.under(cost.schedule, cur_phases, cur_load)
     new = PlanCost.under(cost.schedule, new_phases, new_load)
     migrations = candidate.transfers.migrations if candidate.transfers is not None else None
-    phases, _ = cost.phases(candidate.placement, candidate.assignment, loads, migrations)
+    phases, _ = (switch_cost or cost).phases(
+        candidate.placement, candidate.assignment, loads, migrations
+    )
     switch = float(phases.migrate_s.sum() + phases.trans_s.sum())  # homes moved + replicas filled
     cur_busy, cur_tr = busy_and_transfers(cur_phases)
     new_busy, new_tr = busy_and_transfers(new_phases)

@@ -1,20 +1,32 @@
-"""Self-calibration: the cost model's compute and network constants fitted to this run.
+"""Self-calibration: the cost model's compute, transfer and dispatch constants fitted to this run.
 
 Each step the Balancer measures its layers' forward phases on every rank and keeps, per step,
 one figure per phase for all ranks (gathered with the counts, so every rank holds the same
-figures; `across_ranks`): `experts_s` (the expert GEMMs, the slowest rank's) and `a2a_s`
+figures; `across_ranks`): `experts_s` (the expert GEMMs, the slowest rank's), `a2a_s`
 (dispatch + combine: the token all-to-all with its host work, the fastest rank's, since the
-others' include waiting for the slowest rank's experts). Priced on the same steps' counts under
-the plan that ran them, the cost model predicts `expert_fwd_s` and `dispatch_s + combine_s`
-(summed over layers). Two scales relate them, each a least-squares fit through the origin over
-a window of steps, pulled towards 1 (the cluster preset) by a prior worth
-`prior_rows` steps of the mean prediction:
+others' include waiting for the slowest rank's experts) and the exposed transfer seconds
+(`exposed_transfers_s`: Trans waits and Agg in the step, Trans launches at the boundary).
+Priced on the same steps' counts under the plan that ran them, three constants are fitted, each
+a least-squares fit through the origin over a window of steps, pulled towards its prior
+(`centre`) by `prior_rows` steps of the mean prediction (`fit_scale`):
 
-    k = (sum_s m_s p_s + w P^2) / (sum_s p_s^2 + w P^2),   P = mean_s p_s,  w = prior_rows
+    k = (sum_s m_s p_s + w P^2 c) / (sum_s p_s^2 + w P^2),   P = mean_s p_s,  w = prior_rows
 
-`k_compute` > 1: GEMMs are slower than the preset says, so the fitted cluster's peak FLOP/s are
-the preset's divided by `k_compute`; `k_network` likewise divides every link's bandwidth and
-multiplies its latency. Plans are then priced, and chosen, with the fitted cluster.
+1. `k_compute`: measured expert forward seconds over the model's (`expert_fwd_s`); the fitted
+   cluster's peak FLOP/s are the preset's divided by it (centre 1).
+2. `k_transfer`: exposed transfer seconds over the model's Trans + Agg, on steps whose plan
+   has replicas (the step that carried the switch left out: its boundary holds the one-off
+   migration); every link's bandwidth is divided (latency multiplied) by it, so Trans, Agg and
+   migration, bulk messages, are priced at the rate this run moves them. Centre: the previous
+   fit's value (1 before any), which is also kept when no replica ran in the window.
+3. `dispatch_s_per_row`: the token all-to-all's measured seconds beyond its link time on the
+   fitted links, per row the busiest device's dispatcher handles (sent + received, summed over
+   layers): the dispatcher's host work (`poise.cost.host`, the linear form `poise calibrate`
+   fits), added to the prior's, forward and backward alike (centre 0 beyond the prior's).
+
+A single scale on the links for both (the earlier form) priced a 10 MB Trans at the rate of the
+token all-to-all, whose time on CPU ranks is mostly host work per row: 30-50 times the link's,
+so every replica looked too dear to keep. Plans are priced, and chosen, with the fitted cluster.
 The fit is NumPy only: it runs on the background planner's thread.
 """
 
@@ -28,6 +40,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster, Link, PeakFlops
 from poise.core.placement import Plan
+from poise.cost.host import dispatch_rows
 from poise.cost.model import CostModel
 from poise.cost.phases import PhaseTimes
 
@@ -43,13 +56,13 @@ SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: c
 
 @dataclass(frozen=True)
 class Fit:
-    """Fitted scales (`k_compute`, `k_network`, 1.0 = the preset), the steps they came from,
+    """Fitted constants (module docstring; 1.0 and 0.0 = the preset), the steps they came from,
     and the fitted figures: large-GEMM FLOP/s in the model's compute dtype, intra-node
     bandwidth."""
 
     k_compute: float = 1.0
-    k_network: float = 1.0
     k_transfer: float = 1.0
+    dispatch_s_per_row: float = 0.0
     rows: int = 0
     gemm_flops: float = 0.0
     intra_bw_Bps: float = 0.0
@@ -59,13 +72,21 @@ class Fit:
 
 
 def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
-    """Model seconds per step `[S, 2]`: (expert forward, dispatch + combine), summed over
-    layers, of `plan` on `counts[S, L, D, E]`."""
+    """Model figures per step `[S, 4]` of `plan` on `counts[S, L, D, E]`, summed over layers:
+    expert forward seconds, dispatch + combine link seconds (forward), Trans + Agg seconds, and
+    the rows the busiest device's dispatcher handles (`cost.host.dispatch_rows`, sent +
+    received)."""
     pricer = cost.pricer(plan.placement, plan.assignment)
-    out = np.zeros((len(counts), 2))
+    out = np.zeros((len(counts), 4))
     for s, row in enumerate(counts):
-        phases, _ = pricer.phases(row.astype(np.float64))
-        out[s] = (phases.expert_fwd_s.sum(), (phases.dispatch_s + phases.combine_s).sum())
+        loads = row.astype(np.float64)
+        phases, device_load = pricer.phases(loads)
+        out[s] = (
+            phases.expert_fwd_s.sum(),
+            (phases.dispatch_s + phases.combine_s).sum(),
+            (phases.trans_s + phases.agg_s).sum(),
+            dispatch_rows(loads, device_load).max(axis=1).sum(),
+        )
     return out
 
 
@@ -100,22 +121,35 @@ def busy_and_transfers(ph: PhaseTimes) -> tuple[float, float]:
     return float(busy.sum()), float((ph.trans_s + ph.agg_s).sum())
 
 
-def fit_scale(measured: np.ndarray, predicted: np.ndarray, prior_rows: float) -> float:
-    """Least squares `measured ~ k * predicted` through the origin, pulled towards k = 1 by
-    `prior_rows` steps of the mean prediction; 1.0 without usable steps."""
-    m, p = np.asarray(measured, float), np.asarray(predicted, float)
-    ok = np.isfinite(m) & np.isfinite(p) & (p > 0) & (m > 0)
+def fit_slope(y: np.ndarray, x: np.ndarray, prior_rows: float, centre: float = 0.0) -> float:
+    """Least squares `y ~ k * x` through the origin over the steps with a finite `y` and a
+    positive `x`, pulled towards `centre` by `prior_rows` steps of the mean `x`; `centre`
+    without such steps."""
+    y, x = np.asarray(y, float), np.asarray(x, float)
+    ok = np.isfinite(y) & np.isfinite(x) & (x > 0)
     if not ok.any():
-        return 1.0
-    m, p = m[ok], p[ok]
-    prior = prior_rows * float(p.mean()) ** 2
-    k = (float(m @ p) + prior) / (float(p @ p) + prior)
+        return float(centre)
+    y, x = y[ok], x[ok]
+    prior = prior_rows * float(x.mean()) ** 2
+    return (float(y @ x) + prior * centre) / (float(x @ x) + prior)
+
+
+def fit_scale(
+    measured: np.ndarray, predicted: np.ndarray, prior_rows: float, centre: float = 1.0
+) -> float:
+    """`fit_slope` of `measured` (positive steps only: a zero is a phase that did not run) on
+    `predicted`, clipped to `SCALE_LIMITS`: the module docstring's k."""
+    m = np.asarray(measured, float)
+    k = fit_slope(np.where(m > 0, m, np.nan), predicted, prior_rows, centre)
     return float(np.clip(k, *SCALE_LIMITS))
 
 
-def scaled_cluster(prior: Cluster, k_compute: float, k_network: float) -> Cluster:
-    """`prior` with every peak FLOP/s divided by `k_compute` and every link's bandwidth divided
-    (latency multiplied) by `k_network`."""
+def scaled_cluster(
+    prior: Cluster, k_compute: float, k_transfer: float, dispatch_s_per_row: float = 0.0
+) -> Cluster:
+    """`prior` with every peak FLOP/s divided by `k_compute`, every link's bandwidth divided
+    (latency multiplied) by `k_transfer`, and `dispatch_s_per_row` added to the dispatcher's
+    host seconds per row, forward and backward."""
     peaks = prior.peak_flops
     scaled = {
         name: (None if getattr(peaks, name) is None else getattr(peaks, name) / k_compute)
@@ -123,15 +157,24 @@ def scaled_cluster(prior: Cluster, k_compute: float, k_network: float) -> Cluste
     }
 
     def link(x: Link) -> Link:
-        return dataclasses.replace(x, bw_Bps=x.bw_Bps / k_network, lat_s=x.lat_s * k_network)
+        return dataclasses.replace(x, bw_Bps=x.bw_Bps / k_transfer, lat_s=x.lat_s * k_transfer)
 
+    host = prior.host
+    if dispatch_s_per_row:
+        host = dataclasses.replace(
+            host,
+            dispatch_fwd_s_per_row=host.dispatch_fwd_s_per_row + dispatch_s_per_row,
+            dispatch_bwd_s_per_row=host.dispatch_bwd_s_per_row + dispatch_s_per_row,
+        )
+    same = (k_compute, k_transfer, dispatch_s_per_row) == (1.0, 1.0, 0.0)
     return dataclasses.replace(
         prior,
-        name=prior.name if (k_compute, k_network) == (1.0, 1.0) else f"{prior.name}~fitted",
+        name=prior.name if same else f"{prior.name}~fitted",
         peak_flops=PeakFlops(**scaled),
         intra_node=link(prior.intra_node),
         inter_node=link(prior.inter_node),
         inter_domain=link(prior.inter_domain),
+        host=host,
     )
 
 
@@ -142,20 +185,31 @@ def fit_cluster(
     counts: np.ndarray,
     measured: np.ndarray,
     prior_rows: float = 4.0,
+    previous: Fit | None = None,
+    settled: np.ndarray | None = None,
 ) -> tuple[Cluster, Fit]:
     """The cluster fitted to `measured[S, len(MEASURED)]` (seconds per step, `across_ranks`)
-    from steps run under `plan` with `counts[S, L, D, E]`; `cost` prices on `prior`."""
+    from steps run under `plan` with `counts[S, L, D, E]` (module docstring); `cost` prices on
+    `prior`; `previous`: the last fit (its `k_transfer` is the centre and is kept when no
+    replica ran); `settled[S]` (default all): the steps whose transfers are steady (not the
+    one that carried the switch)."""
+    k_t0 = previous.k_transfer if previous is not None else 1.0
     if len(counts) == 0:
-        return prior, _fit_of(prior, cost, 1.0, 1.0, 1.0, 0)
-    predicted = predicted_phases(cost, plan, counts)
-    k_c = fit_scale(measured[:, EXPERTS], predicted[:, 0], prior_rows)
-    k_n = fit_scale(measured[:, A2A], predicted[:, 1], prior_rows)
-    fitted = scaled_cluster(prior, k_c, k_n)
-    k_t = 1.0
+        return scaled_cluster(prior, 1.0, k_t0), _fit_of(prior, cost, 1.0, k_t0, 0.0, 0)
+    base = predicted_phases(cost, plan, counts)
+    k_c = fit_scale(measured[:, EXPERTS], base[:, 0], prior_rows)
+    k_t = k_t0
     if plan.placement.copies.sum() > plan.placement.home.size:  # replicas: Trans and Agg ran
-        modelled = live_parts(CostModel(fitted, cost.spec, cost.schedule), plan, counts)[:, 1]
-        k_t = fit_scale(exposed_transfers_s(measured), modelled, prior_rows)
-    return fitted, _fit_of(prior, cost, k_c, k_n, k_t, len(counts))
+        steady = np.ones(len(counts), bool) if settled is None else np.asarray(settled, bool)
+        exposed = exposed_transfers_s(measured)[steady]
+        k_t = fit_scale(exposed, base[steady, 2], prior_rows, centre=k_t0)
+    # The all-to-all's link seconds on the fitted links are k_t times the prior's (latency and
+    # bandwidth both scale); the rest of its measured time is the dispatcher's work per row.
+    host = prior.host
+    host_s = host.dispatch_fwd_s * cost.spec.moe_layers + host.dispatch_fwd_s_per_row * base[:, 3]
+    beyond = measured[:, A2A] - k_t * base[:, 1] - host_s
+    h = max(0.0, fit_slope(beyond, base[:, 3], prior_rows, centre=0.0))
+    return scaled_cluster(prior, k_c, k_t, h), _fit_of(prior, cost, k_c, k_t, h, len(counts))
 
 
 def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
@@ -164,9 +218,9 @@ def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
     return measured[:, TRANSFERS] + measured[:, BOUNDARY]
 
 
-def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_n: float, k_t: float, rows: int) -> Fit:
+def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_t: float, h: float, rows: int) -> Fit:
     flops = prior.gemm_flops(cost.spec.gemm_dtype) / k_c
-    return Fit(k_c, k_n, k_t, rows, flops, prior.intra_node.bw_Bps / k_n)
+    return Fit(k_c, k_t, h, rows, flops, prior.intra_node.bw_Bps / k_t)
 
 
 __all__ = [
@@ -183,6 +237,7 @@ __all__ = [
     "exposed_transfers_s",
     "fit_cluster",
     "fit_scale",
+    "fit_slope",
     "live_parts",
     "predicted_phases",
     "scaled_cluster",

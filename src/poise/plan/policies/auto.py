@@ -3,10 +3,13 @@
 For each layer l and candidate c (every registered policy, plus `keep`: the placement in force),
 the cost over the next K steps (K = `horizon`, default the re-planning interval) is
 
-    total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + migrate_s[c, l]
+    total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + m * migrate_s[c, l]
 
 i.e. K steps of the candidate's recurring time plus its one-off migration from the placement in
-force. `auto` keeps, per layer, the candidate with the least total; so it moves only when the
+force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it
+to what its switches measured against the model (moving homes with their optimizer moments in
+one burst at a step boundary costs more per byte than the steady Trans and Agg the links are
+fitted to). `auto` keeps, per layer, the candidate with the least total; so it moves only when the
 gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
 step time is a sum over layers), so with no placement in force the result is never slower than
 any candidate. Candidates within relative `TIE_REL` of the least total tie; ties go to `keep`,
@@ -129,6 +132,7 @@ class Candidates:
         self, previous: Plan | None, loads: np.ndarray, ctx: PlanContext, horizon: float
     ) -> None:
         self.previous, self.loads, self.ctx, self.horizon = previous, loads, ctx, horizon
+        self.migration_scale = float(ctx.option("auto", "migration_scale", 1.0))
         L = loads.shape[0]
         fits = _fits(previous, ctx, L)
         self.trails_in: dict[str, Plan] = dict(previous.trails) if fits and previous else {}
@@ -203,7 +207,7 @@ class Candidates:
     def _add(self, labels: list[str], plans: list[Plan]) -> None:
         self.labels += labels
         self.plans += plans
-        self.best = _least_total(plans, self.horizon, self.best)
+        self.best = _least_total(plans, self.horizon, self.best, self.migration_scale)
 
 
 @register("auto")
@@ -228,7 +232,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             continue
         made.run([name])
     names, plans = made.ordered(candidates)
-    total = _totals(plans, horizon)
+    total = _totals(plans, horizon, made.migration_scale)
     layers = np.arange(L)
     choice = _choose(total, plans, names)
     home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
@@ -281,20 +285,24 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     )
 
 
-def _totals(plans: list[Plan], horizon: float) -> np.ndarray:
+def _totals(plans: list[Plan], horizon: float, migration_scale: float = 1.0) -> np.ndarray:
     """`[C, L]` each plan's cost over the horizon: K steps of its recurring time plus its
-    one-off migration."""
+    one-off migration, `migration_scale` times the model's."""
     recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])
-    return horizon * recurring + np.stack([p.cost.phases.migrate_s for p in plans])
+    migrate = np.stack([p.cost.phases.migrate_s for p in plans])
+    return horizon * recurring + migration_scale * migrate
 
 
 def _least_total(
-    plans: list[Plan], horizon: float, best: np.ndarray | None = None
+    plans: list[Plan],
+    horizon: float,
+    best: np.ndarray | None = None,
+    migration_scale: float = 1.0,
 ) -> np.ndarray | None:
     """`[L]` the least total over `plans` and `best` (None: no plan yet)."""
     if not plans:
         return best
-    least = _totals(plans, horizon).min(axis=0)
+    least = _totals(plans, horizon, migration_scale).min(axis=0)
     return least if best is None else np.minimum(best, least)
 
 

@@ -67,7 +67,12 @@ def _policy_list(value: Any) -> list[str]:
 
 
 POLICY_OPTIONS: dict[str, dict[str, Check]] = {
-    "auto": {"candidates": _policy_list, "horizon": _number(0, above=True), "prune": _boolean},
+    "auto": {
+        "candidates": _policy_list,
+        "horizon": _number(0, above=True),
+        "migration_scale": _number(0),
+        "prune": _boolean,
+    },
     "eplb": {
         "groups": _integer(1),
         "mode": _choice("auto", "hierarchical", "global"),
