@@ -675,34 +675,31 @@ class Balancer:
         )
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
-        """Make `plan` the routing of every layer now: migrate weights and optimizer state where
-        the slot maps change (replicas filled too), Trans where they do not. Collective."""
+        """Make `plan` the routing of every layer now: migrate homes with their optimizer state
+        where the slot maps change, then launch every layer's Trans under the new maps (the
+        replicas' fill) as a step boundary does: it runs under the next forward, which waits for
+        each layer's before using it (or at once without `overlap`). Collective."""
         stats = stats if stats is not None else self._current
         t0 = time.perf_counter()
         for state in self.layers:
             self._wait(state)
             new_maps = slot_maps(plan.placement, state.index, self.slots)
             if _same_maps(state.maps, new_maps):
-                if state.has_replicas:
-                    done = self._start_trans(state, refresh=True)
-                    done.wait()
-                    stats.trans_bytes += done.total_bytes
                 continue
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
-                fill_replicas=self.compression is None,
+                fill_replicas=False,
             )  # fmt: skip
             stats.migrate_bytes += moved.home_total_bytes
-            stats.trans_bytes += moved.replica_total_bytes
             stats.moved_homes += moved.moved_homes
-            if self.compression is not None:  # replicas of the new routing, compressed
-                routes = tr.trans_routes(new_maps)
-                if len(routes):
-                    done = self._compressed_trans(state, new_maps, routes, refresh=True)
-                    done.wait()
-                    stats.trans_bytes += done.total_bytes
         self._apply_routing(plan)
         self.plan = plan
+        for state in self.layers:
+            if state.has_replicas:
+                state.trans = self._start_trans(state, refresh=True)
+                stats.trans_bytes += state.trans.total_bytes
+                if not self.overlap:
+                    self._wait(state)
         stats.add_seconds("transfers", time.perf_counter() - t0)
 
     # ---------------------------------------------------------------------------- Trans
