@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from poise.core.cluster import HostCosts
 from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
@@ -44,12 +45,16 @@ def _random_layer(
         get_cluster("dgx-h100:4"),
         toy_cluster(2, 2, 2, bw=1e9, inter_bw=2e8, wan_bw=1e7),
         get_cluster("v100-ib50"),  # one NIC shared by 8 devices
+        dataclasses.replace(  # bulk transfers at 3x their link time (a live self-calibration)
+            get_cluster("v100-ib50"), host=HostCosts(transfer_scale=3.0)
+        ),
     ],
-    ids=["dgx-h100:4", "toy-3-levels", "v100-ib50"],
+    ids=["dgx-h100:4", "toy-3-levels", "v100-ib50", "v100-ib50-transfers-x3"],
 )
 def test_layer_state_is_the_price(cluster, schedule: Schedule) -> None:
     """`LayerState` prices a layer as the cost model does: links as capacities (the shared
-    NICs of v100-ib50 from their devices' summed loads), Trans a broadcast."""
+    NICs of v100-ib50 from their devices' summed loads), Trans a broadcast, bulk transfers
+    stretched by `HostCosts.transfer_scale`."""
     spec = MODELS["zipf-256"].with_(experts=64, moe_layers=1)
     cost = CostModel(cluster, spec, schedule)
     rng = np.random.default_rng(3)

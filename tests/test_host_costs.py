@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from poise.core.cluster import HostCosts
+from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement
 from poise.cost.host import (
     dense_rates,
@@ -117,20 +118,54 @@ def test_the_cost_model_prices_the_host_terms_by_hand() -> None:
     assert priced.layer_s[0] == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["sync", "pipelined(4)", "prophet"])
-def test_every_policy_prices_its_plan_with_the_host_terms(schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "transfer_scale"), [("sync", 1.0), ("pipelined(4)", 1.0), ("prophet", 1.0),
+                                     ("sync", 3.0), ("prophet", 3.0)]
+)  # fmt: skip
+def test_every_policy_prices_its_plan_with_the_host_terms(
+    schedule: str, transfer_scale: float
+) -> None:
     """On a calibrated cluster each policy's plan costs what `CostModel.price` says, including
-    those that hand `finish_plan` the price their search kept (`vexpert`, `prophet`)."""
+    those that hand `finish_plan` the price their search kept (`vexpert`, `prophet`, `hybrid`),
+    with bulk transfers at `transfer_scale` times their link time too."""
     from poise.cost.schedule import parse_schedule
     from poise.plan.policies import REGISTRY, PlanContext, make_plan
 
-    cluster = dataclasses.replace(toy_cluster(4, 2, bw=1e10, inter_bw=1e9, flops=1e12), host=HOST)
+    host = dataclasses.replace(HOST, transfer_scale=transfer_scale)
+    cluster = dataclasses.replace(toy_cluster(4, 2, bw=1e10, inter_bw=1e9, flops=1e12), host=host)
     spec = toy_spec(experts=16, layers=2, d_model=64, d_expert=128, tokens=4096, non_moe=1e6)
     cost = CostModel(cluster, spec, parse_schedule(schedule))
     ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=cost)
     rng = np.random.default_rng(5)
     loads = np.floor(200 * rng.zipf(1.3, size=(2, 8, 16)).astype(float))
+    first = make_plan("eplb", loads, None, ctx)  # a placement in force: later plans migrate
     for policy in sorted(REGISTRY):
         plan = make_plan(policy, loads, None, ctx)
         assert plan.cost.phases.dispatch_host_fwd_s.min() > 1e-4, policy
         assert_priced_as_the_cost_model(plan, cost, loads, device_load_rtol=1e-9)
+        again = make_plan(policy, loads[::-1].copy(), first, ctx)
+        assert_priced_as_the_cost_model(again, cost, loads[::-1].copy(), device_load_rtol=1e-9)
+
+
+def test_transfer_scale_stretches_bulk_transfers_not_tokens() -> None:
+    """`HostCosts.transfer_scale`: Trans, Agg and migration take k times their link time, the
+    token all-to-all and the compute do not. The replica case of tests/test_cost.py (Trans =
+    Agg = 256 ns: one 256-byte expert at 1e9 B/s; all-to-all 2 x 20 x 16 B = 640 ns) with one
+    home moved (migration 256 B of weights + its optimizer bytes)."""
+    spec = toy_spec(experts=2)
+    base = toy_cluster(bw=1e9, flops=1e9)
+    p = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    p.copies[0, 0, 1] = 1
+    counts = np.array([[[10, 30], [20, 40]]], dtype=float)
+    moves = np.array([[0, 0, 0, 1]])  # layer 0, expert 0: home 0 -> 1
+    one = CostModel(base, spec).phases(p, Assignment.to_home(p), counts, moves)[0]
+    scaled = dataclasses.replace(base, host=HostCosts(transfer_scale=3.0))
+    three = CostModel(scaled, spec).phases(p, Assignment.to_home(p), counts, moves)[0]
+    assert one.trans_s[0] == pytest.approx(256e-9) and one.agg_s[0] == pytest.approx(256e-9)
+    assert three.trans_s[0] == pytest.approx(3 * 256e-9)
+    assert three.agg_s[0] == pytest.approx(3 * 256e-9)
+    assert one.migrate_s[0] > 0 and three.migrate_s[0] == pytest.approx(3 * one.migrate_s[0])
+    assert three.dispatch_s[0] == one.dispatch_s[0] == pytest.approx(640e-9 / 2)
+    assert three.expert_fwd_s[0] == one.expert_fwd_s[0]
+    with pytest.raises(ConfigError, match="transfer_scale"):
+        HostCosts(transfer_scale=0.0)

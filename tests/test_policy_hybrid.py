@@ -331,12 +331,24 @@ def test_routing_is_group_local_and_cuts_price_as_the_cost_model(
         assert np.diff(pairs.start).max() + 1 > PREFIX_EXACT + PREFIX_POINTS
 
 
-@pytest.mark.parametrize("cluster_name", ["dgx-h100:2", "a800-eth10:2", "a800-eth10:4"])
-def test_the_chosen_states_price_as_the_cost_model(cluster_name: str) -> None:
+@pytest.mark.parametrize(
+    ("cluster_name", "transfer_scale"),
+    [("dgx-h100:2", 1.0), ("a800-eth10:2", 1.0), ("a800-eth10:4", 1.0), ("a800-eth10:2", 3.0)],
+)
+def test_the_chosen_states_price_as_the_cost_model(
+    cluster_name: str, transfer_scale: float
+) -> None:
     """`hybrid` hands `finish_plan` the per-device state of each layer's chosen cut; under every
     schedule it equals `CostModel.price` of the plan (group-local routing included), first from
-    nothing and then re-planned from its own plan."""
+    nothing and then re-planned from its own plan; with bulk transfers stretched
+    (`HostCosts.transfer_scale`) too."""
+    import dataclasses
+
+    from poise.core.cluster import HostCosts
+
     cluster = get_cluster(cluster_name)
+    if transfer_scale != 1.0:
+        cluster = dataclasses.replace(cluster, host=HostCosts(transfer_scale=transfer_scale))
     D = cluster.num_devices
     spec = ModelSpec("h", 256, 512, experts=2 * D, top_k=2, moe_layers=3, tokens_per_device=512)
     replicated = 0

@@ -493,18 +493,20 @@ def test_self_calibration_fits_the_scales() -> None:
     from tests.helpers import toy_cluster
 
     prior = toy_cluster(2, bw=1e9, flops=1e9, lat=1e-6)
-    fitted = selfcal.scaled_cluster(prior, 2.0, 4.0)
+    fitted = selfcal.scaled_cluster(prior, 2.0, 4.0, 1e-7)
     assert fitted.gemm_flops("fp32") == prior.gemm_flops("fp32") / 2
-    assert fitted.intra_node.bw_Bps == 1e9 / 4 and fitted.intra_node.lat_s == 4e-6
+    assert fitted.host.transfer_scale == 4.0 and fitted.intra_node == prior.intra_node
+    assert fitted.host.dispatch_fwd_s_per_row == fitted.host.dispatch_bwd_s_per_row == 1e-7
 
 
 def test_self_calibration_fits_compute_transfers_and_dispatch_by_hand() -> None:
     """`_replica_case`'s replica plan, modelled per step: expert forward 60 * 128 FLOP / 1e9 =
     7,680 ns (d0's 60 tokens), dispatch + combine 2 * 20 * 16 B / 1e9 = 640 ns, Trans + Agg
     512 ns, the busiest dispatcher 100 rows (d0: 40 routed + 60 computed; d1: 60 + 40). Steps
-    measured at 2x the compute, 3x the transfers and 3x the link plus 100 ns per row: without
-    a prior the fit recovers exactly 2, 3 and 100 ns, and the fitted cluster prices the plan's
-    transfers at 3 * 512 ns and its dispatcher at 100 ns per row."""
+    measured at 2x the compute, 3x the transfers and the link plus 100 ns per row: without a
+    prior the fit recovers exactly 2, 3 and 100 ns, and the fitted cluster prices the plan's
+    transfers at 3 * 512 ns, its all-to-all at the link's 640 ns and its dispatcher at 100 ns
+    per row."""
     from poise.runtime import selfcal
     from poise.runtime.selfcal import A2A, BOUNDARY, EXPERTS, TRANSFERS
 
@@ -515,15 +517,17 @@ def test_self_calibration_fits_compute_transfers_and_dispatch_by_hand() -> None:
     measured[:, EXPERTS] = 2 * 7_680e-9 * scale
     measured[:, TRANSFERS] = 3 * 512e-9 - 100e-9  # Trans + Agg do not grow with tokens
     measured[:, BOUNDARY] = 100e-9
-    measured[:, A2A] = (3 * 640e-9 + 100e-9 * 100) * scale
+    measured[:, A2A] = (640e-9 + 100e-9 * 100) * scale
     fitted, fit = selfcal.fit_cluster(cost.cluster, cost, replica, steps, measured, prior_rows=0)
     assert fit.k_compute == pytest.approx(2.0)
     assert fit.k_transfer == pytest.approx(3.0)
     assert fit.dispatch_s_per_row == pytest.approx(100e-9)
-    assert fitted.intra_node.bw_Bps == pytest.approx(1e9 / 3)
+    assert fitted.host.transfer_scale == pytest.approx(3.0)
+    assert fitted.intra_node == cost.cluster.intra_node
     assert fitted.host.dispatch_fwd_s_per_row == pytest.approx(100e-9)
     phases, _ = CostModel(fitted, cost.spec).phases(replica.placement, replica.assignment, counts)
     assert float((phases.trans_s + phases.agg_s).sum()) == pytest.approx(3 * 512e-9)
+    assert float((phases.dispatch_s + phases.combine_s).sum()) == pytest.approx(640e-9)
     assert float(phases.dispatch_host_fwd_s.sum()) == pytest.approx(100 * 100e-9)
     # A step whose boundary carried the switch is left out of the transfer fit; a plan without
     # replicas keeps the previous fit's k_transfer (and the prior pulls towards it).

@@ -153,7 +153,11 @@ HOST_FIELDS = (
     "clip_s_per_param",
     "allreduce_lat_s",
     "allreduce_bw_Bps",
+    "transfer_scale",
 )
+# fields that must be > 0 (the others >= 0), and those whose default is not 0
+_POSITIVE_HOST = ("dense_fwd_flops", "dense_bwd_flops", "allreduce_bw_Bps", "transfer_scale")
+_HOST_DEFAULTS = {"transfer_scale": 1.0}
 # fields that may be left out (None): the rate or link the cost model used before
 OPTIONAL_HOST_FIELDS = ("dense_fwd_flops", "dense_bwd_flops", "allreduce_lat_s", "allreduce_bw_Bps")
 
@@ -178,7 +182,11 @@ class HostCosts:
       gradient norm and clipping `clip_s + clip_s_per_param * params` over a device's
       parameters; the dense gradients' all-reduce `allreduce_lat_s + bytes /
       allreduce_bw_Bps` (measured between the devices), or with None the hierarchical
-      all-reduce on the cluster's links (`poise.cost.collectives.hierarchical_allreduce_s`)."""
+      all-reduce on the cluster's links (`poise.cost.collectives.hierarchical_allreduce_s`);
+    - bulk expert transfers (Trans, Agg, migration) take `transfer_scale` times their link
+      time: the packing and copying of expert rows beyond the wire, which on CPU ranks over
+      gloo dominates (the live Balancer fits it, `poise.runtime.selfcal`); the token
+      all-to-all's extra is `dispatch_*` instead."""
 
     dense_fwd_flops: float | None = None
     dense_fwd_half_tokens: float = 0.0
@@ -194,13 +202,14 @@ class HostCosts:
     clip_s_per_param: float = 0.0
     allreduce_lat_s: float | None = None
     allreduce_bw_Bps: float | None = None
+    transfer_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if value is None and name in OPTIONAL_HOST_FIELDS:
                 continue
-            positive = name.endswith("flops") or name.endswith("Bps")
+            positive = name in _POSITIVE_HOST
             if value is None or not np.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise ConfigError(
                     f"must be {'> 0' if positive else '>= 0'}, got {value!r}",
@@ -228,8 +237,8 @@ class HostCosts:
         reject_unknown(data, set(HOST_FIELDS), source, "host.")
         kwargs: dict[str, Any] = {}
         for name in HOST_FIELDS:
-            positive = name.endswith("flops") or name.endswith("Bps")
-            default = None if name in OPTIONAL_HOST_FIELDS else 0.0
+            positive = name in _POSITIVE_HOST
+            default = None if name in OPTIONAL_HOST_FIELDS else _HOST_DEFAULTS.get(name, 0.0)
             kwargs[name] = get_number(
                 data,
                 name,

@@ -313,6 +313,7 @@ class LayerState:
         trans = np.maximum(slowest[..., self.T_PAR_PORT], groups[..., 1])
         a2a = a2a + slowest[..., self.T_TOK_PORT + 1]
         trans = trans + slowest[..., self.T_PAR_PORT + 1]
+        trans = trans * self.cost.cluster.host.transfer_scale
         return slowest[..., self.T_COMP], a2a, trans
 
     def layer_s_from_parts(self, slowest: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -549,8 +550,9 @@ class ExpertColumns:
         send = np.moveaxis(send * scale, 2, 0)  # [level, M, kind, D]
         recv = np.moveaxis(recv * scale, 2, 0)
         link_s = link_seconds(self.cost.cluster, send, recv)  # [M, kind]
-        a2a, trans = link_s[:, 0], link_s[:, 1]
-        mig = link_s[:, 2] if kinds == 3 else np.zeros(M)
+        bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
+        a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
+        mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
         fec = totals[:, ROW_COMP].max(axis=1)
         fnec, bnec = np.full(M, self.fnec), np.full(M, self.bnec)
         return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)

@@ -268,7 +268,7 @@ class PlanPricer:
         self.placement, self.assignment = placement, assignment
         self.routing = Routing(cluster, placement, assignment)
         t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        self.trans_s = link_time(cluster, t_send, t_recv)  # [L]
+        self.trans_s = link_time(cluster, t_send, t_recv) * cluster.host.transfer_scale  # [L]
         self.fnec_s, self.bnec_s = cost.non_moe_s
 
     def phases(
@@ -308,7 +308,7 @@ class PlanPricer:
             a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
         if migrations is not None and len(migrations):
             m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
-            mig = link_time(cluster, m_send, m_recv)
+            mig = link_time(cluster, m_send, m_recv) * cluster.host.transfer_scale
         else:
             mig = np.zeros(L)
         fnec, bnec = np.full(L, self.fnec_s), np.full(L, self.bnec_s)

@@ -16,17 +16,20 @@ a least-squares fit through the origin over a window of steps, pulled towards it
    cluster's peak FLOP/s are the preset's divided by it (centre 1).
 2. `k_transfer`: exposed transfer seconds over the model's Trans + Agg, on steps whose plan
    has replicas (the step that carried the switch left out: its boundary holds the one-off
-   migration); every link's bandwidth is divided (latency multiplied) by it, so Trans, Agg and
-   migration, bulk messages, are priced at the rate this run moves them. Centre: the previous
+   migration); the fitted cluster's bulk transfers (Trans, Agg, migration:
+   `HostCosts.transfer_scale`) take k_transfer times as long, so they are priced at the rate
+   this run moves them, while the token all-to-all stays on the prior's links. Centre: the previous
    fit's value (1 before any), which is also kept when no replica ran in the window.
 3. `dispatch_s_per_row`: the token all-to-all's measured seconds beyond its link time on the
-   fitted links, per row the busiest device's dispatcher handles (sent + received, summed over
+   prior's links, per row the busiest device's dispatcher handles (sent + received, summed over
    layers): the dispatcher's host work (`poise.cost.host`, the linear form `poise calibrate`
    fits), added to the prior's, forward and backward alike (centre 0 beyond the prior's).
 
-A single scale on the links for both (the earlier form) priced a 10 MB Trans at the rate of the
-token all-to-all, whose time on CPU ranks is mostly host work per row: 30-50 times the link's,
-so every replica looked too dear to keep. Plans are priced, and chosen, with the fitted cluster.
+One scale on the links for both would price them alike: fitted to the all-to-all (whose time on
+CPU ranks is mostly host work per row, 30-50 times the link's) a 10 MB Trans looked too dear to
+keep any replica; fitted to the transfers (7-18 times the link's) the all-to-all's link term
+exceeds what it measures, and a replica that keeps tokens local is credited with a saving in
+bytes the run does not see. Plans are priced, and chosen, with the fitted cluster.
 The fit is NumPy only: it runs on the background planner's thread.
 """
 
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.core.cluster import Cluster, Link, PeakFlops
+from poise.core.cluster import Cluster, PeakFlops
 from poise.core.placement import Plan
 from poise.cost.host import dispatch_rows
 from poise.cost.model import CostModel
@@ -57,8 +60,8 @@ SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: c
 @dataclass(frozen=True)
 class Fit:
     """Fitted constants (module docstring; 1.0 and 0.0 = the preset), the steps they came from,
-    and the fitted figures: large-GEMM FLOP/s in the model's compute dtype, intra-node
-    bandwidth."""
+    and the fitted figures: large-GEMM FLOP/s in the model's compute dtype, and the intra-node
+    bandwidth bulk transfers see (the prior link's over `k_transfer`)."""
 
     k_compute: float = 1.0
     k_transfer: float = 1.0
@@ -147,33 +150,27 @@ def fit_scale(
 def scaled_cluster(
     prior: Cluster, k_compute: float, k_transfer: float, dispatch_s_per_row: float = 0.0
 ) -> Cluster:
-    """`prior` with every peak FLOP/s divided by `k_compute`, every link's bandwidth divided
-    (latency multiplied) by `k_transfer`, and `dispatch_s_per_row` added to the dispatcher's
-    host seconds per row, forward and backward."""
+    """`prior` with every peak FLOP/s divided by `k_compute`, its bulk transfers (Trans, Agg,
+    migration: `HostCosts.transfer_scale`) `k_transfer` times as long, and `dispatch_s_per_row`
+    added to the dispatcher's host seconds per row, forward and backward. The links stay as
+    the prior gives them: the token all-to-all is priced on them plus the dispatcher's work."""
     peaks = prior.peak_flops
     scaled = {
         name: (None if getattr(peaks, name) is None else getattr(peaks, name) / k_compute)
         for name in ("fp32", "tf32", "bf16", "fp16")
     }
-
-    def link(x: Link) -> Link:
-        return dataclasses.replace(x, bw_Bps=x.bw_Bps / k_transfer, lat_s=x.lat_s * k_transfer)
-
     host = prior.host
-    if dispatch_s_per_row:
-        host = dataclasses.replace(
-            host,
-            dispatch_fwd_s_per_row=host.dispatch_fwd_s_per_row + dispatch_s_per_row,
-            dispatch_bwd_s_per_row=host.dispatch_bwd_s_per_row + dispatch_s_per_row,
-        )
+    host = dataclasses.replace(
+        host,
+        transfer_scale=host.transfer_scale * k_transfer,
+        dispatch_fwd_s_per_row=host.dispatch_fwd_s_per_row + dispatch_s_per_row,
+        dispatch_bwd_s_per_row=host.dispatch_bwd_s_per_row + dispatch_s_per_row,
+    )
     same = (k_compute, k_transfer, dispatch_s_per_row) == (1.0, 1.0, 0.0)
     return dataclasses.replace(
         prior,
         name=prior.name if same else f"{prior.name}~fitted",
         peak_flops=PeakFlops(**scaled),
-        intra_node=link(prior.intra_node),
-        inter_node=link(prior.inter_node),
-        inter_domain=link(prior.inter_domain),
         host=host,
     )
 
@@ -203,11 +200,11 @@ def fit_cluster(
         steady = np.ones(len(counts), bool) if settled is None else np.asarray(settled, bool)
         exposed = exposed_transfers_s(measured)[steady]
         k_t = fit_scale(exposed, base[steady, 2], prior_rows, centre=k_t0)
-    # The all-to-all's link seconds on the fitted links are k_t times the prior's (latency and
-    # bandwidth both scale); the rest of its measured time is the dispatcher's work per row.
+    # The all-to-all is priced on the prior's links; the rest of its measured time is the
+    # dispatcher's work per row.
     host = prior.host
     host_s = host.dispatch_fwd_s * cost.spec.moe_layers + host.dispatch_fwd_s_per_row * base[:, 3]
-    beyond = measured[:, A2A] - k_t * base[:, 1] - host_s
+    beyond = measured[:, A2A] - base[:, 1] - host_s
     h = max(0.0, fit_slope(beyond, base[:, 3], prior_rows, centre=0.0))
     return scaled_cluster(prior, k_c, k_t, h), _fit_of(prior, cost, k_c, k_t, h, len(counts))
 
