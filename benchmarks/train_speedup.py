@@ -196,7 +196,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     w = measured(st, skip)
     fwd = st.moe_phases.get("experts", np.zeros(len(st.step_s)))[w]
     own = st.device_tokens[w][:, :, 0].sum(axis=1)
-    c_run = 3.0 * float(np.polyfit(own, fwd, 1)[0]) if len(own) > 2 else float("nan")
+    varies = len(own) > 2 and np.ptp(own) > 0
+    c_run = 3.0 * float(np.polyfit(own, fwd, 1)[0]) if varies else float("nan")
     static_ph = {
         k: statistics.median(phase_ms(x, skip)[k] for x in runs["static"])
         for k in runs["static"][0].phases
