@@ -191,8 +191,8 @@ class Balancer:
       (`poise.runtime.guard`); False: adopt every plan that differs from the one in force;
       `guard_margin`: the switch must be paid (1 + margin) times; `guard_horizon`: steps a plan
       is expected to serve (default `replan_every`);
-    - `calibrate`: fit the cluster's compute and network constants to this run's measured
-      phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
+    - `calibrate`: fit the cluster's compute, transfer and dispatch constants to this run's
+      measured phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
     - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
@@ -763,7 +763,7 @@ def _with_migration_scale(
 ) -> dict[str, dict[str, Any]]:
     """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
     switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`) divided
-    by the fitted links' scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
+    by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
     charges a migration what the guard will."""
     out = {k: dict(v) for k, v in options.items()}
     out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))

@@ -8,10 +8,11 @@ phases (`poise.runtime.selfcal.live_parts`, priced on the self-calibrated cluste
     transfers = Trans + Agg (the model's seconds before any overlap)
     live_s    = busy + k * transfers
 
-priced on the self-calibrated cluster, whose links move bulk bytes at the rate this run's
-exposed transfers measured (Trans waits and Agg in the step, Trans launches at the boundary:
-`selfcal`'s `k_transfer`) and whose dispatcher pays the host work per row the token
-all-to-all measured, so `k` = 1 (`decide` takes another `k_transfer` for a further scale).
+priced on the self-calibrated cluster, whose bulk transfers take the time this run's exposed
+transfers measured (Trans waits and Agg in the step, Trans launches at the boundary:
+`selfcal`'s `k_transfer` as `HostCosts.transfer_scale`) and whose dispatcher pays the host
+work per row the token all-to-all measured, so `k` = 1 (`decide` takes another `k_transfer`
+for a further scale).
 The non-MoE work is the same under every placement and cancels.
 
 Adoption (`SwitchGuard.decide`). A candidate is priced against the plan in force on the forecast

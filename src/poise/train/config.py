@@ -18,8 +18,8 @@ by that step's counts (`Balancer(split_tokens=...)`, `poise.core.token_split`); 
 plan's fixed shares;
 `balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
 the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
-`self_calibrate` (default on): plans are priced with the cluster's compute and network constants
-fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
+`self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
+constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 """
 
 from __future__ import annotations
