@@ -8,6 +8,8 @@
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
   `migrate`, their async variants and byte counts);
 - `balancer`: `Balancer`, which records loads, plans and applies plans between steps;
+- `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
+  slots cost no optimizer work);
 - `stats`: `StepStats`, what the Balancer records per step;
 - `parallel` (+ `parallel_groups`, `tensor_parallel`, `expert_shard`, `parallel_choice`): Parm's
   MP + EP + ESP MoE layer with its schedules `baseline`, `s1`, `s2` and `auto`;
@@ -25,6 +27,8 @@ _EXPORTS = {
     "PlanMismatchError": "balancer",
     "default_cluster": "balancer",
     "spec_from_layers": "balancer",
+    "HomeRowsAdamW": "home_optimizer",
+    "home_rows": "home_optimizer",
     "LayerLoads": "stats",
     "StepStats": "stats",
     "layer_loads": "stats",

@@ -2,7 +2,7 @@
 
     model = MyModel(...)        # poise.nn.MoE layers, then
     apply_expert_parallel(model, group, num_slots=E // D + 1)     # spare slots for replicas
-    opt = torch.optim.AdamW(model.parameters(), ...)
+    opt = HomeRowsAdamW(model.parameters(), home_rows(model), ...)  # AdamW on home rows
     balancer = Balancer(model, opt, policy="auto", replan_every=10)  # every rank, collective
     for batch in data:
         loss = model(batch).loss

@@ -104,14 +104,20 @@ def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
 
 
 def make_optimizer(model: GPTMoE, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and expert tensors), none on norm weights."""
+    """AdamW; weight decay on matrices (and expert tensors), none on norm weights. Stacked
+    expert tensors are stepped on their home rows only (`HomeRowsAdamW`: a balancing run's
+    spare slots cost no optimizer work; the mathematics is AdamW's)."""
+    from poise.runtime.home_optimizer import HomeRowsAdamW, home_rows
+
     decay, no_decay = [], []
     for p in model.parameters():
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return HomeRowsAdamW(
+        groups, home_rows(model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
 
 
 def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
