@@ -319,7 +319,9 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     assert "no-gain" in costly["decisions"], costly
     assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly
     assert balanced["switched_at"] == [] and balanced["bytes"] == 0, balanced
-    assert len(balanced["decisions"]) == 4  # decided at steps 3, 5, 7, 9: all kept static
+    # nothing to gain repaid the planner's CPU (it shares the cores): decided at steps 3 and 7,
+    # the re-plan at 4 skipped, then those at 8 and 10 (the backoff doubles); all kept static
+    assert balanced["decisions"] == ["idle", "idle"], balanced
     fit = balanced["fits"][-1]  # the self-calibration saw the steps and fitted its constants
     assert fit["rows"] > 0 and fit["k_compute"] > 0, fit
     assert fit["k_transfer"] == 1.0, fit  # no replica ran: the prior's links stay
@@ -371,8 +373,10 @@ def test_one_process_balancer_records_and_plans() -> None:
         balancer.step()
         opt.zero_grad()
     stats = list(balancer.stats)
-    assert [s.replanned for s in stats] == [False, True, False, True]
-    assert all(s.decision for s in stats[1::2]) and stats[1].seconds["plan"] > 0
+    # one rank: nothing to gain, so the planner's CPU (shared with the rank) backs planning off
+    assert [s.replanned for s in stats] == [False, True, False, False]
+    assert stats[1].decision == "idle" and stats[1].seconds["plan"] > 0
+    assert stats[1].seconds["plan_cpu"] > 0 and balancer.guard.idles == 1
     assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
     assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
     assert stats[-1].as_dict()["step"] == 3
@@ -403,18 +407,30 @@ def test_bad_arguments_are_config_errors() -> None:
 
 
 def test_guard_prices_switches_with_what_they_measured() -> None:
-    from poise.runtime.guard import Assessment, SwitchGuard
+    from poise.runtime.guard import Assessment, Decision, SwitchGuard
 
     guard = SwitchGuard(horizon=10, margin=0.2)
     plan = Assessment(False, switch_s=0.5, current_busy_s=1.0, candidate_busy_s=0.9)  # 0.1 s/step
     assert guard.decide(plan).adopt  # 1.0 s over 10 steps > 1.2 * 0.5 s
     assert not guard.decide(plan, wait_s=0.4).adopt  # the planner's delay counts
     assert not SwitchGuard(horizon=2).decide(plan).adopt  # 0.2 s over 2 steps: no
+    before = guard.decide(plan, switch_prior=4.0)  # no switch measured yet: the prior scales
+    assert not before.adopt and before.switch_s == 2.0
     guard.record_switch(measured_s=2.0, modelled_s=0.5)  # switches cost 4x the model here
     decision = guard.decide(plan)
     assert not decision.adopt and decision.reason == "no-gain" and decision.switch_s == 2.0
+    assert guard.decide(plan, switch_prior=0.1).switch_s == 2.0  # measured beats the prior
+    guard.record_switch(measured_s=1.0, modelled_s=0.5)
+    assert guard.k_switch == 3.0  # the mean ratio over the switches: (4 + 2) / 2
     assert guard.decide(Assessment(same=True)).reason == "same"
     assert SwitchGuard(horizon=2, enabled=False).decide(plan).adopt  # guard off: adopt
+    refused = Decision(False, "no-gain", gain_s=0.05, switch_s=1.0)
+    assert not guard.planning_pays(refused, planning_s=0.1)  # the planner cost more
+    assert guard.planning_pays(refused, planning_s=0.01)
+    assert guard.planning_pays(Decision(True, "adopt"), planning_s=1.0)
+    idle = SwitchGuard(horizon=10)
+    idle.planning_idle()  # planning that did not pay backs off like a fallback
+    assert idle.skip_replan() and not idle.skip_replan() and idle.fallbacks == 0
     guard.fell_back()  # a fallback skips the next re-plan, doubling on repeats
     assert guard.skip_replan() and not guard.skip_replan()
     guard.fell_back()

@@ -279,6 +279,8 @@ class Balancer:
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         self.planner = BackgroundPlanner()
+        # the planner thread takes CPU from the ranks where they compute on the cores
+        self._planner_shares_cores = self.layers[0].params[0].device.type == "cpu"
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
@@ -579,7 +581,7 @@ class Balancer:
         judge = current.digest() != static.digest()
         policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
         calibrate, split_tokens = self.calibrate, self.split_tokens
-        k_switch = self.guard.k_switch
+        measured_switch = self.guard.k_switch if self.guard.switches else None
 
         def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit, Verdict | None]:
             cluster, fit = prior, selfcal.Fit()
@@ -594,6 +596,7 @@ class Balancer:
             if judge:
                 paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
             loads = predictor.predict(history)
+            k_switch = fit.k_transfer if measured_switch is None else measured_switch
             opts = _with_migration_scale(options, k_switch / fit.k_transfer)
             ctx = _planning_context(cluster, spec, slots, history, opts, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
@@ -613,10 +616,14 @@ class Balancer:
         stats.replanned = True
         stats.fit = fit.as_dict()
         fallback = False
-        if self.plan.digest() != self.static_plan.digest():
+        on_static = self.plan.digest() == self.static_plan.digest()
+        if not on_static:
             fallback = not self.guard.pays(paid)
-        decision = self.guard.decide(assessment, done.wait_s)
-        refuse, fallback = self._vote(plan, not decision.adopt, fallback)
+        decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)
+        planning_s = done.cpu_s if self._planner_shares_cores else 0.0
+        stats.add_seconds("plan_cpu", planning_s)
+        idle = on_static and not self.guard.planning_pays(decision, planning_s)
+        refuse, fallback, idle = self._vote(plan, not decision.adopt, fallback, idle)
         stats.gain_s, stats.switch_cost_s = decision.gain_s, decision.switch_s
         stats.predicted_step_s = assessment.candidate_s if not refuse else assessment.current_s
         if fallback:
@@ -626,25 +633,31 @@ class Balancer:
             return True
         if refuse:
             stats.decision = decision.reason if decision.reason != "adopt" else "vetoed"
+            if idle:
+                stats.decision = "idle"
+                self.guard.planning_idle()
             return False
         self.guard.kept()
         stats.decision = decision.reason
         self._switch(plan, stats, assessment.switch_s, done.wait_s)
         return True
 
-    def _vote(self, plan: Plan, refuse: bool, fallback: bool) -> tuple[bool, bool]:
+    def _vote(
+        self, plan: Plan, refuse: bool, fallback: bool, idle: bool = False
+    ) -> tuple[bool, bool, bool]:
         """One all-reduce (MAX) over the vote group: any rank refusing refuses, any rank falling
-        back falls back; the plan's digest is compared too (`PlanMismatchError`)."""
+        back falls back, any rank whose planning did not pay backs off (every rank then skips
+        the same re-plans); the plan's digest is compared too (`PlanMismatchError`)."""
         group = self.vote_group if self.vote_group is not None else self.group
         if self.world_size == 1 and self.vote_group is None:
-            return refuse, fallback
+            return refuse, fallback, idle
         h = plan.digest()
-        t = torch.tensor([h, -h, int(refuse), int(fallback)], dtype=torch.long)
+        t = torch.tensor([h, -h, int(refuse), int(fallback), int(idle)], dtype=torch.long)
         t = t.to(comm_device(group, "cpu"))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if self.check_plans and int(t[0]) != -int(t[1]):
             self._mismatch()
-        return bool(t[2]), bool(t[3])
+        return bool(t[2]), bool(t[3]), bool(t[4])
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
         """Apply `plan` now and start measuring it."""
@@ -762,7 +775,8 @@ def _with_migration_scale(
     options: Mapping[str, Mapping[str, Any]], scale: float
 ) -> dict[str, dict[str, Any]]:
     """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
-    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`) divided
+    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
+    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
     by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
     charges a migration what the guard will."""
     out = {k: dict(v) for k, v in options.items()}

@@ -23,10 +23,12 @@ loads:
 
 with `horizon` the steps the plan serves before the next re-plan, `migrate_s + fill_s` the
 modelled one-off transfers (homes moved with their optimizer state, new replicas filled),
-`k_switch` the measured / modelled ratio of the switches this run already made (1 before the
-first), and `wait_s` the seconds the boundary waited for the planner. The plan is adopted iff
-`gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in force (same
-placement and assignment) is skipped outright: no transfer, no routing change.
+`k_switch` the measured / modelled ratio of the switches this run already made (before the
+first, the prior the caller passes: the Balancer's is `k_transfer`, the scale this run's other
+bulk transfers measured against the same prior cluster, since a migration is bulk transfers of
+weights and moments), and `wait_s` the seconds the boundary waited for the planner. The plan
+is adopted iff `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in
+force (same placement and assignment) is skipped outright: no transfer, no routing change.
 
 Keeping it (`SwitchGuard.pays`). A counterfactual on the same steps, not a comparison of wall
 clocks across time (on a shared machine two runs of the same static layout differ by more than
@@ -36,6 +38,13 @@ counts those steps routed with the fitted cluster, and the cost is the transfer 
 steps measured. When the saving does not exceed the cost, the Balancer goes back to the static
 layout and skips the next `backoff` re-plans (doubling after each fallback in a row, up to
 `max_backoff`).
+
+Planning itself (`SwitchGuard.planning_pays`). Where the planner thread shares the cores with
+the training ranks (CPU devices), its CPU seconds slow the step as surely as a transfer. While
+the static layout is in force, a re-plan whose best candidate was refused and would not have
+saved even those seconds over its horizon says there is nothing here worth planning for: the
+next re-plans are skipped with the same doubling backoff as after a fallback (reset when a plan
+is adopted). On accelerators the charge is 0 and planning never backs off for its own cost.
 
 Every input is identical on every rank (gathered measurements, the same plan from the same
 loads); the Balancer still takes a vote across ranks (any rank refusing refuses), so a rank's
@@ -167,19 +176,31 @@ class SwitchGuard:
         self.backoff = int(backoff)
         self.max_backoff = int(max_backoff)
         self.enabled = enabled
-        self.k_switch = 1.0
-        self._switches = 0
+        self.k_switch = 1.0  # the mean measured / modelled ratio once `switches` > 0
+        self.switches = 0
         self.fallbacks = 0
+        self.idles = 0  # re-plans that did not pay for their planning
         self._skip = 0  # re-plans still to skip
         self._next_backoff = self.backoff
 
     # ------------------------------------------------------------------ adoption
-    def decide(self, a: Assessment, wait_s: float = 0.0, k_transfer: float = 1.0) -> Decision:
-        """Adopt or not (see the module docstring)."""
+    def switch_scale(self, prior: float = 1.0) -> float:
+        """`k_switch`: the switches' measured / modelled ratio, `prior` before any was measured."""
+        return self.k_switch if self.switches else float(prior)
+
+    def decide(
+        self,
+        a: Assessment,
+        wait_s: float = 0.0,
+        k_transfer: float = 1.0,
+        switch_prior: float = 1.0,
+    ) -> Decision:
+        """Adopt or not (see the module docstring); `switch_prior` is `k_switch` until a switch
+        was measured."""
         if a.same:
             return Decision(False, "same")
         gain = a.live_gain_s(k_transfer) * self.horizon
-        switch = self.k_switch * a.switch_s + max(0.0, wait_s)
+        switch = self.switch_scale(switch_prior) * a.switch_s + max(0.0, wait_s)
         if not self.enabled:
             return Decision(True, "off", gain, switch)
         ok = gain > 0 and gain > (1.0 + self.margin) * switch
@@ -190,9 +211,13 @@ class SwitchGuard:
         ratio over the switches so far."""
         if not (measured_s > 0 and modelled_s > 0):
             return
-        self._switches += 1
+        self.switches += 1
         ratio = measured_s / modelled_s
-        self.k_switch += (ratio - self.k_switch) / self._switches
+        self.k_switch = (
+            ratio
+            if self.switches == 1
+            else (self.k_switch + (ratio - self.k_switch) / self.switches)
+        )
 
     # ------------------------------------------------------------------ keeping it
     def pays(self, v: Verdict | None) -> bool:
@@ -205,6 +230,20 @@ class SwitchGuard:
     def fell_back(self) -> None:
         """Record a fallback: skip the next re-plans (doubling on repeats)."""
         self.fallbacks += 1
+        self._back_off()
+
+    def planning_pays(self, decision: Decision, planning_s: float) -> bool:
+        """Whether a re-plan was worth its `planning_s` (the planner's seconds charged to the
+        step): it adopted, or its candidate's gain over the horizon exceeded them."""
+        return not self.enabled or decision.adopt or decision.gain_s > planning_s
+
+    def planning_idle(self) -> None:
+        """Record a re-plan that did not pay for itself: skip the next re-plans (doubling on
+        repeats, as after a fallback)."""
+        self.idles += 1
+        self._back_off()
+
+    def _back_off(self) -> None:
         self._skip = self._next_backoff
         self._next_backoff = min(self.max_backoff, max(1, 2 * self._next_backoff))
 

@@ -14,8 +14,9 @@ rank) and the policy is deterministic, so every rank gets the same plan at the s
 digest check still verifies it. Planning code is NumPy, which releases the GIL in its kernels;
 the thread competes with training only for CPU time.
 
-`plan_s` is the job's wall time on its thread; `wait_s` how long the boundary that took it
-waited (the part of planning that delayed a step).
+`plan_s` is the job's wall time on its thread; `cpu_s` the CPU seconds the thread used (what
+it took from the training ranks where they share the cores: CPU devices); `wait_s` how long the
+boundary that took it waited (the part of planning that delayed a step outright).
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ from poise.core.errors import PoiseError
 @dataclass(frozen=True)
 class Planned:
     """A finished job: its `value`, the thread's seconds `plan_s`, the boundary's wait `wait_s`,
-    the steps it was requested at and adopted at."""
+    the steps it was requested at and adopted at, the thread's CPU seconds `cpu_s`."""
 
     value: Any
     plan_s: float
     wait_s: float
     requested_at: int
     adopt_at: int
+    cpu_s: float = 0.0
 
 
 @dataclass
 class _Job:
-    future: Future[tuple[Any, float]]
+    future: Future[tuple[Any, float, float]]
     requested_at: int
     adopt_at: int
 
@@ -83,8 +85,9 @@ class BackgroundPlanner:
             raise PoiseError("no plan in flight", field="planner")
         job, self._job = self._job, None
         t0 = time.perf_counter()
-        value, plan_s = job.future.result()
-        return Planned(value, plan_s, time.perf_counter() - t0, job.requested_at, job.adopt_at)
+        value, plan_s, cpu_s = job.future.result()
+        wait_s = time.perf_counter() - t0
+        return Planned(value, plan_s, wait_s, job.requested_at, job.adopt_at, cpu_s)
 
     def close(self) -> None:
         """Drop the job in flight (waiting for its thread) and stop the thread."""
@@ -96,10 +99,10 @@ class BackgroundPlanner:
             self._pool = None
 
 
-def _timed(job: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
+def _timed(job: Callable[[], Any]) -> tuple[Any, float, float]:
+    t0, c0 = time.perf_counter(), time.thread_time()
     value = job()
-    return value, time.perf_counter() - t0
+    return value, time.perf_counter() - t0, time.thread_time() - c0
 
 
 __all__ = ["BackgroundPlanner", "Planned"]

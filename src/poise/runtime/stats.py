@@ -66,11 +66,13 @@ class StepStats:
     (see `LayerLoads`); `trans_bytes`, `agg_bytes`, `migrate_bytes`: all ranks together, moved
     at this step's boundary; `seconds`: this rank's time per phase (`gate`, `dispatch`,
     `experts`, `combine` when the layers report them; `transfers`; `plan`: the planner thread's
-    seconds for the plan decided here, `plan_wait`: how much of it this boundary waited;
+    seconds for the plan decided here, `plan_wait`: how much of it this boundary waited,
+    `plan_cpu`: its CPU seconds charged to the step (CPU devices; 0 on accelerators);
     `boundary`: the whole `Balancer.step`).
 
     Decisions: `replanned`: a plan was decided after this step; `decision`: what the guard
-    decided (`adopt`, `same`, `no-gain`, `vetoed`, `fallback`, `off`; empty: nothing decided);
+    decided (`adopt`, `same`, `no-gain`, `vetoed`, `fallback`, `off`, `idle`: refused, and the
+    candidate's gain did not cover the planning, so re-plans back off; empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
     rank; `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
     switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;

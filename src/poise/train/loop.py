@@ -342,11 +342,10 @@ class _Trainer:
                 dense_sq += p.grad.double().square().sum()
         expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
         for moe in find_moe_layers(self.model):
-            slots = moe.routing.slots
-            home = torch.as_tensor(slots.home & (slots.expert >= 0), device=dev)
+            homes = int(moe.routing.slots.home.sum())  # the leading slots (`slot_maps`)
             for w in moe.experts.weights():
                 if w.grad is not None:
-                    expert_sq += w.grad.double().square().flatten(1).sum(1)[home].sum()
+                    expert_sq += w.grad[:homes].double().square().sum()
         if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
             t = expert_sq.to(comm_device(self.ep_group, dev))
             dist.all_reduce(t, group=self.ep_group)
