@@ -470,6 +470,17 @@ def test_guard_prices_a_plan_by_its_live_parts() -> None:
     assert guard.decide(a).adopt
     # transfers measured at 4160 / 512 = 8.125 times the model's: the replica saves nothing
     assert not guard.decide(a, k_transfer=8.2).adopt
+    # the steps just run had e1 cold ([[30, 10], [40, 20]]): static's d0 computes 70 and the
+    # busiest link carries 40 tokens -> 3 * 70 * 128 + 2 * 40 * 16 = 28,160 ns; the replica's
+    # d0 computes 80 (its own 10 e1-tokens too), d1 still sends 40 -> 32,000 ns
+    cold = np.array([[[[30, 10], [40, 20]]]], dtype=float)  # [S, L, D, E]
+    b = assess(cost, static, replica, counts, recent=cold)
+    assert b.recent_busy_gain_s == pytest.approx(-3_840e-9)
+    assert b.recent_transfers_gain_s == pytest.approx(-512e-9)
+    assert b.live_gain_s() == pytest.approx(-4_352e-9)  # the smaller of forecast and recent
+    assert not guard.decide(b).adopt
+    hot = assess(cost, static, replica, counts, recent=np.stack([counts, counts]))
+    assert hot.live_gain_s() == pytest.approx(a.live_gain_s())  # recent = forecast: unchanged
 
 
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
@@ -575,3 +586,24 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     assert done.value == "plan" and done.wait_s > 0 and done.plan_s >= done.wait_s
     assert (done.requested_at, done.adopt_at) == (4, 5) and not planner.busy
     planner.close()
+
+
+def test_a_fallback_drops_replicas_before_it_moves_homes_back() -> None:
+    """`fallback_target`: replicas with static homes -> static; replicas on moved homes -> those
+    homes alone (no migration now); moved homes alone -> static."""
+    from poise.runtime.guard import fallback_target
+    from tests.helpers import toy_spec
+
+    spec = toy_spec(experts=2)
+    _, static, replica, _ = _replica_case()
+    assert fallback_target(replica, static, spec) is static  # homes are static's already
+    swapped = Placement.from_homes(np.array([[1, 0]]), 2, 2)  # e0 on d1, e1 on d0
+    moved = swapped.copy()
+    moved.copies[0, 1, 1] = 1  # and a replica of e1 on d1
+    plan = Plan("m", moved, Assignment.to_home(moved), transfers_between(None, moved, spec))
+    target = fallback_target(plan, static, spec)
+    assert target.placement.home.tolist() == [[1, 0]]  # homes stay where the plan put them
+    assert not target.placement.replicas().any()
+    assert target.transfers.migrations is None or not len(target.transfers.migrations)
+    np.testing.assert_array_equal(target.assignment.weights, Assignment.to_home(swapped).weights)
+    assert fallback_target(target, static, spec) is static  # then the static homes come back

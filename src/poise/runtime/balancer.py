@@ -83,7 +83,14 @@ from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
-from poise.runtime.guard import Assessment, SwitchGuard, Verdict, assess, verdict
+from poise.runtime.guard import (
+    Assessment,
+    SwitchGuard,
+    Verdict,
+    assess,
+    fallback_target,
+    verdict,
+)
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.stats import StepStats, layer_loads
 
@@ -581,6 +588,7 @@ class Balancer:
         judge = current.digest() != static.digest()
         policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
         calibrate, split_tokens = self.calibrate, self.split_tokens
+        horizon = self.guard.horizon
         measured_switch = self.guard.k_switch if self.guard.switches else None
 
         def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit, Verdict | None]:
@@ -600,7 +608,10 @@ class Balancer:
             opts = _with_migration_scale(options, k_switch / fit.k_transfer)
             ctx = _planning_context(cluster, spec, slots, history, opts, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
-            a = assess(fitted, current, plan, loads, switch_cost=CostModel(prior, spec))
+            recent = history[len(history) - min(len(history), horizon) :]
+            a = assess(
+                fitted, current, plan, loads, switch_cost=CostModel(prior, spec), recent=recent
+            )
             return plan, a, cluster, fit, paid
 
         self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
@@ -629,7 +640,8 @@ class Balancer:
         if fallback:
             stats.decision = "fallback"
             self.guard.fell_back()
-            self._switch(self.static_plan, stats, 0.0, done.wait_s)
+            target = fallback_target(self.plan, self.static_plan, self.spec())
+            self._switch(target, stats, 0.0, done.wait_s)
             return True
         if refuse:
             stats.decision = decision.reason if decision.reason != "adopt" else "vetoed"

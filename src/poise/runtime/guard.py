@@ -29,6 +29,11 @@ bulk transfers measured against the same prior cluster, since a migration is bul
 weights and moments), and `wait_s` the seconds the boundary waited for the planner. The plan
 is adopted iff `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in
 force (same placement and assignment) is skipped outright: no transfer, no routing change.
+The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
+the last `horizon` steps' actual counts (`assess(..., recent=)`): a plan fitted to a smoothed
+forecast looks better on it than on any real step (per-step noise, a router still moving in
+warm-up), and a plan that would not have paid on the steps just run is not expected to pay on
+the next ones.
 
 Keeping it (`SwitchGuard.pays`). A counterfactual on the same steps, not a comparison of wall
 clocks across time (on a shared machine two runs of the same static layout differ by more than
@@ -37,7 +42,9 @@ left out), the saving is the static layout's `busy` minus the plan's, both price
 counts those steps routed with the fitted cluster, and the cost is the transfer seconds the
 steps measured. When the saving does not exceed the cost, the Balancer goes back to the static
 layout and skips the next `backoff` re-plans (doubling after each fallback in a row, up to
-`max_backoff`).
+`max_backoff`). A plan with replicas and moved homes falls back in two stages
+(`fallback_target`): first its replicas go (its homes stay, judged like any plan), then, if
+those homes do not pay either, the static homes come back.
 
 Planning itself (`SwitchGuard.planning_pays`). Where the planner thread shares the cores with
 the training ranks (CPU devices), its CPU seconds slow the step as surely as a transfer. While
@@ -58,7 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from poise.core.errors import ConfigError
-from poise.core.placement import Plan
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
 from poise.runtime.selfcal import busy_and_transfers, exposed_transfers_s, live_parts
 
@@ -68,7 +76,9 @@ class Assessment:
     """A candidate priced against the plan in force on the forecast, model seconds:
     `current_s`, `candidate_s` per step (the cost model's step), `switch_s` the one-off
     transfers; `*_busy_s`, `*_transfers_s` the live parts per step (module docstring); `same`:
-    the candidate's placement and assignment equal the current ones."""
+    the candidate's placement and assignment equal the current ones. `recent_busy_gain_s`,
+    `recent_transfers_gain_s` (None without recent steps): the same per-step differences
+    (current minus candidate), averaged over the recent steps' actual counts."""
 
     same: bool
     current_s: float = 0.0
@@ -78,11 +88,17 @@ class Assessment:
     candidate_busy_s: float = 0.0
     current_transfers_s: float = 0.0
     candidate_transfers_s: float = 0.0
+    recent_busy_gain_s: float | None = None
+    recent_transfers_gain_s: float | None = None
 
     def live_gain_s(self, k_transfer: float = 1.0) -> float:
-        """`live_s(current) - live_s(candidate)` per step."""
+        """`live_s(current) - live_s(candidate)` per step: on the forecast, and no more than on
+        the recent steps' actual counts when those were priced (module docstring)."""
         busy = self.current_busy_s - self.candidate_busy_s
-        return busy + k_transfer * (self.current_transfers_s - self.candidate_transfers_s)
+        gain = busy + k_transfer * (self.current_transfers_s - self.candidate_transfers_s)
+        if self.recent_busy_gain_s is None or self.recent_transfers_gain_s is None:
+            return gain
+        return min(gain, self.recent_busy_gain_s + k_transfer * self.recent_transfers_gain_s)
 
 
 @dataclass(frozen=True)
@@ -113,11 +129,13 @@ def assess(
     candidate: Plan,
     loads: np.ndarray,
     switch_cost: CostModel | None = None,
+    recent: np.ndarray | None = None,
 ) -> Assessment:
     """Price `candidate` (with its migrations from `current`) and `current` on `loads[L, D, E]`;
     the switch on `switch_cost` (default `cost`: the live Balancer passes the prior cluster's,
-    so that `k_switch`, measured against it, keeps one meaning while the fit moves). NumPy
-    only (runs on the planner's thread)."""
+    so that `k_switch`, measured against it, keeps one meaning while the fit moves); with
+    `recent[S, L, D, E]`, both plans also on each of those steps' counts. NumPy only (runs on
+    the planner's thread)."""
     if current.digest() == candidate.digest():
         return Assessment(same=True)
     cur_phases, cur_load = cost.phases(current.placement, current.assignment, loads)
@@ -131,7 +149,13 @@ def assess(
     switch = float(phases.migrate_s.sum() + phases.trans_s.sum())  # homes moved + replicas filled
     cur_busy, cur_tr = busy_and_transfers(cur_phases)
     new_busy, new_tr = busy_and_transfers(new_phases)
-    return Assessment(False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr)
+    recent_gain: tuple[float | None, float | None] = (None, None)
+    if recent is not None and len(recent):
+        diff = (live_parts(cost, current, recent) - live_parts(cost, candidate, recent)).mean(0)
+        recent_gain = (float(diff[0]), float(diff[1]))
+    return Assessment(
+        False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr, *recent_gain
+    )
 
 
 def verdict(
@@ -145,6 +169,20 @@ def verdict(
     plan_busy = live_parts(cost, current, counts)[:, 0]
     cost_s = float(exposed_transfers_s(measured).sum())
     return Verdict(float((static_busy - plan_busy).sum()), cost_s, len(counts))
+
+
+def fallback_target(current: Plan, static: Plan, spec: ModelSpec) -> Plan:
+    """Where a fallback from `current` goes, in two stages: while `current` has replicas and
+    its homes differ from the static layout's, to its own homes without the replicas (Trans and
+    Agg stop at once; moving the homes back would cost a migration as large as the switch that
+    moved them); otherwise to `static`. A homes-only plan is judged like any other plan in
+    force, so if its homes do not pay either, the next fallback moves them back."""
+    p = current.placement
+    if not p.replicas().any() or np.array_equal(p.home, static.placement.home):
+        return static
+    homes = Placement.from_homes(p.home, p.devices, p.slots_per_device)
+    assignment = Assignment.to_home(homes).with_split(static.assignment.by_counts)
+    return Plan("homes", homes, assignment, transfers_between(p, homes, spec))
 
 
 class SwitchGuard:
@@ -259,4 +297,12 @@ class SwitchGuard:
         return False
 
 
-__all__ = ["Assessment", "Decision", "SwitchGuard", "Verdict", "assess", "verdict"]
+__all__ = [
+    "Assessment",
+    "Decision",
+    "SwitchGuard",
+    "Verdict",
+    "assess",
+    "fallback_target",
+    "verdict",
+]
