@@ -155,3 +155,7 @@ def test_auto_migration_scale_weighs_the_one_off_moves() -> None:
         assert np.all(recurring <= (p.cost.layer_s - p.cost.phases.migrate_s) * (1 + 1e-9))
     assert free.cost.phases.migrate_s.sum() > 0  # moving homes pays when it is free
     assert np.all(dear.cost.phases.migrate_s == 0)
+    barred = make_plan("auto", loads, static, ctx(np.inf))  # no migration at all: no NaN
+    assert np.all(barred.cost.phases.migrate_s == 0)
+    assert np.all(np.isfinite(barred.cost.layer_s))
+    assert barred.placement.replicas().any()  # replicas still balance the skew

@@ -9,13 +9,15 @@ i.e. K steps of the candidate's recurring time plus its one-off migration from t
 force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it
 to what its switches measured against the model (moving homes with their optimizer moments in
 one burst at a step boundary costs more per byte than the steady Trans and Agg the links are
-fitted to). `auto` keeps, per layer, the candidate with the least total; so it moves only when the
-gain over the next K steps exceeds the cost of moving. Layers are priced independently (the
-step time is a sum over layers), so with no placement in force the result is never slower than
-any candidate. Candidates within relative `TIE_REL` of the least total tie; ties go to `keep`,
-then to the placement with the fewest copies (it leaves the most free slots for later re-planning:
-a uniform forecast, as at the first step, makes every placement price alike, and a replica-filled
-one would leave local searches such as `vexpert` no room), then to the candidate order.
+fitted to); `m = inf` allows no migration (the Balancer's choice while no bulk transfer of the
+run has been measured). `auto` keeps, per layer, the candidate with the least total; so it
+moves only when the gain over the next K steps exceeds the cost of moving. Layers are priced
+independently (the step time is a sum over layers), so with no placement in force the result
+is never slower than any candidate. Candidates within relative `TIE_REL` of the least total
+tie; ties go to `keep`, then to the placement with the fewest copies (it leaves the most free
+slots for later re-planning: a uniform forecast, as at the first step, makes every placement
+price alike, and a replica-filled one would leave local searches such as `vexpert` no room),
+then to the candidate order.
 
 Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
 (`BUILDS_ON`: `vexpert`'s local search on the whole placement; `permute`, `prophet`, `hybrid`
@@ -290,6 +292,8 @@ def _totals(plans: list[Plan], horizon: float, migration_scale: float = 1.0) -> 
     one-off migration, `migration_scale` times the model's."""
     recurring = np.stack([p.cost.layer_s - p.cost.phases.migrate_s for p in plans])
     migrate = np.stack([p.cost.phases.migrate_s for p in plans])
+    if np.isinf(migration_scale):  # migrations not allowed (0 * inf would be NaN)
+        return horizon * recurring + np.where(migrate > 0, np.inf, 0.0)
     return horizon * recurring + migration_scale * migrate
 
 
