@@ -611,3 +611,21 @@ def test_a_fallback_drops_replicas_before_it_moves_homes_back() -> None:
     assert target.transfers.migrations is None or not len(target.transfers.migrations)
     np.testing.assert_array_equal(target.assignment.weights, Assignment.to_home(swapped).weights)
     assert fallback_target(target, static, spec) is static  # then the static homes come back
+
+
+def test_the_planner_thread_runs_at_the_lowest_priority() -> None:
+    """Its niceness is 19 (Linux: per thread), the training thread's is unchanged."""
+    import os
+    import sys
+    import threading
+
+    from poise.runtime.planner import BackgroundPlanner
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread priority is Linux's")
+    planner = BackgroundPlanner()
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    planner.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), 0, 0)
+    assert planner.take().value == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    planner.close()

@@ -12,7 +12,10 @@ its thread finished early or late: each rank waits for its own planner at that b
 must. The job's inputs are snapshots taken at step `s` (the gathered loads, identical on every
 rank) and the policy is deterministic, so every rank gets the same plan at the same step and the
 digest check still verifies it. Planning code is NumPy, which releases the GIL in its kernels;
-the thread competes with training only for CPU time.
+the thread competes with training only for CPU time, and runs at the lowest scheduling priority
+(nice 19, where the OS allows it per thread, as Linux does): on CPU ranks that share the cores
+it then takes mostly the time the training threads spend waiting (at collectives, or at the
+adoption boundary itself, where a rank that must wait for its planner leaves it the core).
 
 `plan_s` is the job's wall time on its thread; `cpu_s` the CPU seconds the thread used (what
 it took from the training ranks where they share the cores: CPU devices); `wait_s` how long the
@@ -21,6 +24,8 @@ boundary that took it waited (the part of planning that delayed a step outright)
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,7 +77,9 @@ class BackgroundPlanner:
         if adopt_at < requested_at:
             raise PoiseError(f"adopt_at {adopt_at} < requested_at {requested_at}", field="planner")
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poise-planner")
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="poise-planner", initializer=lowest_priority
+            )
         self._job = _Job(self._pool.submit(_timed, job), requested_at, adopt_at)
 
     def due(self, step: int) -> bool:
@@ -99,10 +106,20 @@ class BackgroundPlanner:
             self._pool = None
 
 
+def lowest_priority() -> bool:
+    """Give the calling thread the lowest CPU priority (nice 19); whether it took effect (Linux
+    sets a thread's own priority by its native id; elsewhere this may be refused)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def _timed(job: Callable[[], Any]) -> tuple[Any, float, float]:
     t0, c0 = time.perf_counter(), time.thread_time()
     value = job()
     return value, time.perf_counter() - t0, time.thread_time() - c0
 
 
-__all__ = ["BackgroundPlanner", "Planned"]
+__all__ = ["BackgroundPlanner", "Planned", "lowest_priority"]
