@@ -629,3 +629,30 @@ def test_the_planner_thread_runs_at_the_lowest_priority() -> None:
     assert planner.take().value == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     planner.close()
+
+
+def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
+    """`apply` re-lays rows (a collective over every weight and moment) only where home slots
+    change: adding, swapping or dropping replicas keeps every rank's homes in their slots."""
+    from poise.nn.slots import slot_maps
+    from poise.runtime.balancer import _same_homes
+
+    static = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
+    replica = static.copy()
+    replica.copies[0, 0, 2] = 1  # rank 0 also holds e2
+    swapped = static.copy()
+    swapped.copies[0, 0, 3] = 1  # rank 0 holds e3 instead
+    moved = Placement.from_homes(np.array([[0, 1, 0, 1]]), 2, 3)
+    maps = {
+        n: slot_maps(p, 0, 3)
+        for n, p in {
+            "static": static,
+            "replica": replica,
+            "swapped": swapped,
+            "moved": moved,
+        }.items()
+    }
+    assert _same_homes(maps["static"], maps["replica"])
+    assert _same_homes(maps["replica"], maps["swapped"])
+    assert _same_homes(maps["swapped"], maps["static"])
+    assert not _same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank

@@ -144,9 +144,12 @@ def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> Model
 _COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-def _same_maps(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
+def _same_homes(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
+    """Every rank's home slots hold the same experts in the same slots (homes come first, so a
+    plan that only adds, drops or swaps replicas keeps them): nothing to migrate, the replica
+    slots are filled by Trans before they are read."""
     return all(
-        np.array_equal(x.expert, y.expert) and np.array_equal(x.home, y.home)
+        np.array_equal(x.expert[x.home], y.expert[y.home]) and np.array_equal(x.home, y.home)
         for x, y in zip(a, b, strict=True)
     )
 
@@ -703,7 +706,9 @@ class Balancer:
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
         """Make `plan` the routing of every layer now: migrate homes with their optimizer state
-        where the slot maps change, then launch every layer's Trans under the new maps (the
+        where the home slots change (a layer whose plan only adds, drops or swaps replicas moves
+        nothing: replica rows are overwritten by its Trans; rows no slot holds keep stale
+        values no forward reads), then launch every layer's Trans under the new maps (the
         replicas' fill) as a step boundary does: it runs under the next forward, which waits for
         each layer's before using it (or at once without `overlap`). Collective."""
         stats = stats if stats is not None else self._current
@@ -711,7 +716,7 @@ class Balancer:
         for state in self.layers:
             self._wait(state)
             new_maps = slot_maps(plan.placement, state.index, self.slots)
-            if _same_maps(state.maps, new_maps):
+            if _same_homes(state.maps, new_maps):  # replicas only: no re-lay of every row
                 continue
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
