@@ -608,8 +608,6 @@ class Balancer:
                 paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
             loads = predictor.predict(history)
             k_switch = fit.k_transfer if measured_switch is None else measured_switch
-            if calibrate and measured_switch is None and not fit.transfers_measured:
-                k_switch = np.inf  # unmeasured: explore with replicas, which cost no migration
             opts = _with_migration_scale(options, k_switch / fit.k_transfer)
             ctx = _planning_context(cluster, spec, slots, history, opts, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
@@ -795,9 +793,7 @@ def _with_migration_scale(
 ) -> dict[str, dict[str, Any]]:
     """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
     switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
-    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg; infinite
-    while the run has measured no bulk transfer at all: homes are not moved at a price nobody
-    has seen, and replicas, dropped at no cost, measure it within a step) divided
+    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
     by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
     charges a migration what the guard will."""
     out = {k: dict(v) for k, v in options.items()}

@@ -69,7 +69,6 @@ class Fit:
     rows: int = 0
     gemm_flops: float = 0.0
     intra_bw_Bps: float = 0.0
-    transfers_measured: bool = False  # `k_transfer` rests on steps that ran Trans and Agg
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -192,10 +191,8 @@ def fit_cluster(
     replica ran); `settled[S]` (default all): the steps whose transfers are steady (not the
     one that carried the switch)."""
     k_t0 = previous.k_transfer if previous is not None else 1.0
-    seen = previous.transfers_measured if previous is not None else False
     if len(counts) == 0:
-        fit = _fit_of(prior, cost, 1.0, k_t0, 0.0, 0, seen)
-        return scaled_cluster(prior, 1.0, k_t0), fit
+        return scaled_cluster(prior, 1.0, k_t0), _fit_of(prior, cost, 1.0, k_t0, 0.0, 0)
     base = predicted_phases(cost, plan, counts)
     k_c = fit_scale(measured[:, EXPERTS], base[:, 0], prior_rows)
     k_t = k_t0
@@ -203,15 +200,13 @@ def fit_cluster(
         steady = np.ones(len(counts), bool) if settled is None else np.asarray(settled, bool)
         exposed = exposed_transfers_s(measured)[steady]
         k_t = fit_scale(exposed, base[steady, 2], prior_rows, centre=k_t0)
-        seen = seen or bool(steady.any())
     # The all-to-all is priced on the prior's links; the rest of its measured time is the
     # dispatcher's work per row.
     host = prior.host
     host_s = host.dispatch_fwd_s * cost.spec.moe_layers + host.dispatch_fwd_s_per_row * base[:, 3]
     beyond = measured[:, A2A] - base[:, 1] - host_s
     h = max(0.0, fit_slope(beyond, base[:, 3], prior_rows, centre=0.0))
-    fit = _fit_of(prior, cost, k_c, k_t, h, len(counts), seen)
-    return scaled_cluster(prior, k_c, k_t, h), fit
+    return scaled_cluster(prior, k_c, k_t, h), _fit_of(prior, cost, k_c, k_t, h, len(counts))
 
 
 def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
@@ -220,11 +215,9 @@ def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
     return measured[:, TRANSFERS] + measured[:, BOUNDARY]
 
 
-def _fit_of(
-    prior: Cluster, cost: CostModel, k_c: float, k_t: float, h: float, rows: int, seen: bool
-) -> Fit:
+def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_t: float, h: float, rows: int) -> Fit:
     flops = prior.gemm_flops(cost.spec.gemm_dtype) / k_c
-    return Fit(k_c, k_t, h, rows, flops, prior.intra_node.bw_Bps / k_t, seen)
+    return Fit(k_c, k_t, h, rows, flops, prior.intra_node.bw_Bps / k_t)
 
 
 __all__ = [

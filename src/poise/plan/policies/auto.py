@@ -6,18 +6,17 @@ the cost over the next K steps (K = `horizon`, default the re-planning interval)
     total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + m * migrate_s[c, l]
 
 i.e. K steps of the candidate's recurring time plus its one-off migration from the placement in
-force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it
-to what its switches measured against the model (moving homes with their optimizer moments in
-one burst at a step boundary costs more per byte than the steady Trans and Agg the links are
-fitted to); `m = inf` allows no migration (the Balancer's choice while no bulk transfer of the
-run has been measured). `auto` keeps, per layer, the candidate with the least total; so it
-moves only when the gain over the next K steps exceeds the cost of moving. Layers are priced
-independently (the step time is a sum over layers), so with no placement in force the result
-is never slower than any candidate. Candidates within relative `TIE_REL` of the least total
-tie; ties go to `keep`, then to the placement with the fewest copies (it leaves the most free
-slots for later re-planning: a uniform forecast, as at the first step, makes every placement
-price alike, and a replica-filled one would leave local searches such as `vexpert` no room),
-then to the candidate order.
+force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it to
+what its switches measured against the model (moving homes with their optimizer moments in one
+burst at a step boundary costs more per byte than the steady Trans and Agg the links are fitted
+to); `m = inf` allows no migration (replicas only). `auto` keeps, per layer, the candidate with
+the least total; so it moves only when the gain over the next K steps exceeds the cost of
+moving. Layers are priced independently (the step time is a sum over layers), so with no
+placement in force the result is never slower than any candidate. Candidates within relative
+`TIE_REL` of the least total tie; ties go to `keep`, then to the placement with the fewest
+copies (it leaves the most free slots for later re-planning: a uniform forecast, as at the first
+step, makes every placement price alike, and a replica-filled one would leave local searches
+such as `vexpert` no room), then to the candidate order.
 
 Rivals' own trails (`Plan.trails`). A candidate that builds on the placement in force
 (`BUILDS_ON`: `vexpert`'s local search on the whole placement; `permute`, `prophet`, `hybrid`
