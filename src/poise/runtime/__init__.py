@@ -7,7 +7,9 @@
 - `launch`: `run_ranks(fn, world_size, *args)` on spawned gloo ranks (tests, benchmarks);
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
   `migrate`, their async variants and byte counts);
-- `balancer`: `Balancer`, which records loads, plans and applies plans between steps;
+- `balancer`: `Balancer`, which records loads, plans and applies plans between steps (with
+  `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`,
+  `selfcal`, `planner`: its adoption rule, self-calibration and background thread);
 - `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
   slots cost no optimizer work);
 - `stats`: `StepStats`, what the Balancer records per step;

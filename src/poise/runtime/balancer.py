@@ -57,7 +57,6 @@ are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -71,13 +70,12 @@ from torch import nn
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError, PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.core.presets import PRESETS, get_cluster
+from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
 from poise.nn.comm import comm_device
 from poise.nn.moe import MoE, find_moe_layers, nonfinite_error
 from poise.nn.slots import SlotMap, slot_maps
-from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
@@ -90,6 +88,12 @@ from poise.runtime.guard import (
     assess,
     fallback_target,
     verdict,
+)
+from poise.runtime.plan_inputs import (
+    default_cluster,
+    planning_context,
+    spec_from_layers,
+    with_migration_scale,
 )
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.stats import StepStats, layer_loads
@@ -107,41 +111,6 @@ def expert_params(layer: MoE) -> list[nn.Parameter]:
     """The layer's stacked per-slot expert tensors, each `[P, ...]`: `w_in [P, M, H]`,
     `w_gate [P, M, H]` (SwiGLU only), `w_out [P, H, M]`."""
     return list(layer.experts.weights())
-
-
-def default_cluster(world_size: int) -> Cluster:
-    """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node."""
-    base = PRESETS["cpu-2"]
-    if world_size == base.num_devices:
-        return base
-    return dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
-
-
-def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
-    """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [P, M, H]`),
-    its expert count and top-k, the number of layers, the parameters' dtype (its compute dtype:
-    fp32, bf16 or fp16 as the weights are; tf32 is not inferred), AdamW's two moments
-    in the parameters' dtype, `tokens_per_device` tokens entering a layer per rank and step."""
-    first = layers[0]
-    w_in = first.experts.w_in
-    dtype_bytes = w_in.element_size()
-    return ModelSpec(
-        name="live",
-        d_model=int(w_in.shape[1]),
-        d_expert=int(w_in.shape[2]),
-        experts=first.num_experts,
-        top_k=first.top_k,
-        moe_layers=len(layers),
-        dtype_bytes=dtype_bytes,
-        tokens_per_device=max(1, int(tokens_per_device)),
-        optimizer_bytes_per_param=2.0 * dtype_bytes,
-        activation=first.experts.activation,
-        compute_dtype=_COMPUTE_DTYPES.get(str(w_in.dtype)),
-    )
-
-
-# torch dtype names -> compute dtypes (`core.cluster.DTYPES`); others: from the element size
-_COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def _same_homes(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
@@ -566,7 +535,7 @@ class Balancer:
         one; verified across ranks when `check_plans`)."""
         history = np.stack(self.window)  # [S, L, D, E]
         loads = self.predictor.predict(history)
-        ctx = _planning_context(
+        ctx = planning_context(
             self.fitted_cluster, self.spec(), self.slots, history, self.options, self.split_tokens
         )
         plan = make_plan(self.policy, loads, self.plan, ctx)
@@ -608,8 +577,8 @@ class Balancer:
                 paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
             loads = predictor.predict(history)
             k_switch = fit.k_transfer if measured_switch is None else measured_switch
-            opts = _with_migration_scale(options, k_switch / fit.k_transfer)
-            ctx = _planning_context(cluster, spec, slots, history, opts, split_tokens)
+            opts = with_migration_scale(options, k_switch / fit.k_transfer)
+            ctx = planning_context(cluster, spec, slots, history, opts, split_tokens)
             plan = make_plan(policy, loads, current, ctx)
             recent = history[len(history) - min(len(history), horizon) :]
             a = assess(
@@ -766,39 +735,6 @@ class Balancer:
             state.layer.set_routing(
                 plan.placement, plan.assignment, maps[self.rank], layer=state.index
             )
-
-
-def _planning_context(
-    cluster: Cluster,
-    spec: ModelSpec,
-    slots: int,
-    history: np.ndarray,
-    options: Mapping[str, Mapping[str, Any]],
-    split_tokens: bool,
-) -> PlanContext:
-    """The context a plan is made in from the window `history[S, L, D, E]` (the same on every
-    rank, on the Balancer's thread or its planner's)."""
-    return PlanContext.create(
-        cluster,
-        spec,
-        slots_per_device=slots,
-        history=history.sum(axis=2).astype(np.float64),
-        options=options,
-        split_tokens=split_tokens,
-    )
-
-
-def _with_migration_scale(
-    options: Mapping[str, Mapping[str, Any]], scale: float
-) -> dict[str, dict[str, Any]]:
-    """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
-    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
-    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
-    by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
-    charges a migration what the guard will."""
-    out = {k: dict(v) for k, v in options.items()}
-    out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
-    return out
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:

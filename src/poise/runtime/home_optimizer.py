@@ -32,12 +32,9 @@ RowsOf = Callable[[], int]
 
 def home_rows(model: nn.Module) -> dict[int, RowsOf]:
     """For each stacked expert parameter of `model` (by `id`), a function giving how many of
-    its leading rows are this rank's home slots now (layers without slot routing are left out:
-    every row is stepped)."""
+    its leading rows are this rank's home slots now (read from the layer's routing in force)."""
     out: dict[int, RowsOf] = {}
     for moe in find_moe_layers(model):
-        if getattr(moe, "routing", None) is None or not hasattr(moe.routing, "slots"):
-            continue
 
         def rows(moe: Any = moe) -> int:
             home = moe.routing.slots.home

@@ -1,0 +1,88 @@
+"""What the live Balancer hands its planner: the modelled cluster of local ranks (the prior of
+the self-calibration), the `ModelSpec` read from the MoE layers, and the `PlanContext` a plan is
+made in (with `auto`'s migration price set from what the run's switches measured)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.core.presets import PRESETS
+from poise.core.spec import ModelSpec
+from poise.nn.moe import MoE
+from poise.plan.policies.base import PlanContext
+
+
+def default_cluster(world_size: int) -> Cluster:
+    """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node."""
+    base = PRESETS["cpu-2"]
+    if world_size == base.num_devices:
+        return base
+    return dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
+
+
+def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
+    """The `ModelSpec` the planner prices: shapes of the first layer's experts (`w_in [P, M, H]`),
+    its expert count and top-k, the number of layers, the parameters' dtype (its compute dtype:
+    fp32, bf16 or fp16 as the weights are; tf32 is not inferred), AdamW's two moments
+    in the parameters' dtype, `tokens_per_device` tokens entering a layer per rank and step."""
+    first = layers[0]
+    w_in = first.experts.w_in
+    dtype_bytes = w_in.element_size()
+    return ModelSpec(
+        name="live",
+        d_model=int(w_in.shape[1]),
+        d_expert=int(w_in.shape[2]),
+        experts=first.num_experts,
+        top_k=first.top_k,
+        moe_layers=len(layers),
+        dtype_bytes=dtype_bytes,
+        tokens_per_device=max(1, int(tokens_per_device)),
+        optimizer_bytes_per_param=2.0 * dtype_bytes,
+        activation=first.experts.activation,
+        compute_dtype=_COMPUTE_DTYPES.get(str(w_in.dtype)),
+    )
+
+
+# torch dtype names -> compute dtypes (`core.cluster.DTYPES`); others: from the element size
+_COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def planning_context(
+    cluster: Cluster,
+    spec: ModelSpec,
+    slots: int,
+    history: np.ndarray,
+    options: Mapping[str, Mapping[str, Any]],
+    split_tokens: bool,
+) -> PlanContext:
+    """The context a plan is made in from the window `history[S, L, D, E]` (the same on every
+    rank, on the Balancer's thread or its planner's)."""
+    return PlanContext.create(
+        cluster,
+        spec,
+        slots_per_device=slots,
+        history=history.sum(axis=2).astype(np.float64),
+        options=options,
+        split_tokens=split_tokens,
+    )
+
+
+def with_migration_scale(
+    options: Mapping[str, Mapping[str, Any]], scale: float
+) -> dict[str, dict[str, Any]]:
+    """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
+    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
+    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
+    by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
+    charges a migration what the guard will."""
+    out = {k: dict(v) for k, v in options.items()}
+    out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
+    return out
+
+
+__all__ = ["default_cluster", "planning_context", "spec_from_layers", "with_migration_scale"]
