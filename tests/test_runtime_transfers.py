@@ -163,6 +163,13 @@ def _check_case(seed: int, W: int, results: list[dict]) -> None:
     moved = int((case["old"].home != case["new"].home).sum())
     mig = [r["migration"] for r in results]
     assert mig[0].moved_homes == moved
+    for rank, (old, new) in enumerate(zip(old_maps, new_maps, strict=True)):
+        # Only a home that keeps its expert and slot is left alone; every other row is rewritten.
+        kept = sum(
+            bool(old.home[s] and new.home[s] and old.expert[s] == new.expert[s]) for s in range(S)
+        )
+        assert mig[rank].relaid_rows == S - kept
+        assert mig[rank].relaid_bytes == (S - kept) * 3 * ROW_BYTES  # weights, exp_avg, exp_avg_sq
     assert sum(x.home_bytes for x in mig) == mig[0].home_total_bytes
     assert (
         mig[0].home_total_bytes

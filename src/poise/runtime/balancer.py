@@ -673,17 +673,21 @@ class Balancer:
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
         """Make `plan` the routing of every layer now: migrate homes with their optimizer state
-        where the home slots change (a layer whose plan only adds, drops or swaps replicas moves
-        nothing: replica rows are overwritten by its Trans; rows no slot holds keep stale
-        values no forward reads), then launch every layer's Trans under the new maps (the
-        replicas' fill) as a step boundary does: it runs under the next forward, which waits for
-        each layer's before using it (or at once without `overlap`). Collective."""
+        where the home slots change (homes that stay keep their slots, `slot_maps(previous=)`,
+        and only rewritten rows cost memory traffic: `stats.relaid_rows`; a layer whose plan
+        only adds, drops or swaps replicas moves nothing: replica rows are overwritten by its
+        Trans; rows no slot holds keep stale values no forward reads), then launch every
+        layer's Trans under the new maps (the replicas' fill) as a step boundary does: it runs
+        under the next forward, which waits for each layer's before using it (or at once
+        without `overlap`). Collective."""
         stats = stats if stats is not None else self._current
         t0 = time.perf_counter()
+        layer_maps = []
         for state in self.layers:
             self._wait(state)
-            new_maps = slot_maps(plan.placement, state.index, self.slots)
-            if _same_homes(state.maps, new_maps):  # replicas only: no re-lay of every row
+            new_maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
+            layer_maps.append(new_maps)
+            if _same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
                 continue
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
@@ -691,7 +695,8 @@ class Balancer:
             )  # fmt: skip
             stats.migrate_bytes += moved.home_total_bytes
             stats.moved_homes += moved.moved_homes
-        self._apply_routing(plan)
+            stats.relaid_rows += moved.relaid_rows
+        self._apply_routing(plan, layer_maps)
         self.plan = plan
         for state in self.layers:
             if state.has_replicas:
@@ -727,10 +732,15 @@ class Balancer:
         self._shared[state.index] = pending.shared
         return pending
 
-    def _apply_routing(self, plan: Plan) -> None:
-        """Tell each layer its placement, assignment and this rank's slot map."""
-        for state in self.layers:
-            maps = slot_maps(plan.placement, state.index, self.slots)
+    def _apply_routing(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
+        """Tell each layer its placement, assignment and this rank's slot map (`layer_maps`
+        `[L][D]`; default: `slot_maps`'s canonical order)."""
+        for i, state in enumerate(self.layers):
+            maps = (
+                slot_maps(plan.placement, state.index, self.slots)
+                if layer_maps is None
+                else layer_maps[i]
+            )
             state.set_maps(maps)
             state.layer.set_routing(
                 plan.placement, plan.assignment, maps[self.rank], layer=state.index

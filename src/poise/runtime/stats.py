@@ -74,7 +74,8 @@ class StepStats:
     decided (`adopt`, `same`, `no-gain`, `vetoed`, `fallback`, `off`, `idle`: refused, and the
     candidate's gain did not cover the planning, so re-plans back off; empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
-    rank; `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
+    rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
+    `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
     switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
     `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
     this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned."""
@@ -88,6 +89,7 @@ class StepStats:
     agg_bytes: int = 0
     migrate_bytes: int = 0
     moved_homes: int = 0
+    relaid_rows: int = 0
     replanned: bool = False
     decision: str = ""
     switched: bool = False

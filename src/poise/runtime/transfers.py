@@ -382,13 +382,17 @@ def agg(
 class Migration:
     """What `migrate` moved. `home_*`: rows that became homes elsewhere (weights and optimizer
     state); `replica_*`: replica fills (weights). `*_bytes`: this rank's outgoing traffic;
-    `*_total_bytes`: all ranks' together; `moved_homes`: experts whose home changed rank."""
+    `*_total_bytes`: all ranks' together; `moved_homes`: experts whose home changed rank;
+    `relaid_rows`/`relaid_bytes`: this rank's slots rewritten in place (weights and moments:
+    the memory traffic of the re-lay)."""
 
     home_bytes: int
     replica_bytes: int
     home_total_bytes: int
     replica_total_bytes: int
     moved_homes: int
+    relaid_rows: int = 0
+    relaid_bytes: int = 0
 
 
 def state_tensors(
@@ -427,6 +431,10 @@ def migrate(
     weights. Parameters and state tensors are updated in place (the optimizer keeps its
     references). Works when homes change rank and when slots are reordered on one rank.
 
+    Only the rows that change are touched: a home that keeps its rank and slot is neither
+    copied nor rewritten, so the memory traffic is `relaid_rows` x (weights + moments) per row,
+    not the whole layer (`Migration.relaid_bytes`).
+
     `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
     fills them another way (the compressed Trans, `poise.runtime.domains_trans`)."""
     params = list(params)
@@ -435,12 +443,15 @@ def migrate(
     homes, replicas = migration_routes(old_maps, new_maps)
     if not fill_replicas:
         replicas = Routes.build([])
-    new_params = [torch.zeros_like(p) for p in params]
-    new_moments = [[torch.zeros_like(m) for m in ms] for ms in moments]
+    staying = (homes.src_rank == homes.dst_rank) & (homes.src_slot == homes.dst_slot)
+    moving = homes.select(~staying)
+    kept = homes.dst_slot[staying & (homes.dst_rank == rank)]
+    slots = int(params[0].shape[0]) if params else 0
+    rewritten = np.setdiff1d(np.arange(slots), kept)
     flat_moments = [m for ms in moments for m in ms]
-    flat_new_moments = [m for ms in new_moments for m in ms]
+    every = [*params, *flat_moments]
 
-    def fill(targets: list[torch.Tensor]) -> Sink:
+    def write(targets: list[torch.Tensor]) -> Sink:
         def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
             for t, x in zip(targets, rows, strict=True):
                 t.index_copy_(0, dst, x)
@@ -448,16 +459,13 @@ def migrate(
         return sink
 
     with torch.no_grad():
-        streams = [
-            Stream(homes, [*params, *flat_moments], fill([*new_params, *flat_new_moments])),
-            Stream(replicas, list(params), fill(new_params)),
-        ]
-        pending = exchange(streams, rank, len(new_maps), group=group)
+        streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
+        pending = exchange(streams, rank, len(new_maps), group=group)  # source rows read now
+        if rewritten.size:
+            clear = torch.as_tensor(rewritten, dtype=torch.long, device=params[0].device)
+            for t in every:
+                t.index_fill_(0, clear.to(t.device), 0.0)
         pending.wait()
-        for p, new in zip(params, new_params, strict=True):
-            p.copy_(new)
-        for m, new in zip(flat_moments, flat_new_moments, strict=True):
-            m.copy_(new)
     home_row = streams[0].row_bytes()
     replica_row = streams[1].row_bytes()
     return Migration(
@@ -466,6 +474,8 @@ def migrate(
         home_total_bytes=home_row * homes.remote_rows(),
         replica_total_bytes=replica_row * replicas.remote_rows(),
         moved_homes=homes.remote_rows(),
+        relaid_rows=int(rewritten.size),
+        relaid_bytes=home_row * int(rewritten.size),
     )
 
 

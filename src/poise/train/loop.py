@@ -533,6 +533,7 @@ class _Trainer:
                     "plan_changed": changed,
                     "plan_changes": self.plan_changes,
                     "moved_homes": stats.moved_homes if stats else 0,
+                    "relaid_rows": stats.relaid_rows if stats else 0,
                     "trans_bytes": stats.trans_bytes if stats else 0,
                     "agg_bytes": stats.agg_bytes if stats else 0,
                     "migrate_bytes": stats.migrate_bytes if stats else 0,
