@@ -122,6 +122,7 @@ def _equivalence(rank: int, W: int) -> dict:
     if W == 2:
         result["forced"] = _forced_home_change(rank, W, cluster)
         result["mismatch"] = _mismatch(rank, W)
+        result["mismatch_training"] = _mismatch_in_training(rank, W)
         result["guard"] = _guarded(rank, W)
     return result
 
@@ -164,6 +165,26 @@ def _mismatch(rank: int, W: int) -> str:
         balancer.verify_plan(plan)
     except PlanMismatchError as exc:
         return str(exc)
+    finally:
+        balancer.close()
+    return ""
+
+
+def _mismatch_in_training(rank: int, W: int) -> str:
+    """`check_plans`: every rank plans too; here the ranks run different policies (a planner
+    that is not deterministic across ranks), so the first decision must fail on every rank."""
+    from poise.runtime.balancer import Balancer, PlanMismatchError
+    from tests.helpers import toy_cluster
+
+    model, opt = _build(W)
+    cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
+    policy = "eplb" if rank == 0 else "static"
+    balancer = Balancer(model, opt, policy, replan_every=EVERY, cluster=cluster, guard=False,
+                        calibrate=False, check_plans=True)  # fmt: skip
+    try:
+        _train(model, opt, rank, 6, balancer)
+    except PlanMismatchError as exc:
+        return f"step {balancer.steps_done}: {exc}"
     finally:
         balancer.close()
     return ""
@@ -215,6 +236,7 @@ def _guarded(rank: int, W: int) -> dict:
             "bytes": sum(s.trans_bytes + s.migrate_bytes for s in stats),
             "fit": stats[-1].fit if name == "balanced" else None,
             "fits": [s.fit for s in stats if s.replanned],
+            "planned_s": sum(s.seconds.get("plan", 0.0) for s in stats),
         }
     return out
 
@@ -305,6 +327,9 @@ def test_forced_home_change_moves_adamw_moments(two_ranks: list[dict]) -> None:
 def test_ranks_with_different_plans_get_one_clear_error(two_ranks: list[dict]) -> None:
     for r in two_ranks:
         assert "ranks computed different plans" in r["mismatch"]
+        # under training: requested after step 2, decided (and refused) after step 3
+        assert r["mismatch_training"].startswith("step 3: "), r["mismatch_training"]
+        assert "ranks computed different plans at step 3" in r["mismatch_training"]
 
 
 @pytest.mark.dist
@@ -313,6 +338,8 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     for name in ("pays", "costly", "balanced"):  # every rank took the same decisions
         assert all(g[name]["switched_at"] == guards[0][name]["switched_at"] for g in guards)
         assert all(g[name]["decisions"] == guards[0][name]["decisions"] for g in guards)
+        # only the leader (rank 0) planned; the others took its decisions
+        assert guards[0][name]["planned_s"] > 0 and guards[1][name]["planned_s"] == 0, name
     pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
     assert pays["switched_at"] and pays["decisions"][0] == "adopt", pays
     assert costly["switched_at"] == [] and costly["bytes"] == 0, costly
@@ -515,8 +542,15 @@ def test_self_calibration_fits_the_scales() -> None:
     per_rank = np.zeros((2, len(selfcal.MEASURED)))
     per_rank[:, selfcal.EXPERTS] = [1.0, 3.0]
     per_rank[:, selfcal.A2A] = [2.5, 0.5]
+    # Agg and the boundary's collectives: rank 0 (backward 2 s shorter) waited in them for rank 1
+    per_rank[:, selfcal.TRANSFERS] = [2.2, 0.2]
+    per_rank[:, selfcal.BOUNDARY] = [0.1, 0.3]
+    per_rank[:, selfcal.PERIOD] = [7.0, 7.1]
     row = selfcal.across_ranks(per_rank)
     assert row[selfcal.EXPERTS] == 3.0 and row[selfcal.A2A] == 0.5
+    assert row[selfcal.TRANSFERS] == 0.2 and row[selfcal.BOUNDARY] == 0.1
+    assert row[selfcal.PERIOD] == 7.1
+    assert selfcal.exposed_transfers_s(row[None, :])[0] == pytest.approx(0.3)
     from tests.helpers import toy_cluster
 
     prior = toy_cluster(2, bw=1e9, flops=1e9, lat=1e-6)

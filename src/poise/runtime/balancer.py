@@ -31,18 +31,20 @@ Each step:
   any layer saw on any rank raises `NonFiniteInputError` there, on every rank, before the
   optimizer steps;
 - `reduce_replicas`: Agg (replica gradients summed into their homes, zeroed);
-- `step`: every `replan_every` steps a plan is requested from the background planner
-  (`poise.runtime.planner`): it fits the cost model's constants to the measured phases
-  (`poise.runtime.selfcal`), forecasts `[L, D, E]` from the window and runs the policy, while
-  training goes on. The plan is decided `plan_lag` steps later, at the same step boundary on
-  every rank (each waits for its own planner there if it must; `plan_lag=0` plans at once).
-  The guard (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan
-  horizon exceeds the switch's measured cost by a margin, skips it when it equals the plan in
-  force, and falls back to the static layout when a plan in force does not make steps faster;
-  the ranks vote and compare the plan's digest (`Plan.digest`, `PlanMismatchError` if they
-  disagree) in one all-reduce. An adopted plan takes effect at once: `migrate` (weights and
-  AdamW moments to new homes, replicas filled) and the layers' new routings. Otherwise Trans
-  refreshes the replicas, launched asynchronously and awaited by each layer before it runs.
+- `step`: every `replan_every` steps the leader (rank 0 of the vote group) requests a plan from
+  its background planner (`poise.runtime.planner`, `poise.runtime.decision`): it fits the cost
+  model's constants to the measured phases (`poise.runtime.selfcal`), forecasts `[L, D, E]`
+  from the window and runs the policy, while training goes on. The plan is decided `plan_lag`
+  steps later, at the same step boundary on every rank (the leader waits for its planner there
+  if it must, the others for the leader's broadcast; `plan_lag=0` plans at once). The guard
+  (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan horizon
+  exceeds the switch's measured cost by a margin, skips it when it equals the plan in force,
+  and falls back to the static layout when a plan in force does not make steps faster; the
+  leader broadcasts its decision with the plan (`check_plans`: every rank also plans and
+  compares the plan's digest, `PlanMismatchError` if they disagree). An adopted plan takes
+  effect at once: `migrate` (weights and AdamW moments to new homes, replicas filled) and the
+  layers' new routings. Otherwise Trans refreshes the replicas, launched asynchronously and
+  awaited by each layer before it runs.
 
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
@@ -81,6 +83,7 @@ from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
+from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
 from poise.runtime.guard import (
     Assessment,
     SwitchGuard,
@@ -175,10 +178,12 @@ class Balancer:
     - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
-    - `check_plans`: compare a hash of every decided plan across ranks;
+    - `check_plans`: every rank plans too and compares its plan's hash with the leader's
+      (`PlanMismatchError`): a determinism check that costs each rank the planning (off: only
+      the leader plans, `poise.runtime.decision`);
     - `vote_group`: the ranks that must take the same decisions (default the Balancer's group;
-      the world when several EP groups must keep the same layout); measurements are then also
-      reduced over it;
+      the world when several EP groups must keep the same layout): its rank 0 is the leader,
+      which plans and decides for all; measurements are then also reduced over it;
     - `compression`: None (default: replicas get the exact weights), or a ratio in (0, 1] (or a
       `Compression`): replicas get the shared expert plus that share of their residual's
       entries (HybridEP's compressed migration; it changes the mathematics);
@@ -209,7 +214,7 @@ class Balancer:
         calibrate: bool = True,
         hooks: bool = False,
         overlap: bool = True,
-        check_plans: bool = True,
+        check_plans: bool = False,
         group: dist.ProcessGroup | None = None,
         vote_group: dist.ProcessGroup | None = None,
         keep_stats: int = 10_000,
@@ -254,6 +259,10 @@ class Balancer:
         self.options = {k: dict(v) for k, v in (options or {}).items()}
         self.options.setdefault("auto", {}).setdefault("horizon", replan_every)
         self.check_plans = check_plans
+        self._vote_pg = vote_group if vote_group is not None else self.group
+        self.leader = is_leader(self._vote_pg)  # plans and decides for every rank
+        self._plans_here = self.leader or check_plans
+        self._due_at: int | None = None  # the step boundary where the next decision is taken
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
@@ -441,10 +450,10 @@ class Balancer:
         self.steps_done += 1
         s = self.steps_done
         stats = self._current
-        switched = self.planner.due(s) and self._decide(stats)
+        switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
         if s % self.replan_every == 0 and self.window and not self.guard.skip_replan():
             self._request(s)
-            if self.planner.due(s):  # plan_lag 0
+            if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched
         if not switched:
             t1 = time.perf_counter()
@@ -546,7 +555,11 @@ class Balancer:
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
         steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
-        forecast, plan, price against the plan in force."""
+        forecast, plan, price against the plan in force. Only the leader plans (every rank
+        with `check_plans`); every rank notes the step the decision is due."""
+        self._due_at = step + self.plan_lag
+        if not self._plans_here:
+            return
         history = np.stack(self.window)  # [S, L, D, E], a copy
         # the newest rows of both, measured under the plan in force (a restored window may
         # hold older rows that were not measured)
@@ -589,59 +602,70 @@ class Balancer:
         self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
 
     def _decide(self, stats: StepStats) -> bool:
-        """Take the planner's result and decide (guard, vote, digest check); returns whether a
+        """Take the leader's decision (`poise.runtime.decision`): the leader takes its planner's
+        result and decides (guard), every rank receives the outcome and acts on it; with
+        `check_plans` every rank's own plan is compared with the leader's. Returns whether a
         plan took effect."""
-        done = self.planner.take()
-        plan, assessment, cluster, fit, paid = done.value
-        self.fitted_cluster, self.fit = cluster, fit
-        stats.add_seconds("plan", done.plan_s)
-        stats.add_seconds("plan_wait", done.wait_s)
+        self._due_at = None
+        t0 = time.perf_counter()
+        mine = self._own_outcome(stats) if self._plans_here else None
+        outcome = share_outcome(mine if self.leader else None, self._vote_pg, leader=self.leader)
+        if mine is None:  # waited in the broadcast for the leader's planner
+            stats.add_seconds("plan_wait", time.perf_counter() - t0)
+        if self.check_plans and not plans_agree(
+            mine.plan if mine is not None else None, outcome.plan, self._vote_pg
+        ):
+            self._mismatch()
+        self.fitted_cluster, self.fit = outcome.cluster, outcome.fit
         stats.replanned = True
-        stats.fit = fit.as_dict()
-        fallback = False
-        on_static = self.plan.digest() == self.static_plan.digest()
-        if not on_static:
-            fallback = not self.guard.pays(paid)
-        decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)
-        planning_s = done.cpu_s if self._planner_shares_cores else 0.0
-        stats.add_seconds("plan_cpu", planning_s)
-        idle = on_static and not self.guard.planning_pays(decision, planning_s)
-        refuse, fallback, idle = self._vote(plan, not decision.adopt, fallback, idle)
-        stats.gain_s, stats.switch_cost_s = decision.gain_s, decision.switch_s
-        stats.predicted_step_s = assessment.candidate_s if not refuse else assessment.current_s
-        if fallback:
-            stats.decision = "fallback"
+        stats.fit = outcome.fit.as_dict()
+        stats.gain_s, stats.switch_cost_s = outcome.gain_s, outcome.switch_s
+        stats.predicted_step_s = outcome.predicted_step_s
+        stats.decision = outcome.decision
+        if outcome.decision == "fallback":
             self.guard.fell_back()
             target = fallback_target(self.plan, self.static_plan, self.spec())
-            self._switch(target, stats, 0.0, done.wait_s)
+            self._switch(target, stats, 0.0, outcome.wait_s)
             return True
-        if refuse:
-            stats.decision = decision.reason if decision.reason != "adopt" else "vetoed"
-            if idle:
-                stats.decision = "idle"
+        if not outcome.adopts:
+            if outcome.decision == "idle":
                 self.guard.planning_idle()
             return False
         self.guard.kept()
-        stats.decision = decision.reason
-        self._switch(plan, stats, assessment.switch_s, done.wait_s)
+        self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
         return True
 
-    def _vote(
-        self, plan: Plan, refuse: bool, fallback: bool, idle: bool = False
-    ) -> tuple[bool, bool, bool]:
-        """One all-reduce (MAX) over the vote group: any rank refusing refuses, any rank falling
-        back falls back, any rank whose planning did not pay backs off (every rank then skips
-        the same re-plans); the plan's digest is compared too (`PlanMismatchError`)."""
-        group = self.vote_group if self.vote_group is not None else self.group
-        if self.world_size == 1 and self.vote_group is None:
-            return refuse, fallback, idle
-        h = plan.digest()
-        t = torch.tensor([h, -h, int(refuse), int(fallback), int(idle)], dtype=torch.long)
-        t = t.to(comm_device(group, "cpu"))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if self.check_plans and int(t[0]) != -int(t[1]):
-            self._mismatch()
-        return bool(t[2]), bool(t[3]), bool(t[4])
+    def _own_outcome(self, stats: StepStats) -> Outcome:
+        """This rank's planner result and what the guard decides on it (the leader's is the
+        one every rank takes)."""
+        done = self.planner.take()
+        plan, assessment, cluster, fit, paid = done.value
+        stats.add_seconds("plan", done.plan_s)
+        stats.add_seconds("plan_wait", done.wait_s)
+        decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)
+        planning_s = done.cpu_s if self._planner_shares_cores else 0.0
+        stats.add_seconds("plan_cpu", planning_s)
+        on_static = self.plan.digest() == self.static_plan.digest()
+        if not on_static and not self.guard.pays(paid):
+            reason = "fallback"
+        elif decision.adopt:
+            reason = decision.reason
+        elif on_static and not self.guard.planning_pays(decision, planning_s):
+            reason = "idle"
+        else:
+            reason = decision.reason
+        kept = not decision.adopt or reason == "fallback"
+        return Outcome(
+            plan=plan,
+            decision=reason,
+            gain_s=decision.gain_s,
+            switch_s=decision.switch_s,
+            predicted_step_s=assessment.current_s if kept else assessment.candidate_s,
+            modelled_switch_s=assessment.switch_s,
+            wait_s=done.wait_s,
+            cluster=cluster,
+            fit=fit,
+        )
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
         """Apply `plan` now and start measuring it."""

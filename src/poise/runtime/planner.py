@@ -7,15 +7,16 @@
         done = planner.take()                               # waits if the thread is not done
         done.value, done.plan_s, done.wait_s
 
-A plan requested at step `s` is adopted at the boundary of step `s + lag` on every rank, whether
-its thread finished early or late: each rank waits for its own planner at that boundary if it
-must. The job's inputs are snapshots taken at step `s` (the gathered loads, identical on every
-rank) and the policy is deterministic, so every rank gets the same plan at the same step and the
-digest check still verifies it. Planning code is NumPy, which releases the GIL in its kernels;
-the thread competes with training only for CPU time, and runs at the lowest scheduling priority
-(nice 19, where the OS allows it per thread, as Linux does): on CPU ranks that share the cores
-it then takes mostly the time the training threads spend waiting (at collectives, or at the
-adoption boundary itself, where a rank that must wait for its planner leaves it the core).
+A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its thread
+finished early or late: the rank that plans (the Balancer's leader, `poise.runtime.decision`)
+waits for its planner at that boundary if it must. The job's inputs are snapshots taken at step
+`s` (the gathered loads, identical on every rank) and the policy is deterministic, so any rank
+that plans gets the same plan at the same step (`check_plans` verifies it). Planning code is
+NumPy, which releases the GIL in its kernels; the thread competes with training only for CPU
+time, and runs at the lowest scheduling priority (nice 19, where the OS allows it per thread, as
+Linux does): on CPU ranks that share the cores it then takes mostly the time the training
+threads spend waiting (at collectives, or at the adoption boundary itself, where a rank that
+must wait for its planner leaves it the core).
 
 `plan_s` is the job's wall time on its thread; `cpu_s` the CPU seconds the thread used (what
 it took from the training ranks where they share the cores: CPU devices); `wait_s` how long the

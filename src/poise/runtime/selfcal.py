@@ -5,7 +5,8 @@ one figure per phase for all ranks (gathered with the counts, so every rank hold
 figures; `across_ranks`): `experts_s` (the expert GEMMs, the slowest rank's), `a2a_s`
 (dispatch + combine: the token all-to-all with its host work, the fastest rank's, since the
 others' include waiting for the slowest rank's experts) and the exposed transfer seconds
-(`exposed_transfers_s`: Trans waits and Agg in the step, Trans launches at the boundary).
+(`exposed_transfers_s`: Trans waits and Agg in the step, Trans launches at the boundary; the
+fastest rank's too, for the same reason).
 Priced on the same steps' counts under the plan that ran them, three constants are fitted, each
 a least-squares fit through the origin over a window of steps, pulled towards its prior
 (`centre`) by `prior_rows` steps of the mean prediction (`fit_scale`):
@@ -54,6 +55,7 @@ from poise.cost.phases import PhaseTimes
 # (`boundary_s`, the previous step's) holds the Trans launches.
 MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers_s")
 PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS = range(len(MEASURED))
+WAITED = (BOUNDARY, A2A, TRANSFERS)  # collectives: taken at the rank that waited least
 SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: clipped
 
 
@@ -95,12 +97,15 @@ def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndar
 
 def across_ranks(per_rank: np.ndarray) -> np.ndarray:
     """One row of `MEASURED` from every rank's `per_rank[D, len(MEASURED)]`: the slowest rank's
-    seconds, except the all-to-all's, which is the fastest rank's. An all-to-all ends when the
-    last rank has sent, so a rank that reaches it early waits there for the slowest one's
-    experts: the slowest rank's all-to-all seconds are mostly imbalance, the fastest rank's
-    (the one that arrived last) are the exchange itself."""
+    seconds, except those spent in collectives (`WAITED`: the all-to-all, the transfers and the
+    boundary), which are the fastest rank's. A collective ends when the last rank has joined,
+    so a rank that reaches it early waits there for the slowest one: the slowest rank's seconds
+    in it are mostly imbalance, the fastest rank's (the one that arrived last) are the exchange
+    itself, and the time it adds to the step. Taken at the slowest rank, Agg's wait behind the
+    slowest backward and the boundary's behind the slowest optimizer step would be charged to
+    the transfers (`k_transfer`, `k_switch`) exactly when the loads are skewed."""
     out = per_rank.max(axis=0)
-    out[A2A] = per_rank[:, A2A].min()
+    out[list(WAITED)] = per_rank[:, list(WAITED)].min(axis=0)
     return out
 
 

@@ -71,7 +71,7 @@ class StepStats:
     `boundary`: the whole `Balancer.step`).
 
     Decisions: `replanned`: a plan was decided after this step; `decision`: what the guard
-    decided (`adopt`, `same`, `no-gain`, `vetoed`, `fallback`, `off`, `idle`: refused, and the
+    decided (`adopt`, `same`, `no-gain`, `fallback`, `off`, `idle`: refused, and the
     candidate's gain did not cover the planning, so re-plans back off; empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
     rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
