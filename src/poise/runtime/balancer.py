@@ -34,7 +34,8 @@ Each step:
 - `step`: every `replan_every` steps the leader (rank 0 of the vote group) requests a plan from
   its background planner (`poise.runtime.planner`, `poise.runtime.decision`): it fits the cost
   model's constants to the measured phases (`poise.runtime.selfcal`), forecasts `[L, D, E]`
-  from the window and runs the policy, while training goes on. The plan is decided `plan_lag`
+  from the window and runs the policy (each expert's home then re-chosen among its holders:
+  `poise.runtime.homes`), while training goes on. The plan is decided `plan_lag`
   steps later, at the same step boundary on every rank (the leader waits for its planner there
   if it must, the others for the leader's broadcast; `plan_lag=0` plans at once). The guard
   (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan horizon
@@ -92,6 +93,7 @@ from poise.runtime.guard import (
     fallback_target,
     verdict,
 )
+from poise.runtime.homes import keep_homes
 from poise.runtime.plan_inputs import (
     default_cluster,
     planning_context,
@@ -547,7 +549,8 @@ class Balancer:
         ctx = planning_context(
             self.fitted_cluster, self.spec(), self.slots, history, self.options, self.split_tokens
         )
-        plan = make_plan(self.policy, loads, self.plan, ctx)
+        plan = keep_homes(make_plan(self.policy, loads, self.plan, ctx), self.plan.placement,
+                          self.spec())  # fmt: skip
         if self.check_plans and self.world_size > 1:
             self.verify_plan(plan)
         return plan
@@ -592,7 +595,7 @@ class Balancer:
             k_switch = fit.k_transfer if measured_switch is None else measured_switch
             opts = with_migration_scale(options, k_switch / fit.k_transfer)
             ctx = planning_context(cluster, spec, slots, history, opts, split_tokens)
-            plan = make_plan(policy, loads, current, ctx)
+            plan = keep_homes(make_plan(policy, loads, current, ctx), current.placement, spec)
             recent = history[len(history) - min(len(history), horizon) :]
             a = assess(
                 fitted, current, plan, loads, switch_cost=CostModel(prior, spec), recent=recent
