@@ -54,8 +54,8 @@ next re-plans are skipped with the same doubling backoff as after a fallback (re
 is adopted). On accelerators the charge is 0 and planning never backs off for its own cost.
 
 Every input is identical on every rank (gathered measurements, the same plan from the same
-loads); the Balancer still takes a vote across ranks (any rank refusing refuses), so a rank's
-own planner timings cannot split the decision.
+loads), and one rank, the leader, decides for all (`poise.runtime.decision`), so no rank's own
+planner timings can split the decision.
 """
 
 from __future__ import annotations
