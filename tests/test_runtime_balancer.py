@@ -143,12 +143,29 @@ def _forced_home_change(rank: int, W: int, cluster) -> dict:
             placement.copies[layer, r, int(np.flatnonzero(home[layer] != r)[-1])] = 1
     plan = Plan("forced", placement, Assignment.even(placement),
                 transfers_between(balancer.plan.placement, placement, balancer.spec()))  # fmt: skip
-    balancer.apply(plan)
+    from poise.runtime.stats import StepStats
+
+    moved = StepStats(step=3, policy="forced")
+    balancer.apply(plan, moved)
     after = _home_rows(model, opt, rank)
     steps_after = [float(opt.state[w]["step"]) for b in model.blocks for w in b.experts.weights()]
     losses = _train(model, opt, rank, 1, balancer)  # the new layout trains
+    # then only a replica changes (the same homes): nothing is re-laid, nothing migrates
+    placement = placement.copy()
+    placement.copies[0, 0, int(np.flatnonzero(home[0] != 0)[0])] = 1
+    moves = transfers_between(balancer.plan.placement, placement, balancer.spec())
+    replica = Plan("replica", placement, Assignment.even(placement), moves)
+    only_replica = StepStats(step=4, policy="replica")
+    balancer.apply(replica, only_replica)
+    losses += _train(model, opt, rank, 1, balancer)
     balancer.close()
-    return {"before": before, "after": after, "steps": (steps_before, steps_after), "loss": losses}
+    return {
+        "before": before,
+        "after": after,
+        "steps": (steps_before, steps_after),
+        "loss": losses,
+        "relaid": (moved.relaid_rows, only_replica.relaid_rows, only_replica.migrate_bytes),
+    }
 
 
 def _mismatch(rank: int, W: int) -> str:
@@ -316,6 +333,9 @@ def _check_forced(results: list[dict]) -> None:
         steps_before, steps_after = r["forced"]["steps"]
         assert steps_before == steps_after == [3.0] * len(steps_before)
         assert np.isfinite(r["forced"]["loss"]).all()
+        moved_rows, replica_rows, replica_bytes = r["forced"]["relaid"]
+        assert moved_rows > 0  # every home changed rank: rows re-laid in place
+        assert replica_rows == 0 and replica_bytes == 0  # a replica-only switch re-lays nothing
 
 
 @pytest.mark.dist
