@@ -1,0 +1,101 @@
+"""A switch's re-lay: `transfers.migrate` moving one expert's home, with and without stable slots.
+
+    .venv/bin/python benchmarks/migrate.py          # 2 gloo ranks, 1 thread each, ~20 s
+
+Two ranks, one MoE layer's stacked SwiGLU expert tensors as in `train_speedup`'s `many-experts`
+setting (d_model 128, d_expert 512, fp32, 32 experts, 16 + 1 slots per rank) with AdamW moments
+after one step. The plan moves expert 0's home from rank 0 to rank 1 (the other 31 stay), then
+moves it back, alternately; each direction is one `migrate` call (homes only, as
+`Balancer.apply` calls it). Slot maps:
+
+- `canonical`: `slot_maps(placement)`, homes in expert order on every rank: expert 0 leaving
+  rank 0 shifts its 15 other homes down a slot, and arriving first on rank 1 shifts all 16 up;
+- `stable`: `slot_maps(placement, previous=maps in force)` (what the Balancer uses): homes that
+  stay keep their slots, so the move re-lays about three rows.
+
+Rounds rotate the two variants; one JSON line each with the median seconds per `migrate`, the
+rows it rewrote on each rank (`Migration.relaid_rows`, rank 0's and rank 1's, from the first
+call), and `ratio_vs_canonical` (median over rounds of this variant's time over canonical's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+SLOTS, D_MODEL, D_EXPERT, EXPERTS = 17, 128, 512, 32
+
+
+def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from poise.core.placement import Placement
+    from poise.nn.slots import slot_maps
+    from poise.runtime import transfers as tr
+
+    shapes = [(SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_EXPERT, D_MODEL)]
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    home = np.repeat(np.arange(world), EXPERTS // world)
+    moved = home.copy()
+    moved[0] = 1
+    static = Placement.from_homes(home[None], world, SLOTS)
+    other = Placement.from_homes(moved[None], world, SLOTS)
+    times: dict[str, list[float]] = {"canonical": [], "stable": []}
+    relaid: dict[str, int] = {}
+    for r in range(rounds):
+        order = ["canonical", "stable"] if r % 2 == 0 else ["stable", "canonical"]
+        for name in order:
+            maps = slot_maps(static, 0, SLOTS)
+            for target in (other, static):
+                keep = maps if name == "stable" else None
+                new = slot_maps(target, 0, SLOTS, previous=keep)
+                dist.barrier()
+                t0 = time.perf_counter()
+                m = tr.migrate(params, opt, maps, new, rank, fill_replicas=False)
+                times[name].append(time.perf_counter() - t0)
+                relaid.setdefault(name, m.relaid_rows)
+                maps = new
+    return {"times": times, "relaid": relaid}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    from poise.runtime.launch import run_ranks
+
+    results = run_ranks(_rank, 2, args.rounds)
+    # a call's time is the slower rank's
+    per_call = {
+        name: np.maximum(*(np.asarray(r["times"][name]) for r in results))
+        for name in ("canonical", "stable")
+    }
+    for name, t in per_call.items():
+        ratios = t / per_call["canonical"]
+        print(
+            json.dumps(
+                {
+                    "bench": "migrate",
+                    "slots": name,
+                    "median_ms": round(1e3 * statistics.median(t.tolist()), 2),
+                    "relaid_rows": [r["relaid"][name] for r in results],
+                    "ratio_vs_canonical": round(statistics.median(ratios.tolist()), 3),
+                    "calls": int(t.size),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
