@@ -34,6 +34,28 @@ def test_static_two_devices_by_hand() -> None:
     np.testing.assert_allclose(load[0], [30, 70])
 
 
+def test_ranks_that_share_cores_pay_for_the_total_or_the_slowest() -> None:
+    """4 CPU ranks on 2 cores' worth of compute (`shared_cores` 2): the layer takes the slowest
+    rank's expert seconds or the total over 2, whichever is longer (hand-worked)."""
+    import dataclasses
+
+    cluster = toy_cluster(devices_per_node=4, bw=1e9, flops=1e9)
+    shared = dataclasses.replace(cluster, host=dataclasses.replace(cluster.host, shared_cores=2.0))
+    spec = toy_spec(experts=4)
+    p = Placement.from_homes(np.array([[0, 1, 2, 3]]), 4, 1)
+    per_token = 128 / 1e9
+    for rows, independent, sharing in (
+        ([20, 20, 10, 10], 20, 30),  # total 60 over 2 cores: 30 > the slowest rank's 20
+        ([40, 10, 5, 5], 40, 40),  # the slowest rank (40) > total 60 over 2
+    ):
+        counts = np.diag(np.asarray(rows, dtype=float))[None]  # each rank routes to its own expert
+        free, _ = CostModel(cluster, spec).phases(p, Assignment.to_home(p), counts)
+        both, _ = CostModel(shared, spec).phases(p, Assignment.to_home(p), counts)
+        assert free.expert_fwd_s[0] == pytest.approx(independent * per_token)
+        assert both.expert_fwd_s[0] == pytest.approx(sharing * per_token)
+        assert both.expert_bwd_s[0] == pytest.approx(2 * sharing * per_token)
+
+
 def test_replica_trades_tokens_for_trans() -> None:
     p = Placement.from_homes(np.array([[0, 1]]), 2, 2)
     p.copies[0, 0, 1] = 1  # replica of e1 on d0: d0's 30 e1-tokens stay home

@@ -434,6 +434,31 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert default_cluster(4).num_devices == 4
 
 
+def test_cpu_ranks_beyond_the_cores_share_them() -> None:
+    """`shared_cores` = cores / threads x world_size / ranks_on_host once the host's processes
+    want more cores than it has (hand-worked on this machine's core count)."""
+    import os
+
+    import torch
+
+    from poise.runtime.plan_inputs import default_cluster, shared_cores
+
+    cores = len(os.sched_getaffinity(0))
+    assert shared_cores(1, 1, threads=cores) == 0.0  # one rank, all cores: nothing shared
+    assert shared_cores(2, 2, threads=cores) == 1.0  # two ranks want 2 x cores
+    assert shared_cores(2, 4, threads=cores) == 0.5  # two of four such ranks
+    assert shared_cores(2 * cores, 2 * cores, threads=1) == cores
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shared = default_cluster(2 * cores, ranks_on_host=2 * cores)
+        assert shared.host.shared_cores == cores and shared.num_devices == 2 * cores
+        assert default_cluster(2 * cores).host.shared_cores == 0.0  # host unknown: independent
+        assert default_cluster(cores, ranks_on_host=cores).host.shared_cores == 0.0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_arguments_are_config_errors() -> None:
     import torch
 

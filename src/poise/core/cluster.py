@@ -154,6 +154,7 @@ HOST_FIELDS = (
     "allreduce_lat_s",
     "allreduce_bw_Bps",
     "transfer_scale",
+    "shared_cores",
 )
 # fields that must be > 0 (the others >= 0), and those whose default is not 0
 _POSITIVE_HOST = ("dense_fwd_flops", "dense_bwd_flops", "allreduce_bw_Bps", "transfer_scale")
@@ -186,7 +187,12 @@ class HostCosts:
     - bulk expert transfers (Trans, Agg, migration) take `transfer_scale` times their link
       time: the packing and copying of expert rows beyond the wire, which on CPU ranks over
       gloo dominates (the live Balancer fits it, `poise.runtime.selfcal`); the token
-      all-to-all's extra is `dispatch_*` instead."""
+      all-to-all's extra is `dispatch_*` instead;
+    - `shared_cores` (0: off): the devices are processes that share this many cores' worth of
+      compute (CPU ranks on one host, more ranks x threads than cores). A rank that waits then
+      leaves its core to the others, so a layer's expert compute takes the slowest device's
+      seconds or the devices' total over `shared_cores`, whichever is longer, instead of the
+      slowest device's alone (`poise.cost.model.PlanPricer.phases`)."""
 
     dense_fwd_flops: float | None = None
     dense_fwd_half_tokens: float = 0.0
@@ -203,6 +209,7 @@ class HostCosts:
     allreduce_lat_s: float | None = None
     allreduce_bw_Bps: float | None = None
     transfer_scale: float = 1.0
+    shared_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for name in HOST_FIELDS:

@@ -17,7 +17,11 @@ M_e migration bytes, see `core.spec.ModelSpec`):
       FEC = max_d sum_e R[d, e] * F_t / rate(R[d, e]),   BEC = 2 FEC
   where rate(n) = peak[t] * efficiency * n / (n + half_rows) (`Cluster.gemm_rate`) in the
   model's compute dtype t (`ModelSpec.gemm_dtype`): the device's dense peak for t, the fraction
-  large GEMMs reach, and the small-GEMM loss.
+  large GEMMs reach, and the small-GEMM loss. Where the devices are processes sharing C cores
+  (`HostCosts.shared_cores`, CPU ranks on one host), a waiting rank lends its core:
+      FEC = max(max_d T_d, sum_d T_d / C),   T_d = sum_e R[d, e] * F_t / rate(R[d, e])
+  (work-conserving sharing; with C = D / 2, balance saves at most the excess of the slowest
+  device over twice the mean).
 - All-to-all on the links as capacities (FasterMoE eq. 7's B * B_t / W_net term, per link as
   in HybridEP eq. 10-11; `poise.cost.network`): S_v[d], R_v[d] are the bytes device d sends
   and receives over level v; a level-0 link carries its devices' intra-node bytes, a NIC what
@@ -303,7 +307,12 @@ class PlanPricer:
             received = routing.received(part, remote, split)
             rows = received.sum(axis=2)  # [l, D]
             device_load[start:stop] = rows
-            fec[start:stop] = cost.expert_compute_s(received, rows).max(axis=1)
+            per_device = cost.expert_compute_s(received, rows)  # [l, D]
+            fec[start:stop] = per_device.max(axis=1)
+            if cluster.host.shared_cores > 0:  # ranks sharing cores: a waiting rank lends its
+                fec[start:stop] = np.maximum(  # core, the total bounds the layer too
+                    fec[start:stop], per_device.sum(axis=1) / cluster.host.shared_cores
+                )
             send, recv = routing.traffic(part, remote, split)
             a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
         if migrations is not None and len(migrations):

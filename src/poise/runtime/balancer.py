@@ -60,6 +60,7 @@ are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -164,7 +165,8 @@ class Balancer:
     - `plan_lag`: a plan requested at step s is decided at step s + plan_lag (0 <= plan_lag <=
       replan_every; 0: planned and decided at the same boundary, on the training thread);
     - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
-      YAML path (the file `poise calibrate` writes); default `default_cluster(D)`. It is the
+      YAML path (the file `poise calibrate` writes); default `default_cluster(D)`, with the
+      world's ranks sharing this host's cores where they are CPU processes. It is the
       prior of the self-calibration (`calibrate`);
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
@@ -245,7 +247,11 @@ class Balancer:
         self.slots = self._slots()
         if isinstance(cluster, str):
             cluster = get_cluster(cluster)
-        self.cluster = cluster or default_cluster(self.world_size)
+        on_cpu = self.layers[0].params[0].device.type == "cpu"
+        local = None  # processes on this host: torchrun's LOCAL_WORLD_SIZE, else the world
+        if on_cpu and dist.is_initialized():
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.cluster = cluster or default_cluster(self.world_size, ranks_on_host=local)
         if self.cluster.num_devices != self.world_size:
             raise ConfigError(
                 f"cluster has {self.cluster.num_devices} devices but {self.world_size} ranks run",

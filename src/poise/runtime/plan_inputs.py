@@ -5,10 +5,12 @@ made in (with `auto`'s migration price set from what the run's switches measured
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from poise.core.cluster import Cluster
 from poise.core.presets import PRESETS
@@ -17,12 +19,36 @@ from poise.nn.moe import MoE
 from poise.plan.policies.base import PlanContext
 
 
-def default_cluster(world_size: int) -> Cluster:
-    """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node."""
+def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluster:
+    """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node.
+
+    `ranks_on_host` (None: not known, the devices are modelled as independent): the processes
+    running on this host (this group's ranks and any others), each with `torch.get_num_threads()`
+    threads. Where they want more cores than the host gives them (`os.sched_getaffinity`), the
+    cluster's devices share `shared_cores` = cores / threads x world_size / ranks_on_host cores'
+    worth of compute (`HostCosts.shared_cores`): a waiting rank lends its core to the others."""
     base = PRESETS["cpu-2"]
-    if world_size == base.num_devices:
+    if world_size != base.num_devices:
+        base = dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
+    if ranks_on_host is None:
         return base
-    return dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
+    shared = shared_cores(world_size, ranks_on_host)
+    if shared == 0.0:
+        return base
+    host = dataclasses.replace(base.host, shared_cores=shared)
+    return dataclasses.replace(base, name=f"{base.name}-on-{shared:g}-cores", host=host)
+
+
+def shared_cores(world_size: int, ranks_on_host: int, threads: int | None = None) -> float:
+    """The cores' worth of compute `world_size` ranks get when `ranks_on_host` processes of
+    `threads` threads each (default `torch.get_num_threads()`) share this host's usable cores;
+    0.0 when every rank gets its threads' cores (no sharing to model)."""
+    threads = max(1, int(torch.get_num_threads() if threads is None else threads))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, int(cores or 1))
+    if ranks_on_host * threads <= cores:
+        return 0.0
+    return cores / threads * world_size / max(ranks_on_host, world_size)
 
 
 def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> ModelSpec:
@@ -85,4 +111,10 @@ def with_migration_scale(
     return out
 
 
-__all__ = ["default_cluster", "planning_context", "spec_from_layers", "with_migration_scale"]
+__all__ = [
+    "default_cluster",
+    "planning_context",
+    "shared_cores",
+    "spec_from_layers",
+    "with_migration_scale",
+]

@@ -129,8 +129,9 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
     from poise.runtime.balancer import default_cluster
 
     ep = world if ep is None else ep
-    if cfg.cluster is None:
-        return default_cluster(ep)
+    if cfg.cluster is None:  # CPU ranks: all `world` of them share this host's cores
+        on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+        return default_cluster(ep, ranks_on_host=world if on_cpu else None)
     cluster = get_cluster(cfg.cluster)
     if ep != world and cluster.num_devices == world:
         part = sub_cluster(cluster, ep)
