@@ -276,7 +276,7 @@ class Balancer:
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         self.planner = BackgroundPlanner()
         # the planner thread takes CPU from the ranks where they compute on the cores
-        self._planner_shares_cores = self.layers[0].params[0].device.type == "cpu"
+        self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
