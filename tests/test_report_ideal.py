@@ -63,6 +63,30 @@ def test_ideal_of_hand_made_run() -> None:
     assert tokens_per_s(run, 1) == pytest.approx(1000 / 0.6)  # warm-up left out
 
 
+def test_ideal_of_ranks_sharing_cores() -> None:
+    """1 step, 1 layer, 4 ranks on 2 cores' worth: loads (400, 100, 100, 100), c = 1 ms.
+    As run the layer takes max(400, 700 / 2) = 400 ms, balanced max(175, 350) = 350 ms: balance
+    saves 50 ms, not the 400 - 175 = 225 ms of ranks with a core each."""
+    run = _run([1.0], np.array([[[400.0, 100.0, 100.0, 100.0]]]))
+    shared = ideal_of(run, 1e-3, skip=0, cores=2.0)
+    assert shared["ideal_speedup"] == pytest.approx(1.0 / 0.95)
+    assert shared["slowest_expert_ms"] == pytest.approx(400.0)
+    assert shared["balanced_expert_ms"] == pytest.approx(350.0)
+    assert ideal_of(run, 1e-3, skip=0)["ideal_speedup"] == pytest.approx(1.0 / 0.775)
+    # Cores enough for every rank: the bound never binds.
+    assert ideal_of(run, 1e-3, skip=0, cores=4.0)["ideal_speedup"] == pytest.approx(1.0 / 0.775)
+    with pytest.raises(ValueError):
+        ideal_of(run, 1e-3, skip=0, cores=-1.0)
+
+
+def test_module_examples() -> None:
+    import doctest
+
+    import poise.report.ideal as ideal
+
+    assert doctest.testmod(ideal).failed == 0
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("train_speedup_bench", BENCH)
     assert spec is not None and spec.loader is not None
@@ -104,6 +128,9 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
         )
 
     monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(  # 2 ranks with a core each, whatever this machine has
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
     # c = 25 us: 4 layers x 1000 excess pairs x 25 us = 0.1 s of a 1.0 s step -> ideal 1/0.9.
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
     args = bench.parse_args(["--settings", "skewed", "--steps", str(steps), "--repeats", "1"])
@@ -116,3 +143,45 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     assert line["fraction_of_ideal"] > 0.8
     assert line["target_met"] is False and line["judged_gain"] is True
     assert line["ranks"] == 2
+
+
+def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
+    """Three rounds whose machine speed differs: static 1.0, 1.2, 1.1 s per step, auto 0.9, 1.2,
+    1.15. Per round auto/static = 1.111, 1.0, 0.957: the paired median is 1.0, where the ratio
+    of the medians (1.1 / 1.15 = 0.957) pairs auto's slow round with static's middle one. Four
+    ranks sharing 2 cores' worth: the ideal is `ideal_of`'s with cores=2."""
+    import poise.calibrate.experts as experts
+    import poise.runtime.plan_inputs as plan_inputs
+
+    bench = _bench()
+    steps, seen = 20, {"static": 0, "auto": 0}
+    static_step, auto_step = [1.0, 1.2, 1.1], [0.9, 1.2, 1.15]
+    tokens = np.tile(np.array([[[4000.0, 1000.0, 1000.0, 1000.0]]]), (steps, 4, 1))
+
+    def fake_train(cfg, world: int):
+        assert world == 4
+        k = seen[cfg.policy]
+        seen[cfg.policy] += 1
+        step = (static_step if cfg.policy == "static" else auto_step)[k]
+        return SimpleNamespace(
+            step_s=np.full(steps, step),
+            device_tokens=tokens,
+            tokens_per_step=2048,
+            phases={"forward": np.full(steps, 0.3)},
+            moe_phases={"experts": np.full(steps, 0.1)},
+            max_over_mean=2.28,
+            moe_phase_mean=lambda k: 0.0,
+        )
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    monkeypatch.setattr(plan_inputs, "shared_cores", lambda world, on_host, threads=None: 2.0)
+    args = bench.parse_args(["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3"])
+    line = bench.bench_setting("skewed-4", args, tmp_path)
+    assert seen == {"static": 3, "auto": 3}
+    assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
+    assert line["speedup"] == pytest.approx(1.0, abs=1e-4)
+    assert line["speedup_of_medians"] == pytest.approx(1.1 / 1.15, abs=1e-4)
+    # Per layer max(4000, 7000 / 2) - max(1750, 3500) = 500 pairs x 25 us x 4 layers = 50 ms.
+    assert line["shared_cores"] == 2.0
+    assert line["ideal_speedup"] == pytest.approx(1.1 / 1.05, abs=1e-4)

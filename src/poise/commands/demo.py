@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -410,15 +411,16 @@ def compare_traces(a, b) -> str:
     )
 
 
-def measured_summary(runs: dict, skip: int, c_s: float) -> MeasuredSummary:
+def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> MeasuredSummary:
     """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
-    `c_s` seconds per routed token of expert work, the verdict, and what it means in words."""
+    `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
+    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words."""
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
     static, auto = runs["static"], runs["auto"]
     st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
-    ideal = ideal_of(static, c_s, skip)
+    ideal = ideal_of(static, c_s, skip, cores=cores)
     speedup, ideal_speedup = au / st, ideal["ideal_speedup"]
     verdict = judge(speedup, ideal_speedup)
     steps = len(static.step_s[measured_steps(static.step_s, skip)])
@@ -517,6 +519,7 @@ def run(args: argparse.Namespace) -> int:
         measured_rows,
         sim_rows,
     )
+    from poise.runtime.plan_inputs import shared_cores
     from poise.trace.trace import Trace
     from poise.train.data import build_corpus
     from poise.util.atomic import atomic_write_text
@@ -570,7 +573,10 @@ def run(args: argparse.Namespace) -> int:
             repeats=size.expert_repeats,
         )
     wall["expert cost for the ideal"] = time.perf_counter() - t0
-    summary = measured_summary(runs, first.replan_every + 2, cost["c_s"])
+    # the ranks' threads as the launcher sets them (`commands.train`: cores // ranks by default)
+    threads = first.threads or max(1, (os.cpu_count() or 1) // WORLD)
+    cores = shared_cores(WORLD, WORLD, threads=threads)
+    summary = measured_summary(runs, first.replan_every + 2, cost["c_s"], cores)
 
     sims, missing = simulate_clusters(
         traces["static"], size, args.data, console, quick=bool(args.quick)

@@ -11,6 +11,16 @@ per routed token of one expert's forward and backward (`poise.calibrate.experts`
 
 The ideal is free balance: no Trans, Agg, migration or planning, nothing else changed.
 
+Ranks that share cores (`cores` = C > 0: the cores' worth of compute the R ranks get, fewer
+than R, as `poise.runtime.plan_inputs.shared_cores` gives it): a rank waiting at an all-to-all
+lends its core to the others, so a layer's expert work takes max(slowest rank, total / C)
+whether balanced or not (the cost model's `HostCosts.shared_cores`, `poise.cost.model`), and
+
+    excess[s]     = c * sum_l (max(max_r n, sum_r n / C) - max(mean_r n, sum_r n / C))
+
+(for C >= R it is the form above). With 4 ranks on 2 cores and the slowest at 2.17 times the
+mean, balance saves 0.17 of a mean rank's expert time per layer, not 1.17.
+
 Judging (`judge`): `gain_fraction = (speedup - 1) / (ideal_speedup - 1)` is the share of the
 possible gain achieved. It is judged only where balance is worth something
 (`ideal_speedup >= IDEAL_MIN`, 1.10); doing nothing scores 0 there, so it cannot pass. In every
@@ -42,17 +52,21 @@ def tokens_per_s(run: Any, skip: int) -> float:
     return float(run.tokens_per_step * len(run.step_s[w]) / run.step_s[w].sum())
 
 
-def ideal_of(static: Any, c_s: float, skip: int) -> dict[str, float]:
-    """The ideal of one static `MeasuredRun` (module docstring) over its steps after `skip`:
-    `ideal_speedup`, and per step the non-expert ms, the slowest and mean rank's expert ms and
-    the mean slowest/mean rank load."""
+def ideal_of(static: Any, c_s: float, skip: int, cores: float = 0.0) -> dict[str, float]:
+    """The ideal of one static `MeasuredRun` (module docstring) over its steps after `skip`,
+    its ranks sharing `cores` cores' worth of compute (0: each rank has its own): `ideal_speedup`,
+    and per step the non-expert ms, the expert ms as run and balanced (the slowest and mean
+    rank's where ranks do not share cores) and the mean slowest/mean rank load."""
     w = measured_steps(static.step_s, skip)
     n = np.asarray(static.device_tokens, dtype=float)[w]  # [S, L, W]
     if n.ndim != 3 or n.shape[0] == 0:
         raise ValueError(f"device_tokens must be [steps, layers, ranks], got {n.shape}")
+    if not cores >= 0:
+        raise ValueError(f"cores must be >= 0, got {cores}")
     step = np.asarray(static.step_s, dtype=float)[w]
-    slow = n.max(axis=2).sum(axis=1)  # slowest rank's pairs, summed over layers, [S]
-    mean = n.mean(axis=2).sum(axis=1)
+    bound = n.sum(axis=2) / cores if cores > 0 else np.zeros(n.shape[:2])  # [S, L]
+    slow = np.maximum(n.max(axis=2), bound).sum(axis=1)  # the layers' expert pairs as run, [S]
+    mean = np.maximum(n.mean(axis=2), bound).sum(axis=1)  # ... balanced
     ideal = step - c_s * (slow - mean)
     return {
         "ideal_speedup": float(step.sum() / ideal.sum()),
@@ -80,7 +94,9 @@ def judge(
     >>> judge(1.00, 1.25)["target_met"]   # doing nothing where balance is worth 25%
     False
     >>> judge(1.15, 1.25)["gain_fraction"], judge(1.15, 1.25)["target_met"]
-    (0.6, True)
+    (0.6, False)
+    >>> judge(1.20, 1.25)["target_met"]   # 0.8 of the gain
+    True
     >>> judge(0.995, 1.05)["target_met"]  # little to gain: only "do no harm" is judged
     True
     """
