@@ -254,6 +254,7 @@ def _guarded(rank: int, W: int) -> dict:
             "fit": stats[-1].fit if name == "balanced" else None,
             "fits": [s.fit for s in stats if s.replanned],
             "planned_s": sum(s.seconds.get("plan", 0.0) for s in stats),
+            "probe": balancer.probe,
         }
     return out
 
@@ -371,7 +372,13 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     assert balanced["decisions"] == ["idle", "idle"], balanced
     fit = balanced["fits"][-1]  # the self-calibration saw the steps and fitted its constants
     assert fit["rows"] > 0 and fit["k_compute"] > 0, fit
-    assert fit["k_transfer"] == 1.0, fit  # no replica ran: the prior's links stay
+    # no replica ran: k_transfer stays where the start-up probe put it (`runtime.probe`), the
+    # same on every rank; the runs with calibrate=False did not probe
+    k, measured_s, modelled_s = balanced["probe"]
+    assert measured_s > 0 and modelled_s > 0 and k == pytest.approx(measured_s / modelled_s)
+    assert fit["k_transfer"] == k, (fit, balanced["probe"])
+    assert all(g["balanced"]["probe"] == balanced["probe"] for g in guards)
+    assert pays["probe"] is None and costly["probe"] is None
     assert fit["dispatch_s_per_row"] > 0, fit  # gloo's all-to-all: host work beyond the link
 
 

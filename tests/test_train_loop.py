@@ -197,6 +197,19 @@ def test_resume_four_ranks_onto_two(runs):
     assert np.max(np.abs(np.array(losses) - np.array(four["losses"][3:]))) <= TOL
 
 
+def test_summary_records_the_transfer_probe(runs):
+    """A self-calibrating balancing run records its start-up probe (`poise.runtime.probe`); a
+    run without self-calibration or balancing does not probe."""
+    import json
+
+    root, _, _ = runs
+    probe = json.loads((root / "four-on-two" / "summary.json").read_text())["transfer_probe"]
+    assert probe["measured_s"] > 0 and probe["modelled_s"] > 0
+    assert probe["k"] == pytest.approx(probe["measured_s"] / probe["modelled_s"])
+    for name in ("static", "auto"):  # static; auto with self_calibrate=False
+        assert "transfer_probe" not in json.loads((root / name / "summary.json").read_text())
+
+
 def test_resume_four_ranks_onto_four(runs):
     _, four, _ = runs
     steps, losses, resumed_plan = four["four-on-four"]

@@ -102,6 +102,7 @@ from poise.runtime.plan_inputs import (
     with_migration_scale,
 )
 from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.stats import StepStats, layer_loads
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
@@ -179,6 +180,9 @@ class Balancer:
       is expected to serve (default `replan_every`);
     - `calibrate`: fit the cluster's compute, transfer and dispatch constants to this run's
       measured phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
+      `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
+      migration's worth of bulk traffic at start-up (`poise.runtime.probe`, collective) and
+      start `k_transfer` there instead of at the prior's 1;
     - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
@@ -216,6 +220,7 @@ class Balancer:
         guard_margin: float = 0.2,
         guard_horizon: int | None = None,
         calibrate: bool = True,
+        probe_transfers: bool = True,
         hooks: bool = False,
         overlap: bool = True,
         check_plans: bool = False,
@@ -262,6 +267,13 @@ class Balancer:
         self.fit = selfcal.Fit()
         self.calibrate = calibrate
         self._spec = spec
+        self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
+        if calibrate and probe_transfers and policy != "static" and self.world_size > 1:
+            shapes = spec if spec is not None else spec_from_layers(modules)
+            self.probe = probe_transfer_scale(
+                self.cluster, shapes, self.group, self.layers[0].params[0].device
+            )
+            self.fit = selfcal.Fit(k_transfer=self.probe[0])
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
         self.options = {k: dict(v) for k, v in (options or {}).items()}

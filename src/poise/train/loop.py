@@ -586,6 +586,9 @@ class _Trainer:
         if self.rank == 0:
             summary = res.as_dict()
             summary.update(policy=cfg.policy, model=cfg.model, device=self.device.type)
+            if self.balancer.probe is not None:  # start-up bulk transfers, `runtime.probe`
+                k = ("k", "measured_s", "modelled_s")
+                summary["transfer_probe"] = dict(zip(k, self.balancer.probe, strict=True))
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")
             self.log.print(
                 f"done: {len(res.losses)} steps, final loss {res.losses[-1]:.4f}"
