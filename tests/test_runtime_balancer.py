@@ -466,6 +466,37 @@ def test_cpu_ranks_beyond_the_cores_share_them() -> None:
         torch.set_num_threads(threads)
 
 
+def test_ranks_on_host_from_local_world_size(monkeypatch, tmp_path) -> None:
+    """torchrun's `LOCAL_WORLD_SIZE` says how many ranks share this host's cores (`poise train`'s
+    cluster reads it): 2C CPU ranks of 1 thread on C cores share them, C of them do not."""
+    import os
+
+    import torch
+
+    from poise.core.errors import ConfigError
+    from poise.runtime.plan_inputs import ranks_on_host
+    from poise.train.setup import make_cluster
+    from tests.helpers import tiny_train_config
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = tiny_train_config(str(tmp_path), "host", device="cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ranks_on_host(8) == 8
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert make_cluster(cfg, 2 * cores).host.shared_cores == cores  # all 2C here
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+        assert ranks_on_host(8) == cores
+        assert make_cluster(cfg, 2 * cores).host.shared_cores == 0.0  # C here, C elsewhere
+    finally:
+        torch.set_num_threads(threads)
+    for bad in ("two", "0"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+            ranks_on_host(8)
+
+
 def test_bad_arguments_are_config_errors() -> None:
     import torch
 

@@ -60,7 +60,6 @@ are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -98,6 +97,7 @@ from poise.runtime.homes import keep_homes
 from poise.runtime.plan_inputs import (
     default_cluster,
     planning_context,
+    ranks_on_host,
     spec_from_layers,
     with_migration_scale,
 )
@@ -253,9 +253,9 @@ class Balancer:
         if isinstance(cluster, str):
             cluster = get_cluster(cluster)
         on_cpu = self.layers[0].params[0].device.type == "cpu"
-        local = None  # processes on this host: torchrun's LOCAL_WORLD_SIZE, else the world
+        local = None  # CPU processes on this host share its cores
         if on_cpu and dist.is_initialized():
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            local = ranks_on_host(dist.get_world_size())
         self.cluster = cluster or default_cluster(self.world_size, ranks_on_host=local)
         if self.cluster.num_devices != self.world_size:
             raise ConfigError(

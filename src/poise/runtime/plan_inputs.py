@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from poise.core.cluster import Cluster
+from poise.core.errors import ConfigError
 from poise.core.presets import PRESETS
 from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE
@@ -37,6 +38,25 @@ def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluste
         return base
     host = dataclasses.replace(base.host, shared_cores=shared)
     return dataclasses.replace(base, name=f"{base.name}-on-{shared:g}-cores", host=host)
+
+
+def ranks_on_host(world_size: int) -> int:
+    """The training processes on this host: torchrun's (and `poise train --nproc`'s)
+    `LOCAL_WORLD_SIZE`, else `world_size` (every rank local, as the launchers of one machine
+    start them)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE")
+    if text is None:
+        return int(world_size)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(
+            f"must be a positive integer, got {text!r}", source="environment",
+            field="LOCAL_WORLD_SIZE",
+        )  # fmt: skip
+    return value
 
 
 def shared_cores(world_size: int, ranks_on_host: int, threads: int | None = None) -> float:
@@ -114,6 +134,7 @@ def with_migration_scale(
 __all__ = [
     "default_cluster",
     "planning_context",
+    "ranks_on_host",
     "shared_cores",
     "spec_from_layers",
     "with_migration_scale",

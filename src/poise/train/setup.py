@@ -126,12 +126,12 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
     (contiguous ranks) is a part (`poise.layouts.pool.sub_cluster`)."""
     from poise.core.presets import get_cluster
     from poise.layouts.pool import sub_cluster
-    from poise.runtime.balancer import default_cluster
+    from poise.runtime.plan_inputs import default_cluster, ranks_on_host
 
     ep = world if ep is None else ep
     if cfg.cluster is None:  # CPU ranks: all `world` of them share this host's cores
         on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-        return default_cluster(ep, ranks_on_host=world if on_cpu else None)
+        return default_cluster(ep, ranks_on_host=ranks_on_host(world) if on_cpu else None)
     cluster = get_cluster(cfg.cluster)
     if ep != world and cluster.num_devices == world:
         part = sub_cluster(cluster, ep)
