@@ -692,7 +692,7 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     from poise.core.errors import PoiseError
     from poise.runtime.planner import BackgroundPlanner
 
-    planner = BackgroundPlanner()
+    planner = BackgroundPlanner(process=False)  # a thread: the job is a closure
     release = threading.Event()
     planner.submit(lambda: release.wait(5) and "plan", requested_at=4, adopt_at=5)
     assert planner.busy and not planner.due(4) and planner.due(5)
@@ -736,12 +736,47 @@ def test_the_planner_thread_runs_at_the_lowest_priority() -> None:
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread priority is Linux's")
-    planner = BackgroundPlanner()
+    planner = BackgroundPlanner(process=False)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     planner.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), 0, 0)
     assert planner.take().value == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     planner.close()
+
+
+def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> None:
+    """The default planner runs each pickled job in its worker process, at nice 19; a job's
+    exception re-raises at `take`, a job that does not pickle and a worker that dies are one
+    clear `PoiseError` each."""
+    import os
+    import sys
+    from functools import partial
+
+    from poise.core.errors import PoiseError
+    from poise.runtime.planner import BackgroundPlanner
+
+    planner = BackgroundPlanner(preload=("poise.runtime.planning_job",))
+    try:
+        planner.submit(partial(os.getpid), requested_at=0, adopt_at=1)
+        done = planner.take()
+        assert done.value != os.getpid() and done.plan_s >= 0 and done.cpu_s >= 0
+        loaded = "'poise.runtime.planning_job' in __import__('sys').modules"
+        planner.submit(partial(eval, loaded), 0, 0)  # imported before the first job
+        assert planner.take().value is True
+        if sys.platform.startswith("linux"):
+            planner.submit(partial(os.getpriority, os.PRIO_PROCESS, 0), 1, 1)
+            assert planner.take().value == 19
+        planner.submit(partial(int, "not a number"), 2, 2)
+        with pytest.raises(ValueError, match="not a number"):
+            planner.take()
+        with pytest.raises(PoiseError, match="must pickle"):
+            planner.submit(lambda: None, 3, 3)
+        assert not planner.busy
+        planner.submit(partial(os._exit, 3), 4, 4)
+        with pytest.raises(PoiseError, match="exited with status 3"):
+            planner.take()
+    finally:
+        planner.close()
 
 
 def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:

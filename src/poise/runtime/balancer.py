@@ -32,7 +32,8 @@ Each step:
   optimizer steps;
 - `reduce_replicas`: Agg (replica gradients summed into their homes, zeroed);
 - `step`: every `replan_every` steps the leader (rank 0 of the vote group) requests a plan from
-  its background planner (`poise.runtime.planner`, `poise.runtime.decision`): it fits the cost
+  its background planner (`poise.runtime.planner`, a worker process, running
+  `poise.runtime.planning_job`; `poise.runtime.decision`): it fits the cost
   model's constants to the measured phases (`poise.runtime.selfcal`), forecasts `[L, D, E]`
   from the window and runs the policy (each expert's home then re-chosen among its holders:
   `poise.runtime.homes`), while training goes on. The plan is decided `plan_lag`
@@ -63,6 +64,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -75,7 +77,6 @@ from poise.core.errors import ConfigError, PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
-from poise.cost.model import CostModel
 from poise.nn.comm import comm_device
 from poise.nn.moe import MoE, find_moe_layers, nonfinite_error
 from poise.nn.slots import SlotMap, slot_maps
@@ -86,22 +87,13 @@ from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
 from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
 from poise.runtime.guard import (
-    Assessment,
     SwitchGuard,
-    Verdict,
-    assess,
     fallback_target,
-    verdict,
 )
 from poise.runtime.homes import keep_homes
-from poise.runtime.plan_inputs import (
-    default_cluster,
-    planning_context,
-    ranks_on_host,
-    spec_from_layers,
-    with_migration_scale,
-)
+from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planning_job import JobResult, PlanningJob, planning_context, run_job
 from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.stats import StepStats, layer_loads
 
@@ -183,6 +175,9 @@ class Balancer:
       `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
       migration's worth of bulk traffic at start-up (`poise.runtime.probe`, collective) and
       start `k_transfer` there instead of at the prior's 1;
+    - `plan_process`: plan in a worker process (`poise.runtime.planner`: a planning thread
+      would hold the interpreter lock the training thread needs between its tensor operations);
+      False: on a thread of this process;
     - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
     - `overlap`: launch Agg from gradient hooks and wait for Trans in each layer's forward
       (else both run at the step boundary);
@@ -221,6 +216,7 @@ class Balancer:
         guard_horizon: int | None = None,
         calibrate: bool = True,
         probe_transfers: bool = True,
+        plan_process: bool = True,
         hooks: bool = False,
         overlap: bool = True,
         check_plans: bool = False,
@@ -286,7 +282,9 @@ class Balancer:
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
-        self.planner = BackgroundPlanner()
+        self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
+        if self._plans_here and policy != "static":
+            self.planner.start()  # the worker starts up while the first steps run
         # the planner thread takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
@@ -586,41 +584,27 @@ class Balancer:
         # hold older rows that were not measured)
         measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
         n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
-        fit_counts = history[len(history) - n :]
         fit_rows = measured[len(measured) - n :]
-        after = fit_rows[:, 0] > self._plan_since  # leaves out the step that carried the switch
-        current, prior, spec, previous = self.plan, self.cluster, self.spec(), self.fit
-        static = self.static_plan
-        judge = current.digest() != static.digest()
-        policy, predictor, options, slots = self.policy, self.predictor, self.options, self.slots
-        calibrate, split_tokens = self.calibrate, self.split_tokens
-        horizon = self.guard.horizon
-        measured_switch = self.guard.k_switch if self.guard.switches else None
-
-        def job() -> tuple[Plan, Assessment, Cluster, selfcal.Fit, Verdict | None]:
-            cluster, fit = prior, selfcal.Fit()
-            if calibrate:
-                cost = CostModel(prior, spec)
-                rows = fit_rows[:, 1:]
-                cluster, fit = selfcal.fit_cluster(
-                    prior, cost, current, fit_counts, rows, previous=previous, settled=after
-                )
-            fitted = CostModel(cluster, spec)
-            paid = None
-            if judge:
-                paid = verdict(fitted, static, current, fit_counts[after], fit_rows[after, 1:])
-            loads = predictor.predict(history)
-            k_switch = fit.k_transfer if measured_switch is None else measured_switch
-            opts = with_migration_scale(options, k_switch / fit.k_transfer)
-            ctx = planning_context(cluster, spec, slots, history, opts, split_tokens)
-            plan = keep_homes(make_plan(policy, loads, current, ctx), current.placement, spec)
-            recent = history[len(history) - min(len(history), horizon) :]
-            a = assess(
-                fitted, current, plan, loads, switch_cost=CostModel(prior, spec), recent=recent
-            )
-            return plan, a, cluster, fit, paid
-
-        self.planner.submit(job, requested_at=step, adopt_at=step + self.plan_lag)
+        job = PlanningJob(
+            history=history,
+            fit_counts=history[len(history) - n :],
+            fit_rows=fit_rows,
+            settled=fit_rows[:, 0] > self._plan_since,  # not the step that carried the switch
+            current=self.plan,
+            static=self.static_plan,
+            prior=self.cluster,
+            spec=self.spec(),
+            previous=self.fit,
+            policy=self.policy,
+            predictor=self.predictor,
+            options=self.options,
+            slots=self.slots,
+            calibrate=self.calibrate,
+            split_tokens=self.split_tokens,
+            horizon=self.guard.horizon,
+            measured_switch=self.guard.k_switch if self.guard.switches else None,
+        )
+        self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.plan_lag)
 
     def _decide(self, stats: StepStats) -> bool:
         """Take the leader's decision (`poise.runtime.decision`): the leader takes its planner's
@@ -660,7 +644,10 @@ class Balancer:
         """This rank's planner result and what the guard decides on it (the leader's is the
         one every rank takes)."""
         done = self.planner.take()
-        plan, assessment, cluster, fit, paid = done.value
+        result: JobResult = done.value
+        plan, assessment, cluster, fit, paid = (
+            result.plan, result.assessment, result.cluster, result.fit, result.paid
+        )  # fmt: skip
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
         decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)

@@ -1,15 +1,13 @@
-"""What the live Balancer hands its planner: the modelled cluster of local ranks (the prior of
-the self-calibration), the `ModelSpec` read from the MoE layers, and the `PlanContext` a plan is
-made in (with `auto`'s migration price set from what the run's switches measured)."""
+"""What the live Balancer plans for: the modelled cluster of local ranks (the prior of the
+self-calibration, with the host's shared cores) and the `ModelSpec` read from the MoE layers.
+The planning itself, with the `PlanContext` a plan is made in, is `poise.runtime.planning_job`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from poise.core.cluster import Cluster
@@ -17,7 +15,6 @@ from poise.core.errors import ConfigError
 from poise.core.presets import PRESETS
 from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE
-from poise.plan.policies.base import PlanContext
 
 
 def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluster:
@@ -98,44 +95,9 @@ def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> Model
 _COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-def planning_context(
-    cluster: Cluster,
-    spec: ModelSpec,
-    slots: int,
-    history: np.ndarray,
-    options: Mapping[str, Mapping[str, Any]],
-    split_tokens: bool,
-) -> PlanContext:
-    """The context a plan is made in from the window `history[S, L, D, E]` (the same on every
-    rank, on the Balancer's thread or its planner's)."""
-    return PlanContext.create(
-        cluster,
-        spec,
-        slots_per_device=slots,
-        history=history.sum(axis=2).astype(np.float64),
-        options=options,
-        split_tokens=split_tokens,
-    )
-
-
-def with_migration_scale(
-    options: Mapping[str, Mapping[str, Any]], scale: float
-) -> dict[str, dict[str, Any]]:
-    """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
-    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
-    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
-    by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
-    charges a migration what the guard will."""
-    out = {k: dict(v) for k, v in options.items()}
-    out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
-    return out
-
-
 __all__ = [
     "default_cluster",
-    "planning_context",
     "ranks_on_host",
     "shared_cores",
     "spec_from_layers",
-    "with_migration_scale",
 ]

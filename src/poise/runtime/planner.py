@@ -1,36 +1,48 @@
-"""Planning off the critical path: the Balancer's policy runs on one background thread.
+"""Planning off the critical path: the Balancer's planning job runs in a background worker.
 
-    planner = BackgroundPlanner()
-    planner.submit(job, requested_at=s, adopt_at=s + lag)   # at step s's boundary, every rank
+    planner = BackgroundPlanner()                           # process=True: a worker process
+    planner.submit(partial(run_job, job), requested_at=s, adopt_at=s + lag)  # at step s
     ...                                                     # training goes on
     if planner.due(step):                                   # at step s + lag, every rank
-        done = planner.take()                               # waits if the thread is not done
-        done.value, done.plan_s, done.wait_s
+        done = planner.take()                               # waits if the job is not done
+        done.value, done.plan_s, done.wait_s, done.cpu_s
 
-A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its thread
+A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its job
 finished early or late: the rank that plans (the Balancer's leader, `poise.runtime.decision`)
 waits for its planner at that boundary if it must. The job's inputs are snapshots taken at step
 `s` (the gathered loads, identical on every rank) and the policy is deterministic, so any rank
-that plans gets the same plan at the same step (`check_plans` verifies it). Planning code is
-NumPy, which releases the GIL in its kernels; the thread competes with training only for CPU
-time, and runs at the lowest scheduling priority (nice 19, where the OS allows it per thread, as
-Linux does): on CPU ranks that share the cores it then takes mostly the time the training
-threads spend waiting (at collectives, or at the adoption boundary itself, where a rank that
-must wait for its planner leaves it the core).
+that plans gets the same plan at the same step (`check_plans` verifies it).
 
-`plan_s` is the job's wall time on its thread; `cpu_s` the CPU seconds the thread used (what
-it took from the training ranks where they share the cores: CPU devices); `wait_s` how long the
+Where the job runs:
+- `process=True` (the default): in a worker process (`poise.runtime.plan_worker`, started once,
+  at `start()` or the first job) at the lowest CPU priority (nice 19), the job pickled to it and
+  its result back. A thread of the training process would hold the interpreter lock whenever
+  the planner's Python runs, and the training thread needs that lock between every two tensor
+  operations: `benchmarks/planner_gil.py` measures a training-like loop of small operations
+  hundreds of times slower beside a Python-bound thread, whatever its nice value, and unchanged
+  beside the same work in a worker process. The job must pickle (a module-level function, or a
+  `functools.partial` of one, on picklable data).
+- `process=False`: on one thread of this process at nice 19 (where the OS allows it per thread,
+  as Linux does), for jobs that do not pickle; fine for NumPy-bound jobs, which release the lock.
+
+`plan_s` is the job's wall time where it ran; `cpu_s` the CPU seconds it used (what it took
+from the training ranks where they share the cores: CPU devices); `wait_s` how long the
 boundary that took it waited (the part of planning that delayed a step outright).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from poise.core.errors import PoiseError
@@ -57,10 +69,14 @@ class _Job:
 
 
 class BackgroundPlanner:
-    """One planning job at a time on one daemon thread (created on first use)."""
+    """One planning job at a time, in a worker process (`process=True`, which imports the
+    `preload` modules when it starts) or on one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: bool = True, preload: tuple[str, ...] = ()) -> None:
+        self.process = process
+        self.preload = tuple(preload)  # modules the worker imports at start-up
         self._pool: ThreadPoolExecutor | None = None
+        self._worker: WorkerProcess | None = None
         self._job: _Job | None = None
 
     @property
@@ -68,8 +84,19 @@ class BackgroundPlanner:
         """A job was submitted and not yet taken."""
         return self._job is not None
 
+    def start(self) -> None:
+        """Start the thread (and the worker process) now rather than at the first job, so that
+        the worker's start-up runs while training does."""
+        if self._pool is None:
+            init = None if self.process else lowest_priority
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="poise-planner", initializer=init
+            )
+        if self.process and self._worker is None:
+            self._worker = WorkerProcess(self.preload)
+
     def submit(self, job: Callable[[], Any], requested_at: int, adopt_at: int) -> None:
-        """Start `job()` on the thread; its result is taken at step `adopt_at`."""
+        """Start `job()` in the background; its result is taken at step `adopt_at`."""
         if self._job is not None:
             raise PoiseError(
                 f"a plan requested at step {self._job.requested_at} is still in flight",
@@ -77,18 +104,27 @@ class BackgroundPlanner:
             )
         if adopt_at < requested_at:
             raise PoiseError(f"adopt_at {adopt_at} < requested_at {requested_at}", field="planner")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="poise-planner", initializer=lowest_priority
-            )
-        self._job = _Job(self._pool.submit(_timed, job), requested_at, adopt_at)
+        self.start()
+        assert self._pool is not None
+        if self._worker is not None:
+            try:
+                payload = pickle.dumps(job)
+            except Exception as exc:
+                raise PoiseError(
+                    f"a planning job must pickle to run in the planner process: {exc}",
+                    field="planner",
+                ) from exc
+            future = self._pool.submit(self._worker.call, payload)
+        else:
+            future = self._pool.submit(_timed, job)
+        self._job = _Job(future, requested_at, adopt_at)
 
     def due(self, step: int) -> bool:
         """A job is in flight and step `step` is (at or past) its adoption step."""
         return self._job is not None and step >= self._job.adopt_at
 
     def take(self) -> Planned:
-        """The job's result, waiting for the thread if needed (a job's exception re-raises)."""
+        """The job's result, waiting for it if needed (a job's exception re-raises)."""
         if self._job is None:
             raise PoiseError("no plan in flight", field="planner")
         job, self._job = self._job, None
@@ -98,13 +134,69 @@ class BackgroundPlanner:
         return Planned(value, plan_s, wait_s, job.requested_at, job.adopt_at, cpu_s)
 
     def close(self) -> None:
-        """Drop the job in flight (waiting for its thread) and stop the thread."""
+        """Drop the job in flight (waiting for it) and stop the thread and the worker."""
         if self._job is not None:
             self._job.future.cancel()
             self._job = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+class WorkerProcess:
+    """`python -m poise.runtime.plan_worker` with pipes to it (its protocol: that module)."""
+
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding `poise`
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[name] = "1"  # one core's worth at most, at nice 19
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "poise.runtime.plan_worker", *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+
+    def call(self, payload: bytes) -> tuple[Any, float, float]:
+        """Send one pickled job, wait for its reply: `(value, wall_s, cpu_s)`; the job's
+        exception re-raises here; a worker that died is a `PoiseError`."""
+        from poise.runtime.plan_worker import read_frame, write_frame
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with contextlib.suppress(OSError):  # a dead worker: the read below reports it
+            write_frame(self.proc.stdin, payload)
+        reply = read_frame(self.proc.stdout)
+        if reply is None:
+            code = self.proc.wait(timeout=10)
+            raise PoiseError(
+                f"the planner process exited with status {code} during a job (its standard "
+                "error, above, says why)",
+                field="planner",
+            )
+        kind, *rest = pickle.loads(reply)
+        if kind == "error":
+            exc, text = rest
+            raise exc from PoiseError(f"in the planner process:\n{text}", field="planner")
+        value, wall_s, cpu_s = rest
+        return value, wall_s, cpu_s
+
+    def close(self) -> None:
+        """Close its input (it exits at the end of it), then wait for it, or kill it."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def lowest_priority() -> bool:
@@ -123,4 +215,4 @@ def _timed(job: Callable[[], Any]) -> tuple[Any, float, float]:
     return value, time.perf_counter() - t0, time.thread_time() - c0
 
 
-__all__ = ["BackgroundPlanner", "Planned", "lowest_priority"]
+__all__ = ["BackgroundPlanner", "Planned", "WorkerProcess", "lowest_priority"]

@@ -1,0 +1,143 @@
+"""One planning job of the live Balancer: fit, judge, forecast, plan and price, from snapshots.
+
+The Balancer's leader takes `PlanningJob` at a re-plan boundary (copies of the window of
+gathered loads `[S, L, D, E]`, the measured phases, the plan in force, the prior cluster) and
+hands it to its background planner (`poise.runtime.planner`), which runs `run_job` in a worker
+process while training goes on:
+
+1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
+2. judge whether that plan paid on them (`poise.runtime.guard.verdict`), where it is not static;
+3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
+   `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
+   expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
+4. price the candidate against the plan in force (`poise.runtime.guard.assess`).
+
+Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
+planner can run it in another process, where its Python holds no lock the training thread needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.core.placement import Plan
+from poise.core.spec import ModelSpec
+from poise.cost.model import CostModel
+from poise.plan.policies.base import PlanContext
+from poise.plan.policies.registry import make_plan
+from poise.plan.predict import Predictor
+from poise.runtime import selfcal
+from poise.runtime.guard import Assessment, Verdict, assess, verdict
+from poise.runtime.homes import keep_homes
+
+
+def planning_context(
+    cluster: Cluster,
+    spec: ModelSpec,
+    slots: int,
+    history: np.ndarray,
+    options: Mapping[str, Mapping[str, Any]],
+    split_tokens: bool,
+) -> PlanContext:
+    """The context a plan is made in from the window `history[S, L, D, E]` (the same on every
+    rank that plans)."""
+    return PlanContext.create(
+        cluster,
+        spec,
+        slots_per_device=slots,
+        history=history.sum(axis=2).astype(np.float64),
+        options=options,
+        split_tokens=split_tokens,
+    )
+
+
+def with_migration_scale(
+    options: Mapping[str, Mapping[str, Any]], scale: float
+) -> dict[str, dict[str, Any]]:
+    """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
+    switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
+    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
+    by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
+    charges a migration what the guard will."""
+    out = {k: dict(v) for k, v in options.items()}
+    out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
+    return out
+
+
+@dataclass(frozen=True)
+class PlanningJob:
+    """Snapshots for one job (module docstring). `history[S, L, D, E]`: the window of gathered
+    loads; `fit_counts[n, L, D, E]`, `fit_rows[n, 1 + len(selfcal.MEASURED)]` (step, then the
+    measured seconds): the newest steps run under `current`; `settled[n]`: those after the step
+    that carried the switch; `previous`: the last fit; `measured_switch`: the guard's `k_switch`
+    once a switch was measured (None before); `horizon`: steps a plan is expected to serve."""
+
+    history: np.ndarray
+    fit_counts: np.ndarray
+    fit_rows: np.ndarray
+    settled: np.ndarray
+    current: Plan
+    static: Plan
+    prior: Cluster
+    spec: ModelSpec
+    previous: selfcal.Fit
+    policy: str
+    predictor: Predictor
+    options: Mapping[str, Mapping[str, Any]]
+    slots: int
+    calibrate: bool
+    split_tokens: bool
+    horizon: int
+    measured_switch: float | None
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The candidate `plan`, its `assessment` against the plan in force, the fitted `cluster`
+    and `fit`, and `paid`: whether the plan in force paid (None when it is the static one)."""
+
+    plan: Plan
+    assessment: Assessment
+    cluster: Cluster
+    fit: selfcal.Fit
+    paid: Verdict | None
+
+
+def run_job(job: PlanningJob) -> JobResult:
+    """Run `job` (module docstring, steps 1-4)."""
+    cluster, fit = job.prior, selfcal.Fit()
+    rows = job.fit_rows[:, 1:]
+    if job.calibrate:
+        cluster, fit = selfcal.fit_cluster(
+            job.prior,
+            CostModel(job.prior, job.spec),
+            job.current,
+            job.fit_counts,
+            rows,
+            previous=job.previous,
+            settled=job.settled,
+        )
+    fitted = CostModel(cluster, job.spec)
+    paid = None
+    if job.current.digest() != job.static.digest():
+        after = job.settled
+        paid = verdict(fitted, job.static, job.current, job.fit_counts[after], rows[after])
+    loads = job.predictor.predict(job.history)
+    k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
+    options = with_migration_scale(job.options, k_switch / fit.k_transfer)
+    ctx = planning_context(cluster, job.spec, job.slots, job.history, options, job.split_tokens)
+    plan = make_plan(job.policy, loads, job.current, ctx)
+    plan = keep_homes(plan, job.current.placement, job.spec)
+    recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
+    assessment = assess(
+        fitted, job.current, plan, loads, switch_cost=CostModel(job.prior, job.spec), recent=recent
+    )
+    return JobResult(plan, assessment, cluster, fit, paid)
+
+
+__all__ = ["JobResult", "PlanningJob", "planning_context", "run_job", "with_migration_scale"]
