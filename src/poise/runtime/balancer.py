@@ -469,7 +469,8 @@ class Balancer:
         s = self.steps_done
         stats = self._current
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
-        if s % self.replan_every == 0 and self.window and not self.guard.skip_replan():
+        planning = self.policy != "static"  # static EP never plans: its baseline costs nothing
+        if planning and s % self.replan_every == 0 and self.window and not self.guard.skip_replan():
             self._request(s)
             if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched
