@@ -778,6 +778,15 @@ def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> Non
             planner.take()
     finally:
         planner.close()
+    import gc
+
+    from poise.runtime.planner import WorkerProcess
+
+    dropped = WorkerProcess()
+    proc = dropped.proc
+    del dropped  # never closed: its finalizer ends the worker's input, and it exits
+    gc.collect()
+    assert proc.wait(timeout=10) == 0
 
 
 def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -161,6 +162,8 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             env=env,
         )
+        # a planner dropped without `close()` still ends its worker (end of its input)
+        self._finalizer = weakref.finalize(self, _end_input, self.proc)
 
     def call(self, payload: bytes) -> tuple[Any, float, float]:
         """Send one pickled job, wait for its reply: `(value, wall_s, cpu_s)`; the job's
@@ -187,9 +190,8 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Close its input (it exits at the end of it), then wait for it, or kill it."""
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
+        self._finalizer.detach()
+        _end_input(self.proc)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -197,6 +199,12 @@ class WorkerProcess:
             self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def _end_input(proc: subprocess.Popen) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
 
 
 def lowest_priority() -> bool:
