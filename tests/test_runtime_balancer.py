@@ -701,7 +701,9 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
         planner.submit(lambda: None, 5, 6)
     threading.Timer(0.05, release.set).start()
     done = planner.take()  # waits for the thread
-    assert done.value == "plan" and done.wait_s > 0 and done.plan_s >= done.wait_s
+    # take() waited for the release, 0.05 s after the timer started (the job's own clock may
+    # start late on a loaded machine, so only its sign is certain)
+    assert done.value == "plan" and done.wait_s > 0.02 and done.plan_s > 0
     assert (done.requested_at, done.adopt_at) == (4, 5) and not planner.busy
     planner.close()
 
