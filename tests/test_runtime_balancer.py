@@ -795,7 +795,7 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
     """`apply` re-lays rows (a collective over every weight and moment) only where home slots
     change: adding, swapping or dropping replicas keeps every rank's homes in their slots."""
     from poise.nn.slots import slot_maps
-    from poise.runtime.balancer import _same_homes
+    from poise.runtime.layer_state import same_homes
 
     static = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
     replica = static.copy()
@@ -812,7 +812,7 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
             "moved": moved,
         }.items()
     }
-    assert _same_homes(maps["static"], maps["replica"])
-    assert _same_homes(maps["replica"], maps["swapped"])
-    assert _same_homes(maps["swapped"], maps["static"])
-    assert not _same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank
+    assert same_homes(maps["static"], maps["replica"])
+    assert same_homes(maps["replica"], maps["swapped"])
+    assert same_homes(maps["swapped"], maps["static"])
+    assert not same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank

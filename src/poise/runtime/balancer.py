@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -78,9 +78,9 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
-from poise.nn.moe import MoE, find_moe_layers, nonfinite_error
+from poise.nn.moe import find_moe_layers, nonfinite_error
 from poise.nn.slots import SlotMap, slot_maps
-from poise.plan.policies.registry import get_policy, make_plan
+from poise.plan.policies.registry import get_policy
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime import transfers as tr
@@ -90,10 +90,10 @@ from poise.runtime.guard import (
     SwitchGuard,
     fallback_target,
 )
-from poise.runtime.homes import keep_homes
+from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
-from poise.runtime.planning_job import JobResult, PlanningJob, planning_context, run_job
+from poise.runtime.planning_job import JobResult, PlanningJob, live_plan, run_job
 from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.stats import StepStats, layer_loads
 
@@ -104,49 +104,6 @@ N_MEASURED = len(selfcal.MEASURED)
 
 class PlanMismatchError(PoiseError):
     """Ranks computed different plans from the same gathered loads."""
-
-
-def expert_params(layer: MoE) -> list[nn.Parameter]:
-    """The layer's stacked per-slot expert tensors, each `[P, ...]`: `w_in [P, M, H]`,
-    `w_gate [P, M, H]` (SwiGLU only), `w_out [P, H, M]`."""
-    return list(layer.experts.weights())
-
-
-def _same_homes(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
-    """Every rank's home slots hold the same experts in the same slots (homes come first, so a
-    plan that only adds, drops or swaps replicas keeps them): nothing to migrate, the replica
-    slots are filled by Trans before they are read."""
-    return all(
-        np.array_equal(x.expert[x.home], y.expert[y.home]) and np.array_equal(x.home, y.home)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-class _LayerState:
-    """What the Balancer keeps per layer: slot maps of every rank, cached routes, transfers in
-    flight, the step's counts and the layer's expert tensors."""
-
-    def __init__(self, layer: nn.Module, index: int) -> None:
-        self.layer = layer
-        self.index = index
-        self.params = expert_params(layer)
-        self.maps: list[SlotMap] = []
-        self.trans_routes = tr.Routes.build([])
-        self.agg_routes = tr.Routes.build([])
-        self.trans: tr.Pending | None = None
-        self.aggs: list[tr.Pending] = []
-        self.counts = torch.zeros(0, dtype=torch.long)
-        self.rows = 0  # token-expert rows this rank computed in the layer this step
-        self.grads_ready: set[int] = set()
-
-    @property
-    def has_replicas(self) -> bool:
-        return len(self.trans_routes) > 0
-
-    def set_maps(self, maps: list[SlotMap]) -> None:
-        self.maps = maps
-        self.trans_routes = tr.trans_routes(maps)
-        self.agg_routes = self.trans_routes.swapped()
 
 
 class Balancer:
@@ -244,7 +201,7 @@ class Balancer:
         self.group = group if group is not None else modules[0].group
         self.vote_group = vote_group
         self.world_size, self.rank = modules[0].world, modules[0].rank
-        self.layers = [_LayerState(m, i) for i, m in enumerate(modules)]
+        self.layers = [LayerState(m, i) for i, m in enumerate(modules)]
         self.slots = self._slots()
         if isinstance(cluster, str):
             cluster = get_cluster(cluster)
@@ -263,8 +220,9 @@ class Balancer:
         self.fit = selfcal.Fit()
         self.calibrate = calibrate
         self._spec = spec
+        self.balancing = policy != "static"  # static EP never probes, plans or switches
         self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
-        if calibrate and probe_transfers and policy != "static" and self.world_size > 1:
+        if calibrate and probe_transfers and self.balancing and self.world_size > 1:
             shapes = spec if spec is not None else spec_from_layers(modules)
             self.probe = probe_transfer_scale(
                 self.cluster, shapes, self.group, self.layers[0].params[0].device
@@ -283,9 +241,9 @@ class Balancer:
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
-        if self._plans_here and policy != "static":
+        if self._plans_here and self.balancing:
             self.planner.start()  # the worker starts up while the first steps run
-        # the planner thread takes CPU from the ranks where they compute on the cores
+        # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
@@ -393,7 +351,7 @@ class Balancer:
         self._handles.clear()
 
     # ------------------------------------------------------------------------ layer hooks
-    def _record(self, state: _LayerState) -> None:
+    def _record(self, state: LayerState) -> None:
         """Forward hook: add the layer's `last_counts[E]` to this step's counts (on the layer's
         device: no host synchronisation) and its phase seconds (`last_forward.seconds`: gate,
         dispatch, experts, combine) to the step's statistics."""
@@ -406,7 +364,7 @@ class Balancer:
             if phase in LAYER_PHASES:
                 self._current.add_seconds(phase, float(seconds))
 
-    def _wait(self, state: _LayerState) -> None:
+    def _wait(self, state: LayerState) -> None:
         """Layer pre-hook: the layer's Trans must have landed before it runs."""
         if state.trans is not None:
             t0 = time.perf_counter()
@@ -414,7 +372,7 @@ class Balancer:
             state.trans = None
             self._current.add_seconds("transfers", time.perf_counter() - t0)
 
-    def _grad_ready(self, state: _LayerState, index: int) -> None:
+    def _grad_ready(self, state: LayerState, index: int) -> None:
         """Gradient hook: once all of a layer's expert tensors have their gradient from this
         backward, launch its Agg."""
         state.grads_ready.add(index)
@@ -423,9 +381,9 @@ class Balancer:
         state.grads_ready.clear()
         self._launch_agg(state)
 
-    def _launch_agg(self, state: _LayerState) -> None:
+    def _launch_agg(self, state: LayerState) -> None:
         t0 = time.perf_counter()
-        grads = [_grad_of(p) for p in state.params]
+        grads = [grad_of(p) for p in state.params]
         pending = tr.agg_async(
             grads, state.maps, self.rank, group=self.group, routes=state.agg_routes
         )
@@ -469,8 +427,12 @@ class Balancer:
         s = self.steps_done
         stats = self._current
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
-        planning = self.policy != "static"  # static EP never plans: its baseline costs nothing
-        if planning and s % self.replan_every == 0 and self.window and not self.guard.skip_replan():
+        if (
+            self.balancing
+            and s % self.replan_every == 0
+            and self.window
+            and not self.guard.skip_replan()
+        ):
             self._request(s)
             if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched
@@ -561,13 +523,10 @@ class Balancer:
     def plan_next(self) -> Plan:
         """The policy's plan from the window, now, on this thread (every rank computes the same
         one; verified across ranks when `check_plans`)."""
-        history = np.stack(self.window)  # [S, L, D, E]
-        loads = self.predictor.predict(history)
-        ctx = planning_context(
-            self.fitted_cluster, self.spec(), self.slots, history, self.options, self.split_tokens
-        )
-        plan = keep_homes(make_plan(self.policy, loads, self.plan, ctx), self.plan.placement,
-                          self.spec())  # fmt: skip
+        plan, _ = live_plan(
+            self.policy, self.predictor, np.stack(self.window), self.plan, self.fitted_cluster,
+            self.spec(), self.slots, self.options, self.split_tokens,
+        )  # fmt: skip
         if self.check_plans and self.world_size > 1:
             self.verify_plan(plan)
         return plan
@@ -720,7 +679,7 @@ class Balancer:
             self._wait(state)
             new_maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
             layer_maps.append(new_maps)
-            if _same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
+            if same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
                 continue
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
@@ -740,7 +699,7 @@ class Balancer:
         stats.add_seconds("transfers", time.perf_counter() - t0)
 
     # ---------------------------------------------------------------------------- Trans
-    def _start_trans(self, state: _LayerState, refresh: bool = False) -> tr.Pending:
+    def _start_trans(self, state: LayerState, refresh: bool = False) -> tr.Pending:
         """Launch one layer's Trans under its current maps (compressed when `compression`;
         `refresh`: recompute the layer's shared expert first)."""
         if self.compression is None:
@@ -750,7 +709,7 @@ class Balancer:
         return self._compressed_trans(state, state.maps, state.trans_routes, refresh)
 
     def _compressed_trans(
-        self, state: _LayerState, maps: list[SlotMap], routes: tr.Routes, refresh: bool
+        self, state: LayerState, maps: list[SlotMap], routes: tr.Routes, refresh: bool
     ) -> tr.Pending:
         """Compressed Trans; the layer's shared expert is recomputed (one all-reduce) when
         `refresh` or unknown, else reused: every rank refreshes at the same steps."""
@@ -778,12 +737,6 @@ class Balancer:
             state.layer.set_routing(
                 plan.placement, plan.assignment, maps[self.rank], layer=state.index
             )
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 __all__ = [

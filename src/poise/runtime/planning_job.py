@@ -69,6 +69,26 @@ def with_migration_scale(
     return out
 
 
+def live_plan(
+    policy: str,
+    predictor: Predictor,
+    history: np.ndarray,
+    current: Plan,
+    cluster: Cluster,
+    spec: ModelSpec,
+    slots: int,
+    options: Mapping[str, Mapping[str, Any]],
+    split_tokens: bool,
+) -> tuple[Plan, np.ndarray]:
+    """`(plan, loads)`: the forecast `loads[L, D, E]` from `history[S, L, D, E]` and the
+    policy's plan for them on `cluster`, each expert's home re-chosen among its holders
+    (`keep_homes`) so that homes stay put where they can (steps 3 of the module docstring)."""
+    loads = predictor.predict(history)
+    ctx = planning_context(cluster, spec, slots, history, options, split_tokens)
+    plan = keep_homes(make_plan(policy, loads, current, ctx), current.placement, spec)
+    return plan, loads
+
+
 @dataclass(frozen=True)
 class PlanningJob:
     """Snapshots for one job (module docstring). `history[S, L, D, E]`: the window of gathered
@@ -127,12 +147,12 @@ def run_job(job: PlanningJob) -> JobResult:
     if job.current.digest() != job.static.digest():
         after = job.settled
         paid = verdict(fitted, job.static, job.current, job.fit_counts[after], rows[after])
-    loads = job.predictor.predict(job.history)
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
     options = with_migration_scale(job.options, k_switch / fit.k_transfer)
-    ctx = planning_context(cluster, job.spec, job.slots, job.history, options, job.split_tokens)
-    plan = make_plan(job.policy, loads, job.current, ctx)
-    plan = keep_homes(plan, job.current.placement, job.spec)
+    plan, loads = live_plan(
+        job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
+        options, job.split_tokens,
+    )  # fmt: skip
     recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
     assessment = assess(
         fitted, job.current, plan, loads, switch_cost=CostModel(job.prior, job.spec), recent=recent
@@ -140,4 +160,11 @@ def run_job(job: PlanningJob) -> JobResult:
     return JobResult(plan, assessment, cluster, fit, paid)
 
 
-__all__ = ["JobResult", "PlanningJob", "planning_context", "run_job", "with_migration_scale"]
+__all__ = [
+    "JobResult",
+    "PlanningJob",
+    "live_plan",
+    "planning_context",
+    "run_job",
+    "with_migration_scale",
+]
