@@ -431,6 +431,12 @@ def test_one_process_balancer_records_and_plans() -> None:
     # one rank: nothing to gain, so the planner's CPU (shared with the rank) backs planning off
     assert [s.replanned for s in stats] == [False, True, False, False]
     assert stats[1].decision == "idle" and stats[1].seconds["plan"] > 0
+    # the static layout ran every step; the first (step 0) counts as the one that set it up
+    assert list(balancer.settled_static) == [False, True, True, True]
+    ref_counts, ref_rows = balancer.static_reference()
+    assert ref_rows[:, 0].tolist() == [1, 2, 3] and np.array_equal(
+        ref_counts[-1], balancer.window[-1]
+    )
     assert stats[1].seconds["plan_cpu"] > 0 and balancer.guard.idles == 1
     assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
     assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
@@ -612,6 +618,42 @@ def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers()
     assert not guard.pays(verdict(cost, static, replica, steps, measured))
     assert guard.pays(Verdict(0.0, 1.0, 0)) and guard.pays(None)  # nothing run yet
     assert SwitchGuard(horizon=10, enabled=False).pays(Verdict(0.0, 1.0, 5))
+
+
+def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None:
+    """The wall-clock test by hand on `_replica_case` (static busy 27,840 ns a step): static
+    steps measured at 1 ms + busy + (0, +1, -1) us, so their residuals' median is 1 ms and
+    their MAD 1 us; plan steps the same spread around 1 ms + `shift`. The standard error is
+    1.2533 * 1.4826 us * sqrt(1/3 + 1/3) = 1.517 us. The model's test passes throughout (no
+    transfers measured), so only the clock decides."""
+    from poise.runtime import selfcal
+    from poise.runtime.guard import MIN_WALL_STEPS, SwitchGuard, verdict
+
+    cost, static, replica, counts = _replica_case()
+    busy = 27_840e-9
+    steps = np.stack([counts] * 3)  # [S=3, L, D, E]
+    noise = np.array([0.0, 1e-6, -1e-6])
+
+    def rows(residual: float) -> np.ndarray:
+        out = np.zeros((3, len(selfcal.MEASURED)))
+        out[:, selfcal.PERIOD] = residual + busy + noise
+        return out
+
+    guard = SwitchGuard(horizon=10)
+    se = 1.2533 * 1.4826e-6 * np.sqrt(2 / 3)
+    for shift, pays in [(-2e-6, True), (1e-6, True), (5e-6, False)]:
+        v = verdict(cost, static, replica, steps, rows(1e-3 + shift), steps, rows(1e-3))
+        assert v.wall_saving_s == pytest.approx(-shift, abs=1e-12)
+        assert v.wall_se_s == pytest.approx(se, rel=1e-4)
+        assert v.saving_s > v.cost_s  # the model's test alone would keep the plan
+        assert guard.pays(v) is pays, shift
+    # static steps priced out: the same static residual from twice the load
+    heavy = verdict(cost, static, replica, steps, rows(1e-3 + 5e-6), 2 * steps,
+                    rows(1e-3) + np.eye(len(selfcal.MEASURED))[selfcal.PERIOD] * busy)  # fmt: skip
+    assert heavy.wall_saving_s == pytest.approx(-5e-6, abs=1e-12)
+    few = verdict(cost, static, replica, steps, rows(1e-3 + 5e-6), steps[: MIN_WALL_STEPS - 1],
+                  rows(1e-3)[: MIN_WALL_STEPS - 1])  # fmt: skip
+    assert few.wall_saving_s is None and guard.pays(few)  # too few static steps: not taken
 
 
 def test_self_calibration_fits_the_scales() -> None:

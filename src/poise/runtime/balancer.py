@@ -250,6 +250,8 @@ class Balancer:
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
         # per step, aligned with `window`: [step, *selfcal.MEASURED] (`selfcal.across_ranks`)
         self.measured: deque[np.ndarray] = deque(maxlen=history)
+        # per row of `measured`: run under the static layout, not the step that carried a switch
+        self.settled_static: deque[bool] = deque(maxlen=history)
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
         self.switches = 0
@@ -505,6 +507,9 @@ class Balancer:
             measured = self._max_over_vote_group(measured)
         self.window.append(np.ascontiguousarray(gathered))
         self.measured.append(np.concatenate([[self.steps_done], measured]))
+        self.settled_static.append(
+            self.steps_done > self._plan_since and self.plan.digest() == self.static_plan.digest()
+        )
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
         self._current.set_loads(planned.measured(computed))
@@ -531,6 +536,19 @@ class Balancer:
             self.verify_plan(plan)
         return plan
 
+    def static_reference(
+        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`(counts[T, L, D, E], rows[T, 1 + len(MEASURED)])`: the newest `FIT_WINDOW` settled
+        steps run under the static layout (`settled_static`), from `history` (default the
+        window) and `measured` (default the measured rows), the guard's wall-clock reference."""
+        history = np.stack(self.window) if history is None else history
+        if measured is None:
+            measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        picked = np.flatnonzero(np.array(self.settled_static, dtype=bool))[-FIT_WINDOW:]
+        aligned = history[len(history) - len(measured) :]  # the window's measured rows
+        return aligned[picked], measured[picked]
+
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
         steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
@@ -545,11 +563,14 @@ class Balancer:
         measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
         n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
         fit_rows = measured[len(measured) - n :]
+        static_counts, static_rows = self.static_reference(history, measured)
         job = PlanningJob(
             history=history,
             fit_counts=history[len(history) - n :],
             fit_rows=fit_rows,
             settled=fit_rows[:, 0] > self._plan_since,  # not the step that carried the switch
+            static_counts=static_counts,
+            static_rows=static_rows,
             current=self.plan,
             static=self.static_plan,
             prior=self.cluster,

@@ -35,16 +35,38 @@ forecast looks better on it than on any real step (per-step noise, a router stil
 warm-up), and a plan that would not have paid on the steps just run is not expected to pay on
 the next ones.
 
-Keeping it (`SwitchGuard.pays`). A counterfactual on the same steps, not a comparison of wall
-clocks across time (on a shared machine two runs of the same static layout differ by more than
-balancing saves): over the steps run under the plan in force (the step that carried the switch
-left out), the saving is the static layout's `busy` minus the plan's, both priced on the very
-counts those steps routed with the fitted cluster, and the cost is the transfer seconds the
-steps measured. When the saving does not exceed the cost, the Balancer goes back to the static
-layout and skips the next `backoff` re-plans (doubling after each fallback in a row, up to
-`max_backoff`). A plan with replicas and moved homes falls back in two stages
-(`fallback_target`): first its replicas go (its homes stay, judged like any plan), then, if
-those homes do not pay either, the static homes come back.
+Keeping it (`SwitchGuard.pays`). Two tests on the steps run under the plan in force (the step
+that carried the switch left out); the plan is kept while it passes both.
+
+1. The model's counterfactual on the same steps: the saving is the static layout's `busy` minus
+   the plan's, both priced on the very counts those steps routed with the fitted cluster, and
+   the cost is the transfer seconds the steps measured. The saving must exceed the cost.
+2. The wall clock's. What the model leaves out (ranks that share cores, where a transfer's or
+   the planner's CPU seconds slow everyone's compute; a router still moving; the host's other
+   work) shows only in the measured step. With `period` the measured seconds between two
+   step boundaries, each step's residual is what the static layout's model does not explain:
+
+       r[s] = period[s] - busy_static(counts[s])
+
+   On steps run under the static layout, r is the rest of the step (non-MoE work, optimizer,
+   data); on steps run under the plan, it is that rest minus what the plan saved plus what it
+   cost. So `wall_saving = median(r | static steps) - median(r | plan steps)` is the plan's
+   measured saving per step, with the loads of each step priced out (medians: single slow
+   steps of a shared machine do not decide). Its standard error is `1.2533 * sqrt(s_a^2 / n_a
+   + s_b^2 / n_b)`, with `s` the median absolute deviation times 1.4826 (the normal-equivalent
+   spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a mean's). The plan fails
+   when `wall_saving + se < 0`: it measured slower than static by more than the noise. The
+   static steps are the run's latest settled static steps (the Balancer's `FIT_WINDOW` at
+   most; at least `MIN_WALL_STEPS` on each side, else this test is not taken). Balancing is
+   thus judged by the clock after the switch, not only by the model that chose it. On
+   `benchmarks/train_speedup.py`'s `skewed-4` (4 ranks on 2 cores) the first plan measured
+   51-86 ms per step slower than static (one standard error 35-46 ms) while test 1 held.
+
+When either test fails, the Balancer goes back to the static layout and skips the next
+`backoff` re-plans (doubling after each fallback in a row, up to `max_backoff`). A plan with
+replicas and moved homes falls back in two stages (`fallback_target`): first its replicas go
+(its homes stay, judged like any plan), then, if those homes do not pay either, the static
+homes come back.
 
 Planning itself (`SwitchGuard.planning_pays`). Where the planner thread shares the cores with
 the training ranks (CPU devices), its CPU seconds slow the step as surely as a transfer. While
@@ -68,7 +90,7 @@ from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
-from poise.runtime.selfcal import busy_and_transfers, exposed_transfers_s, live_parts
+from poise.runtime.selfcal import PERIOD, busy_and_transfers, exposed_transfers_s, live_parts
 
 
 @dataclass(frozen=True)
@@ -101,15 +123,23 @@ class Assessment:
         return min(gain, self.recent_busy_gain_s + k_transfer * self.recent_transfers_gain_s)
 
 
+MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
+MEDIAN_SE = float(np.sqrt(np.pi / 2))  # a median's standard error over a mean's (normal data)
+MAD_SIGMA = 1.4826  # the standard deviation per median absolute deviation (normal data)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Whether the plan in force pays, over `steps` steps run under it: `saving_s` (static's
     busy seconds minus the plan's, priced on those steps' counts) against `cost_s` (their
-    measured transfer seconds)."""
+    measured transfer seconds); `wall_saving_s` (None: not measured) the wall clock's saving
+    per step and `wall_se_s` its standard error (module docstring, test 2)."""
 
     saving_s: float
     cost_s: float
     steps: int
+    wall_saving_s: float | None = None
+    wall_se_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -159,16 +189,41 @@ def assess(
 
 
 def verdict(
-    cost: CostModel, static: Plan, current: Plan, counts: np.ndarray, measured: np.ndarray
+    cost: CostModel,
+    static: Plan,
+    current: Plan,
+    counts: np.ndarray,
+    measured: np.ndarray,
+    static_counts: np.ndarray | None = None,
+    static_measured: np.ndarray | None = None,
 ) -> Verdict:
     """Whether `current` paid on the steps it ran: `counts[S, L, D, E]` and their
-    `measured[S, len(selfcal.MEASURED)]` (module docstring). NumPy only."""
+    `measured[S, len(selfcal.MEASURED)]`; with steps run under `static` (`static_counts[T, L,
+    D, E]`, `static_measured[T, len(selfcal.MEASURED)]`), the wall clock's saving too (module
+    docstring). NumPy only."""
     if len(counts) == 0:
         return Verdict(0.0, 0.0, 0)
     static_busy = live_parts(cost, static, counts)[:, 0]
     plan_busy = live_parts(cost, current, counts)[:, 0]
     cost_s = float(exposed_transfers_s(measured).sum())
-    return Verdict(float((static_busy - plan_busy).sum()), cost_s, len(counts))
+    saving_s = float((static_busy - plan_busy).sum())
+    if (
+        static_counts is None
+        or static_measured is None
+        or min(len(static_counts), len(counts)) < MIN_WALL_STEPS
+    ):
+        return Verdict(saving_s, cost_s, len(counts))
+    on_plan = measured[:, PERIOD] - static_busy
+    on_static = static_measured[:, PERIOD] - live_parts(cost, static, static_counts)[:, 0]
+    wall = float(np.median(on_static) - np.median(on_plan))
+    se = MEDIAN_SE * float(np.sqrt(_spread(on_static) ** 2 / len(on_static)
+                                   + _spread(on_plan) ** 2 / len(on_plan)))  # fmt: skip
+    return Verdict(saving_s, cost_s, len(counts), wall, se)
+
+
+def _spread(x: np.ndarray) -> float:
+    """The normal-equivalent standard deviation of `x` from its median absolute deviation."""
+    return MAD_SIGMA * float(np.median(np.abs(x - np.median(x))))
 
 
 def fallback_target(current: Plan, static: Plan, spec: ModelSpec) -> Plan:
@@ -260,9 +315,12 @@ class SwitchGuard:
     # ------------------------------------------------------------------ keeping it
     def pays(self, v: Verdict | None) -> bool:
         """Whether the plan in force pays: its saving over the static layout on the steps it
-        ran exceeds their measured transfer seconds (True without such steps)."""
+        ran exceeds their measured transfer seconds, and the wall clock did not measure it
+        slower than static by more than one standard error (True without such steps)."""
         if not self.enabled or v is None or v.steps == 0:
             return True
+        if v.wall_saving_s is not None and v.wall_saving_s + v.wall_se_s < 0:
+            return False
         return v.saving_s > v.cost_s
 
     def fell_back(self) -> None:
@@ -298,6 +356,7 @@ class SwitchGuard:
 
 
 __all__ = [
+    "MIN_WALL_STEPS",
     "Assessment",
     "Decision",
     "SwitchGuard",

@@ -101,6 +101,8 @@ class PlanningJob:
     fit_counts: np.ndarray
     fit_rows: np.ndarray
     settled: np.ndarray
+    static_counts: np.ndarray
+    static_rows: np.ndarray
     current: Plan
     static: Plan
     prior: Cluster
@@ -146,7 +148,10 @@ def run_job(job: PlanningJob) -> JobResult:
     paid = None
     if job.current.digest() != job.static.digest():
         after = job.settled
-        paid = verdict(fitted, job.static, job.current, job.fit_counts[after], rows[after])
+        paid = verdict(
+            fitted, job.static, job.current, job.fit_counts[after], rows[after],
+            static_counts=job.static_counts, static_measured=job.static_rows[:, 1:],
+        )  # fmt: skip
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
     options = with_migration_scale(job.options, k_switch / fit.k_transfer)
     plan, loads = live_plan(
