@@ -243,6 +243,14 @@ def _guarded(rank: int, W: int) -> dict:
         else:
             model, opt = _build(W)
         balancer = Balancer(model, opt, replan_every=EVERY, **kw)
+        records: list[tuple] = []  # what the guard was told of each switch, and from what
+        record = balancer.guard.record_switch
+
+        def spy(measured_s: float, modelled_s: float, b=balancer, rec=records, call=record):
+            rec.append((measured_s, modelled_s, b._switch_check, np.stack(b.measured)))
+            call(measured_s, modelled_s)
+
+        balancer.guard.record_switch = spy  # type: ignore[method-assign]
         _train(model, opt, rank, 10, balancer)
         balancer.close()
         stats = list(balancer.stats)
@@ -255,6 +263,8 @@ def _guarded(rank: int, W: int) -> dict:
             "fits": [s.fit for s in stats if s.replanned],
             "planned_s": sum(s.seconds.get("plan", 0.0) for s in stats),
             "probe": balancer.probe,
+            "switch_records": records,
+            "k_switch": (balancer.guard.switches, balancer.guard.k_switch),
         }
     return out
 
@@ -364,6 +374,15 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
         assert guards[0][name]["planned_s"] > 0 and guards[1][name]["planned_s"] == 0, name
     pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
     assert pays["switched_at"] and pays["decisions"][0] == "adopt", pays
+    # each switch was measured from its own row and the steady rows after it, on every rank
+    from poise.runtime.guard import switch_seconds
+
+    assert pays["switch_records"], pays
+    for measured_s, modelled_s, (step, modelled, wait), rows in pays["switch_records"]:
+        # the row after the switch's stats carries it (its boundary, then the fill's Trans)
+        assert step - 1 in pays["switched_at"] and modelled_s == modelled > 0
+        assert measured_s == switch_seconds(rows, step, wait)
+    assert all(g["pays"]["k_switch"] == pays["k_switch"] for g in guards)
     assert costly["switched_at"] == [] and costly["bytes"] == 0, costly
     assert "no-gain" in costly["decisions"], costly
     assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly
@@ -521,6 +540,24 @@ def test_bad_arguments_are_config_errors() -> None:
         Balancer(model, opt, cluster="cpu-2")
     with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):
         Balancer(torch.nn.Linear(2, 2), opt)
+
+
+def test_a_switch_is_measured_beyond_the_plans_steady_steps() -> None:
+    """`switch_seconds` by hand: the switch at step 4 exposed 0.30 s of boundary and 0.12 s of
+    transfers (its new replicas' first Trans awaited in the next forward); the steps after it
+    expose 0.02 + 0.03, 0.02 + 0.05 and 0.02 + 0.04 s (median 0.06 s); 0.05 s of the boundary
+    was the planner's wait: 0.42 - 0.06 - 0.05 = 0.31 s."""
+    from poise.runtime import selfcal
+    from poise.runtime.guard import switch_seconds
+
+    rows = np.zeros((5, 1 + len(selfcal.MEASURED)))
+    rows[:, 0] = [3, 4, 5, 6, 7]
+    rows[:, 1 + selfcal.BOUNDARY] = [0.01, 0.30, 0.02, 0.02, 0.02]
+    rows[:, 1 + selfcal.TRANSFERS] = [0.0, 0.12, 0.03, 0.05, 0.04]
+    rows[:, 1 + selfcal.PERIOD] = 1.0  # plays no part
+    assert switch_seconds(rows, 4, 0.05) == pytest.approx(0.31)
+    assert switch_seconds(rows[:2], 4, 0.05) is None  # no settled step after it yet
+    assert switch_seconds(rows[2:], 4, 0.05) is None  # its row is gone
 
 
 def test_guard_prices_switches_with_what_they_measured() -> None:

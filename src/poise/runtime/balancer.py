@@ -89,6 +89,7 @@ from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcom
 from poise.runtime.guard import (
     SwitchGuard,
     fallback_target,
+    switch_seconds,
 )
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
@@ -513,10 +514,6 @@ class Balancer:
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
         self._current.set_loads(planned.measured(computed))
-        if self._switch_check is not None and self._switch_check[0] == self.steps_done:
-            _, modelled, wait = self._switch_check
-            self.guard.record_switch(float(measured[selfcal.BOUNDARY]) - wait, modelled)
-            self._switch_check = None
 
     def _max_over_vote_group(self, measured: np.ndarray) -> np.ndarray:
         ns = torch.as_tensor(np.round(measured * 1e9).astype(np.int64))
@@ -555,12 +552,13 @@ class Balancer:
         forecast, plan, price against the plan in force. Only the leader plans (every rank
         with `check_plans`); every rank notes the step the decision is due."""
         self._due_at = step + self.plan_lag
+        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        self._measure_switch(measured)
         if not self._plans_here:
             return
         history = np.stack(self.window)  # [S, L, D, E], a copy
         # the newest rows of both, measured under the plan in force (a restored window may
         # hold older rows that were not measured)
-        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
         n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
         fit_rows = measured[len(measured) - n :]
         static_counts, static_rows = self.static_reference(history, measured)
@@ -586,6 +584,17 @@ class Balancer:
             measured_switch=self.guard.k_switch if self.guard.switches else None,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.plan_lag)
+
+    def _measure_switch(self, measured: np.ndarray) -> None:
+        """Record the last switch's measured seconds against its modelled ones once its step and
+        a settled step after it were measured (`guard.switch_seconds`; every rank alike)."""
+        if self._switch_check is None:
+            return
+        step, modelled, wait = self._switch_check
+        seconds = switch_seconds(measured, step, wait)
+        if seconds is not None:
+            self.guard.record_switch(seconds, modelled)
+            self._switch_check = None
 
     def _decide(self, stats: StepStats) -> bool:
         """Take the leader's decision (`poise.runtime.decision`): the leader takes its planner's

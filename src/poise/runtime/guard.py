@@ -26,7 +26,11 @@ modelled one-off transfers (homes moved with their optimizer state, new replicas
 `k_switch` the measured / modelled ratio of the switches this run already made (before the
 first, the prior the caller passes: the Balancer's is `k_transfer`, the scale this run's other
 bulk transfers measured against the same prior cluster, since a migration is bulk transfers of
-weights and moments), and `wait_s` the seconds the boundary waited for the planner. The plan
+weights and moments), and `wait_s` the seconds the boundary waited for the planner. A switch's
+measured seconds (`switch_seconds`) are what its step exposed beyond the plan's steady steps:
+the exposed transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less
+their median over the steps after it and less the planner wait, so that the new replicas'
+first Trans, awaited in the next forward, counts as the modelled fill does. The plan
 is adopted iff `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in
 force (same placement and assignment) is skipped outright: no transfer, no routing change.
 The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
@@ -226,6 +230,19 @@ def _spread(x: np.ndarray) -> float:
     return MAD_SIGMA * float(np.median(np.abs(x - np.median(x))))
 
 
+def switch_seconds(rows: np.ndarray, step: int, wait_s: float) -> float | None:
+    """The measured seconds of the switch made at `step` (module docstring), from the measured
+    rows `rows[n, 1 + len(selfcal.MEASURED)]` (step id, then the seconds); None until the row
+    of `step` and at least one settled row after it are there."""
+    ids = rows[:, 0]
+    carried = rows[ids == step, 1:]
+    after = rows[ids > step, 1:]
+    if len(carried) != 1 or len(after) == 0:
+        return None
+    steady = float(np.median(exposed_transfers_s(after)))
+    return float(exposed_transfers_s(carried)[0]) - steady - max(0.0, wait_s)
+
+
 def fallback_target(current: Plan, static: Plan, spec: ModelSpec) -> Plan:
     """Where a fallback from `current` goes, in two stages: while `current` has replicas and
     its homes differ from the static layout's, to its own homes without the replicas (Trans and
@@ -363,5 +380,6 @@ __all__ = [
     "Verdict",
     "assess",
     "fallback_target",
+    "switch_seconds",
     "verdict",
 ]
