@@ -693,6 +693,43 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     assert few.wall_saving_s is None and guard.pays(few)  # too few static steps: not taken
 
 
+def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:
+    """`live_parts` and `predicted_phases` price all steps in one call (the steps' layers end to
+    end); the reference prices each step on its own, as a simulator would: they must agree, on
+    a plan with replicas, per-step token splitting, host costs and ranks that share cores."""
+    import dataclasses
+
+    from poise.cost.host import dispatch_rows
+    from poise.runtime import selfcal
+    from poise.runtime.plan_inputs import default_cluster
+    from tests.helpers import toy_spec
+
+    base = default_cluster(4)
+    cluster = dataclasses.replace(base, host=dataclasses.replace(base.host, shared_cores=2.0))
+    cluster = selfcal.scaled_cluster(cluster, 1.3, 5.0, 1e-7)  # fitted: host work per row too
+    L, D, E = 3, 4, 8
+    spec = toy_spec(experts=E, layers=L)
+    cost = CostModel(cluster, spec)
+    p = Placement.from_homes(np.tile(np.arange(E) % D, (L, 1)), D, 3)
+    p.copies[0, 1, 0] = p.copies[2, 3, 5] = p.copies[2, 0, 6] = 1
+    plan = Plan("r", p, Assignment.even(p).with_split(True), transfers_between(None, p, spec))
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 60, size=(5, L, D, E)).astype(float)  # [S, L, D, E]
+    live = selfcal.live_parts(cost, plan, counts)
+    pred = selfcal.predicted_phases(cost, plan, counts)
+    pricer = cost.pricer(p, plan.assignment)
+    for s, row in enumerate(counts):
+        ph, device_load = pricer.phases(row)
+        busy, transfers = selfcal.busy_and_transfers(ph)
+        assert live[s] == pytest.approx([busy, transfers], rel=1e-12)
+        rows = dispatch_rows(row, device_load).max(axis=1).sum()
+        expected = [ph.expert_fwd_s.sum(), (ph.dispatch_s + ph.combine_s).sum(),
+                    (ph.trans_s + ph.agg_s).sum(), rows]  # fmt: skip
+        assert pred[s] == pytest.approx(expected, rel=1e-12)
+    assert live[:, 1].min() > 0 and ph.dispatch_host_fwd_s.sum() > 0  # every term is in play
+    assert selfcal.live_parts(cost, plan, counts[:0]).shape == (0, 2)
+
+
 def test_self_calibration_fits_the_scales() -> None:
     from poise.runtime import selfcal
 

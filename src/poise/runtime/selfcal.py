@@ -82,18 +82,35 @@ def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndar
     expert forward seconds, dispatch + combine link seconds (forward), Trans + Agg seconds, and
     the rows the busiest device's dispatcher handles (`cost.host.dispatch_rows`, sent +
     received)."""
-    pricer = cost.pricer(plan.placement, plan.assignment)
-    out = np.zeros((len(counts), 4))
-    for s, row in enumerate(counts):
-        loads = row.astype(np.float64)
-        phases, device_load = pricer.phases(loads)
-        out[s] = (
-            phases.expert_fwd_s.sum(),
-            (phases.dispatch_s + phases.combine_s).sum(),
-            (phases.trans_s + phases.agg_s).sum(),
-            dispatch_rows(loads, device_load).max(axis=1).sum(),
-        )
-    return out
+    if len(counts) == 0:
+        return np.zeros((0, 4))
+    phases, device_load, loads = _per_step_layers(cost, plan, counts)
+    rows = dispatch_rows(loads, device_load).max(axis=1)  # [S * L]
+    per_layer = np.stack(
+        [
+            phases.expert_fwd_s,
+            phases.dispatch_s + phases.combine_s,
+            phases.trans_s + phases.agg_s,
+            rows,
+        ],
+        axis=1,
+    )  # fmt: skip  [S * L, 4]
+    return per_layer.reshape(len(counts), -1, 4).sum(axis=1)
+
+
+def _per_step_layers(
+    cost: CostModel, plan: Plan, counts: np.ndarray
+) -> tuple[PhaseTimes, np.ndarray, np.ndarray]:
+    """`plan` priced on every step of `counts[S, L, D, E]` in one call: the steps' layers laid
+    end to end as `S * L` layers of the plan's own (a layer's phases depend on its own counts
+    only), so the phases come back `[S * L]`, the device loads `[S * L, D]`, with the loads
+    `[S * L, D, E]` they were priced on."""
+    S, L = counts.shape[:2]
+    layers = np.tile(np.arange(L), S)
+    pricer = cost.pricer(plan.placement.take_layers(layers), plan.assignment.take_layers(layers))
+    loads = counts.reshape(S * L, *counts.shape[2:]).astype(np.float64)
+    phases, device_load = pricer.phases(loads)
+    return phases, device_load, loads
 
 
 def across_ranks(per_rank: np.ndarray) -> np.ndarray:
@@ -116,18 +133,22 @@ def live_parts(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
     placement changes on the critical path, slowest device per layer) and `transfers` (Trans +
     Agg, before any overlap). The live guard prices a plan as `busy + k_transfer * transfers`,
     `k_transfer` fitted to the exposed transfer seconds the run measures."""
-    pricer = cost.pricer(plan.placement, plan.assignment)
-    out = np.zeros((len(counts), 2))
-    for s, row in enumerate(counts):
-        out[s] = busy_and_transfers(pricer.phases(row.astype(np.float64))[0])
-    return out
+    if len(counts) == 0:
+        return np.zeros((0, 2))
+    busy, transfers = _busy_and_transfers_by_layer(_per_step_layers(cost, plan, counts)[0])
+    return np.stack([busy, transfers], axis=1).reshape(len(counts), -1, 2).sum(axis=1)
+
+
+def _busy_and_transfers_by_layer(ph: PhaseTimes) -> tuple[np.ndarray, np.ndarray]:
+    busy = ph.expert_fwd_s + ph.expert_bwd_s + ph.dispatch_s + ph.combine_s
+    busy = busy + ph.dispatch_host_fwd_s + ph.dispatch_host_bwd_s
+    return busy, ph.trans_s + ph.agg_s
 
 
 def busy_and_transfers(ph: PhaseTimes) -> tuple[float, float]:
     """`(busy, transfers)` seconds of one step's phases, summed over layers (`live_parts`)."""
-    busy = ph.expert_fwd_s + ph.expert_bwd_s + ph.dispatch_s + ph.combine_s
-    busy = busy + ph.dispatch_host_fwd_s + ph.dispatch_host_bwd_s
-    return float(busy.sum()), float((ph.trans_s + ph.agg_s).sum())
+    busy, transfers = _busy_and_transfers_by_layer(ph)
+    return float(busy.sum()), float(transfers.sum())
 
 
 def fit_slope(y: np.ndarray, x: np.ndarray, prior_rows: float, centre: float = 0.0) -> float:
