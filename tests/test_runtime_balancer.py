@@ -620,6 +620,7 @@ def test_guard_prices_a_plan_by_its_live_parts() -> None:
     assert a.candidate_busy_s == pytest.approx(23_680e-9)
     assert a.current_transfers_s == 0 and a.candidate_transfers_s == pytest.approx(512e-9)
     assert a.live_gain_s() == pytest.approx(4_160e-9 - 512e-9)
+    assert a.switch_s == 0.0  # no home moves; the replica's fill is its first Trans, in live_s
     guard = SwitchGuard(horizon=10, margin=0.0)
     assert guard.decide(a).adopt
     # transfers measured at 4160 / 512 = 8.125 times the model's: the replica saves nothing

@@ -19,18 +19,19 @@ Adoption (`SwitchGuard.decide`). A candidate is priced against the plan in force
 loads:
 
     gain   = (live_s(current) - live_s(candidate)) * horizon          seconds saved
-    switch = k_switch * (migrate_s + fill_s)(candidate) + wait_s      seconds the switch costs
+    switch = k_switch * migrate_s(candidate) + wait_s                  seconds the switch costs
 
-with `horizon` the steps the plan serves before the next re-plan, `migrate_s + fill_s` the
-modelled one-off transfers (homes moved with their optimizer state, new replicas filled),
-`k_switch` the measured / modelled ratio of the switches this run already made (before the
-first, the prior the caller passes: the Balancer's is `k_transfer`, the scale this run's other
-bulk transfers measured against the same prior cluster, since a migration is bulk transfers of
-weights and moments), and `wait_s` the seconds the boundary waited for the planner. A switch's
-measured seconds (`switch_seconds`) are what its step exposed beyond the plan's steady steps:
-the exposed transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less
-their median over the steps after it and less the planner wait, so that the new replicas'
-first Trans, awaited in the next forward, counts as the modelled fill does. The plan
+with `horizon` the steps the plan serves before the next re-plan, `migrate_s` the modelled
+one-off transfer (homes moved with their optimizer state; a new replica's fill is not one:
+it is the plan's first Trans, launched at the switch's boundary as every boundary launches
+one, and `live_s` already charges it each step), `k_switch` the measured / modelled ratio of
+the migrations this run already made (before the first, the prior the caller passes: the
+Balancer's is `k_transfer`, the scale this run's other bulk transfers measured against the
+same prior cluster, since a migration is bulk transfers of weights and moments), and `wait_s`
+the seconds the boundary waited for the planner. A switch's measured seconds
+(`switch_seconds`) are what its step exposed beyond the plan's steady steps: the exposed
+transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less their median
+over the steps after it (which pay the same Trans and Agg) and less the planner wait. The plan
 is adopted iff `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in
 force (same placement and assignment) is skipped outright: no transfer, no routing change.
 The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
@@ -101,7 +102,7 @@ from poise.runtime.selfcal import PERIOD, busy_and_transfers, exposed_transfers_
 class Assessment:
     """A candidate priced against the plan in force on the forecast, model seconds:
     `current_s`, `candidate_s` per step (the cost model's step), `switch_s` the one-off
-    transfers; `*_busy_s`, `*_transfers_s` the live parts per step (module docstring); `same`:
+    migration; `*_busy_s`, `*_transfers_s` the live parts per step (module docstring); `same`:
     the candidate's placement and assignment equal the current ones. `recent_busy_gain_s`,
     `recent_transfers_gain_s` (None without recent steps): the same per-step differences
     (current minus candidate), averaged over the recent steps' actual counts."""
@@ -180,7 +181,7 @@ def assess(
     phases, _ = (switch_cost or cost).phases(
         candidate.placement, candidate.assignment, loads, migrations
     )
-    switch = float(phases.migrate_s.sum() + phases.trans_s.sum())  # homes moved + replicas filled
+    switch = float(phases.migrate_s.sum())  # homes moved (the fill is the first step's Trans)
     cur_busy, cur_tr = busy_and_transfers(cur_phases)
     new_busy, new_tr = busy_and_transfers(new_phases)
     recent_gain: tuple[float | None, float | None] = (None, None)
