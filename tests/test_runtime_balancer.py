@@ -692,6 +692,10 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     few = verdict(cost, static, replica, steps, rows(1e-3 + 5e-6), steps[: MIN_WALL_STEPS - 1],
                   rows(1e-3)[: MIN_WALL_STEPS - 1])  # fmt: skip
     assert few.wall_saving_s is None and guard.pays(few)  # too few static steps: not taken
+    homes = Placement.from_homes(np.array([[1, 0]]), 2, 2)  # homes swapped, no replica
+    moved = Plan("homes", homes, Assignment.to_home(homes), None)  # type: ignore[arg-type]
+    v = verdict(cost, static, moved, steps, rows(1e-3 + 5e-6), steps, rows(1e-3))
+    assert v.wall_saving_s is None  # no Trans or Agg to measure: the model's test alone
 
 
 def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:
