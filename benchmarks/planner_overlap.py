@@ -74,6 +74,7 @@ def planning_job(seed: int = 0) -> PlanningJob:
     return PlanningJob(
         history=history, fit_counts=history, fit_rows=rows, settled=np.ones(WINDOW, bool),
         static_counts=history[:0], static_rows=rows[:0],
+        balanced_counts=history[:0], balanced_rows=rows[:0],
         current=static, static=static, prior=default_cluster(D), spec=spec,
         previous=selfcal.Fit(), policy="auto", predictor=parse_predictor("ema"),
         options={"auto": {"horizon": 10}}, slots=SLOTS, calibrate=False, split_tokens=True,

@@ -13,6 +13,8 @@ the load is balanced. One-process tests cover the helpers."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 
@@ -451,11 +453,23 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert [s.replanned for s in stats] == [False, True, False, False]
     assert stats[1].decision == "idle" and stats[1].seconds["plan"] > 0
     # the static layout ran every step; the first (step 0) counts as the one that set it up
-    assert list(balancer.settled_static) == [False, True, True, True]
-    ref_counts, ref_rows = balancer.static_reference()
-    assert ref_rows[:, 0].tolist() == [1, 2, 3] and np.array_equal(
-        ref_counts[-1], balancer.window[-1]
-    )
+    from poise.runtime.balancer import STATIC
+
+    assert list(balancer.row_layout) == [STATIC] * 4
+    assert list(balancer.row_settled) == [False, True, True, True]
+    ref_counts, ref_rows, bal_counts, bal_rows = balancer.wall_reference()
+    assert ref_rows[:, 0].tolist() == [1, 2, 3]
+    assert np.array_equal(ref_counts[-1], balancer.window[-1])
+    assert len(bal_counts) == len(bal_rows) == 0  # no plan with replicas ran
+    # a run that balanced, went static, then balanced again (step 2 carried the switch):
+    # balancing is judged on the steps since static last ran, static on its settled steps
+    from poise.runtime.balancer import REPLICAS
+
+    balancer.row_layout = deque([REPLICAS, STATIC, REPLICAS, REPLICAS])
+    balancer.row_settled = deque([True, True, False, True])
+    ref_counts, ref_rows, bal_counts, bal_rows = balancer.wall_reference()
+    assert ref_rows[:, 0].tolist() == [1] and bal_rows[:, 0].tolist() == [3]
+    assert np.array_equal(bal_counts[0], balancer.window[3])
     assert stats[1].seconds["plan_cpu"] > 0 and balancer.guard.idles == 1
     assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
     assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
@@ -692,6 +706,14 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     few = verdict(cost, static, replica, steps, rows(1e-3 + 5e-6), steps[: MIN_WALL_STEPS - 1],
                   rows(1e-3)[: MIN_WALL_STEPS - 1])  # fmt: skip
     assert few.wall_saving_s is None and guard.pays(few)  # too few static steps: not taken
+    # balancing judged as a whole: the plan's own 3 steps were fast, but 6 steps of balancing
+    # since static (earlier plans' included) measured 5 us slower; MADs 1 us on 3 and 6 steps
+    pooled = verdict(cost, static, replica, steps, rows(1e-3 - 2e-6), steps, rows(1e-3),
+                     np.concatenate([steps, steps]),
+                     np.concatenate([rows(1e-3 + 5e-6), rows(1e-3 + 5e-6)]))  # fmt: skip
+    assert pooled.wall_saving_s == pytest.approx(-5e-6, abs=1e-12)
+    assert pooled.wall_se_s == pytest.approx(1.2533 * 1.4826e-6 * np.sqrt(1 / 3 + 1 / 6), rel=1e-4)
+    assert not guard.pays(pooled)
     homes = Placement.from_homes(np.array([[1, 0]]), 2, 2)  # homes swapped, no replica
     moved = Plan("homes", homes, Assignment.to_home(homes), None)  # type: ignore[arg-type]
     v = verdict(cost, static, moved, steps, rows(1e-3 + 5e-6), steps, rows(1e-3))

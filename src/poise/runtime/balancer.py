@@ -100,6 +100,7 @@ from poise.runtime.stats import StepStats, layer_loads
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
+STATIC, REPLICAS, OTHER = range(3)  # the layout a measured row ran under (`row_layout`)
 N_MEASURED = len(selfcal.MEASURED)
 
 
@@ -251,8 +252,10 @@ class Balancer:
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
         # per step, aligned with `window`: [step, *selfcal.MEASURED] (`selfcal.across_ranks`)
         self.measured: deque[np.ndarray] = deque(maxlen=history)
-        # per row of `measured`: run under the static layout, not the step that carried a switch
-        self.settled_static: deque[bool] = deque(maxlen=history)
+        # per row of `measured`: the layout it ran under (`STATIC`, `REPLICAS` for a plan with
+        # replicas, `OTHER`) and whether it was settled (not the step that carried a switch)
+        self.row_layout: deque[int] = deque(maxlen=history)
+        self.row_settled: deque[bool] = deque(maxlen=history)
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
         self.switches = 0
@@ -508,9 +511,11 @@ class Balancer:
             measured = self._max_over_vote_group(measured)
         self.window.append(np.ascontiguousarray(gathered))
         self.measured.append(np.concatenate([[self.steps_done], measured]))
-        self.settled_static.append(
-            self.steps_done > self._plan_since and self.plan.digest() == self.static_plan.digest()
-        )
+        if self.plan.digest() == self.static_plan.digest():
+            self.row_layout.append(STATIC)
+        else:
+            self.row_layout.append(REPLICAS if self.plan.placement.replicas().any() else OTHER)
+        self.row_settled.append(self.steps_done > self._plan_since)
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
         self._current.set_loads(planned.measured(computed))
@@ -533,18 +538,26 @@ class Balancer:
             self.verify_plan(plan)
         return plan
 
-    def static_reference(
+    def wall_reference(
         self, history: np.ndarray | None = None, measured: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """`(counts[T, L, D, E], rows[T, 1 + len(MEASURED)])`: the newest `FIT_WINDOW` settled
-        steps run under the static layout (`settled_static`), from `history` (default the
-        window) and `measured` (default the measured rows), the guard's wall-clock reference."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The guard's wall-clock samples (`guard.verdict`), from `history` (default the window)
+        and `measured` (default the measured rows): `(static_counts[T, L, D, E], static_rows[T,
+        1 + len(MEASURED)], balanced_counts[B, ...], balanced_rows[B, ...])`, the newest
+        `FIT_WINDOW` settled steps run under the static layout, and every settled step run
+        under plans with replicas since the static layout last ran (balancing judged as a
+        whole since it left static, so the sample grows with each plan it adopts)."""
         history = np.stack(self.window) if history is None else history
         if measured is None:
             measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
-        picked = np.flatnonzero(np.array(self.settled_static, dtype=bool))[-FIT_WINDOW:]
+        layout = np.array(self.row_layout, dtype=np.int64)
+        settled = np.array(self.row_settled, dtype=bool)
+        static = np.flatnonzero(settled & (layout == STATIC))[-FIT_WINDOW:]
+        ran_static = np.flatnonzero(layout == STATIC)
+        since = int(ran_static[-1]) + 1 if ran_static.size else 0
+        balanced = since + np.flatnonzero(settled[since:] & (layout[since:] == REPLICAS))
         aligned = history[len(history) - len(measured) :]  # the window's measured rows
-        return aligned[picked], measured[picked]
+        return aligned[static], measured[static], aligned[balanced], measured[balanced]
 
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
@@ -561,7 +574,9 @@ class Balancer:
         # hold older rows that were not measured)
         n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
         fit_rows = measured[len(measured) - n :]
-        static_counts, static_rows = self.static_reference(history, measured)
+        static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
+            history, measured
+        )
         job = PlanningJob(
             history=history,
             fit_counts=history[len(history) - n :],
@@ -569,6 +584,8 @@ class Balancer:
             settled=fit_rows[:, 0] > self._plan_since,  # not the step that carried the switch
             static_counts=static_counts,
             static_rows=static_rows,
+            balanced_counts=balanced_counts,
+            balanced_rows=balanced_rows,
             current=self.plan,
             static=self.static_plan,
             prior=self.cluster,

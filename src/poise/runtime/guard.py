@@ -55,15 +55,20 @@ that carried the switch left out); the plan is kept while it passes both.
 
    On steps run under the static layout, r is the rest of the step (non-MoE work, optimizer,
    data); on steps run under the plan, it is that rest minus what the plan saved plus what it
-   cost. So `wall_saving = median(r | static steps) - median(r | plan steps)` is the plan's
-   measured saving per step, with the loads of each step priced out (medians: single slow
-   steps of a shared machine do not decide). Its standard error is `1.2533 * sqrt(s_a^2 / n_a
-   + s_b^2 / n_b)`, with `s` the median absolute deviation times 1.4826 (the normal-equivalent
-   spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a mean's). The plan fails
-   when `wall_saving + se < 0`: it measured slower than static by more than the noise. The
-   static steps are the run's latest settled static steps (the Balancer's `FIT_WINDOW` at
-   most; at least `MIN_WALL_STEPS` on each side, else this test is not taken). It is taken
-   only for plans with replicas: a plan that only moved homes has no Trans and no Agg after
+   cost. So `wall_saving = median(r | static steps) - median(r | balanced steps)` is
+   balancing's measured saving per step, with the loads of each step priced out (medians:
+   single slow steps of a shared machine do not decide). Its standard error is `1.2533 *
+   sqrt(s_a^2 / n_a + s_b^2 / n_b)`, with `s` the median absolute deviation times 1.4826 (the
+   normal-equivalent spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a
+   mean's). The plan fails when `wall_saving + se < 0`: balancing measured slower than static
+   by more than the noise. The static steps are the run's latest settled static steps (the
+   Balancer's `FIT_WINDOW` at most); the balanced steps are every settled step run under
+   plans with replicas since the static layout last ran, whichever plan ran them (r prices
+   every step on the static layout, so steps of different plans pool; balancing is judged as
+   a whole, and the sample grows with each plan adopted instead of starting again at each
+   switch). At least
+   `MIN_WALL_STEPS` on each side, else this test is not taken. It is taken only for plans
+   with replicas: a plan that only moved homes has no Trans and no Agg after
    its switch, so what the clock could add to test 1 is noise, and a false alarm there would
    move every home back (a migration as large as the switch). Balancing is thus judged by
    the clock after the switch, not only by the model that chose it. On
@@ -204,25 +209,30 @@ def verdict(
     measured: np.ndarray,
     static_counts: np.ndarray | None = None,
     static_measured: np.ndarray | None = None,
+    balanced_counts: np.ndarray | None = None,
+    balanced_measured: np.ndarray | None = None,
 ) -> Verdict:
     """Whether `current` paid on the steps it ran: `counts[S, L, D, E]` and their
     `measured[S, len(selfcal.MEASURED)]`; with steps run under `static` (`static_counts[T, L,
     D, E]`, `static_measured[T, len(selfcal.MEASURED)]`), the wall clock's saving too (module
-    docstring). NumPy only."""
+    docstring), on the steps balancing ran since it left static (`balanced_counts[B, ...]`,
+    `balanced_measured[B, ...]`; default: `current`'s own). NumPy only."""
     if len(counts) == 0:
         return Verdict(0.0, 0.0, 0)
     static_busy = live_parts(cost, static, counts)[:, 0]
     plan_busy = live_parts(cost, current, counts)[:, 0]
     cost_s = float(exposed_transfers_s(measured).sum())
     saving_s = float((static_busy - plan_busy).sum())
+    if balanced_counts is None or balanced_measured is None:
+        balanced_counts, balanced_measured = counts, measured
     if (
         static_counts is None
         or static_measured is None
-        or min(len(static_counts), len(counts)) < MIN_WALL_STEPS
+        or min(len(static_counts), len(balanced_counts)) < MIN_WALL_STEPS
         or not current.placement.replicas().any()
     ):
         return Verdict(saving_s, cost_s, len(counts))
-    on_plan = measured[:, PERIOD] - static_busy
+    on_plan = balanced_measured[:, PERIOD] - live_parts(cost, static, balanced_counts)[:, 0]
     on_static = static_measured[:, PERIOD] - live_parts(cost, static, static_counts)[:, 0]
     wall = float(np.median(on_static) - np.median(on_plan))
     se = MEDIAN_SE * float(np.sqrt(_spread(on_static) ** 2 / len(on_static)

@@ -94,7 +94,11 @@ class PlanningJob:
     """Snapshots for one job (module docstring). `history[S, L, D, E]`: the window of gathered
     loads; `fit_counts[n, L, D, E]`, `fit_rows[n, 1 + len(selfcal.MEASURED)]` (step, then the
     measured seconds): the newest steps run under `current`; `settled[n]`: those after the step
-    that carried the switch; `previous`: the last fit; `measured_switch`: the guard's `k_switch`
+    that carried the switch; `static_counts[T, L, D, E]`, `static_rows[T, 1 + len(MEASURED)]`:
+    the newest settled steps run under the static layout, `balanced_counts[B, ...]`,
+    `balanced_rows[B, ...]`: the settled steps run under plans with replicas since the static
+    layout last ran (the wall-clock test of `poise.runtime.guard`; T and B may be 0);
+    `previous`: the last fit; `measured_switch`: the guard's `k_switch`
     once a switch was measured (None before); `horizon`: steps a plan is expected to serve."""
 
     history: np.ndarray
@@ -103,6 +107,8 @@ class PlanningJob:
     settled: np.ndarray
     static_counts: np.ndarray
     static_rows: np.ndarray
+    balanced_counts: np.ndarray
+    balanced_rows: np.ndarray
     current: Plan
     static: Plan
     prior: Cluster
@@ -151,6 +157,7 @@ def run_job(job: PlanningJob) -> JobResult:
         paid = verdict(
             fitted, job.static, job.current, job.fit_counts[after], rows[after],
             static_counts=job.static_counts, static_measured=job.static_rows[:, 1:],
+            balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
         )  # fmt: skip
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
     options = with_migration_scale(job.options, k_switch / fit.k_transfer)
