@@ -267,6 +267,7 @@ def _guarded(rank: int, W: int) -> dict:
             "probe": balancer.probe,
             "switch_records": records,
             "k_switch": (balancer.guard.switches, balancer.guard.k_switch),
+            "row_layout": list(balancer.row_layout),
         }
     return out
 
@@ -385,6 +386,13 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
         assert step - 1 in pays["switched_at"] and modelled_s == modelled > 0
         assert measured_s == switch_seconds(rows, step, wait)
     assert all(g["pays"]["k_switch"] == pays["k_switch"] for g in guards)
+    # each measured row knows its layout: static up to the first switch, replicas from the row
+    # that carried it (eplb replicates the hot experts)
+    from poise.runtime.balancer import REPLICAS, STATIC
+
+    first = pays["switched_at"][0]
+    assert pays["row_layout"][: first + 1] == [STATIC] * (first + 1)
+    assert pays["row_layout"][first + 1] == REPLICAS, pays["row_layout"]
     assert costly["switched_at"] == [] and costly["bytes"] == 0, costly
     assert "no-gain" in costly["decisions"], costly
     assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly

@@ -261,6 +261,7 @@ class Balancer:
         self.switches = 0
         self.plan = self._initial_plan()
         self.static_plan = self.plan  # the layout to fall back to
+        self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
@@ -511,10 +512,7 @@ class Balancer:
             measured = self._max_over_vote_group(measured)
         self.window.append(np.ascontiguousarray(gathered))
         self.measured.append(np.concatenate([[self.steps_done], measured]))
-        if self.plan.digest() == self.static_plan.digest():
-            self.row_layout.append(STATIC)
-        else:
-            self.row_layout.append(REPLICAS if self.plan.placement.replicas().any() else OTHER)
+        self.row_layout.append(self._layout)
         self.row_settled.append(self.steps_done > self._plan_since)
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
@@ -737,6 +735,10 @@ class Balancer:
             stats.relaid_rows += moved.relaid_rows
         self._apply_routing(plan, layer_maps)
         self.plan = plan
+        if plan.digest() == self.static_plan.digest():
+            self._layout = STATIC
+        else:
+            self._layout = REPLICAS if plan.placement.replicas().any() else OTHER
         for state in self.layers:
             if state.has_replicas:
                 state.trans = self._start_trans(state, refresh=True)

@@ -94,7 +94,7 @@ def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndar
             rows,
         ],
         axis=1,
-    )  # fmt: skip  [S * L, 4]
+    )  # [S * L, 4]
     return per_layer.reshape(len(counts), -1, 4).sum(axis=1)
 
 
