@@ -66,9 +66,8 @@ that carried the switch left out); the plan is kept while it passes both.
    plans with replicas since the static layout last ran, whichever plan ran them (r prices
    every step on the static layout, so steps of different plans pool; balancing is judged as
    a whole, and the sample grows with each plan adopted instead of starting again at each
-   switch). At least
-   `MIN_WALL_STEPS` on each side, else this test is not taken. It is taken only for plans
-   with replicas: a plan that only moved homes has no Trans and no Agg after
+   switch). At least `MIN_WALL_STEPS` on each side, else this test is not taken. It is taken
+   only for plans with replicas: a plan that only moved homes has no Trans and no Agg after
    its switch, so what the clock could add to test 1 is noise, and a false alarm there would
    move every home back (a migration as large as the switch). Balancing is thus judged by
    the clock after the switch, not only by the model that chose it. On
