@@ -123,6 +123,7 @@ def run_config(policy: str, out: Path, steps: int, replan_every: int, model_args
         log_every=10_000,
         progress=False,
         tensorboard=False,
+        threads=1,  # 1 intra-op thread per rank, as the ideal's `shared_cores` assumes
     )
     base.update(kw)
     return TrainConfig(**base)
