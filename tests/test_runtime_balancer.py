@@ -485,6 +485,29 @@ def test_one_process_balancer_records_and_plans() -> None:
     spec = spec_from_layers([model[0], model[1]], 16)
     assert (spec.d_model, spec.d_expert, spec.experts, spec.moe_layers) == (8, 16, 4, 2)
     assert spec.activation == "swiglu" and spec.dtype_bytes == 4
+    # a plan in force that did not pay: the leader's outcome replaces it or names the exit
+    # (horizon 2, margin 0.2, switches priced at k = 1 before any was measured)
+    import dataclasses
+
+    from poise.runtime.guard import Assessment, Verdict
+    from poise.runtime.planning_job import JobResult
+
+    def option(gain: float, switch: float) -> Assessment:
+        return Assessment(False, current_busy_s=1.0, candidate_busy_s=1.0 - gain, switch_s=switch)
+
+    now = balancer.plan
+    fresh, homes, back = (Plan(n, now.placement, now.assignment, now.transfers)
+                          for n in ("fresh", "homes", "static"))  # fmt: skip
+    stale = Verdict(saving_s=0.0, cost_s=1.0, steps=3)  # the model saw it stale, no clock
+    result = JobResult(fresh, option(0.5, 0.1), balancer.cluster, balancer.fit, stale,
+                       ((homes, option(0.1, 0.0)), (back, option(0.2, 0.0))))  # fmt: skip
+    out = balancer._exit_outcome(result, 0.0, 1.0)
+    assert out.decision == "replace" and out.plan is fresh and out.adopts  # 1.0 - 0.12 > 0.4
+    assert out.gain_s == pytest.approx(1.0) and out.switch_s == pytest.approx(0.1)
+    assert out.verdict is stale
+    refuted = Verdict(saving_s=2.0, cost_s=1.0, steps=3, wall_saving_s=-5.0, wall_se_s=1.0)
+    out = balancer._exit_outcome(dataclasses.replace(result, paid=refuted), 0.0, 1.0)
+    assert out.decision == "fallback" and out.plan is back and out.gain_s == pytest.approx(0.4)
     balancer.close()
     assert default_cluster(4).num_devices == 4
 
@@ -728,6 +751,67 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     assert v.wall_saving_s is None  # no Trans or Agg to measure: the model's test alone
 
 
+def test_a_conclusive_wall_clock_overrules_the_model() -> None:
+    """`pays` by hand: the model's test fails (over 3 steps the plan saves 3 x 4.16 = 12.48 us
+    and measured 3 x (4 us of transfers + 1 us at the boundary) = 15 us); the clock's saving
+    per step `w`, with standard error 1.517 us (as in the test above), decides when it is
+    conclusive: w - se > 0 keeps the plan, w + se < 0 drops it, else the model's test holds."""
+    from poise.runtime import selfcal
+    from poise.runtime.guard import SwitchGuard, verdict
+
+    cost, static, replica, counts = _replica_case()
+    busy = 27_840e-9
+    steps = np.stack([counts] * 3)
+    noise = np.array([0.0, 1e-6, -1e-6])
+
+    def rows(residual: float, transfers: float = 0.0) -> np.ndarray:
+        out = np.zeros((3, len(selfcal.MEASURED)))
+        out[:, selfcal.PERIOD] = residual + busy + noise
+        out[:, selfcal.TRANSFERS] = transfers
+        out[:, selfcal.BOUNDARY] = 1e-6 if transfers else 0.0  # Trans launches
+        return out
+
+    guard = SwitchGuard(horizon=10)
+    for saving, pays in [(2e-6, True), (1e-6, False), (0.0, False), (-2e-6, False)]:
+        plan_rows = rows(1e-3 - saving, transfers=4e-6)
+        v = verdict(cost, static, replica, steps, plan_rows, steps, rows(1e-3))
+        assert v.saving_s < v.cost_s  # the model's test alone would drop the plan
+        assert v.wall_saving_s == pytest.approx(saving, abs=1e-12)
+        assert guard.pays(v) is pays, saving
+        assert guard.clock_says_slower(v) is (saving < -1.6e-6), saving
+        assert not guard.model_refuted(v)  # slower, but the model saw it too: a stale plan
+    # the model's test passing and the clock inconclusive: kept
+    v = verdict(cost, static, replica, steps, rows(1e-3 + 1e-6), steps, rows(1e-3))
+    assert v.saving_s > v.cost_s and guard.pays(v) and not guard.clock_says_slower(v)
+    # the model's test passing and the clock conclusive against it: the model is refuted
+    v = verdict(cost, static, replica, steps, rows(1e-3 + 2e-6), steps, rows(1e-3))
+    assert v.saving_s > v.cost_s and not guard.pays(v) and guard.model_refuted(v)
+
+
+def test_a_plan_that_does_not_pay_gives_way_to_the_best_option() -> None:
+    """`exit_choice` by hand (horizon 10, margin 0.2, switches priced at 2x the model):
+    nets over the horizon, gain per step x 10 less the switch, the candidate's 1.2 times:
+    candidate 4 x 10 - 1.2 x 2 x 5 = 28; homes alone 1 x 10 = 10; static 2 x 10 - 2 x 3 = 14."""
+    from poise.runtime.guard import Assessment, SwitchGuard
+
+    def option(gain: float, switch: float) -> Assessment:
+        return Assessment(False, current_busy_s=10.0, candidate_busy_s=10.0 - gain,
+                          switch_s=switch)  # fmt: skip
+
+    guard = SwitchGuard(horizon=10, margin=0.2)
+    candidate, homes, static = option(4.0, 5.0), option(1.0, 0.0), option(2.0, 3.0)
+    assert guard.exit_choice(candidate, [homes, static], False, switch_prior=2.0) == 0
+    # the clock refuted the model that priced the candidate: only the exits count
+    assert guard.exit_choice(candidate, [homes, static], True, switch_prior=2.0) == 2
+    assert guard.exit_choice(Assessment(same=True), [homes, static], False, 2.0) == 2
+    # a candidate that nets 16 - 2.4 = 13.6 < 14: static; equal nets go to the exit listed first
+    assert guard.exit_choice(option(1.6, 1.0), [homes, static], False, switch_prior=2.0) == 2
+    assert guard.exit_choice(option(1.0, 0.0), [homes, option(1.0, 0.0)], False, 2.0) == 1
+    # a measured k_switch replaces the prior once a switch was recorded
+    guard.record_switch(0.5, 1.0)
+    assert guard.exit_choice(option(4.0, 30.0), [homes, static], False, switch_prior=2.0) == 0
+
+
 def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:
     """`live_parts` and `predicted_phases` price all steps in one call (the steps' layers end to
     end); the reference prices each step on its own, as a simulator would: they must agree, on
@@ -862,7 +946,7 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
 def test_a_fallback_drops_replicas_before_it_moves_homes_back() -> None:
     """`fallback_target`: replicas with static homes -> static; replicas on moved homes -> those
     homes alone (no migration now); moved homes alone -> static."""
-    from poise.runtime.guard import fallback_target
+    from poise.runtime.guard import exit_plans, fallback_target
     from tests.helpers import toy_spec
 
     spec = toy_spec(experts=2)
@@ -878,6 +962,12 @@ def test_a_fallback_drops_replicas_before_it_moves_homes_back() -> None:
     assert target.transfers.migrations is None or not len(target.transfers.migrations)
     np.testing.assert_array_equal(target.assignment.weights, Assignment.to_home(swapped).weights)
     assert fallback_target(target, static, spec) is static  # then the static homes come back
+    # the exits the guard weighs: those homes alone, then static with its moves back
+    first, back = exit_plans(plan, static, spec)
+    assert first.digest() == target.digest() and back.digest() == static.digest()
+    assert back.transfers.migrations[:, 1:].tolist() == [[0, 1, 0], [1, 0, 1]]
+    (only,) = exit_plans(replica, static, spec)
+    assert only.digest() == static.digest() and not len(only.transfers.migrations)
 
 
 def test_the_planner_thread_runs_at_the_lowest_priority() -> None:

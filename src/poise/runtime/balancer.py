@@ -88,7 +88,6 @@ from poise.runtime.compress import Compression
 from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
 from poise.runtime.guard import (
     SwitchGuard,
-    fallback_target,
     switch_seconds,
 )
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
@@ -632,16 +631,17 @@ class Balancer:
         stats.gain_s, stats.switch_cost_s = outcome.gain_s, outcome.switch_s
         stats.predicted_step_s = outcome.predicted_step_s
         stats.decision = outcome.decision
+        stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}
         if outcome.decision == "fallback":
             self.guard.fell_back()
-            target = fallback_target(self.plan, self.static_plan, self.spec())
-            self._switch(target, stats, 0.0, outcome.wait_s)
+            self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
             return True
         if not outcome.adopts:
             if outcome.decision == "idle":
                 self.guard.planning_idle()
             return False
-        self.guard.kept()
+        if outcome.decision != "replace":  # a replacement has yet to prove itself
+            self.guard.kept()
         self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
         return True
 
@@ -660,24 +660,49 @@ class Balancer:
         stats.add_seconds("plan_cpu", planning_s)
         on_static = self.plan.digest() == self.static_plan.digest()
         if not on_static and not self.guard.pays(paid):
-            reason = "fallback"
-        elif decision.adopt:
+            return self._exit_outcome(result, done.wait_s, fit.k_transfer)
+        if decision.adopt:
             reason = decision.reason
         elif on_static and not self.guard.planning_pays(decision, planning_s):
             reason = "idle"
         else:
             reason = decision.reason
-        kept = not decision.adopt or reason == "fallback"
         return Outcome(
             plan=plan,
             decision=reason,
             gain_s=decision.gain_s,
             switch_s=decision.switch_s,
-            predicted_step_s=assessment.current_s if kept else assessment.candidate_s,
+            predicted_step_s=assessment.candidate_s if decision.adopt else assessment.current_s,
             modelled_switch_s=assessment.switch_s,
             wait_s=done.wait_s,
             cluster=cluster,
             fit=fit,
+            verdict=None if on_static else paid,
+        )
+
+    def _exit_outcome(self, result: JobResult, wait_s: float, k_transfer: float) -> Outcome:
+        """The plan in force did not pay: replace it with the fresh candidate or fall back to
+        one of `result.exits`, whichever nets the most over the horizon
+        (`SwitchGuard.exit_choice`)."""
+        options = [(result.plan, result.assessment), *result.exits]
+        pick = self.guard.exit_choice(
+            result.assessment,
+            [a for _, a in result.exits],
+            model_refuted=self.guard.model_refuted(result.paid),
+            switch_prior=k_transfer,
+        )
+        plan, a = options[pick]
+        return Outcome(
+            plan=plan,
+            decision="replace" if pick == 0 else "fallback",
+            gain_s=a.live_gain_s() * self.guard.horizon,
+            switch_s=self.guard.switch_scale(k_transfer) * a.switch_s + max(0.0, wait_s),
+            predicted_step_s=a.candidate_s,
+            modelled_switch_s=a.switch_s,
+            wait_s=wait_s,
+            cluster=result.cluster,
+            fit=result.fit,
+            verdict=result.paid,
         )
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:

@@ -24,21 +24,25 @@ import torch.distributed as dist
 from poise.core.cluster import Cluster
 from poise.core.placement import Plan
 from poise.nn.comm import comm_device
+from poise.runtime.guard import Verdict
 from poise.runtime.selfcal import Fit
 
-# decisions that apply the leader's plan; "fallback" applies `guard.fallback_target`
-ADOPTING = ("adopt", "off")
+# decisions that apply the leader's plan (`fallback` applies it too: the exit chosen)
+ADOPTING = ("adopt", "off", "replace")
 
 
 @dataclass(frozen=True)
 class Outcome:
     """The leader's decision at one boundary. `decision`: the guard's (`adopt`, `off`: apply
-    `plan`; `fallback`: fall back; `same`, `no-gain`: keep the plan in force; `idle`: keep it
-    and back off, the candidate's gain did not cover its planning); `gain_s`, `switch_s`: the
-    guard's figures; `predicted_step_s`: the fitted model's step of the plan that will run;
+    `plan`; the plan in force did not pay and `replace`: the fresh candidate `plan` replaces
+    it, `fallback`: `plan` is the exit chosen (`guard.exit_plans`), and re-plans back off;
+    `same`, `no-gain`: keep the plan in force; `idle`: keep it and back off, the candidate's
+    gain did not cover its planning); `gain_s`, `switch_s`: the guard's figures for `plan`;
+    `predicted_step_s`: the fitted model's step of the plan that will run;
     `modelled_switch_s`: the candidate's switch on the prior cluster (what `k_switch` scales);
     `wait_s`: how long the leader's boundary waited for its planner; `cluster`, `fit`: the
-    fitted cluster and its constants."""
+    fitted cluster and its constants; `verdict`: the guard's figures on whether the plan in
+    force paid (`guard.Verdict`; None while the static layout is in force)."""
 
     plan: Plan
     decision: str
@@ -49,6 +53,7 @@ class Outcome:
     wait_s: float
     cluster: Cluster
     fit: Fit
+    verdict: Verdict | None = None
 
     @property
     def adopts(self) -> bool:

@@ -41,7 +41,9 @@ warm-up), and a plan that would not have paid on the steps just run is not expec
 the next ones.
 
 Keeping it (`SwitchGuard.pays`). Two tests on the steps run under the plan in force (the step
-that carried the switch left out); the plan is kept while it passes both.
+that carried the switch left out). The clock's (2) decides where it is conclusive (balancing
+measured slower than static by more than one standard error: the plan goes; faster by more:
+it stays); otherwise the model's (1) does.
 
 1. The model's counterfactual on the same steps: the saving is the static layout's `busy` minus
    the plan's, both priced on the very counts those steps routed with the fitted cluster, and
@@ -74,11 +76,19 @@ that carried the switch left out); the plan is kept while it passes both.
    `benchmarks/train_speedup.py`'s `skewed-4` (4 ranks on 2 cores) the first plan measured
    51-86 ms per step slower than static (one standard error 35-46 ms) while test 1 held.
 
-When either test fails, the Balancer goes back to the static layout and skips the next
-`backoff` re-plans (doubling after each fallback in a row, up to `max_backoff`). A plan with
-replicas and moved homes falls back in two stages (`fallback_target`): first its replicas go
-(its homes stay, judged like any plan), then, if those homes do not pay either, the static
-homes come back.
+When the plan does not pay, it gives way (`SwitchGuard.exit_choice`) to whichever of the
+fresh candidate and the exits (`exit_plans`: the plan's homes without its replicas, when it
+moved homes; the static layout) nets the most over the horizon (gain over the plan in force
+less the switch, the candidate's `1 + margin` times, as for adoption). A plan goes stale when
+the router moves faster than re-plans (warm-up): the model's test fails with the clock's, and
+a candidate made from the latest steps is the remedy, not the static layout. But when the
+clock refuted the model (test 2 failed while test 1 passed), the candidate, priced by that
+model, is not weighed. Going to an exit is a fallback: the next `backoff` re-plans are
+skipped (doubling after each fallback in a row, up to `max_backoff`). A replacement leaves the
+backoff as it is (it has yet to prove itself). Going to the plan's homes alone (stage one of
+`fallback_target`) costs no migration, Trans and Agg stop at once; the static homes come back
+when staying on stale homes costs more over the horizon than moving them back, now or at a
+later fallback.
 
 Planning itself (`SwitchGuard.planning_pays`). Where the planner thread shares the cores with
 the training ranks (CPU devices), its CPU seconds slow the step as surely as a transfer. While
@@ -152,6 +162,16 @@ class Verdict:
     steps: int
     wall_saving_s: float | None = None
     wall_se_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Plain JSON-ready values (for a log line)."""
+        return {
+            "saving_s": self.saving_s,
+            "cost_s": self.cost_s,
+            "steps": self.steps,
+            "wall_saving_s": self.wall_saving_s,
+            "wall_se_s": self.wall_se_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -257,6 +277,20 @@ def switch_seconds(rows: np.ndarray, step: int, wait_s: float) -> float | None:
     return float(exposed_transfers_s(carried)[0]) - steady - max(0.0, wait_s)
 
 
+def exit_plans(current: Plan, static: Plan, spec: ModelSpec) -> list[Plan]:
+    """The layouts a fallback from `current` may go to: its homes alone when it has replicas
+    on homes other than the static layout's (`fallback_target`'s first stage), then the static
+    layout, each with its transfers from `current` (the homes it moves back)."""
+    back = Plan(
+        static.policy,
+        static.placement,
+        static.assignment,
+        transfers_between(current.placement, static.placement, spec),
+    )
+    first = fallback_target(current, static, spec)
+    return [back] if first is static else [first, back]
+
+
 def fallback_target(current: Plan, static: Plan, spec: ModelSpec) -> Plan:
     """Where a fallback from `current` goes, in two stages: while `current` has replicas and
     its homes differ from the static layout's, to its own homes without the replicas (Trans and
@@ -345,14 +379,54 @@ class SwitchGuard:
 
     # ------------------------------------------------------------------ keeping it
     def pays(self, v: Verdict | None) -> bool:
-        """Whether the plan in force pays: its saving over the static layout on the steps it
-        ran exceeds their measured transfer seconds, and the wall clock did not measure it
-        slower than static by more than one standard error (True without such steps)."""
+        """Whether the plan in force pays (True without steps run under it): the wall clock
+        decides where it is conclusive (slower than static by more than one standard error:
+        no; faster by more: yes), the model's counterfactual otherwise (its saving over the
+        static layout on the steps it ran exceeds their measured transfer seconds)."""
         if not self.enabled or v is None or v.steps == 0:
             return True
-        if v.wall_saving_s is not None and v.wall_saving_s + v.wall_se_s < 0:
+        if self.clock_says_slower(v):
             return False
+        if v.wall_saving_s is not None and v.wall_saving_s - v.wall_se_s > 0:
+            return True
         return v.saving_s > v.cost_s
+
+    @staticmethod
+    def clock_says_slower(v: Verdict | None) -> bool:
+        """The wall clock measured balancing slower than static by more than one standard
+        error (test 2 of the module docstring failed)."""
+        return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.wall_se_s < 0
+
+    @classmethod
+    def model_refuted(cls, v: Verdict | None) -> bool:
+        """The clock measured balancing slower than static while the model's counterfactual
+        said the plan paid: the model that prices plans missed what the clock saw. (Both
+        failing is a plan gone stale, which the model sees too.)"""
+        return cls.clock_says_slower(v) and v is not None and v.saving_s > v.cost_s
+
+    def exit_choice(
+        self,
+        candidate: Assessment,
+        exits: list[Assessment],
+        model_refuted: bool,
+        switch_prior: float = 1.0,
+    ) -> int:
+        """Where to go from a plan in force that does not pay: 0 for the fresh `candidate`,
+        `i + 1` for `exits[i]` (`exit_plans`, each priced against the plan in force). Each
+        option's net over the horizon is its `live_gain_s * horizon` less its switch
+        (`switch_scale * switch_s`, the candidate's `1 + margin` times, as in `decide`); the
+        best net wins, an exit on ties. When the clock refuted the model (`model_refuted`),
+        the candidate, which that model priced, is not weighed: only the exits are."""
+        scale = self.switch_scale(switch_prior)
+
+        def net(a: Assessment, margin: float) -> float:
+            return a.live_gain_s() * self.horizon - (1.0 + margin) * scale * a.switch_s
+
+        nets = [net(a, 0.0) for a in exits]
+        best = int(np.argmax(nets)) + 1
+        if model_refuted or candidate.same:
+            return best
+        return 0 if net(candidate, self.margin) > nets[best - 1] else best
 
     def fell_back(self) -> None:
         """Record a fallback: skip the next re-plans (doubling on repeats)."""
@@ -393,6 +467,7 @@ __all__ = [
     "SwitchGuard",
     "Verdict",
     "assess",
+    "exit_plans",
     "fallback_target",
     "switch_seconds",
     "verdict",

@@ -10,7 +10,9 @@ process while training goes on:
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
    expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
-4. price the candidate against the plan in force (`poise.runtime.guard.assess`).
+4. price the candidate against the plan in force (`poise.runtime.guard.assess`), and, where
+   the plan in force is not static, the layouts a fallback could go to (`guard.exit_plans`),
+   so that the leader can choose among them if that plan does not pay (`SwitchGuard.exit_choice`).
 
 Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
 planner can run it in another process, where its Python holds no lock the training thread needs.
@@ -32,7 +34,7 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
-from poise.runtime.guard import Assessment, Verdict, assess, verdict
+from poise.runtime.guard import Assessment, Verdict, assess, exit_plans, verdict
 from poise.runtime.homes import keep_homes
 
 
@@ -127,13 +129,16 @@ class PlanningJob:
 @dataclass(frozen=True)
 class JobResult:
     """The candidate `plan`, its `assessment` against the plan in force, the fitted `cluster`
-    and `fit`, and `paid`: whether the plan in force paid (None when it is the static one)."""
+    and `fit`, and `paid`: whether the plan in force paid (None when it is the static one);
+    `exits`: the layouts a fallback may go to, each with its assessment against the plan in
+    force (empty when that is the static one)."""
 
     plan: Plan
     assessment: Assessment
     cluster: Cluster
     fit: selfcal.Fit
     paid: Verdict | None
+    exits: tuple[tuple[Plan, Assessment], ...] = ()
 
 
 def run_job(job: PlanningJob) -> JobResult:
@@ -166,10 +171,15 @@ def run_job(job: PlanningJob) -> JobResult:
         options, job.split_tokens,
     )  # fmt: skip
     recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
-    assessment = assess(
-        fitted, job.current, plan, loads, switch_cost=CostModel(job.prior, job.spec), recent=recent
-    )
-    return JobResult(plan, assessment, cluster, fit, paid)
+    prior = CostModel(job.prior, job.spec)
+    assessment = assess(fitted, job.current, plan, loads, switch_cost=prior, recent=recent)
+    exits: tuple[tuple[Plan, Assessment], ...] = ()
+    if paid is not None:
+        exits = tuple(
+            (target, assess(fitted, job.current, target, loads, switch_cost=prior, recent=recent))
+            for target in exit_plans(job.current, job.static, job.spec)
+        )
+    return JobResult(plan, assessment, cluster, fit, paid, exits)
 
 
 __all__ = [

@@ -71,14 +71,20 @@ class StepStats:
     `boundary`: the whole `Balancer.step`).
 
     Decisions: `replanned`: a plan was decided after this step; `decision`: what the guard
-    decided (`adopt`, `same`, `no-gain`, `fallback`, `off`, `idle`: refused, and the
-    candidate's gain did not cover the planning, so re-plans back off; empty: nothing decided);
+    decided (`adopt`, `same`, `no-gain`, `off`; the plan in force did not pay and `replace`:
+    the fresh candidate replaced it, `fallback`: an exit did (`guard.exit_plans`); `idle`:
+    refused, and the candidate's gain did not cover the planning, so re-plans back off;
+    empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
     rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
     `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
     switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
     `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
-    this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned."""
+    this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
+    `verdict`: the guard's figures on whether the plan in force paid (`guard.Verdict.as_dict`:
+    the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
+    `wall_saving_s` per step and its standard error `wall_se_s`), when a plan other than the
+    static layout was judged here."""
 
     step: int
     policy: str
@@ -98,6 +104,7 @@ class StepStats:
     predicted_step_s: float = 0.0
     measured_period_s: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict)
+    verdict: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_seconds(self, phase: str, s: float) -> None:

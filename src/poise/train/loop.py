@@ -544,6 +544,7 @@ class _Trainer:
                     "predicted_step_s": stats.predicted_step_s if stats else 0.0,
                     "measured_period_s": stats.measured_period_s if stats else 0.0,
                     "fit": dict(stats.fit) if stats else {},
+                    "verdict": dict(stats.verdict) if stats else {},
                     "phases_s": ph,
                     "moe_s": dict(stats.seconds) if stats else {},
                 }
