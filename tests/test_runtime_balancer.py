@@ -501,12 +501,13 @@ def test_one_process_balancer_records_and_plans() -> None:
     stale = Verdict(saving_s=0.0, cost_s=1.0, steps=3)  # the model saw it stale, no clock
     result = JobResult(fresh, option(0.5, 0.1), balancer.cluster, balancer.fit, stale,
                        ((homes, option(0.1, 0.0)), (back, option(0.2, 0.0))))  # fmt: skip
-    out = balancer._exit_outcome(result, 0.0, 1.0)
+    out = balancer._exit_outcome(result, 0.0, 1.0, 3)
     assert out.decision == "replace" and out.plan is fresh and out.adopts  # 1.0 - 0.12 > 0.4
+    assert out.next_lag == 3
     assert out.gain_s == pytest.approx(1.0) and out.switch_s == pytest.approx(0.1)
     assert out.verdict is stale
     refuted = Verdict(saving_s=2.0, cost_s=1.0, steps=3, wall_saving_s=-5.0, wall_se_s=1.0)
-    out = balancer._exit_outcome(dataclasses.replace(result, paid=refuted), 0.0, 1.0)
+    out = balancer._exit_outcome(dataclasses.replace(result, paid=refuted), 0.0, 1.0, 3)
     assert out.decision == "fallback" and out.plan is back and out.gain_s == pytest.approx(0.4)
     balancer.close()
     assert default_cluster(4).num_devices == 4
@@ -941,6 +942,42 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     assert done.value == "plan" and done.wait_s > 0.02 and done.plan_s > 0
     assert (done.requested_at, done.adopt_at) == (4, 5) and not planner.busy
     planner.close()
+
+
+def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() -> None:
+    """`adoption_lag` by hand, and the Balancer's use of it: each decision broadcasts the lag
+    of the next request (the last job's wall time over the median step), which is decided
+    that many steps after it is requested."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, default_cluster
+    from poise.runtime.planner import adoption_lag
+
+    assert adoption_lag(0.25, 0.1, 1, 10) == 3  # ready during the third step
+    assert adoption_lag(0.05, 0.1, 1, 10) == 1 and adoption_lag(0.3, 0.1, 1, 10) == 3
+    assert adoption_lag(5.0, 0.1, 1, 10) == 10  # at most a re-plan period
+    assert adoption_lag(0.25, 0.0, 2, 10) == 2  # no period measured yet: the least
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", replan_every=4, cluster=default_cluster(1),
+                        plan_lag=1, guard=False)  # fmt: skip
+    balancer.lag = 3  # the first request (step 4) is decided at step 7
+    lags = {}
+    for _ in range(15):
+        model(torch.randn(16, 8)).square().mean().backward()
+        opt.step()
+        stats = balancer.step()
+        opt.zero_grad()
+        if stats.replanned:
+            lags[balancer.steps_done] = balancer.lag, balancer._period_s(), stats.seconds["plan"]
+    first, second = sorted(lags)[:2]
+    assert first == 7
+    lag, period, plan_s = lags[first]
+    assert lag == adoption_lag(plan_s, period, 1, 4) and second == 8 + lag
+    balancer.close()
 
 
 def test_a_fallback_drops_replicas_before_it_moves_homes_back() -> None:

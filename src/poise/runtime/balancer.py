@@ -38,7 +38,9 @@ Each step:
   from the window and runs the policy (each expert's home then re-chosen among its holders:
   `poise.runtime.homes`), while training goes on. The plan is decided `plan_lag`
   steps later, at the same step boundary on every rank (the leader waits for its planner there
-  if it must, the others for the leader's broadcast; `plan_lag=0` plans at once). The guard
+  if it must, the others for the leader's broadcast; `plan_lag=0` plans at once); later
+  requests are decided as many steps later as the last job took (`planner.adoption_lag`, at
+  least `plan_lag`, at most `replan_every`; the leader broadcasts it with its decision). The guard
   (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan horizon
   exceeds the switch's measured cost by a margin, skips it when it equals the plan in force,
   and falls back to the static layout when a plan in force does not make steps faster; the
@@ -92,7 +94,7 @@ from poise.runtime.guard import (
 )
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
-from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planner import BackgroundPlanner, adoption_lag
 from poise.runtime.planning_job import JobResult, PlanningJob, live_plan, run_job
 from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.stats import StepStats, layer_loads
@@ -199,6 +201,7 @@ class Balancer:
         self.policy = policy
         self.replan_every = replan_every
         self.plan_lag = plan_lag
+        self.lag = plan_lag  # steps from the next request to its decision (adoption_lag)
         self.group = group if group is not None else modules[0].group
         self.vote_group = vote_group
         self.world_size, self.rank = modules[0].world, modules[0].rank
@@ -561,7 +564,7 @@ class Balancer:
         steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
         forecast, plan, price against the plan in force. Only the leader plans (every rank
         with `check_plans`); every rank notes the step the decision is due."""
-        self._due_at = step + self.plan_lag
+        self._due_at = step + self.lag
         measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
         self._measure_switch(measured)
         if not self._plans_here:
@@ -597,7 +600,7 @@ class Balancer:
             horizon=self.guard.horizon,
             measured_switch=self.guard.k_switch if self.guard.switches else None,
         )
-        self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.plan_lag)
+        self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 
     def _measure_switch(self, measured: np.ndarray) -> None:
         """Record the last switch's measured seconds against its modelled ones once its step and
@@ -626,6 +629,8 @@ class Balancer:
         ):
             self._mismatch()
         self.fitted_cluster, self.fit = outcome.cluster, outcome.fit
+        if self.plan_lag > 0 and outcome.next_lag > 0:
+            self.lag = outcome.next_lag
         stats.replanned = True
         stats.fit = outcome.fit.as_dict()
         stats.gain_s, stats.switch_cost_s = outcome.gain_s, outcome.switch_s
@@ -655,12 +660,13 @@ class Balancer:
         )  # fmt: skip
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
+        next_lag = adoption_lag(done.plan_s, self._period_s(), self.plan_lag, self.replan_every)
         decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)
         planning_s = done.cpu_s if self._planner_shares_cores else 0.0
         stats.add_seconds("plan_cpu", planning_s)
         on_static = self.plan.digest() == self.static_plan.digest()
         if not on_static and not self.guard.pays(paid):
-            return self._exit_outcome(result, done.wait_s, fit.k_transfer)
+            return self._exit_outcome(result, done.wait_s, fit.k_transfer, next_lag)
         if decision.adopt:
             reason = decision.reason
         elif on_static and not self.guard.planning_pays(decision, planning_s):
@@ -678,9 +684,18 @@ class Balancer:
             cluster=cluster,
             fit=fit,
             verdict=None if on_static else paid,
+            next_lag=next_lag,
         )
 
-    def _exit_outcome(self, result: JobResult, wait_s: float, k_transfer: float) -> Outcome:
+    def _period_s(self) -> float:
+        """The median measured step period over the fit window (0 before any)."""
+        rows = list(self.measured)[-FIT_WINDOW:]
+        periods = [r[1 + selfcal.PERIOD] for r in rows if r[1 + selfcal.PERIOD] > 0]
+        return float(np.median(periods)) if periods else 0.0
+
+    def _exit_outcome(
+        self, result: JobResult, wait_s: float, k_transfer: float, next_lag: int
+    ) -> Outcome:
         """The plan in force did not pay: replace it with the fresh candidate or fall back to
         one of `result.exits`, whichever nets the most over the horizon
         (`SwitchGuard.exit_choice`)."""
@@ -703,6 +718,7 @@ class Balancer:
             cluster=result.cluster,
             fit=result.fit,
             verdict=result.paid,
+            next_lag=next_lag,
         )
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:

@@ -42,7 +42,9 @@ class Outcome:
     `modelled_switch_s`: the candidate's switch on the prior cluster (what `k_switch` scales);
     `wait_s`: how long the leader's boundary waited for its planner; `cluster`, `fit`: the
     fitted cluster and its constants; `verdict`: the guard's figures on whether the plan in
-    force paid (`guard.Verdict`; None while the static layout is in force)."""
+    force paid (`guard.Verdict`; None while the static layout is in force); `next_lag`: the
+    steps from the next request to its decision (`planner.adoption_lag` of this job's wall
+    time; 0: keep the Balancer's `plan_lag`)."""
 
     plan: Plan
     decision: str
@@ -54,6 +56,7 @@ class Outcome:
     cluster: Cluster
     fit: Fit
     verdict: Verdict | None = None
+    next_lag: int = 0
 
     @property
     def adopts(self) -> bool:

@@ -9,7 +9,10 @@
 
 A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its job
 finished early or late: the rank that plans (the Balancer's leader, `poise.runtime.decision`)
-waits for its planner at that boundary if it must. The job's inputs are snapshots taken at step
+waits for its planner at that boundary if it must. The Balancer sets each request's `lag` from
+the last job's wall time (`adoption_lag`): the steps it took, so that a plan is adopted about
+when it is ready, rather than a boundary waiting for it (steps much shorter than planning:
+accelerators). The job's inputs are snapshots taken at step
 `s` (the gathered loads, identical on every rank) and the policy is deterministic, so any rank
 that plans gets the same plan at the same step (`check_plans` verifies it).
 
@@ -46,7 +49,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from poise.core.errors import PoiseError
+
+
+def adoption_lag(plan_s: float, period_s: float, least: int, most: int) -> int:
+    """Steps from a plan's request to its adoption so that a job of `plan_s` wall seconds is
+    ready: `ceil(plan_s / period_s)` with `period_s` the step's seconds, kept within
+    `[least, most]` (`least` where the period is not known)."""
+    if not period_s > 0 or not plan_s > 0:
+        return least
+    return int(max(least, min(most, np.ceil(plan_s / period_s))))
 
 
 @dataclass(frozen=True)

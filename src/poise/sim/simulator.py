@@ -9,10 +9,12 @@
   a new plan takes effect pays its migration;
 - planning wall time is measured per call and charged to the step it is made in, unless the
   schedule hides it (`Schedule.planning_s`: Pro-Prophet plans under the all-to-all);
-- `background_planning=True` models a planner thread beside training (the runtime's
-  `Balancer` plans between steps; it has no such thread yet): the plan made at step s runs
-  during step s, from the same forecast, and takes effect at step s + 1 (step 0 runs the static
-  placement); only planning time beyond step s's own time is charged;
+- `background_planning=True` models a planner beside training, as the runtime's `Balancer`
+  plans in a worker process: the plan made at step s, from the same forecast, runs during
+  steps s, s + 1, ... and takes effect at the first step boundary after it is ready (step s + 1
+  at the earliest; step 0 runs the static placement), so nothing is charged, except when the
+  next re-plan comes before it is ready: that boundary waits for it (the rest of its planning
+  time is charged there) and puts it in force;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
@@ -373,7 +375,8 @@ class _PolicyReplay:
         self.host = host
         self.background = start is not None
         self.plan: Plan | None = None  # the last plan made (`previous` of the next)
-        self.pending: Plan | None = None
+        self.pending: Plan | None = None  # made in the background, not yet in force
+        self.pending_left_s = 0.0  # its planning seconds still to run
         self.active: tuple[PlanPricer, Plan] | None = None
         if start is not None:  # background planning: step 0 runs the static placement
             self.active = (cost.pricer(start.placement, start.assignment), start)
@@ -388,7 +391,10 @@ class _PolicyReplay:
         """Plan (at re-planning steps) and price one step."""
         run, s = self.run, step.index
         migrations = None
-        if self.pending is not None:  # a background plan made last step takes effect now
+        waited = 0.0  # a re-plan boundary waiting for the background plan before it
+        if self.pending is not None and step.loads is not None:
+            waited, self.pending_left_s = max(0.0, self.pending_left_s), 0.0
+        if self.pending is not None and self.pending_left_s <= 0.0:  # ready: in force now
             migrations = self._activate(self.pending, s)
             self.pending = None
         wall = 0.0
@@ -400,7 +406,7 @@ class _PolicyReplay:
             run.plan_wall_s[s] = wall
             run.plan_ms.append(wall * 1e3 / step.loads.shape[0])
             if self.background:
-                self.pending = plan
+                self.pending, self.pending_left_s = plan, wall
             else:
                 migrations = self._activate(plan, s)
         assert self.active is not None
@@ -416,9 +422,11 @@ class _PolicyReplay:
                 run.outside_s[k][s] = v
             step_s = float(layer_s.sum()) + sum(self.host.outside.values())
         run.layer_s[s] = layer_s
+        if self.pending is not None:  # the background plan runs during this step
+            self.pending_left_s -= step_s
         if step.loads is not None:
             if self.background:
-                run.plan_charge_s[s] = max(0.0, wall - step_s)
+                run.plan_charge_s[s] = waited
             else:
                 a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
                 run.plan_charge_s[s] = self.cost.schedule.planning_s(wall, a2a)

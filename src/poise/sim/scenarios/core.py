@@ -168,8 +168,8 @@ class Scenario:
     @property
     def warmup_steps(self) -> int:
         """Steps left out of the means: by default up to the first plan made from observed
-        loads, which takes effect at `replan_every` (one step later when planning runs in the
-        background)."""
+        loads, which takes effect at `replan_every` (one step later, at the earliest, when
+        planning runs in the background)."""
         if self.warmup is not None:
             return self.warmup
         return self.replan_every + (1 if self.background_planning else 0)
