@@ -492,6 +492,7 @@ def test_one_process_balancer_records_and_plans() -> None:
     import dataclasses
 
     from poise.runtime.guard import Assessment, Verdict
+    from poise.runtime.leader import exit_outcome
     from poise.runtime.planning_job import JobResult
 
     def option(gain: float, switch: float) -> Assessment:
@@ -503,14 +504,29 @@ def test_one_process_balancer_records_and_plans() -> None:
     stale = Verdict(saving_s=0.0, cost_s=1.0, steps=3)  # the model saw it stale, no clock
     result = JobResult(fresh, option(0.5, 0.1), balancer.cluster, balancer.fit, stale,
                        ((homes, option(0.1, 0.0)), (back, option(0.2, 0.0))))  # fmt: skip
-    out = balancer._exit_outcome(result, 0.0, 1.0, 3)
+    out = exit_outcome(balancer.guard, result, 0.0, 1.0, 3)
     assert out.decision == "replace" and out.plan is fresh and out.adopts  # 1.0 - 0.12 > 0.4
     assert out.next_lag == 3
     assert out.gain_s == pytest.approx(1.0) and out.switch_s == pytest.approx(0.1)
     assert out.verdict is stale
     refuted = Verdict(saving_s=2.0, cost_s=1.0, steps=3, wall_saving_s=-5.0, wall_se_s=1.0)
-    out = balancer._exit_outcome(dataclasses.replace(result, paid=refuted), 0.0, 1.0, 3)
+    out = exit_outcome(balancer.guard, dataclasses.replace(result, paid=refuted), 0.0, 1.0, 3)
     assert out.decision == "fallback" and out.plan is back and out.gain_s == pytest.approx(0.4)
+    # the leader's outcome: a plan in force that did not pay gives way; one that paid is
+    # weighed against the candidate; with the static layout in force, a refused candidate
+    # that did not cover its planning backs off; the next lag ceil(0.5 / 0.2) = 3, at most 2
+    from poise.runtime.leader import leader_outcome
+
+    kw = dict(wait_s=0.0, plan_s=0.5, planning_s=0.1, period_s=0.2, plan_lag=1, replan_every=2)
+    out = leader_outcome(balancer.guard, result, on_static=False, **kw)
+    assert (out.decision, out.plan, out.next_lag) == ("replace", fresh, 2)
+    paid = dataclasses.replace(result, paid=Verdict(saving_s=2.0, cost_s=1.0, steps=3))
+    out = leader_outcome(balancer.guard, paid, on_static=False, **kw)
+    assert (out.decision, out.plan, out.verdict) == ("adopt", fresh, paid.paid)
+    same = dataclasses.replace(result, assessment=Assessment(same=True))
+    assert leader_outcome(balancer.guard, same, on_static=True, **kw).decision == "idle"
+    out = leader_outcome(balancer.guard, same, on_static=False, **kw)  # nothing fresh to take
+    assert (out.decision, out.plan) == ("fallback", back)
     # every rank applies the plan the outcome names; a fallback backs off, a replacement keeps
     # the backoff as it was, an adoption resets it
     from poise.runtime.stats import StepStats
@@ -968,13 +984,18 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
     import torch
 
     from poise.nn import MoE, MoEConfig, apply_expert_parallel
-    from poise.runtime.balancer import Balancer, default_cluster
+    from poise.runtime import selfcal
+    from poise.runtime.balancer import FIT_WINDOW, Balancer, default_cluster
+    from poise.runtime.leader import median_period_s
     from poise.runtime.planner import adoption_lag
 
     assert adoption_lag(0.25, 0.1, 1, 10) == 3  # ready during the third step
     assert adoption_lag(0.05, 0.1, 1, 10) == 1 and adoption_lag(0.3, 0.1, 1, 10) == 3
     assert adoption_lag(5.0, 0.1, 1, 10) == 10  # at most a re-plan period
     assert adoption_lag(0.25, 0.0, 2, 10) == 2  # no period measured yet: the least
+    rows = np.zeros((4, 1 + len(selfcal.MEASURED)))
+    rows[:, 1 + selfcal.PERIOD] = [0.0, 0.2, 0.4, 0.3]  # the first step has no period
+    assert median_period_s(rows) == pytest.approx(0.3) and median_period_s(rows[:1]) == 0.0
     torch.manual_seed(0)
     model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
     apply_expert_parallel(model, None, num_slots=5)
@@ -990,7 +1011,8 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
         stats = balancer.step()
         opt.zero_grad()
         if stats.replanned:
-            lags[balancer.steps_done] = balancer.lag, balancer._period_s(), stats.seconds["plan"]
+            period = median_period_s(np.stack(balancer.measured)[-FIT_WINDOW:])
+            lags[balancer.steps_done] = balancer.lag, period, stats.seconds["plan"]
     first, second = sorted(lags)[:2]
     assert first == 7
     lag, period, plan_s = lags[first]

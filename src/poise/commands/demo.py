@@ -309,7 +309,8 @@ def _sim_note(result) -> str:
         plan_ms = 1e3 * float(result.runs["auto"].plan_s.mean())
         parts.append(
             f"auto: {auto_ms:,.2f} ms ({static_ms / auto_ms:.2f}x static), of which "
-            f"{plan_ms:,.2f} ms per step is planning time a planner thread could not hide."
+            f"{plan_ms:,.2f} ms per step is planning time the planner could not hide (a "
+            "re-plan that came before the previous plan was ready)."
         )
         if best != "auto":
             parts.append(
@@ -592,11 +593,13 @@ def run(args: argparse.Namespace) -> int:
         "at least as many experts as devices, as in real expert-parallel training (with fewer "
         "experts than devices, static EP keeps several copies of each expert and there is "
         "little to balance). Every registered policy re-plans from the loads it has already "
-        "seen (EMA-predicted), in a planner thread beside training as the runtime plans, so a "
-        "plan takes effect the step after it is made and only planning time beyond that step "
-        "is charged. Columns: mean step time over all replayed steps, its ratio to static, the "
-        "busiest device's load over the mean, bytes moved per step (Trans, Agg, migration), "
-        "planning time charged per step and the planner's CPU time per layer on this machine."
+        "seen (EMA-predicted), in a planner beside training as the runtime plans, so a plan "
+        "takes effect at the first step after its planning time has run (the next step at the "
+        "earliest), and only a re-plan that comes before the previous plan is ready waits "
+        "(that wait is charged). Columns: mean step time over all replayed steps, its ratio to "
+        "static, the busiest device's load over the mean, bytes moved per step (Trans, Agg, "
+        "migration), planning time charged per step and the planner's CPU time per layer on "
+        "this machine."
     ]
     if missing:
         sim_intro.append(

@@ -93,9 +93,10 @@ from poise.runtime.guard import (
     switch_seconds,
 )
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
+from poise.runtime.leader import leader_outcome, median_period_s
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
-from poise.runtime.planner import BackgroundPlanner, adoption_lag
-from poise.runtime.planning_job import JobResult, PlanningJob, live_plan, run_job
+from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planning_job import PlanningJob, live_plan, run_job
 from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.stats import StepStats, layer_loads
 
@@ -651,74 +652,24 @@ class Balancer:
         return True
 
     def _own_outcome(self, stats: StepStats) -> Outcome:
-        """This rank's planner result and what the guard decides on it (the leader's is the
-        one every rank takes)."""
+        """This rank's planner result and what the guard decides on it (`leader_outcome`; the
+        leader's is the one every rank takes)."""
         done = self.planner.take()
-        result: JobResult = done.value
-        plan, assessment, cluster, fit, paid = (
-            result.plan, result.assessment, result.cluster, result.fit, result.paid
-        )  # fmt: skip
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
-        next_lag = adoption_lag(done.plan_s, self._period_s(), self.plan_lag, self.replan_every)
-        decision = self.guard.decide(assessment, done.wait_s, switch_prior=fit.k_transfer)
         planning_s = done.cpu_s if self._planner_shares_cores else 0.0
         stats.add_seconds("plan_cpu", planning_s)
-        on_static = self.plan.digest() == self.static_plan.digest()
-        if not on_static and not self.guard.pays(paid):
-            return self._exit_outcome(result, done.wait_s, fit.k_transfer, next_lag)
-        if decision.adopt:
-            reason = decision.reason
-        elif on_static and not self.guard.planning_pays(decision, planning_s):
-            reason = "idle"
-        else:
-            reason = decision.reason
-        return Outcome(
-            plan=plan,
-            decision=reason,
-            gain_s=decision.gain_s,
-            switch_s=decision.switch_s,
-            predicted_step_s=assessment.candidate_s if decision.adopt else assessment.current_s,
-            modelled_switch_s=assessment.switch_s,
+        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        return leader_outcome(
+            self.guard,
+            done.value,
             wait_s=done.wait_s,
-            cluster=cluster,
-            fit=fit,
-            verdict=None if on_static else paid,
-            next_lag=next_lag,
-        )
-
-    def _period_s(self) -> float:
-        """The median measured step period over the fit window (0 before any)."""
-        rows = list(self.measured)[-FIT_WINDOW:]
-        periods = [r[1 + selfcal.PERIOD] for r in rows if r[1 + selfcal.PERIOD] > 0]
-        return float(np.median(periods)) if periods else 0.0
-
-    def _exit_outcome(
-        self, result: JobResult, wait_s: float, k_transfer: float, next_lag: int
-    ) -> Outcome:
-        """The plan in force did not pay: replace it with the fresh candidate or fall back to
-        one of `result.exits`, whichever nets the most over the horizon
-        (`SwitchGuard.exit_choice`)."""
-        options = [(result.plan, result.assessment), *result.exits]
-        pick = self.guard.exit_choice(
-            result.assessment,
-            [a for _, a in result.exits],
-            model_refuted=self.guard.model_refuted(result.paid),
-            switch_prior=k_transfer,
-        )
-        plan, a = options[pick]
-        return Outcome(
-            plan=plan,
-            decision="replace" if pick == 0 else "fallback",
-            gain_s=a.live_gain_s() * self.guard.horizon,
-            switch_s=self.guard.switch_scale(k_transfer) * a.switch_s + max(0.0, wait_s),
-            predicted_step_s=a.candidate_s,
-            modelled_switch_s=a.switch_s,
-            wait_s=wait_s,
-            cluster=result.cluster,
-            fit=result.fit,
-            verdict=result.paid,
-            next_lag=next_lag,
+            plan_s=done.plan_s,
+            planning_s=planning_s,
+            on_static=self.plan.digest() == self.static_plan.digest(),
+            period_s=median_period_s(measured[-FIT_WINDOW:]),
+            plan_lag=self.plan_lag,
+            replan_every=self.replan_every,
         )
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:

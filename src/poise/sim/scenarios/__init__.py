@@ -25,9 +25,10 @@ Conventions (the same in every scenario, so the rows can be read together):
 - the first `warmup` steps (default: the first re-planning interval, whose plan was made before
   any load was observed, so that every policy plans on uniform loads) are replayed but left out
   of the means, as the papers report steady-state iteration times;
-- planning runs in the background (`simulate(background_planning=True)`: a planner thread
-  beside training, as the runtime's `Balancer` can run it; each plan takes effect the step after
-  the one it is made in, the same for every policy) and the wall time it does not hide is
+- planning runs in the background (`simulate(background_planning=True)`: a planner beside
+  training, as the runtime's `Balancer` runs it; each plan takes effect at the first step after
+  its planning time has run, the next at the earliest, the same for every policy) and the wall
+  time it does not hide (a re-plan that comes before the previous plan is ready) is
   charged (`count_planning=True`: the papers' iteration times include their planners) unless a
   scenario says otherwise and why; `checks` report `auto` both ways whatever the setting.
 

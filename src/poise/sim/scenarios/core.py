@@ -140,9 +140,9 @@ class Scenario:
     count_planning: bool = True
     background_planning: bool = True
     planning_note: str = (
-        "planning wall time charged beyond what a planner thread beside training hides (each "
-        "plan made during a step takes effect the step after; the papers' iteration times "
-        "include their planners)"
+        "planning wall time charged where a planner beside training cannot hide it (each plan "
+        "takes effect once its planning time has run, the step after at the earliest; a "
+        "re-plan before then waits for it; the papers' iteration times include their planners)"
     )
     all_policies: bool = True
     # What the paper's times cover: "step", a whole training iteration (the MoE layers, the

@@ -1,0 +1,108 @@
+"""The leader's decision at a decision boundary: what the guard makes of its planner's result.
+
+The Balancer's leader (`poise.runtime.decision`) takes its planning job's `JobResult` at the
+boundary where a plan is due and turns it into the `Outcome` every rank acts on
+(`leader_outcome`):
+
+1. when the plan in force is not the static layout and does not pay (`SwitchGuard.pays`), it
+   gives way to the fresh candidate (`replace`) or to an exit (`fallback`), whichever nets
+   the most over the horizon (`exit_outcome`, `SwitchGuard.exit_choice`);
+2. otherwise the candidate is adopted if it pays for its switch (`SwitchGuard.decide`), or
+   refused (`same`, `no-gain`; `idle` where the static layout is in force and the candidate's
+   gain did not cover the planning's CPU seconds).
+
+Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
+wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.runtime import selfcal
+from poise.runtime.decision import Outcome
+from poise.runtime.guard import SwitchGuard
+from poise.runtime.planner import adoption_lag
+from poise.runtime.planning_job import JobResult
+
+
+def median_period_s(rows: np.ndarray) -> float:
+    """The median measured step period of `rows[n, 1 + len(selfcal.MEASURED)]` (step, then the
+    seconds), 0 before any was measured."""
+    periods = rows[:, 1 + selfcal.PERIOD] if len(rows) else np.zeros(0)
+    periods = periods[periods > 0]
+    return float(np.median(periods)) if periods.size else 0.0
+
+
+def leader_outcome(
+    guard: SwitchGuard,
+    result: JobResult,
+    *,
+    wait_s: float,
+    plan_s: float,
+    planning_s: float,
+    on_static: bool,
+    period_s: float,
+    plan_lag: int,
+    replan_every: int,
+) -> Outcome:
+    """The outcome of `result` (module docstring). `wait_s`: the seconds the boundary waited
+    for the planner; `plan_s`: the job's wall seconds; `planning_s`: its CPU seconds charged
+    to the step (0 on accelerators); `on_static`: the static layout is in force; `period_s`:
+    the median step; `plan_lag`, `replan_every`: the bounds of the next lag."""
+    next_lag = adoption_lag(plan_s, period_s, plan_lag, replan_every)
+    fit, assessment = result.fit, result.assessment
+    if not on_static and not guard.pays(result.paid):
+        return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
+    decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer)
+    if decision.adopt:
+        reason = decision.reason
+    elif on_static and not guard.planning_pays(decision, planning_s):
+        reason = "idle"
+    else:
+        reason = decision.reason
+    return Outcome(
+        plan=result.plan,
+        decision=reason,
+        gain_s=decision.gain_s,
+        switch_s=decision.switch_s,
+        predicted_step_s=assessment.candidate_s if decision.adopt else assessment.current_s,
+        modelled_switch_s=assessment.switch_s,
+        wait_s=wait_s,
+        cluster=result.cluster,
+        fit=fit,
+        verdict=None if on_static else result.paid,
+        next_lag=next_lag,
+    )
+
+
+def exit_outcome(
+    guard: SwitchGuard, result: JobResult, wait_s: float, k_transfer: float, next_lag: int
+) -> Outcome:
+    """The plan in force did not pay: replace it with the fresh candidate or fall back to one
+    of `result.exits`, whichever nets the most over the horizon (`SwitchGuard.exit_choice`;
+    the candidate is not weighed when the clock refuted the model, `model_refuted`)."""
+    options = [(result.plan, result.assessment), *result.exits]
+    pick = guard.exit_choice(
+        result.assessment,
+        [a for _, a in result.exits],
+        model_refuted=guard.model_refuted(result.paid),
+        switch_prior=k_transfer,
+    )
+    plan, a = options[pick]
+    return Outcome(
+        plan=plan,
+        decision="replace" if pick == 0 else "fallback",
+        gain_s=a.live_gain_s() * guard.horizon,
+        switch_s=guard.switch_scale(k_transfer) * a.switch_s + max(0.0, wait_s),
+        predicted_step_s=a.candidate_s,
+        modelled_switch_s=a.switch_s,
+        wait_s=wait_s,
+        cluster=result.cluster,
+        fit=result.fit,
+        verdict=result.paid,
+        next_lag=next_lag,
+    )
+
+
+__all__ = ["exit_outcome", "leader_outcome", "median_period_s"]
