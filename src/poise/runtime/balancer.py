@@ -659,7 +659,8 @@ class Balancer:
         stats.add_seconds("plan_wait", done.wait_s)
         planning_s = done.cpu_s if self._planner_shares_cores else 0.0
         stats.add_seconds("plan_cpu", planning_s)
-        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        recent = list(self.measured)[-FIT_WINDOW:]
+        measured = np.stack(recent) if recent else np.zeros((0, 1 + N_MEASURED))
         return leader_outcome(
             self.guard,
             done.value,
@@ -667,7 +668,7 @@ class Balancer:
             plan_s=done.plan_s,
             planning_s=planning_s,
             on_static=self.plan.digest() == self.static_plan.digest(),
-            period_s=median_period_s(measured[-FIT_WINDOW:]),
+            period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
             replan_every=self.replan_every,
         )
