@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from poise.core.placement import Assignment, Placement
 from poise.core.token_split import split_routes, water_fill
 from poise.cost.model import CostModel
+from poise.cost.traffic import Routing
 from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.sim.simulator import simulate
@@ -175,3 +176,103 @@ def test_plans_split_under_the_context_setting_and_simulate_models_it() -> None:
         runs[True].runs["eplb"].device_load.max(axis=1).mean()
         <= runs[False].runs["eplb"].device_load.max(axis=1).mean()
     )
+
+
+def test_holders_shed_their_own_tokens_by_hand() -> None:
+    """Expert 0 on both devices (home 0, replica 1): no remote tokens. Device 0 routes 600 of
+    its own tokens to it, device 1 100, and device 1 also computes 200 of expert 1. Keeping
+    their own gives 600 / 300; the level is (700 + 200) / 2 = 450: device 0 keeps 450 and sheds
+    150 to device 1 (100 + 150 + 200 = 450)."""
+    placement = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    placement.copies[0, 1, 0] = 1
+    counts = np.array([[[600, 0], [100, 200]]])
+    split = Assignment.to_home(placement).with_split()
+    routes = split.split(placement, counts)
+    assert routes[0, 0, 0].tolist() == [450, 150]
+    assert routes[0, 1, 0].tolist() == [0, 100]
+    assert routes[0, 1, 1].tolist() == [0, 200]
+    resolved = split.resolve(placement, counts)
+    resolved.validate(placement)
+    np.testing.assert_allclose(resolved.shed[0, :, 0], [150 / 600, 0.0])
+    np.testing.assert_allclose(resolved.weights[0, 0], [0.0, 1.0])  # the shed go to device 1
+    np.testing.assert_allclose(resolved.received(placement, counts)[0], [[450, 0], [250, 200]])
+    # already level: nobody sheds (400 / 300 + 100 on both sides)
+    counts = np.array([[[400, 0], [100, 300]]])
+    assert split.split(placement, counts)[0, :, 0].tolist() == [[400, 0], [0, 100]]
+    assert split.resolve(placement, counts).shed is None
+
+
+def _least_max_by_enumeration(base: np.ndarray, total: int) -> int:
+    """The least max of `base[h] + y[h]` over every integer split `y` of `total` (a naive
+    reference for 2 or 3 holders)."""
+    best = None
+    for y0 in range(total + 1):
+        rest = [total - y0] if len(base) == 2 else [(y1, total - y0 - y1) for y1 in range(total - y0 + 1)]
+        for r in rest:
+            y = (y0, r) if len(base) == 2 else (y0, *r)
+            m = int(max(b + v for b, v in zip(base, y, strict=True)))
+            best = m if best is None else min(best, m)
+    assert best is not None
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    D=st.sampled_from([2, 3, 4]),
+    holders=st.sampled_from([2, 3]),
+)
+def test_one_replicated_expert_reaches_the_least_max_of_any_split(
+    seed: int, D: int, holders: int
+) -> None:
+    """One replicated expert (the others homed, one each): the split's max device load is the
+    least any division of that expert's tokens among its holders can give (enumerated), in
+    whole tokens, and the real split's is at most that; routes conserve every count."""
+    holders = min(holders, D)
+    rng = np.random.default_rng(seed)
+    E = D
+    placement = Placement.from_homes(np.arange(E)[None, :], D, 2)
+    hold = rng.choice(D, size=holders, replace=False)
+    placement.copies[0, hold, 0] = 1
+    placement.home[0, 0] = int(hold[0])
+    placement.copies[0, 0, 0] = 1 if 0 in hold else 0
+    counts = rng.integers(0, 40, size=(1, D, E))
+    counts[0, :, 0] = rng.integers(0, 60, size=D)
+    split = Assignment.to_home(placement).with_split()
+    routes = split.split(placement, counts)
+    assert (routes.sum(axis=3) == counts).all() and routes.min() >= 0
+    load = routes.sum(axis=(1, 2))[0]  # [D]
+    others = counts[0, :, 1:].sum(axis=0)  # expert e >= 1 is computed by device e (its home)
+    base = np.zeros(D, dtype=np.int64)
+    base[1:] = others
+    want = max(_least_max_by_enumeration(base[hold], int(counts[0, :, 0].sum())),
+               int(np.delete(base, hold).max(initial=0)))  # fmt: skip
+    assert int(load.max()) == want
+    real = split.received(placement, counts).sum(axis=2)[0]
+    assert real.max() <= want + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), D=st.sampled_from([2, 3, 4]))
+def test_cost_model_loads_and_traffic_follow_the_routes(seed: int, D: int) -> None:
+    """The cost model's per-device loads and dispatch traffic of a splitting plan (real shares,
+    shedding included) match the runtime's integer routes, counted directly: tokens each device
+    computes (`routes` summed over sources) and sends to other devices (off the diagonal), to
+    within the rounding of whole tokens."""
+    rng = np.random.default_rng(seed)
+    spec = toy_spec(experts=4, layers=2)
+    placement = _random_plan(rng, 2, D, 4)
+    counts = rng.integers(0, 60, size=(2, D, 4))
+    counts[:, :, 0] *= 10  # a hot expert, which sources holding it may have to shed
+    split = Assignment.even(placement).with_split()
+    routes = split.split(placement, counts)  # [L, D_src, E, D_dst]
+    computed = routes.sum(axis=(1, 2))  # [L, D]
+    off = routes * (1 - np.eye(D, dtype=np.int64))[None, :, None, :]
+    sent, got = off.sum(axis=(2, 3)), off.sum(axis=(1, 2))  # [L, D] each
+    cluster = toy_cluster(devices_per_node=D)
+    priced = CostModel(cluster, spec).price(placement, split, counts)
+    slack = 2 * D  # whole-token rounding per (layer, expert, holder)
+    assert np.abs(priced.device_load - computed).max() <= slack
+    send, recv = Routing(cluster, placement, split.resolve(placement, counts)).traffic(counts)
+    assert np.abs(send.sum(axis=0) - sent).max() <= slack * 4
+    assert np.abs(recv.sum(axis=0) - got).max() <= slack * 4

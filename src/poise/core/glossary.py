@@ -19,7 +19,9 @@ Words
 - *migration*: a change of home, moving weights and optimizer state once.
 - *placement*: per layer, each expert's home and its copies per device (`Placement`).
 - *assignment*: per layer, how a source device's tokens for an expert it does not hold are split
-  among that expert's holders (`Assignment`); a holder keeps its own tokens.
+  among that expert's holders (`Assignment`); a holder keeps its own tokens, except that a
+  step's split by counts (`Assignment.by_counts`) may have a holder *shed* some of them to the
+  other holders to level the loads.
 - *plan*: a placement, an assignment, the transfers they need and their predicted cost (`Plan`),
   made by a *policy* (`poise.plan.policies`) from predicted loads.
 - *trail*: the plan a rival policy would have in force had it run alone, carried in `auto`'s

@@ -10,8 +10,10 @@
   group (a contiguous run of `group_size` devices) whose group weights for e sum to one splits its
   tokens inside its group by them instead; elsewhere the global `weights` apply. With
   `by_counts` (per-step splitting, `poise.core.token_split`) the weights are where each step
-  starts: the executors split the remote tokens of every replicated expert by that step's
-  actual counts (`resolve`).
+  starts: the executors split the tokens of every replicated expert by that step's actual
+  counts (`resolve`), where a holder may also shed some of its own tokens to the other holders
+  (`shed[L, D, E]`, the share of its own tokens a holder sends away; only a step's resolved
+  assignment has it).
 - `Transfers`: what a plan costs to set up and to keep each step, in bytes: Trans (weights to
   replicas, every step), Agg (replica gradients back, every step), migrations (home changes, once,
   with optimizer state).
@@ -142,10 +144,12 @@ class Assignment:
     Without groups (the default) this is the plain per-expert `weights` rule. Consumers should go
     through `received`, `split` or `traffic.level_traffic`, which apply both rules.
 
-    `by_counts` (per-step splitting; experts no group routes locally): each step's remote tokens of
-    a replicated expert are split among its holders by that step's counts to level the device
+    `by_counts` (per-step splitting; experts no group routes locally): each step's tokens of a
+    replicated expert are split among its holders by that step's counts to level the device
     loads (`poise.core.token_split`), starting from `weights`; `resolve(placement, counts)` is
-    the plain assignment a step runs under. `received` and `split` apply it; the cost model's
+    the plain assignment a step runs under. It may carry `shed[L, D, E]`: holder d sends that
+    share of its own tokens of e away, split by `weights` like a non-holder's (a shedding
+    holder's own weight is zero); None (every plan's assignment): holders keep their own. `received` and `split` apply it; the cost model's
     `PlanPricer` resolves it per priced step; the runtime's dispatcher computes the same
     integer routes on every rank from the gathered counts."""
 
@@ -153,6 +157,7 @@ class Assignment:
     group_weights: np.ndarray | None = None
     group_size: int = 0
     by_counts: bool = False
+    shed: np.ndarray | None = None
 
     @property
     def grouped(self) -> bool:
@@ -179,8 +184,20 @@ class Assignment:
         fixed = self.with_split(False)
         held = placement.holders()
         start = np.where(held, fixed.received(placement, counts) - np.where(held, counts, 0), 0.0)
-        weights = split_weights(placement.copies, self.weights, counts, start, self.global_only())
-        return Assignment(weights, self.group_weights, self.group_size)
+        weights, shed = split_weights(
+            placement.copies, self.weights, counts, start, self.global_only()
+        )
+        return Assignment(
+            weights, self.group_weights, self.group_size, shed=shed if shed.any() else None
+        )
+
+    def remote(self, held: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """`[L, D, E]` float tokens that leave their source: all of a non-holder's, the shed
+        share of a holder's (none without `shed`), for the holder mask `held[L, D, E]`."""
+        counts = np.asarray(counts, dtype=np.float64)
+        if self.shed is None:
+            return np.where(held, 0.0, counts)
+        return np.where(held, counts * self.shed, counts)
 
     def _group_sums(self) -> np.ndarray:
         """`[L, E, n_groups]` sum of `group_weights` over each group's devices."""
@@ -292,19 +309,28 @@ class Assignment:
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
         idx = np.asarray(layers)
         gw = None if self.group_weights is None else self.group_weights[idx]
-        return Assignment(self.weights[idx], gw, self.group_size, self.by_counts)
+        shed = None if self.shed is None else self.shed[idx]
+        return Assignment(self.weights[idx], gw, self.group_size, self.by_counts, shed)
 
     @classmethod
     def from_layers(cls, picks: list[tuple[Assignment, int]]) -> Assignment:
         """Stack layer `l` of each `(assignment, l)` into one assignment (e.g. `auto` choosing
         per layer). Group-local routing is kept; layers picked from ungrouped assignments get zero
         group weights (global routing). All grouped picks must share one group size. The
-        result splits by counts (`by_counts`) when every pick does."""
+        result splits by counts (`by_counts`) when every pick does, and sheds where a pick does."""
         weights = np.stack([a.weights[layer] for a, layer in picks])
         sizes = {a.group_size for a, _ in picks if a.grouped}
         by_counts = all(a.by_counts for a, _ in picks)
+        shed = None
+        if any(a.shed is not None for a, _ in picks):
+            shed = np.stack(
+                [
+                    a.shed[layer] if a.shed is not None else np.zeros(a.weights[layer].shape[::-1])
+                    for a, layer in picks
+                ]
+            )
         if not sizes:
-            return cls(weights, by_counts=by_counts)
+            return cls(weights, by_counts=by_counts, shed=shed)
         if len(sizes) > 1:
             raise PlanError(
                 f"cannot stack group sizes {sorted(sizes)}", field="assignment.group_size"
@@ -317,7 +343,7 @@ class Assignment:
                 for a, layer in picks
             ]
         )
-        return cls(weights, gw, sizes.pop(), by_counts)
+        return cls(weights, gw, sizes.pop(), by_counts, shed)
 
     def validate(self, placement: Placement) -> None:
         w = self.weights
@@ -338,6 +364,8 @@ class Assignment:
                 f"not 1 (tokens not conserved)",
                 field="assignment.weights",
             )
+        if self.shed is not None:
+            self._validate_shed(placement)
         if self.group_weights is None:
             return
         gw = self.group_weights
@@ -366,6 +394,16 @@ class Assignment:
                 field="assignment.group_weights",
             )
 
+    def _validate_shed(self, placement: Placement) -> None:
+        assert self.shed is not None
+        shape = placement.copies.shape
+        if self.shed.shape != shape:
+            raise PlanError(f"shed shape {self.shed.shape} != {shape}", field="assignment.shed")
+        if not _finite_non_negative(self.shed) or self.shed.max(initial=0.0) > 1.0 + _TOL:
+            raise PlanError("shed shares must lie in [0, 1]", field="assignment.shed")
+        if np.any((self.shed > _TOL) & ~placement.holders()):
+            raise PlanError("a device that holds no copy cannot shed", field="assignment.shed")
+
     def received(self, placement: Placement, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` tokens each device computes for each expert, from `counts[L, D, E]`
         (split by the counts themselves with `by_counts`)."""
@@ -373,10 +411,10 @@ class Assignment:
             return self.resolve(placement, counts).received(placement, counts)
         held = placement.holders()
         counts = np.asarray(counts, dtype=np.float64)
-        remote = np.where(held, 0.0, counts)  # [L, D, E]
+        remote = self.remote(held, counts)  # [L, D, E]
         if not self.grouped:
             remote_total = remote.sum(axis=1)  # [L, E]
-            out = np.subtract(counts, remote)  # = np.where(held, counts, 0.0), bit for bit
+            out = np.subtract(counts, remote)  # the kept tokens (np.where(held, counts, 0.0))
             out += (self.weights * remote_total[:, :, None]).transpose(0, 2, 1)
             return out
         return self.received_grouped(held, counts, remote, self.source_local())
@@ -421,9 +459,11 @@ class Assignment:
         L, D, E = counts.shape
         held = placement.holders()
         routes = np.zeros((L, D, E, D), dtype=np.int64)
+        shed = 0 if self.shed is None else np.rint(counts * self.shed).astype(np.int64)
+        kept = np.where(held, counts - shed, 0)
         local_idx = np.nonzero(held)
-        routes[local_idx[0], local_idx[1], local_idx[2], local_idx[1]] = counts[held]
-        remote = np.where(held, 0, counts)  # [L, D, E]
+        routes[local_idx[0], local_idx[1], local_idx[2], local_idx[1]] = kept[held]
+        remote = counts - kept  # [L, D, E]
         ideal = remote[..., None] * self.source_weights()  # [L, D, E, D]
         base = np.floor(ideal + 1e-9).astype(np.int64)
         short = remote - base.sum(axis=3)
@@ -579,4 +619,6 @@ class Plan:
         the placement (home, copies) and the assignment (weights, group weights and size)."""
         p, a = self.placement, self.assignment
         parts = [p.home, p.copies, a.weights, a.group_weights, a.group_size]
+        if a.shed is not None:  # a step's resolved assignment (plans hold none)
+            parts.append(a.shed)
         return digest(*parts, "by_counts") if a.by_counts else digest(*parts)

@@ -3,43 +3,52 @@ of *this* step, not by the shares a plan fixed from a forecast.
 
 One layer, `D` devices, `E` experts; `c[s, e]` tokens source s routes to expert e this step
 (known on every rank once the dispatcher has gathered the counts), `H_e` the devices holding a
-copy of e, `w[e, d]` the plan's fixed shares (`Assignment.weights`). As in `Assignment.to_home`
-and `Assignment.balanced`, a holder keeps its own tokens; only the remote total
-`R_e = sum_{s not in H_e} c[s, e]` is split, as `x[e, h] >= 0` over `h in H_e` with
-`sum_h x[e, h] = R_e`. Device d then computes
+copy of e, `w[e, d]` the plan's fixed shares (`Assignment.weights`). A plan's fixed split lets a
+holder keep its own tokens and splits only the remote ones (`Assignment.to_home`, `balanced`);
+the step's split chooses how many of *all* e's tokens, `T_e = sum_s c[s, e]`, each holder
+computes, `y[e, h] >= 0` over `h in H_e` with `sum_h y[e, h] = T_e`. Device d then computes
 
-    load[d] = sum_{e : d in H_e} (c[d, e] + x[e, d])
+    load[d] = sum_{e : d in H_e} y[e, d]
 
-and the split aims at the least `max_d load[d]`.
+and the split aims at the least `max_d load[d]`. A holder keeps `min(c[h, e], y[e, h])` of its
+own tokens; one with more of its own than its share (`c[h, e] > y[e, h]`) sheds the rest
+(`shed[e, h]`) to the other holders, which receive `x[e, h] = y[e, h] - min(c[h, e], y[e, h])`
+from the pool of the non-holders' tokens and the shed ones. Keeping its own tokens is then the
+rule wherever it levels the loads, and shedding what the all-to-all moves besides: with two
+ranks that both hold a hot expert there are no remote tokens to split, and only shedding can
+level them (what LLEP and MoonEP do per micro-batch).
 
 Algorithm (block coordinate descent over experts, Gauss-Seidel):
 
-1. Start from the plan's split: `x[e, h] = w[e, h] R_e` (real) or the integer routes of
-   `Assignment.split` (integer: each source's remote tokens split by `w`, largest remainder).
-2. `SWEEPS` times, for each expert with several holders and remote tokens, in expert order
-   (layers at once): take x[e, :] off the loads, `base[h] = load[h]`, and water-fill R_e onto
-   the holders: `x[e, h] = max(0, lam - base[h])` with `lam` solving `sum_h x[e, h] = R_e`.
-   Integer: `floor(max(0, lam - base[h]))`, then the tokens left (fewer than |H_e| + 1) one each
-   to the holders with the least `base + x`, the lower device first on ties.
+1. Start from the plan's split: `y[e, h] = c[h, e] + w[e, h] R_e` (real; `R_e` the remote
+   tokens) or the integer routes of `Assignment.split` (integer).
+2. `SWEEPS` times, for each expert with several holders and tokens, in expert order (layers at
+   once): take y[e, :] off the loads, `base[h] = load[h]`, and water-fill T_e onto the holders:
+   `y[e, h] = max(0, lam - base[h])` with `lam` solving `sum_h y[e, h] = T_e`. Integer:
+   `floor(max(0, lam - base[h]))`, then the tokens left (fewer than |H_e| + 1) one each to the
+   holders with the least `base + y`, the lower device first on ties.
 
 Each block step gives e's holders the least maximum they can have with the other experts fixed
 and touches no other device, so the largest device load never rises: the split is never worse
-than the plan's fixed one (real or integer). Water-filling also minimises the sum of squared
-loads over H_e, so the sweeps descend the sum of squared device loads; on this problem
+than the plan's fixed one (real or integer). Where the plan's split already levels a block
+(every holder's level at or above its own tokens), the water-fill gives the same loads as
+splitting the remote tokens alone, so nothing is shed. Water-filling also minimises the sum of
+squared loads over H_e, so the sweeps descend the sum of squared device loads; on this problem
 (divisible tokens, holders fixed) the load vector minimising it is the lexicographically
 optimal one, which also has the least maximum (Fujishige, "Lexicographically optimal base of a
 polymatroid with respect to a weight vector", Math. Oper. Res. 5(2), 1980: the achievable load
-vectors form a polymatroid's base polytope, translated by the kept tokens). A fixed number of
-sweeps need not reach it exactly; one sweep from the plan's split usually does when the holder
-sets of replicated experts do not overlap.
+vectors form a polymatroid's base polytope). A fixed number of sweeps need not reach it
+exactly; one sweep from the plan's split usually does when the holder sets of replicated
+experts do not overlap.
 
 Integer routes per source (`split_routes`): holder h's quota `x[e, h]` is cut among the
-non-holding sources in proportion to their counts by one deterministic sequence of the `R_e`
-tokens: holder h's j-th token has the key `(j + 1/2) / x[e, h]` (Sainte-Lague's sequential
-apportionment), tokens sorted by (key, holder); source s takes the positions
-`[C_{s-1}, C_s)` (C the running sum of the sources' counts in device order). Both margins are
-exact: each source sends all its tokens, each holder receives its quota, and every source's
-split is close to proportional (what the cost model's traffic assumes).
+sources that send (non-holders: all their tokens; shedding holders: what they shed) in
+proportion to what they send by one deterministic sequence of the pool's tokens: holder h's
+j-th token has the key `(j + 1/2) / x[e, h]` (Sainte-Lague's sequential apportionment), tokens
+sorted by (key, holder); source s takes the positions `[C_{s-1}, C_s)` (C the running sum of
+what the sources send, in device order). Both margins are exact: each source sends what it
+sends, each holder receives its quota, and every source's split is close to proportional (what
+the cost model's traffic assumes).
 
 Everything is computed from the counts with the same code on every rank, so the ranks agree.
 """
@@ -82,11 +91,9 @@ def water_fill(base: np.ndarray, total: np.ndarray, integer: bool) -> np.ndarray
 
 
 def splittable(copies: np.ndarray, counts: np.ndarray, only: np.ndarray | None) -> np.ndarray:
-    """`[L, E]` bool: the experts a step splits: several holders, remote tokens, and `only`
-    (`[L, E]`, default all: e.g. the experts no group routes locally)."""
-    held = copies > 0
-    remote = np.where(held, 0, counts).sum(axis=1)
-    multi = (held.sum(axis=1) > 1) & (remote > 0)
+    """`[L, E]` bool: the experts a step splits: several holders, tokens, and `only` (`[L, E]`,
+    default all: e.g. the experts no group routes locally)."""
+    multi = ((copies > 0).sum(axis=1) > 1) & (np.asarray(counts).sum(axis=1) > 0)
     return multi if only is None else multi & only
 
 
@@ -96,40 +103,47 @@ def split_totals(
     start: np.ndarray,
     integer: bool = False,
     only: np.ndarray | None = None,
-) -> np.ndarray:
-    """Remote tokens each holder computes, `x[L, D, E]`, for `counts[L, D, E]` on holders
-    `copies[L, D, E] > 0`, from the plan's split `start[L, D, E]` (the remote tokens it gives
-    each holder; zero off the holders). `integer`: counts, start and result in whole tokens.
-    Experts outside `splittable(copies, counts, only)` keep `start` (and weigh on the loads)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(x, shed)`, each `[L, D, E]`, for `counts[L, D, E]` on holders `copies[L, D, E] > 0`:
+    `x` the tokens each holder receives from other devices, `shed` the tokens of its own each
+    holder sends to the other holders (module docstring), from the plan's split `start[L, D,
+    E]` (the remote tokens it gives each holder; zero off the holders). `integer`: counts,
+    start and results in whole tokens. Experts outside `splittable(copies, counts, only)` keep
+    `start` and shed nothing (and weigh on the loads)."""
     held = copies > 0
     counts = np.asarray(counts, dtype=np.float64)
     x = np.array(start, dtype=np.float64)
-    remote = np.where(held, 0.0, counts).sum(axis=1)  # [L, E]
+    shed = np.zeros_like(x)
     multi = splittable(copies, counts, only)
     layer, expert = np.nonzero(multi)  # row-major: experts in order within each layer
     if not layer.size:
-        return x
-    load = np.where(held, counts, 0.0).sum(axis=2) + x.sum(axis=2)  # [L, D]
+        return x, shed
+    own = np.where(held, counts, 0.0)
+    load = own.sum(axis=2) + x.sum(axis=2)  # [L, D]
+    total = counts.sum(axis=1)  # [L, E]
     # Holders packed left in device order: `dev[m, W]`, padding marked by `pad`.
     held_m = held[layer, :, expert]  # [M, D]
     width = int(held_m.sum(axis=1).max())
     dev = np.argsort(~held_m, axis=1, kind="stable")[:, :width]
     pad = ~np.take_along_axis(held_m, dev, axis=1)
-    xm = np.where(pad, 0.0, x[layer[:, None], dev, expert[:, None]])
+    cells = (layer[:, None], dev, expert[:, None])
+    own_m = np.where(pad, 0.0, own[cells])
+    ym = np.where(pad, 0.0, x[cells] + own_m)  # [M, W] tokens each holder computes
     first = np.searchsorted(layer, layer)  # position of each pair among its layer's pairs
     pos = np.arange(layer.size) - first
     for _ in range(SWEEPS):
         for k in range(int(pos.max()) + 1):
             m = np.flatnonzero(pos == k)
             lm, dm = layer[m][:, None], dev[m]
-            base = np.where(pad[m], np.inf, load[lm, dm] - xm[m])
-            new = water_fill(base, remote[layer[m], expert[m]], integer)
-            delta = np.where(pad[m], 0.0, new - xm[m])
+            base = np.where(pad[m], np.inf, load[lm, dm] - ym[m])
+            new = water_fill(base, total[layer[m], expert[m]], integer)
+            delta = np.where(pad[m], 0.0, new - ym[m])
             np.add.at(load, (np.broadcast_to(lm, dm.shape), dm), delta)
-            xm[m] = new
-    cells = (layer[:, None], dev, expert[:, None])
-    x[cells] = np.where(pad, x[cells], xm)
-    return x
+            ym[m] = new
+    kept = np.minimum(ym, own_m)
+    x[cells] = np.where(pad, x[cells], ym - kept)
+    shed[cells] = np.where(pad, 0.0, own_m - kept)
+    return x, shed
 
 
 def split_weights(
@@ -138,16 +152,22 @@ def split_weights(
     counts: np.ndarray,
     start: np.ndarray,
     only: np.ndarray | None = None,
-) -> np.ndarray:
-    """The step's shares `[L, E, D]` (an `Assignment.weights`) from the plan's `weights[L, E,
-    D]`, holders `copies[L, D, E]`, the step's `counts[L, D, E]` and the remote tokens the
-    plan gives each holder, `start[L, D, E]` (`Assignment.received` less the kept tokens), in
-    real numbers (what the cost model prices). Experts outside `splittable` keep `weights`."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(weights, shed)`: the step's shares `[L, E, D]` of the sent tokens (an
+    `Assignment.weights`) and the share `[L, D, E]` of its own tokens each holder sheds (an
+    `Assignment.shed`), from the plan's `weights[L, E, D]`, holders `copies[L, D, E]`, the
+    step's `counts[L, D, E]` and the remote tokens the plan gives each holder, `start[L, D, E]`
+    (`Assignment.received` less the kept tokens), in real numbers (what the cost model prices).
+    Experts outside `splittable`, or whose holders send nothing, keep `weights` and shed
+    nothing."""
     held = copies > 0
-    remote = np.where(held, 0.0, np.asarray(counts, dtype=np.float64)).sum(axis=1)  # [L, E]
-    x = split_totals(copies, counts, start, only=only)
-    shares = x.transpose(0, 2, 1) / np.where(remote > 0, remote, 1.0)[:, :, None]
-    return np.where(splittable(copies, counts, only)[:, :, None], shares, weights)
+    counts = np.asarray(counts, dtype=np.float64)
+    x, shed = split_totals(copies, counts, start, only=only)
+    pool = (np.where(held, 0.0, counts) + shed).sum(axis=1)  # [L, E] tokens that travel
+    moves = splittable(copies, counts, only) & (pool > 0)
+    shares = x.transpose(0, 2, 1) / np.where(pool > 0, pool, 1.0)[:, :, None]
+    share_shed = shed / np.where(counts > 0, counts, 1.0)
+    return np.where(moves[:, :, None], shares, weights), share_shed
 
 
 def split_routes(
@@ -156,24 +176,25 @@ def split_routes(
     counts: np.ndarray,
     only: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Integer routes `[L, D_src, E, D_dst]` of the step's `counts[L, D, E]` (int): holders keep
-    their own tokens, the remote ones follow the integer split of `split_totals` started from
-    `plan_routes` (the plan's fixed routes, `Assignment.split`), cut per source by the
-    module docstring's token sequence. Experts outside `splittable` keep `plan_routes`."""
+    """Integer routes `[L, D_src, E, D_dst]` of the step's `counts[L, D, E]` (int): the integer
+    split of `split_totals` started from `plan_routes` (the plan's fixed routes,
+    `Assignment.split`): holders keep what they do not shed, and the non-holders' tokens and the
+    shed ones are cut per source by the module docstring's token sequence. Experts outside
+    `splittable` keep `plan_routes`."""
     counts = np.asarray(counts, dtype=np.int64)
     held = copies > 0
     kept = np.where(held, counts, 0)
     remote = counts - kept  # [L, D, E]
     received = np.asarray(plan_routes).sum(axis=1).transpose(0, 2, 1)  # [L, D, E]
     start = np.where(held, received - kept, 0)
-    x = split_totals(copies, counts, start, integer=True, only=only)
-    x = np.rint(x).astype(np.int64)
+    x, shed = split_totals(copies, counts, start, integer=True, only=only)
+    x, shed = np.rint(x).astype(np.int64), np.rint(shed).astype(np.int64)
     routes = np.array(plan_routes, dtype=np.int64)
     layer, expert = np.nonzero(splittable(copies, counts, only))
     for lyr, e in zip(layer.tolist(), expert.tolist(), strict=True):
-        col = _cut(remote[lyr, :, e], x[lyr, :, e])  # [D_src, D_dst]
+        col = _cut(remote[lyr, :, e] + shed[lyr, :, e], x[lyr, :, e])  # [D_src, D_dst]
         own = np.flatnonzero(held[lyr, :, e])
-        col[own, own] += counts[lyr, own, e]
+        col[own, own] += counts[lyr, own, e] - shed[lyr, own, e]
         routes[lyr, :, e, :] = col
     return routes
 

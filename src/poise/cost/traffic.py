@@ -64,6 +64,7 @@ class Routing:
         self.placement = placement
         self.assignment = assignment
         self.held = placement.holders()
+        self.shed = assignment.shed  # [L, D, E] or None: holders keep all their own tokens
         # `w[L, D, E]`: the assignment weights `[L, E, D]` transposed, destination device first
         # (`w[l, d, e] = weights[l, e, d]`), contiguous.
         self.w = np.ascontiguousarray(assignment.weights.transpose(0, 2, 1))
@@ -91,6 +92,7 @@ class Routing:
         part.placement = self.placement.take_layers(layers)
         part.assignment = self.assignment.take_layers(layers)
         part.held, part.w = self.held[start:stop], self.w[start:stop]
+        part.shed = None if self.shed is None else self.shed[start:stop]
         part.w_group = [wg[start:stop] for wg in self.w_group]
         part.local = None if self.local is None else self.local[start:stop]
         part.gw = None if self.gw is None else self.gw[start:stop]
@@ -98,8 +100,11 @@ class Routing:
         return part
 
     def remote(self, counts: np.ndarray) -> np.ndarray:
-        """`[L, D, E]` tokens that must leave their source (it holds no copy)."""
-        return np.where(self.held, 0.0, counts)
+        """`[L, D, E]` tokens that leave their source: it holds no copy, or sheds them
+        (`Assignment.remote`)."""
+        if self.shed is None:
+            return np.where(self.held, 0.0, counts)
+        return np.where(self.held, np.asarray(counts, dtype=np.float64) * self.shed, counts)
 
     def split(self, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """`(global, local)` parts of `remote[L, D, E]` under group-local routing: the tokens
@@ -132,14 +137,18 @@ class Routing:
         return out
 
     def _local_plus(self, counts: np.ndarray, total: np.ndarray) -> np.ndarray:
-        """`np.where(held, counts, 0.0) + w * total[:, None, :]` (`total[L, E]`), bit for bit,
-        with one `[L, D, E]` array instead of three: `0.0 + x` is `x + 0.0` (which also turns
-        -0.0 into 0.0), and only the few holder cells add their own tokens."""
+        """`np.where(held, kept, 0.0) + w * total[:, None, :]` (`total[L, E]`; `kept` the
+        counts less the shed share), bit for bit, with one `[L, D, E]` array instead of three:
+        `0.0 + x` is `x + 0.0` (which also turns -0.0 into 0.0), and only the few holder cells
+        add their own tokens."""
         out = self.w * total[:, None, :]
         out += 0.0
         cells = self._held_cells()
         flat = out.reshape(-1)
-        flat[cells] = np.asarray(counts, dtype=np.float64).reshape(-1)[cells] + flat[cells]
+        kept = np.asarray(counts, dtype=np.float64).reshape(-1)[cells]
+        if self.shed is not None:
+            kept = kept - kept * self.shed.reshape(-1)[cells]
+        flat[cells] = kept + flat[cells]
         return out
 
     def _held_cells(self) -> np.ndarray:

@@ -13,8 +13,9 @@ One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `D` ra
    Under a routing that splits by counts (`RankRouting.by_counts`, `Assignment.by_counts`),
    steps 2 and 3 swap: one `all_gather` of every rank's `[E + 2]` (its counts, the flag, the
    digest), then every rank computes all ranks' routes `[D, E, D]` from the same counts with
-   the same code (`Assignment.split`: the step's split among the holders,
-   `poise.core.token_split`), its own row to send and its own column to receive.
+   the same code (`Assignment.split`: the step's split among the holders, where a holder may
+   shed some of its own tokens to the others, `poise.core.token_split`), its own row to send
+   and its own column to receive.
 4. Exchange tokens: `all_to_all_single` with split sizes, rows ordered by (destination, expert).
    With `overlap_degree` n, every (destination, expert) block is cut into n near-equal parts and
    part c of every block travels in chunk c: n token all-to-alls, launched asynchronously, each
@@ -126,11 +127,12 @@ class RankRouting:
         if assignment.grouped and assignment.group_weights is not None:
             shared += [assignment.group_weights[layer], np.array([assignment.group_size])]
         split = None
-        # Splitting needs an expert held twice and sent tokens by a rank without a copy:
-        # otherwise every route is fixed anyway (a lone holder takes all, holders keep their
-        # own), and the fixed routes spare the counts' all_gather and the per-step routes.
+        # Splitting needs an expert held twice (its holders may shed their own tokens to each
+        # other even when every rank holds it): otherwise every route is fixed anyway (a lone
+        # holder takes all), and the fixed routes spare the counts' all_gather and the
+        # per-step routes.
         holders = (copies > 0).sum(axis=0)  # [E]
-        if assignment.by_counts and bool(((holders > 1) & (holders < len(copies))).any()):
+        if assignment.by_counts and bool((holders > 1).any()):
             split = (placement.take_layers([layer]), assignment.take_layers([layer]))
             shared.append("by_counts")
         return cls(

@@ -152,9 +152,10 @@ class Balancer:
       `Compression`): replicas get the shared expert plus that share of their residual's
       entries (HybridEP's compressed migration; it changes the mathematics);
     - `split_tokens` (default on): within a plan, each step's tokens of a replicated expert are
-      split among its holders by that step's actual counts (`Assignment.by_counts`,
+      split among its holders by that step's actual counts, a holder shedding some of its own
+      tokens to the others where that levels them (`Assignment.by_counts`,
       `poise.core.token_split`; the planner prices plans so too); off: by the plan's fixed
-      shares.
+      shares, holders keeping their own.
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
     `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""

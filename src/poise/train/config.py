@@ -14,8 +14,8 @@ parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-e
 expert plus this share (0, 1] of their residual's entries (`poise.runtime.compress`). It changes
 the mathematics (replicas compute with approximate weights), hence off by default.
 `split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
-by that step's counts (`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the
-plan's fixed shares;
+by that step's counts, holders shedding some of their own where that levels the loads
+(`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the plan's fixed shares;
 `balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
 the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
