@@ -1134,3 +1134,41 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
     assert same_homes(maps["replica"], maps["swapped"])
     assert same_homes(maps["swapped"], maps["static"])
     assert not same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank
+
+
+@pytest.mark.parametrize("transfer_s", [0.0, 1.0])
+def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_pay(
+    transfer_s: float,
+) -> None:
+    """`run_job` on `_replica_case`'s replica plan in force, 4 settled steps: with no transfer
+    seconds measured its model saving (4,160 ns a step) pays and no exit is priced; with 1 s of
+    transfers a step it does not (`plan_pays`), and both exits of `exit_plans` come priced
+    (here one: static). With the guard off, none is priced."""
+    from poise.plan.predict import Predictor
+    from poise.runtime import selfcal
+    from poise.runtime.guard import plan_pays
+    from poise.runtime.planning_job import PlanningJob, run_job
+    from tests.helpers import toy_spec
+
+    cost, static, replica, counts = _replica_case()
+    history = np.repeat(counts[None], 4, axis=0)
+    rows = np.zeros((4, 1 + len(selfcal.MEASURED)))
+    rows[:, 0] = np.arange(1, 5)
+    rows[:, 1 + selfcal.PERIOD] = 0.01
+    rows[:, 1 + selfcal.TRANSFERS] = transfer_s
+    none = np.zeros((0, *counts.shape))
+    job = PlanningJob(
+        history=history, fit_counts=history, fit_rows=rows, settled=np.ones(4, dtype=bool),
+        static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
+        balanced_rows=np.zeros((0, rows.shape[1])), current=replica, static=static,
+        prior=cost.cluster, spec=toy_spec(experts=2), previous=selfcal.Fit(), policy="static",
+        predictor=Predictor("last"), options={}, slots=2, calibrate=False, split_tokens=False,
+        horizon=10, measured_switch=None,
+    )  # fmt: skip
+    result = run_job(job)
+    assert result.paid is not None and result.paid.steps == 4
+    assert plan_pays(result.paid) == (transfer_s == 0.0)
+    assert [p.digest() for p, _ in result.exits] == ([] if transfer_s == 0.0 else [static.digest()])
+    from dataclasses import replace
+
+    assert run_job(replace(job, guarded=False)).exits == ()

@@ -207,9 +207,10 @@ def _least_max_by_enumeration(base: np.ndarray, total: int) -> int:
     reference for 2 or 3 holders)."""
     best = None
     for y0 in range(total + 1):
-        rest = [total - y0] if len(base) == 2 else [(y1, total - y0 - y1) for y1 in range(total - y0 + 1)]
-        for r in rest:
-            y = (y0, r) if len(base) == 2 else (y0, *r)
+        left = total - y0
+        splits = [(left,)] if len(base) == 2 else [(y1, left - y1) for y1 in range(left + 1)]
+        for rest in splits:
+            y = (y0, *rest)
             m = int(max(b + v for b, v in zip(base, y, strict=True)))
             best = m if best is None else min(best, m)
     assert best is not None

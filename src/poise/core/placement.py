@@ -149,9 +149,10 @@ class Assignment:
     loads (`poise.core.token_split`), starting from `weights`; `resolve(placement, counts)` is
     the plain assignment a step runs under. It may carry `shed[L, D, E]`: holder d sends that
     share of its own tokens of e away, split by `weights` like a non-holder's (a shedding
-    holder's own weight is zero); None (every plan's assignment): holders keep their own. `received` and `split` apply it; the cost model's
-    `PlanPricer` resolves it per priced step; the runtime's dispatcher computes the same
-    integer routes on every rank from the gathered counts."""
+    holder's own weight is zero); None (every plan's assignment): holders keep their own.
+    `received` and `split` apply it; the cost model's `PlanPricer` resolves it per priced step;
+    the runtime's dispatcher computes the same integer routes on every rank from the gathered
+    counts."""
 
     weights: np.ndarray
     group_weights: np.ndarray | None = None

@@ -601,6 +601,7 @@ class Balancer:
             split_tokens=self.split_tokens,
             horizon=self.guard.horizon,
             measured_switch=self.guard.k_switch if self.guard.switches else None,
+            guarded=self.guard.enabled,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 

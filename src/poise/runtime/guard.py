@@ -305,6 +305,27 @@ def fallback_target(current: Plan, static: Plan, spec: ModelSpec) -> Plan:
     return Plan("homes", homes, assignment, transfers_between(p, homes, spec))
 
 
+def clock_says_slower(v: Verdict | None) -> bool:
+    """The wall clock measured balancing slower than static by more than one standard error
+    (test 2 of the module docstring failed)."""
+    return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.wall_se_s < 0
+
+
+def plan_pays(v: Verdict | None) -> bool:
+    """Whether the plan in force pays (True without steps run under it): the wall clock decides
+    where it is conclusive (slower than static by more than one standard error: no; faster by
+    more: yes), the model's counterfactual otherwise (its saving over the static layout on the
+    steps it ran exceeds their measured transfer seconds). Pure, so that the planning job
+    prices the exits only where the leader will weigh them."""
+    if v is None or v.steps == 0:
+        return True
+    if clock_says_slower(v):
+        return False
+    if v.wall_saving_s is not None and v.wall_saving_s - v.wall_se_s > 0:
+        return True
+    return v.saving_s > v.cost_s
+
+
 class SwitchGuard:
     """The adoption rule and the fallback rule (module docstring), with their state.
 
@@ -379,23 +400,14 @@ class SwitchGuard:
 
     # ------------------------------------------------------------------ keeping it
     def pays(self, v: Verdict | None) -> bool:
-        """Whether the plan in force pays (True without steps run under it): the wall clock
-        decides where it is conclusive (slower than static by more than one standard error:
-        no; faster by more: yes), the model's counterfactual otherwise (its saving over the
-        static layout on the steps it ran exceeds their measured transfer seconds)."""
-        if not self.enabled or v is None or v.steps == 0:
-            return True
-        if self.clock_says_slower(v):
-            return False
-        if v.wall_saving_s is not None and v.wall_saving_s - v.wall_se_s > 0:
-            return True
-        return v.saving_s > v.cost_s
+        """Whether the plan in force pays: `plan_pays`, or True with the guard off."""
+        return not self.enabled or plan_pays(v)
 
     @staticmethod
     def clock_says_slower(v: Verdict | None) -> bool:
         """The wall clock measured balancing slower than static by more than one standard
         error (test 2 of the module docstring failed)."""
-        return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.wall_se_s < 0
+        return clock_says_slower(v)
 
     @classmethod
     def model_refuted(cls, v: Verdict | None) -> bool:

@@ -11,8 +11,9 @@ process while training goes on:
    `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
    expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
 4. price the candidate against the plan in force (`poise.runtime.guard.assess`), and, where
-   the plan in force is not static, the layouts a fallback could go to (`guard.exit_plans`),
-   so that the leader can choose among them if that plan does not pay (`SwitchGuard.exit_choice`).
+   the plan in force is not static and did not pay (`guard.plan_pays`, with the guard on), the
+   layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
+   (`SwitchGuard.exit_choice`).
 
 Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
 planner can run it in another process, where its Python holds no lock the training thread needs.
@@ -34,7 +35,7 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
-from poise.runtime.guard import Assessment, Verdict, assess, exit_plans, verdict
+from poise.runtime.guard import Assessment, Verdict, assess, exit_plans, plan_pays, verdict
 from poise.runtime.homes import keep_homes
 
 
@@ -101,7 +102,8 @@ class PlanningJob:
     `balanced_rows[B, ...]`: the settled steps run under plans with replicas since the static
     layout last ran (the wall-clock test of `poise.runtime.guard`; T and B may be 0);
     `previous`: the last fit; `measured_switch`: the guard's `k_switch`
-    once a switch was measured (None before); `horizon`: steps a plan is expected to serve."""
+    once a switch was measured (None before); `horizon`: steps a plan is expected to serve;
+    `guarded`: the guard is on (the exits are priced only then)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -124,6 +126,7 @@ class PlanningJob:
     split_tokens: bool
     horizon: int
     measured_switch: float | None
+    guarded: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class JobResult:
     """The candidate `plan`, its `assessment` against the plan in force, the fitted `cluster`
     and `fit`, and `paid`: whether the plan in force paid (None when it is the static one);
     `exits`: the layouts a fallback may go to, each with its assessment against the plan in
-    force (empty when that is the static one)."""
+    force (empty when that is the static one or it paid, `guard.plan_pays`)."""
 
     plan: Plan
     assessment: Assessment
@@ -174,7 +177,7 @@ def run_job(job: PlanningJob) -> JobResult:
     prior = CostModel(job.prior, job.spec)
     assessment = assess(fitted, job.current, plan, loads, switch_cost=prior, recent=recent)
     exits: tuple[tuple[Plan, Assessment], ...] = ()
-    if paid is not None:
+    if paid is not None and job.guarded and not plan_pays(paid):
         exits = tuple(
             (target, assess(fitted, job.current, target, loads, switch_cost=prior, recent=recent))
             for target in exit_plans(job.current, job.static, job.spec)
