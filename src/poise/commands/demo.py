@@ -19,7 +19,8 @@
    synthetic drifting Zipf trace).
 4. Writes `OUT/report.html` with PNG plots next to it and `OUT/demo.json` (`measured`:
    `static_tok_s`, `auto_tok_s`, `speedup`, `ideal_speedup`, ...; `simulated`: one entry per
-   table), both atomically, and prints a summary.
+   table), both atomically, and prints a summary. The report's words and `demo.json`'s figures
+   are made in `poise.commands.demo_report`.
 
 `--quick` trains 12 steps per run instead of 120 and replays fewer steps.
 """
@@ -32,17 +33,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from poise.commands.demo_report import compare_traces, demo_json, measured_summary, sim_note
 from poise.core.errors import ConfigError, PoiseError
 from poise.util.argparsing import int_in
-
-if TYPE_CHECKING:
-    from poise.report.html import MeasuredSummary
 
 
 class DemoError(PoiseError):
@@ -286,49 +283,10 @@ def simulate_clusters(
                 f"{case.title} (simulated)",
                 result,
                 seconds,
-                case.why + " " + _sim_note(result),
+                case.why + " " + sim_note(result),
             )
         )
     return sections, found.missing
-
-
-def _sim_note(result) -> str:
-    """What a simulated table shows, in words: who wins, by how much, and what static pays."""
-    rows = result.summary_rows()
-    if "static" not in result.runs or not rows:
-        return ""
-    static_ms = 1e3 * result.runs["static"].mean_step_s
-    best = rows[0]["policy"]
-    best_ms = 1e3 * result.runs[best].mean_step_s
-    parts = [
-        f"Static's step is {static_ms:,.2f} ms with its busiest device at "
-        f"{float(result.runs['static'].max_over_mean.mean()):.2f}x the mean load."
-    ]
-    if "auto" in result.runs:
-        auto_ms = 1e3 * result.runs["auto"].mean_step_s
-        plan_ms = 1e3 * float(result.runs["auto"].plan_s.mean())
-        parts.append(
-            f"auto: {auto_ms:,.2f} ms ({static_ms / auto_ms:.2f}x static), of which "
-            f"{plan_ms:,.2f} ms per step is planning time the planner could not hide (a "
-            "re-plan that came before the previous plan was ready)."
-        )
-        if best != "auto":
-            parts.append(
-                f"The fastest here is {best} ({best_ms:,.2f} ms, {static_ms / best_ms:.2f}x): "
-                f"auto is {auto_ms / best_ms:.2f}x its step."
-            )
-        else:
-            parts.append("auto is the fastest policy here.")
-    outside = result.runs["static"].outside_s
-    if "grad_allreduce_s" in outside:
-        grad_ms = 1e3 * float(outside["grad_allreduce_s"].mean())
-        parts.append(
-            f"Every policy's step includes the all-reduce of the model's "
-            f"{result.spec.dense_params:,} replicated (dense) parameters' gradients "
-            f"({grad_ms:,.2f} ms), as poise simulate charges it; the steps before the first "
-            "plan takes effect run static's placement in every policy."
-        )
-    return " ".join(parts)
 
 
 def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
@@ -389,122 +347,6 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
         )
         out.append(ReplaySection(key, f"{label} on {cluster.name}", runs, note))
     return out
-
-
-def compare_traces(a, b) -> str:
-    """How the two runs' recorded routing compares (it should not depend on the policy)."""
-    if a.counts.shape != b.counts.shape:
-        return f"The recorded traces differ in shape ({a.counts.shape} vs {b.counts.shape})."
-    differ = int(np.count_nonzero(a.counts != b.counts))
-    total = a.counts.size
-    if differ == 0:
-        return (
-            f"Both runs recorded the same routing trace ({a.steps} steps x {a.layers} layers x "
-            f"{a.devices} ranks x {a.experts} experts): routing does not depend on the policy."
-        )
-    steps_differ = np.flatnonzero((a.counts != b.counts).any(axis=(1, 2, 3)))
-    first = int(a.step_ids[steps_differ[0]]) + 1
-    return (
-        f"The two runs recorded the same routing up to step {first - 1}; from step {first} on, "
-        f"rounding differences (see the loss curves) flip near-tied router choices, and "
-        f"{differ:,} of {total:,} counts differ by the end (by at most "
-        f"{int(np.abs(a.counts - b.counts).max())} tokens). The static run's trace is replayed."
-    )
-
-
-def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> MeasuredSummary:
-    """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
-    `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
-    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words."""
-    from poise.report.html import MeasuredSummary
-    from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
-
-    static, auto = runs["static"], runs["auto"]
-    st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
-    ideal = ideal_of(static, c_s, skip, cores=cores)
-    speedup, ideal_speedup = au / st, ideal["ideal_speedup"]
-    verdict = judge(speedup, ideal_speedup)
-    steps = len(static.step_s[measured_steps(static.step_s, skip)])
-    text = (
-        f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
-        f"auto trained at {au:,.0f} tokens/s against static's {st:,.0f}: {speedup:.3f}x. "
-        f"The ideal, {ideal_speedup:.3f}x, is the static run with its experts perfectly "
-        f"balanced for free: in each MoE layer the slowest rank computed "
-        f"{ideal['max_over_mean']:.2f}x the mean rank's token-expert pairs, "
-        f"{ideal['slowest_expert_ms']:.0f} ms of expert work per step where balance would take "
-        f"{ideal['balanced_expert_ms']:.0f} ms (at {c_s * 1e6:.2f} us per routed token of "
-        f"forward and backward, measured here), beside {ideal['non_expert_ms']:.0f} ms of "
-        "everything else, which balance cannot shorten. "
-    )
-    gain = verdict["gain_fraction"]
-    if not verdict["judged_gain"]:
-        text += (
-            f"With an ideal below {1.10:.2f}x there is little to gain here, so only 'do no "
-            f"harm' is judged: auto/static >= 0.99 ({'met' if verdict['no_harm'] else 'not met'})."
-        )
-    else:
-        text += (
-            f"auto earned {gain:.0%} of the possible gain "
-            f"({'met' if verdict['target_met'] else 'not met'}: {verdict['rule']})."
-        )
-    if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
-        text += (
-            " A speedup outside what balance can explain means the machine's load changed "
-            "between the two runs (other processes took CPU from one of them): compare "
-            "benchmarks/train_speedup.py, which alternates the runs and takes medians."
-        )
-    if steps < 30:
-        text += (
-            f" {steps} steps are too few to measure a speedup on a shared machine: run the "
-            "full demo (no --quick) or benchmarks/train_speedup.py for a figure."
-        )
-    return MeasuredSummary(
-        static_tok_s=st,
-        auto_tok_s=au,
-        speedup=speedup,
-        ideal_speedup=ideal_speedup,
-        verdict=verdict,
-        measured_steps=steps,
-        expert_us_per_token=c_s * 1e6,
-        text=text,
-    )
-
-
-def demo_json(summary: MeasuredSummary, sims: list, missing: list[str]) -> dict:
-    """`OUT/demo.json`: the measured line, then one entry per simulated table."""
-    simulated = []
-    for sec in sims:
-        res = sec.result
-        simulated.append(
-            {
-                "key": sec.key,
-                "title": sec.title,
-                "cluster": res.cluster.name,
-                "devices": int(res.cluster.num_devices),
-                "experts": int(res.spec.experts),
-                "top_k": int(res.spec.top_k),
-                "model": res.spec.name,
-                "trace": res.trace_name,
-                "steps": int(res.steps),
-                "replan_every": int(res.replan_every),
-                "policies": [
-                    {
-                        "policy": row["policy"],
-                        "step_ms": round(row["mean_step_s"] * 1e3, 4),
-                        "vs_static": None
-                        if row["speedup_vs_static"] is None
-                        else round(row["speedup_vs_static"], 4),
-                        "planning_ms_per_step": round(row["planning_s_per_step"] * 1e3, 4),
-                    }
-                    for row in res.summary_rows()
-                ],
-            }
-        )
-    return {
-        "measured": summary.as_json(),
-        "simulated": simulated,
-        "real_data_missing": list(missing),
-    }
 
 
 def run(args: argparse.Namespace) -> int:
