@@ -38,6 +38,8 @@ def test_yaml_round_trip(tmp_path):
         ("model_args: {d_modle: 64}\n", "model_args.d_modle", "unknown model setting"),
         ("model_args: {heads: 3}\n", "model.heads", "must divide"),
         ("predictor: magic\n", "predictor", "last, window or ema"),
+        ("probe_every: 1\n", "probe_every", "0 (off) or >= 2"),
+        ("probe_every: -3\n", "probe_every", ">= 0"),
         ("compression: 0\n", "compression", "> 0"),
         ("compression: 1.5\n", "compression", "<= 1"),
         ("- a list\n", None, "top level must be a mapping"),

@@ -48,7 +48,9 @@ Each step:
   compares the plan's digest, `PlanMismatchError` if they disagree). An adopted plan takes
   effect at once: `migrate` (weights and AdamW moments to new homes, replicas filled) and the
   layers' new routings. Otherwise Trans refreshes the replicas, launched asynchronously and
-  awaited by each layer before it runs.
+  awaited by each layer before it runs; on a probe step's boundary (`probe_every`) the layers
+  take the plan's homes-only routing for one step instead, and the next boundary restores the
+  plan's and launches its Trans.
 
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
@@ -89,7 +91,9 @@ from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
 from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
 from poise.runtime.guard import (
+    Probes,
     SwitchGuard,
+    homes_alone,
     switch_seconds,
 )
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
@@ -102,7 +106,9 @@ from poise.runtime.stats import StepStats, layer_loads
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
-STATIC, REPLICAS, OTHER = range(3)  # the layout a measured row ran under (`row_layout`)
+# the layout a measured row ran under (`row_layout`); PROBE: a probe step (the plan's homes
+# without its replicas, `probe_every`)
+STATIC, REPLICAS, OTHER, PROBE = range(4)
 N_MEASURED = len(selfcal.MEASURED)
 
 
@@ -155,7 +161,15 @@ class Balancer:
       split among its holders by that step's actual counts, a holder shedding some of its own
       tokens to the others where that levels them (`Assignment.by_counts`,
       `poise.core.token_split`; the planner prices plans so too); off: by the plan's fixed
-      shares, holders keeping their own.
+      shares, holders keeping their own;
+    - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
+      a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
+      without its replicas (no Trans before it, no Agg in it; nothing moves), up to
+      `max_probes` such steps since plans with replicas took over. Each probe step against its
+      neighbours measures what the replicas save on this machine's clock, paired so that the
+      machine's drift cancels (`guard.paired_clock`); the guard's clock test then uses them
+      instead of the static steps of the run's start. Each probe step forgoes the replicas'
+      saving once.
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
     `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""
@@ -187,9 +201,15 @@ class Balancer:
         keep_stats: int = 10_000,
         compression: Compression | float | None = None,
         split_tokens: bool = True,
+        probe_every: int = 5,
+        max_probes: int = 8,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
+        if probe_every == 1 or probe_every < 0:
+            raise ConfigError(f"must be 0 (off) or >= 2, got {probe_every}", field="probe_every")
+        if max_probes < 1:
+            raise ConfigError(f"must be >= 1, got {max_probes}", field="max_probes")
         if not 0 <= plan_lag <= replan_every:
             raise ConfigError(
                 f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
@@ -246,6 +266,11 @@ class Balancer:
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
+        self.probe_every = int(probe_every) if guard else 0  # probe steps serve the guard
+        self.max_probes = int(max_probes)
+        self._probing: Plan | None = None  # the probe step now running: its homes-only plan
+        self._maps_before_probe: list[list[SlotMap]] = []
+        self._episode_probes = 0  # probe steps since plans with replicas took over
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
         if self._plans_here and self.balancing:
             self.planner.start()  # the worker starts up while the first steps run
@@ -437,6 +462,8 @@ class Balancer:
         self.steps_done += 1
         s = self.steps_done
         stats = self._current
+        if self._probing is not None:
+            self._end_probe()
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
         if (
             self.balancing
@@ -447,6 +474,8 @@ class Balancer:
             self._request(s)
             if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched
+        if not switched and self._probe_due(s):
+            self._begin_probe()
         if not switched:
             t1 = time.perf_counter()
             for state in self.layers:
@@ -462,8 +491,53 @@ class Balancer:
         stats.add_seconds("boundary", self._boundary_s)
         self.stats.append(stats)
         self._current = StepStats(step=self.steps_done, policy=self.policy)
+        self._current.probe = self._probing is not None
         self._prepared = False
         return stats
+
+    # ------------------------------------------------------------------------ probe steps
+    def _probe_due(self, step: int) -> bool:
+        """Whether the step after boundary `step` is a probe step: probing is on, a plan with
+        replicas is in force and has run a settled step, the step falls on the cadence
+        (`step % probe_every == probe_every // 2`, away from the re-plan boundaries when
+        `probe_every` divides `replan_every`), and fewer than `max_probes` probes were taken
+        since plans with replicas took over. The same on every rank."""
+        return (
+            self.balancing
+            and self.probe_every > 0
+            and self._layout == REPLICAS
+            and step - self._plan_since >= 2
+            and step % self.probe_every == self.probe_every // 2
+            and self._episode_probes < self.max_probes
+        )
+
+    def _begin_probe(self) -> None:
+        """Run the next step on the plan's homes without its replicas (`guard.homes_alone`): the
+        homes keep their slots, the replica slots idle, no Trans before it and no Agg in it.
+        Nothing moves: the mathematics is the plan's (every token still meets its expert's
+        current weights, at its home)."""
+        probe = homes_alone(self.plan, self.spec())
+        maps = [
+            slot_maps(probe.placement, state.index, self.slots, previous=state.maps)
+            for state in self.layers
+        ]
+        if not all(same_homes(st.maps, m) for st, m in zip(self.layers, maps, strict=True)):
+            return  # (slot_maps keeps homes in place; never expected)
+        for state in self.layers:
+            self._wait(state)
+        self._maps_before_probe = [state.maps for state in self.layers]
+        self._apply_routing(probe, maps)
+        self._probing = probe
+        self._layout = PROBE
+        self._episode_probes += 1
+
+    def _end_probe(self) -> None:
+        """Back to the plan's routing and slot maps after a probe step; the boundary then
+        launches the replicas' Trans as every boundary does."""
+        self._apply_routing(self.plan, self._maps_before_probe)
+        self._probing = None
+        self._maps_before_probe = []
+        self._layout = REPLICAS
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -519,7 +593,8 @@ class Balancer:
         self.row_layout.append(self._layout)
         self.row_settled.append(self.steps_done > self._plan_since)
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
-        planned = layer_loads(self.plan.placement, self.plan.assignment, gathered)
+        running = self._probing if self._probing is not None else self.plan
+        planned = layer_loads(running.placement, running.assignment, gathered)
         self._current.set_loads(planned.measured(computed))
 
     def _max_over_vote_group(self, measured: np.ndarray) -> np.ndarray:
@@ -561,6 +636,40 @@ class Balancer:
         aligned = history[len(history) - len(measured) :]  # the window's measured rows
         return aligned[static], measured[static], aligned[balanced], measured[balanced]
 
+    def probe_pairs(
+        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
+    ) -> Probes:
+        """The probe steps since plans with replicas took over, each with its settled
+        neighbours run under them (the rows just before and after it), from `history` and
+        `measured` (defaults: the window and the measured rows): the paired clock test's
+        samples (`guard.Probes`, `guard.paired_clock`). A probe with no such neighbour is left
+        out."""
+        history = np.stack(self.window) if history is None else history
+        if measured is None:
+            measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+        layout = np.array(self.row_layout, dtype=np.int64)
+        settled = np.array(self.row_settled, dtype=bool)
+        aligned = history[len(history) - len(measured) :]
+        off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
+        since = int(off[-1]) + 1 if off.size else 0
+        kept: list[int] = []
+        pairs: list[int] = []
+        pair_of: list[int] = []
+        for i in np.flatnonzero(layout[since:] == PROBE) + since:
+            near = [
+                j
+                for j in (i - 1, i + 1)
+                if since <= j < len(layout) and layout[j] == REPLICAS and settled[j]
+            ]
+            if near:
+                pairs += near
+                pair_of += [len(kept)] * len(near)
+                kept.append(int(i))
+        return Probes(
+            aligned[kept], measured[kept, 1:], aligned[pairs], measured[pairs, 1:],
+            np.array(pair_of, dtype=np.int64),
+        )  # fmt: skip
+
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
         steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
@@ -568,20 +677,22 @@ class Balancer:
         with `check_plans`); every rank notes the step the decision is due."""
         self._due_at = step + self.lag
         measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
-        self._measure_switch(measured)
+        not_probe = np.array(self.row_layout, dtype=np.int64) != PROBE
+        self._measure_switch(measured[not_probe])
         if not self._plans_here:
             return
         history = np.stack(self.window)  # [S, L, D, E], a copy
-        # the newest rows of both, measured under the plan in force (a restored window may
-        # hold older rows that were not measured)
-        n = min(int((measured[:, 0] >= self._plan_since).sum()), FIT_WINDOW)
-        fit_rows = measured[len(measured) - n :]
+        # the newest rows of both, measured under the plan in force, probe steps left out (a
+        # restored window may hold older rows that were not measured)
+        aligned = history[len(history) - len(measured) :]
+        under = np.flatnonzero((measured[:, 0] >= self._plan_since) & not_probe)[-FIT_WINDOW:]
+        fit_rows = measured[under]
         static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
             history, measured
         )
         job = PlanningJob(
             history=history,
-            fit_counts=history[len(history) - n :],
+            fit_counts=aligned[under],
             fit_rows=fit_rows,
             settled=fit_rows[:, 0] > self._plan_since,  # not the step that carried the switch
             static_counts=static_counts,
@@ -602,6 +713,7 @@ class Balancer:
             horizon=self.guard.horizon,
             measured_switch=self.guard.k_switch if self.guard.switches else None,
             guarded=self.guard.enabled,
+            probes=self.probe_pairs(history, measured) if self.probe_every > 0 else None,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 
@@ -734,6 +846,8 @@ class Balancer:
             self._layout = STATIC
         else:
             self._layout = REPLICAS if plan.placement.replicas().any() else OTHER
+        if self._layout != REPLICAS:
+            self._episode_probes = 0
         for state in self.layers:
             if state.has_replicas:
                 state.trans = self._start_trans(state, refresh=True)

@@ -35,7 +35,15 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
-from poise.runtime.guard import Assessment, Verdict, assess, exit_plans, plan_pays, verdict
+from poise.runtime.guard import (
+    Assessment,
+    Probes,
+    Verdict,
+    assess,
+    exit_plans,
+    plan_pays,
+    verdict,
+)
 from poise.runtime.homes import keep_homes
 
 
@@ -103,7 +111,9 @@ class PlanningJob:
     layout last ran (the wall-clock test of `poise.runtime.guard`; T and B may be 0);
     `previous`: the last fit; `measured_switch`: the guard's `k_switch`
     once a switch was measured (None before); `horizon`: steps a plan is expected to serve;
-    `guarded`: the guard is on (the exits are priced only then)."""
+    `guarded`: the guard is on (the exits are priced only then); `probes`: the probe steps
+    and their neighbours for the paired clock test (None: the Balancer does not probe, and the
+    clock compares with the static steps)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -127,6 +137,7 @@ class PlanningJob:
     horizon: int
     measured_switch: float | None
     guarded: bool = True
+    probes: Probes | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,7 @@ def run_job(job: PlanningJob) -> JobResult:
             fitted, job.static, job.current, job.fit_counts[after], rows[after],
             static_counts=job.static_counts, static_measured=job.static_rows[:, 1:],
             balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
+            probes=job.probes,
         )  # fmt: skip
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
     options = with_migration_scale(job.options, k_switch / fit.k_transfer)

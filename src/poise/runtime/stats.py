@@ -83,8 +83,9 @@ class StepStats:
     this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
     `verdict`: the guard's figures on whether the plan in force paid (`guard.Verdict.as_dict`:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
-    `wall_saving_s` per step and its standard error `wall_se_s`), when a plan other than the
-    static layout was judged here."""
+    `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
+    > 0), when a plan other than the static layout was judged here; `probe`: this step was a
+    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`)."""
 
     step: int
     policy: str
@@ -105,6 +106,7 @@ class StepStats:
     measured_period_s: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict)
     verdict: dict[str, Any] = field(default_factory=dict)
+    probe: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_seconds(self, phase: str, s: float) -> None:

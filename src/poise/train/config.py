@@ -18,6 +18,9 @@ by that step's counts, holders shedding some of their own where that levels the 
 (`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the plan's fixed shares;
 `balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
 the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
+`probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
+without its replicas, so that the guard's wall clock compares neighbouring steps
+(`Balancer(probe_every=...)`; 1 is refused);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
 constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 """
@@ -81,6 +84,7 @@ class TrainConfig:
     compression: float | None = None
     split_tokens: bool = True
     balance_guard: bool = True
+    probe_every: int = 5
     self_calibrate: bool = True
     # parallelism
     layout: str | None = None
@@ -186,6 +190,7 @@ def _rules() -> dict[str, _Rule]:
         "compression": _Rule(_NUM, nullable=True, low=0, high=1, low_open=True),
         "split_tokens": _Rule(_BOOL),
         "balance_guard": _Rule(_BOOL),
+        "probe_every": _Rule(_INT, low=0),
         "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),
@@ -282,6 +287,12 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
         parse_predictor(cfg.predictor)
     except ConfigError as exc:
         raise ConfigError(exc.message, source=source, field="predictor") from None
+    if cfg.probe_every == 1:
+        raise ConfigError(
+            "must be 0 (off) or >= 2: a probe step needs neighbours run with the replicas",
+            source=source,
+            field="probe_every",
+        )
 
 
 def load_config(path: str | Path) -> TrainConfig:
