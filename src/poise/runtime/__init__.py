@@ -9,7 +9,8 @@
   `migrate`, their async variants and byte counts);
 - `balancer`: `Balancer`, which records loads, plans and applies plans between steps (with
   `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`,
-  `selfcal`, `planner`: its adoption rule, self-calibration and background thread);
+  `selfcal`, `planner`: its adoption rule, self-calibration and background thread; `records`:
+  the steps it ran, and the samples the guard judges by);
 - `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
   slots cost no optimizer work);
 - `stats`: `StepStats`, what the Balancer records per step;

@@ -102,14 +102,18 @@ from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import PlanningJob, live_plan, run_job
 from poise.runtime.probe import probe_transfer_scale
+from poise.runtime.records import (
+    FIT_WINDOW,
+    N_MEASURED,
+    OTHER,
+    PROBE,
+    REPLICAS,
+    STATIC,
+    StepRecords,
+)
 from poise.runtime.stats import StepStats, layer_loads
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
-FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
-# the layout a measured row ran under (`row_layout`); PROBE: a probe step (the plan's homes
-# without its replicas, `probe_every`)
-STATIC, REPLICAS, OTHER, PROBE = range(4)
-N_MEASURED = len(selfcal.MEASURED)
 
 
 class PlanMismatchError(PoiseError):
@@ -278,13 +282,8 @@ class Balancer:
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
-        self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
-        # per step, aligned with `window`: [step, *selfcal.MEASURED] (`selfcal.across_ranks`)
-        self.measured: deque[np.ndarray] = deque(maxlen=history)
-        # per row of `measured`: the layout it ran under (`STATIC`, `REPLICAS` for a plan with
-        # replicas, `OTHER`) and whether it was settled (not the step that carried a switch)
-        self.row_layout: deque[int] = deque(maxlen=history)
-        self.row_settled: deque[bool] = deque(maxlen=history)
+        # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)
+        self.records = StepRecords(history)
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
         self.switches = 0
@@ -308,6 +307,43 @@ class Balancer:
                 optimizer.register_step_pre_hook(lambda *_: self.reduce_replicas())
             )
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+
+    # ------------------------------------------------------------------ the step record
+    @property
+    def window(self) -> deque[np.ndarray]:
+        """All ranks' counts `[L, D, E]` per step (`StepRecords.window`)."""
+        return self.records.window
+
+    @window.setter
+    def window(self, rows: deque[np.ndarray]) -> None:
+        self.records.window = rows
+
+    @property
+    def measured(self) -> deque[np.ndarray]:
+        """`[step, *selfcal.MEASURED]` per measured step (`StepRecords.measured`)."""
+        return self.records.measured
+
+    @measured.setter
+    def measured(self, rows: deque[np.ndarray]) -> None:
+        self.records.measured = rows
+
+    @property
+    def row_layout(self) -> deque[int]:
+        """The layout each measured step ran under (`StepRecords.layout`)."""
+        return self.records.layout
+
+    @row_layout.setter
+    def row_layout(self, rows: deque[int]) -> None:
+        self.records.layout = rows
+
+    @property
+    def row_settled(self) -> deque[bool]:
+        """Whether each measured step was settled (`StepRecords.settled`)."""
+        return self.records.settled
+
+    @row_settled.setter
+    def row_settled(self, rows: deque[bool]) -> None:
+        self.records.settled = rows
 
     # ----------------------------------------------------------------------------- set-up
     def _slots(self) -> int:
@@ -588,10 +624,12 @@ class Balancer:
         measured = selfcal.across_ranks(table[:, L * E + 1 + L :].astype(np.float64) / 1e9)
         if self.vote_group is not None and D > 1:
             measured = self._max_over_vote_group(measured)
-        self.window.append(np.ascontiguousarray(gathered))
-        self.measured.append(np.concatenate([[self.steps_done], measured]))
-        self.row_layout.append(self._layout)
-        self.row_settled.append(self.steps_done > self._plan_since)
+        self.records.append(
+            np.ascontiguousarray(gathered),
+            np.concatenate([[self.steps_done], measured]),
+            self._layout,
+            self.steps_done > self._plan_since,
+        )
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         running = self._probing if self._probing is not None else self.plan
         planned = layer_loads(running.placement, running.assignment, gathered)
@@ -618,57 +656,14 @@ class Balancer:
     def wall_reference(
         self, history: np.ndarray | None = None, measured: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The guard's wall-clock samples (`guard.verdict`), from `history` (default the window)
-        and `measured` (default the measured rows): `(static_counts[T, L, D, E], static_rows[T,
-        1 + len(MEASURED)], balanced_counts[B, ...], balanced_rows[B, ...])`, the newest
-        `FIT_WINDOW` settled steps run under the static layout, and every settled step run
-        under plans with replicas since the static layout last ran (balancing judged as a
-        whole since it left static, so the sample grows with each plan it adopts)."""
-        history = np.stack(self.window) if history is None else history
-        if measured is None:
-            measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
-        layout = np.array(self.row_layout, dtype=np.int64)
-        settled = np.array(self.row_settled, dtype=bool)
-        static = np.flatnonzero(settled & (layout == STATIC))[-FIT_WINDOW:]
-        ran_static = np.flatnonzero(layout == STATIC)
-        since = int(ran_static[-1]) + 1 if ran_static.size else 0
-        balanced = since + np.flatnonzero(settled[since:] & (layout[since:] == REPLICAS))
-        aligned = history[len(history) - len(measured) :]  # the window's measured rows
-        return aligned[static], measured[static], aligned[balanced], measured[balanced]
+        """`StepRecords.wall_reference` of this run's record."""
+        return self.records.wall_reference(history, measured)
 
     def probe_pairs(
         self, history: np.ndarray | None = None, measured: np.ndarray | None = None
     ) -> Probes:
-        """The probe steps since plans with replicas took over, each with its settled
-        neighbours run under them (the rows just before and after it), from `history` and
-        `measured` (defaults: the window and the measured rows): the paired clock test's
-        samples (`guard.Probes`, `guard.paired_clock`). A probe with no such neighbour is left
-        out."""
-        history = np.stack(self.window) if history is None else history
-        if measured is None:
-            measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
-        layout = np.array(self.row_layout, dtype=np.int64)
-        settled = np.array(self.row_settled, dtype=bool)
-        aligned = history[len(history) - len(measured) :]
-        off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
-        since = int(off[-1]) + 1 if off.size else 0
-        kept: list[int] = []
-        pairs: list[int] = []
-        pair_of: list[int] = []
-        for i in np.flatnonzero(layout[since:] == PROBE) + since:
-            near = [
-                j
-                for j in (i - 1, i + 1)
-                if since <= j < len(layout) and layout[j] == REPLICAS and settled[j]
-            ]
-            if near:
-                pairs += near
-                pair_of += [len(kept)] * len(near)
-                kept.append(int(i))
-        return Probes(
-            aligned[kept], measured[kept, 1:], aligned[pairs], measured[pairs, 1:],
-            np.array(pair_of, dtype=np.int64),
-        )  # fmt: skip
+        """`StepRecords.probe_pairs` of this run's record."""
+        return self.records.probe_pairs(history, measured)
 
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
@@ -676,16 +671,15 @@ class Balancer:
         forecast, plan, price against the plan in force. Only the leader plans (every rank
         with `check_plans`); every rank notes the step the decision is due."""
         self._due_at = step + self.lag
-        measured = np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
-        not_probe = np.array(self.row_layout, dtype=np.int64) != PROBE
-        self._measure_switch(measured[not_probe])
+        measured = self.records.measured_rows()
+        self._measure_switch(measured[self.records.not_probe()])
         if not self._plans_here:
             return
         history = np.stack(self.window)  # [S, L, D, E], a copy
         # the newest rows of both, measured under the plan in force, probe steps left out (a
         # restored window may hold older rows that were not measured)
         aligned = history[len(history) - len(measured) :]
-        under = np.flatnonzero((measured[:, 0] >= self._plan_since) & not_probe)[-FIT_WINDOW:]
+        under = self.records.under_plan(measured, self._plan_since)
         fit_rows = measured[under]
         static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
             history, measured

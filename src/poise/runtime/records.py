@@ -1,0 +1,125 @@
+"""The Balancer's record of the steps it ran: what they routed and measured, and under what.
+
+Per step, aligned (`StepRecords`, each a `deque` of the last `history` steps):
+
+- `window`: all ranks' counts `[L, D, E]` (what the predictor and the policies read; a
+  restored run may hold older rows that were not measured);
+- `measured`: `[1 + len(selfcal.MEASURED)]`: the step's id, then its seconds
+  (`selfcal.across_ranks`);
+- `layout`: the layout the step ran under: `STATIC`, `REPLICAS` (a plan with replicas),
+  `OTHER` (a plan without), `PROBE` (a probe step: the plan's homes without its replicas);
+- `settled`: it was not the step that carried a switch.
+
+From them come the samples the guard judges by (`poise.runtime.guard`): the rows the
+self-calibration fits (`under_plan`), the static and balanced steps of the wall-clock test
+(`wall_reference`), and the probe steps with their neighbours (`probe_pairs`). NumPy only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from poise.runtime import selfcal
+from poise.runtime.guard import Probes
+
+FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
+STATIC, REPLICAS, OTHER, PROBE = range(4)  # the layout a recorded step ran under
+N_MEASURED = len(selfcal.MEASURED)
+
+
+class StepRecords:
+    """The last `history` steps' counts, measured seconds, layouts and settled flags (module
+    docstring)."""
+
+    def __init__(self, history: int) -> None:
+        self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
+        self.measured: deque[np.ndarray] = deque(maxlen=history)
+        self.layout: deque[int] = deque(maxlen=history)
+        self.settled: deque[bool] = deque(maxlen=history)
+
+    def append(self, counts: np.ndarray, row: np.ndarray, layout: int, settled: bool) -> None:
+        self.window.append(counts)
+        self.measured.append(row)
+        self.layout.append(layout)
+        self.settled.append(settled)
+
+    def measured_rows(self) -> np.ndarray:
+        """`[n, 1 + N_MEASURED]` (a copy; empty when nothing was measured)."""
+        return np.stack(self.measured) if self.measured else np.zeros((0, 1 + N_MEASURED))
+
+    def not_probe(self) -> np.ndarray:
+        """`[n]` bool: the measured rows that were not probe steps."""
+        return np.array(self.layout, dtype=np.int64) != PROBE
+
+    def _inputs(
+        self, history: np.ndarray | None, measured: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`(aligned counts, measured, layout, settled)`: the window's rows that were measured."""
+        history = np.stack(self.window) if history is None else history
+        measured = self.measured_rows() if measured is None else measured
+        layout = np.array(self.layout, dtype=np.int64)
+        settled = np.array(self.settled, dtype=bool)
+        return history[len(history) - len(measured) :], measured, layout, settled
+
+    def under_plan(self, measured: np.ndarray, since: int) -> np.ndarray:
+        """Indices of the newest `FIT_WINDOW` measured rows run under the plan in force since
+        step `since`, probe steps left out (they ran another layout)."""
+        return np.flatnonzero((measured[:, 0] >= since) & self.not_probe())[-FIT_WINDOW:]
+
+    def wall_reference(
+        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The guard's wall-clock samples (`guard.verdict`), from `history` (default the window)
+        and `measured` (default the measured rows): `(static_counts[T, L, D, E], static_rows[T,
+        1 + len(MEASURED)], balanced_counts[B, ...], balanced_rows[B, ...])`, the newest
+        `FIT_WINDOW` settled steps run under the static layout, and every settled step run
+        under plans with replicas since the static layout last ran (balancing judged as a
+        whole since it left static, so the sample grows with each plan it adopts)."""
+        aligned, measured, layout, settled = self._inputs(history, measured)
+        static = np.flatnonzero(settled & (layout == STATIC))[-FIT_WINDOW:]
+        ran_static = np.flatnonzero(layout == STATIC)
+        since = int(ran_static[-1]) + 1 if ran_static.size else 0
+        balanced = since + np.flatnonzero(settled[since:] & (layout[since:] == REPLICAS))
+        return aligned[static], measured[static], aligned[balanced], measured[balanced]
+
+    def probe_pairs(
+        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
+    ) -> Probes:
+        """The probe steps since plans with replicas took over, each with its settled
+        neighbours run under them (the rows just before and after it), from `history` and
+        `measured` (defaults: the window and the measured rows): the paired clock test's
+        samples (`guard.Probes`, `guard.paired_clock`). A probe with no such neighbour is left
+        out."""
+        aligned, measured, layout, settled = self._inputs(history, measured)
+        off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
+        since = int(off[-1]) + 1 if off.size else 0
+        kept: list[int] = []
+        pairs: list[int] = []
+        pair_of: list[int] = []
+        for i in np.flatnonzero(layout[since:] == PROBE) + since:
+            near = [
+                j
+                for j in (i - 1, i + 1)
+                if since <= j < len(layout) and layout[j] == REPLICAS and settled[j]
+            ]
+            if near:
+                pairs += near
+                pair_of += [len(kept)] * len(near)
+                kept.append(int(i))
+        return Probes(
+            aligned[kept], measured[kept, 1:], aligned[pairs], measured[pairs, 1:],
+            np.array(pair_of, dtype=np.int64),
+        )  # fmt: skip
+
+
+__all__ = [
+    "FIT_WINDOW",
+    "N_MEASURED",
+    "OTHER",
+    "PROBE",
+    "REPLICAS",
+    "STATIC",
+    "StepRecords",
+]
