@@ -13,8 +13,6 @@ the load is balanced. One-process tests cover the helpers."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 import pytest
 
@@ -514,8 +512,10 @@ def test_one_process_balancer_records_and_plans() -> None:
     # balancing is judged on the steps since static last ran, static on its settled steps
     from poise.runtime.balancer import REPLICAS
 
-    balancer.row_layout = deque([REPLICAS, STATIC, REPLICAS, REPLICAS])
-    balancer.row_settled = deque([True, True, False, True])
+    balancer.row_layout.clear()
+    balancer.row_layout.extend([REPLICAS, STATIC, REPLICAS, REPLICAS])
+    balancer.row_settled.clear()
+    balancer.row_settled.extend([True, True, False, True])
     ref_counts, ref_rows, bal_counts, bal_rows = balancer.wall_reference()
     assert ref_rows[:, 0].tolist() == [1] and bal_rows[:, 0].tolist() == [3]
     assert np.array_equal(bal_counts[0], balancer.window[3])

@@ -284,6 +284,11 @@ class Balancer:
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)
         self.records = StepRecords(history)
+        # its rows, by their names here (the same deques; changed in place, never replaced)
+        self.window = self.records.window  # [L, D, E] per step
+        self.measured = self.records.measured  # [step, *selfcal.MEASURED] per measured step
+        self.row_layout = self.records.layout
+        self.row_settled = self.records.settled
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
         self.switches = 0
@@ -307,43 +312,6 @@ class Balancer:
                 optimizer.register_step_pre_hook(lambda *_: self.reduce_replicas())
             )
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
-
-    # ------------------------------------------------------------------ the step record
-    @property
-    def window(self) -> deque[np.ndarray]:
-        """All ranks' counts `[L, D, E]` per step (`StepRecords.window`)."""
-        return self.records.window
-
-    @window.setter
-    def window(self, rows: deque[np.ndarray]) -> None:
-        self.records.window = rows
-
-    @property
-    def measured(self) -> deque[np.ndarray]:
-        """`[step, *selfcal.MEASURED]` per measured step (`StepRecords.measured`)."""
-        return self.records.measured
-
-    @measured.setter
-    def measured(self, rows: deque[np.ndarray]) -> None:
-        self.records.measured = rows
-
-    @property
-    def row_layout(self) -> deque[int]:
-        """The layout each measured step ran under (`StepRecords.layout`)."""
-        return self.records.layout
-
-    @row_layout.setter
-    def row_layout(self, rows: deque[int]) -> None:
-        self.records.layout = rows
-
-    @property
-    def row_settled(self) -> deque[bool]:
-        """Whether each measured step was settled (`StepRecords.settled`)."""
-        return self.records.settled
-
-    @row_settled.setter
-    def row_settled(self, rows: deque[bool]) -> None:
-        self.records.settled = rows
 
     # ----------------------------------------------------------------------------- set-up
     def _slots(self) -> int:
