@@ -195,10 +195,9 @@ class Assignment:
     def remote(self, held: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` float tokens that leave their source: all of a non-holder's, the shed
         share of a holder's (none without `shed`), for the holder mask `held[L, D, E]`."""
-        counts = np.asarray(counts, dtype=np.float64)
         if self.shed is None:
             return np.where(held, 0.0, counts)
-        return np.where(held, counts * self.shed, counts)
+        return np.where(held, np.asarray(counts, dtype=np.float64) * self.shed, counts)
 
     def _group_sums(self) -> np.ndarray:
         """`[L, E, n_groups]` sum of `group_weights` over each group's devices."""

@@ -102,9 +102,7 @@ class Routing:
     def remote(self, counts: np.ndarray) -> np.ndarray:
         """`[L, D, E]` tokens that leave their source: it holds no copy, or sheds them
         (`Assignment.remote`)."""
-        if self.shed is None:
-            return np.where(self.held, 0.0, counts)
-        return np.where(self.held, np.asarray(counts, dtype=np.float64) * self.shed, counts)
+        return self.assignment.remote(self.held, counts)
 
     def split(self, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """`(global, local)` parts of `remote[L, D, E]` under group-local routing: the tokens
