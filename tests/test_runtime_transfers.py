@@ -65,10 +65,17 @@ def make_case(seed: int, W: int) -> dict:
     }
 
 
-def _rank_cases(rank: int, W: int, seeds: list[int]) -> list[dict]:
+def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> list[dict]:
     import torch
 
     from poise.runtime import transfers as tr
+    from poise.runtime.host_link import HostLink
+
+    link = HostLink.connect() if shared else None
+    assert (link is not None) == shared
+
+    def channel(key: str):
+        return None if link is None else link.channel(key)
 
     out = []
     for seed in seeds:
@@ -79,8 +86,8 @@ def _rank_cases(rank: int, W: int, seeds: list[int]) -> list[dict]:
         # Trans, async, with a second layer's Trans in flight at the same time.
         w = [torch.tensor(x) for x in case["weights"][rank]]
         w2 = [t.clone() * 2 for t in w]
-        p1 = tr.trans_async(w, old_maps, rank)
-        p2 = tr.trans_async(w2, old_maps, rank)
+        p1 = tr.trans_async(w, old_maps, rank, link=channel("trans-1"))
+        p2 = tr.trans_async(w2, old_maps, rank, link=channel("trans-2"))
         p2.wait()
         p1.wait()
         res["trans"] = [t.numpy() for t in w]
@@ -88,10 +95,10 @@ def _rank_cases(rank: int, W: int, seeds: list[int]) -> list[dict]:
         res["trans_bytes"] = (p1.sent_bytes, p1.received_bytes, p1.total_bytes)
         # Agg over two micro-batches, the second accumulated while the first is in flight.
         g = [torch.tensor(x) for x in case["grads"][rank]]
-        a1 = tr.agg_async(g, old_maps, rank)
+        a1 = tr.agg_async(g, old_maps, rank, link=channel("agg"))
         for t, x in zip(g, case["grads2"][rank], strict=True):
             t += torch.tensor(x)
-        a2 = tr.agg_async(g, old_maps, rank)
+        a2 = tr.agg_async(g, old_maps, rank, link=channel("agg"))  # a1 not yet read
         a1.wait()
         a2.wait()
         res["agg"] = [t.numpy() for t in g]
@@ -198,9 +205,13 @@ def _check_migration(rank: int, new_maps, old_homes, results, S: int) -> None:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_trans_agg_migrate_match_the_reference(world_size: int) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["gloo", "shared-memory"])
+def test_trans_agg_migrate_match_the_reference(world_size: int, shared: bool) -> None:
+    """Through gloo's all-to-all, and with Trans and Agg through shared memory (`HostLink`):
+    two Trans in flight on two channels, a second Agg started on the channel of an unread
+    one."""
     seeds = list(range(100 * world_size, 100 * world_size + CASES))
-    results = run_ranks(_rank_cases, world_size, seeds)
+    results = run_ranks(_rank_cases, world_size, seeds, shared)
     for i, seed in enumerate(seeds):
         _check_case(seed, world_size, [results[r][i] for r in range(world_size)])
 

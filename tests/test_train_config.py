@@ -40,6 +40,7 @@ def test_yaml_round_trip(tmp_path):
         ("predictor: magic\n", "predictor", "last, window or ema"),
         ("probe_every: 1\n", "probe_every", "0 (off) or >= 2"),
         ("probe_every: -3\n", "probe_every", ">= 0"),
+        ("host_link: sometimes\n", "host_link", "boolean"),
         ("compression: 0\n", "compression", "> 0"),
         ("compression: 1.5\n", "compression", "<= 1"),
         ("- a list\n", None, "top level must be a mapping"),

@@ -96,6 +96,7 @@ from poise.runtime.guard import (
     homes_alone,
     switch_seconds,
 )
+from poise.runtime.host_link import Channel, HostLink
 from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
 from poise.runtime.leader import leader_outcome, median_period_s
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
@@ -173,7 +174,10 @@ class Balancer:
       neighbours measures what the replicas save on this machine's clock, paired so that the
       machine's drift cancels (`guard.paired_clock`); the guard's clock test then uses them
       instead of the static steps of the run's start. Each probe step forgoes the replicas'
-      saving once.
+      saving once;
+    - `host_link` (default on): where every rank of the group is a CPU process on this host
+      (gloo), Trans and Agg move their rows through shared memory (`poise.runtime.host_link`)
+      instead of gloo's sockets; migration still goes through the group.
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
     `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""
@@ -207,6 +211,7 @@ class Balancer:
         split_tokens: bool = True,
         probe_every: int = 5,
         max_probes: int = 8,
+        host_link: bool = True,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
@@ -281,6 +286,9 @@ class Balancer:
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
+        self.link = (
+            HostLink.connect(self.group) if host_link and on_cpu and self.balancing else None
+        )
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)
         self.records = StepRecords(history)
@@ -425,8 +433,9 @@ class Balancer:
         t0 = time.perf_counter()
         grads = [grad_of(p) for p in state.params]
         pending = tr.agg_async(
-            grads, state.maps, self.rank, group=self.group, routes=state.agg_routes
-        )
+            grads, state.maps, self.rank, group=self.group, routes=state.agg_routes,
+            link=self._channel("agg", state),
+        )  # fmt: skip
         state.aggs.append(pending)
         self._current.agg_bytes += pending.total_bytes
         self._current.add_seconds("transfers", time.perf_counter() - t0)
@@ -824,9 +833,14 @@ class Balancer:
         `refresh`: recompute the layer's shared expert first)."""
         if self.compression is None:
             return tr.trans_async(
-                state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes
-            )
+                state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes,
+                link=self._channel("trans", state),
+            )  # fmt: skip
         return self._compressed_trans(state, state.maps, state.trans_routes, refresh)
+
+    def _channel(self, kind: str, state: LayerState) -> Channel | None:
+        """The layer's shared-memory channel for `kind` (Trans or Agg), None without a link."""
+        return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
 
     def _compressed_trans(
         self, state: LayerState, maps: list[SlotMap], routes: tr.Routes, refresh: bool

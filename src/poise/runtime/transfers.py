@@ -24,6 +24,7 @@ Agg under the backward of earlier layers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from poise.core.errors import PoiseError
 from poise.nn.slots import SlotMap
+from poise.runtime.host_link import Channel
 
 Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]
 """Receives rows: `sink(dst_slots[n], rows)` with one `[n, ...]` tensor per stream tensor."""
@@ -162,7 +164,7 @@ class Stream:
 
 
 def _row_numel(t: torch.Tensor) -> int:
-    return int(np.prod(t.shape[1:], dtype=np.int64))
+    return math.prod(t.shape[1:])
 
 
 @dataclass
@@ -192,8 +194,10 @@ def exchange(
     *,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    link: Channel | None = None,
 ) -> Pending:
-    """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks).
+    """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks),
+    or through shared memory where `link` (a `HostLink` channel of the same ranks) is given.
 
     Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
     time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
@@ -201,7 +205,7 @@ def exchange(
     _check_streams(streams)
     remote = any(s.routes.remote_rows() for s in streams)
     dtype = _buffer_dtype(streams)
-    parts: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(world_size)]
     local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
     recv_numel = [0] * world_size
     sent = received = total = 0
@@ -211,45 +215,82 @@ def exchange(
         for peer in range(world_size):
             out = r.between(rank, peer)
             if out.size:
-                rows = [_take(t, r.src_slot[out]) for t in stream.sources]
                 if peer == rank:
+                    rows = [_take(t, r.src_slot[out]) for t in stream.sources]
                     local.append((stream, _index(r.dst_slot[out], rows[0]), rows))
                 else:
-                    parts[peer].extend(x.reshape(-1).to(dtype) for x in rows)
+                    idx = _index(r.src_slot[out], stream.sources[0])
+                    parts[peer].extend((t.detach(), idx) for t in stream.sources)
                     sent += stream.row_bytes() * out.size
             if peer != rank:
                 n_in = r.between(peer, rank).size
                 recv_numel[peer] += n_in * stream.row_numel()
                 received += stream.row_bytes() * n_in
 
-    def place(recv: torch.Tensor | None) -> None:
-        offsets = np.concatenate([[0], np.cumsum(recv_numel)])
+    def place(chunks: Sequence[torch.Tensor | None]) -> None:
+        """Run the sinks: `chunks[peer]` what `peer` sent this rank (flat), in rank order."""
         for peer in range(world_size):
             if peer == rank:
                 for stream, dst, rows in local:
                     stream.sink(dst, rows)
-                continue
-            if recv is None or recv_numel[peer] == 0:
-                continue
-            _unpack(streams, recv[offsets[peer] : offsets[peer + 1]], peer, rank)
+            elif chunks[peer] is not None:
+                _unpack(streams, chunks[peer], peer, rank)
 
     if not remote:
-        return Pending(0, 0, 0, lambda: place(None))
+        return Pending(0, 0, 0, lambda: place([None] * world_size))
+    if link is not None:
+        turn = link.start(
+            pair_numel(streams, world_size), lambda dst, out: gather_rows(parts[dst], out), dtype
+        )
+        return Pending(sent, received, total, lambda: place(turn.wait()))
     device = streams[0].sources[0].device
-    send_numel = [sum(int(x.numel()) for x in p) for p in parts]
-    flat = [x for p in parts for x in p]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    send_numel = [sum(_row_numel(t) * len(i) for t, i in p) for p in parts]
+    send = torch.empty(sum(send_numel), dtype=dtype, device=device)
+    starts = np.concatenate([[0], np.cumsum(send_numel)])
+    for peer, items in enumerate(parts):
+        if items:
+            gather_rows(items, send[starts[peer] : starts[peer + 1]])
     recv = torch.empty(sum(recv_numel), dtype=dtype, device=device)
     work = dist.all_to_all_single(
         recv, send, recv_numel, send_numel, group=group, async_op=async_op
     )
+    offsets = np.concatenate([[0], np.cumsum(recv_numel)])
+    chunks = [
+        recv[offsets[p] : offsets[p + 1]] if p != rank and recv_numel[p] else None
+        for p in range(world_size)
+    ]
 
     def finish() -> None:
         if work is not None:
             work.wait()
-        place(recv)
+        place(chunks)
 
     return Pending(sent, received, total, finish)
+
+
+def gather_rows(items: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+    """Write the rows `index` of each `(tensor [S, ...], index [n])` one after another into the
+    flat `out` (as many elements as those rows hold): one copy, no staging buffer."""
+    at = 0
+    for t, index in items:
+        n = len(index) * _row_numel(t)
+        dst = out[at : at + n].view(len(index), *t.shape[1:])
+        if dst.dtype == t.dtype:
+            torch.index_select(t, 0, index, out=dst)
+        else:
+            dst.copy_(t.index_select(0, index))
+        at += n
+
+
+def pair_numel(streams: Sequence[Stream], world_size: int) -> np.ndarray:
+    """`[W, W]` elements every rank sends every other (zero on the diagonal), from the routes
+    alone: the same on every rank."""
+    numel = np.zeros((world_size, world_size), dtype=np.int64)
+    for stream in streams:
+        r = stream.routes
+        np.add.at(numel, (r.src_rank, r.dst_rank), stream.row_numel())
+    np.fill_diagonal(numel, 0)
+    return numel
 
 
 def _unpack(streams: Sequence[Stream], chunk: torch.Tensor, src: int, rank: int) -> None:
@@ -303,10 +344,11 @@ def trans_async(
     *,
     group: dist.ProcessGroup | None = None,
     routes: Routes | None = None,
+    link: Channel | None = None,
 ) -> Pending:
     """Start Trans: every replica slot of `params` (each `[S, ...]`) receives its home's rows.
     The replica rows are written at `wait()`. `routes` (from `trans_routes(maps)`) may be passed
-    to skip recomputing them each step."""
+    to skip recomputing them each step; `link`: through shared memory (`exchange`)."""
     routes = routes if routes is not None else trans_routes(maps)
     targets = list(params)
 
@@ -316,7 +358,7 @@ def trans_async(
                 t.index_copy_(0, dst, x)
 
     stream = Stream(routes, targets, sink)
-    return exchange([stream], rank, len(maps), group=group, async_op=True)
+    return exchange([stream], rank, len(maps), group=group, async_op=True, link=link)
 
 
 def trans(
@@ -340,12 +382,14 @@ def agg_async(
     *,
     group: dist.ProcessGroup | None = None,
     routes: Routes | None = None,
+    link: Channel | None = None,
 ) -> Pending:
     """Start Agg on gradients `grads` (each `[S, ...]`, same layout as the parameters).
 
     Replica rows are packed and zeroed now, so gradients accumulated into them after this call
     (a further micro-batch) are not lost; at `wait()` each home row gains its replicas' rows,
-    in ascending rank of the sender. `routes` defaults to `agg_routes(maps)`."""
+    in ascending rank of the sender. `routes` defaults to `agg_routes(maps)`; `link`: through
+    shared memory (`exchange`)."""
     routes = routes if routes is not None else agg_routes(maps)
     targets = list(grads)
 
@@ -354,7 +398,9 @@ def agg_async(
             for t, x in zip(targets, rows, strict=True):
                 t.index_add_(0, dst, x)
 
-    pending = exchange([Stream(routes, targets, sink)], rank, len(maps), group=group, async_op=True)
+    pending = exchange(
+        [Stream(routes, targets, sink)], rank, len(maps), group=group, async_op=True, link=link
+    )
     mine = routes.src_slot[routes.src_rank == rank]
     if mine.size:
         with torch.no_grad():

@@ -222,6 +222,7 @@ class _Trainer:
             vote_group=dist.group.WORLD if self.groups is not None else None,
             guard=cfg.balance_guard,
             probe_every=cfg.probe_every,
+            host_link=cfg.host_link,
             calibrate=cfg.self_calibrate,
             compression=cfg.compression,
             split_tokens=cfg.split_tokens,

@@ -1,0 +1,233 @@
+"""Expert rows between the ranks of one host through shared memory, not the process group.
+
+Gloo moves every byte through TCP sockets, even between two processes of one machine: on a
+2-core host one layer's Trans or Agg of a 1.6 MB expert took 3.2 ms through `exchange`'s
+`all_to_all_single` (launch and wait) where copying the rows takes 0.1-0.2 ms
+(`benchmarks/host_link.py`). NCCL moves the rows of ranks on one node through shared memory or
+NVLink peer access for the same reason; this is that path for CPU ranks on gloo.
+
+    link = HostLink.connect(group)             # collective; None where the ranks span hosts
+    channel = link.channel("trans-3")           # one per call site (a layer's Trans, its Agg)
+    sent = channel.start(numel, write, dtype)   # numel [W, W] elements between every two ranks
+    received = sent.wait()                      # [W] views of what each rank sent this one
+
+Each rank owns one shared-memory region per channel (a file under `/dev/shm`, mapped by every
+rank of the group, unlinked once mapped: nothing is left behind), cut in two halves used by
+turns. `start` writes this rank's outgoing rows into its half of the turn, `numel[src, dst]`
+elements for each destination at offsets every rank computes from `numel` alone (each
+destination's segment aligned to 64 bytes), then launches a one-element all-reduce on the group
+as the barrier; `wait` waits for it and returns views into the senders' halves (no copy: the
+caller's sinks read them).
+
+Why two halves are enough: a rank writes turn `n + 2` into the half of turn `n` only after the
+barrier of turn `n + 1`, which every rank reaches by starting turn `n + 1`; and a rank starts a
+turn only once it has read the one before (`wait`), or copied it out (`start` does, for a turn
+still unread), so every rank is done with turn `n` by then. The barrier's collective is also
+what orders the writes before the reads (a socket round trip on every rank in between). A
+region grows when a turn needs more than it holds (collective: every rank computes the same
+`numel`, so all grow at the same turn), to the next power of two; it never shrinks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ALIGN = 64  # bytes: each destination's segment starts on a cache line
+
+Writer = Callable[[int, torch.Tensor], None]
+"""`write(dst, out)`: fill the flat `out` with the rows for rank `dst`."""
+
+
+def shm_dir() -> Path:
+    """Where the regions' files live: `/dev/shm` (memory) where it exists, else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def _map(path: Path, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map `size` bytes of the file at `path` (created and sized when `create`) as a uint8
+    tensor that shares the mapping."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def segment_offsets(numel: np.ndarray, itemsize: int) -> np.ndarray:
+    """`[W, W]` byte offsets: where, in sender s's half, the segment for destination d starts
+    (`numel[s, :d]` elements before it, each segment rounded up to `ALIGN` bytes)."""
+    size = -(-np.asarray(numel, dtype=np.int64) * itemsize // ALIGN) * ALIGN
+    return np.concatenate([np.zeros((size.shape[0], 1), np.int64), np.cumsum(size, 1)[:, :-1]], 1)
+
+
+def half_bytes(numel: np.ndarray, itemsize: int) -> int:
+    """The bytes the largest sender's half needs for `numel [W, W]`."""
+    size = -(-np.asarray(numel, dtype=np.int64) * itemsize // ALIGN) * ALIGN
+    return int(size.sum(axis=1).max()) if size.size else 0
+
+
+@dataclass
+class HostTransfer:
+    """One turn in flight: `wait()` returns, per source rank, a view of the elements it sent
+    this rank (`None` for itself and for ranks that sent nothing)."""
+
+    work: dist.Work | None
+    views: list[torch.Tensor | None]
+    read: bool = False  # the caller has had the views (and reads them at once)
+
+    def wait(self) -> list[torch.Tensor | None]:
+        self._barrier()
+        self.read = True
+        return self.views
+
+    def keep(self) -> None:
+        """Copy the views out of the senders' regions (a turn started before this one is
+        read): the regions' half is then free for the turn after next."""
+        self._barrier()
+        self.views = [None if v is None else v.clone() for v in self.views]
+
+    def _barrier(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+@dataclass
+class Channel:
+    """One call site's regions (module docstring). Every rank of the link must use its
+    channels in the same order (they issue collectives on the group)."""
+
+    link: HostLink
+    key: str
+    half: int = 0  # bytes per half
+    turns: int = 0
+    mine: torch.Tensor | None = None
+    peers: list[torch.Tensor] = field(default_factory=list)  # [W] each rank's region
+    _maps: list[mmap.mmap] = field(default_factory=list)
+    _last: HostTransfer | None = None
+
+    def start(self, numel: np.ndarray, write: Writer, dtype: torch.dtype) -> HostTransfer:
+        """Write this rank's rows for every destination d (`write(d, out)` fills the flat
+        `out` of `numel[rank, d]` elements of `dtype`) and launch the turn's barrier.
+        `numel [W, W]` must be the same on every rank."""
+        if self._last is not None and not self._last.read:
+            self._last.keep()  # every turn is read before the next starts (two halves suffice)
+        link, rank = self.link, self.link.rank
+        numel = np.asarray(numel, dtype=np.int64)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = half_bytes(numel, itemsize)
+        if need > self.half:
+            self._grow(need)
+        base = (self.turns % 2) * self.half
+        self.turns += 1
+        offsets = segment_offsets(numel, itemsize)
+        assert self.mine is not None
+        for dst in range(link.world):
+            n = int(numel[rank, dst])
+            if dst == rank or n == 0:
+                continue
+            at = base + int(offsets[rank, dst])
+            write(dst, self.mine[at : at + n * itemsize].view(dtype))
+        work = dist.all_reduce(link.flag, group=link.group, async_op=True)
+        views: list[torch.Tensor | None] = []
+        for src in range(link.world):
+            n = int(numel[src, rank])
+            if src == rank or n == 0:
+                views.append(None)
+                continue
+            at = base + int(offsets[src, rank])
+            views.append(self.peers[src][at : at + n * itemsize].view(dtype))
+        self._last = HostTransfer(work, views)
+        return self._last
+
+    def _grow(self, need: int) -> None:
+        """Replace this channel's regions by ones of `2 * half` bytes, `half` the next power of
+        two >= `need` (collective)."""
+        link = self.link
+        half = 1 << max(12, (need - 1).bit_length())
+        name = f"{link.prefix}-{self.key}-{half}"
+        path = shm_dir() / f"{name}-{link.rank}"
+        mm, mine = _map(path, 2 * half, create=True)
+        try:
+            dist.barrier(group=link.group)  # every rank's file exists
+            maps, peers = [], []
+            for r in range(link.world):
+                if r == link.rank:
+                    maps.append(mm)
+                    peers.append(mine)
+                else:
+                    m, t = _map(shm_dir() / f"{name}-{r}", 2 * half, create=False)
+                    maps.append(m)
+                    peers.append(t)
+            dist.barrier(group=link.group)  # every rank has mapped every file
+        finally:
+            path.unlink(missing_ok=True)
+        self.half, self.mine, self.peers, self._maps = half, mine, peers, maps
+
+
+class HostLink:
+    """Shared-memory channels among the ranks of `group` (module docstring); make it with
+    `connect`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int, prefix: str):
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.prefix = prefix
+        self.flag = torch.zeros(1)
+        self.channels: dict[str, Channel] = {}
+
+    @classmethod
+    def connect(cls, group: dist.ProcessGroup | None = None) -> HostLink | None:
+        """Collective over `group`: a link when every rank of it maps the same shared memory as
+        its rank 0 (checked by reading a file rank 0 writes, not by host names, which
+        containers repeat), else None. Only for gloo groups of CPU tensors."""
+        if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+            return None
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if world < 2:
+            return None
+        token = torch.zeros(2, dtype=torch.int64)
+        if rank == 0:
+            token[0] = secrets.randbits(62)
+        root = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(token, src=root, group=group)
+        prefix = f"poise-{int(token[0]):016x}"
+        probe = shm_dir() / f"{prefix}-probe"
+        if rank == 0:
+            probe.write_text(prefix)
+        dist.barrier(group=group)
+        try:
+            ok = probe.read_text() == prefix
+        except OSError:
+            ok = False
+        seen = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+        if rank == 0:
+            probe.unlink(missing_ok=True)
+        return cls(group, rank, world, prefix) if int(seen) == 1 else None
+
+    def channel(self, key: str) -> Channel:
+        """The channel named `key` (letters, digits, `-`), made on first use."""
+        if key not in self.channels:
+            if not key.replace("-", "").isalnum():
+                raise ValueError(f"channel keys are letters, digits and '-', got {key!r}")
+            self.channels[key] = Channel(self, key)
+        return self.channels[key]
+
+
+__all__ = ["ALIGN", "Channel", "HostLink", "HostTransfer", "half_bytes", "segment_offsets"]
