@@ -1331,6 +1331,47 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     assert v.wall_saving_s is None and v.probes == 0
 
 
+def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
+    """`clock_settled` by hand: no verdict, fewer than `MIN_PROBES` probes, a saving within
+    `CLOCK_Z` standard errors: not settled; beyond them, either way: settled. A Balancer under
+    replicas probes on its cadence until a shared verdict settles the clock, then no more in
+    that episode; a layout without replicas starts a new episode."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import OTHER, REPLICAS, Balancer
+    from poise.runtime.guard import CLOCK_Z, MIN_PROBES, Verdict, clock_settled
+    from poise.runtime.plan_inputs import default_cluster
+
+    def v(saving: float | None, se: float, probes: int = MIN_PROBES) -> Verdict:
+        return Verdict(1.0, 0.5, 10, wall_saving_s=saving, wall_se_s=se, probes=probes)
+
+    assert not clock_settled(None)
+    assert not clock_settled(v(None, 0.0))
+    assert not clock_settled(v(10e-3, 1e-3, probes=MIN_PROBES - 1))
+    assert not clock_settled(v(CLOCK_Z * 1e-3 - 1e-6, 1e-3))  # just inside two SE
+    assert clock_settled(v(CLOCK_Z * 1e-3 + 1e-6, 1e-3))
+    assert clock_settled(v(-(CLOCK_Z * 1e-3 + 1e-6), 1e-3))  # conclusive the other way too
+
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", cluster=default_cluster(1), probe_every=5)
+    balancer._layout, balancer._plan_since = REPLICAS, 0  # as if a plan with replicas ran
+    assert [s for s in range(2, 20) if balancer._probe_due(s)] == [2, 7, 12, 17]
+    balancer.note_verdict(v(1e-3, 1e-3))  # inconclusive: probing goes on
+    assert balancer._probe_due(7)
+    balancer.note_verdict(v(5e-3, 1e-3))
+    assert not any(balancer._probe_due(s) for s in range(2, 20))
+    balancer.note_verdict(None)  # a later verdict without probes does not undo it
+    assert not balancer._probe_due(7)
+    balancer.apply(balancer.static_plan, balancer._current)  # the episode ends
+    assert balancer._layout != REPLICAS and balancer._layout != OTHER
+    balancer._layout = REPLICAS  # and a new one begins
+    assert balancer._probe_due(7)
+    balancer.close()
+
+
 def test_probe_pairs_take_settled_neighbours_under_replicas_since_replicas_took_over() -> None:
     """`Balancer.probe_pairs` on a hand-made record (rows 0-5): static, the switch's row
     (replicas, unsettled), a probe, replicas, replicas, a probe. Probe 2 pairs with row 3 only

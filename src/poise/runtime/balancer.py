@@ -93,6 +93,8 @@ from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcom
 from poise.runtime.guard import (
     Probes,
     SwitchGuard,
+    Verdict,
+    clock_settled,
     homes_alone,
     switch_seconds,
 )
@@ -170,7 +172,8 @@ class Balancer:
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
-      `max_probes` such steps since plans with replicas took over. Each probe step against its
+      `max_probes` such steps since plans with replicas took over, and none once the clock is
+      conclusive on them (`guard.clock_settled`). Each probe step against its
       neighbours measures what the replicas save on this machine's clock, paired so that the
       machine's drift cancels (`guard.paired_clock`); the guard's clock test then uses them
       instead of the static steps of the run's start. Each probe step forgoes the replicas'
@@ -280,6 +283,7 @@ class Balancer:
         self._probing: Plan | None = None  # the probe step now running: its homes-only plan
         self._maps_before_probe: list[list[SlotMap]] = []
         self._episode_probes = 0  # probe steps since plans with replicas took over
+        self._clock_settled = False  # the episode's paired clock has spoken (`clock_settled`)
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
         if self._plans_here and self.balancing:
             self.planner.start()  # the worker starts up while the first steps run
@@ -509,12 +513,19 @@ class Balancer:
         return stats
 
     # ------------------------------------------------------------------------ probe steps
+    def note_verdict(self, verdict: Verdict | None) -> None:
+        """A verdict shared by the leader (every rank gets the same): once one is conclusive on
+        the episode's probes (`guard.clock_settled`), no more probe steps until plans with
+        replicas take over again."""
+        self._clock_settled = self._clock_settled or clock_settled(verdict)
+
     def _probe_due(self, step: int) -> bool:
         """Whether the step after boundary `step` is a probe step: probing is on, a plan with
         replicas is in force and has run a settled step, the step falls on the cadence
         (`step % probe_every == probe_every // 2`, away from the re-plan boundaries when
-        `probe_every` divides `replan_every`), and fewer than `max_probes` probes were taken
-        since plans with replicas took over. The same on every rank."""
+        `probe_every` divides `replan_every`), fewer than `max_probes` probes were taken since
+        plans with replicas took over, and no verdict shared since then was conclusive on them
+        (`guard.clock_settled`). The same on every rank."""
         return (
             self.balancing
             and self.probe_every > 0
@@ -522,6 +533,7 @@ class Balancer:
             and step - self._plan_since >= 2
             and step % self.probe_every == self.probe_every // 2
             and self._episode_probes < self.max_probes
+            and not self._clock_settled
         )
 
     def _begin_probe(self) -> None:
@@ -723,6 +735,7 @@ class Balancer:
         stats.predicted_step_s = outcome.predicted_step_s
         stats.decision = outcome.decision
         stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}
+        self.note_verdict(outcome.verdict)
         if outcome.decision == "fallback":
             self.guard.fell_back()
             self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
@@ -819,6 +832,7 @@ class Balancer:
             self._layout = REPLICAS if plan.placement.replicas().any() else OTHER
         if self._layout != REPLICAS:
             self._episode_probes = 0
+            self._clock_settled = False
         for state in self.layers:
             if state.has_replicas:
                 state.trans = self._start_trans(state, refresh=True)

@@ -88,7 +88,9 @@ stays); otherwise the model's (1) does.
    alone. On the same static runs, probes every 5 or 10 steps in groups of 5 gave 2-5% beyond
    the 95% t critical value (t with 4 degrees of freedom, 2.78): nominal. With probing on,
    the clock speaks only from at least `MIN_PROBES` probes (before that the model's test
-   decides), and the static steps are not used.
+   decides), and the static steps are not used. Each probe forgoes the replicas' saving once,
+   so once a shared verdict is conclusive (`clock_settled`) the Balancer stops probing until
+   plans with replicas take over again.
 
 When the plan does not pay, it gives way (`SwitchGuard.exit_choice`) to whichever of the
 fresh candidate and the exits (`exit_plans`: the plan's homes without its replicas, when it
@@ -381,6 +383,18 @@ def clock_says_slower(v: Verdict | None) -> bool:
         v is not None
         and v.wall_saving_s is not None
         and v.wall_saving_s + CLOCK_Z * v.wall_se_s < 0
+    )
+
+
+def clock_settled(v: Verdict | None) -> bool:
+    """The paired clock has spoken: at least `MIN_PROBES` probe steps and a saving beyond
+    `CLOCK_Z` standard errors either way. More probes in the episode would only confirm it at
+    the price of the replicas' saving on each, so the Balancer stops probing there."""
+    return (
+        v is not None
+        and v.probes >= MIN_PROBES
+        and v.wall_saving_s is not None
+        and abs(v.wall_saving_s) > CLOCK_Z * v.wall_se_s
     )
 
 
