@@ -22,7 +22,12 @@ machine noise hits all alike:
 
 - `static`: plain static EP (no Balancer);
 - `balanced`: the same model under `Balancer(policy, replan_every)`, default `auto` every 5 steps,
-  priced on the `cpu-2` modelled cluster; its time includes Trans, Agg, planning and migration;
+  priced on the `cpu-2` modelled cluster; its time includes Trans, Agg, planning and migration.
+  The guard's probe steps (`Balancer(probe_every=)`, steps run without the replicas to time
+  them) are off by default (`--probe-every 0`): the paired clock needs 4 of them, more than a
+  10-step window holds, and each would be a tenth of the window, where a training run takes at
+  most 8 per episode of hundreds of steps (`train_speedup` times them in whole runs).
+  `probe_steps` counts those among the timed steps;
 - `ideal`: static EP on uniform routing (every rank computes exactly the mean load, and there
   is nothing to transfer): perfectly balanced compute at no transfer cost.
 
@@ -90,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spare-slots", type=int, default=2)
     p.add_argument("--policy", default="auto")
     p.add_argument("--replan-every", type=int, default=5)
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=0,
+        help="the guard's probe steps (default 0: off; the module docstring says why)",
+    )
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (the first plan included)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--world", type=int, default=2)
@@ -303,7 +314,13 @@ class _Runner:
         self.model = _model(args, trace, rank)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.balancer = (
-            Balancer(self.model, self.opt, policy, replan_every=args.replan_every)
+            Balancer(
+                self.model,
+                self.opt,
+                policy,
+                replan_every=args.replan_every,
+                probe_every=args.probe_every,
+            )
             if policy
             else None
         )
@@ -375,6 +392,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
         },
         "replicas": int(balancer.plan.placement.replicas().sum()),
         "moved_homes": int(sum(s.moved_homes for s in balancer.stats)),
+        "probe_steps": int(sum(s.probe for s in stats)),
     }
     return out
 
@@ -410,6 +428,7 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "max_over_mean_balanced": round(st["max_over_mean"], 3),
         "replicas": st["replicas"],
         "moved_homes": st["moved_homes"],
+        "probe_steps": st["probe_steps"],
         "transfer_bytes_per_step": round(st["bytes_per_step"]),
         "balanced_ms_by_phase": {k: round(v * 1e3, 2) for k, v in st["seconds"].items()},
         # Other processes on this machine take CPU from the ranks and hide their imbalance.
