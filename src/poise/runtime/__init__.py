@@ -6,11 +6,14 @@
 
 - `launch`: `run_ranks(fn, world_size, *args)` on spawned gloo ranks (tests, benchmarks);
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
-  `migrate`, their async variants and byte counts);
+  `migrate`, their async variants and byte counts); `host_link`: `HostLink`, shared-memory
+  channels for them between the CPU ranks of one host;
 - `balancer`: `Balancer`, which records loads, plans and applies plans between steps (with
   `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`,
   `selfcal`, `planner`: its adoption rule, self-calibration and background thread; `records`:
-  the steps it ran, and the samples the guard judges by);
+  the steps it ran, and the samples the guard judges by; `layer_moves`: routing, Trans, Agg
+  and migration on its layers under the plan in force; `probe_steps`: the guard's probe
+  steps);
 - `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
   slots cost no optimizer work);
 - `stats`: `StepStats`, what the Balancer records per step;
@@ -39,6 +42,7 @@ _EXPORTS = {
     "Pending": "transfers",
     "Routes": "transfers",
     "TransferError": "transfers",
+    "HostLink": "host_link",
     "agg": "transfers",
     "agg_async": "transfers",
     "migrate": "transfers",

@@ -83,28 +83,27 @@ from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
 from poise.nn.moe import find_moe_layers, nonfinite_error
-from poise.nn.slots import SlotMap, slot_maps
+from poise.nn.slots import slot_maps
 from poise.plan.policies.registry import get_policy
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
-from poise.runtime import transfers as tr
 from poise.runtime.compress import Compression
 from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
 from poise.runtime.guard import (
     Probes,
     SwitchGuard,
     Verdict,
-    clock_settled,
-    homes_alone,
     switch_seconds,
 )
-from poise.runtime.host_link import Channel, HostLink
-from poise.runtime.layer_state import LayerState, expert_params, grad_of, same_homes
+from poise.runtime.host_link import HostLink
+from poise.runtime.layer_moves import LayerMoves
+from poise.runtime.layer_state import LayerState, expert_params
 from poise.runtime.leader import leader_outcome, median_period_s
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import PlanningJob, live_plan, run_job
 from poise.runtime.probe import probe_transfer_scale
+from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
     FIT_WINDOW,
     N_MEASURED,
@@ -278,12 +277,9 @@ class Balancer:
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
-        self.probe_every = int(probe_every) if guard else 0  # probe steps serve the guard
-        self.max_probes = int(max_probes)
-        self._probing: Plan | None = None  # the probe step now running: its homes-only plan
-        self._maps_before_probe: list[list[SlotMap]] = []
-        self._episode_probes = 0  # probe steps since plans with replicas took over
-        self._clock_settled = False  # the episode's paired clock has spoken (`clock_settled`)
+        # probe steps serve the guard (`poise.runtime.probe_steps`)
+        self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
+        self.probe_every, self.max_probes = self.probes.every, self.probes.max_probes
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
         if self._plans_here and self.balancing:
             self.planner.start()  # the worker starts up while the first steps run
@@ -293,7 +289,11 @@ class Balancer:
         self.link = (
             HostLink.connect(self.group) if host_link and on_cpu and self.balancing else None
         )
-        self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
+        # routing, Trans, Agg and migration on the layers (`poise.runtime.layer_moves`)
+        self.moves = LayerMoves(
+            self.layers, self.rank, self.slots, optimizer, self.group,
+            link=self.link, compression=self.compression, overlap=overlap,
+        )  # fmt: skip
         # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)
         self.records = StepRecords(history)
         # its rows, by their names here (the same deques; changed in place, never replaced)
@@ -314,10 +314,10 @@ class Balancer:
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
         self._handles: list[Any] = []
-        self._apply_routing(self.plan)
+        self.moves.route(self.plan)
         for state in self.layers:  # replicas of the initial routing start from their homes
             if state.has_replicas:
-                self._start_trans(state, refresh=True).wait()
+                self.moves.start_trans(state, refresh=True).wait()
         self._register_layer_hooks()
         if hooks:
             self._handles.append(
@@ -383,7 +383,9 @@ class Balancer:
             if not self.overlap:
                 continue
             self._handles.append(
-                state.layer.register_forward_pre_hook(lambda m, a, s=state: self._wait(s))
+                state.layer.register_forward_pre_hook(
+                    lambda m, a, s=state: self.moves.wait(s, self._current)
+                )
             )
             for i, p in enumerate(state.params):
                 self._handles.append(
@@ -395,8 +397,7 @@ class Balancer:
     def close(self) -> None:
         """Finish transfers in flight, drop a plan in flight and remove every hook the Balancer
         registered."""
-        for state in self.layers:
-            self._wait(state)
+        self.moves.wait_all(self._current)
         self.planner.close()
         for h in self._handles:
             h.remove()
@@ -416,14 +417,6 @@ class Balancer:
             if phase in LAYER_PHASES:
                 self._current.add_seconds(phase, float(seconds))
 
-    def _wait(self, state: LayerState) -> None:
-        """Layer pre-hook: the layer's Trans must have landed before it runs."""
-        if state.trans is not None:
-            t0 = time.perf_counter()
-            state.trans.wait()
-            state.trans = None
-            self._current.add_seconds("transfers", time.perf_counter() - t0)
-
     def _grad_ready(self, state: LayerState, index: int) -> None:
         """Gradient hook: once all of a layer's expert tensors have their gradient from this
         backward, launch its Agg."""
@@ -431,18 +424,7 @@ class Balancer:
         if len(state.grads_ready) < len(state.params) or not state.has_replicas:
             return
         state.grads_ready.clear()
-        self._launch_agg(state)
-
-    def _launch_agg(self, state: LayerState) -> None:
-        t0 = time.perf_counter()
-        grads = [grad_of(p) for p in state.params]
-        pending = tr.agg_async(
-            grads, state.maps, self.rank, group=self.group, routes=state.agg_routes,
-            link=self._channel("agg", state),
-        )  # fmt: skip
-        state.aggs.append(pending)
-        self._current.agg_bytes += pending.total_bytes
-        self._current.add_seconds("transfers", time.perf_counter() - t0)
+        self.moves.launch_agg(state, self._current)
 
     # ---------------------------------------------------------------------- step boundary
     def reduce_replicas(self) -> None:
@@ -453,17 +435,7 @@ class Balancer:
         if self._prepared:
             return
         t_start = time.perf_counter()
-        for state in self.layers:
-            for p in state.params:
-                if p.grad is None:  # every rank steps every tensor: keep AdamW's state in step
-                    p.grad = torch.zeros_like(p)
-            if state.has_replicas and not state.aggs:
-                self._launch_agg(state)
-            for pending in state.aggs:
-                pending.wait()
-            state.aggs.clear()
-            state.grads_ready.clear()
-        self._current.add_seconds("transfers", time.perf_counter() - t_start)
+        self.moves.finish_aggs(self._current)
         period = 0.0 if self._t_reduce is None else t_start - self._t_reduce
         self._t_reduce = t_start
         self._gather(period)
@@ -479,7 +451,7 @@ class Balancer:
         self.steps_done += 1
         s = self.steps_done
         stats = self._current
-        if self._probing is not None:
+        if self.probes.probing is not None:
             self._end_probe()
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
         if (
@@ -494,21 +466,12 @@ class Balancer:
         if not switched and self._probe_due(s):
             self._begin_probe()
         if not switched:
-            t1 = time.perf_counter()
-            for state in self.layers:
-                self._wait(state)
-                if state.has_replicas:
-                    state.trans = self._start_trans(state)
-                    stats.trans_bytes += state.trans.total_bytes
-            if not self.overlap:
-                for state in self.layers:
-                    self._wait(state)
-            stats.add_seconds("transfers", time.perf_counter() - t1)
+            self.moves.launch_trans(stats)
         self._boundary_s = time.perf_counter() - t0
         stats.add_seconds("boundary", self._boundary_s)
         self.stats.append(stats)
         self._current = StepStats(step=self.steps_done, policy=self.policy)
-        self._current.probe = self._probing is not None
+        self._current.probe = self.probes.probing is not None
         self._prepared = False
         return stats
 
@@ -517,51 +480,22 @@ class Balancer:
         """A verdict shared by the leader (every rank gets the same): once one is conclusive on
         the episode's probes (`guard.clock_settled`), no more probe steps until plans with
         replicas take over again."""
-        self._clock_settled = self._clock_settled or clock_settled(verdict)
+        self.probes.note_verdict(verdict)
 
     def _probe_due(self, step: int) -> bool:
-        """Whether the step after boundary `step` is a probe step: probing is on, a plan with
-        replicas is in force and has run a settled step, the step falls on the cadence
-        (`step % probe_every == probe_every // 2`, away from the re-plan boundaries when
-        `probe_every` divides `replan_every`), fewer than `max_probes` probes were taken since
-        plans with replicas took over, and no verdict shared since then was conclusive on them
-        (`guard.clock_settled`). The same on every rank."""
-        return (
-            self.balancing
-            and self.probe_every > 0
-            and self._layout == REPLICAS
-            and step - self._plan_since >= 2
-            and step % self.probe_every == self.probe_every // 2
-            and self._episode_probes < self.max_probes
-            and not self._clock_settled
-        )
+        """Whether the step after boundary `step` is a probe step (`ProbeSteps.due`: a plan
+        with replicas in force, on the cadence; only while balancing). The same on every
+        rank."""
+        return self.balancing and self.probes.due(step, self._layout == REPLICAS, self._plan_since)
 
     def _begin_probe(self) -> None:
-        """Run the next step on the plan's homes without its replicas (`guard.homes_alone`): the
-        homes keep their slots, the replica slots idle, no Trans before it and no Agg in it.
-        Nothing moves: the mathematics is the plan's (every token still meets its expert's
-        current weights, at its home)."""
-        probe = homes_alone(self.plan, self.spec())
-        maps = [
-            slot_maps(probe.placement, state.index, self.slots, previous=state.maps)
-            for state in self.layers
-        ]
-        if not all(same_homes(st.maps, m) for st, m in zip(self.layers, maps, strict=True)):
-            return  # (slot_maps keeps homes in place; never expected)
-        for state in self.layers:
-            self._wait(state)
-        self._maps_before_probe = [state.maps for state in self.layers]
-        self._apply_routing(probe, maps)
-        self._probing = probe
-        self._layout = PROBE
-        self._episode_probes += 1
+        """Run the next step on the plan's homes without its replicas (`ProbeSteps.begin`)."""
+        if self.probes.begin(self.plan, self.spec(), self.moves):
+            self._layout = PROBE
 
     def _end_probe(self) -> None:
-        """Back to the plan's routing and slot maps after a probe step; the boundary then
-        launches the replicas' Trans as every boundary does."""
-        self._apply_routing(self.plan, self._maps_before_probe)
-        self._probing = None
-        self._maps_before_probe = []
+        """Back to the plan's routing after a probe step (`ProbeSteps.end`)."""
+        self.probes.end(self.plan, self.moves)
         self._layout = REPLICAS
 
     @property
@@ -620,7 +554,7 @@ class Balancer:
             self.steps_done > self._plan_since,
         )
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
-        running = self._probing if self._probing is not None else self.plan
+        running = self.probes.probing if self.probes.probing is not None else self.plan
         planned = layer_loads(running.placement, running.assignment, gathered)
         self._current.set_loads(planned.measured(computed))
 
@@ -800,91 +734,19 @@ class Balancer:
         )
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
-        """Make `plan` the routing of every layer now: migrate homes with their optimizer state
-        where the home slots change (homes that stay keep their slots, `slot_maps(previous=)`,
-        and only rewritten rows cost memory traffic: `stats.relaid_rows`; a layer whose plan
-        only adds, drops or swaps replicas moves nothing: replica rows are overwritten by its
-        Trans; rows no slot holds keep stale values no forward reads), then launch every
-        layer's Trans under the new maps (the replicas' fill) as a step boundary does: it runs
-        under the next forward, which waits for each layer's before using it (or at once
-        without `overlap`). Collective."""
+        """Make `plan` the routing of every layer now (`LayerMoves.relay`: homes migrate with
+        their optimizer state where their slots change, every layer takes its new routing, and
+        the replicas' Trans is launched as a step boundary does) and note what kind of layout
+        it is; one without replicas ends the probe steps' episode. Collective."""
         stats = stats if stats is not None else self._current
-        t0 = time.perf_counter()
-        layer_maps = []
-        for state in self.layers:
-            self._wait(state)
-            new_maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
-            layer_maps.append(new_maps)
-            if same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
-                continue
-            moved = tr.migrate(
-                state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
-                fill_replicas=False,
-            )  # fmt: skip
-            stats.migrate_bytes += moved.home_total_bytes
-            stats.moved_homes += moved.moved_homes
-            stats.relaid_rows += moved.relaid_rows
-        self._apply_routing(plan, layer_maps)
+        self.moves.relay(plan, stats)
         self.plan = plan
         if plan.digest() == self.static_plan.digest():
             self._layout = STATIC
         else:
             self._layout = REPLICAS if plan.placement.replicas().any() else OTHER
         if self._layout != REPLICAS:
-            self._episode_probes = 0
-            self._clock_settled = False
-        for state in self.layers:
-            if state.has_replicas:
-                state.trans = self._start_trans(state, refresh=True)
-                stats.trans_bytes += state.trans.total_bytes
-                if not self.overlap:
-                    self._wait(state)
-        stats.add_seconds("transfers", time.perf_counter() - t0)
-
-    # ---------------------------------------------------------------------------- Trans
-    def _start_trans(self, state: LayerState, refresh: bool = False) -> tr.Pending:
-        """Launch one layer's Trans under its current maps (compressed when `compression`;
-        `refresh`: recompute the layer's shared expert first)."""
-        if self.compression is None:
-            return tr.trans_async(
-                state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes,
-                link=self._channel("trans", state),
-            )  # fmt: skip
-        return self._compressed_trans(state, state.maps, state.trans_routes, refresh)
-
-    def _channel(self, kind: str, state: LayerState) -> Channel | None:
-        """The layer's shared-memory channel for `kind` (Trans or Agg), None without a link."""
-        return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
-
-    def _compressed_trans(
-        self, state: LayerState, maps: list[SlotMap], routes: tr.Routes, refresh: bool
-    ) -> tr.Pending:
-        """Compressed Trans; the layer's shared expert is recomputed (one all-reduce) when
-        `refresh` or unknown, else reused: every rank refreshes at the same steps."""
-        from poise.runtime.domains_trans import trans_compressed_async
-
-        assert self.compression is not None
-        shared = None if refresh else self._shared.get(state.index)
-        pending = trans_compressed_async(
-            state.params, maps, self.rank, self.compression.ratio,
-            shared=shared, group=self.group, routes=routes,
-        )  # fmt: skip
-        self._shared[state.index] = pending.shared
-        return pending
-
-    def _apply_routing(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
-        """Tell each layer its placement, assignment and this rank's slot map (`layer_maps`
-        `[L][D]`; default: `slot_maps`'s canonical order)."""
-        for i, state in enumerate(self.layers):
-            maps = (
-                slot_maps(plan.placement, state.index, self.slots)
-                if layer_maps is None
-                else layer_maps[i]
-            )
-            state.set_maps(maps)
-            state.layer.set_routing(
-                plan.placement, plan.assignment, maps[self.rank], layer=state.index
-            )
+            self.probes.new_episode()
 
 
 __all__ = [

@@ -1,0 +1,193 @@
+"""What moves between the ranks' expert slots under the Balancer's plan: each layer's routing,
+its replicas' Trans and Agg, and a new plan's migration (`LayerMoves`).
+
+The Balancer decides *which* plan runs; this carries it out on the layers of one rank:
+
+- `route(plan, layer_maps)`: every layer's placement, assignment and this rank's slot map;
+- `relay(plan, stats)`: make `plan` the layout now: migrate the homes whose slots change (with
+  their optimizer state, `transfers.migrate`), route, and launch every layer's Trans (the
+  replicas' fill);
+- Trans (`start_trans`, `launch_trans`, `wait`): each replica slot gets its home's weights,
+  launched at the step boundary and waited for in the layer's forward (`overlap`); plain
+  (`transfers.trans_async`, through the host link's shared memory where there is one,
+  `poise.runtime.host_link`) or compressed (`compression`: HybridEP's shared expert plus a
+  share of each residual, `poise.runtime.domains_trans`);
+- Agg (`launch_agg`, `finish_aggs`): each home's gradient gains its replicas', launched from the
+  gradient hooks and finished before anything reads gradients.
+
+Seconds spent here go to the step's `transfers` phase, bytes to its `trans_bytes`,
+`agg_bytes`, `migrate_bytes`. Every rank calls the same methods in the same order (the
+transfers are collective over `group`)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from poise.core.placement import Plan
+from poise.nn.slots import SlotMap, slot_maps
+from poise.runtime import transfers as tr
+from poise.runtime.compress import Compression
+from poise.runtime.host_link import Channel, HostLink
+from poise.runtime.layer_state import LayerState, grad_of, same_homes
+from poise.runtime.stats import StepStats
+
+
+class LayerMoves:
+    """Routing, Trans, Agg and migration on this rank's layers (module docstring).
+
+    `layers`: the Balancer's `LayerState`s; `slots`: slots per rank; `optimizer`: whose state
+    migrates with the homes; `link`: shared-memory channels among the ranks of `group` (None:
+    through the group); `compression`: None (exact replicas) or a `Compression`."""
+
+    def __init__(
+        self,
+        layers: list[LayerState],
+        rank: int,
+        slots: int,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None,
+        link: HostLink | None = None,
+        compression: Compression | None = None,
+        overlap: bool = True,
+    ) -> None:
+        self.layers = layers
+        self.rank = rank
+        self.slots = slots
+        self.optimizer = optimizer
+        self.group = group
+        self.link = link
+        self.compression = compression
+        self.overlap = overlap
+        self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
+
+    # ---------------------------------------------------------------------------- routing
+    def route(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
+        """Tell each layer its placement, assignment and this rank's slot map (`layer_maps`
+        `[L][D]`; default: `slot_maps`'s canonical order)."""
+        for i, state in enumerate(self.layers):
+            maps = (
+                slot_maps(plan.placement, state.index, self.slots)
+                if layer_maps is None
+                else layer_maps[i]
+            )
+            state.set_maps(maps)
+            state.layer.set_routing(
+                plan.placement, plan.assignment, maps[self.rank], layer=state.index
+            )
+
+    def relay(self, plan: Plan, stats: StepStats) -> None:
+        """Make `plan` the routing of every layer now: migrate homes with their optimizer state
+        where the home slots change (homes that stay keep their slots, `slot_maps(previous=)`,
+        and only rewritten rows cost memory traffic: `stats.relaid_rows`; a layer whose plan
+        only adds, drops or swaps replicas moves nothing: replica rows are overwritten by its
+        Trans; rows no slot holds keep stale values no forward reads), then launch every
+        layer's Trans under the new maps (the replicas' fill) as a step boundary does: it runs
+        under the next forward, which waits for each layer's before using it (or at once
+        without `overlap`). Collective."""
+        t0 = time.perf_counter()
+        layer_maps = []
+        for state in self.layers:
+            self.wait(state)
+            new_maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
+            layer_maps.append(new_maps)
+            if same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
+                continue
+            moved = tr.migrate(
+                state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
+                fill_replicas=False,
+            )  # fmt: skip
+            stats.migrate_bytes += moved.home_total_bytes
+            stats.moved_homes += moved.moved_homes
+            stats.relaid_rows += moved.relaid_rows
+        self.route(plan, layer_maps)
+        stats.add_seconds("transfers", time.perf_counter() - t0)
+        self.launch_trans(stats, refresh=True)
+
+    # ------------------------------------------------------------------------------ Trans
+    def start_trans(self, state: LayerState, refresh: bool = False) -> tr.Pending:
+        """Launch one layer's Trans under its current maps (compressed when `compression`;
+        `refresh`: recompute the layer's shared expert first)."""
+        if self.compression is None:
+            return tr.trans_async(
+                state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes,
+                link=self._channel("trans", state),
+            )  # fmt: skip
+        from poise.runtime.domains_trans import trans_compressed_async
+
+        shared = None if refresh else self._shared.get(state.index)
+        pending = trans_compressed_async(
+            state.params, state.maps, self.rank, self.compression.ratio,
+            shared=shared, group=self.group, routes=state.trans_routes,
+        )  # fmt: skip
+        self._shared[state.index] = pending.shared
+        return pending
+
+    def launch_trans(self, stats: StepStats, refresh: bool = False) -> None:
+        """Launch every replicated layer's Trans (after waiting for any still in flight); at
+        once without `overlap`."""
+        t0 = time.perf_counter()
+        for state in self.layers:
+            self.wait(state)
+            if state.has_replicas:
+                state.trans = self.start_trans(state, refresh=refresh)
+                stats.trans_bytes += state.trans.total_bytes
+                if not self.overlap:
+                    self.wait(state)
+        stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    def wait(self, state: LayerState, stats: StepStats | None = None) -> None:
+        """The layer's Trans must have landed before it runs (its forward pre-hook); the wait
+        goes to `stats`' transfers where given."""
+        if state.trans is not None:
+            t0 = time.perf_counter()
+            state.trans.wait()
+            state.trans = None
+            if stats is not None:
+                stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    def wait_all(self, stats: StepStats | None = None) -> None:
+        for state in self.layers:
+            self.wait(state, stats)
+
+    # -------------------------------------------------------------------------------- Agg
+    def launch_agg(self, state: LayerState, stats: StepStats, timed: bool = True) -> None:
+        """Launch the layer's Agg on its gradients as they stand (its launch seconds to
+        `stats`' transfers when `timed`)."""
+        t0 = time.perf_counter()
+        grads = [grad_of(p) for p in state.params]
+        pending = tr.agg_async(
+            grads, state.maps, self.rank, group=self.group, routes=state.agg_routes,
+            link=self._channel("agg", state),
+        )  # fmt: skip
+        state.aggs.append(pending)
+        stats.agg_bytes += pending.total_bytes
+        if timed:
+            stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    def finish_aggs(self, stats: StepStats) -> None:
+        """Before anything reads expert gradients: every tensor gets a gradient (zeros where
+        the backward gave none: every rank steps every tensor, keeping AdamW's state in step),
+        each replicated layer's Agg is launched if its gradient hooks did not, and all are
+        finished."""
+        t0 = time.perf_counter()
+        for state in self.layers:
+            for p in state.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if state.has_replicas and not state.aggs:
+                self.launch_agg(state, stats, timed=False)
+            for pending in state.aggs:
+                pending.wait()
+            state.aggs.clear()
+            state.grads_ready.clear()
+        stats.add_seconds("transfers", time.perf_counter() - t0)
+
+    def _channel(self, kind: str, state: LayerState) -> Channel | None:
+        """The layer's shared-memory channel for `kind` (Trans or Agg), None without a link."""
+        return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
+
+
+__all__ = ["LayerMoves"]
