@@ -318,3 +318,42 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     html = (out / "report.html").read_text()
     assert "Real routing not found" in html and "share of the gain" in html
     assert "summary: " in capsys.readouterr().out
+
+
+def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
+    """With the static run repeated after auto, static's tokens/s is the mean of the two runs'
+    (each the tokens over the measured steps' seconds, counted here by hand), the speedup is
+    auto's over that mean and the ideal the mean of the two static runs' ideals."""
+    from poise.commands.demo_report import measured_summary
+    from poise.report.ideal import ideal_of
+
+    losses = np.linspace(5.0, 4.0, 20)
+    runs = {
+        p: MeasuredRun.load(_fake_run(tmp_path / p, p, losses, seed))
+        for p, seed in (("static", 1), ("auto", 2))
+    }
+    folder = _fake_run(tmp_path / "after", "static", losses, 3)
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # the fake runs are balanced (ideal 1.0): skew this one's devices
+        r["device_tokens"] = [[1500.0, 548.0]] * 4
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    after = MeasuredRun.load(folder)
+
+    def by_hand(run: MeasuredRun) -> float:
+        rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+        kept = [r for r in rows if r["step"] > 5]  # skip 5
+        return sum(r["tokens"] for r in kept) / sum(r["step_s"] for r in kept)
+
+    c_s = 20e-6
+    one = measured_summary(runs, 5, c_s)
+    both = measured_summary(runs, 5, c_s, static_after=after)
+    assert one.static_tok_s == pytest.approx(by_hand(runs["static"]), rel=1e-9)
+    mean = (by_hand(runs["static"]) + by_hand(after)) / 2
+    assert both.static_tok_s == pytest.approx(mean, rel=1e-9)
+    assert both.static_tok_s_runs == pytest.approx((by_hand(runs["static"]), by_hand(after)))
+    assert both.speedup == pytest.approx(by_hand(runs["auto"]) / mean, rel=1e-9)
+    ideals = [ideal_of(r, c_s, 5)["ideal_speedup"] for r in (runs["static"], after)]
+    assert ideals[0] == pytest.approx(1.0) and ideals[1] > 1.05  # 4 x 476 rows x 20 us a step
+    assert both.ideal_speedup == pytest.approx(sum(ideals) / 2, rel=1e-12)
+    assert "after it" in both.text and "after it" not in one.text
+    assert both.as_json()["static_tok_s_runs"] == [round(x, 1) for x in both.static_tok_s_runs]

@@ -23,10 +23,10 @@ from poise.runtime.launch import run_ranks
 
 from .helpers import train_residual_moe
 
-# `:fixed`: the plan's fixed token shares (no per-step split); `:gloo`: Trans and Agg through
-# gloo's all-to-all instead of shared memory (`host_link`)
+# `:fixed`: the plan's fixed token shares (no per-step split); `:link`: Trans and Agg through
+# shared memory (`host_link`) instead of gloo's all-to-all
 POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto", "shadow:fixed", "eplb:fixed",
-            "eplb:gloo"]  # fmt: skip
+            "eplb:link"]  # fmt: skip
 E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY = 8, 8, 16, 64, 20, 2
 TOL = 1e-5
 
@@ -89,7 +89,7 @@ def _equivalence(rank: int, W: int) -> dict:
         # every plan that differs is adopted (guard off), priced on the toy cluster as given
         balancer = Balancer(model, opt, name, replan_every=EVERY, cluster=cluster,
                             guard=False, calibrate=False, split_tokens=fixed != "fixed",
-                            host_link=fixed != "gloo")  # fmt: skip
+                            host_link=fixed == "link")  # fmt: skip
         result[f"{policy}.link"] = balancer.link is not None
         losses = _train(model, opt, rank, STEPS, balancer)
         used = balancer.link.channels if balancer.link is not None else {}
@@ -364,14 +364,15 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
             assert balance_end < balance_start, policy
         else:
             assert trans == migrate == 0
-        # balancing ranks of one host move replicas through shared memory unless told not to
-        assert results[0][f"{policy}.link"] == (policy != "static" and ":gloo" not in policy)
+        # balancing ranks of one host move replicas through shared memory when asked to
+        assert results[0][f"{policy}.link"] == (":link" in policy)
         by_counts, replicated, layers_split, _ = results[0][f"{policy}.split"]
         assert by_counts == (not policy.endswith(":fixed")), policy
         assert layers_split == [True] * 2, policy
         if policy in ("shadow", "eplb", "auto"):
             assert replicated, policy  # splitting had replicas to split among
-        if replicated and results[0][f"{policy}.link"]:
+        if results[0][f"{policy}.link"]:  # it had replicas, and they went through the link
+            assert replicated, policy
             assert results[0][f"{policy}.channels"] == ["agg", "trans"], policy
     # the split routed some step differently from the fixed shares (on 2 ranks, where a
     # replicated expert sits on both and no tokens are remote, only by shedding)

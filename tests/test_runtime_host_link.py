@@ -76,6 +76,66 @@ def test_every_turn_delivers_what_each_rank_wrote(world_size: int) -> None:
                     np.testing.assert_array_equal(views[src], data[src][rank])
 
 
+def _rank_no_room(rank: int, W: int) -> dict:
+    """Two channels that cannot get their regions: `huge` asks every rank for 2**42 floats (no
+    `/dev/shm` has them), then for a few (still off: it stays off); `taken` asks for a few, but
+    rank 1's file name is already taken (rank 0 alone could map its own). Then an exchange
+    through each channel."""
+    import torch
+
+    from poise.runtime import transfers as tr
+    from poise.runtime.host_link import HostLink, shm_dir
+
+    link = HostLink.connect()
+    assert link is not None
+    small = np.full((W, W), 100)
+    np.fill_diagonal(small, 0)
+    written: list[int] = []
+
+    def write(dst: int, out: torch.Tensor) -> None:
+        written.append(dst)
+
+    huge = link.channel("huge")
+    turns = [
+        huge.start(small * 2**36, write, torch.float32),
+        huge.start(small, write, torch.float32),
+    ]
+    taken = link.channel("taken")
+    squat = shm_dir() / f"{link.prefix}-taken-4096-1"  # the file rank 1 would make
+    if rank == 1:
+        squat.write_bytes(b"")
+    link.agree(True)  # rank 1's squat is in place before rank 0 starts
+    turns.append(taken.start(small, write, torch.float32))
+    squat.unlink(missing_ok=True)
+    rows = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 10 * rank  # [slots, 2]
+    routes = tr.Routes.build([(r, 0, (r + 1) % W, 2) for r in range(W)])  # slot 0 -> next slot 2
+    got: list[list[float]] = []
+
+    def sink(dst: torch.Tensor, received: list[torch.Tensor]) -> None:
+        got.append(received[0].reshape(-1).tolist())
+
+    for channel in (huge, taken):
+        tr.exchange([tr.Stream(routes, [rows], sink)], rank, W, link=channel).wait()
+    return {
+        "turns": [t is None for t in turns],
+        "disabled": [huge.disabled, taken.disabled],
+        "written": written,
+        "got": got,
+    }
+
+
+@pytest.mark.dist
+def test_a_rank_without_room_turns_the_channel_off_everywhere() -> None:
+    """No rank writes, every rank's channel is off (and stays off), and `exchange` through it
+    still delivers (through the group)."""
+    results = run_ranks(_rank_no_room, 2)
+    for rank, res in enumerate(results):
+        assert res["turns"] == [True, True, True] and res["disabled"] == [True, True]
+        assert res["written"] == []
+        other = [10.0 * (1 - rank), 10.0 * (1 - rank) + 1]  # the other rank's slot 0
+        assert res["got"] == [other, other]
+
+
 def test_segments_are_aligned_and_in_destination_order() -> None:
     numel = np.array([[0, 3, 20], [17, 0, 0], [1, 1, 0]])
     off = segment_offsets(numel, 4)

@@ -2,9 +2,12 @@
 
 1. Measured: trains the `tiny` GPT-MoE with larger, fewer-per-token experts (16 experts top-1,
    d_expert 1024: the router's skew then costs real time on CPU ranks) on 2 local ranks without
-   an auxiliary balance loss, twice from the same seed: static expert parallelism and `auto`
-   balancing. Each run is `python -m poise.train` on 2 gloo ranks, started the way
-   `poise train CONFIG --nproc 2` starts them, into `OUT/train-static` and `OUT/train-auto`.
+   an auxiliary balance loss, from the same seed: static expert parallelism, `auto` balancing,
+   then static again (full demo only): auto is compared with the mean of the two static runs,
+   so that a machine whose speed drifts over the runs moves both sides of the ratio alike.
+   Each run is `python -m poise.train` on 2 gloo ranks, started the way
+   `poise train CONFIG --nproc 2` starts them, into `OUT/train-static`, `OUT/train-auto` and
+   `OUT/train-static-after`.
    Beside them, the ideal: the static run's steps with its experts perfectly balanced for free
    (`poise.report.ideal`, the expert cost measured here by `poise.calibrate.experts`), and the
    verdict of `poise.report.ideal.judge`.
@@ -31,7 +34,7 @@ import argparse
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -399,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
     )
     for policy in POLICIES:
         wall[f"train {policy} ({steps} steps, {WORLD} ranks)"] = train_run(cfgs[policy], console)
+    static_after = None
+    if not args.quick:  # static again after auto: drift over the runs cancels in the ratio
+        again = replace(cfgs["static"], out=str(out / "train-static-after"))
+        wall[f"train static again ({steps} steps, {WORLD} ranks)"] = train_run(again, console)
+        static_after = MeasuredRun.load(again.out)
     runs = {p: MeasuredRun.load(cfgs[p].out) for p in POLICIES}
     traces = {}
     for p, r in runs.items():
@@ -419,7 +427,9 @@ def run(args: argparse.Namespace) -> int:
     # the ranks' threads as the launcher sets them (`commands.train`: cores // ranks by default)
     threads = first.threads or max(1, (os.cpu_count() or 1) // WORLD)
     cores = shared_cores(WORLD, WORLD, threads=threads)
-    summary = measured_summary(runs, first.replan_every + 2, cost["c_s"], cores)
+    summary = measured_summary(
+        runs, first.replan_every + 2, cost["c_s"], cores, static_after=static_after
+    )
 
     sims, missing = simulate_clusters(
         traces["static"], size, args.data, console, quick=bool(args.quick)

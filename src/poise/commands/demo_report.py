@@ -5,7 +5,7 @@ plain data out; `poise.commands.demo` runs the demo and writes them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -73,22 +73,38 @@ def compare_traces(a, b) -> str:
     )
 
 
-def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> MeasuredSummary:
+def measured_summary(
+    runs: dict, skip: int, c_s: float, cores: float = 0.0, static_after: Any = None
+) -> MeasuredSummary:
     """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
     `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
-    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words."""
+    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. With
+    `static_after` (the same static run repeated after auto), static's figure is the mean of
+    the two runs' and the ideal the mean of their ideals: a machine whose speed drifts
+    steadily over the three runs then moves both sides of the ratio alike."""
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
     static, auto = runs["static"], runs["auto"]
-    st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
-    ideal = ideal_of(static, c_s, skip, cores=cores)
-    speedup, ideal_speedup = au / st, ideal["ideal_speedup"]
+    statics = [static] if static_after is None else [static, static_after]
+    per_run = [tokens_per_s(x, skip) for x in statics]
+    st, au = sum(per_run) / len(per_run), tokens_per_s(auto, skip)
+    ideals = [ideal_of(x, c_s, skip, cores=cores) for x in statics]
+    ideal = ideals[0]
+    speedup = au / st
+    ideal_speedup = sum(i["ideal_speedup"] for i in ideals) / len(ideals)
     verdict = judge(speedup, ideal_speedup)
     steps = len(static.step_s[measured_steps(static.step_s, skip)])
+    against = (
+        f"static's {st:,.0f}"
+        if static_after is None
+        else f"static's {st:,.0f} (the mean of static run before auto, {per_run[0]:,.0f}, "
+        f"and after it, {per_run[1]:,.0f}: a machine whose speed drifts steadily over the "
+        "three runs moves both sides alike)"
+    )
     text = (
         f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
-        f"auto trained at {au:,.0f} tokens/s against static's {st:,.0f}: {speedup:.3f}x. "
+        f"auto trained at {au:,.0f} tokens/s against {against}: {speedup:.3f}x. "
         f"The ideal, {ideal_speedup:.3f}x, is the static run with its experts perfectly "
         f"balanced for free: in each MoE layer the slowest rank computed "
         f"{ideal['max_over_mean']:.2f}x the mean rank's token-expert pairs, "
@@ -128,6 +144,7 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
         measured_steps=steps,
         expert_us_per_token=c_s * 1e6,
         text=text,
+        static_tok_s_runs=tuple(per_run),
     )
 
 

@@ -177,9 +177,12 @@ class Balancer:
       machine's drift cancels (`guard.paired_clock`); the guard's clock test then uses them
       instead of the static steps of the run's start. Each probe step forgoes the replicas'
       saving once;
-    - `host_link` (default on): where every rank of the group is a CPU process on this host
+    - `host_link` (default off): where every rank of the group is a CPU process on this host
       (gloo), Trans and Agg move their rows through shared memory (`poise.runtime.host_link`)
-      instead of gloo's sockets; migration still goes through the group.
+      instead of gloo's sockets; migration still goes through the group. Off by default: it
+      halves a layer's Trans and Agg in isolation, but on a 2-core host it made no measurable
+      difference to a training step and 4 ranks on 2 cores ran slower with it in 2 of 3
+      paired runs (docs/benchmarks.md).
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
     `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""
@@ -213,7 +216,7 @@ class Balancer:
         split_tokens: bool = True,
         probe_every: int = 5,
         max_probes: int = 8,
-        host_link: bool = True,
+        host_link: bool = False,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")

@@ -25,11 +25,15 @@ turn only once it has read the one before (`wait`), or copied it out (`start` do
 still unread), so every rank is done with turn `n` by then. The barrier's collective is also
 what orders the writes before the reads (a socket round trip on every rank in between). A
 region grows when a turn needs more than it holds (collective: every rank computes the same
-`numel`, so all grow at the same turn), to the next power of two; it never shrinks.
+`numel`, so all grow at the same turn), to the next power of two; it never shrinks. Regions are
+reserved when made (`posix_fallocate`); where some rank cannot reserve or map one (a small
+`/dev/shm`), every rank turns the channel off together and `start` returns None from then on:
+`transfers.exchange` then moves those rows through the group as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -47,19 +51,24 @@ Writer = Callable[[int, torch.Tensor], None]
 """`write(dst, out)`: fill the flat `out` with the rows for rank `dst`."""
 
 
+SHM = Path("/dev/shm")  # memory-backed and local to the host (a network file system is neither)
+
+
 def shm_dir() -> Path:
-    """Where the regions' files live: `/dev/shm` (memory) where it exists, else the temp dir."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    """Where the regions' files live: `/dev/shm`."""
+    return SHM
 
 
 def _map(path: Path, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
-    """Map `size` bytes of the file at `path` (created and sized when `create`) as a uint8
-    tensor that shares the mapping."""
+    """Map `size` bytes of the file at `path` as a uint8 tensor that shares the mapping. When
+    `create`, the file is made and its blocks reserved (`posix_fallocate`, where the OS has it:
+    a full `/dev/shm` fails here with `OSError`, not later with SIGBUS on a write)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if create:
+        if create and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        elif create:
             os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
     finally:
@@ -119,19 +128,24 @@ class Channel:
     peers: list[torch.Tensor] = field(default_factory=list)  # [W] each rank's region
     _maps: list[mmap.mmap] = field(default_factory=list)
     _last: HostTransfer | None = None
+    disabled: bool = False  # some rank could not reserve a region: rows go another way
 
-    def start(self, numel: np.ndarray, write: Writer, dtype: torch.dtype) -> HostTransfer:
+    def start(self, numel: np.ndarray, write: Writer, dtype: torch.dtype) -> HostTransfer | None:
         """Write this rank's rows for every destination d (`write(d, out)` fills the flat
         `out` of `numel[rank, d]` elements of `dtype`) and launch the turn's barrier.
-        `numel [W, W]` must be the same on every rank."""
+        `numel [W, W]` must be the same on every rank. None (nothing written, on every rank)
+        when the channel is off: some rank could not reserve its region (`disabled`); the
+        caller then moves the rows another way."""
+        if self.disabled:
+            return None
         if self._last is not None and not self._last.read:
             self._last.keep()  # every turn is read before the next starts (two halves suffice)
         link, rank = self.link, self.link.rank
         numel = np.asarray(numel, dtype=np.int64)
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = half_bytes(numel, itemsize)
-        if need > self.half:
-            self._grow(need)
+        if need > self.half and not self._grow(need):
+            return None
         base = (self.turns % 2) * self.half
         self.turns += 1
         offsets = segment_offsets(numel, itemsize)
@@ -154,29 +168,43 @@ class Channel:
         self._last = HostTransfer(work, views)
         return self._last
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int) -> bool:
         """Replace this channel's regions by ones of `2 * half` bytes, `half` the next power of
-        two >= `need` (collective)."""
+        two >= `need`; False, and the channel `disabled` on every rank, when some rank could not
+        reserve or map them (a small `/dev/shm`: containers often give 64 MiB). Collective."""
         link = self.link
         half = 1 << max(12, (need - 1).bit_length())
         name = f"{link.prefix}-{self.key}-{half}"
         path = shm_dir() / f"{name}-{link.rank}"
-        mm, mine = _map(path, 2 * half, create=True)
+        maps: list[mmap.mmap] = []
+        peers: list[torch.Tensor] = []
         try:
-            dist.barrier(group=link.group)  # every rank's file exists
-            maps, peers = [], []
-            for r in range(link.world):
-                if r == link.rank:
-                    maps.append(mm)
-                    peers.append(mine)
-                else:
-                    m, t = _map(shm_dir() / f"{name}-{r}", 2 * half, create=False)
-                    maps.append(m)
-                    peers.append(t)
-            dist.barrier(group=link.group)  # every rank has mapped every file
+            try:
+                mm, mine = _map(path, 2 * half, create=True)
+            except OSError:
+                mm = None
+            if not link.agree(mm is not None):  # every rank's file exists
+                self.disabled = True
+                return False
+            try:
+                for r in range(link.world):
+                    if r == link.rank:
+                        maps.append(mm)
+                        peers.append(mine)
+                    else:
+                        m, t = _map(shm_dir() / f"{name}-{r}", 2 * half, create=False)
+                        maps.append(m)
+                        peers.append(t)
+                mapped = True
+            except OSError:
+                mapped = False
+            if not link.agree(mapped):  # every rank has mapped every file
+                self.disabled = True
+                return False
         finally:
             path.unlink(missing_ok=True)
         self.half, self.mine, self.peers, self._maps = half, mine, peers, maps
+        return True
 
 
 class HostLink:
@@ -209,7 +237,8 @@ class HostLink:
         prefix = f"poise-{int(token[0]):016x}"
         probe = shm_dir() / f"{prefix}-probe"
         if rank == 0:
-            probe.write_text(prefix)
+            with contextlib.suppress(OSError):  # no /dev/shm, or unwritable: no rank reads it
+                probe.write_text(prefix)
         dist.barrier(group=group)
         try:
             ok = probe.read_text() == prefix
@@ -220,6 +249,12 @@ class HostLink:
         if rank == 0:
             probe.unlink(missing_ok=True)
         return cls(group, rank, world, prefix) if int(seen) == 1 else None
+
+    def agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank of the group (collective)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(int(flag) == 1)
 
     def channel(self, key: str) -> Channel:
         """The channel named `key` (letters, digits, `-`), made on first use."""

@@ -238,10 +238,14 @@ def exchange(
 
     if not remote:
         return Pending(0, 0, 0, lambda: place([None] * world_size))
-    if link is not None:
-        turn = link.start(
+    turn = (
+        link.start(
             pair_numel(streams, world_size), lambda dst, out: gather_rows(parts[dst], out), dtype
         )
+        if link is not None
+        else None
+    )
+    if turn is not None:
         return Pending(sent, received, total, lambda: place(turn.wait()))
     device = streams[0].sources[0].device
     send_numel = [sum(_row_numel(t) * len(i) for t, i in p) for p in parts]

@@ -21,8 +21,9 @@ the switch, and falls back to the static layout when it does not (`poise.runtime
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
 without its replicas, so that the guard's wall clock compares neighbouring steps
 (`Balancer(probe_every=...)`; 1 is refused);
-`host_link` (default on): ranks that are CPU processes of one host move Trans and Agg rows through
-shared memory instead of gloo's sockets (`Balancer(host_link=...)`, `poise.runtime.host_link`);
+`host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows
+through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
+`poise.runtime.host_link`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
 constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 """
@@ -87,7 +88,7 @@ class TrainConfig:
     split_tokens: bool = True
     balance_guard: bool = True
     probe_every: int = 5
-    host_link: bool = True
+    host_link: bool = False
     self_calibrate: bool = True
     # parallelism
     layout: str | None = None
