@@ -98,9 +98,9 @@ def measured_summary(
     against = (
         f"static's {st:,.0f}"
         if static_after is None
-        else f"static's {st:,.0f} (the mean of static run before auto, {per_run[0]:,.0f}, "
-        f"and after it, {per_run[1]:,.0f}: a machine whose speed drifts steadily over the "
-        "three runs moves both sides alike)"
+        else f"static's {st:,.0f} (the mean of the static run before auto, "
+        f"{per_run[0]:,.0f}, and the one after it, {per_run[1]:,.0f}: a machine whose speed "
+        "drifts steadily over the three runs moves both sides alike)"
     )
     text = (
         f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
