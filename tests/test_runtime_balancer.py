@@ -168,6 +168,9 @@ def _probed(rank: int, W: int, cluster) -> dict:
         "pairs": (len(probes), probes.pair_of.tolist()),
         "fit_steps": [job.fit_rows[:, 0].astype(int).tolist() for job in jobs],
         "job_probes": [None if job.probes is None else len(job.probes) for job in jobs],
+        # every rank's measured seconds as gathered, and this rank's own experts seconds
+        "rank_seconds": [s.rank_seconds for s in stats],
+        "own_experts": [s.seconds.get("experts", 0.0) for s in stats],
     }
 
 
@@ -1242,6 +1245,24 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
 
 
 @pytest.mark.dist
+def test_every_rank_s_seconds_are_recorded_as_it_measured_them(two_ranks: list[dict]) -> None:
+    """`StepStats.rank_seconds`: on both ranks, per step, every `selfcal.MEASURED` column, and
+    rank r's experts seconds are what rank r measured itself (to the nanosecond the gather
+    rounds to); some rank's transfers column is non-zero (the run had replicas)."""
+    from poise.runtime import selfcal
+
+    runs = [r["probed"] for r in two_ranks]
+    for run in runs:
+        assert len(run["rank_seconds"]) == len(run["own_experts"]) > 0
+        for step, gathered in enumerate(run["rank_seconds"]):
+            assert set(gathered) == set(selfcal.MEASURED)
+            for r, other in enumerate(runs):
+                assert gathered["experts_s"][r] == pytest.approx(
+                    other["own_experts"][step], abs=1e-9
+                )
+    assert any(x > 0 for run in runs for g in run["rank_seconds"] for x in g["transfers_s"])
+
+
 def test_probe_steps_idle_the_replicas_and_keep_the_mathematics(two_ranks: list[dict]) -> None:
     """Probe steps (`Balancer(probe_every=3, max_probes=2)`): both ranks probe at the same
     steps, at most twice, only on the cadence and while a plan with replicas is in force; the

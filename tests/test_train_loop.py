@@ -159,6 +159,13 @@ def test_static_and_auto_give_the_same_losses(runs):
     assert np.all(trace.counts.sum(axis=3) == 2 * 4 * 32)  # top-2 of 4 x 32 tokens per rank
     lines = (root / "auto" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 30
+    import json
+
+    # each step's line carries both ranks' own seconds (`rank_s`, `StepStats.rank_seconds`)
+    for line in lines:
+        rank_s = json.loads(line)["rank_s"]
+        assert len(rank_s["period_s"]) == len(rank_s["experts_s"]) == 2
+        assert all(x > 0 for x in rank_s["experts_s"])
 
 
 def _model_tensors(path: Path) -> dict:

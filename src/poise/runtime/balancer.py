@@ -547,7 +547,11 @@ class Balancer:
             raise nonfinite_error(bad.tolist(), self.steps_done + 1)
         gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
         computed = table[:, L * E + 1 : L * E + 1 + L].T.astype(np.float64)  # [L, D]
-        measured = selfcal.across_ranks(table[:, L * E + 1 + L :].astype(np.float64) / 1e9)
+        per_rank = table[:, L * E + 1 + L :].astype(np.float64) / 1e9  # [D, MEASURED]
+        self._current.rank_seconds = {
+            name: per_rank[:, i].tolist() for i, name in enumerate(selfcal.MEASURED)
+        }
+        measured = selfcal.across_ranks(per_rank)
         if self.vote_group is not None and D > 1:
             measured = self._max_over_vote_group(measured)
         self.records.append(

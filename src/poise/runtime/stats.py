@@ -85,7 +85,10 @@ class StepStats:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
     `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
     > 0), when a plan other than the static layout was judged here; `probe`: this step was a
-    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`)."""
+    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`);
+    `rank_seconds`: every rank's own seconds of the step, one list `[D]` per
+    `selfcal.MEASURED` name (period, boundary, gate, all-to-all, experts, transfers), as the
+    Balancer gathers them (the phases above are this rank's alone)."""
 
     step: int
     policy: str
@@ -108,6 +111,7 @@ class StepStats:
     verdict: dict[str, Any] = field(default_factory=dict)
     probe: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    rank_seconds: dict[str, list[float]] = field(default_factory=dict)
 
     def add_seconds(self, phase: str, s: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + s

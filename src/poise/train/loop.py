@@ -550,6 +550,7 @@ class _Trainer:
                     "verdict": dict(stats.verdict) if stats else {},
                     "phases_s": ph,
                     "moe_s": dict(stats.seconds) if stats else {},
+                    "rank_s": dict(stats.rank_seconds) if stats else {},
                 }
                 if load is not None:
                     record.update(load.as_record())
