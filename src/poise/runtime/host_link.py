@@ -96,6 +96,7 @@ class HostTransfer:
 
     work: dist.Work | None
     views: list[torch.Tensor | None]
+    flag: torch.Tensor | None = None  # the barrier's tensor, alive until it completes
     read: bool = False  # the caller has had the views (and reads them at once)
 
     def wait(self) -> list[torch.Tensor | None]:
@@ -156,7 +157,8 @@ class Channel:
                 continue
             at = base + int(offsets[rank, dst])
             write(dst, self.mine[at : at + n * itemsize].view(dtype))
-        work = dist.all_reduce(link.flag, group=link.group, async_op=True)
+        flag = torch.zeros(1)  # one per turn: turns of several channels are in flight at once
+        work = dist.all_reduce(flag, group=link.group, async_op=True)
         views: list[torch.Tensor | None] = []
         for src in range(link.world):
             n = int(numel[src, rank])
@@ -165,7 +167,7 @@ class Channel:
                 continue
             at = base + int(offsets[src, rank])
             views.append(self.peers[src][at : at + n * itemsize].view(dtype))
-        self._last = HostTransfer(work, views)
+        self._last = HostTransfer(work, views, flag)
         return self._last
 
     def _grow(self, need: int) -> bool:
@@ -216,7 +218,6 @@ class HostLink:
         self.rank = rank
         self.world = world
         self.prefix = prefix
-        self.flag = torch.zeros(1)
         self.channels: dict[str, Channel] = {}
 
     @classmethod
