@@ -41,7 +41,10 @@ share of the possible gain achieved, must be >= 0.75 where `ideal_speedup >= 1.1
 setting `speedup >= 0.99` (do no harm). `target_met` is both. `fraction_of_ideal = speedup /
 ideal_speedup` is printed but not judged: it rewards doing nothing when the ideal is small.
 The JSON line also gives the measured parts: non-expert ms per step, slowest-rank expert ms per
-step, the mean slowest/mean rank load, and auto's extra ms per step by phase over static.
+step, the mean slowest/mean rank load, and auto's extra ms per step by phase over static; and
+`auto_paired_clock_ms`, per auto run, the guard's last paired clock (`[saving ms a step,
+standard error, probes]`: probe steps against their neighbours within the run, which the
+machine's drift between runs does not reach; None where the run never probed).
 
 Settings (one JSON line each; `--settings all` runs every one):
 
@@ -260,8 +263,20 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
             k: round(statistics.median(x.moe_phase_mean(k) for x in runs["auto"]) * 1e3, 1)
             for k in ("transfers", "plan")
         },
+        # each auto run's own paired clock (probe steps against their neighbours, in-run: the
+        # drift between runs cancels): ms a step the replicas saved, its standard error, probes
+        "auto_paired_clock_ms": [paired_clock_ms(x) for x in runs["auto"]],
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def paired_clock_ms(run: Any) -> list[float] | None:
+    """`[saving, standard error, probes]` of an auto run's last verdict with probe steps (ms a
+    step; `poise.runtime.guard.paired_clock`), None when it never had one."""
+    v = getattr(run, "last_verdict", {}) or {}
+    if not v.get("probes") or v.get("wall_saving_s") is None:
+        return None
+    return [round(v["wall_saving_s"] * 1e3, 1), round(v["wall_se_s"] * 1e3, 1), int(v["probes"])]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -357,3 +357,23 @@ def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
     assert both.ideal_speedup == pytest.approx(sum(ideals) / 2, rel=1e-12)
     assert "after it" in both.text and "after it" not in one.text
     assert both.as_json()["static_tok_s_runs"] == [round(x, 1) for x in both.static_tok_s_runs]
+
+
+def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:
+    """`MeasuredRun.last_verdict`: the last logged verdict whose clock came from probe steps;
+    later verdicts without probes, and steps without a verdict, do not replace it."""
+    folder = _fake_run(tmp_path, "auto", np.linspace(5.0, 4.0, 6), 1)
+    assert MeasuredRun.load(folder).last_verdict == {}
+    verdicts = [
+        {},
+        {"wall_saving_s": 0.01, "wall_se_s": 0.002, "probes": 4},
+        {},
+        {"wall_saving_s": 0.02, "wall_se_s": 0.003, "probes": 5},
+        {"wall_saving_s": None, "wall_se_s": 0.0, "probes": 0},
+        {},
+    ]
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r, v in zip(rows, verdicts, strict=True):
+        r["verdict"] = v
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert MeasuredRun.load(folder).last_verdict == verdicts[3]

@@ -113,6 +113,8 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     static_tokens = np.tile(np.array([[[3000.0, 1000.0]]]), (steps, 4, 1))
     auto_tokens = np.full((steps, 4, 2), 2000.0)
 
+    clock = {"wall_saving_s": 0.0123, "wall_se_s": 0.004, "probes": 4}  # auto's paired clock
+
     def fake_train(cfg, world: int):
         assert world == 2
         static = cfg.policy == "static"
@@ -125,6 +127,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
             moe_phases={"experts": np.full(n, 0.1)},
             max_over_mean=1.5 if static else 1.0,
             moe_phase_mean=lambda k: 0.0,
+            last_verdict={} if static else clock,
         )
 
     monkeypatch.setattr(bench, "train", fake_train)
@@ -143,6 +146,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     assert line["fraction_of_ideal"] > 0.8
     assert line["target_met"] is False and line["judged_gain"] is True
     assert line["ranks"] == 2
+    assert line["auto_paired_clock_ms"] == [[12.3, 4.0, 4]]  # the auto run's own paired clock
 
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:

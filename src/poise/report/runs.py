@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,15 @@ EARLY_STEPS = 30
 
 
 # ------------------------------------------------------------------------------ measured runs
+def _last_probed_verdict(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last logged guard verdict whose wall clock came from probe steps (empty if none)."""
+    for r in reversed(records):
+        verdict = r.get("verdict") or {}
+        if (verdict.get("probes") or 0) > 0:
+            return dict(verdict)
+    return {}
+
+
 @dataclass
 class MeasuredRun:
     """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
@@ -35,7 +44,9 @@ class MeasuredRun:
     in force); `phases[name][S]`: rank 0's seconds per step phase (data, forward, backward,
     grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
-    `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary."""
+    `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary;
+    `last_verdict`: the guard's last verdict with probe steps behind it (`guard.Verdict.as_dict`:
+    the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none."""
 
     policy: str
     path: Path
@@ -53,6 +64,7 @@ class MeasuredRun:
     config: dict[str, Any]
     world_size: int
     trace_path: Path | None
+    last_verdict: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:
@@ -100,6 +112,7 @@ class MeasuredRun:
             config=config,
             world_size=int(summary.get("world_size", 1)),
             trace_path=trace if trace.is_file() else None,
+            last_verdict=_last_probed_verdict(records),
         )
 
     def warm(self) -> slice:
