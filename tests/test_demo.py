@@ -345,6 +345,7 @@ def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
         return sum(r["tokens"] for r in kept) / sum(r["step_s"] for r in kept)
 
     c_s = 20e-6
+    runs["auto"].last_verdict = {"wall_saving_s": 0.02, "wall_se_s": 0.005, "probes": 4}
     one = measured_summary(runs, 5, c_s)
     both = measured_summary(runs, 5, c_s, static_after=after)
     assert one.static_tok_s == pytest.approx(by_hand(runs["static"]), rel=1e-9)
@@ -356,6 +357,7 @@ def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
     assert ideals[0] == pytest.approx(1.0) and ideals[1] > 1.05  # 4 x 476 rows x 20 us a step
     assert both.ideal_speedup == pytest.approx(sum(ideals) / 2, rel=1e-12)
     assert "after it" in both.text and "after it" not in one.text
+    assert "4 probe steps" in one.text and "saved 20.0 ms" in one.text  # auto's own clock
     assert both.as_json()["static_tok_s_runs"] == [round(x, 1) for x in both.static_tok_s_runs]
 
 
@@ -377,3 +379,17 @@ def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:
         r["verdict"] = v
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert MeasuredRun.load(folder).last_verdict == verdicts[3]
+
+
+def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
+    """`paired_clock_sentence`: nothing without probes; the saving (or cost), its standard error
+    and whether it is beyond `CLOCK_Z` standard errors, in ms."""
+    from poise.commands.demo_report import paired_clock_sentence
+
+    assert paired_clock_sentence({}) == ""
+    assert paired_clock_sentence({"wall_saving_s": None, "wall_se_s": 0.0, "probes": 0}) == ""
+    text = paired_clock_sentence({"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6})
+    assert "6 probe steps" in text and "saved 21.3 ms" in text and "7.0 ms" in text
+    assert "beyond 2 standard errors" in text
+    text = paired_clock_sentence({"wall_saving_s": -0.009, "wall_se_s": 0.005, "probes": 8})
+    assert "cost 9.0 ms" in text and "not conclusive" in text

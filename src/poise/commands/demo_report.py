@@ -130,6 +130,7 @@ def measured_summary(
             "between the two runs (other processes took CPU from one of them): compare "
             "benchmarks/train_speedup.py, which alternates the runs and takes medians."
         )
+    text += paired_clock_sentence(getattr(auto, "last_verdict", {}) or {})
     if steps < 30:
         text += (
             f" {steps} steps are too few to measure a speedup on a shared machine: run the "
@@ -145,6 +146,31 @@ def measured_summary(
         expert_us_per_token=c_s * 1e6,
         text=text,
         static_tok_s_runs=tuple(per_run),
+    )
+
+
+def paired_clock_sentence(verdict: dict[str, Any]) -> str:
+    """The auto run's own paired clock in words (`poise.runtime.guard.paired_clock`: its probe
+    steps, the plan's homes without the replicas, against their neighbours), or nothing when
+    the run never probed."""
+    probes = int(verdict.get("probes") or 0)
+    saving = verdict.get("wall_saving_s")
+    if probes == 0 or saving is None:
+        return ""
+    from poise.runtime.guard import CLOCK_Z
+
+    se = float(verdict.get("wall_se_s") or 0.0)
+    call = (
+        f"beyond {CLOCK_Z:g} standard errors"
+        if abs(saving) > CLOCK_Z * se
+        else f"within {CLOCK_Z:g} standard errors, so not conclusive"
+    )
+    way = "saved" if saving >= 0 else "cost"
+    return (
+        f" Within the auto run, where the machine's drift between runs does not reach, its "
+        f"{probes} probe steps (the plan's homes without the replicas) against their neighbours "
+        f"measured that the replicas {way} {abs(saving) * 1e3:.1f} ms a step (standard error "
+        f"{se * 1e3:.1f} ms; {call})."
     )
 
 
