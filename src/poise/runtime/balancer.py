@@ -282,7 +282,6 @@ class Balancer:
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         # probe steps serve the guard (`poise.runtime.probe_steps`)
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
-        self.probe_every, self.max_probes = self.probes.every, self.probes.max_probes
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
         if self._plans_here and self.balancing:
             self.planner.start()  # the worker starts up while the first steps run
@@ -637,7 +636,7 @@ class Balancer:
             horizon=self.guard.horizon,
             measured_switch=self.guard.k_switch if self.guard.switches else None,
             guarded=self.guard.enabled,
-            probes=self.probe_pairs(history, measured) if self.probe_every > 0 else None,
+            probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 
