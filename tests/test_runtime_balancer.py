@@ -168,6 +168,17 @@ def _probed(rank: int, W: int, cluster) -> dict:
         "pairs": (len(probes), probes.pair_of.tolist()),
         "fit_steps": [job.fit_rows[:, 0].astype(int).tolist() for job in jobs],
         "job_probes": [None if job.probes is None else len(job.probes) for job in jobs],
+        # every rank's experts seconds each job fits the compute on, by step
+        "job_rank_experts": [
+            dict(
+                zip(
+                    job.fit_rows[:, 0].astype(int).tolist(),
+                    job.fit_rank_experts.tolist(),
+                    strict=True,
+                )
+            )
+            for job in jobs
+        ],
         # every rank's measured seconds as gathered, and this rank's own experts seconds
         "rank_seconds": [s.rank_seconds for s in stats],
         "own_experts": [s.seconds.get("experts", 0.0) for s in stats],
@@ -1009,6 +1020,83 @@ def test_self_calibration_fits_compute_transfers_and_dispatch_by_hand() -> None:
     assert kept.k_transfer == pytest.approx(3.0)
 
 
+def test_device_compute_is_every_devices_expert_forward_by_hand() -> None:
+    """`_replica_case`: 128 FLOP a token at 1e9 FLOP/s. Static: d0 computes 30 tokens (e0:
+    10 + 20), d1 70 -> 3,840 and 8,960 ns; the replica plan: d0 60 (its 30 e1-tokens stay),
+    d1 40 -> 7,680 and 5,120 ns; summed over the layers of each step, the steps' counts scaled."""
+    from poise.runtime import selfcal
+
+    cost, static, replica, counts = _replica_case()
+    steps = np.stack([counts, 2 * counts])
+    assert selfcal.device_compute(cost, static, steps) == pytest.approx(
+        np.array([[3_840e-9, 8_960e-9], [7_680e-9, 17_920e-9]])
+    )
+    assert selfcal.device_compute(cost, replica, steps)[0] == pytest.approx([7_680e-9, 5_120e-9])
+    # the slowest device's is the phase's expert forward
+    phases, _ = cost.phases(replica.placement, replica.assignment, counts)
+    assert float(phases.expert_fwd_s[0]) == pytest.approx(7_680e-9)
+
+
+def test_marginal_compute_fit_ignores_per_call_seconds_and_drift() -> None:
+    """Every rank's expert seconds = 2 x the model's for its rows + 3 s a step that no row
+    accounts for + the machine's drift (a step's seconds all move alike): the marginal fit
+    recovers k = 2 and the 3 s exactly, where a fit through the origin (the slowest rank's
+    seconds over the model's) reads the fixed seconds as rows (k > 2). With noise the weight of
+    each side follows its standard error: little spread between ranks leaves the centre nearly
+    as it was; wide spread overrules it (inverse-variance weights, computed by hand here)."""
+    from poise.runtime import selfcal
+
+    rng = np.random.default_rng(0)
+    m = rng.uniform(1.0, 10.0, size=(12, 3))  # [S, D] model seconds
+    drift = rng.uniform(0.0, 2.0, size=(12, 1))
+    y = 2.0 * m + 3.0 + drift
+    k, se, fixed = selfcal.fit_marginal(y, m, centre=1.0, centre_se=float("inf"))
+    assert k == pytest.approx(2.0) and se < 1e-6
+    assert fixed == pytest.approx(3.0 + float(drift.mean()))
+    through_origin = selfcal.fit_scale(y.max(axis=1), m.max(axis=1), 0.0)
+    assert through_origin > 2.2
+    # a centre known exactly wins; one not known at all leaves the data's slope
+    assert selfcal.fit_marginal(y + rng.normal(0, 0.1, y.shape), m, 5.0, 1e-9)[0] == (
+        pytest.approx(5.0)
+    )
+    # by hand: within-step deviations, residual variance over n - S - 1 degrees of freedom
+    noisy = y + rng.normal(0.0, 0.5, y.shape)
+    dm, dy = m - m.mean(1, keepdims=True), noisy - noisy.mean(1, keepdims=True)
+    k_w = float((dy * dm).sum() / (dm * dm).sum())
+    resid = dy - k_w * dm
+    se_w = float(np.sqrt((resid**2).sum() / (m.size - 12 - 1) / (dm * dm).sum()))
+    want = (k_w / se_w**2 + 1.0 / 0.05**2) / (1 / se_w**2 + 1 / 0.05**2)
+    got, got_se, _ = selfcal.fit_marginal(noisy, m, centre=1.0, centre_se=0.05)
+    assert got == pytest.approx(want) and got_se == pytest.approx((1 / se_w**2 + 400) ** -0.5)
+    # ranks all alike: nothing to fit, the centre stands
+    flat = np.ones((5, 2))
+    assert selfcal.fit_marginal(3.0 * flat, flat, 1.5, 0.2)[:2] == (1.5, 0.2)
+
+
+def test_fit_cluster_takes_the_marginal_compute_from_every_ranks_seconds() -> None:
+    """`_replica_case`'s two plans, every rank's expert seconds 2 x its modelled forward + 5 us
+    a step: `k_compute` 2 and `expert_fixed_s` 5 us from the ranks' own seconds (the slowest
+    rank's alone, through the origin, fitted more); the next fit starts from it, and on steps
+    whose ranks computed alike (no spread: nothing to fit) keeps it."""
+    from poise.runtime import selfcal
+
+    cost, static, _, counts = _replica_case()
+    steps = np.stack([counts, 2 * counts, 3 * counts, 4 * counts])
+    rank = 2.0 * selfcal.device_compute(cost, static, steps) + 5e-6
+    measured = np.zeros((4, len(selfcal.MEASURED)))
+    measured[:, selfcal.EXPERTS] = rank.max(axis=1)
+    _, fit = selfcal.fit_cluster(cost.cluster, cost, static, steps, measured, rank_experts=rank)
+    assert fit.k_compute == pytest.approx(2.0) and fit.expert_fixed_s == pytest.approx(5e-6)
+    assert fit.gemm_flops == pytest.approx(cost.cluster.gemm_flops("fp32") / 2.0)
+    _, old = selfcal.fit_cluster(cost.cluster, cost, static, steps, measured, prior_rows=0)
+    assert old.k_compute > 2.1
+    alike = np.full_like(steps, 20.0)  # every device computes 40 tokens: the previous fit stands
+    _, kept = selfcal.fit_cluster(
+        cost.cluster, cost, static, alike, measured, previous=fit, rank_experts=rank
+    )
+    assert kept.k_compute == pytest.approx(2.0)
+
+
 def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     import threading
 
@@ -1242,6 +1330,12 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     paid = run_job(replace(job, probes=probes)).paid
     assert paid is not None and paid.probes == n
     assert paid.wall_saving_s == pytest.approx(1e-3) and paid.wall_se_s == pytest.approx(0.0)
+    # calibrating, the compute is fitted on every rank's own seconds where the job has them:
+    # 3 x the model's per device (steps scaled so that the ranks' rows differ step to step)
+    steps = history * np.arange(1, 5)[:, None, None, None]
+    own = 3.0 * selfcal.device_compute(cost, replica, steps)
+    fitted = run_job(replace(job, fit_counts=steps, calibrate=True, fit_rank_experts=own)).fit
+    assert fitted.k_compute == pytest.approx(3.0)
 
 
 @pytest.mark.dist
@@ -1261,6 +1355,13 @@ def test_every_rank_s_seconds_are_recorded_as_it_measured_them(two_ranks: list[d
                     other["own_experts"][step], abs=1e-9
                 )
     assert any(x > 0 for run in runs for g in run["rank_seconds"] for x in g["transfers_s"])
+    # the planning jobs fit the compute on those seconds, each fit step's row as gathered
+    by_step = dict(enumerate(g["experts_s"] for g in runs[0]["rank_seconds"]))
+    jobs = runs[0]["job_rank_experts"]
+    assert jobs and all(job for job in jobs)
+    for job in jobs:
+        for step, row in job.items():
+            assert row == pytest.approx(by_step[step], abs=1e-9)
 
 
 def test_probe_steps_idle_the_replicas_and_keep_the_mathematics(two_ranks: list[dict]) -> None:

@@ -49,7 +49,9 @@ The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -281,30 +283,10 @@ class PlanPricer:
         """Phase times `[L]` and the per-device computed tokens `[L, D]` on `counts[L, D, E]`,
         plus the one-off `migrations` rows (layer, expert, old home, new home)."""
         cost = self.cost
-        counts = cost.check_loads(counts)
-        if cost.schedule.pads:  # DeepSpeed-MoE's dispatcher: every pair at capacity
-            counts = padded_counts(counts)
-        if counts.shape[0] != self.layers:
-            raise PlanError(
-                f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"
-            )
+        counts = self._checked(counts)
         cluster, spec, L = cost.cluster, cost.spec, self.layers
-        whole = self.routing
-        if self.assignment.by_counts:  # this step's split of the replicated experts' tokens
-            whole = Routing(
-                cluster, self.placement, self.assignment.resolve(self.placement, counts)
-            )
-        # Layers in chunks of at most PRICE_CHUNK_CELLS cells: the temporaries stay small enough
-        # for the allocator to reuse (no page faults per step on 8,192 devices), same results.
-        per_chunk = max(1, PRICE_CHUNK_CELLS // max(1, counts[0].size))
         fec, a2a, device_load = np.zeros(L), np.zeros(L), np.zeros((L, cluster.num_devices))
-        for start in range(0, L, per_chunk):
-            stop = min(L, start + per_chunk)
-            routing = whole if per_chunk >= L else whole.take_layers(start, stop)
-            part = counts[start:stop]
-            remote = routing.remote(part)
-            split = routing.split(remote)
-            received = routing.received(part, remote, split)
+        for start, stop, routing, part, remote, split, received in self._chunks(counts):
             rows = received.sum(axis=2)  # [l, D]
             device_load[start:stop] = rows
             per_device = cost.expert_compute_s(received, rows)  # [l, D]
@@ -323,6 +305,49 @@ class PlanPricer:
         fnec, bnec = np.full(L, self.fnec_s), np.full(L, self.bnec_s)
         phases = PhaseTimes.from_parts(a2a, fec, fnec, self.trans_s.copy(), mig, bnec)
         return cost.complete(phases, counts, device_load), device_load
+
+    def _checked(self, counts: np.ndarray) -> np.ndarray:
+        """`counts[L, D, E]` checked, padded to capacity where the schedule pads
+        (DeepSpeed-MoE's dispatcher: every pair at capacity)."""
+        counts = self.cost.check_loads(counts)
+        if self.cost.schedule.pads:
+            counts = padded_counts(counts)
+        if counts.shape[0] != self.layers:
+            raise PlanError(
+                f"loads have {counts.shape[0]} layers, the plan {self.layers}", field="loads"
+            )
+        return counts
+
+    def _chunks(self, counts: np.ndarray) -> Iterator[tuple[Any, ...]]:
+        """`(start, stop, routing, loads, remote, split, received)` per chunk of layers of the
+        checked `counts[L, D, E]`: at most PRICE_CHUNK_CELLS cells each, so the temporaries stay
+        small enough for the allocator to reuse (no page faults per step on 8,192 devices); an
+        assignment that splits by counts resolved on them (this step's split of the replicated
+        experts' tokens)."""
+        L = self.layers
+        whole = self.routing
+        if self.assignment.by_counts:
+            whole = Routing(
+                self.cost.cluster, self.placement, self.assignment.resolve(self.placement, counts)
+            )
+        per_chunk = max(1, PRICE_CHUNK_CELLS // max(1, counts[0].size))
+        for start in range(0, L, per_chunk):
+            stop = min(L, start + per_chunk)
+            routing = whole if per_chunk >= L else whole.take_layers(start, stop)
+            part = counts[start:stop]
+            remote = routing.remote(part)
+            split = routing.split(remote)
+            yield start, stop, routing, part, remote, split, routing.received(part, remote, split)
+
+    def device_compute_s(self, counts: np.ndarray) -> np.ndarray:
+        """`[L, D]` forward expert seconds of every device on `counts[L, D, E]`
+        (`CostModel.expert_compute_s` of the tokens each computes; `phases`' `expert_fwd_s` is
+        the slowest device's per layer, or the shared cores' bound where they are shared)."""
+        counts = self._checked(counts)
+        out = np.zeros((self.layers, self.cost.cluster.num_devices))
+        for start, stop, *_, received in self._chunks(counts):
+            out[start:stop] = self.cost.expert_compute_s(received)
+        return out
 
     def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:
         """The plan's `PlanCost` on `counts[L, D, E]` under the cost model's schedule."""

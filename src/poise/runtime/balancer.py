@@ -551,13 +551,16 @@ class Balancer:
             name: per_rank[:, i].tolist() for i, name in enumerate(selfcal.MEASURED)
         }
         measured = selfcal.across_ranks(per_rank)
-        if self.vote_group is not None and D > 1:
-            measured = self._max_over_vote_group(measured)
+        rank_experts = per_rank[:, selfcal.EXPERTS]
+        if self.vote_group is not None and D > 1:  # every group's planners see the same figures
+            both = self._max_over_vote_group(np.concatenate([measured, rank_experts]))
+            measured, rank_experts = both[: len(measured)], both[len(measured) :]
         self.records.append(
             np.ascontiguousarray(gathered),
             np.concatenate([[self.steps_done], measured]),
             self._layout,
             self.steps_done > self._plan_since,
+            rank_experts,
         )
         self._current.measured_period_s = float(measured[selfcal.PERIOD])
         running = self.probes.probing if self.probes.probing is not None else self.plan
@@ -610,6 +613,7 @@ class Balancer:
         aligned = history[len(history) - len(measured) :]
         under = self.records.under_plan(measured, self._plan_since)
         fit_rows = measured[under]
+        rank_experts = self.records.rank_expert_rows()[under]
         static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
             history, measured
         )
@@ -637,6 +641,7 @@ class Balancer:
             measured_switch=self.guard.k_switch if self.guard.switches else None,
             guarded=self.guard.enabled,
             probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
+            fit_rank_experts=rank_experts,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 

@@ -113,7 +113,9 @@ class PlanningJob:
     once a switch was measured (None before); `horizon`: steps a plan is expected to serve;
     `guarded`: the guard is on (the exits are priced only then); `probes`: the probe steps
     and their neighbours for the paired clock test (None: the Balancer does not probe, and the
-    clock compares with the static steps)."""
+    clock compares with the static steps); `fit_rank_experts[n, D]`: every rank's own expert
+    seconds on the `fit_rows` steps (the marginal compute fit, `selfcal.fit_compute`; None:
+    the slowest rank's alone)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -138,6 +140,7 @@ class PlanningJob:
     measured_switch: float | None
     guarded: bool = True
     probes: Probes | None = None
+    fit_rank_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ def run_job(job: PlanningJob) -> JobResult:
             rows,
             previous=job.previous,
             settled=job.settled,
+            rank_experts=job.fit_rank_experts,
         )
     fitted = CostModel(cluster, job.spec)
     paid = None

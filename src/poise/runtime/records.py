@@ -8,7 +8,9 @@ Per step, aligned (`StepRecords`, each a `deque` of the last `history` steps):
   (`selfcal.across_ranks`);
 - `layout`: the layout the step ran under: `STATIC`, `REPLICAS` (a plan with replicas),
   `OTHER` (a plan without), `PROBE` (a probe step: the plan's homes without its replicas);
-- `settled`: it was not the step that carried a switch.
+- `settled`: it was not the step that carried a switch;
+- `rank_experts`: every rank's own expert seconds `[D]` (the self-calibration's marginal fit,
+  `selfcal.fit_compute`).
 
 From them come the samples the guard judges by (`poise.runtime.guard`): the rows the
 self-calibration fits (`under_plan`), the static and balanced steps of the wall-clock test
@@ -38,12 +40,31 @@ class StepRecords:
         self.measured: deque[np.ndarray] = deque(maxlen=history)
         self.layout: deque[int] = deque(maxlen=history)
         self.settled: deque[bool] = deque(maxlen=history)
+        self.rank_experts: deque[np.ndarray] = deque(maxlen=history)
 
-    def append(self, counts: np.ndarray, row: np.ndarray, layout: int, settled: bool) -> None:
+    def append(
+        self,
+        counts: np.ndarray,
+        row: np.ndarray,
+        layout: int,
+        settled: bool,
+        rank_experts: np.ndarray | None = None,
+    ) -> None:
+        """One step: `rank_experts[D]` (None: not measured per rank, NaN in its place)."""
         self.window.append(counts)
         self.measured.append(row)
         self.layout.append(layout)
         self.settled.append(settled)
+        D = counts.shape[1]
+        self.rank_experts.append(
+            np.full(D, np.nan) if rank_experts is None else np.asarray(rank_experts, float)
+        )
+
+    def rank_expert_rows(self) -> np.ndarray:
+        """`[n, D]` every rank's expert seconds, aligned with `measured_rows` (a copy)."""
+        if not self.rank_experts:
+            return np.zeros((0, 0))
+        return np.stack(self.rank_experts)
 
     def measured_rows(self) -> np.ndarray:
         """`[n, 1 + N_MEASURED]` (a copy; empty when nothing was measured)."""

@@ -13,8 +13,24 @@ a least-squares fit through the origin over a window of steps, pulled towards it
 
     k = (sum_s m_s p_s + w P^2 c) / (sum_s p_s^2 + w P^2),   P = mean_s p_s,  w = prior_rows
 
-1. `k_compute`: measured expert forward seconds over the model's (`expert_fwd_s`); the fitted
-   cluster's peak FLOP/s are the preset's divided by it (centre 1).
+1. `k_compute`: the marginal expert forward seconds of a row over the model's (`fit_marginal`):
+   each rank's own expert seconds `y[s, d]` (`StepRecords.rank_expert_rows`) against the model's
+   for the rows that rank computed, `m[s, d]` (`device_compute`), as `y = k m + c_s`, one
+   intercept per step: balancing moves rows between devices, so what it saves is the marginal
+   seconds of a row. A fit through the origin (`y = k m`) reads the per-call seconds every layer
+   pays whatever its rows (measured on `skewed`, 2 CPU ranks: ~9 ms a step, 2 ms a layer, at
+   7.7 us a row) as per-row seconds, and priced a row 25-65% too dear: on balanced steps (every
+   device near the mean) it fitted k 1.3 times what it fitted on static steps, and the guard's
+   modelled saving of a replica plan came out 3-5 times the paired clock's. Per-step intercepts
+   also take out the machine's drift between steps (it moves every rank's seconds alike). The
+   slope is known only as well as the ranks' rows differ: its standard error (from the
+   residuals) weighs it against the previous fit's (`Fit.k_compute_se`, kept at least
+   `DRIFT` of its value: the machine's speed drifts 10-20% over tens of steps) or, at the first
+   fit, against the fit through the origin on the same samples (an upper bound where the
+   intercept is positive, taken as known to within its own size). The fitted cluster's peak
+   FLOP/s are the preset's divided by it. Without per-rank seconds (a caller that has only the
+   slowest rank's), the slowest rank's seconds over the model's `expert_fwd_s`, through the
+   origin (centre 1).
 2. `k_transfer`: exposed transfer seconds over the model's Trans + Agg, on steps whose plan
    has replicas (the step that carried the switch left out: its boundary holds the one-off
    migration); the fitted cluster's bulk transfers (Trans, Agg, migration:
@@ -58,6 +74,10 @@ MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers
 PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS = range(len(MEASURED))
 WAITED = (BOUNDARY, A2A, TRANSFERS)  # collectives: taken at the rank that waited least
 SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: clipped
+# The least relative standard error a previous fit's k_compute carries into the next window:
+# the machine's speed drifts 10-20% over tens of steps (docs/benchmarks.md, identical static
+# runs), so a figure fitted a window ago is not known better than that now.
+DRIFT = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,8 @@ class Fit:
     rows: int = 0
     gemm_flops: float = 0.0
     intra_bw_Bps: float = 0.0
+    k_compute_se: float = float("inf")  # `k_compute`'s standard error (inf: not measured)
+    expert_fixed_s: float = 0.0  # per step: the expert seconds no row accounts for (intercept)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,6 +224,72 @@ def scaled_cluster(
     )
 
 
+def device_compute(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
+    """`[S, D]` the model's forward expert seconds of every device under `plan` on each step of
+    `counts[S, L, D, E]`, summed over layers (`PlanPricer.device_compute_s`)."""
+    S, L = counts.shape[:2]
+    layers = np.tile(np.arange(L), S)
+    pricer = cost.pricer(plan.placement.take_layers(layers), plan.assignment.take_layers(layers))
+    per_layer = pricer.device_compute_s(counts.reshape(S * L, *counts.shape[2:]))  # [S * L, D]
+    return per_layer.reshape(S, L, -1).sum(axis=1)
+
+
+def fit_marginal(
+    y: np.ndarray, m: np.ndarray, centre: float, centre_se: float
+) -> tuple[float, float, float]:
+    """`(k, se, fixed)`: the marginal scale `k` of `y[S, D] = k m[S, D] + c_s` (one intercept
+    per step; rows with a non-finite `y` left out), its standard error, weighed against `centre`
+    known to within `centre_se` by inverse variance (module docstring, 1), and `fixed`, the mean
+    intercept. Within step s, with deviations from the step's means `y' = y - mean_d y`,
+    `m' = m - mean_d m`:
+
+        k_w = sum y' m' / sum m'^2,   se_w^2 = sum (y' - k_w m')^2 / (n - S - 1) / sum m'^2
+
+    over the n samples of S steps; `k = (k_w / se_w^2 + centre / centre_se^2) / (1 / se_w^2 +
+    1 / centre_se^2)`. With fewer than S + 2 samples or no spread, `centre` as it is."""
+    y, m = np.asarray(y, float), np.asarray(m, float)
+    ok = np.isfinite(y).all(axis=1) & np.isfinite(m).all(axis=1)
+    y, m = y[ok], m[ok]
+    S, D = y.shape if y.ndim == 2 else (0, 0)
+    n = S * D
+    dm = m - m.mean(axis=1, keepdims=True)
+    dy = y - y.mean(axis=1, keepdims=True)
+    sxx = float((dm * dm).sum())
+    if n < S + 2 or not sxx > 0:
+        fixed = float((y - centre * m).mean()) if n else 0.0
+        return float(centre), float(centre_se), fixed
+    k_w = float((dy * dm).sum()) / sxx
+    resid = dy - k_w * dm
+    se_w = float(np.sqrt(max(float((resid * resid).sum()), 1e-30) / (n - S - 1) / sxx))
+    if np.isfinite(centre_se) and centre_se > 0:
+        w_w, w_c = 1.0 / se_w**2, 1.0 / centre_se**2
+        k = (k_w * w_w + centre * w_c) / (w_w + w_c)
+        se = float(np.sqrt(1.0 / (w_w + w_c)))
+    else:
+        k, se = k_w, se_w
+    k = float(np.clip(k, *SCALE_LIMITS))
+    return k, se, float((y - k * m).mean())
+
+
+def fit_compute(
+    cost: CostModel, plan: Plan, counts: np.ndarray, rank_experts: np.ndarray,
+    previous: Fit | None,
+) -> tuple[float, float, float]:  # fmt: skip
+    """`(k_compute, se, fixed)` from every rank's expert seconds `rank_experts[S, D]` on the
+    steps `counts[S, L, D, E]` run under `plan` (module docstring, 1)."""
+    m = device_compute(cost, plan, counts)
+    y = np.asarray(rank_experts, float)
+    if previous is not None and np.isfinite(previous.k_compute_se):
+        centre = previous.k_compute
+        centre_se = max(previous.k_compute_se, DRIFT * previous.k_compute)
+    else:  # through the origin on the same samples, known to within its own size
+        ok = np.isfinite(y) & (m > 0)
+        centre = float((y[ok] * m[ok]).sum() / max(float((m[ok] * m[ok]).sum()), 1e-30))
+        centre = float(np.clip(centre if ok.any() else 1.0, *SCALE_LIMITS))
+        centre_se = centre
+    return fit_marginal(y, m, centre, centre_se)
+
+
 def fit_cluster(
     prior: Cluster,
     cost: CostModel,
@@ -211,17 +299,24 @@ def fit_cluster(
     prior_rows: float = 4.0,
     previous: Fit | None = None,
     settled: np.ndarray | None = None,
+    rank_experts: np.ndarray | None = None,
 ) -> tuple[Cluster, Fit]:
     """The cluster fitted to `measured[S, len(MEASURED)]` (seconds per step, `across_ranks`)
     from steps run under `plan` with `counts[S, L, D, E]` (module docstring); `cost` prices on
     `prior`; `previous`: the last fit (its `k_transfer` is the centre and is kept when no
-    replica ran); `settled[S]` (default all): the steps whose transfers are steady (not the
-    one that carried the switch)."""
+    replica ran; its `k_compute`, the centre of the marginal fit); `settled[S]` (default all):
+    the steps whose transfers are steady (not the one that carried the switch);
+    `rank_experts[S, D]`: every rank's own expert seconds on those steps (None: only the
+    slowest rank's, in `measured`, fitted through the origin)."""
     k_t0 = previous.k_transfer if previous is not None else 1.0
     if len(counts) == 0:
         return scaled_cluster(prior, 1.0, k_t0), _fit_of(prior, cost, 1.0, k_t0, 0.0, 0)
     base = predicted_phases(cost, plan, counts)
-    k_c = fit_scale(measured[:, EXPERTS], base[:, 0], prior_rows)
+    k_se, fixed = float("inf"), 0.0
+    if rank_experts is not None:
+        k_c, k_se, fixed = fit_compute(cost, plan, counts, rank_experts, previous)
+    else:
+        k_c = fit_scale(measured[:, EXPERTS], base[:, 0], prior_rows)
     k_t = k_t0
     if plan.placement.copies.sum() > plan.placement.home.size:  # replicas: Trans and Agg ran
         steady = np.ones(len(counts), bool) if settled is None else np.asarray(settled, bool)
@@ -233,7 +328,9 @@ def fit_cluster(
     host_s = host.dispatch_fwd_s * cost.spec.moe_layers + host.dispatch_fwd_s_per_row * base[:, 3]
     beyond = measured[:, A2A] - base[:, 1] - host_s
     h = max(0.0, fit_slope(beyond, base[:, 3], prior_rows, centre=0.0))
-    return scaled_cluster(prior, k_c, k_t, h), _fit_of(prior, cost, k_c, k_t, h, len(counts))
+    fit = _fit_of(prior, cost, k_c, k_t, h, len(counts))
+    fit = dataclasses.replace(fit, k_compute_se=k_se, expert_fixed_s=fixed)
+    return scaled_cluster(prior, k_c, k_t, h), fit
 
 
 def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
@@ -258,8 +355,11 @@ __all__ = [
     "Fit",
     "across_ranks",
     "busy_and_transfers",
+    "device_compute",
     "exposed_transfers_s",
     "fit_cluster",
+    "fit_compute",
+    "fit_marginal",
     "fit_scale",
     "fit_slope",
     "live_parts",
