@@ -44,7 +44,9 @@ The JSON line also gives the measured parts: non-expert ms per step, slowest-ran
 step, the mean slowest/mean rank load, and auto's extra ms per step by phase over static; and
 `auto_paired_clock_ms`, per auto run, the guard's last paired clock (`[saving ms a step,
 standard error, probes]`: probe steps against their neighbours within the run, which the
-machine's drift between runs does not reach; None where the run never probed).
+machine's drift between runs does not reach; None where the run never probed) and
+`auto_modelled_clock_ms`, what the run's fitted cost model predicted that clock would measure
+(`poise.runtime.guard.modelled_clock`; None where the run never probed).
 
 Settings (one JSON line each; `--settings all` runs every one):
 
@@ -266,6 +268,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         # each auto run's own paired clock (probe steps against their neighbours, in-run: the
         # drift between runs cancels): ms a step the replicas saved, its standard error, probes
         "auto_paired_clock_ms": [paired_clock_ms(x) for x in runs["auto"]],
+        # ... and what the run's fitted cost model predicted it would measure, ms a step
+        "auto_modelled_clock_ms": [modelled_clock_ms(x) for x in runs["auto"]],
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
@@ -277,6 +281,15 @@ def paired_clock_ms(run: Any) -> list[float] | None:
     if not v.get("probes") or v.get("wall_saving_s") is None:
         return None
     return [round(v["wall_saving_s"] * 1e3, 1), round(v["wall_se_s"] * 1e3, 1), int(v["probes"])]
+
+
+def modelled_clock_ms(run: Any) -> float | None:
+    """The model's prediction of the same last verdict's paired clock (ms a step;
+    `poise.runtime.guard.modelled_clock`), None when the run never probed."""
+    v = getattr(run, "last_verdict", {}) or {}
+    if not v.get("probes") or v.get("modelled_clock_s") is None:
+        return None
+    return round(v["modelled_clock_s"] * 1e3, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -392,4 +392,8 @@ def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
     assert "6 probe steps" in text and "saved 21.3 ms" in text and "7.0 ms" in text
     assert "beyond 2 standard errors" in text
     text = paired_clock_sentence({"wall_saving_s": -0.009, "wall_se_s": 0.005, "probes": 8})
-    assert "cost 9.0 ms" in text and "not conclusive" in text
+    assert "cost 9.0 ms" in text and "not conclusive" in text and "predicted" not in text
+    text = paired_clock_sentence(
+        {"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6, "modelled_clock_s": 0.0456}
+    )
+    assert "predicted +45.6 ms a step" in text

@@ -113,7 +113,8 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     static_tokens = np.tile(np.array([[[3000.0, 1000.0]]]), (steps, 4, 1))
     auto_tokens = np.full((steps, 4, 2), 2000.0)
 
-    clock = {"wall_saving_s": 0.0123, "wall_se_s": 0.004, "probes": 4}  # auto's paired clock
+    # auto's paired clock, and what its model predicted for it
+    clock = {"wall_saving_s": 0.0123, "wall_se_s": 0.004, "probes": 4, "modelled_clock_s": 0.031}
 
     def fake_train(cfg, world: int):
         assert world == 2
@@ -147,6 +148,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     assert line["target_met"] is False and line["judged_gain"] is True
     assert line["ranks"] == 2
     assert line["auto_paired_clock_ms"] == [[12.3, 4.0, 4]]  # the auto run's own paired clock
+    assert line["auto_modelled_clock_ms"] == [31.0]
 
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:

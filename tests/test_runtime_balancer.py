@@ -1434,6 +1434,10 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     steps = np.stack([counts] * n)
     v = verdict(cost, static, replica, steps, rows(pair_periods[::2]), probes=probes)
     assert (v.wall_saving_s, v.wall_se_s, v.probes) == (saving, se, n)
+    # what the model predicts the clock measures: the homes alone (static's here) 27,840 ns
+    # busy, the replica plan 23,680 ns and 512 ns of Trans + Agg -> 3,648 ns a step
+    assert v.modelled_clock_s == pytest.approx(3_648e-9)
+    assert v.as_dict()["modelled_clock_s"] == v.modelled_clock_s  # as the step's line logs it
     assert SwitchGuard(horizon=10).pays(v)  # conclusive: 5 us > 2 x 0.41 us
     # probes 5 us *faster* than their neighbours: the replicas cost 5 us; the plan goes
     slower = Probes(probes.counts, rows(probe_periods - 10e-6), probes.pair_counts,

@@ -166,12 +166,19 @@ def paired_clock_sentence(verdict: dict[str, Any]) -> str:
         else f"within {CLOCK_Z:g} standard errors, so not conclusive"
     )
     way = "saved" if saving >= 0 else "cost"
-    return (
+    text = (
         f" Within the auto run, where the machine's drift between runs does not reach, its "
         f"{probes} probe steps (the plan's homes without the replicas) against their neighbours "
         f"measured that the replicas {way} {abs(saving) * 1e3:.1f} ms a step (standard error "
         f"{se * 1e3:.1f} ms; {call})."
     )
+    modelled = verdict.get("modelled_clock_s")
+    if modelled is not None:
+        text += (
+            f" The run's fitted cost model had predicted {float(modelled) * 1e3:+.1f} ms a step "
+            "for the same comparison."
+        )
+    return text
 
 
 def demo_json(summary: MeasuredSummary, sims: list, missing: list[str]) -> dict:

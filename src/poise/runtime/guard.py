@@ -176,7 +176,9 @@ class Verdict:
     """Whether the plan in force pays, over `steps` steps run under it: `saving_s` (static's
     busy seconds minus the plan's, priced on those steps' counts) against `cost_s` (their
     measured transfer seconds); `wall_saving_s` (None: not measured) the wall clock's saving
-    per step and `wall_se_s` its standard error (module docstring, test 2)."""
+    per step and `wall_se_s` its standard error (module docstring, test 2); with probes,
+    `modelled_clock_s`, what the cost model predicts the paired clock measures
+    (`modelled_clock`): predicted against measured for the same comparison."""
 
     saving_s: float
     cost_s: float
@@ -184,6 +186,7 @@ class Verdict:
     wall_saving_s: float | None = None
     wall_se_s: float = 0.0
     probes: int = 0  # > 0: the clock's figures come from that many paired probe steps
+    modelled_clock_s: float | None = None
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain JSON-ready values (for a log line)."""
@@ -194,6 +197,7 @@ class Verdict:
             "wall_saving_s": self.wall_saving_s,
             "wall_se_s": self.wall_se_s,
             "probes": self.probes,
+            "modelled_clock_s": self.modelled_clock_s,
         }
 
 
@@ -271,7 +275,8 @@ def verdict(
         if len(probes) < MIN_PROBES or not current.placement.replicas().any():
             return Verdict(saving_s, cost_s, len(counts))
         wall, se = paired_clock(cost, static, probes)
-        return Verdict(saving_s, cost_s, len(counts), wall, se, probes=len(probes))
+        modelled = modelled_clock(cost, current, probes)
+        return Verdict(saving_s, cost_s, len(counts), wall, se, len(probes), modelled)
     if balanced_counts is None or balanced_measured is None:
         balanced_counts, balanced_measured = counts, measured
     if (
@@ -320,6 +325,16 @@ def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, 
     per = np.bincount(probes.pair_of, minlength=n)
     d = r_probe - sums / np.maximum(per, 1)
     return float(d.mean()), float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else float("inf")
+
+
+def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
+    """The cost model's figure for what `paired_clock` measures, per step: on each probe step's
+    counts, the busy seconds of `current`'s homes alone (`homes_alone`, the probe's layout)
+    minus `current`'s, less `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
+    transfer rate); the mean over the probes."""
+    alone = live_parts(cost, homes_alone(current, cost.spec), probes.counts)
+    plan = live_parts(cost, current, probes.counts)
+    return float((alone[:, 0] - plan[:, 0] - plan[:, 1]).mean())
 
 
 def _spread(x: np.ndarray) -> float:
