@@ -1458,6 +1458,74 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     assert v.wall_saving_s is None and v.probes == 0
 
 
+def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monkeypatch) -> None:
+    """`guard.replica_scale` by hand on `_replica_case` (the replica saves B = 27,840 - 23,680
+    = 4,160 ns of busy, its Trans + Agg T = 512 ns): a clock of 2,112 ns a step means the
+    replica cost 4,160 - 2,112 = 2,048 ns = 4 T; a clock above B - T leaves 1; one that measured
+    the replica 5 us slower, (4,160 + 5,000) / 512. A calibrating planning job with such probes
+    records `k_replica` 4 and prices its plans with transfers 4 times as dear (its fitted
+    cluster's `transfer_scale`; the prior's constants otherwise, the job's rows being empty),
+    and `auto`'s migration price is divided by it (a migration is priced at the switch's own
+    scale, not the replicas')."""
+    from dataclasses import replace
+
+    from poise.plan.predict import Predictor
+    from poise.runtime import selfcal
+    from poise.runtime.guard import Probes, replica_scale
+    from poise.runtime.planning_job import PlanningJob, run_job
+    from tests.helpers import toy_spec
+
+    cost, static, replica, counts = _replica_case()
+    n = 4
+    steps = np.stack([counts] * n)
+
+    def probes_with(clock_s: float) -> Probes:
+        rows = np.zeros((n, len(selfcal.MEASURED)))
+        rows[:, selfcal.PERIOD] = 1e-3 + clock_s
+        pairs = np.zeros((n, len(selfcal.MEASURED)))
+        pairs[:, selfcal.PERIOD] = 1e-3
+        return Probes(steps, rows, steps, pairs, np.arange(n))
+
+    assert replica_scale(cost, replica, probes_with(2_112e-9), 2_112e-9) == pytest.approx(4.0)
+    assert replica_scale(cost, replica, probes_with(4e-6), 4e-6) == 1.0
+    assert replica_scale(cost, replica, probes_with(-5e-6), -5e-6) == pytest.approx(9_160 / 512)
+    assert replica_scale(cost, static, probes_with(-5e-6), -5e-6) == 1.0  # no Trans to price
+    rows = np.zeros((n, 1 + len(selfcal.MEASURED)))
+    rows[:, 0] = np.arange(1, n + 1)
+    rows[:, 1 + selfcal.PERIOD] = 1e-3
+    none = np.zeros((0, *counts.shape))
+    job = PlanningJob(
+        history=steps, fit_counts=steps, fit_rows=rows, settled=np.ones(n, dtype=bool),
+        static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
+        balanced_rows=np.zeros((0, rows.shape[1])), current=replica, static=static,
+        prior=cost.cluster, spec=toy_spec(experts=2), previous=selfcal.Fit(), policy="static",
+        predictor=Predictor("last"), options={}, slots=2, calibrate=True, split_tokens=False,
+        horizon=10, measured_switch=None, probes=probes_with(2_112e-9),
+    )  # fmt: skip
+    import poise.runtime.planning_job as planning_job
+
+    seen: dict = {}
+    live_plan = planning_job.live_plan
+
+    def spy(*args):
+        seen["options"] = args[7]
+        return live_plan(*args)
+
+    monkeypatch.setattr(planning_job, "live_plan", spy)
+    result = run_job(job)
+    assert result.paid is not None and result.paid.wall_saving_s == pytest.approx(2_112e-9)
+    # a migration at the transfers' own scale (1 here) on a cluster whose transfers are 4x
+    assert seen["options"]["auto"]["migration_scale"] == pytest.approx(0.25)
+    assert result.fit.k_replica == pytest.approx(4.0) and result.fit.k_transfer == 1.0
+    assert result.cluster.host.transfer_scale == pytest.approx(
+        4.0 * cost.cluster.host.transfer_scale
+    )
+    # no clock this time (no probes): the previous fit's k_replica stands
+    again = run_job(replace(job, probes=None, previous=result.fit))
+    assert again.fit.k_replica == pytest.approx(4.0)
+    assert run_job(replace(job, calibrate=False)).fit.k_replica == 1.0
+
+
 def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
     """`clock_settled` by hand: no verdict, fewer than `MIN_PROBES` probes, a saving within
     `CLOCK_Z` standard errors: not settled; beyond them, either way: settled. A Balancer under

@@ -128,7 +128,13 @@ from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
-from poise.runtime.selfcal import PERIOD, busy_and_transfers, exposed_transfers_s, live_parts
+from poise.runtime.selfcal import (
+    PERIOD,
+    SCALE_LIMITS,
+    busy_and_transfers,
+    exposed_transfers_s,
+    live_parts,
+)
 
 
 @dataclass(frozen=True)
@@ -327,14 +333,42 @@ def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, 
     return float(d.mean()), float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else float("inf")
 
 
-def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
-    """The cost model's figure for what `paired_clock` measures, per step: on each probe step's
+def modelled_clock_parts(cost: CostModel, current: Plan, probes: Probes) -> tuple[float, float]:
+    """`(busy_saving, transfers)` per step, the parts of `modelled_clock`: on each probe step's
     counts, the busy seconds of `current`'s homes alone (`homes_alone`, the probe's layout)
-    minus `current`'s, less `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
-    transfer rate); the mean over the probes."""
+    minus `current`'s, and `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
+    transfer rate); means over the probes."""
     alone = live_parts(cost, homes_alone(current, cost.spec), probes.counts)
     plan = live_parts(cost, current, probes.counts)
-    return float((alone[:, 0] - plan[:, 0] - plan[:, 1]).mean())
+    return float((alone[:, 0] - plan[:, 0]).mean()), float(plan[:, 1].mean())
+
+
+def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
+    """The cost model's figure for what `paired_clock` measures, per step: the busy seconds
+    the replicas save less their Trans + Agg (`modelled_clock_parts`)."""
+    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
+    return busy_saving - transfers
+
+
+def replica_scale(cost: CostModel, current: Plan, probes: Probes, wall_saving_s: float) -> float:
+    """How much dearer the paired clock found `current`'s replicas than their modelled Trans +
+    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C`, the replicas' step
+    cost as measured is `B - C` (what the busy model says they save, less what they saved),
+    and the factor is `(B - C) / T`, at least 1 (a clock above `B - T` is the busy model's
+    error, not the transfers': it does not make them cheaper than they measured) and within
+    `selfcal.SCALE_LIMITS`. 1 where `current` has no Trans (no replicas to price).
+
+    What it stands for: a replica costs a step more than the bytes of its Trans and Agg (the
+    holder's extra slot in forward and backward, the counts it adds to the dispatcher's work,
+    the launches inside the autograd hooks; measured per phase on `skewed`, docs/benchmarks.md),
+    and every replica moves the same bytes (one expert's weights, then its gradients), so a
+    per-replica cost scales like its transfers. The live planner prices replicas with it
+    (`planning_job.run_job`): plans keep only the replicas whose saving exceeds what replicas
+    measured to cost in this run."""
+    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
+    if not transfers > 0:
+        return 1.0
+    return float(np.clip((busy_saving - wall_saving_s) / transfers, 1.0, SCALE_LIMITS[1]))
 
 
 def _spread(x: np.ndarray) -> float:
@@ -583,6 +617,9 @@ __all__ = [
     "assess",
     "exit_plans",
     "fallback_target",
+    "modelled_clock",
+    "modelled_clock_parts",
+    "replica_scale",
     "switch_seconds",
     "verdict",
 ]

@@ -7,6 +7,8 @@ process while training goes on:
 
 1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
 2. judge whether that plan paid on them (`poise.runtime.guard.verdict`), where it is not static;
+   where its paired clock has spoken, price replicas at what it measured them to cost
+   (`guard.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
    expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
@@ -21,6 +23,7 @@ planner can run it in another process, where its Python holds no lock the traini
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +45,7 @@ from poise.runtime.guard import (
     assess,
     exit_plans,
     plan_pays,
+    replica_scale,
     verdict,
 )
 from poise.runtime.homes import keep_homes
@@ -183,8 +187,18 @@ def run_job(job: PlanningJob) -> JobResult:
             balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
             probes=job.probes,
         )  # fmt: skip
+    if job.calibrate:  # replicas priced at what the paired clock measured them to cost
+        k_replica = job.previous.k_replica
+        if paid is not None and paid.probes and paid.wall_saving_s is not None:
+            k_replica = replica_scale(fitted, job.current, job.probes, paid.wall_saving_s)
+        fit = dataclasses.replace(fit, k_replica=k_replica)
+        if k_replica != 1.0:
+            cluster = selfcal.scaled_cluster(
+                job.prior, fit.k_compute, fit.k_transfer * k_replica, fit.dispatch_s_per_row
+            )
+            fitted = CostModel(cluster, job.spec)
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
-    options = with_migration_scale(job.options, k_switch / fit.k_transfer)
+    options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
     plan, loads = live_plan(
         job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
         options, job.split_tokens,
