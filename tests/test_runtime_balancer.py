@@ -719,6 +719,18 @@ def test_guard_prices_switches_with_what_they_measured() -> None:
     assert guard.k_switch == 3.0  # the mean ratio over the switches: (4 + 2) / 2
     assert guard.decide(Assessment(same=True)).reason == "same"
     assert SwitchGuard(horizon=2, enabled=False).decide(plan).adopt  # guard off: adopt
+    # a change of replicas alone (no home moves: modelled 0 s) is priced at what such switches
+    # measured, the mean (one measured below 0 counts as 0), not scaled by k_switch
+    relay = Assessment(False, current_busy_s=1.0, candidate_busy_s=0.99)  # 0.01 s a step
+    assert guard.decide(relay).adopt and guard.decide(relay).switch_s == 0.0  # none measured
+    guard.record_switch(measured_s=0.12, modelled_s=0.0)
+    guard.record_switch(measured_s=-0.02, modelled_s=0.0)
+    assert (guard.relays, guard.relay_s, guard.k_switch) == (2, pytest.approx(0.06), 3.0)
+    d = guard.decide(relay)  # 0.1 s over 10 steps > 1.2 * 0.06 s
+    assert d.adopt and d.switch_s == pytest.approx(0.06)
+    guard.record_switch(measured_s=0.24, modelled_s=0.0)  # mean 0.12: 0.1 < 1.2 * 0.12
+    assert not guard.decide(relay).adopt
+    assert guard.decide(plan).switch_s == pytest.approx(1.5)  # a migration: k_switch 3 x 0.5 s
     refused = Decision(False, "no-gain", gain_s=0.05, switch_s=1.0)
     assert not guard.planning_pays(refused, planning_s=0.1)  # the planner cost more
     assert guard.planning_pays(refused, planning_s=0.01)

@@ -20,6 +20,7 @@ loads:
 
     gain   = (live_s(current) - live_s(candidate)) * horizon          seconds saved
     switch = k_switch * migrate_s(candidate) + wait_s                  seconds the switch costs
+             (+ relay_s where no home moves)
 
 with `horizon` the steps the plan serves before the next re-plan, `migrate_s` the modelled
 one-off transfer (homes moved with their optimizer state; a new replica's fill is not one:
@@ -28,7 +29,13 @@ one, and `live_s` already charges it each step), `k_switch` the measured / model
 the migrations this run already made (before the first, the prior the caller passes: the
 Balancer's is `k_transfer`, the scale this run's other bulk transfers measured against the
 same prior cluster, since a migration is bulk transfers of weights and moments), and `wait_s`
-the seconds the boundary waited for the planner. A switch's measured seconds
+the seconds the boundary waited for the planner, and `relay_s` the mean measured seconds of
+the switches this run made that moved no home (a change of replicas alone: the layers' slots
+re-laid, the routing rebuilt, the new replicas filled, beyond the steady steps' transfers;
+0 before the first). Such a switch is modelled at 0 (no migration), so it has no ratio to
+measure; priced at 0 it was adopted for any gain, however small: on `skewed-4` (4 ranks on
+2 cores) `auto` changed its replicas at every re-plan, each change 15-60 ms of boundary for a
+modelled gain of a few ms a step. A switch's measured seconds
 (`switch_seconds`) are what its step exposed beyond the plan's steady steps: the exposed
 transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less their median
 over the steps after it (which pay the same Trans and Agg) and less the planner wait. The plan
@@ -90,7 +97,10 @@ stays); otherwise the model's (1) does.
    the clock speaks only from at least `MIN_PROBES` probes (before that the model's test
    decides), and the static steps are not used. Each probe forgoes the replicas' saving once,
    so once a shared verdict is conclusive (`clock_settled`) the Balancer stops probing until
-   plans with replicas take over again.
+   plans with replicas take over again. Each probed verdict also carries the fitted model's
+   figure for the same comparison (`modelled_clock`), and the clock prices the replicas the
+   next plans make (`replica_scale`: what they measured to cost a step over their modelled
+   Trans + Agg; `planning_job.run_job`).
 
 When the plan does not pay, it gives way (`SwitchGuard.exit_choice`) to whichever of the
 fresh candidate and the exits (`exit_plans`: the plan's homes without its replicas, when it
@@ -493,6 +503,8 @@ class SwitchGuard:
         self.enabled = enabled
         self.k_switch = 1.0  # the mean measured / modelled ratio once `switches` > 0
         self.switches = 0
+        self.relay_s = 0.0  # the mean measured seconds of switches that moved no home
+        self.relays = 0
         self.fallbacks = 0
         self.idles = 0  # re-plans that did not pay for their planning
         self._skip = 0  # re-plans still to skip
@@ -516,6 +528,8 @@ class SwitchGuard:
             return Decision(False, "same")
         gain = a.live_gain_s(k_transfer) * self.horizon
         switch = self.switch_scale(switch_prior) * a.switch_s + max(0.0, wait_s)
+        if not a.switch_s > 0:  # no home moves: what such switches measured
+            switch += self.relay_s
         if not self.enabled:
             return Decision(True, "off", gain, switch)
         ok = gain > 0 and gain > (1.0 + self.margin) * switch
@@ -523,8 +537,15 @@ class SwitchGuard:
 
     def record_switch(self, measured_s: float, modelled_s: float) -> None:
         """A switch's measured seconds against its modelled ones: `k_switch` becomes the mean
-        ratio over the switches so far."""
-        if not (measured_s > 0 and modelled_s > 0):
+        ratio over the switches so far; a switch modelled at 0 (no home moved) counts towards
+        `relay_s` instead, the mean of such switches' measured seconds (none below 0)."""
+        if not np.isfinite(measured_s):
+            return
+        if not modelled_s > 0:
+            self.relays += 1
+            self.relay_s += (max(0.0, measured_s) - self.relay_s) / self.relays
+            return
+        if not measured_s > 0:
             return
         self.switches += 1
         ratio = measured_s / modelled_s
