@@ -897,6 +897,31 @@ def test_a_conclusive_wall_clock_overrules_the_model() -> None:
     assert v.saving_s > v.cost_s and not guard.pays(v) and guard.model_refuted(v)
 
 
+def test_a_clock_that_refutes_the_models_prediction_judges_the_plan_itself() -> None:
+    """`plan_pays` with probes (hand-made verdicts): a clock of -3 ms a step (standard error
+    8 ms: not conclusive) where the model predicted +15 ms is more than 2 standard errors
+    below the prediction, so the clock's own estimate decides (no saving: the plan goes, and
+    the model that said it paid is refuted); +3 ms under the same refutation keeps it; a
+    prediction the clock does not refute (+10 ms against -3 +- 8: 13 < 16) leaves the model's
+    counterfactual to decide, as without probes or with fewer than `MIN_PROBES`."""
+    from poise.runtime.guard import MIN_PROBES, SwitchGuard, Verdict, plan_pays, prediction_refuted
+
+    def v(clock: float, model: float | None, probes: int = 8, paid: bool = True) -> Verdict:
+        saving, cost = (2.0, 1.0) if paid else (1.0, 2.0)  # the model's counterfactual
+        return Verdict(saving, cost, 10, clock, 8e-3, probes, model)
+
+    assert prediction_refuted(v(-3e-3, 15e-3)) and not plan_pays(v(-3e-3, 15e-3))
+    assert SwitchGuard.model_refuted(v(-3e-3, 15e-3))
+    assert prediction_refuted(v(3e-3, 25e-3)) and plan_pays(v(3e-3, 25e-3, paid=False))
+    assert not prediction_refuted(v(-3e-3, 10e-3)) and plan_pays(v(-3e-3, 10e-3))
+    assert not plan_pays(v(-3e-3, 10e-3, paid=False))
+    assert not prediction_refuted(v(-3e-3, 15e-3, probes=MIN_PROBES - 1))
+    assert plan_pays(v(-3e-3, 15e-3, probes=MIN_PROBES - 1))
+    assert not prediction_refuted(v(-3e-3, None)) and plan_pays(v(-3e-3, None))
+    # a clock above the prediction (not conclusive) does not refute a model that failed it
+    assert not prediction_refuted(v(10e-3, -10e-3)) and not plan_pays(v(10e-3, -10e-3, paid=False))
+
+
 def test_a_plan_that_does_not_pay_gives_way_to_the_best_option() -> None:
     """`exit_choice` by hand (horizon 10, margin 0.2, switches priced at 2x the model):
     nets over the horizon, gain per step x 10 less the switch, the candidate's 1.2 times:

@@ -457,18 +457,41 @@ def clock_settled(v: Verdict | None) -> bool:
     )
 
 
+def prediction_refuted(v: Verdict | None) -> bool:
+    """The paired clock measured the replicas' saving more than `CLOCK_Z` standard errors below
+    what the fitted model predicted for the same comparison (`Verdict.modelled_clock_s`, from
+    at least `MIN_PROBES` probes): the model that would judge the plan is wrong about it."""
+    return (
+        v is not None
+        and v.probes >= MIN_PROBES
+        and v.wall_saving_s is not None
+        and v.modelled_clock_s is not None
+        and v.modelled_clock_s - v.wall_saving_s > CLOCK_Z * v.wall_se_s
+    )
+
+
 def plan_pays(v: Verdict | None) -> bool:
     """Whether the plan in force pays (True without steps run under it): the wall clock decides
     where it is conclusive (balancing slower by more than `CLOCK_Z` standard errors: no; faster
-    by more: yes), the model's counterfactual otherwise (its saving over the static layout on the
-    steps it ran exceeds their measured transfer seconds). Pure, so that the planning job
-    prices the exits only where the leader will weigh them."""
+    by more: yes); where it is not but it refutes the model's prediction for the same
+    comparison (`prediction_refuted`), its own estimate does (a saving above 0); the model's
+    counterfactual otherwise (its saving over the static layout on the steps it ran exceeds
+    their measured transfer seconds). Pure, so that the planning job prices the exits only
+    where the leader will weigh them.
+
+    Why the middle rule: on `skewed-4` (4 ranks on 2 cores, whose ideal is 1.02-1.03x) the
+    clock read -2 to -17 ms a step (standard error 8-11 ms, 8 probes: never conclusive) where
+    the model predicted +15 ms; the model's counterfactual, wrong by more than the clock's
+    noise, kept the replicas for the whole run, and `auto` ran 0.91x static."""
     if v is None or v.steps == 0:
         return True
     if clock_says_slower(v):
         return False
     if v.wall_saving_s is not None and v.wall_saving_s - CLOCK_Z * v.wall_se_s > 0:
         return True
+    if prediction_refuted(v):
+        assert v.wall_saving_s is not None
+        return v.wall_saving_s > 0
     return v.saving_s > v.cost_s
 
 
@@ -568,10 +591,11 @@ class SwitchGuard:
 
     @classmethod
     def model_refuted(cls, v: Verdict | None) -> bool:
-        """The clock measured balancing slower than static while the model's counterfactual
-        said the plan paid: the model that prices plans missed what the clock saw. (Both
-        failing is a plan gone stale, which the model sees too.)"""
-        return cls.clock_says_slower(v) and v is not None and v.saving_s > v.cost_s
+        """The clock failed the plan (measured it slower than static, or refuted the model's
+        prediction and read no saving: `plan_pays`) while the model's counterfactual said it
+        paid: the model that prices plans missed what the clock saw. (Both failing is a plan
+        gone stale, which the model sees too.)"""
+        return v is not None and not plan_pays(v) and v.saving_s > v.cost_s
 
     def exit_choice(
         self,
@@ -640,6 +664,7 @@ __all__ = [
     "fallback_target",
     "modelled_clock",
     "modelled_clock_parts",
+    "prediction_refuted",
     "replica_scale",
     "switch_seconds",
     "verdict",
