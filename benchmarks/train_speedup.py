@@ -46,7 +46,7 @@ step, the mean slowest/mean rank load, and auto's extra ms per step by phase ove
 standard error, probes]`: probe steps against their neighbours within the run, which the
 machine's drift between runs does not reach; None where the run never probed) and
 `auto_modelled_clock_ms`, what the run's fitted cost model predicted that clock would measure
-(`poise.runtime.guard.modelled_clock`; None where the run never probed).
+(`poise.runtime.paired_clock.modelled_clock`; None where the run never probed).
 
 Settings (one JSON line each; `--settings all` runs every one):
 
@@ -276,7 +276,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
 
 def paired_clock_ms(run: Any) -> list[float] | None:
     """`[saving, standard error, probes]` of an auto run's last verdict with probe steps (ms a
-    step; `poise.runtime.guard.paired_clock`), None when it never had one."""
+    step; `poise.runtime.paired_clock.paired_clock`), None when it never had one."""
     v = getattr(run, "last_verdict", {}) or {}
     if not v.get("probes") or v.get("wall_saving_s") is None:
         return None
@@ -285,7 +285,7 @@ def paired_clock_ms(run: Any) -> list[float] | None:
 
 def modelled_clock_ms(run: Any) -> float | None:
     """The model's prediction of the same last verdict's paired clock (ms a step;
-    `poise.runtime.guard.modelled_clock`), None when the run never probed."""
+    `poise.runtime.paired_clock.modelled_clock`), None when the run never probed."""
     v = getattr(run, "last_verdict", {}) or {}
     if not v.get("probes") or v.get("modelled_clock_s") is None:
         return None

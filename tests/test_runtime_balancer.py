@@ -1355,7 +1355,8 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     assert run_job(replace(job, guarded=False)).exits == ()
     # with probes (the Balancer probing), the verdict's clock comes from them: 4 probe steps
     # each 1 ms slower than their one neighbour (the replicas save 1 ms a step, exactly)
-    from poise.runtime.guard import MIN_PROBES, Probes
+    from poise.runtime.guard import MIN_PROBES
+    from poise.runtime.paired_clock import Probes
 
     n = MIN_PROBES
     probe_rows = np.zeros((n, len(selfcal.MEASURED)))
@@ -1445,7 +1446,8 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     drift instead (the clock's older test, without probes); with fewer than `MIN_PROBES`
     probes the clock is not taken."""
     from poise.runtime import selfcal
-    from poise.runtime.guard import MIN_PROBES, Probes, SwitchGuard, paired_clock, verdict
+    from poise.runtime.guard import MIN_PROBES, SwitchGuard, verdict
+    from poise.runtime.paired_clock import Probes, paired_clock
 
     cost, static, replica, counts = _replica_case()
     busy = 27_840e-9
@@ -1496,7 +1498,7 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
 
 
 def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monkeypatch) -> None:
-    """`guard.replica_scale` by hand on `_replica_case` (the replica saves B = 27,840 - 23,680
+    """`replica_scale` by hand on `_replica_case` (the replica saves B = 27,840 - 23,680
     = 4,160 ns of busy, its Trans + Agg T = 512 ns): a clock of 2,112 ns a step means the
     replica cost 4,160 - 2,112 = 2,048 ns = 4 T; a clock above B - T leaves 1; one that measured
     the replica 5 us slower, (4,160 + 5,000) / 512. A calibrating planning job with such probes
@@ -1508,7 +1510,7 @@ def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monk
 
     from poise.plan.predict import Predictor
     from poise.runtime import selfcal
-    from poise.runtime.guard import Probes, replica_scale
+    from poise.runtime.paired_clock import Probes, replica_scale
     from poise.runtime.planning_job import PlanningJob, run_job
     from tests.helpers import toy_spec
 

@@ -150,9 +150,9 @@ def measured_summary(
 
 
 def paired_clock_sentence(verdict: dict[str, Any]) -> str:
-    """The auto run's own paired clock in words (`poise.runtime.guard.paired_clock`: its probe
-    steps, the plan's homes without the replicas, against their neighbours), or nothing when
-    the run never probed."""
+    """The auto run's own paired clock in words (`poise.runtime.paired_clock`: its probe steps,
+    the plan's homes without the replicas, against their neighbours), or nothing when the run
+    never probed."""
     probes = int(verdict.get("probes") or 0)
     saving = verdict.get("wall_saving_s")
     if probes == 0 or saving is None:

@@ -13,7 +13,8 @@
   `selfcal`, `planner`: its adoption rule, self-calibration and background thread; `records`:
   the steps it ran, and the samples the guard judges by; `layer_moves`: routing, Trans, Agg
   and migration on its layers under the plan in force; `probe_steps`: the guard's probe
-  steps);
+  steps; `paired_clock`: what the probe steps measure the replicas to save, and what the model
+  predicted for it);
 - `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
   slots cost no optimizer work);
 - `stats`: `StepStats`, what the Balancer records per step;

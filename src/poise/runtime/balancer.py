@@ -174,7 +174,7 @@ class Balancer:
       `max_probes` such steps since plans with replicas took over, and none once the clock is
       conclusive on them (`guard.clock_settled`). Each probe step against its
       neighbours measures what the replicas save on this machine's clock, paired so that the
-      machine's drift cancels (`guard.paired_clock`); the guard's clock test then uses them
+      machine's drift cancels (`paired_clock.paired_clock`); the guard's clock test then uses them
       instead of the static steps of the run's start. Each probe step forgoes the replicas'
       saving once;
     - `host_link` (default off): where every rank of the group is a CPU process on this host

@@ -88,18 +88,18 @@ stays); otherwise the model's (1) does.
    first settled steps against later windows) came out "different" beyond one standard error
    in 62% of the comparisons and beyond two in 32% (about 32% and 5% expected), because the
    step time wanders by 10-20% over tens of steps. Hence probe steps (`Balancer(probe_every=)`):
-   while a plan with replicas is in force, a step now and then runs on the plan's homes
-   without its replicas, and `paired_clock` compares each with its neighbours (one step
-   away: the same machine speed), `d_i = r(probe i) - mean(r(neighbours))`, saving `mean(d)`,
-   standard error `std(d) / sqrt(P)`: the replicas' measured saving over the same homes
-   alone. On the same static runs, probes every 5 or 10 steps in groups of 5 gave 2-5% beyond
-   the 95% t critical value (t with 4 degrees of freedom, 2.78): nominal. With probing on,
-   the clock speaks only from at least `MIN_PROBES` probes (before that the model's test
-   decides), and the static steps are not used. Each probe forgoes the replicas' saving once,
-   so once a shared verdict is conclusive (`clock_settled`) the Balancer stops probing until
-   plans with replicas take over again. Each probed verdict also carries the fitted model's
-   figure for the same comparison (`modelled_clock`), and the clock prices the replicas the
-   next plans make (`replica_scale`: what they measured to cost a step over their modelled
+   while a plan with replicas is in force, a step now and then runs on the plan's homes without
+   its replicas, and `paired_clock` (`poise.runtime.paired_clock`) compares each with its
+   neighbours (one step away: the same machine speed), `d_i = r(probe i) - mean(r(neighbours))`,
+   saving `mean(d)`, standard error `std(d) / sqrt(P)`: the replicas' measured saving over the
+   same homes alone. On the same static runs, probes every 5 or 10 steps in groups of 5 gave
+   2-5% beyond the 95% t critical value (t with 4 degrees of freedom, 2.78): nominal. With
+   probing on, the clock speaks only from at least `MIN_PROBES` probes (before that the model's
+   test decides), and the static steps are not used. Each probe forgoes the replicas' saving
+   once, so once a shared verdict is conclusive (`clock_settled`) the Balancer stops probing
+   until plans with replicas take over again. Each probed verdict also carries the fitted
+   model's figure for the same comparison (`modelled_clock`), and the clock prices the replicas
+   the next plans make (`replica_scale`: what they measured to cost a step over their modelled
    Trans + Agg; `planning_job.run_job`).
 
 When the plan does not pay, it gives way (`SwitchGuard.exit_choice`) to whichever of the
@@ -135,16 +135,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from poise.core.errors import ConfigError
-from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.placement import Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
-from poise.runtime.selfcal import (
-    PERIOD,
-    SCALE_LIMITS,
-    busy_and_transfers,
-    exposed_transfers_s,
-    live_parts,
-)
+from poise.runtime.homes import homes_alone
+from poise.runtime.paired_clock import Probes, modelled_clock, paired_clock
+from poise.runtime.selfcal import PERIOD, busy_and_transfers, exposed_transfers_s, live_parts
 
 
 @dataclass(frozen=True)
@@ -310,77 +306,6 @@ def verdict(
     return Verdict(saving_s, cost_s, len(counts), wall, se)
 
 
-@dataclass(frozen=True)
-class Probes:
-    """Probe steps and their neighbours for the paired clock test: `counts[P, L, D, E]`,
-    `measured[P, len(selfcal.MEASURED)]` (seconds) of the probe steps (the plan's
-    homes without its replicas); `pair_counts[Q, ...]`, `pair_measured[Q, ...]` the settled
-    steps run under plans with replicas just before and after them, `pair_of[Q]` the probe
-    each belongs to (every probe has one or two)."""
-
-    counts: np.ndarray
-    measured: np.ndarray
-    pair_counts: np.ndarray
-    pair_measured: np.ndarray
-    pair_of: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.counts.shape[0])
-
-
-def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, float]:
-    """`(saving, se)` per step of the replicas over the same homes without them, from probe
-    steps paired with their neighbours (module docstring, test 2): with `r = period -
-    busy_static(counts)` on every step, `d_i = r(probe i) - mean(r(its neighbours))`; the saving
-    is `mean(d)` and its standard error `std(d) / sqrt(P)`. Neighbours one step away share the
-    machine's speed, so its drift, which a reference taken once cannot follow, cancels."""
-    r_probe = probes.measured[:, PERIOD] - live_parts(cost, static, probes.counts)[:, 0]
-    r_pair = probes.pair_measured[:, PERIOD] - live_parts(cost, static, probes.pair_counts)[:, 0]
-    n = len(probes)
-    sums = np.bincount(probes.pair_of, weights=r_pair, minlength=n)
-    per = np.bincount(probes.pair_of, minlength=n)
-    d = r_probe - sums / np.maximum(per, 1)
-    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else float("inf")
-
-
-def modelled_clock_parts(cost: CostModel, current: Plan, probes: Probes) -> tuple[float, float]:
-    """`(busy_saving, transfers)` per step, the parts of `modelled_clock`: on each probe step's
-    counts, the busy seconds of `current`'s homes alone (`homes_alone`, the probe's layout)
-    minus `current`'s, and `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
-    transfer rate); means over the probes."""
-    alone = live_parts(cost, homes_alone(current, cost.spec), probes.counts)
-    plan = live_parts(cost, current, probes.counts)
-    return float((alone[:, 0] - plan[:, 0]).mean()), float(plan[:, 1].mean())
-
-
-def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
-    """The cost model's figure for what `paired_clock` measures, per step: the busy seconds
-    the replicas save less their Trans + Agg (`modelled_clock_parts`)."""
-    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
-    return busy_saving - transfers
-
-
-def replica_scale(cost: CostModel, current: Plan, probes: Probes, wall_saving_s: float) -> float:
-    """How much dearer the paired clock found `current`'s replicas than their modelled Trans +
-    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C`, the replicas' step
-    cost as measured is `B - C` (what the busy model says they save, less what they saved),
-    and the factor is `(B - C) / T`, at least 1 (a clock above `B - T` is the busy model's
-    error, not the transfers': it does not make them cheaper than they measured) and within
-    `selfcal.SCALE_LIMITS`. 1 where `current` has no Trans (no replicas to price).
-
-    What it stands for: a replica costs a step more than the bytes of its Trans and Agg (the
-    holder's extra slot in forward and backward, the counts it adds to the dispatcher's work,
-    the launches inside the autograd hooks; measured per phase on `skewed`, docs/benchmarks.md),
-    and every replica moves the same bytes (one expert's weights, then its gradients), so a
-    per-replica cost scales like its transfers. The live planner prices replicas with it
-    (`planning_job.run_job`): plans keep only the replicas whose saving exceeds what replicas
-    measured to cost in this run."""
-    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
-    if not transfers > 0:
-        return 1.0
-    return float(np.clip((busy_saving - wall_saving_s) / transfers, 1.0, SCALE_LIMITS[1]))
-
-
 def _spread(x: np.ndarray) -> float:
     """The normal-equivalent standard deviation of `x` from its median absolute deviation."""
     return MAD_SIGMA * float(np.median(np.abs(x - np.median(x))))
@@ -397,16 +322,6 @@ def switch_seconds(rows: np.ndarray, step: int, wait_s: float) -> float | None:
         return None
     steady = float(np.median(exposed_transfers_s(after)))
     return float(exposed_transfers_s(carried)[0]) - steady - max(0.0, wait_s)
-
-
-def homes_alone(current: Plan, spec: ModelSpec) -> Plan:
-    """`current`'s homes without its replicas, every token routed to its expert's home (the
-    first exit of `exit_plans`, and a probe step's layout); the assignment splits by counts
-    when `current`'s does. Its transfers: the replicas dropped (no migration)."""
-    p = current.placement
-    homes = Placement.from_homes(p.home, p.devices, p.slots_per_device)
-    assignment = Assignment.to_home(homes).with_split(current.assignment.by_counts)
-    return Plan("homes", homes, assignment, transfers_between(p, homes, spec))
 
 
 def exit_plans(current: Plan, static: Plan, spec: ModelSpec) -> list[Plan]:
@@ -662,10 +577,7 @@ __all__ = [
     "assess",
     "exit_plans",
     "fallback_target",
-    "modelled_clock",
-    "modelled_clock_parts",
     "prediction_refuted",
-    "replica_scale",
     "switch_seconds",
     "verdict",
 ]

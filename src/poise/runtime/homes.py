@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from poise.core.placement import Placement, Plan, transfers_between
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 
 
@@ -64,4 +64,14 @@ def keep_homes(plan: Plan, previous: Placement, spec: ModelSpec) -> Plan:
     )
 
 
-__all__ = ["choose_homes", "keep_homes"]
+def homes_alone(current: Plan, spec: ModelSpec) -> Plan:
+    """`current`'s homes without its replicas, every token routed to its expert's home (the
+    first exit of `guard.exit_plans`, and a probe step's layout); the assignment splits by counts
+    when `current`'s does. Its transfers: the replicas dropped (no migration)."""
+    p = current.placement
+    homes = Placement.from_homes(p.home, p.devices, p.slots_per_device)
+    assignment = Assignment.to_home(homes).with_split(current.assignment.by_counts)
+    return Plan("homes", homes, assignment, transfers_between(p, homes, spec))
+
+
+__all__ = ["choose_homes", "homes_alone", "keep_homes"]

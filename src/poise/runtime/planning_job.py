@@ -8,7 +8,7 @@ process while training goes on:
 1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
 2. judge whether that plan paid on them (`poise.runtime.guard.verdict`), where it is not static;
    where its paired clock has spoken, price replicas at what it measured them to cost
-   (`guard.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
+   (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
    expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
@@ -40,15 +40,14 @@ from poise.plan.predict import Predictor
 from poise.runtime import selfcal
 from poise.runtime.guard import (
     Assessment,
-    Probes,
     Verdict,
     assess,
     exit_plans,
     plan_pays,
-    replica_scale,
     verdict,
 )
 from poise.runtime.homes import keep_homes
+from poise.runtime.paired_clock import Probes, replica_scale
 
 
 def planning_context(

@@ -7,7 +7,7 @@ when `s % every == every // 2` (away from the re-plan boundaries when `every` di
 `max_probes` probes were taken in the episode, and no verdict shared in it was conclusive on
 them (`guard.clock_settled`: more probes would only confirm it, each at the price of the
 replicas' saving once). A probe step routes every token to its expert's home
-(`guard.homes_alone`): the homes keep their slots, the replica slots idle, no Trans before it
+(`homes.homes_alone`): the homes keep their slots, the replica slots idle, no Trans before it
 and no Agg in it; nothing moves, so the mathematics is the plan's. Every rank takes the same
 probe steps (the same boundaries, plans and shared verdicts)."""
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
-from poise.runtime.guard import Verdict, clock_settled, homes_alone
+from poise.runtime.guard import Verdict, clock_settled
+from poise.runtime.homes import homes_alone
 from poise.runtime.layer_moves import LayerMoves
 from poise.runtime.layer_state import same_homes
 

@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 
 from poise.runtime import selfcal
-from poise.runtime.guard import Probes
+from poise.runtime.paired_clock import Probes
 
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
 STATIC, REPLICAS, OTHER, PROBE = range(4)  # the layout a recorded step ran under
@@ -111,8 +111,7 @@ class StepRecords:
         """The probe steps since plans with replicas took over, each with its settled
         neighbours run under them (the rows just before and after it), from `history` and
         `measured` (defaults: the window and the measured rows): the paired clock test's
-        samples (`guard.Probes`, `guard.paired_clock`). A probe with no such neighbour is left
-        out."""
+        samples (`poise.runtime.paired_clock`). A probe with no such neighbour is left out."""
         aligned, measured, layout, settled = self._inputs(history, measured)
         off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
         since = int(off[-1]) + 1 if off.size else 0

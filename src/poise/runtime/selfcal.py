@@ -94,7 +94,7 @@ class Fit:
     intra_bw_Bps: float = 0.0
     k_compute_se: float = float("inf")  # `k_compute`'s standard error (inf: not measured)
     # what the paired clock found replicas to cost over their modelled Trans + Agg
-    # (`guard.replica_scale`; 1: as modelled, or not measured); plans are priced with
+    # (`paired_clock.replica_scale`; 1: as modelled, or not measured); plans are priced with
     # transfers k_transfer * k_replica times the prior's
     k_replica: float = 1.0
     expert_fixed_s: float = 0.0  # per step: the expert seconds no row accounts for (intercept)
