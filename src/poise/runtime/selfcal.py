@@ -131,12 +131,18 @@ def _per_step_layers(
     end to end as `S * L` layers of the plan's own (a layer's phases depend on its own counts
     only), so the phases come back `[S * L]`, the device loads `[S * L, D]`, with the loads
     `[S * L, D, E]` they were priced on."""
+    pricer, loads = _steps_as_layers(cost, plan, counts)
+    phases, device_load = pricer.phases(loads)
+    return phases, device_load, loads
+
+
+def _steps_as_layers(cost: CostModel, plan: Plan, counts: np.ndarray) -> tuple[Any, np.ndarray]:
+    """A pricer of `plan` on every step of `counts[S, L, D, E]` at once, the steps' layers laid
+    end to end as `S * L` layers of the plan's own, and those loads `[S * L, D, E]`."""
     S, L = counts.shape[:2]
     layers = np.tile(np.arange(L), S)
     pricer = cost.pricer(plan.placement.take_layers(layers), plan.assignment.take_layers(layers))
-    loads = counts.reshape(S * L, *counts.shape[2:]).astype(np.float64)
-    phases, device_load = pricer.phases(loads)
-    return phases, device_load, loads
+    return pricer, counts.reshape(S * L, *counts.shape[2:]).astype(np.float64)
 
 
 def across_ranks(per_rank: np.ndarray) -> np.ndarray:
@@ -231,11 +237,9 @@ def scaled_cluster(
 def device_compute(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
     """`[S, D]` the model's forward expert seconds of every device under `plan` on each step of
     `counts[S, L, D, E]`, summed over layers (`PlanPricer.device_compute_s`)."""
-    S, L = counts.shape[:2]
-    layers = np.tile(np.arange(L), S)
-    pricer = cost.pricer(plan.placement.take_layers(layers), plan.assignment.take_layers(layers))
-    per_layer = pricer.device_compute_s(counts.reshape(S * L, *counts.shape[2:]))  # [S * L, D]
-    return per_layer.reshape(S, L, -1).sum(axis=1)
+    pricer, loads = _steps_as_layers(cost, plan, counts)
+    per_layer = pricer.device_compute_s(loads)  # [S * L, D]
+    return per_layer.reshape(*counts.shape[:2], -1).sum(axis=1)
 
 
 def fit_marginal(
@@ -287,9 +291,7 @@ def fit_compute(
         centre = previous.k_compute
         centre_se = max(previous.k_compute_se, DRIFT * previous.k_compute)
     else:  # through the origin on the same samples, known to within its own size
-        ok = np.isfinite(y) & (m > 0)
-        centre = float((y[ok] * m[ok]).sum() / max(float((m[ok] * m[ok]).sum()), 1e-30))
-        centre = float(np.clip(centre if ok.any() else 1.0, *SCALE_LIMITS))
+        centre = fit_scale(y.ravel(), m.ravel(), prior_rows=0.0)
         centre_se = centre
     return fit_marginal(y, m, centre, centre_se)
 
