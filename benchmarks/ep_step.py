@@ -6,7 +6,12 @@ Two ranks, one intra-op thread each, fp32. Each rank runs a residual stack of `-
 layers (SwiGLU experts, d_model 128, d_expert 1024, 32 experts, top-2, 1,024 tokens per rank
 and step, 16 + 2 slots per rank) whose routers are `ReplayRouter`s: each layer's per-expert counts
 follow a recorded trace, scaled to the batch. A step is forward, `(y * g).sum()` backward, router
-gradients summed over ranks, AdamW step.
+gradients summed over ranks, AdamW step (`HomeRowsAdamW`, as `poise train` steps it: the fused
+kernel, on the home slots; the peers below step `torch.optim.AdamW(fused=True)`). The fused
+kernel matters here: the per-tensor AdamW loop takes a slow path on the zero moments of experts
+no token has reached, so under it static EP's idle experts cost optimizer time that uniform
+routing (the ideal) does not pay and balancing cannot win back (150-235 ms a step for the loop,
+about 40 for the fused kernel).
 
 Traces (one JSON line each):
 
@@ -236,7 +241,7 @@ class _PeerRunner:
         self.system = system
         self.model = _peer_model(args, system)
         self.feats, self.want = _routing_features(args, trace, rank)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         gen = torch.Generator().manual_seed(100 + rank)
         self.x = torch.randn(args.tokens, args.d_model, generator=gen)
         self.g = torch.randn(args.tokens, args.d_model, generator=gen)
@@ -310,9 +315,10 @@ class _Runner:
         import torch
 
         from poise.runtime.balancer import Balancer
+        from poise.runtime.home_optimizer import HomeRowsAdamW, home_rows
 
         self.model = _model(args, trace, rank)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = HomeRowsAdamW(self.model.parameters(), home_rows(self.model), lr=1e-4)
         self.balancer = (
             Balancer(
                 self.model,

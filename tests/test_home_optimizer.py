@@ -1,7 +1,7 @@
 """`HomeRowsAdamW`: AdamW on the home rows of stacked expert tensors, nothing on the others.
 
-Reference: `torch.optim.AdamW` itself (the home rows must match it bit for bit; the rows it
-skips must be left exactly as they were)."""
+Reference: `torch.optim.AdamW` itself with the same `fused` flag (the home rows must match it
+bit for bit; the rows it skips must be left exactly as they were)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from poise.core.placement import Assignment, Placement
 from poise.nn import MoE, MoEConfig
 from poise.nn.dispatch import RankRouting
 from poise.nn.slots import SlotMap, slot_maps
-from poise.runtime.home_optimizer import HomeRowsAdamW, home_rows
+from poise.runtime.home_optimizer import HomeRowsAdamW, fused_supported, home_rows
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 
 
-def _pair(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.optim.AdamW, HomeRowsAdamW]:
+def _pair(
+    rows: int, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.optim.AdamW, HomeRowsAdamW]:
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(5, 3, 4))
     b = torch.nn.Parameter(torch.randn(5, 3, 4))
@@ -27,11 +29,14 @@ def _pair(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.optim.AdamW, Hom
     dense_a, dense_b = torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.zeros(7))
     dense_b.data.copy_(dense_a.data)
     ref = torch.optim.AdamW(
-        [{"params": [a], "weight_decay": 0.1}, {"params": [dense_a], "weight_decay": 0.0}], **HYPER
+        [{"params": [a], "weight_decay": 0.1}, {"params": [dense_a], "weight_decay": 0.0}],
+        fused=fused,
+        **HYPER,
     )
     ours = HomeRowsAdamW(
         [{"params": [b], "weight_decay": 0.1}, {"params": [dense_b], "weight_decay": 0.0}],
         {id(b): lambda: rows},
+        fused=fused,
         **HYPER,
     )
     return (a, dense_a), (b, dense_b), ref, ours
@@ -46,8 +51,10 @@ def _steps(ref_params, our_params, ref, ours, n: int = 4) -> None:
         ours.step()
 
 
-def test_home_rows_match_adamw_bit_for_bit_and_the_others_are_untouched():
-    (a, dense_a), (b, dense_b), ref, ours = _pair(rows=3)
+@pytest.mark.parametrize("fused", [True, False])
+def test_home_rows_match_adamw_bit_for_bit_and_the_others_are_untouched(fused: bool):
+    (a, dense_a), (b, dense_b), ref, ours = _pair(rows=3, fused=fused)
+    assert ours.fused is fused
     before = b.detach().clone()
     _steps((a, dense_a), (b, dense_b), ref, ours)
     assert torch.equal(b[:3], a[:3])
@@ -76,6 +83,32 @@ def test_state_dict_round_trips_through_plain_adamw():
 def test_unsupported_modes_are_refused():
     with pytest.raises(ValueError, match="amsgrad"):
         HomeRowsAdamW([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+    with pytest.raises(ValueError, match="fused or foreach"):
+        HomeRowsAdamW([torch.nn.Parameter(torch.zeros(2))], fused=True, foreach=True)
+    ints = torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match="fused=True needs"):
+        HomeRowsAdamW([ints], fused=True)
+
+
+def test_the_fused_kernel_is_the_default_where_it_applies():
+    """CPU float tensors take the fused kernel unless told otherwise; foreach keeps the loop;
+    the fused step equals the loop's to float rounding (the same AdamW)."""
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    assert fused_supported([p]) and HomeRowsAdamW([p]).fused
+    assert not HomeRowsAdamW([p], foreach=True).fused
+    assert not HomeRowsAdamW([p], fused=False).fused
+    assert not fused_supported([torch.zeros(2, dtype=torch.int64)])
+    (_, _), (b1, d1), _, fused = _pair(rows=3, fused=True)
+    (_, _), (b2, d2), _, loop = _pair(rows=3, fused=False)
+    torch.manual_seed(1)
+    for _ in range(3):
+        for x, y in ((b1, b2), (d1, d2)):
+            x.grad = torch.randn_like(x)
+            y.grad = x.grad.clone()
+        fused.step()
+        loop.step()
+    torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(d1, d2, rtol=1e-6, atol=1e-7)
 
 
 def test_home_rows_counts_the_leading_home_slots_of_each_layer():

@@ -32,10 +32,11 @@ Five measurements, each fitted by least squares on relative residuals (`fit.py`)
 
 3. **Optimizer and clipping** over a rank's real parameter tensors (`rank_param_shapes`: the
    model's dense tensors and its stacked expert tensors with S slots, for each S of
-   `slot_counts`, P parameters in all): AdamW's step (`torch.optim.AdamW` with the two groups
-   `poise.train` builds: weight decay on matrices, none on norms) and the gradient norm with
-   clipping as `poise.train.loop` runs it (squares summed per tensor in float64, experts per
-   slot, then every gradient scaled in place); fitted to a + b P: `optimizer_s`,
+   `slot_counts`, P parameters in all): AdamW's step (`HomeRowsAdamW`, the optimizer and
+   kernel `poise.train` runs, with the two groups it builds: weight decay on matrices, none on
+   norms) and the gradient norm with clipping as `poise.train.loop` runs it (squares summed
+   per tensor in float64, `poise.nn.grad_norm`, experts over their home slots, then every
+   gradient scaled in place); fitted to a + b P: `optimizer_s`,
    `optimizer_s_per_param`, `clip_s`, `clip_s_per_param`. Per-tensor overheads and each
    tensor's size against the caches make these depend on the model's tensors, not only on P.
 
@@ -262,6 +263,9 @@ def step_points(
     `config.slot_counts` expert slots (item 3)."""
     import torch
 
+    from poise.nn.grad_norm import squared_norm
+    from poise.runtime.home_optimizer import HomeRowsAdamW
+
     cfg = gpt_config(config)
     points: list[HostPoint] = []
     for slots in config.slot_counts:
@@ -269,24 +273,24 @@ def step_points(
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=1e-3)
+        opt = HomeRowsAdamW(groups, lr=1e-3)  # as `poise.train` steps it (fused on the CPU)
         opt.step()  # the moments exist from here, as in every step after the first
         grads = [p.grad for p in params]
-        home = torch.ones(slots, dtype=torch.bool)
+        homes = slots  # every slot a home slot here, as before a plan replicates
 
         def step(opt: Any = opt) -> tuple[float, float]:
             t0 = time.perf_counter()
             opt.step()
             return time.perf_counter() - t0, 0.0
 
-        def clip(grads: Any = grads, home: Any = home) -> tuple[float, float]:
+        def clip(grads: Any = grads, homes: int = homes) -> tuple[float, float]:
             t0 = time.perf_counter()
             sq = torch.zeros((), dtype=torch.float64)
             for g in grads:
-                if g.ndim == 3:  # stacked expert slots: the home slots' squares
-                    sq += g.double().square().flatten(1).sum(1)[home].sum()
+                if g.ndim == 3:  # stacked expert slots: the leading (home) slots' squares
+                    sq += squared_norm(g[:homes])
                 else:
-                    sq += g.double().square().sum()
+                    sq += squared_norm(g)
             torch._foreach_mul_(grads, 1.0 / (1.0 + float(sq.sqrt())))
             return time.perf_counter() - t0, 0.0
 

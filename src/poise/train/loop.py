@@ -77,6 +77,7 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
+from poise.nn.grad_norm import squared_norm
 from poise.nn.moe import (
     MoE,
     default_slots,
@@ -341,13 +342,13 @@ class _Trainer:
         dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
         for p in self.dense:
             if p.grad is not None:
-                dense_sq += p.grad.double().square().sum()
+                dense_sq += squared_norm(p.grad)
         expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
         for moe in find_moe_layers(self.model):
             homes = int(moe.routing.slots.home.sum())  # the leading slots (`slot_maps`)
             for w in moe.experts.weights():
                 if w.grad is not None:
-                    expert_sq += w.grad[:homes].double().square().sum()
+                    expert_sq += squared_norm(w.grad[:homes])
         if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
             t = expert_sq.to(comm_device(self.ep_group, dev))
             dist.all_reduce(t, group=self.ep_group)
