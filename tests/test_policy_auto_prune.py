@@ -94,17 +94,23 @@ def test_pruning_never_changes_the_plan(case, horizon: int) -> None:
     cluster, spec, slots, loads, _, schedule = case
     cost = CostModel(cluster, spec, schedule)
     plans = {}
-    for prune in (True, False):
-        ctx = PlanContext.create(
+    ctxs = {
+        prune: PlanContext.create(
             cluster,
             spec,
             slots_per_device=slots,
             cost=cost,
             options={"auto": {"prune": prune, "horizon": horizon}},
         )
+        for prune in (True, False)
+    }
+    unpruned_first = make_plan("auto", loads, None, ctxs[False])
+    for prune, ctx in ctxs.items():
         first = make_plan("auto", loads, None, ctx)
-        # Again from its own plan (a `keep` candidate and migrations), on shifted loads.
-        plans[prune] = (first, make_plan("auto", loads[:, ::-1], first, ctx))
+        # Again from a plan in force (a `keep` candidate, migrations and the rivals' trails),
+        # on shifted loads: the same one for both, the unpruned first plan (a rival pruned in
+        # the first call has no trail to continue; module docstring of `auto`).
+        plans[prune] = (first, make_plan("auto", loads[:, ::-1], unpruned_first, ctx))
     for pruned, full in zip(plans[True], plans[False], strict=True):
         _same_plan(pruned, full)
         assert not full.notes["pruned_bound_step_s"]

@@ -137,12 +137,13 @@ class Balancer:
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
     - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);
-    - `options`: per-policy settings (`auto`'s horizon defaults to `replan_every`);
+    - `options`: per-policy settings (`auto`'s horizon is at least `replan_every`,
+      `auto.base_horizon`, and as long as the load pattern has held: `poise.plan.persistence`);
     - `history`: steps of counts kept for the predictor and the policies' look-back;
     - `guard`: adopt a plan only when it pays, fall back to the static layout when it does not
       (`poise.runtime.guard`); False: adopt every plan that differs from the one in force;
       `guard_margin`: the switch must be paid (1 + margin) times; `guard_horizon`: steps a plan
-      is expected to serve (default `replan_every`);
+      is expected to serve (default `replan_every`; an `auto` plan's own horizon where longer);
     - `calibrate`: fit the cluster's compute, transfer and dispatch constants to this run's
       measured phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
       `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
@@ -271,7 +272,7 @@ class Balancer:
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
         self.options = {k: dict(v) for k, v in (options or {}).items()}
-        self.options.setdefault("auto", {}).setdefault("horizon", replan_every)
+        self.options.setdefault("auto", {}).setdefault("base_horizon", replan_every)
         self.check_plans = check_plans
         self._vote_pg = vote_group if vote_group is not None else self.group
         self.leader = is_leader(self._vote_pg)  # plans and decides for every rank

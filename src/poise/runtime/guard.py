@@ -22,7 +22,9 @@ loads:
     switch = k_switch * migrate_s(candidate) + wait_s                  seconds the switch costs
              (+ relay_s where no home moves)
 
-with `horizon` the steps the plan serves before the next re-plan, `migrate_s` the modelled
+with `horizon` the steps the plan serves: the re-planning interval, or, for an `auto` plan, as
+long as its load pattern has held where that is longer (`poise.plan.persistence`: a home moved
+for a pattern that lasts pays over more than one interval), `migrate_s` the modelled
 one-off transfer (homes moved with their optimizer state; a new replica's fill is not one:
 it is the plan's first Trans, launched at the switch's boundary as every boundary launches
 one, and `live_s` already charges it each step), `k_switch` the measured / modelled ratio of
@@ -459,12 +461,13 @@ class SwitchGuard:
         wait_s: float = 0.0,
         k_transfer: float = 1.0,
         switch_prior: float = 1.0,
+        horizon: int | None = None,
     ) -> Decision:
         """Adopt or not (see the module docstring); `switch_prior` is `k_switch` until a switch
-        was measured."""
+        was measured; `horizon`: the steps the saving is credited over (None: `self.horizon`)."""
         if a.same:
             return Decision(False, "same")
-        gain = a.live_gain_s(k_transfer) * self.horizon
+        gain = a.live_gain_s(k_transfer) * (horizon or self.horizon)
         switch = self.switch_scale(switch_prior) * a.switch_s + max(0.0, wait_s)
         if not a.switch_s > 0:  # no home moves: what such switches measured
             switch += self.relay_s
@@ -518,17 +521,20 @@ class SwitchGuard:
         exits: list[Assessment],
         model_refuted: bool,
         switch_prior: float = 1.0,
+        horizon: int | None = None,
     ) -> int:
         """Where to go from a plan in force that does not pay: 0 for the fresh `candidate`,
         `i + 1` for `exits[i]` (`exit_plans`, each priced against the plan in force). Each
         option's net over the horizon is its `live_gain_s * horizon` less its switch
         (`switch_scale * switch_s`, the candidate's `1 + margin` times, as in `decide`); the
         best net wins, an exit on ties. When the clock refuted the model (`model_refuted`),
-        the candidate, which that model priced, is not weighed: only the exits are."""
+        the candidate, which that model priced, is not weighed: only the exits are.
+        `horizon`: as in `decide`."""
         scale = self.switch_scale(switch_prior)
+        steps = horizon or self.horizon
 
         def net(a: Assessment, margin: float) -> float:
-            return a.live_gain_s() * self.horizon - (1.0 + margin) * scale * a.switch_s
+            return a.live_gain_s() * steps - (1.0 + margin) * scale * a.switch_s
 
         nets = [net(a, 0.0) for a in exits]
         best = int(np.argmax(nets)) + 1

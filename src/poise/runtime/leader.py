@@ -54,7 +54,7 @@ def leader_outcome(
     fit, assessment = result.fit, result.assessment
     if not on_static and not guard.pays(result.paid):
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
-    decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer)
+    decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     if decision.adopt:
         reason = decision.reason
     elif on_static and not guard.planning_pays(decision, planning_s):
@@ -88,12 +88,13 @@ def exit_outcome(
         [a for _, a in result.exits],
         model_refuted=guard.model_refuted(result.paid),
         switch_prior=k_transfer,
+        horizon=result.horizon,
     )
     plan, a = options[pick]
     return Outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
-        gain_s=a.live_gain_s() * guard.horizon,
+        gain_s=a.live_gain_s() * (result.horizon or guard.horizon),
         switch_s=guard.switch_scale(k_transfer) * a.switch_s + max(0.0, wait_s),
         predicted_step_s=a.candidate_s,
         modelled_switch_s=a.switch_s,

@@ -151,7 +151,9 @@ class JobResult:
     """The candidate `plan`, its `assessment` against the plan in force, the fitted `cluster`
     and `fit`, and `paid`: whether the plan in force paid (None when it is the static one);
     `exits`: the layouts a fallback may go to, each with its assessment against the plan in
-    force (empty when that is the static one or it paid, `guard.plan_pays`)."""
+    force (empty when that is the static one or it paid, `guard.plan_pays`); `horizon`: the
+    steps the guard credits the candidate's saving over (None: its own; an `auto` plan's
+    horizon where that is longer, `plan_horizon`)."""
 
     plan: Plan
     assessment: Assessment
@@ -159,6 +161,13 @@ class JobResult:
     fit: selfcal.Fit
     paid: Verdict | None
     exits: tuple[tuple[Plan, Assessment], ...] = ()
+    horizon: int | None = None
+
+
+def plan_horizon(plan: Plan, base: int) -> int:
+    """The steps `plan` is priced over: `base`, or the plan's own `horizon` note where longer
+    (`auto`'s, `poise.plan.persistence`: as long as its load pattern has held)."""
+    return max(int(base), int(plan.notes.get("horizon", base)))
 
 
 def run_job(job: PlanningJob) -> JobResult:
@@ -211,13 +220,14 @@ def run_job(job: PlanningJob) -> JobResult:
             (target, assess(fitted, job.current, target, loads, switch_cost=prior, recent=recent))
             for target in exit_plans(job.current, job.static, job.spec)
         )
-    return JobResult(plan, assessment, cluster, fit, paid, exits)
+    return JobResult(plan, assessment, cluster, fit, paid, exits, plan_horizon(plan, job.horizon))
 
 
 __all__ = [
     "JobResult",
     "PlanningJob",
     "live_plan",
+    "plan_horizon",
     "planning_context",
     "run_job",
     "with_migration_scale",

@@ -209,7 +209,8 @@ def simulate(
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
     `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
-    the trace; `options` are per-policy settings (`auto`'s horizon defaults to `replan_every`);
+    the trace; `options` are per-policy settings (`auto`'s horizon is at least `replan_every`:
+    `auto.base_horizon`);
     `progress(done, total)` is called after each priced step of each policy;
     `background_planning`: see the module docstring; `workers`: policies replayed at once in
     threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
@@ -247,7 +248,7 @@ def simulate(
     dense = resolve_dense_params(dense_params, spec)
     host = OutsideTerms.create(cluster, spec, base_ctx.slots_per_device, dense)
     opts = {k: dict(v) for k, v in (options or {}).items()}
-    opts.setdefault("auto", {}).setdefault("horizon", replan_every)
+    opts.setdefault("auto", {}).setdefault("base_horizon", replan_every)
     S, L = scaled.steps, spec.moe_layers
     start: Plan | None = None
     if background_planning:

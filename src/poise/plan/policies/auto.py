@@ -1,7 +1,7 @@
 """`auto`: price every candidate policy per layer with the cost model and keep the cheapest.
 
 For each layer l and candidate c (every registered policy, plus `keep`: the placement in force),
-the cost over the next K steps (K = `horizon`, default the re-planning interval) is
+the cost over the next K steps is
 
     total[c, l] = K * (layer_s[c, l] - migrate_s[c, l]) + m * migrate_s[c, l]
 
@@ -9,7 +9,11 @@ i.e. K steps of the candidate's recurring time plus its one-off migration from t
 force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it to
 what its switches measured against the model (moving homes with their optimizer moments in one
 burst at a step boundary costs more per byte than the steady Trans and Agg the links are fitted
-to); `m = inf` allows no migration (replicas only). `auto` keeps, per layer, the candidate with
+to); `m = inf` allows no migration (replicas only). K is option `horizon` where it is set,
+else the steps the load pattern is expected to last (`auto_horizon`, `poise.plan.persistence`:
+at least option `base_horizon`, which the live Balancer and the simulator set to the
+re-planning interval, and as many steps as the forecast has held in the history; the plan's
+notes say `horizon`). `auto` keeps, per layer, the candidate with
 the least total; so it moves only when the gain over the next K steps exceeds the cost of
 moving. Layers are priced independently (the step time is a sum over layers), so with no
 placement in force the result is never slower than any candidate. Candidates within relative
@@ -38,7 +42,10 @@ Pruning (option `prune`, default on): a candidate with a registered lower bound
 only if `horizon * bound` is inside the least total's tie window in at least one layer; a
 candidate skipped so could neither be kept nor tie, so the plan is the same as without pruning
 (`tests/test_policy_auto_prune.py`; the bound holds for its trail's plan too, and a skipped
-candidate's trail waits where it was). The notes list skipped candidates with their bound, and
+candidate's trail waits where it was). The same inputs give the same plan; a replay with
+pruning can still part from one without at a later call, where a rival pruned earlier has no
+trail (or an older one) to continue while the unpruned replay continues the rival's newer plan.
+The notes list skipped candidates with their bound, and
 under `alone` the rivals that also ran from their trails.
 """
 
@@ -55,6 +62,7 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
+from poise.plan.persistence import persistence_horizon
 from poise.plan.policies.base import (
     BUILDS_ON,
     HELPER_CPU_NOTE,
@@ -213,7 +221,7 @@ class Candidates:
 
 @register("auto")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
-    horizon = float(ctx.option("auto", "horizon", DEFAULT_HORIZON))
+    horizon = auto_horizon(loads, ctx)
     L = loads.shape[0]
     made = Candidates(previous, loads, ctx, horizon)
     candidates = candidate_names(ctx)
@@ -249,6 +257,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "candidate_step_s": {n: float(p.cost.step_s) for n, p in zip(names, plans, strict=True)},
         "pruned_bound_step_s": pruned,
         "alone": made.alone,
+        "horizon": horizon,
         HELPER_CPU_NOTE: made.helper_cpu_s,
     }
     for p in plans:
@@ -284,6 +293,20 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         notes=notes,
         trails=made.trails,
     )
+
+
+def auto_horizon(loads: np.ndarray, ctx: PlanContext) -> float:
+    """K: option `horizon` where set (a fixed number of steps); else the load pattern's
+    persistence (`poise.plan.persistence.persistence_horizon`: at least option `base_horizon`,
+    default `DEFAULT_HORIZON`, longer as the forecast `loads[L, D, E]` has held in the
+    context's history)."""
+    fixed = ctx.option("auto", "horizon", None)
+    if fixed is not None:
+        return float(fixed)
+    base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
+    if ctx.history is None or len(ctx.history) == 0:
+        return float(base)
+    return float(persistence_horizon(ctx.history, loads.sum(axis=1), base))
 
 
 def _totals(plans: list[Plan], horizon: float, migration_scale: float = 1.0) -> np.ndarray:
