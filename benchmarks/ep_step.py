@@ -10,8 +10,9 @@ gradients summed over ranks, AdamW step (`HomeRowsAdamW`, as `poise train` steps
 kernel, on the home slots; the peers below step `torch.optim.AdamW(fused=True)`). The fused
 kernel matters here: the per-tensor AdamW loop takes a slow path on the zero moments of experts
 no token has reached, so under it static EP's idle experts cost optimizer time that uniform
-routing (the ideal) does not pay and balancing cannot win back (150-235 ms a step for the loop,
-about 40 for the fused kernel).
+routing (the ideal) does not pay and balancing cannot win back (200-235 ms a step for the loop
+in static and balanced against 142-165 for the ideal; about 40 for all three with the fused
+kernel; `benchmarks/adamw_kernels.py`).
 
 Traces (one JSON line each):
 
