@@ -13,6 +13,8 @@ the load is balanced. One-process tests cover the helpers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -789,6 +791,36 @@ def test_guard_prices_a_plan_by_its_live_parts() -> None:
     assert not guard.decide(b).adopt
     hot = assess(cost, static, replica, counts, recent=np.stack([counts, counts]))
     assert hot.live_gain_s() == pytest.approx(a.live_gain_s())  # recent = forecast: unchanged
+
+
+def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> None:
+    """The recent steps' gains a step (the hand-computed cases above): a hot step gains 4,160 ns
+    of busy and -512 of transfers, a cold one -3,840 and -512. Their mean's standard error is
+    the sample standard deviation over sqrt(2); the guard takes `CLOCK_Z` of it off the gain."""
+    from poise.runtime.guard import CLOCK_Z, Assessment, SwitchGuard, assess
+
+    cost, static, replica, counts = _replica_case()
+    cold = np.array([[[30, 10], [40, 20]]], dtype=float)
+    mixed = assess(cost, static, replica, counts, recent=np.stack([counts, cold]))
+    busy = np.array([4_160e-9, -3_840e-9])
+    assert mixed.recent_busy_gain_s == pytest.approx(busy.mean())
+    assert mixed.recent_gain_se_s() == pytest.approx(busy.std(ddof=1) / np.sqrt(2))
+    same = assess(cost, static, replica, counts, recent=np.stack([counts, counts]))
+    assert same.recent_gain_se_s() == 0.0  # identical steps: no spread
+    assert assess(cost, static, replica, counts, recent=counts[None]).recent_gain_se_s() == 0.0
+    # busy and transfers together, for any transfer scale k: var_b + k^2 var_t + 2 k cov
+    a = Assessment(False, recent_gain_cov=(4e-6, 1e-6, -1e-6))
+    assert a.recent_gain_se_s(3.0) == pytest.approx(np.sqrt(4e-6 + 9e-6 - 6e-6))
+    # 0.01 s a step over 10 steps against a 0.05 s switch (margin 0.2: 0.06 needed)
+    guard = SwitchGuard(horizon=10, margin=0.2)
+    sure = Assessment(
+        False, switch_s=0.05, current_busy_s=1.0, candidate_busy_s=0.99,
+        recent_busy_gain_s=0.01, recent_transfers_gain_s=0.0, recent_gain_cov=(1e-6, 0.0, 0.0),
+    )  # fmt: skip
+    assert guard.decide(sure).adopt  # 0.1 - 2 * 0.001 * 10 = 0.08 > 0.06
+    noisy = dataclasses.replace(sure, recent_gain_cov=(1e-4, 0.0, 0.0))
+    assert CLOCK_Z == 2.0 and not guard.decide(noisy).adopt  # 0.1 - 0.2 < 0.06
+    assert not guard.decide(noisy, horizon=100).adopt  # the doubt grows with the horizon too
 
 
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:

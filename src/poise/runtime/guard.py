@@ -41,7 +41,12 @@ modelled gain of a few ms a step. A switch's measured seconds
 (`switch_seconds`) are what its step exposed beyond the plan's steady steps: the exposed
 transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less their median
 over the steps after it (which pay the same Trans and Agg) and less the planner wait. The plan
-is adopted iff `gain > (1 + margin) * switch` and `gain > 0`. A candidate equal to the plan in
+is adopted iff `gain - CLOCK_Z * se * horizon > (1 + margin) * switch` and `gain > 0`, with
+`se` the standard error of the recent steps' mean gain a step (`Assessment.recent_gain_se_s`,
+from the spread of the gains those steps' own counts give): a gain the steps' spread cannot
+tell from the switch's price is not taken (on `skewed-4` `auto` had adopted at 7 of 9
+re-plans, twice moving 19-22 homes, for savings 1.1-1.6 times the switch while the clock read
+none). A candidate equal to the plan in
 force (same placement and assignment) is skipped outright: no transfer, no routing change.
 The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
 the last `horizon` steps' actual counts (`assess(..., recent=)`): a plan fitted to a smoothed
@@ -152,7 +157,10 @@ class Assessment:
     migration; `*_busy_s`, `*_transfers_s` the live parts per step (module docstring); `same`:
     the candidate's placement and assignment equal the current ones. `recent_busy_gain_s`,
     `recent_transfers_gain_s` (None without recent steps): the same per-step differences
-    (current minus candidate), averaged over the recent steps' actual counts."""
+    (current minus candidate), averaged over the recent steps' actual counts;
+    `recent_gain_cov`: the covariance `[var busy, var transfers, cov]` of those two means over
+    the steps (their sample covariance over the number of steps; None with fewer than two),
+    for the standard error of the gain (`recent_gain_se_s`)."""
 
     same: bool
     current_s: float = 0.0
@@ -164,6 +172,16 @@ class Assessment:
     candidate_transfers_s: float = 0.0
     recent_busy_gain_s: float | None = None
     recent_transfers_gain_s: float | None = None
+    recent_gain_cov: tuple[float, float, float] | None = None
+
+    def recent_gain_se_s(self, k_transfer: float = 1.0) -> float:
+        """The standard error of the recent steps' mean gain per step, `busy + k_transfer *
+        transfers` (0 where fewer than two steps were priced): how far the mean of those steps'
+        own gains could lie from what the plan earns a step, from their spread alone."""
+        if self.recent_gain_cov is None:
+            return 0.0
+        var_b, var_t, cov = self.recent_gain_cov
+        return float(np.sqrt(max(0.0, var_b + k_transfer**2 * var_t + 2 * k_transfer * cov)))
 
     def live_gain_s(self, k_transfer: float = 1.0) -> float:
         """`live_s(current) - live_s(candidate)` per step: on the forecast, and no more than on
@@ -253,12 +271,17 @@ def assess(
     cur_busy, cur_tr = busy_and_transfers(cur_phases)
     new_busy, new_tr = busy_and_transfers(new_phases)
     recent_gain: tuple[float | None, float | None] = (None, None)
+    cov: tuple[float, float, float] | None = None
     if recent is not None and len(recent):
-        diff = (live_parts(cost, current, recent) - live_parts(cost, candidate, recent)).mean(0)
-        recent_gain = (float(diff[0]), float(diff[1]))
+        steps = live_parts(cost, current, recent) - live_parts(cost, candidate, recent)  # [S, 2]
+        recent_gain = (float(steps[:, 0].mean()), float(steps[:, 1].mean()))
+        if len(steps) > 1:
+            c = np.cov(steps, rowvar=False) / len(steps)  # of the means
+            cov = (float(c[0, 0]), float(c[1, 1]), float(c[0, 1]))
     return Assessment(
-        False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr, *recent_gain
-    )
+        False, now.step_s, new.step_s, switch, cur_busy, new_busy, cur_tr, new_tr, *recent_gain,
+        cov,
+    )  # fmt: skip
 
 
 def verdict(
@@ -467,13 +490,15 @@ class SwitchGuard:
         was measured; `horizon`: the steps the saving is credited over (None: `self.horizon`)."""
         if a.same:
             return Decision(False, "same")
-        gain = a.live_gain_s(k_transfer) * (horizon or self.horizon)
+        steps = horizon or self.horizon
+        gain = a.live_gain_s(k_transfer) * steps
         switch = self.switch_scale(switch_prior) * a.switch_s + max(0.0, wait_s)
         if not a.switch_s > 0:  # no home moves: what such switches measured
             switch += self.relay_s
         if not self.enabled:
             return Decision(True, "off", gain, switch)
-        ok = gain > 0 and gain > (1.0 + self.margin) * switch
+        doubt = CLOCK_Z * a.recent_gain_se_s(k_transfer) * steps
+        ok = gain > 0 and gain - doubt > (1.0 + self.margin) * switch
         return Decision(ok, "adopt" if ok else "no-gain", gain, switch)
 
     def record_switch(self, measured_s: float, modelled_s: float) -> None:
