@@ -90,6 +90,25 @@ def test_unsupported_modes_are_refused():
         HomeRowsAdamW([ints], fused=True)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_step_runs_the_kernel_it_says(fused: bool, monkeypatch):
+    """A spy on PyTorch's fused AdamW op: called once per step with the fused kernel, never
+    with the loop."""
+    calls = []
+    real = torch._fused_adamw_
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[0]))  # the parameters it stepped
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    (_, _), (b, dense_b), _, ours = _pair(rows=3, fused=fused)
+    for p in (b, dense_b):
+        p.grad = torch.randn_like(p)
+    ours.step()
+    assert calls == ([1, 1] if fused else [])  # one call per group of one parameter
+
+
 def test_the_fused_kernel_is_the_default_where_it_applies():
     """CPU float tensors take the fused kernel unless told otherwise; foreach keeps the loop;
     the fused step equals the loop's to float rounding (the same AdamW)."""
