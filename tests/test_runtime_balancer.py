@@ -823,6 +823,39 @@ def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> Non
     assert not guard.decide(noisy, horizon=100).adopt  # the doubt grows with the horizon too
 
 
+def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() -> None:
+    """Predicted +15 ms a step for the paired clock, measured -4 +- 2 (4 probes) while the
+    model's counterfactual said the plan paid: the fallback sets `trust` to clip(-4 / 15, 0, 1)
+    = 0, and a later candidate's gain is credited at 0. A fallback the model agreed with (its
+    own saving below the transfers) or one without the model's figure leaves it at 1."""
+    from poise.runtime.guard import Assessment, SwitchGuard, Verdict
+
+    big = Assessment(False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9)
+    refuted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
+                      modelled_clock_s=0.015)  # fmt: skip
+    guard = SwitchGuard(horizon=10)
+    assert guard.model_refuted(refuted) and guard.decide(big).adopt
+    guard.fell_back(refuted)
+    assert guard.trust == 0.0 and guard.fallbacks == 1
+    d = guard.decide(big)
+    assert not d.adopt and d.gain_s == 0.0
+    agreed = Verdict(0.05, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
+                     modelled_clock_s=0.015)  # fmt: skip
+    unpredicted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002)
+    for v in (agreed, unpredicted, None):
+        other = SwitchGuard(horizon=10)
+        other.fell_back(v)
+        assert other.trust == 1.0 and other.decide(big).adopt
+    half = SwitchGuard(horizon=10)
+    half.trust = 0.5  # the share scales the gain: 0.1 s a step over 10 steps, halved
+    assert half.decide(big).gain_s == pytest.approx(0.5)
+    # leaving a plan that does not pay: the candidate's gain is credited at `trust` too
+    moves = Assessment(False, switch_s=0.1, current_busy_s=1.0, candidate_busy_s=0.9)
+    back = Assessment(False, switch_s=0.2, current_busy_s=1.0, candidate_busy_s=1.0)
+    assert SwitchGuard(horizon=10).exit_choice(moves, [back], model_refuted=False) == 0
+    assert guard.exit_choice(moves, [back], model_refuted=False) == 1  # trust 0: the exit
+
+
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
     from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard, Verdict, verdict

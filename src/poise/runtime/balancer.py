@@ -683,7 +683,7 @@ class Balancer:
         stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}
         self.note_verdict(outcome.verdict)
         if outcome.decision == "fallback":
-            self.guard.fell_back()
+            self.guard.fell_back(outcome.verdict)
             self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
             return True
         if not outcome.adopts:

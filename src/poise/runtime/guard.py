@@ -470,6 +470,7 @@ class SwitchGuard:
         self.relays = 0
         self.fallbacks = 0
         self.idles = 0  # re-plans that did not pay for their planning
+        self.trust = 1.0  # the share of the model's predicted gains credited (`fell_back`)
         self._skip = 0  # re-plans still to skip
         self._next_backoff = self.backoff
 
@@ -497,6 +498,7 @@ class SwitchGuard:
             switch += self.relay_s
         if not self.enabled:
             return Decision(True, "off", gain, switch)
+        gain *= self.trust  # after a fallback the clock forced on the model (`fell_back`)
         doubt = CLOCK_Z * a.recent_gain_se_s(k_transfer) * steps
         ok = gain > 0 and gain - doubt > (1.0 + self.margin) * switch
         return Decision(ok, "adopt" if ok else "no-gain", gain, switch)
@@ -553,23 +555,41 @@ class SwitchGuard:
         option's net over the horizon is its `live_gain_s * horizon` less its switch
         (`switch_scale * switch_s`, the candidate's `1 + margin` times, as in `decide`); the
         best net wins, an exit on ties. When the clock refuted the model (`model_refuted`),
-        the candidate, which that model priced, is not weighed: only the exits are.
+        the candidate, which that model priced, is not weighed: only the exits are; after a
+        fallback the clock forced on the model, its gain is credited at `trust` (`decide`;
+        at 0 it is not weighed either).
         `horizon`: as in `decide`."""
         scale = self.switch_scale(switch_prior)
         steps = horizon or self.horizon
 
-        def net(a: Assessment, margin: float) -> float:
-            return a.live_gain_s() * steps - (1.0 + margin) * scale * a.switch_s
+        def net(a: Assessment, margin: float, credit: float = 1.0) -> float:
+            return credit * a.live_gain_s() * steps - (1.0 + margin) * scale * a.switch_s
 
         nets = [net(a, 0.0) for a in exits]
         best = int(np.argmax(nets)) + 1
-        if model_refuted or candidate.same:
+        if model_refuted or candidate.same or self.trust <= 0:
             return best
-        return 0 if net(candidate, self.margin) > nets[best - 1] else best
+        return 0 if net(candidate, self.margin, self.trust) > nets[best - 1] else best
 
-    def fell_back(self) -> None:
-        """Record a fallback: skip the next re-plans (doubling on repeats)."""
+    def fell_back(self, v: Verdict | None = None) -> None:
+        """Record a fallback: skip the next re-plans (doubling on repeats). Where the paired
+        clock refuted the model's prediction of it (`model_refuted`, with the model's figure
+        for the clock, `v.modelled_clock_s`), later candidates' gains are credited at the share
+        the clock measured, `trust = clip(clock / predicted, 0, 1)` (the least over such
+        fallbacks): the model that priced them was just measured to overstate what it saves,
+        and nothing but another plan in force can measure it again (on `skewed-4` the guard
+        fell back on the clock and re-adopted on the same model's prices a few re-plans later,
+        twice a run)."""
         self.fallbacks += 1
+        if (
+            v is not None
+            and self.model_refuted(v)
+            and v.wall_saving_s is not None
+            and v.modelled_clock_s is not None
+            and v.modelled_clock_s > 0
+        ):
+            share = min(1.0, max(0.0, v.wall_saving_s / v.modelled_clock_s))
+            self.trust = min(self.trust, share)
         self._back_off()
 
     def planning_pays(self, decision: Decision, planning_s: float) -> bool:

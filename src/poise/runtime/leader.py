@@ -91,10 +91,11 @@ def exit_outcome(
         horizon=result.horizon,
     )
     plan, a = options[pick]
+    credit = guard.trust if pick == 0 else 1.0  # the candidate's gain as `exit_choice` took it
     return Outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
-        gain_s=a.live_gain_s() * (result.horizon or guard.horizon),
+        gain_s=credit * a.live_gain_s() * (result.horizon or guard.horizon),
         switch_s=guard.switch_scale(k_transfer) * a.switch_s + max(0.0, wait_s),
         predicted_step_s=a.candidate_s,
         modelled_switch_s=a.switch_s,
