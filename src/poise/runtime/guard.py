@@ -46,8 +46,10 @@ is adopted iff `gain - CLOCK_Z * se * horizon > (1 + margin) * switch` and `gain
 from the spread of the gains those steps' own counts give): a gain the steps' spread cannot
 tell from the switch's price is not taken (on `skewed-4` `auto` had adopted at 7 of 9
 re-plans, twice moving 19-22 homes, for savings 1.1-1.6 times the switch while the clock read
-none). A candidate equal to the plan in
-force (same placement and assignment) is skipped outright: no transfer, no routing change.
+none). After a fallback where the paired clock refuted the model's prediction of it, `gain`
+is credited only at the share the clock measured (`SwitchGuard.trust`, `fell_back`). A
+candidate equal to the plan in force (same placement and assignment) is skipped outright: no
+transfer, no routing change.
 The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
 the last `horizon` steps' actual counts (`assess(..., recent=)`): a plan fitted to a smoothed
 forecast looks better on it than on any real step (per-step noise, a router still moving in
