@@ -120,7 +120,8 @@ def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
     """`plan_horizon` takes an `auto` plan's own horizon where it is longer than the guard's,
     and `SwitchGuard.decide` credits the saving over it: a switch that 5 steps of saving do not
     pay, 30 do."""
-    from poise.runtime.guard import Assessment, SwitchGuard
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard
     from poise.runtime.planning_job import plan_horizon
 
     grown, static = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0}})

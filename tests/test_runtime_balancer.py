@@ -558,7 +558,8 @@ def test_one_process_balancer_records_and_plans() -> None:
     # (horizon 2, margin 0.2, switches priced at k = 1 before any was measured)
     import dataclasses
 
-    from poise.runtime.guard import Assessment, Verdict
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import Verdict
     from poise.runtime.leader import exit_outcome
     from poise.runtime.planning_job import JobResult
 
@@ -704,7 +705,8 @@ def test_a_switch_is_measured_beyond_the_plans_steady_steps() -> None:
 
 
 def test_guard_prices_switches_with_what_they_measured() -> None:
-    from poise.runtime.guard import Assessment, Decision, SwitchGuard
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import Decision, SwitchGuard
 
     guard = SwitchGuard(horizon=10, margin=0.2)
     plan = Assessment(False, switch_s=0.5, current_busy_s=1.0, candidate_busy_s=0.9)  # 0.1 s/step
@@ -767,7 +769,8 @@ def _replica_case():
 
 
 def test_guard_prices_a_plan_by_its_live_parts() -> None:
-    from poise.runtime.guard import SwitchGuard, assess
+    from poise.runtime.assessment import assess
+    from poise.runtime.guard import SwitchGuard
 
     cost, static, replica, counts = _replica_case()
     a = assess(cost, static, replica, counts)
@@ -797,7 +800,8 @@ def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> Non
     """The recent steps' gains a step (the hand-computed cases above): a hot step gains 4,160 ns
     of busy and -512 of transfers, a cold one -3,840 and -512. Their mean's standard error is
     the sample standard deviation over sqrt(2); the guard takes `CLOCK_Z` of it off the gain."""
-    from poise.runtime.guard import CLOCK_Z, Assessment, SwitchGuard, assess
+    from poise.runtime.assessment import Assessment, assess
+    from poise.runtime.guard import CLOCK_Z, SwitchGuard
 
     cost, static, replica, counts = _replica_case()
     cold = np.array([[[30, 10], [40, 20]]], dtype=float)
@@ -828,7 +832,8 @@ def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() ->
     model's counterfactual said the plan paid: the fallback sets `trust` to clip(-4 / 15, 0, 1)
     = 0, and a later candidate's gain is credited at 0. A fallback the model agreed with (its
     own saving below the transfers) or one without the model's figure leaves it at 1."""
-    from poise.runtime.guard import Assessment, SwitchGuard, Verdict
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard, Verdict
 
     big = Assessment(False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9)
     refuted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
@@ -991,7 +996,8 @@ def test_a_plan_that_does_not_pay_gives_way_to_the_best_option() -> None:
     """`exit_choice` by hand (horizon 10, margin 0.2, switches priced at 2x the model):
     nets over the horizon, gain per step x 10 less the switch, the candidate's 1.2 times:
     candidate 4 x 10 - 1.2 x 2 x 5 = 28; homes alone 1 x 10 = 10; static 2 x 10 - 2 x 3 = 14."""
-    from poise.runtime.guard import Assessment, SwitchGuard
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard
 
     def option(gain: float, switch: float) -> Assessment:
         return Assessment(False, current_busy_s=10.0, candidate_busy_s=10.0 - gain,

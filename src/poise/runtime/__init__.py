@@ -9,7 +9,8 @@
   `migrate`, their async variants and byte counts); `host_link`: `HostLink`, shared-memory
   channels for them between the CPU ranks of one host;
 - `balancer`: `Balancer`, which records loads, plans and applies plans between steps (with
-  `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`,
+  `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`
+  (a candidate priced against the plan in force: `assessment`),
   `selfcal`, `planner`: its adoption rule, self-calibration and background thread; `records`:
   the steps it ran, and the samples the guard judges by; `layer_moves`: routing, Trans, Agg
   and migration on its layers under the plan in force; `probe_steps`: the guard's probe

@@ -38,14 +38,8 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
-from poise.runtime.guard import (
-    Assessment,
-    Verdict,
-    assess,
-    exit_plans,
-    plan_pays,
-    verdict,
-)
+from poise.runtime.assessment import Assessment, assess
+from poise.runtime.guard import Verdict, exit_plans, plan_pays, verdict
 from poise.runtime.homes import keep_homes
 from poise.runtime.paired_clock import Probes, replica_scale
 
