@@ -68,6 +68,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="rounds (static/auto pairs) per setting")
     p.add_argument("--replan-every", type=int, default=10)
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run a round's static and auto one after the other, not step by step in turns",
+    )
     args = p.parse_args(argv)
     if "all" in args.settings:
         args.settings = list(SETTINGS)
@@ -150,6 +156,34 @@ def train(cfg, world: int) -> Any:
     return MeasuredRun.load(out)
 
 
+def train_in_turns(cfgs: list[Any], world: int, turns: Path) -> list[Any]:
+    """Run `cfgs` at once, each on `world` local ranks, taking their steps in turns
+    (`poise.train.turns`, the counter in the fresh file `turns`); their `MeasuredRun`s."""
+    turns.unlink(missing_ok=True)
+    slotted = [
+        cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
+        for i, cfg in enumerate(cfgs)
+    ]
+    results: list[Any] = [None] * len(cfgs)
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = train(slotted[i], world)
+        except BaseException as exc:  # a failed run (SystemExit): raised once all have ended
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cfgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    turns.unlink(missing_ok=True)
+    if failures:
+        raise failures[0]
+    return results
+
+
 # ----------------------------------------------------------------------------------- figures
 def measured(run: Any, skip: int) -> slice:
     from poise.report.ideal import measured_steps
@@ -181,18 +215,26 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     runs: dict[str, list[Any]] = {"static": [], "auto": []}
     for r in range(args.repeats):
         order = ("static", "auto") if r % 2 == 0 else ("auto", "static")
-        for policy in order:
-            cfg = run_config(
+        cfgs = {
+            policy: run_config(
                 policy, root / f"{name}-{r}-{policy}", args.steps, args.replan_every, model_args
             )
-            t0 = time.perf_counter()
-            run = train(cfg, world)
-            print(
-                f"{name} round {r} {policy}: {tok_s(run, skip):,.0f} tok/s "
-                f"({time.perf_counter() - t0:.0f} s)",
-                file=sys.stderr,
-            )
-            runs[policy].append(run)
+            for policy in order
+        }
+        t0 = time.perf_counter()
+        if args.sequential:
+            done = {policy: train(cfgs[policy], world) for policy in order}
+        else:
+            done = train_in_turns([cfgs[p] for p in order], world, root / f"{name}-{r}.turns")
+            done = dict(zip(order, done, strict=True))
+        for policy in order:
+            runs[policy].append(done[policy])
+        print(
+            f"{name} round {r}: "
+            + ", ".join(f"{p} {tok_s(done[p], skip):,.0f} tok/s" for p in order)
+            + f" ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+        )
     cost = expert_seconds_per_token(mcfg.d_model, mcfg.d_expert, mcfg.num_experts // world)
     c = cost["c_s"]
     cores = shared_cores(world, world, threads=1)  # each rank runs 1 thread

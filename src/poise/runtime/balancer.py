@@ -313,6 +313,7 @@ class Balancer:
         self._plan_since = 0  # first step run under `plan`
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
+        self._paused_at: float | None = None  # when `pause` handed the host to another run
         self._boundary_s = 0.0  # this rank's seconds in the last `step`
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
@@ -405,6 +406,25 @@ class Balancer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def pause(self) -> None:
+        """Between steps, before this run hands its host to another (`poise.train.turns`):
+        Trans in flight lands now (its wait counted in the next step's transfers, as in the
+        forward that would have waited for it) and the planner's worker stops, so nothing of
+        this run works on the other's time. `resume` undoes it."""
+        self.moves.wait_all(self._current)
+        self.planner.pause()
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """This run holds the host again: the planner goes on, and the step period measured at
+        the next boundary leaves out the seconds spent paused."""
+        if self._paused_at is None:
+            return
+        if self._t_reduce is not None:
+            self._t_reduce += time.perf_counter() - self._paused_at
+        self._paused_at = None
+        self.planner.resume()
 
     # ------------------------------------------------------------------------ layer hooks
     def _record(self, state: LayerState) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -81,6 +82,7 @@ class _Job:
     future: Future[tuple[Any, float, float]]
     requested_at: int
     adopt_at: int
+    paused_s: float = 0.0  # wall seconds the worker was stopped while this job ran
 
 
 class BackgroundPlanner:
@@ -93,6 +95,7 @@ class BackgroundPlanner:
         self._pool: ThreadPoolExecutor | None = None
         self._worker: WorkerProcess | None = None
         self._job: _Job | None = None
+        self._paused_at: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -142,14 +145,40 @@ class BackgroundPlanner:
         """The job's result, waiting for it if needed (a job's exception re-raises)."""
         if self._job is None:
             raise PoiseError("no plan in flight", field="planner")
+        self.resume()  # a stopped worker would never answer
         job, self._job = self._job, None
         t0 = time.perf_counter()
         value, plan_s, cpu_s = job.future.result()
         wait_s = time.perf_counter() - t0
+        plan_s = max(plan_s - job.paused_s, 0.0)
         return Planned(value, plan_s, wait_s, job.requested_at, job.adopt_at, cpu_s)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def pause(self) -> None:
+        """Stop the worker process where it stands (SIGSTOP) until `resume`: while this run
+        hands its host to another (`poise.train.turns`), its planner must not run on that run's
+        time. The job's `plan_s` then leaves the stopped seconds out. On a planning thread
+        (`process=False`) nothing stops."""
+        if self._worker is not None and self._paused_at is None:
+            self._worker.signal(signal.SIGSTOP)
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """Let a paused worker go on (SIGCONT)."""
+        if self._paused_at is None:
+            return
+        if self._job is not None:
+            self._job.paused_s += time.perf_counter() - self._paused_at
+        self._paused_at = None
+        if self._worker is not None:
+            self._worker.signal(signal.SIGCONT)
 
     def close(self) -> None:
         """Drop the job in flight (waiting for it) and stop the thread and the worker."""
+        self.resume()
         if self._job is not None:
             self._job.future.cancel()
             self._job = None
@@ -201,6 +230,12 @@ class WorkerProcess:
             raise exc from PoiseError(f"in the planner process:\n{text}", field="planner")
         value, wall_s, cpu_s = rest
         return value, wall_s, cpu_s
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the worker (nothing where it has exited)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
 
     def close(self) -> None:
         """Close its input (it exits at the end of it), then wait for it, or kill it."""

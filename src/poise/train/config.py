@@ -26,6 +26,10 @@ through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
 constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
+`turns` (default None: off) is a counter file shared with other runs on this host that take
+their steps in turns with this one, step k of run `turns_slot` of `turns_of` right after step k
+of the runs before it (`poise.train.turns`: a paired comparison of whole runs, as
+`benchmarks/train_speedup.py` makes it); every run of a set must use a fresh file.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class TrainConfig:
     experts_impl: str = "auto"
     overlap_degree: int = 1
     collective_timeout_s: float = 600.0
+    turns: str | None = None  # a counter file shared with runs taking steps in turns
+    turns_slot: int = 0
+    turns_of: int = 2
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -215,6 +222,9 @@ def _rules() -> dict[str, _Rule]:
         "experts_impl": _Rule(_STR, choices=("auto", "grouped", "loop")),
         "overlap_degree": _Rule(_INT, low=1),
         "collective_timeout_s": _Rule(_NUM, low=0, low_open=True),
+        "turns": _Rule(_STR, nullable=True),
+        "turns_slot": _Rule(_INT, low=0),
+        "turns_of": _Rule(_INT, low=2),
     }
 
 
@@ -292,6 +302,12 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
         parse_predictor(cfg.predictor)
     except ConfigError as exc:
         raise ConfigError(exc.message, source=source, field="predictor") from None
+    if cfg.turns_slot >= cfg.turns_of:
+        raise ConfigError(
+            f"must be below turns_of ({cfg.turns_of}), got {cfg.turns_slot}",
+            source=source,
+            field="turns_slot",
+        )
     if cfg.probe_every == 1:
         raise ConfigError(
             "must be 0 (off) or >= 2: a probe step needs neighbours run with the replicas",

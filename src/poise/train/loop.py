@@ -105,6 +105,7 @@ from poise.train.setup import (
     pick_device,
     seed_everything,
 )
+from poise.train.turns import StepTurns
 from poise.util.atomic import atomic_write_text
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
@@ -242,6 +243,12 @@ class _Trainer:
             else None
         )
         self.trace_counts, self.trace_steps = self._previous_trace()
+        self.turns = (
+            StepTurns.open(cfg.turns, cfg.turns_slot, cfg.turns_of, self.rank,
+                           timeout_s=cfg.collective_timeout_s)
+            if cfg.turns is not None
+            else None
+        )  # fmt: skip
         self.plan_changes = int(self.ckpt["extra"].get("plan_changes", 0)) if self.ckpt else 0
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -264,6 +271,24 @@ class _Trainer:
         if trace.counts.shape[1:] != (L, self.world, self.mcfg.num_experts):
             return [], []
         return list(trace.counts[keep]), [int(s) for s in trace.step_ids[keep]]
+
+    def _take_turn(self, step: int) -> dict[str, float] | None:
+        """With `turns`: wait until the runs before this one have done step `step`, then let
+        the Balancer's background work go on; what the metrics record of it (`waited_s`, and
+        `began`, the wall clock's seconds since the epoch when this step began)."""
+        if self.turns is None:
+            return None
+        waited = self.turns.wait(step)
+        self.balancer.resume()
+        return {"waited_s": waited, "began": time.time()}
+
+    def _pass_turn(self, step: int) -> None:
+        """With `turns`: stop the Balancer's background work and pass the turn on once every
+        rank has done step `step`."""
+        if self.turns is None:
+            return
+        self.balancer.pause()
+        self.turns.hand_over(step)
 
     def _sync_dense(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum the dense gradients and `stats` over the ranks in one all-reduce."""
@@ -470,7 +495,10 @@ class _Trainer:
         self.model.train()
         self.faults.install()
         try:
+            if self.turns is not None:
+                self.turns.arrive()
             for step in range(self.start, cfg.steps):
+                turn = self._take_turn(step)
                 self.faults.at(step + 1, "step")
                 ph: dict[str, float] = {}
                 t_start = t = time.perf_counter()
@@ -555,6 +583,8 @@ class _Trainer:
                 }
                 if load is not None:
                     record.update(load.as_record())
+                if turn is not None:
+                    record["turn"] = turn
                 for k, v in ph.items():
                     totals[k] += v
                 res.steps.append(done)
@@ -571,12 +601,21 @@ class _Trainer:
                 self.log.step(record)
                 if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                     res.checkpoint = self.checkpoint(done)
+                self._pass_turn(step)
+            if self.turns is not None:
+                self.turns.finish(cfg.steps)
             if self.edp_group is not None:
                 from poise.runtime.layouts import replicas_agree
 
                 res.replicas_agree = replicas_agree(self.model, self.edp_group)
+        except BaseException:
+            if self.turns is not None:
+                self.turns.abandon()
+            raise
         finally:
             self.faults.uninstall()
+            if self.turns is not None:
+                self.turns.close()
             self.log.close()
             self.balancer.close()
             if self.megatron is not None:

@@ -1,0 +1,173 @@
+"""Steps taken in turns by runs that share one host: a paired comparison between whole runs.
+
+Two runs on one machine compared one after the other meet different machines: on a shared
+2-core host the same static run's tokens/s moves 10-15% between runs (other processes, clock
+frequency), more than balancing changes a step. Run side by side, they would take each other's
+cores. Taking turns step by step, each run's step k runs alone, right after the other run's
+step k: the machine's drift falls on both alike within seconds, and neither takes the other's
+cores (as `benchmarks/ep_step.py` rotates its models within one process).
+
+    turns = StepTurns.open("/dev/shm/pair", slot=0, slots=2, rank=rank, group=None)
+    turns.arrive()               # every rank: until every run has started up
+    for step in range(start, steps):
+        turns.wait(step)         # every rank: until the runs before this one have done step k
+        ...                      # the step
+        turns.hand_over(step)    # every rank; then rank 0 passes the turn on
+    turns.finish(steps)          # every rank: until every run has done its last step
+
+The turn is an 8-byte counter in a file every run opens (`path`; a fresh file for each set of
+runs: a counter left by an earlier set lets its runs through at once). Run `slot` of `slots` may
+start its step k once the counter is at least `k * slots + slot`; when every rank of that run is
+done (a barrier on its group), its rank 0 sets the counter to `k * slots + slot + 1`. Only the
+run whose turn it is writes the counter, and it only grows. A rank waiting for its turn sleeps
+through most of the wait (the last wait's length less `EARLY_S`: the other runs' steps take
+about as long from one step to the next), then reads the counter every `POLL_S`: a waiting
+run wakes a few times a turn, not thousands (each wake-up interrupts the running run's ranks).
+A run that fails marks the file abandoned (`abandon`, a third counter at offset 16) and the
+others raise a `TurnsError` at their next wait; one that stops without a word leaves them
+waiting: after `timeout_s` they raise one naming the file, the step and the counter.
+
+Start-up and shut-down take cores too (imports, building the model; saving the trace, closing
+the group): `arrive` holds every run's first step until all runs have started (a second counter
+at offset 8, which each run's rank 0 increments under a file lock), and `finish` holds each run
+at its end until the last run has done its last step.
+
+What a run does in the background must stop while it does not hold the turn (the Balancer's
+planner, a Trans still in flight: `Balancer.pause`), or it would run on the other run's time;
+the training loop does that around `wait` and `hand_over`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from poise.core.errors import PoiseError
+
+POLL_S = 1e-3  # seconds between two reads of the counter while waiting (a waiting rank sleeps)
+EARLY_S = 5e-3  # a wait sleeps through the last wait's length less this, then polls
+_COUNTER = struct.Struct("<q")  # little-endian int64s: the turn at offset 0, arrivals at 8
+TURN, ARRIVED, ABANDONED = 0, _COUNTER.size, 2 * _COUNTER.size
+
+
+class TurnsError(PoiseError):
+    """A run waited longer than its timeout for its turn, or the turn file cannot be used."""
+
+
+@dataclass
+class StepTurns:
+    """Run `slot` of `slots` taking steps in turns through the counter file `path`; `rank` is
+    this process's rank in its run, `group` the run's process group (None: the default group,
+    or none at all in a one-process run)."""
+
+    path: Path
+    slot: int
+    slots: int
+    rank: int
+    group: dist.ProcessGroup | None
+    fd: int
+    timeout_s: float = 600.0
+    last_wait_s: float = 0.0  # the last turn's wait, which the next one sleeps through first
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        slot: int,
+        slots: int,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 600.0,
+    ) -> StepTurns:
+        """Open (creating if needed) the counter file; every rank of every run calls this."""
+        if not 0 <= slot < slots:
+            raise TurnsError(f"slot {slot} is not one of 0..{slots - 1}", field="turns_slot")
+        p = Path(path)
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TurnsError(f"cannot open the turn file {p}: {exc}", field="turns") from None
+        return cls(p, slot, slots, rank, group, fd, timeout_s)
+
+    def counter(self, at: int = TURN) -> int:
+        """The counter at offset `at` (0 in a file not yet written)."""
+        raw = os.pread(self.fd, _COUNTER.size, at)
+        return _COUNTER.unpack(raw)[0] if len(raw) == _COUNTER.size else 0
+
+    def arrive(self) -> float:
+        """This run has started up: count it (rank 0, under a file lock), then block until
+        every run has; the seconds waited. Collective over the run's group."""
+        _barrier(self.group)
+        if self.rank == 0:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                os.pwrite(self.fd, _COUNTER.pack(self.counter(ARRIVED) + 1), ARRIVED)
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return self._until(ARRIVED, self.slots, "to start")
+
+    def wait(self, step: int) -> float:
+        """Block until this run may start step `step` (0-based, the same numbering in every
+        run); the seconds waited."""
+        want = step * self.slots + self.slot
+        t0 = time.perf_counter()
+        if self.counter() < want:
+            time.sleep(min(max(self.last_wait_s - EARLY_S, 0.0), self.timeout_s))
+        self._until(TURN, want, f"for its turn at step {step}")
+        self.last_wait_s = time.perf_counter() - t0
+        return self.last_wait_s
+
+    def finish(self, steps: int) -> float:
+        """Block until every run has done its step `steps - 1` (this run's last); the seconds
+        waited."""
+        return self._until(TURN, steps * self.slots, f"for the others to end step {steps - 1}")
+
+    def abandon(self) -> None:
+        """This run fails: the other runs stop waiting for it (they raise at their next wait)."""
+        os.pwrite(self.fd, _COUNTER.pack(self.slot + 1), ABANDONED)
+
+    def _until(self, at: int, want: int, what: str) -> float:
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        while (seen := self.counter(at)) < want:
+            if gone := self.counter(ABANDONED):
+                raise TurnsError(
+                    f"run {gone - 1} of {self.slots} failed; run {self.slot} stops waiting "
+                    f"{what} in {self.path}",
+                    field="turns",
+                )
+            if time.perf_counter() > deadline:
+                raise TurnsError(
+                    f"run {self.slot} of {self.slots} waited {self.timeout_s:g} s {what} in "
+                    f"{self.path} (counter {seen}, needs {want}): another run stopped or is "
+                    "far behind",
+                    field="turns",
+                )
+            time.sleep(POLL_S)
+        return time.perf_counter() - t0
+
+    def hand_over(self, step: int) -> None:
+        """Step `step` is done on this rank: once it is on every rank of the run, rank 0 passes
+        the turn to the next run. Collective over the run's group."""
+        _barrier(self.group)
+        if self.rank == 0:
+            os.pwrite(self.fd, _COUNTER.pack(step * self.slots + self.slot + 1), TURN)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+__all__ = ["POLL_S", "StepTurns", "TurnsError"]
