@@ -7,15 +7,20 @@
 Each run is real training: `python -m poise.train` on the setting's local gloo ranks (2 or 4,
 1 thread each), started by `poise train --nproc N`'s launcher, the `tiny` GPT-MoE (with the
 setting's expert shapes) on the Python standard library, no auxiliary loss, seed 0, `--steps`
-steps. Static and auto alternate (static, auto, then auto, static, ...) for `--repeats` rounds
-so machine noise falls on both alike.
+steps. A round runs static and auto at once, taking their steps in turns (`poise.train.turns`:
+static's step k, then auto's step k, then static's step k + 1, ...; each run's ranks sleep
+while the other's step runs, auto's planner is stopped then and its Trans has landed), so the
+machine's drift falls on both within a second; the first run of a round alternates (static in
+even rounds, auto in odd ones). `--sequential` runs them one after the other instead, as
+before: on the shared 2-core machine identical static runs made one after the other differ by
+10-15% in tokens/s, and identical runs in turns by 1-3% (docs/benchmarks.md).
 
 Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 `tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
-with their full cost). A round is one static and one auto run back to back; the machine's
-speed drifts between rounds by more than balance changes a step (other processes, frequency),
-so the speedup is paired: `speedup` = the median over rounds of auto_tok_s / static_tok_s of
-the same round. `static_tok_s`, `auto_tok_s` are the medians over the rounds, and
+with their full cost; a step's seconds leave out the turns it waited). A round is one static
+and one auto run; the machine's speed drifts between rounds by more than balance changes a
+step (other processes, frequency), so the speedup is paired: `speedup` = the median over
+rounds of auto_tok_s / static_tok_s of the same round. `static_tok_s`, `auto_tok_s` are the medians over the rounds, and
 `speedup_of_medians` their ratio, for comparison.
 
 The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: each MoE layer
