@@ -20,8 +20,8 @@ Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 with their full cost; a step's seconds leave out the turns it waited). A round is one static
 and one auto run; the machine's speed drifts between rounds by more than balance changes a
 step (other processes, frequency), so the speedup is paired: `speedup` = the median over
-rounds of auto_tok_s / static_tok_s of the same round. `static_tok_s`, `auto_tok_s` are the medians over the rounds, and
-`speedup_of_medians` their ratio, for comparison.
+rounds of auto_tok_s / static_tok_s of the same round. `static_tok_s`, `auto_tok_s` are the
+medians over the rounds, and `speedup_of_medians` their ratio, for comparison.
 
 The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: each MoE layer
 costs its slowest rank's expert compute, perfectly balanced experts the mean rank's. With

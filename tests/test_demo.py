@@ -294,12 +294,14 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     _no_shared_data(monkeypatch)
     seeds = {"static": 0, "auto": 1}
 
-    def fake_train(cfg, console) -> float:
-        out = Path(cfg.out)
-        _fake_run(out.parent, cfg.policy, np.linspace(5.5, 3.0, cfg.steps), seeds[cfg.policy])
+    def fake_train(cfgs, console, turns) -> float:
+        for cfg in cfgs:
+            out = Path(cfg.out)
+            losses = np.linspace(5.5, 3.0, cfg.steps)
+            _fake_run(out.parent, cfg.policy, losses, seeds[cfg.policy])
         return 0.1
 
-    monkeypatch.setattr(demo, "train_run", fake_train)
+    monkeypatch.setattr(demo, "train_in_turns", fake_train)
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 2e-5})
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
@@ -320,24 +322,22 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     assert "summary: " in capsys.readouterr().out
 
 
-def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
-    """With the static run repeated after auto, static's tokens/s is the mean of the two runs'
-    (each the tokens over the measured steps' seconds, counted here by hand), the speedup is
-    auto's over that mean and the ideal the mean of the two static runs' ideals."""
+def test_measured_summary_counts_by_hand_and_says_the_runs_took_turns(tmp_path) -> None:
+    """Static's and auto's tokens/s are the tokens over the measured steps' seconds (counted
+    here by hand), the speedup their ratio, the ideal the static run's; the text says the runs
+    took their steps in turns where both configs name a turn file, and not otherwise."""
     from poise.commands.demo_report import measured_summary
     from poise.report.ideal import ideal_of
 
     losses = np.linspace(5.0, 4.0, 20)
-    runs = {
-        p: MeasuredRun.load(_fake_run(tmp_path / p, p, losses, seed))
-        for p, seed in (("static", 1), ("auto", 2))
+    folders = {
+        p: _fake_run(tmp_path / p, p, losses, seed) for p, seed in (("static", 1), ("auto", 2))
     }
-    folder = _fake_run(tmp_path / "after", "static", losses, 3)
-    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:  # the fake runs are balanced (ideal 1.0): skew this one's devices
+    rows = [json.loads(x) for x in (folders["static"] / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # the fake runs are balanced (ideal 1.0): skew static's devices
         r["device_tokens"] = [[1500.0, 548.0]] * 4
-    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    after = MeasuredRun.load(folder)
+    (folders["static"] / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = {p: MeasuredRun.load(f) for p, f in folders.items()}
 
     def by_hand(run: MeasuredRun) -> float:
         rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
@@ -347,18 +347,17 @@ def test_measured_summary_compares_auto_with_both_static_runs(tmp_path) -> None:
     c_s = 20e-6
     runs["auto"].last_verdict = {"wall_saving_s": 0.02, "wall_se_s": 0.005, "probes": 4}
     one = measured_summary(runs, 5, c_s)
-    both = measured_summary(runs, 5, c_s, static_after=after)
     assert one.static_tok_s == pytest.approx(by_hand(runs["static"]), rel=1e-9)
-    mean = (by_hand(runs["static"]) + by_hand(after)) / 2
-    assert both.static_tok_s == pytest.approx(mean, rel=1e-9)
-    assert both.static_tok_s_runs == pytest.approx((by_hand(runs["static"]), by_hand(after)))
-    assert both.speedup == pytest.approx(by_hand(runs["auto"]) / mean, rel=1e-9)
-    ideals = [ideal_of(r, c_s, 5)["ideal_speedup"] for r in (runs["static"], after)]
-    assert ideals[0] == pytest.approx(1.0) and ideals[1] > 1.05  # 4 x 476 rows x 20 us a step
-    assert both.ideal_speedup == pytest.approx(sum(ideals) / 2, rel=1e-12)
-    assert "after it" in both.text and "after it" not in one.text
+    assert one.auto_tok_s == pytest.approx(by_hand(runs["auto"]), rel=1e-9)
+    assert one.speedup == pytest.approx(by_hand(runs["auto"]) / by_hand(runs["static"]), rel=1e-9)
+    ideal = ideal_of(runs["static"], c_s, 5)["ideal_speedup"]
+    assert ideal > 1.05  # 4 x 476 rows x 20 us a step
+    assert one.ideal_speedup == pytest.approx(ideal, rel=1e-12)
+    assert "in turns" not in one.text
+    for run in runs.values():
+        run.config["turns"] = str(tmp_path / "train.turns")
+    assert "in turns" in measured_summary(runs, 5, c_s).text
     assert "4 probe steps" in one.text and "saved 20.0 ms" in one.text  # auto's own clock
-    assert both.as_json()["static_tok_s_runs"] == [round(x, 1) for x in both.static_tok_s_runs]
 
 
 def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:

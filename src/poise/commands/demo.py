@@ -2,12 +2,12 @@
 
 1. Measured: trains the `tiny` GPT-MoE with larger, fewer-per-token experts (16 experts top-1,
    d_expert 1024: the router's skew then costs real time on CPU ranks) on 2 local ranks without
-   an auxiliary balance loss, from the same seed: static expert parallelism, `auto` balancing,
-   then static again (full demo only): auto is compared with the mean of the two static runs,
-   so that a machine whose speed drifts over the runs moves both sides of the ratio alike.
-   Each run is `python -m poise.train` on 2 gloo ranks, started the way
-   `poise train CONFIG --nproc 2` starts them, into `OUT/train-static`, `OUT/train-auto` and
-   `OUT/train-static-after`.
+   an auxiliary balance loss, from the same seed: static expert parallelism and `auto`
+   balancing, both at once, taking their steps in turns (`poise.train.turns`: static's step k,
+   then auto's step k, ...; the waiting run's ranks sleep), so that a machine whose speed
+   drifts moves both sides of the ratio alike. Each run is `python -m poise.train` on 2 gloo
+   ranks, started the way `poise train CONFIG --nproc 2` starts them, into `OUT/train-static`
+   and `OUT/train-auto`.
    Beside them, the ideal: the static run's steps with its experts perfectly balanced for free
    (`poise.report.ideal`, the expert cost measured here by `poise.calibrate.experts`), and the
    verdict of `poise.report.ideal.judge`.
@@ -34,7 +34,7 @@ import argparse
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -184,52 +184,71 @@ def demo_config(policy: str, out: Path, size: DemoSize, *, steps: int, corpus: s
     )
 
 
-def train_run(cfg, console: Console) -> float:
-    """Run `cfg` on `WORLD` local ranks (`poise train --nproc` 's launcher) with a progress bar
-    read from its `metrics.jsonl`; returns the wall seconds. Raises `DemoError` on failure."""
+def train_in_turns(cfgs: list, console: Console, turns: Path) -> float:
+    """Run `cfgs` at once, each on `WORLD` local ranks (`poise train --nproc` 's launcher),
+    taking their steps in turns through the counter file `turns` (made fresh here), with one
+    progress bar read from their `metrics.jsonl`; returns the wall seconds. Raises `DemoError`
+    naming the first run that failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from poise.commands.train import launch
     from poise.train.config import save_config
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics = out / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
-    config_path = out / "config.yaml"
-    save_config(cfg, config_path)
+    turns.parent.mkdir(parents=True, exist_ok=True)
+    turns.unlink(missing_ok=True)
+    paths = []
+    for i, cfg in enumerate(cfgs):
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        paths.append(out)
+        slotted = cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
+        save_config(slotted, out / "config.yaml")
+    codes: list[int | None] = [None] * len(cfgs)
     done = threading.Event()
     started = time.perf_counter()
+    names = " and ".join(c.policy for c in cfgs)
     columns = (
-        TextColumn(f"training {cfg.policy:>6} on {WORLD} ranks"),
+        TextColumn(f"training {names} in turns on {WORLD} ranks each"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("steps {task.fields[info]}"),
     )
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("train", total=cfg.steps, info="")
+        task = bar.add_task("train", total=sum(c.steps for c in cfgs), info="")
 
         def watch() -> None:
             while not done.wait(0.5):
-                try:
-                    n = sum(1 for _ in metrics.open())
-                except OSError:
-                    continue
+                n = 0
+                for out in paths:
+                    try:
+                        n += sum(1 for _ in (out / "metrics.jsonl").open())
+                    except OSError:
+                        continue
                 bar.update(task, completed=n, info=f"({time.perf_counter() - started:.0f} s)")
 
+        def train_one(i: int) -> None:
+            codes[i] = launch(WORLD, paths[i] / "config.yaml", quiet=True)
+
+        workers = [threading.Thread(target=train_one, args=(i,)) for i in range(len(cfgs))]
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            code = launch(WORLD, config_path, quiet=True)
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
         finally:
             done.set()
             watcher.join()
-    if code != 0:
-        raise DemoError(
-            f"training with policy {cfg.policy} failed (a rank exited with status {code}; "
-            "its message is above)",
-            source=str(out),
-        )
+    turns.unlink(missing_ok=True)
+    for cfg, out, code in zip(cfgs, paths, codes, strict=True):
+        if code != 0:
+            raise DemoError(
+                f"training with policy {cfg.policy} failed (a rank exited with status {code}; "
+                "its message is above)",
+                source=str(out),
+            )
     return time.perf_counter() - started
 
 
@@ -400,13 +419,9 @@ def run(args: argparse.Namespace) -> int:
         f"on {WORLD} ranks, {steps} steps per run, seed {first.seed}; corpus {corpus.source} "
         f"({len(corpus.tokens):,} bytes)"
     )
-    for policy in POLICIES:
-        wall[f"train {policy} ({steps} steps, {WORLD} ranks)"] = train_run(cfgs[policy], console)
-    static_after = None
-    if not args.quick:  # static again after auto: drift over the runs cancels in the ratio
-        again = replace(cfgs["static"], out=str(out / "train-static-after"))
-        wall[f"train static again ({steps} steps, {WORLD} ranks)"] = train_run(again, console)
-        static_after = MeasuredRun.load(again.out)
+    wall[f"train {' and '.join(POLICIES)} in turns ({steps} steps, {WORLD} ranks each)"] = (
+        train_in_turns([cfgs[p] for p in POLICIES], console, out / "train.turns")
+    )
     runs = {p: MeasuredRun.load(cfgs[p].out) for p in POLICIES}
     traces = {}
     for p, r in runs.items():
@@ -427,9 +442,7 @@ def run(args: argparse.Namespace) -> int:
     # the ranks' threads as the launcher sets them (`commands.train`: cores // ranks by default)
     threads = first.threads or max(1, (os.cpu_count() or 1) // WORLD)
     cores = shared_cores(WORLD, WORLD, threads=threads)
-    summary = measured_summary(
-        runs, first.replan_every + 2, cost["c_s"], cores, static_after=static_after
-    )
+    summary = measured_summary(runs, first.replan_every + 2, cost["c_s"], cores)
 
     sims, missing = simulate_clusters(
         traces["static"], size, args.data, console, quick=bool(args.quick)

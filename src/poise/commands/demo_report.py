@@ -73,34 +73,27 @@ def compare_traces(a, b) -> str:
     )
 
 
-def measured_summary(
-    runs: dict, skip: int, c_s: float, cores: float = 0.0, static_after: Any = None
-) -> MeasuredSummary:
+def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> MeasuredSummary:
     """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
     `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
-    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. With
-    `static_after` (the same static run repeated after auto), static's figure is the mean of
-    the two runs' and the ideal the mean of their ideals: a machine whose speed drifts
-    steadily over the three runs then moves both sides of the ratio alike."""
+    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. Where
+    the runs took their steps in turns (`turns` in their configs), the text says so."""
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
     static, auto = runs["static"], runs["auto"]
-    statics = [static] if static_after is None else [static, static_after]
-    per_run = [tokens_per_s(x, skip) for x in statics]
-    st, au = sum(per_run) / len(per_run), tokens_per_s(auto, skip)
-    ideals = [ideal_of(x, c_s, skip, cores=cores) for x in statics]
-    ideal = ideals[0]
+    st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
+    ideal = ideal_of(static, c_s, skip, cores=cores)
     speedup = au / st
-    ideal_speedup = sum(i["ideal_speedup"] for i in ideals) / len(ideals)
+    ideal_speedup = ideal["ideal_speedup"]
     verdict = judge(speedup, ideal_speedup)
     steps = len(static.step_s[measured_steps(static.step_s, skip)])
-    against = (
-        f"static's {st:,.0f}"
-        if static_after is None
-        else f"static's {st:,.0f} (the mean of the static run before auto, "
-        f"{per_run[0]:,.0f}, and the one after it, {per_run[1]:,.0f}: a machine whose speed "
-        "drifts steadily over the three runs moves both sides alike)"
+    in_turns = bool(static.config.get("turns")) and bool(auto.config.get("turns"))
+    against = f"static's {st:,.0f}" + (
+        " (the two runs took their steps in turns, each step of one right after the same step "
+        "of the other, so the machine's drift falls on both alike)"
+        if in_turns
+        else ""
     )
     text = (
         f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
@@ -126,9 +119,9 @@ def measured_summary(
         )
     if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
         text += (
-            " A speedup outside what balance can explain means the machine's load changed "
-            "between the two runs (other processes took CPU from one of them): compare "
-            "benchmarks/train_speedup.py, which alternates the runs and takes medians."
+            " A speedup outside what balance can explain means other processes took CPU from "
+            "one run's steps more than from the other's: compare benchmarks/train_speedup.py, "
+            "which repeats the pair and takes the median."
         )
     text += paired_clock_sentence(getattr(auto, "last_verdict", {}) or {})
     if steps < 30:
@@ -145,7 +138,6 @@ def measured_summary(
         measured_steps=steps,
         expert_us_per_token=c_s * 1e6,
         text=text,
-        static_tok_s_runs=tuple(per_run),
     )
 
 

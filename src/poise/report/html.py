@@ -148,12 +148,10 @@ class MeasuredSummary:
     measured_steps: int
     expert_us_per_token: float
     text: str = ""
-    static_tok_s_runs: tuple[float, ...] = ()  # each static run's (before and after auto)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "static_tok_s": round(self.static_tok_s, 1),
-            "static_tok_s_runs": [round(x, 1) for x in self.static_tok_s_runs],
             "auto_tok_s": round(self.auto_tok_s, 1),
             "speedup": round(self.speedup, 4),
             "ideal_speedup": round(self.ideal_speedup, 4),
