@@ -45,8 +45,9 @@ def _take_turns(path: str, slot: int, delay: float, out: mp.Queue) -> None:
 
 
 def test_runs_alternate_step_by_step(tmp_path):
-    """Step k of run 0, then step k of run 1, then step k + 1 of run 0, never two at once;
-    no step before the late run has arrived; no run let go before the other's last step."""
+    """Step k of run 0 then of run 1 for even k, of run 1 then of run 0 for odd k, never two
+    at once; no step before the late run has arrived; no run let go before the other's last
+    step."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = str(tmp_path / "turns")
@@ -66,7 +67,8 @@ def test_runs_alternate_step_by_step(tmp_path):
     order = sorted(
         (b, e, slot, k) for slot, (_, spans, _) in got.items() for k, (b, e) in enumerate(spans)
     )
-    assert [(slot, k) for _, _, slot, k in order] == [(s, k) for k in range(STEPS) for s in (0, 1)]
+    expected = [(s, k) for k in range(STEPS) for s in ((0, 1) if k % 2 == 0 else (1, 0))]
+    assert [(slot, k) for _, _, slot, k in order] == expected  # A B, B A, A B, ...
     for (_, end, *_), (begin, *_) in itertools.pairwise(order):
         assert end <= begin  # never two steps at once
     assert got[0][1][0][0] >= got[1][0]  # run 0's first step waited for run 1 to arrive
@@ -180,8 +182,9 @@ def test_two_training_runs_take_their_steps_in_turns(tmp_path):
         for p, rs in rows.items()
         for r in rs
     )
+    order = [("static", "auto"), ("auto", "static")]
     assert [(p, k) for *_, p, k in spans] == [
-        (p, k) for k in range(1, 9) for p in ("static", "auto")
+        (p, k) for k in range(1, 9) for p in order[(k - 1) % 2]
     ]
     for (_, end, *_), (begin, *_) in itertools.pairwise(spans):
         assert end <= begin

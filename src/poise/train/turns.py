@@ -3,8 +3,8 @@
 Two runs on one machine compared one after the other meet different machines: on a shared
 2-core host the same static run's tokens/s moves 10-15% between runs (other processes, clock
 frequency), more than balancing changes a step. Run side by side, they would take each other's
-cores. Taking turns step by step, each run's step k runs alone, right after the other run's
-step k: the machine's drift falls on both alike within seconds, and neither takes the other's
+cores. Taking turns step by step, each run's step k runs alone, right before or after the other
+run's step k: the machine's drift falls on both alike within seconds, and neither takes the other's
 cores (as `benchmarks/ep_step.py` rotates its models within one process).
 
     turns = StepTurns.open("/dev/shm/pair", slot=0, slots=2, rank=rank, group=None)
@@ -16,9 +16,12 @@ cores (as `benchmarks/ep_step.py` rotates its models within one process).
     turns.finish(steps)          # every rank: until every run has done its last step
 
 The turn is an 8-byte counter in a file every run opens (`path`; a fresh file for each set of
-runs: a counter left by an earlier set lets its runs through at once). Run `slot` of `slots` may
-start its step k once the counter is at least `k * slots + slot`; when every rank of that run is
-done (a barrier on its group), its rank 0 sets the counter to `k * slots + slot + 1`. Only the
+runs: a counter left by an earlier set lets its runs through at once). In step k the runs go in
+the order of their slots when k is even and in the reverse order when k is odd (A B, B A, A B,
+...: with the same order every step, identical runs measured the second one 1-2% slower, and
+each run now follows the others as often as itself). Run `slot` at place `p` of step k may start
+it once the counter is at least `k * slots + p`; when every rank of that run is done (a barrier
+on its group), its rank 0 sets the counter to `k * slots + p + 1`. Only the
 run whose turn it is writes the counter, and it only grows. A rank waiting for its turn sleeps
 through most of the wait (the last wait's length less `EARLY_S`: the other runs' steps take
 about as long from one step to the next), then reads the counter every `POLL_S`: a waiting
@@ -73,7 +76,7 @@ class StepTurns:
     group: dist.ProcessGroup | None
     fd: int
     timeout_s: float = 600.0
-    last_wait_s: float = 0.0  # the last turn's wait, which the next one sleeps through first
+    last_wait_s: float = 0.0  # the last wait for another run, which the next sleeps through first
 
     @classmethod
     def open(
@@ -95,6 +98,11 @@ class StepTurns:
             raise TurnsError(f"cannot open the turn file {p}: {exc}", field="turns") from None
         return cls(p, slot, slots, rank, group, fd, timeout_s)
 
+    def place(self, step: int) -> int:
+        """This run's place in step `step`'s order: its slot on even steps, the reverse on odd
+        ones (0 1, 1 0, 0 1, ...), so that each run follows the other runs as often as itself."""
+        return self.slot if step % 2 == 0 else self.slots - 1 - self.slot
+
     def counter(self, at: int = TURN) -> int:
         """The counter at offset `at` (0 in a file not yet written)."""
         raw = os.pread(self.fd, _COUNTER.size, at)
@@ -115,10 +123,11 @@ class StepTurns:
     def wait(self, step: int) -> float:
         """Block until this run may start step `step` (0-based, the same numbering in every
         run); the seconds waited."""
-        want = step * self.slots + self.slot
+        want = step * self.slots + self.place(step)
         t0 = time.perf_counter()
-        if self.counter() < want:
-            time.sleep(min(max(self.last_wait_s - EARLY_S, 0.0), self.timeout_s))
+        if self.counter() >= want:  # its own step came just before (the order reversed)
+            return 0.0
+        time.sleep(min(max(self.last_wait_s - EARLY_S, 0.0), self.timeout_s))
         self._until(TURN, want, f"for its turn at step {step}")
         self.last_wait_s = time.perf_counter() - t0
         return self.last_wait_s
@@ -157,7 +166,7 @@ class StepTurns:
         the turn to the next run. Collective over the run's group."""
         _barrier(self.group)
         if self.rank == 0:
-            os.pwrite(self.fd, _COUNTER.pack(step * self.slots + self.slot + 1), TURN)
+            os.pwrite(self.fd, _COUNTER.pack(step * self.slots + self.place(step) + 1), TURN)
 
     def close(self) -> None:
         if self.fd >= 0:
