@@ -118,7 +118,9 @@ def test_a_paused_planner_stops_and_its_plan_time_leaves_the_pause_out():
     planner = BackgroundPlanner(process=True)
     job = functools.partial(sum, range(80_000_000))  # about a second of one core
     try:
-        planner.start()
+        planner.submit(functools.partial(sum, range(10)), requested_at=0, adopt_at=0)
+        assert planner.take().value == 45  # the worker is up: the next job starts at once
+        t_submit = time.perf_counter()
         planner.submit(job, requested_at=0, adopt_at=1)
         time.sleep(0.2)  # the job is running
         planner.pause()
@@ -132,9 +134,10 @@ def test_a_paused_planner_stops_and_its_plan_time_leaves_the_pause_out():
         planner.resume()
         assert _proc_state(pid)[0] != "T"
         done = planner.take()
-        assert done.value == sum(range(80_000_000))
-        # the job's wall seconds less the 0.6 s stopped: about its CPU seconds
-        assert done.plan_s < done.cpu_s + 0.3
+        elapsed = time.perf_counter() - t_submit
+        assert done.value == 80_000_000 * (80_000_000 - 1) // 2
+        # the job's wall seconds less the 0.6 s it was stopped
+        assert done.plan_s < elapsed - 0.5
     finally:
         planner.close()
 
@@ -148,7 +151,7 @@ def _run_in_turns(rank: int, world: int, cfg_json: str) -> dict:
 
 def test_two_training_runs_take_their_steps_in_turns(tmp_path):
     """Static and auto on 2 gloo ranks each, in turns: each step of one run begins after the
-    other's step before it has ended; auto's planner ran (plans changed); the Balancer's
+    other's step before it has ended; auto's planner ran (decisions taken); the Balancer's
     measured period is its own step, not its step plus the other run's."""
     from poise.runtime.launch import run_ranks
 
@@ -189,7 +192,7 @@ def test_two_training_runs_take_their_steps_in_turns(tmp_path):
     for (_, end, *_), (begin, *_) in itertools.pairwise(spans):
         assert end <= begin
     auto = rows["auto"]
-    assert auto[-1]["plan_changes"] >= 1
+    assert any(r["decision"] for r in auto)  # its planner ran (paused between its turns)
     later = auto[2:]  # the period is measured from the second step on
     period = np.median([r["rank_s"]["period_s"][0] for r in later])
     step = np.median([r["step_s"] for r in later])

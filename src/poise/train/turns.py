@@ -22,10 +22,13 @@ the order of their slots when k is even and in the reverse order when k is odd (
 each run now follows the others as often as itself). Run `slot` at place `p` of step k may start
 it once the counter is at least `k * slots + p`; when every rank of that run is done (a barrier
 on its group), its rank 0 sets the counter to `k * slots + p + 1`. Only the
-run whose turn it is writes the counter, and it only grows. A rank waiting for its turn sleeps
-through most of the wait (the last wait's length less `EARLY_S`: the other runs' steps take
-about as long from one step to the next), then reads the counter every `POLL_S`: a waiting
-run wakes a few times a turn, not thousands (each wake-up interrupts the running run's ranks).
+run whose turn it is writes the counter, and it only grows; a run whose own step comes next
+(the order reversed) goes on without reading it, on every rank alike. A rank waiting for
+another run first sleeps `SLEEP_SHARE` of the shortest of its last `RECENT` waits (the other
+runs' steps change little from one step to the next; a rank that slept past its turn would hold
+up its run's first collective and lengthen the step measured), then reads the counter every
+`POLL_S`: a waiting run wakes a few hundred times a turn, not thousands (each wake-up
+interrupts the running run's ranks).
 A run that fails marks the file abandoned (`abandon`, a third counter at offset 16) and the
 others raise a `TurnsError` at their next wait; one that stops without a word leaves them
 waiting: after `timeout_s` they raise one naming the file, the step and the counter.
@@ -46,7 +49,7 @@ import fcntl
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -54,7 +57,8 @@ import torch.distributed as dist
 from poise.core.errors import PoiseError
 
 POLL_S = 1e-3  # seconds between two reads of the counter while waiting (a waiting rank sleeps)
-EARLY_S = 5e-3  # a wait sleeps through the last wait's length less this, then polls
+SLEEP_SHARE = 0.5  # a wait first sleeps this share of the shortest of the last RECENT waits
+RECENT = 4
 _COUNTER = struct.Struct("<q")  # little-endian int64s: the turn at offset 0, arrivals at 8
 TURN, ARRIVED, ABANDONED = 0, _COUNTER.size, 2 * _COUNTER.size
 
@@ -76,7 +80,8 @@ class StepTurns:
     group: dist.ProcessGroup | None
     fd: int
     timeout_s: float = 600.0
-    last_wait_s: float = 0.0  # the last wait for another run, which the next sleeps through first
+    recent_waits: list[float] = field(default_factory=list)  # the last waits for other runs
+    handed: int = -1  # the counter this run's last `hand_over` set (or sets, on other ranks)
 
     @classmethod
     def open(
@@ -124,13 +129,15 @@ class StepTurns:
         """Block until this run may start step `step` (0-based, the same numbering in every
         run); the seconds waited."""
         want = step * self.slots + self.place(step)
-        t0 = time.perf_counter()
-        if self.counter() >= want:  # its own step came just before (the order reversed)
+        if want <= self.handed:  # this run's own step came just before (the order reversed)
             return 0.0
-        time.sleep(min(max(self.last_wait_s - EARLY_S, 0.0), self.timeout_s))
+        t0 = time.perf_counter()
+        if self.counter() < want and self.recent_waits:
+            time.sleep(min(SLEEP_SHARE * min(self.recent_waits), self.timeout_s))
         self._until(TURN, want, f"for its turn at step {step}")
-        self.last_wait_s = time.perf_counter() - t0
-        return self.last_wait_s
+        waited = time.perf_counter() - t0
+        self.recent_waits = [*self.recent_waits[-(RECENT - 1) :], waited]
+        return waited
 
     def finish(self, steps: int) -> float:
         """Block until every run has done its step `steps - 1` (this run's last); the seconds
@@ -165,8 +172,9 @@ class StepTurns:
         """Step `step` is done on this rank: once it is on every rank of the run, rank 0 passes
         the turn to the next run. Collective over the run's group."""
         _barrier(self.group)
+        self.handed = step * self.slots + self.place(step) + 1
         if self.rank == 0:
-            os.pwrite(self.fd, _COUNTER.pack(step * self.slots + self.place(step) + 1), TURN)
+            os.pwrite(self.fd, _COUNTER.pack(self.handed), TURN)
 
     def close(self) -> None:
         if self.fd >= 0:
