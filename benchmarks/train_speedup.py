@@ -13,7 +13,9 @@ while the other's step runs, auto's planner is stopped then and its Trans has la
 machine's drift falls on both within a second; the first run of a round alternates (static in
 even rounds, auto in odd ones). `--sequential` runs them one after the other instead, as
 before: on the shared 2-core machine identical static runs made one after the other differ by
-10-15% in tokens/s, and identical runs in turns by 1-3% (docs/benchmarks.md).
+10-15% in tokens/s, and identical runs in turns by about 1% (docs/benchmarks.md).
+`--identical` runs static on both sides (the "auto" fields then describe the second static
+run): the spread of the comparison itself.
 
 Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 `tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
@@ -103,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="rounds (static/auto pairs) per setting")
     p.add_argument("--replan-every", type=int, default=10)
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
+    p.add_argument(
+        "--identical",
+        action="store_true",
+        help="run static on both sides (A/A): the spread of the comparison itself",
+    )
     p.add_argument(
         "--sequential",
         action="store_true",
@@ -218,14 +225,17 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     skip = args.replan_every + 2
     load_before = os.getloadavg()[0]
     runs: dict[str, list[Any]] = {"static": [], "auto": []}
+    # the side called "auto" runs `static` too with --identical: the instrument's own spread
+    policy_of = {"static": "static", "auto": "static" if args.identical else "auto"}
     for r in range(args.repeats):
         order = ("static", "auto") if r % 2 == 0 else ("auto", "static")
         cfgs = {
-            policy: run_config(
-                policy, root / f"{name}-{r}-{policy}", args.steps, args.replan_every, model_args
+            side: run_config(
+                policy_of[side], root / f"{name}-{r}-{side}", args.steps, args.replan_every,
+                model_args,
             )
-            for policy in order
-        }
+            for side in order
+        }  # fmt: skip
         t0 = time.perf_counter()
         if args.sequential:
             done = {policy: train(cfgs[policy], world) for policy in order}
@@ -271,6 +281,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     return {
         "bench": "train_speedup",
         "setting": name,
+        "compared": "static against static (--identical)" if args.identical else "auto/static",
+        "in_turns": not args.sequential,
         "static_tok_s": round(static_tok_s, 1),
         "auto_tok_s": round(auto_tok_s, 1),
         "speedup": round(speedup, 4),

@@ -191,3 +191,48 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     # Per layer max(4000, 7000 / 2) - max(1750, 3500) = 500 pairs x 25 us x 4 layers = 50 ms.
     assert line["shared_cores"] == 2.0
     assert line["ideal_speedup"] == pytest.approx(1.1 / 1.05, abs=1e-4)
+
+
+def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
+    monkeypatch, tmp_path
+) -> None:
+    """A round's two runs share one fresh turn file, one slot each, static first in even rounds
+    and second in odd ones; `--identical` trains static on both sides; `--sequential` names no
+    turn file."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    seen: list[tuple[str, str | None, int, int]] = []
+
+    def fake_train(cfg, world: int):
+        seen.append((cfg.policy, cfg.turns, cfg.turns_slot, cfg.turns_of))
+        n = 16
+        return SimpleNamespace(
+            step_s=np.full(n, 1.0),
+            device_tokens=np.full((n, 4, 2), 2000.0),
+            tokens_per_step=2048,
+            phases={"forward": np.full(n, 0.3)},
+            moe_phases={"experts": np.full(n, 0.1)},
+            max_over_mean=1.0,
+            moe_phase_mean=lambda k: 0.0,
+            last_verdict={},
+        )
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    common = ["--settings", "skewed", "--steps", "16", "--repeats", "2"]
+    line = bench.bench_setting("skewed", bench.parse_args(common), tmp_path)
+    assert line["in_turns"] is True and line["compared"] == "auto/static"
+    by_round = [sorted(seen[:2], key=lambda x: x[2]), sorted(seen[2:], key=lambda x: x[2])]
+    assert [p for p, *_ in by_round[0]] == ["static", "auto"]  # slot 0 first
+    assert [p for p, *_ in by_round[1]] == ["auto", "static"]
+    for pair in by_round:
+        files = {f for _, f, _, _ in pair}
+        assert len(files) == 1 and None not in files and {of for *_, of in pair} == {2}
+    assert by_round[0][0][1] != by_round[1][0][1]  # a fresh file per round
+    seen.clear()
+    line = bench.bench_setting("skewed", bench.parse_args([*common, "--identical"]), tmp_path)
+    assert {p for p, *_ in seen} == {"static"} and "identical" in line["compared"]
+    seen.clear()
+    bench.bench_setting("skewed", bench.parse_args([*common, "--sequential"]), tmp_path)
+    assert {f for _, f, _, _ in seen} == {None}
