@@ -595,6 +595,11 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert leader_outcome(balancer.guard, same, on_static=True, **kw).decision == "idle"
     out = leader_outcome(balancer.guard, same, on_static=False, **kw)  # nothing fresh to take
     assert (out.decision, out.plan) == ("fallback", back)
+    # once the clock refuted the model outright (trust 0) nothing it prices can be adopted: a
+    # re-plan is idle (backs off) under any layout that pays, not only the static one
+    balancer.guard.trust = 0.0
+    assert leader_outcome(balancer.guard, paid, on_static=False, **kw).decision == "idle"
+    balancer.guard.trust = 1.0
     # every rank applies the plan the outcome names; a fallback backs off, a replacement keeps
     # the backoff as it was, an adoption resets it
     from poise.runtime.stats import StepStats

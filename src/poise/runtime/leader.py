@@ -8,8 +8,10 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    gives way to the fresh candidate (`replace`) or to an exit (`fallback`), whichever nets
    the most over the horizon (`exit_outcome`, `SwitchGuard.exit_choice`);
 2. otherwise the candidate is adopted if it pays for its switch (`SwitchGuard.decide`), or
-   refused (`same`, `no-gain`; `idle` where the static layout is in force and the candidate's
-   gain did not cover the planning's CPU seconds).
+   refused (`same`, `no-gain`; `idle` where the static layout is in force, or the clock has
+   refuted the model outright (`SwitchGuard.trust` 0: nothing it prices can be adopted), and
+   the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
+   off).
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
@@ -57,7 +59,7 @@ def leader_outcome(
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     if decision.adopt:
         reason = decision.reason
-    elif on_static and not guard.planning_pays(decision, planning_s):
+    elif (on_static or guard.trust <= 0) and not guard.planning_pays(decision, planning_s):
         reason = "idle"
     else:
         reason = decision.reason
