@@ -227,6 +227,7 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
     assert [p for p, *_ in by_round[0]] == ["static", "auto"]  # slot 0 first
     assert [p for p, *_ in by_round[1]] == ["auto", "static"]
     for pair in by_round:
+        assert [slot for _, _, slot, _ in pair] == [0, 1]
         files = {f for _, f, _, _ in pair}
         assert len(files) == 1 and None not in files and {of for *_, of in pair} == {2}
     assert by_round[0][0][1] != by_round[1][0][1]  # a fresh file per round
