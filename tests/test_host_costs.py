@@ -12,6 +12,7 @@ from poise.core.cluster import HostCosts
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement
 from poise.cost.host import (
+    busy_rows,
     dense_rates,
     dense_seconds,
     dispatch_host_seconds,
@@ -87,6 +88,26 @@ def test_dispatcher_rows_and_slowest_device() -> None:
     assert not zero_f.any() and not zero_b.any()
     with pytest.raises(ValueError, match="layers, devices"):
         dispatch_host_seconds(host, np.ones(3))
+
+
+def test_ranks_sharing_cores_bound_the_host_work_by_the_total() -> None:
+    """4 ranks on 2 cores: a waiting rank lends its core, so a layer's host work is the larger
+    of the busiest device's rows and the total over the cores (hand-computed)."""
+    rows = np.array(
+        [
+            [10.0, 2.0, 2.0, 2.0],  # busiest 10 > total 16 / 2 = 8: the busiest device's
+            [6.0, 4.0, 4.0, 4.0],  # busiest 6 < 18 / 2 = 9: the total's share
+        ]
+    )
+    np.testing.assert_array_equal(busy_rows(rows, 0.0), [10.0, 6.0])
+    np.testing.assert_array_equal(busy_rows(rows, 2.0), [10.0, 9.0])
+    np.testing.assert_array_equal(busy_rows(rows, 4.0), [10.0, 6.0])  # a core each: as before
+    host = HostCosts(dispatch_fwd_s=1e-3, dispatch_fwd_s_per_row=1e-4, shared_cores=2.0)
+    fwd, _ = dispatch_host_seconds(host, rows)
+    np.testing.assert_allclose(fwd, [1e-3 + 10e-4, 1e-3 + 9e-4])
+    # moving rows off the busiest device saves nothing while the total binds
+    evened = np.array([[10.0, 2.0, 2.0, 2.0], [4.5, 4.5, 4.5, 4.5]])
+    assert dispatch_host_seconds(host, evened)[0][1] == pytest.approx(fwd[1])
 
 
 HOST = HostCosts(

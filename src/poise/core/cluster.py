@@ -192,7 +192,8 @@ class HostCosts:
       compute (CPU ranks on one host, more ranks x threads than cores). A rank that waits then
       leaves its core to the others, so a layer's expert compute takes the slowest device's
       seconds or the devices' total over `shared_cores`, whichever is longer, instead of the
-      slowest device's alone (`poise.cost.model.PlanPricer.phases`)."""
+      slowest device's alone (`poise.cost.model.PlanPricer.phases`); the dispatcher's host
+      work likewise (`poise.cost.host.busy_rows`)."""
 
     dense_fwd_flops: float | None = None
     dense_fwd_half_tokens: float = 0.0

@@ -41,7 +41,8 @@ M_e migration bytes, see `core.spec.ModelSpec`):
   gemm_flops(t) = peak[t] * efficiency (`Cluster.gemm_flops`); on a
   cluster with measured host costs (`poise calibrate`), at the measured dense rates, plus the
   token dispatcher's host work per layer H_fwd, H_bwd = a + b * max_d (rows routed + rows
-  computed) (`poise.cost.host`; `CostModel.complete`).
+  computed), with ranks sharing cores bounded by the devices' total too (`poise.cost.host`;
+  `CostModel.complete`).
 
 The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 """

@@ -40,8 +40,10 @@ a least-squares fit through the origin over a window of steps, pulled towards it
    which is also kept when no replica ran in the window.
 3. `dispatch_s_per_row`: the token all-to-all's measured seconds beyond its link time on the
    prior's links, per row the busiest device's dispatcher handles (sent + received, summed over
-   layers): the dispatcher's host work (`poise.cost.host`, the linear form `poise calibrate`
-   fits), added to the prior's, forward and backward alike (centre 0 beyond the prior's).
+   layers; where ranks share cores, the devices' total over the cores when that is more:
+   `cost.host.busy_rows`): the dispatcher's host work (`poise.cost.host`, the linear form
+   `poise calibrate` fits), added to the prior's, forward and backward alike (centre 0 beyond
+   the prior's).
 
 One scale on the links for both would price them alike: fitted to the all-to-all (whose time on
 CPU ranks is mostly host work per row, 30-50 times the link's) a 10 MB Trans looked too dear to
@@ -61,7 +63,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster, PeakFlops
 from poise.core.placement import Plan
-from poise.cost.host import dispatch_rows
+from poise.cost.host import busy_rows, dispatch_rows
 from poise.cost.model import CostModel
 from poise.cost.phases import PhaseTimes
 
@@ -106,12 +108,13 @@ class Fit:
 def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
     """Model figures per step `[S, 4]` of `plan` on `counts[S, L, D, E]`, summed over layers:
     expert forward seconds, dispatch + combine link seconds (forward), Trans + Agg seconds, and
-    the rows the busiest device's dispatcher handles (`cost.host.dispatch_rows`, sent +
-    received)."""
+    the rows that bound the dispatchers' host work (`cost.host.busy_rows` of
+    `cost.host.dispatch_rows`, sent + received: the busiest device's, or the devices' total
+    over the cores they share where that is more)."""
     if len(counts) == 0:
         return np.zeros((0, 4))
     phases, device_load, loads = _per_step_layers(cost, plan, counts)
-    rows = dispatch_rows(loads, device_load).max(axis=1)  # [S * L]
+    rows = busy_rows(dispatch_rows(loads, device_load), cost.cluster.host.shared_cores)  # [S*L]
     per_layer = np.stack(
         [
             phases.expert_fwd_s,
