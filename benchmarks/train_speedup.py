@@ -29,8 +29,11 @@ The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: eac
 costs its slowest rank's expert compute, perfectly balanced experts the mean rank's. With
 `n[s, l, r]` the token-expert pairs rank r computes in layer l at step s and `c` the seconds per
 routed token of one expert's forward and backward (`poise.calibrate.experts`: the setting's
-`poise.nn.Experts` at 1 thread, forward + backward over 1,024 to 4,096 rows, the slope of a
-least-squares line):
+`poise.nn.Experts` at 1 thread, forward + backward over 1,024 to 4,096 rows in interleaved
+sweeps, the slope of a least-squares line; timed before the first round and after the last,
+the smaller kept, since the machine's other work only ever slows a timing: right after the
+runs, with their processes still exiting, it has read up to 1.5 times the figure of an idle
+machine; both are in the JSON line):
 
     excess[s]   = c * sum_l (max_r n[s, l, r] - mean_r n[s, l, r])
     ideal[s]    = step_static[s] - excess[s]          (the non-expert part as measured)
@@ -224,6 +227,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     mcfg = model_config("tiny", dict(model_args), source=name)
     skip = args.replan_every + 2
     load_before = os.getloadavg()[0]
+    shape = (mcfg.d_model, mcfg.d_expert, mcfg.num_experts // world)
+    c_before = expert_seconds_per_token(*shape)["c_s"]
     runs: dict[str, list[Any]] = {"static": [], "auto": []}
     # the side called "auto" runs `static` too with --identical: the instrument's own spread
     policy_of = {"static": "static", "auto": "static" if args.identical else "auto"}
@@ -250,8 +255,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
             + f" ({time.perf_counter() - t0:.0f} s)",
             file=sys.stderr,
         )
-    cost = expert_seconds_per_token(mcfg.d_model, mcfg.d_expert, mcfg.num_experts // world)
-    c = cost["c_s"]
+    c_after = expert_seconds_per_token(*shape)["c_s"]
+    c = min(c_before, c_after)  # a timing is only ever slowed by the machine's other work
     cores = shared_cores(world, world, threads=1)  # each rank runs 1 thread
     static_tok = [tok_s(x, skip) for x in runs["static"]]
     auto_tok = [tok_s(x, skip) for x in runs["auto"]]
@@ -314,6 +319,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "static_max_over_mean": round(statistics.median(i["max_over_mean"] for i in ideals), 3),
         "auto_max_over_mean": round(statistics.median(x.max_over_mean for x in runs["auto"]), 3),
         "expert_us_per_token": round(c * 1e6, 3),
+        "expert_us_per_token_before_after": [round(c_before * 1e6, 3), round(c_after * 1e6, 3)],
         "expert_us_per_token_from_run": round(c_run * 1e6, 3),
         "non_expert_ms": round(statistics.median(i["non_expert_ms"] for i in ideals), 1),
         "slowest_expert_ms": round(statistics.median(i["slowest_expert_ms"] for i in ideals), 1),

@@ -625,3 +625,43 @@ def test_tables_fold_on_a_narrow_terminal(width: int) -> None:
         buf = io.StringIO()
         Console(file=buf, width=width).print(table)
         assert "…" not in buf.getvalue(), buf.getvalue()
+
+
+def test_expert_timing_interleaves_row_counts_against_a_slow_stretch() -> None:
+    """A stretch of slow calls (another process on the machine) must not bias the fitted
+    slope: timed in interleaved sweeps, each row count gets a few slow samples and its median
+    stays exact; timed one row count after another, the stretch would take most samples of
+    one row count (hand-made clock: a call of n rows takes 1e-5 n + 1e-3 s, 3x during calls
+    20-39 of 68)."""
+    from poise.calibrate.experts import interleaved_medians
+
+    now = [0.0]
+    calls: list[int] = []
+
+    def run(n: int) -> None:
+        slow = 3.0 if 20 <= len(calls) < 40 else 1.0
+        now[0] += slow * (1e-5 * n + 1e-3)
+        calls.append(n)
+
+    rows = [1024, 2048, 3072, 4096]
+    medians = interleaved_medians(run, rows, repeats=15, clock=lambda: now[0])
+    assert len(calls) == 4 * 17  # 2 untimed sweeps, then 15
+    assert calls[:8] == [1024, 2048, 3072, 4096, 4096, 3072, 2048, 1024]
+    np.testing.assert_allclose(medians, [1e-5 * n + 1e-3 for n in rows], rtol=1e-9)
+    slope = np.polyfit(rows, medians, 1)[0]
+    assert slope == pytest.approx(1e-5, rel=1e-9)
+
+
+def test_expert_timing_leaves_the_warmup_sweeps_out() -> None:
+    from poise.calibrate.experts import interleaved_medians
+
+    now = [0.0]
+    calls: list[int] = []
+
+    def run(n: int) -> None:
+        now[0] += (10.0 if len(calls) < 4 else 1.0) * 1e-5 * n  # the first sweep: cold
+        calls.append(n)
+
+    medians = interleaved_medians(run, [100, 200], repeats=1, warmup=2, clock=lambda: now[0])
+    assert len(calls) == 6
+    np.testing.assert_allclose(medians, [1e-3, 2e-3], rtol=1e-9)

@@ -179,8 +179,10 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
             moe_phase_mean=lambda k: 0.0,
         )
 
+    timed = iter([25e-6, 40e-6])  # before the rounds, after them (slowed): the smaller counts
+
     monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": next(timed)})
     monkeypatch.setattr(plan_inputs, "shared_cores", lambda world, on_host, threads=None: 2.0)
     args = bench.parse_args(["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3"])
     line = bench.bench_setting("skewed-4", args, tmp_path)
@@ -191,6 +193,8 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     # Per layer max(4000, 7000 / 2) - max(1750, 3500) = 500 pairs x 25 us x 4 layers = 50 ms.
     assert line["shared_cores"] == 2.0
     assert line["ideal_speedup"] == pytest.approx(1.1 / 1.05, abs=1e-4)
+    assert line["expert_us_per_token"] == 25.0
+    assert line["expert_us_per_token_before_after"] == [25.0, 40.0]
 
 
 def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(

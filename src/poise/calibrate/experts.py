@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ def expert_seconds_per_token(
     """Fit `seconds = c_s * rows + intercept_s` for forward + backward of `slots` experts.
 
     Returns `{"c_s", "intercept_s", "rows", "times_s"}` (`times_s`: the median of `repeats`
-    timings per row count, after 2 untimed calls). Restores the caller's thread count."""
+    timings per row count, `interleaved_medians`). Restores the caller's thread count."""
     import torch
 
     from poise.nn.experts import Experts
@@ -50,21 +51,20 @@ def expert_seconds_per_token(
     try:
         gen = torch.Generator().manual_seed(0)
         experts = Experts(slots, d_model, d_expert, activation)
-        times = []
+        inputs = {}
         for n in rows:
             counts = [n // slots] * slots
             counts[0] += n - sum(counts)
             x = torch.randn(n, d_model, generator=gen, requires_grad=True)
-            gy = torch.randn(n, d_model, generator=gen)
-            samples = []
-            for i in range(repeats + 2):
-                t0 = time.perf_counter()
-                experts(x, counts).backward(gy)
-                if i >= 2:
-                    samples.append(time.perf_counter() - t0)
-                experts.zero_grad(set_to_none=True)
-                x.grad = None
-            times.append(statistics.median(samples))
+            inputs[n] = (x, torch.randn(n, d_model, generator=gen), counts)
+
+        def run(n: int) -> None:
+            x, gy, counts = inputs[n]
+            experts(x, counts).backward(gy)
+            experts.zero_grad(set_to_none=True)
+            x.grad = None
+
+        times = interleaved_medians(run, rows, repeats)
     finally:
         torch.set_num_threads(threads)
     slope, intercept = np.polyfit(list(rows), times, 1)
@@ -76,4 +76,29 @@ def expert_seconds_per_token(
     }
 
 
-__all__ = ["ROWS", "expert_seconds_per_token"]
+def interleaved_medians(
+    run: Callable[[int], None],
+    rows: Sequence[int],
+    repeats: int,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """The median seconds of `run(n)` per `n` in `rows`, over `repeats` sweeps through every
+    row count (the order reversed on every other sweep) after `warmup` untimed sweeps.
+
+    Interleaved, a stretch of the machine running slower (another process, a rank still
+    tearing down) slows a few samples of every row count alike instead of all the samples of
+    one, so it moves neither the medians nor the slope. Timed one row count after another, as
+    before, the first fit after training runs measured 35 us a row where the next four
+    measured 23-25 (skewed's experts, 2-core machine)."""
+    samples: dict[int, list[float]] = {n: [] for n in rows}
+    for sweep in range(warmup + repeats):
+        for n in rows if sweep % 2 == 0 else list(reversed(rows)):
+            t0 = clock()
+            run(n)
+            if sweep >= warmup:
+                samples[n].append(clock() - t0)
+    return [statistics.median(samples[n]) for n in rows]
+
+
+__all__ = ["ROWS", "expert_seconds_per_token", "interleaved_medians"]
