@@ -78,7 +78,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,30 +172,11 @@ def train(cfg, world: int) -> Any:
 
 def train_in_turns(cfgs: list[Any], world: int, turns: Path) -> list[Any]:
     """Run `cfgs` at once, each on `world` local ranks, taking their steps in turns
-    (`poise.train.turns`, the counter in the fresh file `turns`); their `MeasuredRun`s."""
-    turns.unlink(missing_ok=True)
-    slotted = [
-        cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
-        for i, cfg in enumerate(cfgs)
-    ]
-    results: list[Any] = [None] * len(cfgs)
-    failures: list[BaseException] = []
+    (`poise.commands.train.in_turns`, the counter in the fresh file `turns`); their
+    `MeasuredRun`s."""
+    from poise.commands.train import in_turns
 
-    def run(i: int) -> None:
-        try:
-            results[i] = train(slotted[i], world)
-        except BaseException as exc:  # a failed run (SystemExit): raised once all have ended
-            failures.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cfgs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    turns.unlink(missing_ok=True)
-    if failures:
-        raise failures[0]
-    return results
+    return in_turns(cfgs, turns, lambda cfg: train(cfg, world))
 
 
 # ----------------------------------------------------------------------------------- figures

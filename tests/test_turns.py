@@ -199,3 +199,42 @@ def test_two_training_runs_take_their_steps_in_turns(tmp_path):
     waited = np.median([r["turn"]["waited_s"] for r in later])
     assert waited > 0.5 * step  # the other run's step came in between
     assert period < step + 0.5 * waited
+
+
+def test_in_turns_runs_every_config_at_once_with_its_slot(tmp_path: Path) -> None:
+    """`poise.commands.train.in_turns`: every run gets its slot in one fresh turn file, the runs
+    are under way together (each waits at a barrier the others must reach), the results come
+    back in order, the file is gone after, and a run's failure is raised once all have ended."""
+    from poise.commands.train import in_turns
+
+    turns = tmp_path / "sub" / "t.turns"
+    cfgs = [
+        tiny_train_config(str(tmp_path), f"r{i}", policy=p)
+        for i, p in enumerate(("static", "auto"))
+    ]
+    together = threading.Barrier(2, timeout=10)
+    seen: list[tuple[str, str | None, int, int, bool]] = []
+
+    def run(cfg):
+        seen.append((cfg.policy, cfg.turns, cfg.turns_slot, cfg.turns_of, turns.exists()))
+        together.wait()  # a run started after the other ended would break the barrier
+        return cfg.policy
+
+    turns.parent.mkdir()
+    turns.write_bytes(b"stale")
+    assert in_turns(cfgs, turns, run) == ["static", "auto"]
+    assert sorted(seen) == [("auto", str(turns), 1, 2, False), ("static", str(turns), 0, 2, False)]
+    assert not turns.exists()
+
+    ended: list[str] = []
+
+    def fail_first(cfg):
+        if cfg.turns_slot == 0:
+            raise SystemExit(3)
+        time.sleep(0.2)
+        ended.append(cfg.policy)
+        return 0
+
+    with pytest.raises(SystemExit) as exc:
+        in_turns(cfgs, turns, fail_first)
+    assert exc.value.code == 3 and ended == ["auto"]  # raised after the other run ended

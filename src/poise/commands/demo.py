@@ -36,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -43,6 +44,9 @@ from rich.table import Table
 from poise.commands.demo_report import compare_traces, demo_json, measured_summary, sim_note
 from poise.core.errors import ConfigError, PoiseError
 from poise.util.argparsing import int_in
+
+if TYPE_CHECKING:
+    from poise.train.config import TrainConfig
 
 
 class DemoError(PoiseError):
@@ -184,27 +188,22 @@ def demo_config(policy: str, out: Path, size: DemoSize, *, steps: int, corpus: s
     )
 
 
-def train_in_turns(cfgs: list, console: Console, turns: Path) -> float:
+def train_in_turns(cfgs: list[TrainConfig], console: Console, turns: Path) -> float:
     """Run `cfgs` at once, each on `WORLD` local ranks (`poise train --nproc` 's launcher),
     taking their steps in turns through the counter file `turns` (made fresh here), with one
     progress bar read from their `metrics.jsonl`; returns the wall seconds. Raises `DemoError`
     naming the first run that failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from poise.commands.train import launch
+    from poise.commands.train import in_turns, launch
     from poise.train.config import save_config
 
-    turns.parent.mkdir(parents=True, exist_ok=True)
-    turns.unlink(missing_ok=True)
     paths = []
-    for i, cfg in enumerate(cfgs):
+    for cfg in cfgs:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").unlink(missing_ok=True)
         paths.append(out)
-        slotted = cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
-        save_config(slotted, out / "config.yaml")
-    codes: list[int | None] = [None] * len(cfgs)
     done = threading.Event()
     started = time.perf_counter()
     names = " and ".join(c.policy for c in cfgs)
@@ -214,6 +213,11 @@ def train_in_turns(cfgs: list, console: Console, turns: Path) -> float:
         MofNCompleteColumn(),
         TextColumn("steps {task.fields[info]}"),
     )
+
+    def train_one(cfg: TrainConfig) -> int:
+        save_config(cfg, Path(cfg.out) / "config.yaml")
+        return launch(WORLD, Path(cfg.out) / "config.yaml", quiet=True)
+
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("train", total=sum(c.steps for c in cfgs), info="")
 
@@ -227,21 +231,13 @@ def train_in_turns(cfgs: list, console: Console, turns: Path) -> float:
                         continue
                 bar.update(task, completed=n, info=f"({time.perf_counter() - started:.0f} s)")
 
-        def train_one(i: int) -> None:
-            codes[i] = launch(WORLD, paths[i] / "config.yaml", quiet=True)
-
-        workers = [threading.Thread(target=train_one, args=(i,)) for i in range(len(cfgs))]
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            codes = in_turns(cfgs, turns, train_one)
         finally:
             done.set()
             watcher.join()
-    turns.unlink(missing_ok=True)
     for cfg, out, code in zip(cfgs, paths, codes, strict=True):
         if code != 0:
             raise DemoError(

@@ -17,8 +17,16 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from poise.train.config import TrainConfig
+
+T = TypeVar("T")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -152,6 +160,39 @@ def launch(
             file=sys.stderr,
             flush=True,
         )
+
+
+def in_turns(cfgs: Sequence[TrainConfig], turns: Path, run: Callable[[TrainConfig], T]) -> list[T]:
+    """`run(cfg)` for every one of `cfgs` at once, each in its own thread, with `cfg` given
+    its slot in the counter file `turns` (`TrainConfig.turns`, `turns_slot`, `turns_of`), so
+    that the runs `run` starts (`launch`, typically) take their steps in turns
+    (`poise.train.turns`). The file is made fresh before and removed after. Returns the
+    results in the order of `cfgs`; where a run raised (a failed launch's `SystemExit`
+    included), the first exception is raised again once every run has ended."""
+    turns.parent.mkdir(parents=True, exist_ok=True)
+    turns.unlink(missing_ok=True)
+    slotted = [
+        cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
+        for i, cfg in enumerate(cfgs)
+    ]
+    results: list[T | None] = [None] * len(cfgs)
+    failures: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = run(slotted[i])
+        except BaseException as exc:  # raised again once every run has ended
+            failures.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cfgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    turns.unlink(missing_ok=True)
+    if failures:
+        raise failures[0]
+    return results  # type: ignore[return-value]
 
 
 def _latest_checkpoint(checkpoints: str | Path | None) -> str | None:
