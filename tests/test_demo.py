@@ -301,12 +301,14 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
             _fake_run(out.parent, cfg.policy, losses, seeds[cfg.policy])
         return 0.1
 
+    timed = iter([2e-5, 3e-5])  # before the training, after it (slowed): the smaller counts
     monkeypatch.setattr(demo, "train_in_turns", fake_train)
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 2e-5})
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": next(timed)})
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     doc = json.loads((out / "demo.json").read_text())
     m = doc["measured"]
+    assert m["expert_us_per_token"] == pytest.approx(20.0)
     for key in ("static_tok_s", "auto_tok_s", "speedup", "ideal_speedup", "gain_fraction"):
         assert key in m
     assert m["speedup"] == pytest.approx(m["auto_tok_s"] / m["static_tok_s"], rel=1e-3)
