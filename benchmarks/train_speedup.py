@@ -56,7 +56,9 @@ step, the mean slowest/mean rank load, and auto's extra ms per step by phase ove
 standard error, probes]`: probe steps against their neighbours within the run, which the
 machine's drift between runs does not reach; None where the run never probed) and
 `auto_modelled_clock_ms`, what the run's fitted cost model predicted that clock would measure
-(`poise.runtime.paired_clock.modelled_clock`; None where the run never probed).
+(`poise.runtime.paired_clock.modelled_clock`; None where the run never probed);
+`auto_decisions`, per auto run, its Balancer's decisions in order ("11 adopt r5 m0": at step
+11 it adopted a plan with 5 replica slots, moving no home).
 
 Settings (one JSON line each; `--settings all` runs every one):
 
@@ -315,8 +317,19 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "auto_paired_clock_ms": [paired_clock_ms(x) for x in runs["auto"]],
         # ... and what the run's fitted cost model predicted it would measure, ms a step
         "auto_modelled_clock_ms": [modelled_clock_ms(x) for x in runs["auto"]],
+        # what each auto run decided, in order: "step decision rN mM" (N replica slots in
+        # force after it, M homes moved), so a round's harm can be read off its decisions
+        "auto_decisions": [decisions_text(x) for x in runs["auto"]],
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def decisions_text(run: Any) -> list[str]:
+    """`run`'s decisions (`MeasuredRun.decisions`) as "step decision rN mM" strings."""
+    return [
+        f"{d['step']} {d['decision']} r{d['replicas']} m{d['moved_homes']}"
+        for d in getattr(run, "decisions", [])
+    ]
 
 
 def paired_clock_ms(run: Any) -> list[float] | None:

@@ -382,6 +382,22 @@ def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:
     assert MeasuredRun.load(folder).last_verdict == verdicts[3]
 
 
+def test_a_run_lists_its_decisions_in_order(tmp_path) -> None:
+    """`MeasuredRun.decisions`: the steps with a logged decision, in order, with the replica
+    slots in force after it (summed over layers) and the homes it moved."""
+    folder = _fake_run(tmp_path, "auto", np.linspace(5.0, 4.0, 6), 1)
+    assert MeasuredRun.load(folder).decisions == []
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows[1] |= {"decision": "adopt", "replicas": [0, 3, 0, 2], "moved_homes": 0}
+    rows[4] |= {"decision": "fallback", "replicas": [0, 0, 0, 0], "moved_homes": 7}
+    rows[5] |= {"decision": None, "replicas": [1, 1, 1, 1]}
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert MeasuredRun.load(folder).decisions == [
+        {"step": 2, "decision": "adopt", "replicas": 5, "moved_homes": 0},
+        {"step": 5, "decision": "fallback", "replicas": 0, "moved_homes": 7},
+    ]
+
+
 def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
     """`paired_clock_sentence`: nothing without probes; the saving (or cost), its standard error
     and whether it is beyond `CLOCK_Z` standard errors, in ms."""

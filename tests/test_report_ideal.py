@@ -129,7 +129,11 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
             max_over_mean=1.5 if static else 1.0,
             moe_phase_mean=lambda k: 0.0,
             last_verdict={} if static else clock,
-        )
+            decisions=[] if static else [
+                {"step": 11, "decision": "adopt", "replicas": 5, "moved_homes": 0},
+                {"step": 31, "decision": "fallback", "replicas": 0, "moved_homes": 7},
+            ],
+        )  # fmt: skip
 
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(  # 2 ranks with a core each, whatever this machine has
@@ -149,6 +153,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     assert line["ranks"] == 2
     assert line["auto_paired_clock_ms"] == [[12.3, 4.0, 4]]  # the auto run's own paired clock
     assert line["auto_modelled_clock_ms"] == [31.0]
+    assert line["auto_decisions"] == [["11 adopt r5 m0", "31 fallback r0 m7"]]
 
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:

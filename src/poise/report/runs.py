@@ -36,6 +36,22 @@ def _last_probed_verdict(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {}
 
 
+def _decisions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Balancer's decisions as logged (one per re-plan that was decided): `step`,
+    `decision` (`guard`'s word: adopt, no-gain, replace, fallback, idle, ...), the replica
+    slots in force after it (`replicas`, summed over layers) and the homes it moved."""
+    return [
+        {
+            "step": int(r["step"]),
+            "decision": str(r["decision"]),
+            "replicas": int(sum(r.get("replicas") or [])),
+            "moved_homes": int(r.get("moved_homes") or 0),
+        }
+        for r in records
+        if r.get("decision")
+    ]
+
+
 @dataclass
 class MeasuredRun:
     """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
@@ -46,7 +62,8 @@ class MeasuredRun:
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
     `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary;
     `last_verdict`: the guard's last verdict with probe steps behind it (`guard.Verdict.as_dict`:
-    the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none."""
+    the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none; `decisions`:
+    the Balancer's decisions in order (`_decisions`), empty for static."""
 
     policy: str
     path: Path
@@ -65,6 +82,7 @@ class MeasuredRun:
     world_size: int
     trace_path: Path | None
     last_verdict: dict[str, Any] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:
@@ -113,6 +131,7 @@ class MeasuredRun:
             world_size=int(summary.get("world_size", 1)),
             trace_path=trace if trace.is_file() else None,
             last_verdict=_last_probed_verdict(records),
+            decisions=_decisions(records),
         )
 
     def warm(self) -> slice:
