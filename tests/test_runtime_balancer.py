@@ -605,12 +605,18 @@ def test_one_process_balancer_records_and_plans() -> None:
     from poise.runtime.stats import StepStats
 
     balancer.guard.kept()  # the backoff back at its start (the idle re-plan above doubled it)
-    for decision, chosen, backoff in [("fallback", back, 2), ("replace", fresh, 2),
-                                      ("adopt", homes, 1)]:  # fmt: skip
-        given = dataclasses.replace(out, decision=decision, plan=chosen)
+    # ... and keeps what the plan in force promised over static: 0 after a fallback to the
+    # static layout, a plan's credited gain a step from there (these plans all lay out as
+    # static, so each counts from it)
+    balancer.guard.promised_s = 0.5
+    for decision, chosen, backoff, gain, promised in [("fallback", back, 2, 0.01, 0.0),
+                                                      ("replace", fresh, 2, 0.02, 0.02),
+                                                      ("adopt", homes, 1, 0.03, 0.03)]:  # fmt: skip
+        given = dataclasses.replace(out, decision=decision, plan=chosen, step_gain_s=gain)
         balancer._own_outcome = lambda stats, given=given: given  # the leader's outcome
         balancer._decide(StepStats(step=99, policy="auto"))
         assert balancer.plan is chosen and balancer.guard._next_backoff == backoff, decision
+        assert balancer.guard.promised_s == pytest.approx(promised), decision
     assert balancer.guard.fallbacks == 1
     balancer.close()
     assert default_cluster(4).num_devices == 4
@@ -1021,6 +1027,81 @@ def test_a_plan_that_does_not_pay_gives_way_to_the_best_option() -> None:
     # a measured k_switch replaces the prior once a switch was recorded
     guard.record_switch(0.5, 1.0)
     assert guard.exit_choice(option(4.0, 30.0), [homes, static], False, switch_prior=2.0) == 0
+
+
+def test_a_replacement_is_credited_at_the_share_its_predecessor_delivered() -> None:
+    """`delivered_share` and `replacement_credit` by hand: a plan promised 10 ms a step over
+    static; on 8 steps the model's counterfactual saved 120 ms less 40 ms of measured transfers
+    (10 ms a step: all of it), 80 - 40 (5: half), 20 - 60 (-5: none). `exit_choice` weighs the
+    candidate (net 4 x 10 - 1.2 x 5 = 34 at full credit) at that share against static (20):
+    at half credit 20 - 6 = 14, so static. The promise adds up over plans in a row and goes
+    back to 0 on static, unknown (credit 1) on a fallback to homes alone."""
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard, Verdict, delivered_share
+
+    def paid(saving_ms: float, cost_ms: float) -> Verdict:
+        return Verdict(saving_ms * 1e-3, cost_ms * 1e-3, 8)
+
+    assert delivered_share(10e-3, paid(120, 40)) == pytest.approx(1.0)
+    assert delivered_share(10e-3, paid(80, 40)) == pytest.approx(0.5)
+    assert delivered_share(10e-3, paid(20, 60)) == 0.0
+    assert delivered_share(10e-3, paid(400, 0)) == 1.0  # more than promised: full credit
+    assert delivered_share(None, paid(20, 60)) == 1.0  # nothing known promised
+    assert delivered_share(0.0, paid(20, 60)) == 1.0
+    assert delivered_share(10e-3, None) == 1.0
+    assert delivered_share(10e-3, Verdict(0.0, 0.0, 0)) == 1.0
+
+    def option(gain: float, switch: float) -> Assessment:
+        return Assessment(False, current_busy_s=10.0, candidate_busy_s=10.0 - gain,
+                          switch_s=switch)  # fmt: skip
+
+    guard = SwitchGuard(horizon=10, margin=0.2)
+    assert guard.promised_s == 0.0  # on static
+    guard.promised(6e-3, from_static=True)
+    guard.promised(4e-3, from_static=False)  # (static - a) + (a - b)
+    assert guard.promised_s == pytest.approx(10e-3)
+    candidate, static = option(4.0, 5.0), option(2.0, 0.0)
+    assert guard.exit_choice(candidate, [static], False, paid=paid(120, 40)) == 0
+    assert guard.exit_choice(candidate, [static], False, paid=paid(80, 40)) == 1
+    assert guard.exit_choice(candidate, [static], False, paid=paid(20, 60)) == 1
+    assert guard.replacement_credit(paid(80, 40)) == pytest.approx(0.5)
+    guard.trust = 0.5  # after a fallback the clock forced on the model: both shares apply
+    assert guard.replacement_credit(paid(80, 40)) == pytest.approx(0.25)
+    guard.returned(to_static=False)
+    assert guard.promised_s is None and guard.replacement_credit(paid(20, 60)) == 0.5
+    guard.promised(3e-3, from_static=False)
+    assert guard.promised_s is None  # still unknown: no base to add to
+    guard.returned(to_static=True)
+    assert guard.promised_s == 0.0
+
+
+def test_the_leader_records_what_an_adopted_plan_promised() -> None:
+    """`leader_outcome` carries the adopted candidate's credited gain a step (`decide`'s gain
+    over the horizon it used), `exit_outcome` a replacement's at its credit (half here: 10 of
+    20 ms a step delivered); the Balancer passes it to `SwitchGuard.promised`."""
+    from poise.runtime import selfcal
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard, Verdict
+    from poise.runtime.leader import exit_outcome, leader_outcome
+    from poise.runtime.plan_inputs import default_cluster
+    from poise.runtime.planning_job import JobResult
+    from tests.helpers import toy_spec
+
+    spec = toy_spec(experts=4, layers=1)
+    p = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
+    plan = Plan("fresh", p, Assignment.even(p), transfers_between(None, p, spec))
+    cand = Assessment(False, current_busy_s=1.0, candidate_busy_s=0.95, switch_s=0.01)
+    guard = SwitchGuard(horizon=10, margin=0.2)
+    result = JobResult(plan, cand, default_cluster(2), selfcal.Fit(), None)
+    kw = dict(wait_s=0.0, plan_s=0.0, planning_s=0.0, period_s=0.1, plan_lag=1, replan_every=10)
+    out = leader_outcome(guard, result, on_static=True, **kw)
+    assert out.decision == "adopt" and out.step_gain_s == pytest.approx(0.05)
+    guard.promised(0.02, from_static=True)
+    stale = Verdict(saving_s=0.2, cost_s=0.12, steps=8)  # 10 ms a step delivered of 20
+    back = (plan, Assessment(False, current_busy_s=1.0, candidate_busy_s=1.0, switch_s=0.0))
+    out = exit_outcome(guard, dataclasses.replace(result, paid=stale, exits=(back,)), 0.0, 1.0, 0)
+    assert out.decision == "replace" and out.step_gain_s == pytest.approx(0.025)
+    assert out.gain_s == pytest.approx(0.25)  # 0.5 x 0.05 x 10
 
 
 def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:

@@ -44,7 +44,9 @@ class Outcome:
     fitted cluster and its constants; `verdict`: the guard's figures on whether the plan in
     force paid (`guard.Verdict`; None while the static layout is in force); `next_lag`: the
     steps from the next request to its decision (`planner.adoption_lag` of this job's wall
-    time; 0: keep the Balancer's `plan_lag`)."""
+    time; 0: keep the Balancer's `plan_lag`); `step_gain_s`: where `plan` takes effect as
+    adopted or as a replacement, its credited saving a step over the plan in force
+    (`SwitchGuard.promised`)."""
 
     plan: Plan
     decision: str
@@ -57,6 +59,7 @@ class Outcome:
     fit: Fit
     verdict: Verdict | None = None
     next_lag: int = 0
+    step_gain_s: float = 0.0
 
     @property
     def adopts(self) -> bool:

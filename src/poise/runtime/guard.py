@@ -116,7 +116,11 @@ fresh candidate and the exits (`exit_plans`: the plan's homes without its replic
 moved homes; the static layout) nets the most over the horizon (gain over the plan in force
 less the switch, the candidate's `1 + margin` times, as for adoption). A plan goes stale when
 the router moves faster than re-plans (warm-up): the model's test fails with the clock's, and
-a candidate made from the latest steps is the remedy, not the static layout. But when the
+a candidate made from the latest steps is the remedy, not the static layout, but only as far
+as forecasts have held: the candidate is credited at the share of its own promise the plan in
+force delivered (`delivered_share`: what that plan was predicted to save a step over static,
+net of transfers, against the model's counterfactual on the steps it ran, test 1's figures;
+`SwitchGuard.promised` keeps the promise). When the
 clock refuted the model (test 2 failed while test 1 passed), the candidate, priced by that
 model, is not weighed. Going to an exit is a fallback: the next `backoff` re-plans are
 skipped (doubling after each fallback in a row, up to `max_backoff`). A replacement leaves the
@@ -329,6 +333,25 @@ def prediction_refuted(v: Verdict | None) -> bool:
     )
 
 
+def delivered_share(promised_s: float | None, v: Verdict | None) -> float:
+    """The share of the plan in force's promise (`promised_s`, its predicted saving a step over
+    the static layout net of transfers, `SwitchGuard.promised`) that the steps run under it
+    delivered by the model's counterfactual (`(v.saving_s - v.cost_s) / v.steps`, the same
+    kind of figure priced on the loads those steps routed, with their measured transfers),
+    within [0, 1]; 1 where either is not known or nothing was promised.
+
+    A plan goes stale when the loads move away from the forecast it was made on; a
+    replacement made from the newest forecast is the remedy only where forecasts held for as
+    long as a plan serves. On `skewed-4` (4 ranks on 2 cores, the router still moving in the
+    first 30 steps) the first plan promised 19 ms a step and delivered -3: its replacement,
+    promised 10 from the next forecast, cost 7-23 ms a step until the next verdict, in every
+    round."""
+    if promised_s is None or not promised_s > 0 or v is None or v.steps <= 0:
+        return 1.0
+    delivered = (v.saving_s - v.cost_s) / v.steps
+    return float(np.clip(delivered / promised_s, 0.0, 1.0))
+
+
 def plan_pays(v: Verdict | None) -> bool:
     """Whether the plan in force pays (True without steps run under it): the wall clock decides
     where it is conclusive (balancing slower by more than `CLOCK_Z` standard errors: no; faster
@@ -390,6 +413,9 @@ class SwitchGuard:
         self.fallbacks = 0
         self.idles = 0  # re-plans that did not pay for their planning
         self.trust = 1.0  # the share of the model's predicted gains credited (`fell_back`)
+        # what the plan in force was predicted to save a step over the static layout, net of
+        # its transfers (`promised`): 0 on static, None where not known (a fallback's homes)
+        self.promised_s: float | None = 0.0
         self._skip = 0  # re-plans still to skip
         self._next_backoff = self.backoff
 
@@ -468,6 +494,7 @@ class SwitchGuard:
         model_refuted: bool,
         switch_prior: float = 1.0,
         horizon: int | None = None,
+        paid: Verdict | None = None,
     ) -> int:
         """Where to go from a plan in force that does not pay: 0 for the fresh `candidate`,
         `i + 1` for `exits[i]` (`exit_plans`, each priced against the plan in force). Each
@@ -476,7 +503,9 @@ class SwitchGuard:
         best net wins, an exit on ties. When the clock refuted the model (`model_refuted`),
         the candidate, which that model priced, is not weighed: only the exits are; after a
         fallback the clock forced on the model, its gain is credited at `trust` (`decide`;
-        at 0 it is not weighed either).
+        at 0 it is not weighed either), and only at the share of its own promise the plan in
+        force delivered by the model's counterfactual on the steps it ran (`paid`, the
+        verdict: `delivered_share`; the candidate comes from the same forecast of loads).
         `horizon`: as in `decide`."""
         scale = self.switch_scale(switch_prior)
         steps = horizon or self.horizon
@@ -486,9 +515,30 @@ class SwitchGuard:
 
         nets = [net(a, 0.0) for a in exits]
         best = int(np.argmax(nets)) + 1
-        if model_refuted or candidate.same or self.trust <= 0:
+        credit = self.replacement_credit(paid)
+        if model_refuted or candidate.same or credit <= 0:
             return best
-        return 0 if net(candidate, self.margin, self.trust) > nets[best - 1] else best
+        return 0 if net(candidate, self.margin, credit) > nets[best - 1] else best
+
+    def replacement_credit(self, paid: Verdict | None) -> float:
+        """The share of a replacement candidate's predicted gain `exit_choice` credits: `trust`
+        times the share of its promise the plan in force delivered (`delivered_share`)."""
+        return self.trust * delivered_share(self.promised_s, paid)
+
+    def promised(self, step_gain_s: float, from_static: bool) -> None:
+        """A plan predicted to save `step_gain_s` a step over the plan in force (credited, net
+        of transfers) took effect: the promise over the static layout adds up (the gains over
+        static of two plans in a row add: (static - a) + (a - b) = static - b); from an
+        unknown one it stays unknown."""
+        if from_static:
+            self.promised_s = float(step_gain_s)
+        elif self.promised_s is not None:
+            self.promised_s += float(step_gain_s)
+
+    def returned(self, to_static: bool) -> None:
+        """A fallback took effect: to the static layout (promise 0) or to a plan's homes alone,
+        whose saving over static no one predicted (unknown)."""
+        self.promised_s = 0.0 if to_static else None
 
     def fell_back(self, v: Verdict | None = None) -> None:
         """Record a fallback: skip the next re-plans (doubling on repeats). Where the paired
@@ -543,6 +593,7 @@ __all__ = [
     "Decision",
     "SwitchGuard",
     "Verdict",
+    "delivered_share",
     "exit_plans",
     "fallback_target",
     "prediction_refuted",

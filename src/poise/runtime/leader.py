@@ -57,6 +57,7 @@ def leader_outcome(
     if not on_static and not guard.pays(result.paid):
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
+    steps = result.horizon or guard.horizon  # what `decide` credited the gain over
     if decision.adopt:
         reason = decision.reason
     elif (on_static or guard.trust <= 0) and not guard.planning_pays(decision, planning_s):
@@ -75,6 +76,7 @@ def leader_outcome(
         fit=fit,
         verdict=None if on_static else result.paid,
         next_lag=next_lag,
+        step_gain_s=decision.gain_s / steps if decision.adopt else 0.0,
     )
 
 
@@ -83,7 +85,9 @@ def exit_outcome(
 ) -> Outcome:
     """The plan in force did not pay: replace it with the fresh candidate or fall back to one
     of `result.exits`, whichever nets the most over the horizon (`SwitchGuard.exit_choice`;
-    the candidate is not weighed when the clock refuted the model, `model_refuted`)."""
+    the candidate is not weighed when the clock refuted the model, `model_refuted`, and is
+    credited at the share of its promise the plan in force delivered,
+    `SwitchGuard.replacement_credit`)."""
     options = [(result.plan, result.assessment), *result.exits]
     pick = guard.exit_choice(
         result.assessment,
@@ -91,9 +95,11 @@ def exit_outcome(
         model_refuted=guard.model_refuted(result.paid),
         switch_prior=k_transfer,
         horizon=result.horizon,
+        paid=result.paid,
     )
     plan, a = options[pick]
-    credit = guard.trust if pick == 0 else 1.0  # the candidate's gain as `exit_choice` took it
+    # the candidate's gain as `exit_choice` took it
+    credit = guard.replacement_credit(result.paid) if pick == 0 else 1.0
     return Outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
@@ -106,6 +112,7 @@ def exit_outcome(
         fit=result.fit,
         verdict=result.paid,
         next_lag=next_lag,
+        step_gain_s=credit * a.live_gain_s() if pick == 0 else 0.0,
     )
 
 
