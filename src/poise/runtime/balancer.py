@@ -702,11 +702,10 @@ class Balancer:
         stats.decision = outcome.decision
         stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}
         self.note_verdict(outcome.verdict)
-        static = self.static_plan.digest()
         if outcome.decision == "fallback":
             self.guard.fell_back(outcome.verdict)
-            self.guard.returned(to_static=outcome.plan.digest() == static)
             self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
+            self.guard.returned(to_static=self._layout == STATIC)
             return True
         if not outcome.adopts:
             if outcome.decision == "idle":
@@ -714,7 +713,7 @@ class Balancer:
             return False
         if outcome.decision != "replace":  # a replacement has yet to prove itself
             self.guard.kept()
-        self.guard.promised(outcome.step_gain_s, from_static=self.plan.digest() == static)
+        self.guard.promised(outcome.step_gain_s, from_static=self._layout == STATIC)
         self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
         return True
 
