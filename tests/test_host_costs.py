@@ -12,7 +12,7 @@ from poise.core.cluster import HostCosts
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement
 from poise.cost.host import (
-    busy_rows,
+    busiest_sharing,
     dense_rates,
     dense_seconds,
     dispatch_host_seconds,
@@ -99,9 +99,9 @@ def test_ranks_sharing_cores_bound_the_host_work_by_the_total() -> None:
             [6.0, 4.0, 4.0, 4.0],  # busiest 6 < 18 / 2 = 9: the total's share
         ]
     )
-    np.testing.assert_array_equal(busy_rows(rows, 0.0), [10.0, 6.0])
-    np.testing.assert_array_equal(busy_rows(rows, 2.0), [10.0, 9.0])
-    np.testing.assert_array_equal(busy_rows(rows, 4.0), [10.0, 6.0])  # a core each: as before
+    np.testing.assert_array_equal(busiest_sharing(rows, 0.0), [10.0, 6.0])
+    np.testing.assert_array_equal(busiest_sharing(rows, 2.0), [10.0, 9.0])
+    np.testing.assert_array_equal(busiest_sharing(rows, 4.0), [10.0, 6.0])  # a core each: as before
     host = HostCosts(dispatch_fwd_s=1e-3, dispatch_fwd_s_per_row=1e-4, shared_cores=2.0)
     fwd, _ = dispatch_host_seconds(host, rows)
     np.testing.assert_allclose(fwd, [1e-3 + 10e-4, 1e-3 + 9e-4])

@@ -193,7 +193,7 @@ class HostCosts:
       leaves its core to the others, so a layer's expert compute takes the slowest device's
       seconds or the devices' total over `shared_cores`, whichever is longer, instead of the
       slowest device's alone (`poise.cost.model.PlanPricer.phases`); the dispatcher's host
-      work likewise (`poise.cost.host.busy_rows`)."""
+      work likewise (`poise.cost.host.busiest_sharing`)."""
 
     dense_fwd_flops: float | None = None
     dense_fwd_half_tokens: float = 0.0

@@ -33,7 +33,7 @@ Where the devices are processes sharing C cores' worth of compute (`HostCosts.sh
 CPU ranks on one host), a rank waiting at the all-to-all lends its core to the others, as for
 the expert GEMMs (`poise.cost.model`): the host work is bounded by the devices' total too,
 
-    rows[l] = max(max_d (s + r)[l, d], sum_d (s + r)[l, d] / C)          (`busy_rows`)
+    rows[l] = max(max_d (s + r)[l, d], sum_d (s + r)[l, d] / C)          (`busiest_sharing`)
 
 so with 4 ranks on 2 cores and top-1 routing (sum_d s = sum_d r = the layer's tokens), moving
 rows off the busiest device saves host work only while it handles more than twice the mean.
@@ -95,26 +95,29 @@ def dispatch_rows(counts: np.ndarray, device_load: np.ndarray) -> np.ndarray:
     return counts.sum(axis=2) + np.asarray(device_load, dtype=np.float64)
 
 
-def busy_rows(rows: np.ndarray, shared_cores: float) -> np.ndarray:
-    """`[L]` rows that bound a layer's dispatcher host work for `rows[L, D]` = s + r
-    (`dispatch_rows`): the busiest device's, or with devices sharing `shared_cores` > 0 cores
-    the larger of that and the devices' total over the cores (module docstring)."""
-    rows = np.asarray(rows, dtype=np.float64)
-    if rows.ndim != 2:
-        raise ValueError(f"rows must be [layers, devices], got {rows.shape}")
-    if not rows.shape[1]:
-        return np.zeros(rows.shape[0])
-    busiest = rows.max(axis=1)
+def busiest_sharing(work: np.ndarray, shared_cores: float) -> np.ndarray:
+    """`[L]` the work that bounds each layer, for per-device work `work[L, D]` (rows or
+    seconds) that every device must finish before the layer's collectives: the busiest
+    device's, or with devices sharing `shared_cores` > 0 cores (a waiting rank lends its core)
+    the larger of that and the devices' total over the cores (module docstring). The cost
+    model bounds the expert GEMMs' seconds and the dispatcher's rows (s + r, `dispatch_rows`)
+    with it."""
+    work = np.asarray(work, dtype=np.float64)
+    if work.ndim != 2:
+        raise ValueError(f"work must be [layers, devices], got {work.shape}")
+    if not work.shape[1]:
+        return np.zeros(work.shape[0])
+    busiest = work.max(axis=1)
     if shared_cores > 0:
-        busiest = np.maximum(busiest, rows.sum(axis=1) / shared_cores)
+        busiest = np.maximum(busiest, work.sum(axis=1) / shared_cores)
     return busiest
 
 
 def dispatch_host_seconds(host: HostCosts, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(H_fwd[L], H_bwd[L])`: the dispatcher host seconds per layer, forward and backward, for
     `rows[L, D]` = s + r (`dispatch_rows`): the slowest device's, bounded by the devices' total
-    over `host.shared_cores` where they share cores (`busy_rows`)."""
-    busiest = busy_rows(rows, host.shared_cores)
+    over `host.shared_cores` where they share cores (`busiest_sharing`)."""
+    busiest = busiest_sharing(rows, host.shared_cores)
     fwd = host.dispatch_fwd_s + host.dispatch_fwd_s_per_row * busiest
     bwd = host.dispatch_bwd_s + host.dispatch_bwd_s_per_row * busiest
     return fwd, bwd
@@ -132,7 +135,7 @@ def gpt_non_moe_flops_per_token(
 
 
 __all__ = [
-    "busy_rows",
+    "busiest_sharing",
     "dense_rates",
     "dense_seconds",
     "dispatch_host_seconds",

@@ -60,7 +60,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
 from poise.core.spec import ModelSpec
-from poise.cost.host import dense_seconds, dispatch_host_seconds, dispatch_rows
+from poise.cost.host import busiest_sharing, dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
@@ -291,11 +291,8 @@ class PlanPricer:
             rows = received.sum(axis=2)  # [l, D]
             device_load[start:stop] = rows
             per_device = cost.expert_compute_s(received, rows)  # [l, D]
-            fec[start:stop] = per_device.max(axis=1)
-            if cluster.host.shared_cores > 0:  # ranks sharing cores: a waiting rank lends its
-                fec[start:stop] = np.maximum(  # core, the total bounds the layer too
-                    fec[start:stop], per_device.sum(axis=1) / cluster.host.shared_cores
-                )
+            # ranks sharing cores: a waiting rank lends its core, the total bounds the layer too
+            fec[start:stop] = busiest_sharing(per_device, cluster.host.shared_cores)
             send, recv = routing.traffic(part, remote, split)
             a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
         if migrations is not None and len(migrations):

@@ -41,7 +41,7 @@ a least-squares fit through the origin over a window of steps, pulled towards it
 3. `dispatch_s_per_row`: the token all-to-all's measured seconds beyond its link time on the
    prior's links, per row the busiest device's dispatcher handles (sent + received, summed over
    layers; where ranks share cores, the devices' total over the cores when that is more:
-   `cost.host.busy_rows`): the dispatcher's host work (`poise.cost.host`, the linear form
+   `cost.host.busiest_sharing`): the dispatcher's host work (`poise.cost.host`, the linear form
    `poise calibrate` fits), added to the prior's, forward and backward alike (centre 0 beyond
    the prior's).
 
@@ -63,7 +63,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster, PeakFlops
 from poise.core.placement import Plan
-from poise.cost.host import busy_rows, dispatch_rows
+from poise.cost.host import busiest_sharing, dispatch_rows
 from poise.cost.model import CostModel
 from poise.cost.phases import PhaseTimes
 
@@ -108,13 +108,14 @@ class Fit:
 def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
     """Model figures per step `[S, 4]` of `plan` on `counts[S, L, D, E]`, summed over layers:
     expert forward seconds, dispatch + combine link seconds (forward), Trans + Agg seconds, and
-    the rows that bound the dispatchers' host work (`cost.host.busy_rows` of
+    the rows that bound the dispatchers' host work (`cost.host.busiest_sharing` of
     `cost.host.dispatch_rows`, sent + received: the busiest device's, or the devices' total
     over the cores they share where that is more)."""
     if len(counts) == 0:
         return np.zeros((0, 4))
     phases, device_load, loads = _per_step_layers(cost, plan, counts)
-    rows = busy_rows(dispatch_rows(loads, device_load), cost.cluster.host.shared_cores)  # [S*L]
+    shared = cost.cluster.host.shared_cores
+    rows = busiest_sharing(dispatch_rows(loads, device_load), shared)  # [S * L]
     per_layer = np.stack(
         [
             phases.expert_fwd_s,
