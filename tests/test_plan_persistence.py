@@ -116,6 +116,23 @@ def test_auto_prices_a_lasting_pattern_over_its_age():
     assert grown.placement.replicas().sum() < fixed5.placement.replicas().sum()
 
 
+def test_auto_stops_its_horizon_at_the_runs_end():
+    """Option `steps_left` caps the horizon, grown or fixed: with 5 steps left the lasting
+    pattern's plan is the one 5 steps of horizon make (replicas, no home moved), with more
+    left than the pattern's age nothing changes, and no horizon falls below one step."""
+    grown, _ = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0}})
+    fixed5, static = _auto({"auto": {"horizon": 5, "migration_scale": 3.0}})
+    ending, _ = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0, "steps_left": 5}})
+    assert ending.notes["horizon"] == 5.0 and ending.digest() == fixed5.digest()
+    assert not (ending.placement.home != static.placement.home).any()
+    later, _ = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0, "steps_left": 40}})
+    assert later.notes["horizon"] == 30.0 and later.digest() == grown.digest()
+    fixed, _ = _auto({"auto": {"horizon": 30, "migration_scale": 3.0, "steps_left": 5}})
+    assert fixed.notes["horizon"] == 5.0 and fixed.digest() == fixed5.digest()
+    last, _ = _auto({"auto": {"horizon": 30, "migration_scale": 3.0, "steps_left": 0}})
+    assert last.notes["horizon"] == 1.0
+
+
 def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
     """`plan_horizon` takes an `auto` plan's own horizon where it is longer than the guard's,
     and `SwitchGuard.decide` credits the saving over it: a switch that 5 steps of saving do not

@@ -622,6 +622,53 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert default_cluster(4).num_devices == 4
 
 
+@pytest.mark.dist
+def test_no_plan_is_requested_that_would_serve_no_step() -> None:
+    """With the run's length known (`total_steps`), a plan requested at boundary s is decided
+    at s + lag and serves the steps after it: `steps_left` counts them, and a re-plan whose
+    plan would serve none is not requested (no planning at the run's end)."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, default_cluster
+
+    def replanned(total_steps: int | None, plan_lag: int) -> tuple[list[bool], list]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+        apply_expert_parallel(model, None, num_slots=5)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
+                            plan_lag=plan_lag, total_steps=total_steps)  # fmt: skip
+        if total_steps is not None:
+            want = [max(0, total_steps - 2 - plan_lag), 0, 0]
+            assert [balancer.steps_left(s) for s in (2, total_steps - plan_lag, 99)] == want
+        submit = balancer.planner.submit
+
+        def submitted(job, **kw):  # the job carries the steps its plan would serve
+            assert job.args[0].steps_left == balancer.steps_left(kw["requested_at"])
+            jobs.append(job.args[0].steps_left)
+            return submit(job, **kw)
+
+        jobs: list[int | None] = []
+        balancer.planner.submit = submitted
+        for _ in range(3):
+            model(torch.randn(16, 8)).square().mean().backward()
+            opt.step()
+            balancer.step()
+            opt.zero_grad()
+        balancer.close()
+        return [s.replanned for s in balancer.stats], jobs
+
+    assert replanned(None, 0) == ([False, True, False], [None])
+    assert replanned(3, 0) == ([False, True, False], [1])  # decided at 2, serves step 3
+    assert replanned(2, 0) == ([False, False, False], [])  # would serve nothing: not requested
+    assert replanned(3, 1) == ([False, False, False], [])  # decided at 3, the last step
+    assert replanned(4, 1) == ([False, False, True], [1])
+    assert replanned(None, 1) == ([False, False, True], [None])
+    with pytest.raises(ConfigError, match="total_steps"):
+        Balancer(torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2))), None, total_steps=-1)
+
+
 def test_cpu_ranks_beyond_the_cores_share_them() -> None:
     """`shared_cores` = cores / threads x world_size / ranks_on_host once the host's processes
     want more cores than it has (hand-worked on this machine's core count)."""
@@ -1511,6 +1558,11 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     from dataclasses import replace
 
     assert run_job(replace(job, guarded=False)).exits == ()
+    # near the run's end the guard credits no step past it (the job's own horizon is 10)
+    assert result.horizon == 10 and run_job(replace(job, steps_left=3)).horizon == 3
+    # and `auto`'s horizon stops there too (its plan's note)
+    ending = run_job(replace(job, policy="auto", steps_left=3))
+    assert ending.plan.notes["horizon"] == 3.0 and ending.horizon == 3
     # with probes (the Balancer probing), the verdict's clock comes from them: 4 probe steps
     # each 1 ms slower than their one neighbour (the replicas save 1 ms a step, exactly)
     from poise.runtime.guard import MIN_PROBES

@@ -115,6 +115,20 @@ def test_background_planning_applies_each_plan_when_it_is_ready() -> None:
     np.testing.assert_allclose(auto.step_s, auto.layer_s.sum(axis=1) + auto.plan_s)
 
 
+def test_auto_prices_no_step_past_the_end_of_the_trace() -> None:
+    """The replay caps `auto`'s horizon at the steps its plan can serve: the last re-plan of
+    a 12-step trace (at step 10) serves steps 10 and 11 inline, only 11 beside training; a
+    caller's own `auto.steps_left` is kept."""
+    trace = drift_trace(steps=12)
+    spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
+    args = (trace, toy_cluster(4, 2), spec, ["auto"], "sync", 5, "ema")
+    assert simulate(*args).runs["auto"].last_plan.notes["horizon"] == 2.0
+    background = simulate(*args, background_planning=True).runs["auto"]
+    assert background.last_plan.notes["horizon"] == 1.0
+    kept = simulate(*args, options={"auto": {"steps_left": 4}}).runs["auto"]
+    assert kept.last_plan.notes["horizon"] == 4.0
+
+
 def test_scaling_keeps_expert_proportions_and_row_variation() -> None:
     trace = drift_trace(steps=3, devices=16, experts=8)
     scaled = ScaledTrace.create(trace.counts, 128, seed=1)

@@ -1,7 +1,7 @@
 """DCP checkpoints (`poise.train.checkpoint`): every rank writes its own shard in parallel
 (dense tensors once, each expert by global id from its home), a run resumes exactly on the same
 ranks and on fewer, a crash mid-save leaves the previous checkpoint and `latest` usable, and the
-old `.pt` format is one clear error. Two ranks train 4 steps (checkpoints at 2 and 4), resume
+old `.pt` format is one clear error. Two ranks train 6 steps (checkpoints at 2, 4 and 6), resume
 from step 2 on 2 ranks and on 1."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ TOL = 1e-5
 
 
 def _cfg(root: str, name: str, **kw):
-    base = dict(steps=4, policy="auto", checkpoint_every=2, keep_checkpoints=5,
+    # 6 steps: the plan requested at step 2 and decided at 3 serves 3 steps (`auto` prices no
+    # step past the run's end, and moves nothing for one step)
+    base = dict(steps=6, policy="auto", checkpoint_every=2, keep_checkpoints=5,
                 balance_guard=False, self_calibrate=False)  # fmt: skip
     base.update(kw)
     return tiny_train_config(root, name, **base)
@@ -58,9 +60,9 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
 def test_same_ranks_resume_exactly(runs):
     root, out = runs
     steps, losses, changes = out["run"]
-    assert steps == [1, 2, 3, 4] and changes >= 1  # auto moved experts before the checkpoint
+    assert steps == [1, 2, 3, 4, 5, 6] and changes >= 1  # auto moved experts before step 4
     again_steps, again_losses, resumed_plan = out["again"]
-    assert again_steps == [3, 4] and resumed_plan
+    assert again_steps == [3, 4, 5, 6] and resumed_plan
     assert np.max(np.abs(np.array(again_losses) - np.array(losses[2:]))) <= TOL
     a = ck.read_file(root / "run" / "checkpoints" / "step-00000004")
     b = ck.read_file(root / "again" / "checkpoints" / "step-00000004")
@@ -75,7 +77,7 @@ def test_fewer_ranks_resume_exactly(runs):
     """The 2-rank checkpoint of step 2 resumes in one process (all 8 experts, read by id)."""
     _, out = runs
     steps, losses, resumed_plan = out["one"]
-    assert steps == [3, 4] and not resumed_plan  # another world: the static placement
+    assert steps == [3, 4, 5, 6] and not resumed_plan  # another world: the static placement
     assert np.max(np.abs(np.array(losses) - np.array(out["run"][1][2:]))) <= TOL
 
 

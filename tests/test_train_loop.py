@@ -283,3 +283,18 @@ def test_checkpoint_loads_in_one_process_and_refuses_another_model(runs):
     other = GPTMoE(cfg.replace(model_args={"d_expert": 128}).model_config())
     with pytest.raises(ck.CheckpointError, match=r"layer blocks\.0\.ffn: .*w_in must be"):
         ck.restore(other, make_optimizer(other, cfg), ckpt)
+
+
+def test_the_trainer_tells_the_balancer_where_the_run_ends(tmp_path):
+    """One rank: the Balancer knows the run's last step (`TrainConfig.steps`), so it plans
+    nothing that would serve no step."""
+    from poise.train.loop import _Trainer
+
+    cfg = _cfg(str(tmp_path), "ends", steps=7, policy="auto", threads=1)
+    trainer = _Trainer(cfg, None, quiet=True)
+    try:
+        assert trainer.balancer.total_steps == 7
+        assert trainer.balancer.steps_left(6) == 0 < trainer.balancer.steps_left(5)
+    finally:
+        trainer.balancer.close()
+        trainer.log.close()

@@ -183,7 +183,11 @@ class Balancer:
       instead of gloo's sockets; migration still goes through the group. Off by default: it
       halves a layer's Trans and Agg in isolation, but on a 2-core host it made no measurable
       difference to a training step and 4 ranks on 2 cores ran slower with it in 2 of 3
-      paired runs (docs/benchmarks.md).
+      paired runs (docs/benchmarks.md);
+    - `total_steps` (default None: not known): the step the run ends at (`steps_done` counts
+      from the run's start, a resumed run included). A plan is requested only if it would
+      serve a step before then, and priced and judged over no more steps than it would serve
+      (`PlanningJob.steps_left`): a home moved near the end pays back nothing past it.
 
     Statistics: `stats` (one `StepStats` per step, the newest last; `last_stats`); `steps_done`,
     `switches` (plans that took effect), `fit` (the latest `selfcal.Fit`)."""
@@ -218,6 +222,7 @@ class Balancer:
         probe_every: int = 5,
         max_probes: int = 8,
         host_link: bool = False,
+        total_steps: int | None = None,
     ) -> None:
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
@@ -225,6 +230,8 @@ class Balancer:
             raise ConfigError(f"must be 0 (off) or >= 2, got {probe_every}", field="probe_every")
         if max_probes < 1:
             raise ConfigError(f"must be >= 1, got {max_probes}", field="max_probes")
+        if total_steps is not None and total_steps < 0:
+            raise ConfigError(f"must be >= 0, got {total_steps}", field="total_steps")
         if not 0 <= plan_lag <= replan_every:
             raise ConfigError(
                 f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
@@ -238,6 +245,7 @@ class Balancer:
         self.policy = policy
         self.replan_every = replan_every
         self.plan_lag = plan_lag
+        self.total_steps = total_steps
         self.lag = plan_lag  # steps from the next request to its decision (adoption_lag)
         self.group = group if group is not None else modules[0].group
         self.vote_group = vote_group
@@ -481,6 +489,7 @@ class Balancer:
             self.balancing
             and s % self.replan_every == 0
             and self.window
+            and self.steps_left(s) != 0
             and not self.guard.skip_replan()
         ):
             self._request(s)
@@ -497,6 +506,14 @@ class Balancer:
         self._current.probe = self.probes.probing is not None
         self._prepared = False
         return stats
+
+    def steps_left(self, step: int) -> int | None:
+        """The steps a plan requested at boundary `step` would serve: those after its decision
+        at `step + lag`, up to `total_steps` (0 when none; None where the run's length is not
+        known)."""
+        if self.total_steps is None:
+            return None
+        return max(0, self.total_steps - (step + self.lag))
 
     # ------------------------------------------------------------------------ probe steps
     def note_verdict(self, verdict: Verdict | None) -> None:
@@ -663,6 +680,7 @@ class Balancer:
             guarded=self.guard.enabled,
             probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
             fit_rank_experts=rank_experts,
+            steps_left=self.steps_left(step),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 

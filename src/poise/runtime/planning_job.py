@@ -10,8 +10,9 @@ process while training goes on:
    where its paired clock has spoken, price replicas at what it measured them to cost
    (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
-   `auto`'s migration price set from what the switches measured (`with_migration_scale`), each
-   expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
+   `auto`'s migration price set from what the switches measured (`with_migration_scale`) and
+   its horizon no longer than the steps the run has left (`with_steps_left`), each expert's
+   home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
 4. price the candidate against the plan in force (`poise.runtime.guard.assess`), and, where
    the plan in force is not static and did not pay (`guard.plan_pays`, with the guard on), the
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
@@ -77,6 +78,17 @@ def with_migration_scale(
     return out
 
 
+def with_steps_left(
+    options: Mapping[str, Mapping[str, Any]], steps_left: int | None
+) -> dict[str, dict[str, Any]]:
+    """`options` with `auto.steps_left` set to `steps_left` (the steps the plan can serve
+    before the run ends; `auto_horizon` is capped there), unchanged where it is None."""
+    out = {k: dict(v) for k, v in options.items()}
+    if steps_left is not None:
+        out.setdefault("auto", {})["steps_left"] = int(steps_left)
+    return out
+
+
 def live_plan(
     policy: str,
     predictor: Predictor,
@@ -112,7 +124,9 @@ class PlanningJob:
     and their neighbours for the paired clock test (None: the Balancer does not probe, and the
     clock compares with the static steps); `fit_rank_experts[n, D]`: every rank's own expert
     seconds on the `fit_rows` steps (the marginal compute fit, `selfcal.fit_compute`; None:
-    the slowest rank's alone)."""
+    the slowest rank's alone); `steps_left`: the steps a plan decided for this job serves before
+    the run ends (None: not known), which caps every horizon the plan is priced and judged
+    over."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -138,6 +152,7 @@ class PlanningJob:
     guarded: bool = True
     probes: Probes | None = None
     fit_rank_experts: np.ndarray | None = None
+    steps_left: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +162,7 @@ class JobResult:
     `exits`: the layouts a fallback may go to, each with its assessment against the plan in
     force (empty when that is the static one or it paid, `guard.plan_pays`); `horizon`: the
     steps the guard credits the candidate's saving over (None: its own; an `auto` plan's
-    horizon where that is longer, `plan_horizon`)."""
+    horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`)."""
 
     plan: Plan
     assessment: Assessment
@@ -201,6 +216,7 @@ def run_job(job: PlanningJob) -> JobResult:
             fitted = CostModel(cluster, job.spec)
     k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
     options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
+    options = with_steps_left(options, job.steps_left)
     plan, loads = live_plan(
         job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
         options, job.split_tokens,
@@ -214,7 +230,10 @@ def run_job(job: PlanningJob) -> JobResult:
             (target, assess(fitted, job.current, target, loads, switch_cost=prior, recent=recent))
             for target in exit_plans(job.current, job.static, job.spec)
         )
-    return JobResult(plan, assessment, cluster, fit, paid, exits, plan_horizon(plan, job.horizon))
+    horizon = plan_horizon(plan, job.horizon)
+    if job.steps_left is not None:  # no step past the run's end pays anything back
+        horizon = max(1, min(horizon, job.steps_left))
+    return JobResult(plan, assessment, cluster, fit, paid, exits, horizon)
 
 
 __all__ = [
@@ -225,4 +244,5 @@ __all__ = [
     "planning_context",
     "run_job",
     "with_migration_scale",
+    "with_steps_left",
 ]

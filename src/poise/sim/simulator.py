@@ -210,7 +210,8 @@ def simulate(
 
     `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
     the trace; `options` are per-policy settings (`auto`'s horizon is at least `replan_every`:
-    `auto.base_horizon`);
+    `auto.base_horizon`, and at most the steps the replay has left: `auto.steps_left`, as the
+    live Balancer caps it at the run's end);
     `progress(done, total)` is called after each priced step of each policy;
     `background_planning`: see the module docstring; `workers`: policies replayed at once in
     threads (default: one per CPU; results do not depend on it). Planner time is the CPU time
@@ -277,13 +278,16 @@ def simulate(
                     # Step 0: nothing observed yet; each layer's tokens spread evenly.
                     per_cell = actual.sum(axis=(1, 2), keepdims=True) / (D * E)
                     loads = np.broadcast_to(per_cell, actual.shape).copy()
+                # the steps the plan can serve: from this step, or the next one when it is
+                # made beside training (`auto`'s horizon stops at the trace's end)
+                left = S - s - (1 if background_planning else 0)
                 ctx = PlanContext(
                     cluster,
                     spec,
                     cost,
                     base_ctx.slots_per_device,
                     history=np.array(history) if history else None,
-                    options=opts,
+                    options=_with_steps_left(opts, left),
                     split_tokens=split_tokens,
                 )
             step = _Step(s, actual, loads, ctx)
@@ -308,6 +312,13 @@ def simulate(
         scaling=scaled.describe(),
         trace_name=source,
     )
+
+
+def _with_steps_left(options: dict[str, dict[str, Any]], left: int) -> dict[str, dict[str, Any]]:
+    """`options` with `auto.steps_left` = `left` (at least 1), unless the caller set it."""
+    out = {k: dict(v) for k, v in options.items()}
+    out.setdefault("auto", {}).setdefault("steps_left", max(1, int(left)))
+    return out
 
 
 def resolve_dense_params(dense_params: DenseParams, spec: ModelSpec) -> int | None:

@@ -228,6 +228,7 @@ class _Trainer:
             calibrate=cfg.self_calibrate,
             compression=cfg.compression,
             split_tokens=cfg.split_tokens,
+            total_steps=cfg.steps,
         )
         self.resumed_plan = False
         if self.ckpt is not None:

@@ -13,7 +13,10 @@ to); `m = inf` allows no migration (replicas only). K is option `horizon` where 
 else the steps the load pattern is expected to last (`auto_horizon`, `poise.plan.persistence`:
 at least option `base_horizon`, which the live Balancer and the simulator set to the
 re-planning interval, and as many steps as the forecast has held in the history; the plan's
-notes say `horizon`). `auto` keeps, per layer, the candidate with
+notes say `horizon`), and never more than option `steps_left` where it is set: the steps the
+run has left for the plan to serve (the live Balancer sets it from the run's length, the
+simulator from the trace's), so a migration is paid back over steps the run will take, not
+over steps past its end. `auto` keeps, per layer, the candidate with
 the least total; so it moves only when the gain over the next K steps exceeds the cost of
 moving. Layers are priced independently (the step time is a sum over layers), so with no
 placement in force the result is never slower than any candidate. Candidates within relative
@@ -299,14 +302,18 @@ def auto_horizon(loads: np.ndarray, ctx: PlanContext) -> float:
     """K: option `horizon` where set (a fixed number of steps); else the load pattern's
     persistence (`poise.plan.persistence.persistence_horizon`: at least option `base_horizon`,
     default `DEFAULT_HORIZON`, longer as the forecast `loads[L, D, E]` has held in the
-    context's history)."""
+    context's history); either at most option `steps_left` (the steps the run has left for
+    the plan, >= 1) where it is set."""
     fixed = ctx.option("auto", "horizon", None)
     if fixed is not None:
-        return float(fixed)
-    base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
-    if ctx.history is None or len(ctx.history) == 0:
-        return float(base)
-    return float(persistence_horizon(ctx.history, loads.sum(axis=1), base))
+        horizon = float(fixed)
+    else:
+        base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
+        horizon = float(base)
+        if ctx.history is not None and len(ctx.history):
+            horizon = float(persistence_horizon(ctx.history, loads.sum(axis=1), base))
+    left = ctx.option("auto", "steps_left", None)
+    return horizon if left is None else min(horizon, float(max(1, left)))
 
 
 def _totals(plans: list[Plan], horizon: float, migration_scale: float = 1.0) -> np.ndarray:
