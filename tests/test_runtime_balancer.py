@@ -559,9 +559,9 @@ def test_one_process_balancer_records_and_plans() -> None:
     import dataclasses
 
     from poise.runtime.assessment import Assessment
-    from poise.runtime.guard import Verdict
     from poise.runtime.leader import exit_outcome
     from poise.runtime.planning_job import JobResult
+    from poise.runtime.verdict import Verdict
 
     def option(gain: float, switch: float) -> Assessment:
         return Assessment(False, current_busy_s=1.0, candidate_busy_s=1.0 - gain, switch_s=switch)
@@ -859,7 +859,8 @@ def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> Non
     of busy and -512 of transfers, a cold one -3,840 and -512. Their mean's standard error is
     the sample standard deviation over sqrt(2); the guard takes `CLOCK_Z` of it off the gain."""
     from poise.runtime.assessment import Assessment, assess
-    from poise.runtime.guard import CLOCK_Z, SwitchGuard
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import CLOCK_Z
 
     cost, static, replica, counts = _replica_case()
     cold = np.array([[[30, 10], [40, 20]]], dtype=float)
@@ -891,7 +892,8 @@ def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() ->
     = 0, and a later candidate's gain is credited at 0. A fallback the model agreed with (its
     own saving below the transfers) or one without the model's figure leaves it at 1."""
     from poise.runtime.assessment import Assessment
-    from poise.runtime.guard import SwitchGuard, Verdict
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import Verdict
 
     big = Assessment(False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9)
     refuted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
@@ -921,7 +923,8 @@ def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() ->
 
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
     from poise.runtime import selfcal
-    from poise.runtime.guard import SwitchGuard, Verdict, verdict
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import Verdict, verdict
 
     cost, static, replica, counts = _replica_case()
     steps = np.stack([counts, counts])  # [S=2, L, D, E]: saves 2 * 4,160 ns
@@ -946,7 +949,8 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     1.2533 * 1.4826 us * sqrt(1/3 + 1/3) = 1.517 us. The model's test passes throughout (no
     transfers measured), so only the clock decides."""
     from poise.runtime import selfcal
-    from poise.runtime.guard import MIN_WALL_STEPS, SwitchGuard, verdict
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import MIN_WALL_STEPS, verdict
 
     cost, static, replica, counts = _replica_case()
     busy = 27_840e-9
@@ -994,7 +998,8 @@ def test_a_conclusive_wall_clock_overrules_the_model() -> None:
     conclusive: w - 2 se > 0 keeps the plan, w + 2 se < 0 drops it (`CLOCK_Z` = 2), else the
     model's test holds."""
     from poise.runtime import selfcal
-    from poise.runtime.guard import SwitchGuard, verdict
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import verdict
 
     cost, static, replica, counts = _replica_case()
     busy = 27_840e-9
@@ -1032,7 +1037,8 @@ def test_a_clock_that_refutes_the_models_prediction_judges_the_plan_itself() -> 
     the model that said it paid is refuted); +3 ms under the same refutation keeps it; a
     prediction the clock does not refute (+10 ms against -3 +- 8: 13 < 16) leaves the model's
     counterfactual to decide, as without probes or with fewer than `MIN_PROBES`."""
-    from poise.runtime.guard import MIN_PROBES, SwitchGuard, Verdict, plan_pays, prediction_refuted
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import MIN_PROBES, Verdict, plan_pays, prediction_refuted
 
     def v(clock: float, model: float | None, probes: int = 8, paid: bool = True) -> Verdict:
         saving, cost = (2.0, 1.0) if paid else (1.0, 2.0)  # the model's counterfactual
@@ -1084,7 +1090,8 @@ def test_a_replacement_is_credited_at_the_share_its_predecessor_delivered() -> N
     at half credit 20 - 6 = 14, so static. The promise adds up over plans in a row and goes
     back to 0 on static, unknown (credit 1) on a fallback to homes alone."""
     from poise.runtime.assessment import Assessment
-    from poise.runtime.guard import SwitchGuard, Verdict, delivered_share
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import Verdict, delivered_share
 
     def paid(saving_ms: float, cost_ms: float) -> Verdict:
         return Verdict(saving_ms * 1e-3, cost_ms * 1e-3, 8)
@@ -1128,10 +1135,11 @@ def test_the_leader_records_what_an_adopted_plan_promised() -> None:
     20 ms a step delivered); the Balancer passes it to `SwitchGuard.promised`."""
     from poise.runtime import selfcal
     from poise.runtime.assessment import Assessment
-    from poise.runtime.guard import SwitchGuard, Verdict
+    from poise.runtime.guard import SwitchGuard
     from poise.runtime.leader import exit_outcome, leader_outcome
     from poise.runtime.plan_inputs import default_cluster
     from poise.runtime.planning_job import JobResult
+    from poise.runtime.verdict import Verdict
     from tests.helpers import toy_spec
 
     spec = toy_spec(experts=4, layers=1)
@@ -1532,8 +1540,8 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     (here one: static). With the guard off, none is priced."""
     from poise.plan.predict import Predictor
     from poise.runtime import selfcal
-    from poise.runtime.guard import plan_pays
     from poise.runtime.planning_job import PlanningJob, run_job
+    from poise.runtime.verdict import plan_pays
     from tests.helpers import toy_spec
 
     cost, static, replica, counts = _replica_case()
@@ -1565,8 +1573,8 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     assert ending.plan.notes["horizon"] == 3.0 and ending.horizon == 3
     # with probes (the Balancer probing), the verdict's clock comes from them: 4 probe steps
     # each 1 ms slower than their one neighbour (the replicas save 1 ms a step, exactly)
-    from poise.runtime.guard import MIN_PROBES
     from poise.runtime.paired_clock import Probes
+    from poise.runtime.verdict import MIN_PROBES
 
     n = MIN_PROBES
     probe_rows = np.zeros((n, len(selfcal.MEASURED)))
@@ -1656,8 +1664,9 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     drift instead (the clock's older test, without probes); with fewer than `MIN_PROBES`
     probes the clock is not taken."""
     from poise.runtime import selfcal
-    from poise.runtime.guard import MIN_PROBES, SwitchGuard, verdict
+    from poise.runtime.guard import SwitchGuard
     from poise.runtime.paired_clock import Probes, paired_clock
+    from poise.runtime.verdict import MIN_PROBES, verdict
 
     cost, static, replica, counts = _replica_case()
     busy = 27_840e-9
@@ -1784,8 +1793,8 @@ def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
 
     from poise.nn import MoE, MoEConfig, apply_expert_parallel
     from poise.runtime.balancer import OTHER, REPLICAS, Balancer
-    from poise.runtime.guard import CLOCK_Z, MIN_PROBES, Verdict, clock_settled
     from poise.runtime.plan_inputs import default_cluster
+    from poise.runtime.verdict import CLOCK_Z, MIN_PROBES, Verdict, clock_settled
 
     def v(saving: float | None, se: float, probes: int = MIN_PROBES) -> Verdict:
         return Verdict(1.0, 0.5, 10, wall_saving_s=saving, wall_se_s=se, probes=probes)

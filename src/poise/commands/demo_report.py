@@ -149,7 +149,7 @@ def paired_clock_sentence(verdict: dict[str, Any]) -> str:
     saving = verdict.get("wall_saving_s")
     if probes == 0 or saving is None:
         return ""
-    from poise.runtime.guard import CLOCK_Z
+    from poise.runtime.verdict import CLOCK_Z
 
     se = float(verdict.get("wall_se_s") or 0.0)
     call = (

@@ -61,7 +61,7 @@ class MeasuredRun:
     grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
     `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary;
-    `last_verdict`: the guard's last verdict with probe steps behind it (`guard.Verdict.as_dict`:
+    `last_verdict`: the guard's last verdict with probe steps behind it (`verdict.Verdict.as_dict`:
     the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none; `decisions`:
     the Balancer's decisions in order (`_decisions`), empty for static."""
 

@@ -89,16 +89,12 @@ from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime.compress import Compression
 from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
-from poise.runtime.guard import (
-    Probes,
-    SwitchGuard,
-    Verdict,
-    switch_seconds,
-)
+from poise.runtime.guard import SwitchGuard, switch_seconds
 from poise.runtime.host_link import HostLink
 from poise.runtime.layer_moves import LayerMoves
 from poise.runtime.layer_state import LayerState, expert_params
 from poise.runtime.leader import leader_outcome, median_period_s
+from poise.runtime.paired_clock import Probes
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import PlanningJob, live_plan, run_job
@@ -114,6 +110,7 @@ from poise.runtime.records import (
     StepRecords,
 )
 from poise.runtime.stats import StepStats, layer_loads
+from poise.runtime.verdict import Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 
@@ -173,7 +170,7 @@ class Balancer:
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
       `max_probes` such steps since plans with replicas took over, and none once the clock is
-      conclusive on them (`guard.clock_settled`). Each probe step against its
+      conclusive on them (`verdict.clock_settled`). Each probe step against its
       neighbours measures what the replicas save on this machine's clock, paired so that the
       machine's drift cancels (`paired_clock.paired_clock`); the guard's clock test then uses them
       instead of the static steps of the run's start. Each probe step forgoes the replicas'
@@ -518,7 +515,7 @@ class Balancer:
     # ------------------------------------------------------------------------ probe steps
     def note_verdict(self, verdict: Verdict | None) -> None:
         """A verdict shared by the leader (every rank gets the same): once one is conclusive on
-        the episode's probes (`guard.clock_settled`), no more probe steps until plans with
+        the episode's probes (`verdict.clock_settled`), no more probe steps until plans with
         replicas take over again."""
         self.probes.note_verdict(verdict)
 
@@ -637,7 +634,7 @@ class Balancer:
 
     def _request(self, step: int) -> None:
         """Submit a planning job on snapshots of this step's window: fit the cluster to the
-        steps run under the plan in force, judge whether that plan paid (`guard.verdict`),
+        steps run under the plan in force, judge whether that plan paid (`verdict.verdict`),
         forecast, plan, price against the plan in force. Only the leader plans (every rank
         with `check_plans`); every rank notes the step the decision is due."""
         self._due_at = step + self.lag

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from poise.core.cluster import Cluster
 from poise.core.placement import Plan
 from poise.nn.comm import comm_device
-from poise.runtime.guard import Verdict
 from poise.runtime.selfcal import Fit
+from poise.runtime.verdict import Verdict
 
 # decisions that apply the leader's plan (`fallback` applies it too: the exit chosen)
 ADOPTING = ("adopt", "off", "replace")
@@ -42,7 +42,7 @@ class Outcome:
     `modelled_switch_s`: the candidate's switch on the prior cluster (what `k_switch` scales);
     `wait_s`: how long the leader's boundary waited for its planner; `cluster`, `fit`: the
     fitted cluster and its constants; `verdict`: the guard's figures on whether the plan in
-    force paid (`guard.Verdict`; None while the static layout is in force); `next_lag`: the
+    force paid (`verdict.Verdict`; None while the static layout is in force); `next_lag`: the
     steps from the next request to its decision (`planner.adoption_lag` of this job's wall
     time; 0: keep the Balancer's `plan_lag`); `step_gain_s`: where `plan` takes effect as
     adopted or as a replacement, its credited saving a step over the plan in force

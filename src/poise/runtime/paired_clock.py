@@ -41,7 +41,7 @@ class Probes:
 
 def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, float]:
     """`(saving, se)` per step of the replicas over the same homes without them, from probe
-    steps paired with their neighbours (`poise.runtime.guard`, test 2): with `r = period -
+    steps paired with their neighbours (`poise.runtime.verdict`, test 2): with `r = period -
     busy_static(counts)` on every step, `d_i = r(probe i) - mean(r(its neighbours))`; the saving
     is `mean(d)` and its standard error `std(d) / sqrt(P)`. Neighbours one step away share the
     machine's speed, so its drift, which a reference taken once cannot follow, cancels."""

@@ -6,15 +6,15 @@ hands it to its background planner (`poise.runtime.planner`), which runs `run_jo
 process while training goes on:
 
 1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
-2. judge whether that plan paid on them (`poise.runtime.guard.verdict`), where it is not static;
+2. judge whether that plan paid on them (`poise.runtime.verdict.verdict`), where it is not static;
    where its paired clock has spoken, price replicas at what it measured them to cost
    (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`) and
    its horizon no longer than the steps the run has left (`with_steps_left`), each expert's
    home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
-4. price the candidate against the plan in force (`poise.runtime.guard.assess`), and, where
-   the plan in force is not static and did not pay (`guard.plan_pays`, with the guard on), the
+4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
+   the plan in force is not static and did not pay (`verdict.plan_pays`, with the guard on), the
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
    (`SwitchGuard.exit_choice`).
 
@@ -40,9 +40,10 @@ from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment, assess
-from poise.runtime.guard import Verdict, exit_plans, plan_pays, verdict
+from poise.runtime.guard import exit_plans
 from poise.runtime.homes import keep_homes
 from poise.runtime.paired_clock import Probes, replica_scale
+from poise.runtime.verdict import Verdict, plan_pays, verdict
 
 
 def planning_context(
@@ -160,7 +161,7 @@ class JobResult:
     """The candidate `plan`, its `assessment` against the plan in force, the fitted `cluster`
     and `fit`, and `paid`: whether the plan in force paid (None when it is the static one);
     `exits`: the layouts a fallback may go to, each with its assessment against the plan in
-    force (empty when that is the static one or it paid, `guard.plan_pays`); `horizon`: the
+    force (empty when that is the static one or it paid, `verdict.plan_pays`); `horizon`: the
     steps the guard credits the candidate's saving over (None: its own; an `auto` plan's
     horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`)."""
 

@@ -1,11 +1,11 @@
 """Probe steps: now and then, a step on the plan's homes without its replicas, so that the
-guard's wall clock can compare it with its neighbours (`poise.runtime.guard`, `paired_clock`).
+guard's wall clock can compare it with its neighbours (`poise.runtime.verdict`, `paired_clock`).
 
 While a plan with replicas is in force (an *episode*), the step after boundary `s` is a probe
 when `s % every == every // 2` (away from the re-plan boundaries when `every` divides
 `replan_every`), the plan has run a settled step (`s - plan_since >= 2`), fewer than
 `max_probes` probes were taken in the episode, and no verdict shared in it was conclusive on
-them (`guard.clock_settled`: more probes would only confirm it, each at the price of the
+them (`verdict.clock_settled`: more probes would only confirm it, each at the price of the
 replicas' saving once). A probe step routes every token to its expert's home
 (`homes.homes_alone`): the homes keep their slots, the replica slots idle, no Trans before it
 and no Agg in it; nothing moves, so the mathematics is the plan's. Every rank takes the same
@@ -16,10 +16,10 @@ from __future__ import annotations
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
-from poise.runtime.guard import Verdict, clock_settled
 from poise.runtime.homes import homes_alone
 from poise.runtime.layer_moves import LayerMoves
 from poise.runtime.layer_state import same_homes
+from poise.runtime.verdict import Verdict, clock_settled
 
 
 class ProbeSteps:

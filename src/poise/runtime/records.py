@@ -12,7 +12,7 @@ Per step, aligned (`StepRecords`, each a `deque` of the last `history` steps):
 - `rank_experts`: every rank's own expert seconds `[D]` (the self-calibration's marginal fit,
   `selfcal.fit_compute`).
 
-From them come the samples the guard judges by (`poise.runtime.guard`): the rows the
+From them come the samples the guard judges by (`poise.runtime.verdict`): the rows the
 self-calibration fits (`under_plan`), the static and balanced steps of the wall-clock test
 (`wall_reference`), and the probe steps with their neighbours (`probe_pairs`). NumPy only.
 """
@@ -92,7 +92,7 @@ class StepRecords:
     def wall_reference(
         self, history: np.ndarray | None = None, measured: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The guard's wall-clock samples (`guard.verdict`), from `history` (default the window)
+        """The guard's wall-clock samples (`verdict.verdict`), from `history` (default the window)
         and `measured` (default the measured rows): `(static_counts[T, L, D, E], static_rows[T,
         1 + len(MEASURED)], balanced_counts[B, ...], balanced_rows[B, ...])`, the newest
         `FIT_WINDOW` settled steps run under the static layout, and every settled step run

@@ -81,7 +81,7 @@ class StepStats:
     switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
     `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
     this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
-    `verdict`: the guard's figures on whether the plan in force paid (`guard.Verdict.as_dict`:
+    `verdict`: the guard's figures on whether the plan in force paid (`verdict.Verdict.as_dict`:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
     `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
     > 0), when a plan other than the static layout was judged here; `probe`: this step was a
