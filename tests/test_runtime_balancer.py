@@ -505,6 +505,19 @@ def test_layer_loads_follow_the_assignment() -> None:
     assert loads.tokens_moved.tolist() == [2]
 
 
+def _one_rank_steps(model, opt, balancer, steps: int) -> None:
+    """`steps` training steps of a one-rank model taking `[16, 8]` inputs, as the loop runs
+    them (the Balancer's `reduce_replicas` before the optimizer, `step` after it)."""
+    import torch
+
+    for _ in range(steps):
+        model(torch.randn(16, 8)).square().mean().backward()
+        balancer.reduce_replicas()
+        opt.step()
+        balancer.step()
+        opt.zero_grad()
+
+
 def test_one_process_balancer_records_and_plans() -> None:
     import torch
 
@@ -517,12 +530,7 @@ def test_one_process_balancer_records_and_plans() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
                         plan_lag=0)  # fmt: skip
-    for _ in range(4):
-        model(torch.randn(16, 8)).square().mean().backward()
-        balancer.reduce_replicas()
-        opt.step()
-        balancer.step()
-        opt.zero_grad()
+    _one_rank_steps(model, opt, balancer, 4)
     stats = list(balancer.stats)
     # one rank: nothing to gain, so the planner's CPU (shared with the rank) backs planning off
     assert [s.replanned for s in stats] == [False, True, False, False]
@@ -651,11 +659,7 @@ def test_no_plan_is_requested_that_would_serve_no_step() -> None:
 
         jobs: list[int | None] = []
         balancer.planner.submit = submitted
-        for _ in range(3):
-            model(torch.randn(16, 8)).square().mean().backward()
-            opt.step()
-            balancer.step()
-            opt.zero_grad()
+        _one_rank_steps(model, opt, balancer, 3)
         balancer.close()
         return [s.replanned for s in balancer.stats], jobs
 
