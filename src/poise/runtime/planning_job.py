@@ -11,7 +11,7 @@ process while training goes on:
    (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`) and
-   its horizon no longer than the steps the run has left (`with_steps_left`), each expert's
+   its horizon no longer than the steps the run has left (`auto.with_steps_left`), each expert's
    home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
 4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
    the plan in force is not static and did not pay (`verdict.plan_pays`, with the guard on), the
@@ -35,6 +35,7 @@ from poise.core.cluster import Cluster
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
+from poise.plan.policies.auto import with_steps_left
 from poise.plan.policies.base import PlanContext
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
@@ -76,17 +77,6 @@ def with_migration_scale(
     charges a migration what the guard will."""
     out = {k: dict(v) for k, v in options.items()}
     out.setdefault("auto", {}).setdefault("migration_scale", max(scale, 0.0))
-    return out
-
-
-def with_steps_left(
-    options: Mapping[str, Mapping[str, Any]], steps_left: int | None
-) -> dict[str, dict[str, Any]]:
-    """`options` with `auto.steps_left` set to `steps_left` (the steps the plan can serve
-    before the run ends; `auto_horizon` is capped there), unchanged where it is None."""
-    out = {k: dict(v) for k, v in options.items()}
-    if steps_left is not None:
-        out.setdefault("auto", {})["steps_left"] = int(steps_left)
     return out
 
 
@@ -245,5 +235,4 @@ __all__ = [
     "planning_context",
     "run_job",
     "with_migration_scale",
-    "with_steps_left",
 ]

@@ -55,6 +55,7 @@ from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule, parse_schedule
 from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
 from poise.cost.traffic import padded_counts
+from poise.plan.policies.auto import with_steps_left
 from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
@@ -287,7 +288,7 @@ def simulate(
                     cost,
                     base_ctx.slots_per_device,
                     history=np.array(history) if history else None,
-                    options=_with_steps_left(opts, left),
+                    options=with_steps_left(opts, left),
                     split_tokens=split_tokens,
                 )
             step = _Step(s, actual, loads, ctx)
@@ -312,13 +313,6 @@ def simulate(
         scaling=scaled.describe(),
         trace_name=source,
     )
-
-
-def _with_steps_left(options: dict[str, dict[str, Any]], left: int) -> dict[str, dict[str, Any]]:
-    """`options` with `auto.steps_left` = `left` (at least 1), unless the caller set it."""
-    out = {k: dict(v) for k, v in options.items()}
-    out.setdefault("auto", {}).setdefault("steps_left", max(1, int(left)))
-    return out
 
 
 def resolve_dense_params(dense_params: DenseParams, spec: ModelSpec) -> int | None:

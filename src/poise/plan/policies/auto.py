@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -314,6 +314,19 @@ def auto_horizon(loads: np.ndarray, ctx: PlanContext) -> float:
             horizon = float(persistence_horizon(ctx.history, loads.sum(axis=1), base))
     left = ctx.option("auto", "steps_left", None)
     return horizon if left is None else min(horizon, float(max(1, left)))
+
+
+def with_steps_left(
+    options: Mapping[str, Mapping[str, Any]], steps_left: int | None
+) -> dict[str, dict[str, Any]]:
+    """A copy of `options` with `auto.steps_left` (`auto_horizon`'s cap: the steps a plan made
+    now can serve before the run or the replayed trace ends, at least 1) unless the caller set
+    it; unchanged where `steps_left` is None (the end is not known). The live planning job and
+    the simulator both set it."""
+    out = {k: dict(v) for k, v in options.items()}
+    if steps_left is not None:
+        out.setdefault("auto", {}).setdefault("steps_left", max(1, int(steps_left)))
+    return out
 
 
 def _totals(plans: list[Plan], horizon: float, migration_scale: float = 1.0) -> np.ndarray:
