@@ -82,7 +82,7 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
-from poise.nn.moe import find_moe_layers, nonfinite_error
+from poise.nn.moe import find_moe_layers
 from poise.nn.slots import slot_maps
 from poise.plan.policies.registry import get_policy
 from poise.plan.predict import Predictor, parse_predictor
@@ -110,6 +110,7 @@ from poise.runtime.records import (
     StepRecords,
 )
 from poise.runtime.stats import StepStats, layer_loads
+from poise.runtime.step_gather import gather_step
 from poise.runtime.verdict import Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
@@ -543,21 +544,7 @@ class Balancer:
     def _gather(self, period_s: float) -> None:
         """All ranks' counts of this step, `[L, D, E]`, appended to the window, with the
         seconds (`selfcal.across_ranks`) per `selfcal.MEASURED` column; non-finite flags raise
-        here. One `all_gather` of `[L * E + 1 + len(MEASURED)]` int64 per rank (seconds as ns)."""
-        L, E, D = len(self.layers), self.num_experts, self.world_size
-        device = self.layers[0].params[0].device
-        counts = torch.stack(
-            [
-                s.counts.to(device) if s.counts.numel() else torch.zeros(E, dtype=torch.long,
-                                                                          device=device)
-                for s in self.layers
-            ]
-        ).reshape(-1)  # [L * E]  # fmt: skip
-        rows = torch.tensor([s.rows for s in self.layers], dtype=torch.long, device=device)
-        for s in self.layers:
-            s.counts = torch.zeros(0, dtype=torch.long)
-            s.rows = 0
-        flag = torch.stack([s.layer.take_nonfinite().to(device) for s in self.layers]).any()
+        here (`poise.runtime.step_gather`: one `all_gather`)."""
         sec = self._current.seconds
         mine = [
             period_s,
@@ -567,46 +554,24 @@ class Balancer:
             sec.get("experts", 0.0),
             sec.get("transfers", 0.0),
         ]
-        ns = torch.tensor([round(x * 1e9) for x in mine], dtype=torch.long, device=device)
-        local = torch.cat([counts.long(), flag.long().reshape(1), rows, ns])
-        if D > 1:
-            local = local.to(comm_device(self.group, local.device))
-            parts = [torch.empty_like(local) for _ in range(D)]
-            dist.all_gather(parts, local, group=self.group)
-            table = torch.stack(parts).cpu().numpy()  # [D, n]
-        else:
-            table = local.cpu().numpy()[None, :]
-        bad = np.flatnonzero(table[:, L * E])
-        if bad.size:
-            raise nonfinite_error(bad.tolist(), self.steps_done + 1)
-        gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
-        computed = table[:, L * E + 1 : L * E + 1 + L].T.astype(np.float64)  # [L, D]
-        per_rank = table[:, L * E + 1 + L :].astype(np.float64) / 1e9  # [D, MEASURED]
+        g = gather_step(
+            self.layers, self.num_experts, mine, self.group, self.world_size,
+            self.steps_done + 1, self.vote_group,
+        )  # fmt: skip
         self._current.rank_seconds = {
-            name: per_rank[:, i].tolist() for i, name in enumerate(selfcal.MEASURED)
+            name: g.rank_seconds[:, i].tolist() for i, name in enumerate(selfcal.MEASURED)
         }
-        measured = selfcal.across_ranks(per_rank)
-        rank_experts = per_rank[:, selfcal.EXPERTS]
-        if self.vote_group is not None and D > 1:  # every group's planners see the same figures
-            both = self._max_over_vote_group(np.concatenate([measured, rank_experts]))
-            measured, rank_experts = both[: len(measured)], both[len(measured) :]
         self.records.append(
-            np.ascontiguousarray(gathered),
-            np.concatenate([[self.steps_done], measured]),
+            g.counts,
+            np.concatenate([[self.steps_done], g.measured]),
             self._layout,
             self.steps_done > self._plan_since,
-            rank_experts,
+            g.rank_experts,
         )
-        self._current.measured_period_s = float(measured[selfcal.PERIOD])
+        self._current.measured_period_s = float(g.measured[selfcal.PERIOD])
         running = self.probes.probing if self.probes.probing is not None else self.plan
-        planned = layer_loads(running.placement, running.assignment, gathered)
-        self._current.set_loads(planned.measured(computed))
-
-    def _max_over_vote_group(self, measured: np.ndarray) -> np.ndarray:
-        ns = torch.as_tensor(np.round(measured * 1e9).astype(np.int64))
-        ns = ns.to(comm_device(self.vote_group, "cpu"))
-        dist.all_reduce(ns, op=dist.ReduceOp.MAX, group=self.vote_group)
-        return ns.cpu().numpy().astype(np.float64) / 1e9
+        planned = layer_loads(running.placement, running.assignment, g.counts)
+        self._current.set_loads(planned.measured(g.computed))
 
     # -------------------------------------------------------------------------- planning
     def plan_next(self) -> Plan:
