@@ -10,12 +10,18 @@ setting's expert shapes) on the Python standard library, no auxiliary loss, seed
 steps. A round runs static and auto at once, taking their steps in turns (`poise.train.turns`:
 static's step k, then auto's step k, then static's step k + 1, ...; each run's ranks sleep
 while the other's step runs, auto's planner is stopped then and its Trans has landed), so the
-machine's drift falls on both within a second; the first run of a round alternates (static in
-even rounds, auto in odd ones). `--sequential` runs them one after the other instead, as
-before: on the shared 2-core machine identical static runs made one after the other differ by
-10-15% in tokens/s, and identical runs in turns by about 1% (docs/benchmarks.md).
-`--identical` runs static on both sides (the "auto" fields then describe the second static
-run): the spread of the comparison itself.
+machine's drift falls on both within a second; the run that goes first rotates from round to
+round (static in round 0, auto in round 1, then any peer). `--sequential` runs them one after
+the other instead, as before: on the shared 2-core machine identical static runs made one after
+the other differ by 10-15% in tokens/s, and identical runs in turns by about 1%
+(docs/benchmarks.md).
+`--peers eplb` runs DeepSeek's EPLB in the same turns as a third run of every round (the
+runtime's `eplb` policy, re-planned every `--replan-every` steps and adopted without a cost
+check, as published: `balance_guard` off); its line under `peers` gives its speedup over static,
+its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per round. EPLB
+balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
+nets on this machine once those are paid. `--identical` runs static on both sides (the "auto"
+fields then describe the second static run): the spread of the comparison itself.
 
 Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 `tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
@@ -96,6 +102,11 @@ SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 
 
+# peer policies run as their papers and libraries do: re-planned every period, adopted without
+# a cost check (`balance_guard` off; `probe_every` then has no effect)
+PEERS: dict[str, dict[str, Any]] = {"eplb": {"balance_guard": False}}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -113,6 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--identical",
         action="store_true",
         help="run static on both sides (A/A): the spread of the comparison itself",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=sorted(PEERS),
+        help="peer policies to run in turns beside static and auto (eplb: DeepSeek's EPLB)",
     )
     p.add_argument(
         "--sequential",
@@ -211,15 +229,17 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     load_before = os.getloadavg()[0]
     shape = (mcfg.d_model, mcfg.d_expert, mcfg.num_experts // world)
     c_before = expert_seconds_per_token(*shape)["c_s"]
-    runs: dict[str, list[Any]] = {"static": [], "auto": []}
+    sides = ["static", "auto", *args.peers]
+    runs: dict[str, list[Any]] = {side: [] for side in sides}
     # the side called "auto" runs `static` too with --identical: the instrument's own spread
-    policy_of = {"static": "static", "auto": "static" if args.identical else "auto"}
+    policy_of = {side: side for side in sides}
+    policy_of["auto"] = "static" if args.identical else "auto"
     for r in range(args.repeats):
-        order = ("static", "auto") if r % 2 == 0 else ("auto", "static")
+        order = tuple(sides[r % len(sides) :] + sides[: r % len(sides)])  # who starts rotates
         cfgs = {
             side: run_config(
                 policy_of[side], root / f"{name}-{r}-{side}", args.steps, args.replan_every,
-                model_args,
+                model_args, **PEERS.get(side, {}),
             )
             for side in order
         }  # fmt: skip
@@ -320,7 +340,37 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         # what each auto run decided, in order: "step decision rN mM" (N replica slots in
         # force after it, M homes moved), so a round's harm can be read off its decisions
         "auto_decisions": [decisions_text(x) for x in runs["auto"]],
+        # peers in the same turns: their speedup over static and auto's over them, per round
+        "peers": {
+            peer: peer_figures(runs[peer], runs["static"], runs["auto"], ideal_speedup, skip)
+            for peer in args.peers
+        },
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def peer_figures(
+    peer: list[Any], static: list[Any], auto: list[Any], ideal_speedup: float, skip: int
+) -> dict[str, Any]:
+    """A peer policy's runs against the same rounds' static and auto runs: `speedup` (median
+    over rounds of peer / static tokens/s), its `gain_fraction` against the same ideal,
+    `auto_over_peer` (median over rounds of auto / peer), the peer's slowest/mean load and
+    its plan changes per run."""
+    from poise.report.ideal import judge
+
+    peer_tok = [tok_s(x, skip) for x in peer]
+    over_static = [p / tok_s(s, skip) for p, s in zip(peer_tok, static, strict=True)]
+    auto_over = [tok_s(a, skip) / p for a, p in zip(auto, peer_tok, strict=True)]
+    speedup = statistics.median(over_static)
+    return {
+        "tok_s_runs": [round(x, 1) for x in peer_tok],
+        "speedup": round(speedup, 4),
+        "speedup_rounds": [round(x, 4) for x in over_static],
+        "gain_fraction": judge(speedup, ideal_speedup)["gain_fraction"],
+        "auto_over_peer": round(statistics.median(auto_over), 4),
+        "auto_over_peer_rounds": [round(x, 4) for x in auto_over],
+        "max_over_mean": round(statistics.median(x.max_over_mean for x in peer), 3),
+        "plan_changes": [x.plan_changes for x in peer],
     }
 
 

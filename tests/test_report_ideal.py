@@ -246,3 +246,55 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
     seen.clear()
     bench.bench_setting("skewed", bench.parse_args([*common, "--sequential"]), tmp_path)
     assert {f for _, f, _, _ in seen} == {None}
+
+
+def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> None:
+    """`--peers eplb`: a third run in each round's turns, trained with the `eplb` policy and
+    the guard off; the first slot rotates static, auto, eplb. Static 1.0 s a step with loads
+    3:1 (ideal 1/0.9 at c = 25 us), auto 0.95 s, EPLB 0.9 s: EPLB's speedup 1/0.9 is the whole
+    gain, auto / EPLB 0.9/0.95 per round."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    steps = 20
+    step_of = {"static": 1.0, "auto": 0.95, "eplb": 0.9}
+    seen: list[tuple[str, bool, int]] = []
+
+    def fake_train(cfg, world: int):
+        seen.append((cfg.policy, cfg.balance_guard, cfg.turns_slot))
+        static = cfg.policy == "static"
+        loads = [3000.0, 1000.0] if static else [2000.0, 2000.0]
+        return SimpleNamespace(
+            step_s=np.full(steps, step_of[cfg.policy]),
+            device_tokens=np.tile(np.array([[loads]]), (steps, 4, 1)),
+            tokens_per_step=2048,
+            phases={"forward": np.full(steps, 0.3)},
+            moe_phases={"experts": np.full(steps, 0.1)},
+            max_over_mean=1.5 if static else 1.0,
+            moe_phase_mean=lambda k: 0.0,
+            last_verdict={},
+            plan_changes=0 if static else 3,
+        )
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3", "--peers", "eplb"]
+    line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
+    rounds = [sorted(seen[i : i + 3], key=lambda x: x[2]) for i in (0, 3, 6)]
+    assert [[p for p, _, _ in r] for r in rounds] == [
+        ["static", "auto", "eplb"],
+        ["auto", "eplb", "static"],
+        ["eplb", "static", "auto"],
+    ]
+    guard = {p: g for p, g, _ in seen}
+    assert guard == {"static": True, "auto": True, "eplb": False}
+    peer = line["peers"]["eplb"]
+    assert peer["speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
+    assert peer["gain_fraction"] == pytest.approx(1.0, abs=1e-3)  # the ideal's whole gain
+    assert peer["auto_over_peer_rounds"] == pytest.approx([0.9 / 0.95] * 3, abs=1e-4)
+    assert peer["plan_changes"] == [3, 3, 3] and peer["max_over_mean"] == 1.0
+    assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)  # auto's own figures unchanged
+    assert bench.parse_args(["--settings", "tiny"]).peers == []
