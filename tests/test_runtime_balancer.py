@@ -77,6 +77,8 @@ def _home_rows(model, opt, rank: int) -> dict:
 
 
 def _equivalence(rank: int, W: int) -> dict:
+    import torch.distributed as dist
+
     from poise.runtime.balancer import Balancer
     from tests.helpers import toy_cluster
 
@@ -93,6 +95,13 @@ def _equivalence(rank: int, W: int) -> dict:
                             guard=False, calibrate=False, split_tokens=fixed != "fixed",
                             host_link=fixed == "link")  # fmt: skip
         result[f"{policy}.link"] = balancer.link is not None
+        # Trans, Agg and migration on a group of their own over the same ranks (balancing only)
+        result[f"{policy}.transfers_pg"] = (
+            balancer.moves.group is balancer.transfers_pg,
+            balancer.transfers_pg is not balancer.group,
+            dist.get_process_group_ranks(balancer.transfers_pg or dist.group.WORLD)
+            == list(range(W)),
+        )
         losses = _train(model, opt, rank, STEPS, balancer)
         used = balancer.link.channels if balancer.link is not None else {}
         result[f"{policy}.channels"] = sorted({k.split("-")[0] for k in used})
@@ -380,6 +389,8 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
             assert balance_end < balance_start, policy
         else:
             assert trans == migrate == 0
+        own = results[0][f"{policy}.transfers_pg"]
+        assert own == (True, policy != "static", True), (policy, own)
         # balancing ranks of one host move replicas through shared memory when asked to
         assert results[0][f"{policy}.link"] == (":link" in policy)
         by_counts, replicated, layers_split, _ = results[0][f"{policy}.split"]

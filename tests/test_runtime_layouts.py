@@ -92,7 +92,20 @@ def rank_fn(rank: int, world: int) -> dict:
         "grads": {n: getattr(moe.experts, n).grad.clone() for n in ("w_in", "w_gate", "w_out")},
         "ep_ranks": groups.ep_ranks,
         "edp_ranks": groups.edp_ranks,
+        # the Balancer's transfers get a group of their own over the EP group's ranks
+        "transfer_ranks": tuple(dist.get_process_group_ranks(groups.ep_transfer)),
+        "transfer_is_ep": groups.ep_transfer is groups.ep,
     }
+    # ep = the world: the EP group is the default group, the transfers' a new one
+    whole = create_groups(Layout(devices=world, experts=E, layers=1, ep=world))
+    out["whole"] = (
+        whole.ep is dist.group.WORLD,
+        whole.ep_transfer is dist.group.WORLD,
+        tuple(dist.get_process_group_ranks(whole.ep_transfer)),
+    )
+    summed = torch.tensor([float(rank)])
+    dist.all_reduce(summed, group=groups.ep_transfer)  # it works, over those ranks only
+    out["transfer_sum"] = float(summed)
     opt = torch.optim.SGD(expert_weights(moe), lr=0.5)
     opt.step()
     out["replicas_agree"] = replicas_agree(moe, groups.edp)
@@ -128,6 +141,10 @@ def test_ep2_edp2_matches_single_process() -> None:
     ref = reference()
     assert [r["ep_ranks"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [r["edp_ranks"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [r["transfer_ranks"] for r in results] == [r["ep_ranks"] for r in results]
+    assert [r["transfer_sum"] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert not any(r["transfer_is_ep"] for r in results)
+    assert [r["whole"] for r in results] == [(True, False, (0, 1, 2, 3))] * 4
     assert [r["slots"] for r in results] == [[0, 1], [2, 3], [0, 1], [2, 3]]
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["y"], ref["y"][rank], atol=TOL, rtol=0)

@@ -111,6 +111,7 @@ from poise.runtime.records import (
 )
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
+from poise.runtime.transfer_group import transfer_group as own_transfer_group
 from poise.runtime.verdict import Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
@@ -182,6 +183,11 @@ class Balancer:
       halves a layer's Trans and Agg in isolation, but on a 2-core host it made no measurable
       difference to a training step and 4 ranks on 2 cores ran slower with it in 2 of 3
       paired runs (docs/benchmarks.md);
+    - `separate_transfers` (default on): Trans, Agg and migration run on a process group of
+      their own over the same ranks (`poise.runtime.transfer_group`; made here, collectively,
+      where `group` spans the world), so that they do not queue ahead of the tokens'
+      all-to-alls in the group's order of operations; `transfer_group`: that group, given by
+      a caller that made it (`LayoutGroups.ep_transfer`); off and none given: `group`;
     - `total_steps` (default None: not known): the step the run ends at (`steps_done` counts
       from the run's start, a resumed run included). A plan is requested only if it would
       serve a step before then, and priced and judged over no more steps than it would serve
@@ -220,6 +226,8 @@ class Balancer:
         probe_every: int = 5,
         max_probes: int = 8,
         host_link: bool = False,
+        separate_transfers: bool = True,
+        transfer_group: dist.ProcessGroup | None = None,
         total_steps: int | None = None,
     ) -> None:
         if replan_every < 1:
@@ -268,11 +276,16 @@ class Balancer:
         self.calibrate = calibrate
         self._spec = spec
         self.balancing = policy != "static"  # static EP never probes, plans or switches
+        # Trans, Agg and migration: their own queue of collectives (`poise.runtime.transfer_group`)
+        self.transfers_pg = transfer_group
+        if self.transfers_pg is None:
+            separate = separate_transfers and self.balancing and self.world_size > 1
+            self.transfers_pg = own_transfer_group(self.group) if separate else self.group
         self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
         if calibrate and probe_transfers and self.balancing and self.world_size > 1:
             shapes = spec if spec is not None else spec_from_layers(modules)
             self.probe = probe_transfer_scale(
-                self.cluster, shapes, self.group, self.layers[0].params[0].device
+                self.cluster, shapes, self.transfers_pg, self.layers[0].params[0].device
             )
             self.fit = selfcal.Fit(k_transfer=self.probe[0])
         self.num_experts = modules[0].num_experts
@@ -296,11 +309,11 @@ class Balancer:
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
         self.link = (
-            HostLink.connect(self.group) if host_link and on_cpu and self.balancing else None
+            HostLink.connect(self.transfers_pg) if host_link and on_cpu and self.balancing else None
         )
         # routing, Trans, Agg and migration on the layers (`poise.runtime.layer_moves`)
         self.moves = LayerMoves(
-            self.layers, self.rank, self.slots, optimizer, self.group,
+            self.layers, self.rank, self.slots, optimizer, self.transfers_pg,
             link=self.link, compression=self.compression, overlap=overlap,
         )  # fmt: skip
         # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)

@@ -53,7 +53,9 @@ from poise.nn.moe import MoE, find_moe_layers
 @dataclass(frozen=True)
 class LayoutGroups:
     """This rank's process groups in `layout`: `ep` (its EP group; the default group when ep is
-    the world) and `edp` (its EDP group; None when edp = 1), with their global ranks."""
+    the world) and `edp` (its EDP group; None when edp = 1), with their global ranks;
+    `ep_transfer`: a second group over the EP group's ranks, for the Balancer's Trans, Agg and
+    migration (`poise.runtime.transfer_group`; None where ep is 1)."""
 
     layout: Layout
     rank: int
@@ -61,6 +63,7 @@ class LayoutGroups:
     edp: Any
     ep_ranks: tuple[int, ...]
     edp_ranks: tuple[int, ...]
+    ep_transfer: Any = None
 
     @property
     def ep_rank(self) -> int:
@@ -104,17 +107,23 @@ def create_groups(layout: Layout) -> LayoutGroups:
         edp_group, edp_ranks = None, (rank,)
     else:
         edp_group, edp_ranks = _create_all(layout.edp_groups(), rank, world)
-    return LayoutGroups(layout, rank, ep_group, edp_group, ep_ranks, edp_ranks)
+    ep_transfer = None
+    if layout.ep > 1:  # the transfers' own groups, made after the others on every rank
+        ep_transfer, _ = _create_all(layout.ep_groups(), rank, world, reuse_world=False)
+    return LayoutGroups(layout, rank, ep_group, edp_group, ep_ranks, edp_ranks, ep_transfer)
 
 
-def _create_all(groups: list[list[int]], rank: int, world: int) -> tuple[Any, tuple[int, ...]]:
+def _create_all(
+    groups: list[list[int]], rank: int, world: int, *, reuse_world: bool = True
+) -> tuple[Any, tuple[int, ...]]:
     """Create every group in `groups` (in order, on every rank) and return this rank's group
-    and its ranks. A group of the whole world is the default group. Groups of one rank are
-    created too (None would mean no process group at all)."""
+    and its ranks. A group of the whole world is the default group (`reuse_world`; else a new
+    one). Groups of one rank are created too (None would mean no process group at all)."""
     mine: Any = None
     mine_ranks: tuple[int, ...] = ()
     for ranks in groups:
-        group = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+        whole = reuse_world and len(ranks) == world
+        group = dist.group.WORLD if whole else dist.new_group(ranks)
         if rank in ranks:
             mine, mine_ranks = group, tuple(ranks)
     return mine, mine_ranks

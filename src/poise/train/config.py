@@ -24,6 +24,9 @@ without its replicas, so that the guard's wall clock compares neighbouring steps
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows
 through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`);
+`separate_transfers` (default on): Trans, Agg and migration run on a process group of their own
+over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
+(`Balancer(separate_transfers=...)`, `poise.runtime.transfer_group`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
 constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
 `turns` (default None: off) is a counter file shared with other runs on this host that take
@@ -93,6 +96,7 @@ class TrainConfig:
     balance_guard: bool = True
     probe_every: int = 5
     host_link: bool = False
+    separate_transfers: bool = True
     self_calibrate: bool = True
     # parallelism
     layout: str | None = None
@@ -203,6 +207,7 @@ def _rules() -> dict[str, _Rule]:
         "balance_guard": _Rule(_BOOL),
         "probe_every": _Rule(_INT, low=0),
         "host_link": _Rule(_BOOL),
+        "separate_transfers": _Rule(_BOOL),
         "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
         "seed": _Rule(_INT, low=0),

@@ -225,6 +225,12 @@ class _Trainer:
             guard=cfg.balance_guard,
             probe_every=cfg.probe_every,
             host_link=cfg.host_link,
+            separate_transfers=cfg.separate_transfers,
+            transfer_group=(
+                self.groups.ep_transfer
+                if self.groups is not None and cfg.separate_transfers
+                else None
+            ),
             calibrate=cfg.self_calibrate,
             compression=cfg.compression,
             split_tokens=cfg.split_tokens,
