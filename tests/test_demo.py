@@ -400,14 +400,17 @@ def test_a_run_lists_its_decisions_in_order(tmp_path) -> None:
 
 def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
     """`paired_clock_sentence`: nothing without probes; the saving (or cost), its standard error
-    and whether it is beyond `CLOCK_Z` standard errors, in ms."""
+    and whether it is beyond `clock_z` standard errors (Student's t: 6 probes, 5 degrees of
+    freedom, 2.571), in ms."""
     from poise.commands.demo_report import paired_clock_sentence
 
     assert paired_clock_sentence({}) == ""
     assert paired_clock_sentence({"wall_saving_s": None, "wall_se_s": 0.0, "probes": 0}) == ""
     text = paired_clock_sentence({"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6})
     assert "6 probe steps" in text and "saved 21.3 ms" in text and "7.0 ms" in text
-    assert "beyond 2 standard errors" in text
+    assert "beyond 2.571 standard errors" in text  # 21.3 / 7.0 = 3.04
+    text = paired_clock_sentence({"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 4})
+    assert "within 3.182 standard errors, so not conclusive" in text  # 3 degrees of freedom
     text = paired_clock_sentence({"wall_saving_s": -0.009, "wall_se_s": 0.005, "probes": 8})
     assert "cost 9.0 ms" in text and "not conclusive" in text and "predicted" not in text
     text = paired_clock_sentence(

@@ -961,7 +961,8 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     """The wall-clock test by hand on `_replica_case` (static busy 27,840 ns a step): static
     steps measured at 1 ms + busy + (0, +1, -1) us, so their residuals' median is 1 ms and
     their MAD 1 us; plan steps the same spread around 1 ms + `shift`. The standard error is
-    1.2533 * 1.4826 us * sqrt(1/3 + 1/3) = 1.517 us. The model's test passes throughout (no
+    1.2533 * 1.4826 us * sqrt(1/3 + 1/3) = 1.517 us, with min(3, 3) - 1 = 2 degrees of freedom:
+    conclusive beyond t = 4.303 of them (6.53 us). The model's test passes throughout (no
     transfers measured), so only the clock decides."""
     from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
@@ -979,10 +980,10 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
 
     guard = SwitchGuard(horizon=10)
     se = 1.2533 * 1.4826e-6 * np.sqrt(2 / 3)
-    for shift, pays in [(-2e-6, True), (1e-6, True), (5e-6, False)]:
+    for shift, pays in [(-2e-6, True), (1e-6, True), (5e-6, True), (7e-6, False)]:
         v = verdict(cost, static, replica, steps, rows(1e-3 + shift), steps, rows(1e-3))
         assert v.wall_saving_s == pytest.approx(-shift, abs=1e-12)
-        assert v.wall_se_s == pytest.approx(se, rel=1e-4)
+        assert v.wall_se_s == pytest.approx(se, rel=1e-4) and v.dof == 2
         assert v.saving_s > v.cost_s  # the model's test alone would keep the plan
         assert guard.pays(v) is pays, shift
     # static steps priced out: the same static residual from twice the load
@@ -993,12 +994,14 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
                   rows(1e-3)[: MIN_WALL_STEPS - 1])  # fmt: skip
     assert few.wall_saving_s is None and guard.pays(few)  # too few static steps: not taken
     # balancing judged as a whole: the plan's own 3 steps were fast, but 6 steps of balancing
-    # since static (earlier plans' included) measured 5 us slower; MADs 1 us on 3 and 6 steps
+    # since static (earlier plans' included) measured 6 us slower; MADs 1 us on 3 and 6 steps,
+    # standard error 1.314 us with min(3, 6) - 1 = 2 degrees of freedom: 4.303 x 1.314 = 5.65
     pooled = verdict(cost, static, replica, steps, rows(1e-3 - 2e-6), steps, rows(1e-3),
                      np.concatenate([steps, steps]),
-                     np.concatenate([rows(1e-3 + 5e-6), rows(1e-3 + 5e-6)]))  # fmt: skip
-    assert pooled.wall_saving_s == pytest.approx(-5e-6, abs=1e-12)
+                     np.concatenate([rows(1e-3 + 6e-6), rows(1e-3 + 6e-6)]))  # fmt: skip
+    assert pooled.wall_saving_s == pytest.approx(-6e-6, abs=1e-12)
     assert pooled.wall_se_s == pytest.approx(1.2533 * 1.4826e-6 * np.sqrt(1 / 3 + 1 / 6), rel=1e-4)
+    assert pooled.dof == 2
     assert not guard.pays(pooled)
     homes = Placement.from_homes(np.array([[1, 0]]), 2, 2)  # homes swapped, no replica
     moved = Plan("homes", homes, Assignment.to_home(homes), None)  # type: ignore[arg-type]
@@ -1010,8 +1013,8 @@ def test_a_conclusive_wall_clock_overrules_the_model() -> None:
     """`pays` by hand: the model's test fails (over 3 steps the plan saves 3 x 4.16 = 12.48 us
     and measured 3 x (4 us of transfers + 1 us at the boundary) = 15 us); the clock's saving
     per step `w`, with standard error 1.517 us (as in the test above), decides when it is
-    conclusive: w - 2 se > 0 keeps the plan, w + 2 se < 0 drops it (`CLOCK_Z` = 2), else the
-    model's test holds."""
+    conclusive: w - z se > 0 keeps the plan, w + z se < 0 drops it (z = `clock_z(2)` = 4.303:
+    3 steps a side, 2 degrees of freedom; z se = 6.53 us), else the model's test holds."""
     from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
     from poise.runtime.verdict import verdict
@@ -1029,29 +1032,30 @@ def test_a_conclusive_wall_clock_overrules_the_model() -> None:
         return out
 
     guard = SwitchGuard(horizon=10)
-    for saving, pays in [(4e-6, True), (2e-6, False), (0.0, False), (-4e-6, False)]:
+    for saving, pays in [(7e-6, True), (4e-6, False), (0.0, False), (-4e-6, False), (-7e-6, False)]:
         plan_rows = rows(1e-3 - saving, transfers=4e-6)
         v = verdict(cost, static, replica, steps, plan_rows, steps, rows(1e-3))
         assert v.saving_s < v.cost_s  # the model's test alone would drop the plan
         assert v.wall_saving_s == pytest.approx(saving, abs=1e-12)
         assert guard.pays(v) is pays, saving
-        assert guard.clock_says_slower(v) is (saving < -3.1e-6), saving
+        assert guard.clock_says_slower(v) is (saving < -6.6e-6), saving
         assert not guard.model_refuted(v)  # slower, but the model saw it too: a stale plan
     # the model's test passing and the clock inconclusive: kept
     v = verdict(cost, static, replica, steps, rows(1e-3 + 2e-6), steps, rows(1e-3))
     assert v.saving_s > v.cost_s and guard.pays(v) and not guard.clock_says_slower(v)
     # the model's test passing and the clock conclusive against it: the model is refuted
-    v = verdict(cost, static, replica, steps, rows(1e-3 + 4e-6), steps, rows(1e-3))
+    v = verdict(cost, static, replica, steps, rows(1e-3 + 7e-6), steps, rows(1e-3))
     assert v.saving_s > v.cost_s and not guard.pays(v) and guard.model_refuted(v)
 
 
 def test_a_clock_that_refutes_the_models_prediction_judges_the_plan_itself() -> None:
-    """`plan_pays` with probes (hand-made verdicts): a clock of -3 ms a step (standard error
-    8 ms: not conclusive) where the model predicted +15 ms is more than 2 standard errors
-    below the prediction, so the clock's own estimate decides (no saving: the plan goes, and
-    the model that said it paid is refuted); +3 ms under the same refutation keeps it; a
-    prediction the clock does not refute (+10 ms against -3 +- 8: 13 < 16) leaves the model's
-    counterfactual to decide, as without probes or with fewer than `MIN_PROBES`."""
+    """`plan_pays` with probes (hand-made verdicts, 8 probes: 7 degrees of freedom, t = 2.365,
+    18.92 ms at a standard error of 8 ms): a clock of -3 ms a step (not conclusive) where the
+    model predicted +17 ms is 20 ms below the prediction, so the clock's own estimate decides
+    (no saving: the plan goes, and the model that said it paid is refuted); +3 ms under a
+    refuted +25 keeps it; a prediction the clock does not refute (+15 ms against -3 +- 8: 18 <
+    18.92; +10: 13) leaves the model's counterfactual to decide, as without probes or with
+    fewer than `MIN_PROBES`."""
     from poise.runtime.guard import SwitchGuard
     from poise.runtime.verdict import MIN_PROBES, Verdict, plan_pays, prediction_refuted
 
@@ -1059,13 +1063,14 @@ def test_a_clock_that_refutes_the_models_prediction_judges_the_plan_itself() -> 
         saving, cost = (2.0, 1.0) if paid else (1.0, 2.0)  # the model's counterfactual
         return Verdict(saving, cost, 10, clock, 8e-3, probes, model)
 
-    assert prediction_refuted(v(-3e-3, 15e-3)) and not plan_pays(v(-3e-3, 15e-3))
-    assert SwitchGuard.model_refuted(v(-3e-3, 15e-3))
+    assert prediction_refuted(v(-3e-3, 17e-3)) and not plan_pays(v(-3e-3, 17e-3))
+    assert SwitchGuard.model_refuted(v(-3e-3, 17e-3))
+    assert not prediction_refuted(v(-3e-3, 15e-3)) and plan_pays(v(-3e-3, 15e-3))  # 18 < 18.92
     assert prediction_refuted(v(3e-3, 25e-3)) and plan_pays(v(3e-3, 25e-3, paid=False))
     assert not prediction_refuted(v(-3e-3, 10e-3)) and plan_pays(v(-3e-3, 10e-3))
     assert not plan_pays(v(-3e-3, 10e-3, paid=False))
-    assert not prediction_refuted(v(-3e-3, 15e-3, probes=MIN_PROBES - 1))
-    assert plan_pays(v(-3e-3, 15e-3, probes=MIN_PROBES - 1))
+    assert not prediction_refuted(v(-3e-3, 17e-3, probes=MIN_PROBES - 1))
+    assert plan_pays(v(-3e-3, 17e-3, probes=MIN_PROBES - 1))
     assert not prediction_refuted(v(-3e-3, None)) and plan_pays(v(-3e-3, None))
     # a clock above the prediction (not conclusive) does not refute a model that failed it
     assert not prediction_refuted(v(10e-3, -10e-3)) and not plan_pays(v(10e-3, -10e-3, paid=False))
@@ -1809,7 +1814,7 @@ def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
     from poise.nn import MoE, MoEConfig, apply_expert_parallel
     from poise.runtime.balancer import OTHER, REPLICAS, Balancer
     from poise.runtime.plan_inputs import default_cluster
-    from poise.runtime.verdict import CLOCK_Z, MIN_PROBES, Verdict, clock_settled
+    from poise.runtime.verdict import MIN_PROBES, Verdict, clock_settled, clock_z
 
     def v(saving: float | None, se: float, probes: int = MIN_PROBES) -> Verdict:
         return Verdict(1.0, 0.5, 10, wall_saving_s=saving, wall_se_s=se, probes=probes)
@@ -1817,9 +1822,13 @@ def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
     assert not clock_settled(None)
     assert not clock_settled(v(None, 0.0))
     assert not clock_settled(v(10e-3, 1e-3, probes=MIN_PROBES - 1))
-    assert not clock_settled(v(CLOCK_Z * 1e-3 - 1e-6, 1e-3))  # just inside two SE
-    assert clock_settled(v(CLOCK_Z * 1e-3 + 1e-6, 1e-3))
-    assert clock_settled(v(-(CLOCK_Z * 1e-3 + 1e-6), 1e-3))  # conclusive the other way too
+    z = clock_z(MIN_PROBES - 1)  # t with 3 degrees of freedom: 3.182
+    assert z == 3.182
+    assert not clock_settled(v(z * 1e-3 - 1e-6, 1e-3))  # just inside
+    assert not clock_settled(v(2.5e-3, 1e-3))  # beyond 2 standard errors, not beyond t's 3.182
+    assert clock_settled(v(z * 1e-3 + 1e-6, 1e-3))
+    assert clock_settled(v(-(z * 1e-3 + 1e-6), 1e-3))  # conclusive the other way too
+    assert clock_settled(v(2.5e-3, 1e-3, probes=12))  # 11 degrees of freedom: 2.201
 
     model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
     apply_expert_parallel(model, None, num_slots=5)

@@ -149,13 +149,14 @@ def paired_clock_sentence(verdict: dict[str, Any]) -> str:
     saving = verdict.get("wall_saving_s")
     if probes == 0 or saving is None:
         return ""
-    from poise.runtime.verdict import CLOCK_Z
+    from poise.runtime.verdict import clock_z
 
     se = float(verdict.get("wall_se_s") or 0.0)
+    z = clock_z(int(verdict.get("dof") or probes - 1))  # Student's t for its probes
     call = (
-        f"beyond {CLOCK_Z:g} standard errors"
-        if abs(saving) > CLOCK_Z * se
-        else f"within {CLOCK_Z:g} standard errors, so not conclusive"
+        f"beyond {z:g} standard errors"
+        if abs(saving) > z * se
+        else f"within {z:g} standard errors, so not conclusive"
     )
     way = "saved" if saving >= 0 else "cost"
     text = (

@@ -8,8 +8,11 @@ the guard's (its module docstring): what a placement changes in a live step.
 
 Two tests on the steps run under the plan in force (the step that carried the switch left
 out). The clock's (2) decides where it is conclusive (balancing measured slower by more than
-`CLOCK_Z` = 2 standard errors: the plan goes; faster by more: it stays); otherwise the
-model's (1) does.
+`clock_z` standard errors: the plan goes; faster by more: it stays); otherwise the model's (1)
+does. `clock_z` is the two-sided 95% critical value of Student's t for the degrees of freedom
+of the clock's standard error (`Verdict.dof`), which is estimated from as few as 3 or 4
+samples: a fixed 2 there would call about 14% of differences of nothing conclusive (t with 3
+degrees of freedom), not 5%.
 
 1. The model's counterfactual on the same steps: the saving is the static layout's `busy` minus
    the plan's, both priced on the very counts those steps routed with the fitted cluster, and
@@ -28,7 +31,9 @@ model's (1) does.
    single slow steps of a shared machine do not decide). Its standard error is `1.2533 *
    sqrt(s_a^2 / n_a + s_b^2 / n_b)`, with `s` the median absolute deviation times 1.4826 (the
    normal-equivalent spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a
-   mean's). The plan fails when `wall_saving + CLOCK_Z * se < 0`: balancing measured slower
+   mean's), with `min(n_a, n_b) - 1` degrees of freedom (the conservative choice for two
+   samples of unequal spread). The plan fails when `wall_saving + z * se < 0`: balancing
+   measured slower
    than static by more than the noise. The static steps are the run's latest settled static
    steps (the Balancer's `FIT_WINDOW` at most); the balanced steps are every settled step run
    under plans with replicas since the static layout last ran, whichever plan ran them (r prices
@@ -50,16 +55,17 @@ model's (1) does.
    while a plan with replicas is in force, a step now and then runs on the plan's homes without
    its replicas, and `paired_clock` (`poise.runtime.paired_clock`) compares each with its
    neighbours (one step away: the same machine speed), `d_i = r(probe i) - mean(r(neighbours))`,
-   saving `mean(d)`, standard error `std(d) / sqrt(P)`: the replicas' measured saving over the
-   same homes alone. On the same static runs, probes every 5 or 10 steps in groups of 5 gave
-   2-5% beyond the 95% t critical value (t with 4 degrees of freedom, 2.78): nominal. With
-   probing on, the clock speaks only from at least `MIN_PROBES` probes (before that the model's
-   test decides), and the static steps are not used. Each probe forgoes the replicas' saving
-   once, so once a shared verdict is conclusive (`clock_settled`) the Balancer stops probing
-   until plans with replicas take over again. Each probed verdict also carries the fitted
-   model's figure for the same comparison (`modelled_clock`), and the clock prices the replicas
-   the next plans make (`replica_scale`: what they measured to cost a step over their modelled
-   Trans + Agg; `planning_job.run_job`).
+   saving `mean(d)`, standard error `std(d) / sqrt(P)` with `P - 1` degrees of freedom: the
+   replicas' measured saving over the same homes alone. On the same static runs, probes every
+   5 or 10 steps in groups of 5 gave 2-5% beyond the 95% t critical value (t with 4 degrees of
+   freedom, 2.78): nominal. With probing on, the clock speaks only from at least `MIN_PROBES`
+   probes (before that the model's test decides), and the static steps are not used. Each
+   probe forgoes the replicas' saving once, so once a shared verdict is conclusive
+   (`clock_settled`) the Balancer stops probing until plans with replicas take over again.
+   Each probed verdict also carries the fitted model's figure for the same comparison
+   (`modelled_clock`), and the clock prices the replicas the next plans make
+   (`replica_scale`: what they measured to cost a step over their modelled Trans + Agg;
+   `planning_job.run_job`).
 
 When the clock contradicts the model's own prediction for the same comparison
 (`prediction_refuted`), the clock's estimate judges the plan (`plan_pays`), and a replacement
@@ -80,9 +86,17 @@ from poise.runtime.selfcal import PERIOD, exposed_transfers_s, live_parts
 
 MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
 MIN_PROBES = 4  # probe steps, each paired with its neighbours, for the paired clock test
-# The clock is conclusive beyond this many standard errors: about 95% two-sided for a normal
-# estimate (and 1 - 0.05 / 2 one-sided for the fallback it triggers), since a fallback moves
-# homes back and stops balancing (module docstring, test 2).
+# The clock is conclusive beyond `clock_z(dof)` standard errors: 95% two-sided (and 1 - 0.05 / 2
+# one-sided for the fallback it triggers), since a fallback moves homes back and stops
+# balancing (module docstring, test 2). Student's t's 0.975 quantiles for 1 to 30 degrees of
+# freedom (NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.2, "Critical
+# values of the Student's t distribution"); `CLOCK_Z` beyond 30 and where the degrees of
+# freedom are not known (t is 2.00 at 60, 1.96 in the limit).
+T_975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 CLOCK_Z = 2.0
 MEDIAN_SE = float(np.sqrt(np.pi / 2))  # a median's standard error over a mean's (normal data)
 MAD_SIGMA = 1.4826  # the standard deviation per median absolute deviation (normal data)
@@ -93,7 +107,8 @@ class Verdict:
     """Whether the plan in force pays, over `steps` steps run under it: `saving_s` (static's
     busy seconds minus the plan's, priced on those steps' counts) against `cost_s` (their
     measured transfer seconds); `wall_saving_s` (None: not measured) the wall clock's saving
-    per step and `wall_se_s` its standard error (module docstring, test 2); with probes,
+    per step and `wall_se_s` its standard error, with `dof` degrees of freedom (module
+    docstring, test 2); with probes,
     `modelled_clock_s`, what the cost model predicts the paired clock measures
     (`modelled_clock`): predicted against measured for the same comparison."""
 
@@ -104,6 +119,18 @@ class Verdict:
     wall_se_s: float = 0.0
     probes: int = 0  # > 0: the clock's figures come from that many paired probe steps
     modelled_clock_s: float | None = None
+    wall_dof: int = 0  # degrees of freedom of `wall_se_s` (0: from `probes`, else not known)
+
+    @property
+    def dof(self) -> int:
+        """The degrees of freedom of the clock's standard error: `wall_dof`, else `probes - 1`
+        for a paired clock, else 0 (not known: `clock_z` then takes `CLOCK_Z`)."""
+        return self.wall_dof or max(self.probes - 1, 0)
+
+    @property
+    def z(self) -> float:
+        """`clock_z(dof)`: standard errors beyond which this clock is conclusive."""
+        return clock_z(self.dof)
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain JSON-ready values (for a log line)."""
@@ -115,6 +142,7 @@ class Verdict:
             "wall_se_s": self.wall_se_s,
             "probes": self.probes,
             "modelled_clock_s": self.modelled_clock_s,
+            "dof": self.dof,
         }
 
 
@@ -162,7 +190,19 @@ def verdict(
     wall = float(np.median(on_static) - np.median(on_plan))
     se = MEDIAN_SE * float(np.sqrt(_spread(on_static) ** 2 / len(on_static)
                                    + _spread(on_plan) ** 2 / len(on_plan)))  # fmt: skip
-    return Verdict(saving_s, cost_s, len(counts), wall, se)
+    dof = min(len(on_static), len(on_plan)) - 1
+    return Verdict(saving_s, cost_s, len(counts), wall, se, wall_dof=dof)
+
+
+def clock_z(dof: int) -> float:
+    """Standard errors beyond which the clock is conclusive: Student's t's two-sided 95%
+    critical value for `dof` degrees of freedom (`T_975`); `CLOCK_Z` for more than 30 or
+    for 0 (not known).
+
+    >>> clock_z(3), clock_z(7), clock_z(0), clock_z(100)
+    (3.182, 2.365, 2.0, 2.0)
+    """
+    return T_975[dof - 1] if 1 <= dof <= len(T_975) else CLOCK_Z
 
 
 def _spread(x: np.ndarray) -> float:
@@ -171,29 +211,25 @@ def _spread(x: np.ndarray) -> float:
 
 
 def clock_says_slower(v: Verdict | None) -> bool:
-    """The wall clock measured balancing slower by more than `CLOCK_Z` standard errors (test 2
+    """The wall clock measured balancing slower by more than `Verdict.z` standard errors (test 2
     of the module docstring failed)."""
-    return (
-        v is not None
-        and v.wall_saving_s is not None
-        and v.wall_saving_s + CLOCK_Z * v.wall_se_s < 0
-    )
+    return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.z * v.wall_se_s < 0
 
 
 def clock_settled(v: Verdict | None) -> bool:
     """The paired clock has spoken: at least `MIN_PROBES` probe steps and a saving beyond
-    `CLOCK_Z` standard errors either way. More probes in the episode would only confirm it at
+    `Verdict.z` standard errors either way. More probes in the episode would only confirm it at
     the price of the replicas' saving on each, so the Balancer stops probing there."""
     return (
         v is not None
         and v.probes >= MIN_PROBES
         and v.wall_saving_s is not None
-        and abs(v.wall_saving_s) > CLOCK_Z * v.wall_se_s
+        and abs(v.wall_saving_s) > v.z * v.wall_se_s
     )
 
 
 def prediction_refuted(v: Verdict | None) -> bool:
-    """The paired clock measured the replicas' saving more than `CLOCK_Z` standard errors below
+    """The paired clock measured the replicas' saving more than `Verdict.z` standard errors below
     what the fitted model predicted for the same comparison (`Verdict.modelled_clock_s`, from
     at least `MIN_PROBES` probes): the model that would judge the plan is wrong about it."""
     return (
@@ -201,7 +237,7 @@ def prediction_refuted(v: Verdict | None) -> bool:
         and v.probes >= MIN_PROBES
         and v.wall_saving_s is not None
         and v.modelled_clock_s is not None
-        and v.modelled_clock_s - v.wall_saving_s > CLOCK_Z * v.wall_se_s
+        and v.modelled_clock_s - v.wall_saving_s > v.z * v.wall_se_s
     )
 
 
@@ -226,7 +262,7 @@ def delivered_share(promised_s: float | None, v: Verdict | None) -> float:
 
 def plan_pays(v: Verdict | None) -> bool:
     """Whether the plan in force pays (True without steps run under it): the wall clock decides
-    where it is conclusive (balancing slower by more than `CLOCK_Z` standard errors: no; faster
+    where it is conclusive (balancing slower by more than `Verdict.z` standard errors: no; faster
     by more: yes); where it is not but it refutes the model's prediction for the same
     comparison (`prediction_refuted`), its own estimate does (a saving above 0); the model's
     counterfactual otherwise (its saving over the static layout on the steps it ran exceeds
@@ -241,7 +277,7 @@ def plan_pays(v: Verdict | None) -> bool:
         return True
     if clock_says_slower(v):
         return False
-    if v.wall_saving_s is not None and v.wall_saving_s - CLOCK_Z * v.wall_se_s > 0:
+    if v.wall_saving_s is not None and v.wall_saving_s - v.z * v.wall_se_s > 0:
         return True
     if prediction_refuted(v):
         assert v.wall_saving_s is not None
@@ -253,9 +289,11 @@ __all__ = [
     "CLOCK_Z",
     "MIN_PROBES",
     "MIN_WALL_STEPS",
+    "T_975",
     "Verdict",
     "clock_says_slower",
     "clock_settled",
+    "clock_z",
     "delivered_share",
     "plan_pays",
     "prediction_refuted",
