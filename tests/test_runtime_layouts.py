@@ -103,6 +103,7 @@ def rank_fn(rank: int, world: int) -> dict:
         whole.ep_transfer is dist.group.WORLD,
         tuple(dist.get_process_group_ranks(whole.ep_transfer)),
     )
+    out["static_transfer"] = create_groups(layout, transfers=False).ep_transfer
     summed = torch.tensor([float(rank)])
     dist.all_reduce(summed, group=groups.ep_transfer)  # it works, over those ranks only
     out["transfer_sum"] = float(summed)
@@ -145,6 +146,7 @@ def test_ep2_edp2_matches_single_process() -> None:
     assert [r["transfer_sum"] for r in results] == [1.0, 1.0, 5.0, 5.0]
     assert not any(r["transfer_is_ep"] for r in results)
     assert [r["whole"] for r in results] == [(True, False, (0, 1, 2, 3))] * 4
+    assert [r["static_transfer"] for r in results] == [None] * 4  # none asked for, none made
     assert [r["slots"] for r in results] == [[0, 1], [2, 3], [0, 1], [2, 3]]
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["y"], ref["y"][rank], atol=TOL, rtol=0)

@@ -81,10 +81,12 @@ class LayoutGroups:
         return {"group": self.ep, "num_slots": self.layout.experts_per_device}
 
 
-def create_groups(layout: Layout) -> LayoutGroups:
+def create_groups(layout: Layout, *, transfers: bool = True) -> LayoutGroups:
     """Create every EP and EDP group of `layout` (collective: call it on every rank, once) and
-    return this rank's. Raises `ConfigError` without an initialised process group, when the
-    layout is for another world size, or for a pipeline layout."""
+    return this rank's; with `transfers`, a second group per EP group for the Balancer's
+    transfers (`LayoutGroups.ep_transfer`; static EP moves no expert and needs none). Raises
+    `ConfigError` without an initialised process group, when the layout is for another world
+    size, or for a pipeline layout."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "needs an initialised torch.distributed process group", field="layout", source="runtime"
@@ -108,7 +110,7 @@ def create_groups(layout: Layout) -> LayoutGroups:
     else:
         edp_group, edp_ranks = _create_all(layout.edp_groups(), rank, world)
     ep_transfer = None
-    if layout.ep > 1:  # the transfers' own groups, made after the others on every rank
+    if transfers and layout.ep > 1:  # the transfers' own groups, after the others, every rank
         ep_transfer, _ = _create_all(layout.ep_groups(), rank, world, reuse_world=False)
     return LayoutGroups(layout, rank, ep_group, edp_group, ep_ranks, edp_ranks, ep_transfer)
 

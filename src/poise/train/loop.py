@@ -163,7 +163,9 @@ class _Trainer:
         if self.layout is not None and self.world > 1:
             from poise.runtime.layouts import create_groups
 
-            self.groups = create_groups(self.layout)  # collective, once
+            # collective, once; the transfers' own groups only where experts will move
+            moves = cfg.separate_transfers and cfg.policy != "static"
+            self.groups = create_groups(self.layout, transfers=moves)
         self.ep = self.layout.ep if self.layout is not None else self.world
         self.edp_group = self.groups.edp if self.groups is not None else None
         self.rows = shard_rows(cfg.batch, self.rank, self.world)
