@@ -28,9 +28,12 @@ def _images(html: str) -> list[str]:
     return re.findall(r'<img src="([^"]+)"', html)
 
 
-def _fake_run(root: Path, policy: str, losses: np.ndarray, seed: int) -> Path:
+def _fake_run(
+    root: Path, policy: str, losses: np.ndarray, seed: int, switches: tuple[int, ...] = ()
+) -> Path:
     """A run folder as `poise train` writes it: config.yaml, metrics.jsonl, summary.json and
-    trace.npz, for 2 ranks, 4 MoE layers and 8 experts."""
+    trace.npz, for 2 ranks, 4 MoE layers and 8 experts; another plan took effect after each step
+    in `switches`."""
     from poise.train.config import TrainConfig, save_config
 
     rng = np.random.default_rng(seed)
@@ -57,6 +60,7 @@ def _fake_run(root: Path, policy: str, losses: np.ndarray, seed: int) -> Path:
                     "max_over_mean": list(device.max(axis=1) / device.mean(axis=1)),
                     "device_tokens": device.tolist(),
                     "plan_changes": s // 3 if policy == "auto" else 0,
+                    "switched": s + 1 in switches,
                     "trans_bytes": 1000 if policy == "auto" else 0,
                     "agg_bytes": 1000 if policy == "auto" else 0,
                     "migrate_bytes": 0,
@@ -101,7 +105,7 @@ def test_report_builder_on_run_folders(tmp_path) -> None:
     for name in images:
         png = (page.parent / name).read_bytes()
         assert png[:8] == PNG and len(png) > 5_000
-    assert "agree to float summation order" in html and "3.00e-07" in html
+    assert "agree to float rounding over all 8 steps" in html and "3.00e-07" in html
     assert "Maximum loss difference: 3.000e-07 over 8 steps" in html
     assert "tiny &lt;b&gt;" in html  # escaped
     assert "dgx-h100:1 (simulated)" in html and "a note" in html
@@ -175,30 +179,101 @@ def test_breakdown_groups_cover_every_phase_and_show_overlap() -> None:
     assert sum(_ms(c) for c in rows[0][2:]) == pytest.approx(_ms(rows[0][1]), abs=0.01 * 12)
 
 
+def _agreement_page(tmp_path, static: np.ndarray, auto: np.ndarray, switches=()) -> str:
+    runs = {
+        "static": MeasuredRun.load(_fake_run(tmp_path, "static", static, 0)),
+        "auto": MeasuredRun.load(_fake_run(tmp_path, "auto", auto, 1, switches)),
+    }
+    return write_demo_report(DemoData(runs=runs), tmp_path / "r").read_text()
+
+
+def _agreement_class(html: str) -> str | None:
+    """The CSS class of the page's loss-agreement paragraph (None when it has none)."""
+    m = re.search(r'<p(?: class="(\w+)")?>(?:The static and auto|A plan changed)', html)
+    assert m is not None
+    return m.group(1)
+
+
 def test_report_says_when_losses_disagree(tmp_path) -> None:
     losses = np.linspace(5.5, 3.0, 6)
-    runs = {
-        "static": MeasuredRun.load(_fake_run(tmp_path, "static", losses, 0)),
-        "auto": MeasuredRun.load(_fake_run(tmp_path, "auto", losses + 10 * LOSS_AGREEMENT_TOL, 1)),
-    }
-    html = write_demo_report(DemoData(runs=runs), tmp_path / "r").read_text()
-    assert "agree to float summation order" not in html
-    assert "more than float summation order explains" in html
+    html = _agreement_page(tmp_path, losses, losses + 10 * LOSS_AGREEMENT_TOL, switches=(3,))
+    assert "agree to float rounding" not in html
+    assert "something other than a plan changed the training" in html
+    assert "over the 3 steps up to the first plan change (after step 3)" in html
+    assert _agreement_class(html) == "bad"
 
 
-def test_report_tells_amplified_rounding_from_a_real_difference(tmp_path) -> None:
-    """Equal to rounding over the first 30 steps, then drifting apart: the page says where the
-    difference first exceeds the tolerance and how large it becomes."""
+def test_report_judges_agreement_until_the_first_plan_change(tmp_path) -> None:
+    """The demo's case: exact until step 27, a router flip at 28 amplified by training, the first
+    switch after step 11. Judged on steps 1-11 (the same computation), described after."""
     losses = np.linspace(5.5, 2.0, 40)
-    drift = np.where(np.arange(40) < 33, 2e-7, 3e-3)
-    runs = {
-        "static": MeasuredRun.load(_fake_run(tmp_path, "static", losses, 0)),
-        "auto": MeasuredRun.load(_fake_run(tmp_path, "auto", losses + drift, 1)),
-    }
-    html = write_demo_report(DemoData(runs=runs), tmp_path / "r").read_text()
-    assert "agree to float summation order" in html
-    assert "first exceed 1e-05 at step 34" in html and "3.00e-03" in html
-    assert "Final validation loss: 3.5000 (static) and 3.5000 (auto)" in html
+    diff = np.zeros(40)
+    diff[[17, 19]] = 2.4e-7  # rounding after the switch
+    diff[27:] = 7.6e-6 * 3.0 ** np.arange(13)  # steps 28-40: 7.6e-6 growing
+    html = _agreement_page(tmp_path, losses, losses + diff, switches=(11, 21))
+    assert "agree to float rounding over the 11 steps up to the first plan change" in html
+    assert "largest difference is 0.00e+00" in html
+    assert "leave rounding at step 29, 18 steps later (2.28e-05)" in html
+    assert f"grows to {diff.max():.2e} (step 40; {diff[-1]:.2e} at the last step)" in html
+    assert _agreement_class(html) == "ok"
+
+
+@pytest.mark.parametrize("bad_step", [1, 5, 11])
+def test_a_difference_before_or_at_the_first_switch_is_flagged(tmp_path, bad_step) -> None:
+    """Steps up to and including the switch step are the same computation in both runs (the plan
+    changes after that step's loss): a difference there is a fault, however late the switch."""
+    losses = np.linspace(5.5, 2.0, 40)
+    diff = np.zeros(40)
+    diff[bad_step - 1] = 5 * LOSS_AGREEMENT_TOL
+    html = _agreement_page(tmp_path, losses, losses + diff, switches=(11,))
+    assert "something other than a plan changed the training" in html
+    assert _agreement_class(html) == "bad"
+
+
+def test_a_difference_right_after_the_switch_is_described_not_judged(tmp_path) -> None:
+    losses = np.linspace(5.5, 2.0, 40)
+    diff = np.where(np.arange(1, 41) >= 12, 1e-3, 0.0)
+    html = _agreement_page(tmp_path, losses, losses + diff, switches=(11,))
+    assert "leave rounding at step 12, 1 step later" in html
+    assert _agreement_class(html) == "ok"
+
+
+def test_runs_that_never_switch_are_judged_on_every_step(tmp_path) -> None:
+    """With no plan change the two runs are one computation throughout: a difference at step 35
+    (long after any fixed early window) is flagged."""
+    losses = np.linspace(5.5, 2.0, 40)
+    diff = np.where(np.arange(1, 41) == 35, 1e-4, 0.0)
+    html = _agreement_page(tmp_path, losses, losses + diff)
+    assert "over all 40 steps (neither run changed its plan)" in html
+    assert _agreement_class(html) == "bad"
+    html = _agreement_page(tmp_path / "same", losses, losses + 2e-7)
+    assert "agree to float rounding over all 40 steps" in html
+    assert _agreement_class(html) == "ok"
+
+
+def test_a_plan_change_before_any_common_step_cannot_be_judged(tmp_path) -> None:
+    losses = np.linspace(5.5, 2.0, 10)
+    static = MeasuredRun.load(_fake_run(tmp_path, "static", losses, 0))
+    auto = MeasuredRun.load(_fake_run(tmp_path, "auto", losses + 1e-3, 1, switches=(1, 4)))
+    assert auto.switches == [1, 4]
+    from dataclasses import replace
+
+    late_static = replace(static, steps=static.steps[2:], losses=static.losses[2:])
+    html_runs = {"static": late_static, "auto": auto}
+    html = write_demo_report(DemoData(runs=html_runs), tmp_path / "r").read_text()
+    assert "agreement cannot be judged from the curves" in html
+    assert _agreement_class(html) is None
+
+
+def test_measured_run_reads_switches_from_older_logs(tmp_path) -> None:
+    """Runs logged before `switched` existed mark plan changes with `plan_changed`."""
+    folder = _fake_run(tmp_path, "auto", np.linspace(5.5, 3.0, 6), 1)
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        del r["switched"]
+        r["plan_changed"] = r["step"] in (2, 5)
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    assert MeasuredRun.load(folder).switches == [2, 5]
 
 
 def test_measured_run_missing_folder_is_one_error(tmp_path) -> None:
@@ -233,7 +308,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys) -> None:
     doc = json.loads((out / "demo.json").read_text())
     assert {"static_tok_s", "auto_tok_s", "speedup", "ideal_speedup"} <= set(doc["measured"])
     assert all(s["experts"] >= s["devices"] for s in doc["simulated"])
-    assert "agree to float summation order" in html
+    assert "agree to float rounding" in html
     assert "Maximum loss difference" in html
     for policy in ("static", "shadow", "permute", "vexpert", "eplb", "prophet", "hybrid", "auto"):
         assert f"<td>{policy}</td>" in html

@@ -223,7 +223,8 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     page.figure(loss_png, "Training loss per step; below, the absolute difference between runs.")
     if len(names) >= 2:
         ag = loss_agreement(runs[names[0]], runs[names[1]])
-        page.paragraph(agreement_sentence(ag, names[0], names[1]), cls="ok" if ag.agrees else "bad")
+        verdict = "ok" if ag.agrees else "bad" if ag.judged else None
+        page.paragraph(agreement_sentence(ag, names[0], names[1]), cls=verdict)
         page.paragraph(f"Maximum loss difference: {ag.max_diff:.3e} over {ag.steps} steps.")
 
     # Speed.

@@ -18,12 +18,13 @@ import yaml
 
 from poise.core.errors import ConfigError
 
-# Two runs of the same seed that differ only in float summation order give the same loss to
-# rounding at first (the training tests hold static and auto to 1e-5 per step over 30 steps);
-# later, rounding differences grow through training (and can flip near-tied router choices), as
-# between any two runs that sum in a different order.
+# Two runs of the same seed are the same computation until one of them changes its plan: their
+# losses then agree to fp32 rounding (in practice exactly). After a plan change the runs sum
+# expert outputs and gradients in another order, and training amplifies those rounding
+# differences (a near-tied top-1 router choice can flip within a few steps), so two curves can
+# no longer tell a change of mathematics from a change of summation order: the equivalence
+# tests (`tests/test_balancer_equivalence.py` and the training tests) check that exactly.
 LOSS_AGREEMENT_TOL = 1e-5
-EARLY_STEPS = 30
 
 
 # ------------------------------------------------------------------------------ measured runs
@@ -52,6 +53,12 @@ def _decisions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _switch_steps(records: list[dict[str, Any]]) -> list[int]:
+    """The step boundaries at which the run put another plan in force (`switched` as logged;
+    `plan_changed` for runs written before it was), in order."""
+    return [int(r["step"]) for r in records if r.get("switched") or r.get("plan_changed")]
+
+
 @dataclass
 class MeasuredRun:
     """One `poise train` output folder. Arrays are per logged step `[S]` unless noted.
@@ -63,7 +70,8 @@ class MeasuredRun:
     `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary;
     `last_verdict`: the guard's last verdict with probe steps behind it (`verdict.Verdict.as_dict`:
     the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none; `decisions`:
-    the Balancer's decisions in order (`_decisions`), empty for static."""
+    the Balancer's decisions in order (`_decisions`), empty for static; `switches`: the steps
+    after whose loss another plan took effect (`_switch_steps`), empty for static."""
 
     policy: str
     path: Path
@@ -83,6 +91,7 @@ class MeasuredRun:
     trace_path: Path | None
     last_verdict: dict[str, Any] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    switches: list[int] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:
@@ -132,6 +141,7 @@ class MeasuredRun:
             trace_path=trace if trace.is_file() else None,
             last_verdict=_last_probed_verdict(records),
             decisions=_decisions(records),
+            switches=_switch_steps(records),
         )
 
     def warm(self) -> slice:
@@ -166,44 +176,86 @@ class MeasuredRun:
 
 @dataclass(frozen=True)
 class LossAgreement:
-    """How two loss curves of the same seed compare at the steps both logged: the largest
-    absolute difference over all of them (`max_diff`) and over the first `EARLY_STEPS`
-    (`early_max`), the first step whose difference exceeds `LOSS_AGREEMENT_TOL`
-    (`first_above`, None if none) and the last validation losses (NaN when not measured)."""
+    """How two loss curves of the same seed compare at the steps both logged.
+
+    `first_switch`: the first step after whose loss either run put another plan in force (None
+    if neither did). The steps up to it (`judged_steps`, largest difference `judged_max`) are the
+    same computation in both runs and must agree to `LOSS_AGREEMENT_TOL`; after it the curves
+    are described, not judged: `first_above` is the first step whose difference exceeds the
+    tolerance (None if none), `max_diff` the largest over all steps (at `max_step`), `last_diff`
+    the one at the last common step; `val` the last validation losses (NaN when not measured)."""
 
     steps: int
     max_diff: float
     max_step: int
-    early_steps: int
-    early_max: float
+    last_diff: float
+    first_switch: int | None
+    judged_steps: int
+    judged_max: float
     first_above: int | None
+    first_above_diff: float
     val: tuple[float, float]
 
     @property
+    def judged(self) -> bool:
+        """Whether any common step precedes every plan change, so agreement can be judged."""
+        return self.judged_steps > 0
+
+    @property
     def agrees(self) -> bool:
-        """Equal to rounding over the first steps (where summation order alone cannot have
-        grown yet)."""
-        return self.steps > 0 and self.early_max <= LOSS_AGREEMENT_TOL
+        """Equal to rounding over the steps that are the same computation in both runs."""
+        return self.judged and self.judged_max <= LOSS_AGREEMENT_TOL
+
+
+def _first_switch(a: MeasuredRun, b: MeasuredRun) -> int | None:
+    firsts = [r.switches[0] for r in (a, b) if r.switches]
+    return min(firsts) if firsts else None
 
 
 def loss_agreement(a: MeasuredRun, b: MeasuredRun) -> LossAgreement:
+    """Compare two runs' losses (`LossAgreement`); the steps up to the first plan change of
+    either run are judged, the rest described."""
     common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
     nan = float("nan")
     va = a.val[-1][1] if a.val else nan
     vb = b.val[-1][1] if b.val else nan
+    switch = _first_switch(a, b)
     if len(common) == 0:
-        return LossAgreement(0, nan, 0, 0, nan, None, (va, vb))
+        return LossAgreement(0, nan, 0, nan, switch, 0, nan, None, nan, (va, vb))
     diff = np.abs(a.losses[ia] - b.losses[ib])
-    early = int(np.sum(common <= common[0] + EARLY_STEPS - 1))
+    judged = int(np.sum(common <= switch)) if switch is not None else len(common)
     above = np.flatnonzero(diff > LOSS_AGREEMENT_TOL)
     return LossAgreement(
         steps=len(common),
         max_diff=float(diff.max()),
         max_step=int(common[int(diff.argmax())]),
-        early_steps=early,
-        early_max=float(diff[:early].max()),
+        last_diff=float(diff[-1]),
+        first_switch=switch,
+        judged_steps=judged,
+        judged_max=float(diff[:judged].max()) if judged else nan,
         first_above=int(common[above[0]]) if len(above) else None,
+        first_above_diff=float(diff[above[0]]) if len(above) else nan,
         val=(va, vb),
+    )
+
+
+def _departure(ag: LossAgreement) -> str:
+    """What the curves do after the first plan change, in words (no judgement)."""
+    where = "After that plan change, "
+    if ag.first_above is None:
+        return (
+            where + f"only the order in which expert outputs and gradients are summed differs; "
+            f"the curves stay within {LOSS_AGREEMENT_TOL:.0e} over all {ag.steps} steps "
+            f"(largest difference {ag.max_diff:.2e})."
+        )
+    after = ag.first_above - ag.first_switch if ag.first_switch is not None else 0
+    return (
+        where + f"expert outputs and gradients are summed in another order. The curves leave "
+        f"rounding at step {ag.first_above}, {after} step{'s' if after != 1 else ''} later "
+        f"({ag.first_above_diff:.2e}), and the difference grows to {ag.max_diff:.2e} (step "
+        f"{ag.max_step}; {ag.last_diff:.2e} at the last step): training amplifies rounding "
+        f"differences, and one flipped near-tied router choice is enough. Two curves cannot tell "
+        f"that from a change of mathematics; the equivalence tests check it exactly."
     )
 
 
@@ -211,39 +263,36 @@ def agreement_sentence(ag: LossAgreement, a: str, b: str) -> str:
     """The report's statement about two loss curves of the same seed."""
     if ag.steps == 0:
         return f"The {a} and {b} runs share no logged step, so their losses cannot be compared."
-    head = (
-        f"The {a} and {b} loss curves agree to float summation order: over the first "
-        f"{ag.early_steps} steps the largest difference is {ag.early_max:.2e} nats/byte "
-        f"(fp32 rounding of the loss)."
+    until = (
+        f"over the {ag.judged_steps} steps up to the first plan change (after step "
+        f"{ag.first_switch})"
+        if ag.first_switch is not None
+        else f"over all {ag.steps} steps (neither run changed its plan)"
     )
-    if not ag.agrees:
-        return (
-            f"The {a} and {b} loss curves differ by {ag.early_max:.2e} nats/byte within the first "
-            f"{ag.early_steps} steps, more than float summation order explains (tolerance "
-            f"{LOSS_AGREEMENT_TOL:.0e}): something changed the training. Largest difference "
-            f"{ag.max_diff:.2e} (step {ag.max_step})."
+    if not ag.judged:
+        head = (
+            f"A plan changed before the {a} and {b} runs' first common step, so no step is "
+            f"the same computation in both and agreement cannot be judged from the curves."
         )
-    if ag.first_above is None:
-        tail = (
-            f" The largest difference over all {ag.steps} steps is {ag.max_diff:.2e}. Balancing "
-            f"moves and replicates experts but never changes the mathematics of training; only "
-            f"the order in which expert outputs and gradients are summed differs."
+    elif not ag.agrees:
+        return (
+            f"The {a} and {b} loss curves differ by {ag.judged_max:.2e} nats/byte {until}, "
+            f"where both runs are the same computation and must agree to rounding (tolerance "
+            f"{LOSS_AGREEMENT_TOL:.0e}): something other than a plan changed the training. "
+            f"Largest difference {ag.max_diff:.2e} (step {ag.max_step})."
         )
     else:
-        tail = (
-            f" Only the order in which expert outputs and gradients are summed differs, and "
-            f"training amplifies such rounding differences (they can flip near-tied router "
-            f"choices): they first exceed {LOSS_AGREEMENT_TOL:.0e} at step {ag.first_above}, "
-            f"and the largest difference over all {ag.steps} steps is {ag.max_diff:.2e} "
-            f"(step {ag.max_step})."
+        head = (
+            f"The {a} and {b} loss curves agree to float rounding {until}, where both runs are "
+            f"the same computation: the largest difference is {ag.judged_max:.2e} nats/byte."
         )
+    tail = "" if ag.first_switch is None else " " + _departure(ag)
     if np.isfinite(ag.val[0]) and np.isfinite(ag.val[1]):
         tail += f" Final validation loss: {ag.val[0]:.4f} ({a}) and {ag.val[1]:.4f} ({b})."
     return head + tail
 
 
 __all__ = [
-    "EARLY_STEPS",
     "LOSS_AGREEMENT_TOL",
     "LossAgreement",
     "MeasuredRun",
