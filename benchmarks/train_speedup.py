@@ -34,12 +34,15 @@ medians over the rounds, and `speedup_of_medians` their ratio, for comparison.
 The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: each MoE layer
 costs its slowest rank's expert compute, perfectly balanced experts the mean rank's. With
 `n[s, l, r]` the token-expert pairs rank r computes in layer l at step s and `c` the seconds per
-routed token of one expert's forward and backward (`poise.calibrate.experts`: the setting's
-`poise.nn.Experts` at 1 thread, forward + backward over 1,024 to 4,096 rows in interleaved
-sweeps, the slope of a least-squares line; timed before the first round and after the last,
-the smaller kept, since the machine's other work only ever slows a timing: right after the
-runs, with their processes still exiting, it has read up to 1.5 times the figure of an idle
-machine; both are in the JSON line):
+routed token of one expert's forward and backward: the setting's `poise.nn.Experts` at 1
+thread, forward + backward at 1,024 and 4,096 rows, the slope of a least-squares line, timed
+*in the round's own turns* (`poise.commands.expert_clock`: a third or fourth participant of the
+counter file that times one sweep every 5th measured step while the runs wait, so its samples
+meet the machine the steps meet, within seconds of them; each round's ideal uses its own `c`).
+Timed alone before the first round and after the last instead, as before, `c` read 15-32 us
+within one day for the same experts and moved the ideal by about 30%; both of those timings are
+still in the JSON line (`expert_us_per_token_before_after`), and with `--sequential` (no turns)
+the smaller of them is used:
 
     excess[s]   = c * sum_l (max_r n[s, l, r] - mean_r n[s, l, r])
     ideal[s]    = step_static[s] - excess[s]          (the non-expert part as measured)
@@ -87,6 +90,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -190,13 +194,34 @@ def train(cfg, world: int) -> Any:
     return MeasuredRun.load(out)
 
 
-def train_in_turns(cfgs: list[Any], world: int, turns: Path) -> list[Any]:
+def train_in_turns(
+    cfgs: list[Any], world: int, turns: Path, clock: Any = None
+) -> tuple[list[Any], dict[str, Any] | None]:
     """Run `cfgs` at once, each on `world` local ranks, taking their steps in turns
-    (`poise.commands.train.in_turns`, the counter in the fresh file `turns`); their
-    `MeasuredRun`s."""
+    (`poise.commands.train.in_turns`, the counter in the fresh file `turns`), with `clock`
+    (`clock(turns, slot, slots)`, `expert_clock`) timing `c` in a turn of its own; their
+    `MeasuredRun`s and the clock's result (None without one)."""
     from poise.commands.train import in_turns
 
-    return in_turns(cfgs, turns, lambda cfg: train(cfg, world))
+    companions = [partial(clock, turns)] if clock is not None else []
+    done = in_turns(cfgs, turns, lambda cfg: train(cfg, world), companions)
+    return done[: len(cfgs)], (done[-1] if clock is not None else None)
+
+
+def expert_clock(model: Any, world: int, steps: int, skip: int) -> Any:
+    """`clock(turns, slot, slots)`: `model`'s experts (`experts // world` per rank) timed in
+    turns beside the runs (`poise.commands.expert_clock`) over their measured steps."""
+    from poise.commands.expert_clock import expert_seconds_in_turns
+
+    return partial(
+        expert_seconds_in_turns,
+        steps=steps,
+        d_model=model.d_model,
+        d_expert=model.d_expert,
+        experts_per_rank=model.num_experts // world,
+        activation=model.activation,
+        skip=min(skip, steps - 1),
+    )
 
 
 # ----------------------------------------------------------------------------------- figures
@@ -231,6 +256,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     c_before = expert_seconds_per_token(*shape)["c_s"]
     sides = ["static", "auto", *args.peers]
     runs: dict[str, list[Any]] = {side: [] for side in sides}
+    clocked: list[dict[str, Any]] = []  # the expert clock's result per round (in turns)
     # the side called "auto" runs `static` too with --identical: the instrument's own spread
     policy_of = {side: side for side in sides}
     policy_of["auto"] = "static" if args.identical else "auto"
@@ -247,22 +273,33 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         if args.sequential:
             done = {policy: train(cfgs[policy], world) for policy in order}
         else:
-            done = train_in_turns([cfgs[p] for p in order], world, root / f"{name}-{r}.turns")
-            done = dict(zip(order, done, strict=True))
+            clock = expert_clock(mcfg, world, args.steps, skip)
+            trained, timed = train_in_turns(
+                [cfgs[p] for p in order], world, root / f"{name}-{r}.turns", clock
+            )
+            done = dict(zip(order, trained, strict=True))
+            clocked.append(timed)
         for policy in order:
             runs[policy].append(done[policy])
         print(
             f"{name} round {r}: "
             + ", ".join(f"{p} {tok_s(done[p], skip):,.0f} tok/s" for p in order)
+            + (f", c {clocked[-1]['c_s'] * 1e6:.1f} us" if clocked else "")
             + f" ({time.perf_counter() - t0:.0f} s)",
             file=sys.stderr,
         )
     c_after = expert_seconds_per_token(*shape)["c_s"]
-    c = min(c_before, c_after)  # a timing is only ever slowed by the machine's other work
+    c_alone = min(c_before, c_after)  # a timing is only ever slowed by the machine's other work
+    # each round's ideal prices its static run at the c timed in its own turns (in turns), or
+    # at the smaller of the timings alone before and after (--sequential)
+    c_rounds = [t["c_s"] for t in clocked] if clocked else [c_alone] * args.repeats
+    c = statistics.median(c_rounds)
     cores = shared_cores(world, world, threads=1)  # each rank runs 1 thread
     static_tok = [tok_s(x, skip) for x in runs["static"]]
     auto_tok = [tok_s(x, skip) for x in runs["auto"]]
-    ideals = [ideal_of(x, c, skip, cores=cores) for x in runs["static"]]
+    ideals = [
+        ideal_of(x, c_r, skip, cores=cores) for x, c_r in zip(runs["static"], c_rounds, strict=True)
+    ]
     static_tok_s = statistics.median(static_tok)
     auto_tok_s = statistics.median(auto_tok)
     paired = [a / b for a, b in zip(auto_tok, static_tok, strict=True)]  # per round
@@ -321,6 +358,13 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "static_max_over_mean": round(statistics.median(i["max_over_mean"] for i in ideals), 3),
         "auto_max_over_mean": round(statistics.median(x.max_over_mean for x in runs["auto"]), 3),
         "expert_us_per_token": round(c * 1e6, 3),
+        "expert_us_per_token_rounds": [round(x * 1e6, 3) for x in c_rounds],
+        "expert_us_per_token_timed": "in turns" if clocked else "alone, before and after",
+        # per round, the quartiles of the clock's per-sweep slopes (the spread within a run)
+        "expert_us_per_token_quartiles": [
+            [round(float(q) * 1e6, 2) for q in np.percentile(t["c_sweeps_s"], [25, 50, 75])]
+            for t in clocked
+        ],
         "expert_us_per_token_before_after": [round(c_before * 1e6, 3), round(c_after * 1e6, 3)],
         "expert_us_per_token_from_run": round(c_run * 1e6, 3),
         "non_expert_ms": round(statistics.median(i["non_expert_ms"] for i in ideals), 1),

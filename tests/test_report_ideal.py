@@ -96,6 +96,25 @@ def _bench():
     return mod
 
 
+def _fake_clock(monkeypatch, bench, c_rounds: list[float]) -> list[tuple[str, int, int]]:
+    """Replace the expert clock in turns: round r's clock reads `c_rounds[r]`; returns the
+    (turn file, slot, slots) each clock was given."""
+    given: list[tuple[str, int, int]] = []
+    values = iter(c_rounds)
+
+    def expert_clock(model, world, steps, skip):
+        c = next(values)
+
+        def clock(turns, slot, slots):
+            given.append((str(turns), slot, slots))
+            return {"c_s": c, "c_sweeps_s": [c, c, c]}
+
+        return clock
+
+    monkeypatch.setattr(bench, "expert_clock", expert_clock)
+    return given
+
+
 def test_train_speedup_settings_all() -> None:
     bench = _bench()
     args = bench.parse_args(["--settings", "all"])
@@ -141,6 +160,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     )
     # c = 25 us: 4 layers x 1000 excess pairs x 25 us = 0.1 s of a 1.0 s step -> ideal 1/0.9.
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    _fake_clock(monkeypatch, bench, [25e-6])
     args = bench.parse_args(["--settings", "skewed", "--steps", str(steps), "--repeats", "1"])
     line = bench.bench_setting("skewed", args, tmp_path)
     assert line["ideal_speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
@@ -189,7 +209,9 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": next(timed)})
     monkeypatch.setattr(plan_inputs, "shared_cores", lambda world, on_host, threads=None: 2.0)
-    args = bench.parse_args(["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3"])
+    args = bench.parse_args(
+        ["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3", "--sequential"]
+    )
     line = bench.bench_setting("skewed-4", args, tmp_path)
     assert seen == {"static": 3, "auto": 3}
     assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
@@ -229,6 +251,7 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
 
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    clocks = _fake_clock(monkeypatch, bench, [25e-6] * 4)
     common = ["--settings", "skewed", "--steps", "16", "--repeats", "2"]
     line = bench.bench_setting("skewed", bench.parse_args(common), tmp_path)
     assert line["in_turns"] is True and line["compared"] == "auto/static"
@@ -238,8 +261,10 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
     for pair in by_round:
         assert [slot for _, _, slot, _ in pair] == [0, 1]
         files = {f for _, f, _, _ in pair}
-        assert len(files) == 1 and None not in files and {of for *_, of in pair} == {2}
+        assert len(files) == 1 and None not in files and {of for *_, of in pair} == {3}
     assert by_round[0][0][1] != by_round[1][0][1]  # a fresh file per round
+    # the expert clock takes the third slot of each round's file
+    assert clocks == [(pair[0][1], 2, 3) for pair in by_round]
     seen.clear()
     line = bench.bench_setting("skewed", bench.parse_args([*common, "--identical"]), tmp_path)
     assert {p for p, *_ in seen} == {"static"} and "identical" in line["compared"]
@@ -281,6 +306,7 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
         "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
     )
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    _fake_clock(monkeypatch, bench, [25e-6] * 3)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3", "--peers", "eplb"]
     line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
     rounds = [sorted(seen[i : i + 3], key=lambda x: x[2]) for i in (0, 3, 6)]
@@ -298,3 +324,42 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     assert peer["plan_changes"] == [3, 3, 3] and peer["max_over_mean"] == 1.0
     assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)  # auto's own figures unchanged
     assert bench.parse_args(["--settings", "tiny"]).peers == []
+
+
+def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path) -> None:
+    """In turns, round r's ideal uses the c its own clock timed: static 1.0 s a step with loads
+    3:1 (4 layers x 1000 excess pairs) at c = 20, 30, 40 us gives ideals 1/0.92, 1/0.88,
+    1/0.84; the timings alone before and after (99 us) are reported, not used."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    steps = 20
+
+    def fake_train(cfg, world: int):
+        static = cfg.policy == "static"
+        return SimpleNamespace(
+            step_s=np.full(steps, 1.0 if static else 0.95),
+            device_tokens=np.tile(
+                np.array([[[3000.0, 1000.0] if static else [2000.0, 2000.0]]]), (steps, 4, 1)
+            ),
+            tokens_per_step=2048,
+            phases={"forward": np.full(steps, 0.3)},
+            moe_phases={"experts": np.full(steps, 0.1)},
+            max_over_mean=1.5 if static else 1.0,
+            moe_phase_mean=lambda k: 0.0,
+            last_verdict={},
+        )
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 99e-6})
+    _fake_clock(monkeypatch, bench, [20e-6, 30e-6, 40e-6])
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3"]
+    line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
+    assert line["ideal_speedup_runs"] == pytest.approx([1 / 0.92, 1 / 0.88, 1 / 0.84], abs=1e-4)
+    assert line["ideal_speedup"] == pytest.approx(1 / 0.88, abs=1e-4)
+    assert line["expert_us_per_token_rounds"] == [20.0, 30.0, 40.0]
+    assert line["expert_us_per_token"] == 30.0 and line["expert_us_per_token_timed"] == "in turns"
+    assert line["expert_us_per_token_before_after"] == [99.0, 99.0]

@@ -38,8 +38,6 @@ def expert_seconds_per_token(
     timings per row count, `interleaved_medians`). Restores the caller's thread count."""
     import torch
 
-    from poise.nn.experts import Experts
-
     if slots < 1 or repeats < 1 or len(rows) < 2:
         raise ConfigError(
             f"need slots >= 1, repeats >= 1 and 2 or more row counts, got {slots}, {repeats}, "
@@ -49,21 +47,7 @@ def expert_seconds_per_token(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        gen = torch.Generator().manual_seed(0)
-        experts = Experts(slots, d_model, d_expert, activation)
-        inputs = {}
-        for n in rows:
-            counts = [n // slots] * slots
-            counts[0] += n - sum(counts)
-            x = torch.randn(n, d_model, generator=gen, requires_grad=True)
-            inputs[n] = (x, torch.randn(n, d_model, generator=gen), counts)
-
-        def run(n: int) -> None:
-            x, gy, counts = inputs[n]
-            experts(x, counts).backward(gy)
-            experts.zero_grad(set_to_none=True)
-            x.grad = None
-
+        run = expert_workload(d_model, d_expert, slots, activation=activation, rows=rows)
         times = interleaved_medians(run, rows, repeats)
     finally:
         torch.set_num_threads(threads)
@@ -74,6 +58,39 @@ def expert_seconds_per_token(
         "rows": list(rows),
         "times_s": times,
     }
+
+
+def expert_workload(
+    d_model: int,
+    d_expert: int,
+    slots: int,
+    *,
+    activation: str = "swiglu",
+    rows: Sequence[int] = ROWS,
+) -> Callable[[int], None]:
+    """`run(n)`: one forward + backward of `slots` `poise.nn.Experts` over `n` rows (`n` one of
+    `rows`) spread evenly over the slots, inputs `[n, d_model]` made once here (seed 0). The
+    caller sets the thread count it times at."""
+    import torch
+
+    from poise.nn.experts import Experts
+
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(slots, d_model, d_expert, activation)
+    inputs = {}
+    for n in rows:
+        counts = [n // slots] * slots
+        counts[0] += n - sum(counts)
+        x = torch.randn(n, d_model, generator=gen, requires_grad=True)
+        inputs[n] = (x, torch.randn(n, d_model, generator=gen), counts)
+
+    def run(n: int) -> None:
+        x, gy, counts = inputs[n]
+        experts(x, counts).backward(gy)
+        experts.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return run
 
 
 def interleaved_medians(
@@ -101,4 +118,4 @@ def interleaved_medians(
     return [statistics.median(samples[n]) for n in rows]
 
 
-__all__ = ["ROWS", "expert_seconds_per_token", "interleaved_medians"]
+__all__ = ["ROWS", "expert_seconds_per_token", "expert_workload", "interleaved_medians"]

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -162,29 +163,41 @@ def launch(
         )
 
 
-def in_turns(cfgs: Sequence[TrainConfig], turns: Path, run: Callable[[TrainConfig], T]) -> list[T]:
+def in_turns(
+    cfgs: Sequence[TrainConfig],
+    turns: Path,
+    run: Callable[[TrainConfig], T],
+    companions: Sequence[Callable[[int, int], T]] = (),
+) -> list[T]:
     """`run(cfg)` for every one of `cfgs` at once, each in its own thread, with `cfg` given
     its slot in the counter file `turns` (`TrainConfig.turns`, `turns_slot`, `turns_of`), so
     that the runs `run` starts (`launch`, typically) take their steps in turns
-    (`poise.train.turns`). The file is made fresh before and removed after. Returns the
-    results in the order of `cfgs`; where a run raised (a failed launch's `SystemExit`
-    included), the first exception is raised again once every run has ended."""
+    (`poise.train.turns`). Each of `companions` is called as `companion(slot, slots)` in a
+    thread of its own with the slots after the runs' (it takes its turns in the same file:
+    `expert_clock.expert_seconds_in_turns`). The file is made fresh before and removed after.
+    Returns the results in the order of `cfgs`, then the companions'; where one raised (a failed
+    launch's `SystemExit` included), the file is marked abandoned so that the others stop
+    waiting for it (even one that failed before it opened the file), and the first exception is
+    raised again once all have ended."""
     turns.parent.mkdir(parents=True, exist_ok=True)
     turns.unlink(missing_ok=True)
+    slots = len(cfgs) + len(companions)
     slotted = [
-        cfg.replace(turns=str(turns), turns_slot=i, turns_of=len(cfgs))
-        for i, cfg in enumerate(cfgs)
+        cfg.replace(turns=str(turns), turns_slot=i, turns_of=slots) for i, cfg in enumerate(cfgs)
     ]
-    results: list[T | None] = [None] * len(cfgs)
+    jobs: list[Callable[[], T]] = [partial(run, cfg) for cfg in slotted]
+    jobs += [partial(c, len(cfgs) + j, slots) for j, c in enumerate(companions)]
+    results: list[T | None] = [None] * len(jobs)
     failures: list[BaseException] = []
 
     def one(i: int) -> None:
         try:
-            results[i] = run(slotted[i])
+            results[i] = jobs[i]()
         except BaseException as exc:  # raised again once every run has ended
             failures.append(exc)
+            _abandon_turns(turns, i, slots)  # the others stop waiting for this one
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cfgs))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
@@ -264,6 +277,20 @@ def _first_failure(codes: list[int]) -> int:
         return _exit_status(killed[0])
     other = [c for c in codes if c != 2]
     return other[0] if other else 2
+
+
+def _abandon_turns(turns: Path, slot: int, slots: int) -> None:
+    """Mark the counter file `turns` abandoned by `slot` (`StepTurns.abandon`)."""
+    from poise.train.turns import StepTurns, TurnsError
+
+    try:
+        turn = StepTurns.open(turns, slot, slots, rank=0)
+    except TurnsError:  # the file cannot be opened: nobody can be waiting on it
+        return
+    try:
+        turn.abandon()
+    finally:
+        turn.close()
 
 
 def _exit_status(code: int) -> int:
