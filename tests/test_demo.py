@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -369,21 +370,26 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     _no_shared_data(monkeypatch)
     seeds = {"static": 0, "auto": 1}
 
-    def fake_train(cfgs, console, turns) -> float:
+    clocks = []
+
+    def fake_train(cfgs, console, turns, clock):
+        clocks.append(clock)
         for cfg in cfgs:
             out = Path(cfg.out)
             losses = np.linspace(5.5, 3.0, cfg.steps)
             _fake_run(out.parent, cfg.policy, losses, seeds[cfg.policy])
-        return 0.1
+        return 0.1, {"c_s": 2e-5}  # the expert clock's reading in the runs' turns
 
-    timed = iter([2e-5, 3e-5])  # before the training, after it (slowed): the smaller counts
     monkeypatch.setattr(demo, "train_in_turns", fake_train)
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": next(timed)})
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 99.0})
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     doc = json.loads((out / "demo.json").read_text())
     m = doc["measured"]
-    assert m["expert_us_per_token"] == pytest.approx(20.0)
+    assert m["expert_us_per_token"] == pytest.approx(20.0)  # the clock's, nothing timed alone
+    (clock,) = clocks  # the clock runs over the training's steps, at its ranks' threads
+    assert clock.keywords["steps"] == 12 and clock.keywords["d_expert"] == 1024
+    assert clock.keywords["threads"] == max(1, (os.cpu_count() or 1) // 2)
     for key in ("static_tok_s", "auto_tok_s", "speedup", "ideal_speedup", "gain_fraction"):
         assert key in m
     assert m["speedup"] == pytest.approx(m["auto_tok_s"] / m["static_tok_s"], rel=1e-3)

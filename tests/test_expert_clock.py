@@ -20,11 +20,14 @@ from poise.train.turns import StepTurns, TurnsError
 ROW_S = 20e-6  # the fake workload's seconds per row
 
 
-def _sleeping_workload(spans: list[tuple[float, float]]):
-    """A workload of known cost: run(n) sleeps 0.5 ms + n x ROW_S and records its span."""
+def _sleeping_workload(spans: list[tuple[float, float]], threads: list[int] | None = None):
+    """A workload of known cost: run(n) sleeps 0.5 ms + n x ROW_S and records its span (and the
+    thread count it ran at in `threads`)."""
 
     def workload(d_model, d_expert, slots, *, activation="swiglu", rows=()):
         def run(n: int) -> None:
+            if threads is not None:
+                threads.append(torch.get_num_threads())
             t0 = time.perf_counter()
             time.sleep(5e-4 + n * ROW_S)
             spans.append((t0, time.perf_counter()))
@@ -60,7 +63,8 @@ def test_the_clock_times_only_in_its_own_turns(monkeypatch, tmp_path) -> None:
 
     timed: list[tuple[float, float]] = []
     stepped: list[tuple[float, float]] = []
-    monkeypatch.setattr(clock_mod, "expert_workload", _sleeping_workload(timed))
+    ran_at: list[int] = []
+    monkeypatch.setattr(clock_mod, "expert_workload", _sleeping_workload(timed, ran_at))
     steps, skip, every = 23, 3, 4
     turns = tmp_path / "runs.turns"
     cfgs = [TrainConfig(policy=p, steps=steps, out=str(tmp_path / p)) for p in ("static", "auto")]
@@ -68,7 +72,7 @@ def test_the_clock_times_only_in_its_own_turns(monkeypatch, tmp_path) -> None:
     def clock(turn_file, slot, slots):
         return expert_seconds_in_turns(
             turn_file, slot, slots, steps=steps, d_model=8, d_expert=8, experts_per_rank=2,
-            skip=skip, every=every, rows=(200, 800),
+            skip=skip, every=every, rows=(200, 800), threads=3,
         )  # fmt: skip
 
     threads = torch.get_num_threads()
@@ -86,7 +90,7 @@ def test_the_clock_times_only_in_its_own_turns(monkeypatch, tmp_path) -> None:
     # the slope recovers the per-row cost; the fixed 0.5 ms goes to the intercept
     assert result["c_s"] == pytest.approx(ROW_S, rel=0.15)
     assert result["intercept_s"] == pytest.approx(5e-4, abs=4e-4)
-    assert torch.get_num_threads() == threads  # restored
+    assert set(ran_at) == {3} and torch.get_num_threads() == threads  # the rank's, restored
 
 
 def test_a_failing_clock_stops_the_runs(monkeypatch, tmp_path) -> None:

@@ -9,9 +9,9 @@
    ranks, started the way `poise train CONFIG --nproc 2` starts them, into `OUT/train-static`
    and `OUT/train-auto`.
    Beside them, the ideal: the static run's steps with its experts perfectly balanced for free
-   (`poise.report.ideal`, the expert cost measured here by `poise.calibrate.experts`, before
-   the training and after it, the smaller kept), and the verdict of
-   `poise.report.ideal.judge`.
+   (`poise.report.ideal`, the expert cost timed in the runs' own turns by
+   `poise.commands.expert_clock`, so that it meets the machine the steps meet), and the
+   verdict of `poise.report.ideal.judge`.
 2. Simulated: real routing on clusters with at least as many experts as devices
    (`poise.commands.demo_sims`): the run's own trace, the SmartMoE-AE sample, OLMoE's routing
    (64 experts top-8 on 64 H100) and the same split to 256 experts top-8 at DeepSeek-V3's widths
@@ -35,9 +35,11 @@ import argparse
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -57,7 +59,7 @@ class DemoError(PoiseError):
 @dataclass(frozen=True)
 class DemoSize:
     """How much the demo does. `steps`: training steps per run; `sim_steps`: the most steps a
-    simulated replay runs; `expert_repeats`: timings per point of the expert cost."""
+    simulated replay runs."""
 
     steps: int
     warmup: int
@@ -65,7 +67,6 @@ class DemoSize:
     eval_batches: int
     sim_steps: int
     drift_steps: int
-    expert_repeats: int
 
 
 FULL = DemoSize(
@@ -75,7 +76,6 @@ FULL = DemoSize(
     eval_batches=2,
     sim_steps=30,
     drift_steps=60,
-    expert_repeats=9,
 )
 QUICK = DemoSize(
     steps=12,
@@ -84,7 +84,6 @@ QUICK = DemoSize(
     eval_batches=1,
     sim_steps=12,
     drift_steps=20,
-    expert_repeats=2,
 )
 POLICIES = ("static", "auto")
 WORLD = 2
@@ -189,11 +188,14 @@ def demo_config(policy: str, out: Path, size: DemoSize, *, steps: int, corpus: s
     )
 
 
-def train_in_turns(cfgs: list[TrainConfig], console: Console, turns: Path) -> float:
+def train_in_turns(
+    cfgs: list[TrainConfig], console: Console, turns: Path, clock: Callable[..., Any]
+) -> tuple[float, dict[str, Any]]:
     """Run `cfgs` at once, each on `WORLD` local ranks (`poise train --nproc` 's launcher),
-    taking their steps in turns through the counter file `turns` (made fresh here), with one
-    progress bar read from their `metrics.jsonl`; returns the wall seconds. Raises `DemoError`
-    naming the first run that failed."""
+    taking their steps in turns through the counter file `turns` (made fresh here), with
+    `clock(turns, slot, slots)` (`expert_clock.expert_seconds_in_turns`) timing the experts in a
+    turn of its own and one progress bar read from their `metrics.jsonl`; returns the wall
+    seconds and the clock's result. Raises `DemoError` naming the first run that failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from poise.commands.train import in_turns, launch
@@ -235,7 +237,7 @@ def train_in_turns(cfgs: list[TrainConfig], console: Console, turns: Path) -> fl
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            codes = in_turns(cfgs, turns, train_one)
+            *codes, timed = in_turns(cfgs, turns, train_one, [partial(clock, turns)])
         finally:
             done.set()
             watcher.join()
@@ -246,7 +248,7 @@ def train_in_turns(cfgs: list[TrainConfig], console: Console, turns: Path) -> fl
                 "its message is above)",
                 source=str(out),
             )
-    return time.perf_counter() - started
+    return time.perf_counter() - started, timed
 
 
 def simulate_clusters(
@@ -371,7 +373,7 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from poise.calibrate.experts import expert_seconds_per_token
+    from poise.commands.expert_clock import expert_seconds_in_turns
     from poise.report.html import DemoData, write_demo_report
     from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
     from poise.report.tables import (
@@ -416,22 +418,22 @@ def run(args: argparse.Namespace) -> int:
         f"on {WORLD} ranks, {steps} steps per run, seed {first.seed}; corpus {corpus.source} "
         f"({len(corpus.tokens):,} bytes)"
     )
-    t0 = time.perf_counter()
-
-    def expert_cost() -> float:
-        with console.status("timing the experts on this machine (for the ideal)"):
-            return expert_seconds_per_token(
-                mcfg.d_model,
-                mcfg.d_expert,
-                max(1, mcfg.num_experts // WORLD),
-                activation=mcfg.activation,
-                repeats=size.expert_repeats,
-            )["c_s"]
-
-    c_before = expert_cost()
-    wall["expert cost for the ideal"] = time.perf_counter() - t0
-    wall[f"train {' and '.join(POLICIES)} in turns ({steps} steps, {WORLD} ranks each)"] = (
-        train_in_turns([cfgs[p] for p in POLICIES], console, out / "train.turns")
+    # the ranks' threads as the launcher sets them (`commands.train`: cores // ranks by default)
+    threads = first.threads or max(1, (os.cpu_count() or 1) // WORLD)
+    skip = first.replan_every + 2
+    clock = partial(
+        expert_seconds_in_turns,
+        steps=steps,
+        d_model=mcfg.d_model,
+        d_expert=mcfg.d_expert,
+        experts_per_rank=max(1, mcfg.num_experts // WORLD),
+        activation=mcfg.activation,
+        skip=min(skip, steps - 1),
+        every=max(1, min(5, (steps - skip) // 8)),  # 7 sweeps (--quick) to 22
+        threads=threads,
+    )
+    wall[f"train {' and '.join(POLICIES)} in turns ({steps} steps, {WORLD} ranks each)"], timed = (
+        train_in_turns([cfgs[p] for p in POLICIES], console, out / "train.turns", clock)
     )
     runs = {p: MeasuredRun.load(cfgs[p].out) for p in POLICIES}
     traces = {}
@@ -440,15 +442,9 @@ def run(args: argparse.Namespace) -> int:
             raise DemoError("the run recorded no routing trace", source=str(r.path))
         traces[p] = Trace.load(r.trace_path)
     trace_note = compare_traces(traces["static"], traces["auto"])
-    t0 = time.perf_counter()
-    # before the training and after it, the smaller kept: the machine's other work (right
-    # after training, the ranks still exiting) only ever slows a timing
-    c_s = min(c_before, expert_cost())
-    wall["expert cost for the ideal"] += time.perf_counter() - t0
-    # the ranks' threads as the launcher sets them (`commands.train`: cores // ranks by default)
-    threads = first.threads or max(1, (os.cpu_count() or 1) // WORLD)
+    c_s = timed["c_s"]  # timed in the runs' own turns (`poise.commands.expert_clock`)
     cores = shared_cores(WORLD, WORLD, threads=threads)
-    summary = measured_summary(runs, first.replan_every + 2, c_s, cores)
+    summary = measured_summary(runs, skip, c_s, cores)
 
     sims, missing = simulate_clusters(
         traces["static"], size, args.data, console, quick=bool(args.quick)

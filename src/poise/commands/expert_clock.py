@@ -9,7 +9,7 @@ the runs, but not at the same moments, and the ideal moved by about 30% with it.
 Timed in turns, the clock is one more participant in the runs' counter file
 (`poise.train.turns`; `in_turns(..., companions=[...])`): at every `every`-th step from `skip`
 on, while the runs wait, it times one sweep (forward + backward at each row count, the order
-reversed every other sweep, at one intra-op thread as the runs' ranks have); at the other
+reversed every other sweep, at the intra-op threads of one of the runs' ranks); at the other
 steps it hands the turn on at once. Its samples thus meet the machine the runs' steps meet,
 within seconds of them.
 
@@ -53,21 +53,23 @@ def expert_seconds_in_turns(
     skip: int = 0,
     every: int = 5,
     rows: tuple[int, ...] = CLOCK_ROWS,
+    threads: int = 1,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Time `c` in slot `slot` of `slots` of the counter file `turns` over the runs' `steps`
-    steps (module docstring). Returns `{"c_s", "intercept_s", "rows", "times_s", "sweeps",
-    "c_sweeps_s"}`. Restores the caller's thread count."""
+    steps (module docstring), at `threads` intra-op threads (those of one of the runs' ranks).
+    Returns `{"c_s", "intercept_s", "rows", "times_s", "sweeps", "c_sweeps_s"}`. Restores the
+    caller's thread count."""
     import torch
 
-    if len(rows) < 2 or every < 1 or not 0 <= skip < steps:
+    if len(rows) < 2 or every < 1 or threads < 1 or not 0 <= skip < steps:
         raise ConfigError(
-            f"need 2 or more row counts, every >= 1 and 0 <= skip < steps, got {list(rows)}, "
-            f"{every}, {skip} and {steps}",
+            f"need 2 or more row counts, every >= 1, threads >= 1 and 0 <= skip < steps, got "
+            f"{list(rows)}, {every}, {threads}, {skip} and {steps}",
             field="expert_seconds_in_turns",
         )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    callers_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     samples: dict[int, list[float]] = {n: [] for n in rows}
     turn = StepTurns.open(turns, slot, slots, rank=0, group=None, timeout_s=timeout_s)
     try:
@@ -91,7 +93,7 @@ def expert_seconds_in_turns(
         raise
     finally:
         turn.close()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(callers_threads)
     times = [statistics.median(samples[n]) for n in rows]
     slope, intercept = np.polyfit(list(rows), times, 1)
     per_sweep = np.array([samples[n] for n in rows])  # [rows, sweeps]
