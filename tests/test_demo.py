@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
 
@@ -382,6 +381,7 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(demo, "train_in_turns", fake_train)
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 99.0})
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 8)  # ranks of 4 threads each
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     doc = json.loads((out / "demo.json").read_text())
@@ -389,7 +389,7 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     assert m["expert_us_per_token"] == pytest.approx(20.0)  # the clock's, nothing timed alone
     (clock,) = clocks  # the clock runs over the training's steps, at its ranks' threads
     assert clock.keywords["steps"] == 12 and clock.keywords["d_expert"] == 1024
-    assert clock.keywords["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert clock.keywords["threads"] == 4
     for key in ("static_tok_s", "auto_tok_s", "speedup", "ideal_speedup", "gain_fraction"):
         assert key in m
     assert m["speedup"] == pytest.approx(m["auto_tok_s"] / m["static_tok_s"], rel=1e-3)

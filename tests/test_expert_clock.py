@@ -41,7 +41,7 @@ def _stepping_run(turns: Path, steps: int, spans: list[tuple[float, float]], ste
     """A run of one rank that takes `steps` steps of `step_s` in its turns (no process group)."""
 
     def run(cfg) -> str:
-        turn = StepTurns.open(turns, cfg.turns_slot, cfg.turns_of, rank=0, group=None)
+        turn = StepTurns.open(turns, cfg.turns_slot, cfg.turns_of, 0, None, timeout_s=60)
         try:
             turn.arrive()
             for step in range(steps):
