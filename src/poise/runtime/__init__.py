@@ -32,7 +32,7 @@ from poise.util.lazy import lazy_getattr
 
 _EXPORTS = {
     "Balancer": "balancer",
-    "PlanMismatchError": "balancer",
+    "PlanMismatchError": "plan_cycle",
     "default_cluster": "balancer",
     "spec_from_layers": "balancer",
     "HomeRowsAdamW": "home_optimizer",

@@ -52,6 +52,10 @@ Each step:
   take the plan's homes-only routing for one step instead, and the next boundary restores the
   plan's and launches its Trans.
 
+The planning half (`_request`, `_decide` with the leader's outcome, `_switch`, `verify_plan`)
+is `poise.runtime.plan_cycle.PlanCycle`, which the Balancer mixes in; this module keeps the
+layers' hooks, the step boundary, the gathered loads and `apply`.
+
 Replica rows are never the master copy: homes carry weights and optimizer state, and the
 optimizer's mathematics on them is static EP's, so balanced and static runs give the same losses
 and parameters up to float summation order.
@@ -68,7 +72,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,32 +80,28 @@ import torch.distributed as dist
 from torch import nn
 
 from poise.core.cluster import Cluster
-from poise.core.errors import ConfigError, PoiseError
+from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
-from poise.nn.comm import comm_device
 from poise.nn.moe import find_moe_layers
 from poise.nn.slots import slot_maps
 from poise.plan.policies.registry import get_policy
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
 from poise.runtime.compress import Compression
-from poise.runtime.decision import Outcome, is_leader, plans_agree, share_outcome
-from poise.runtime.guard import SwitchGuard, switch_seconds
+from poise.runtime.decision import is_leader
+from poise.runtime.guard import SwitchGuard
 from poise.runtime.host_link import HostLink
 from poise.runtime.layer_moves import LayerMoves
 from poise.runtime.layer_state import LayerState, expert_params
-from poise.runtime.leader import leader_outcome, median_period_s
-from poise.runtime.paired_clock import Probes
+from poise.runtime.plan_cycle import PlanCycle, PlanMismatchError
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
-from poise.runtime.planning_job import PlanningJob, live_plan, run_job
+from poise.runtime.planning_job import run_job
 from poise.runtime.probe import probe_transfer_scale
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
-    FIT_WINDOW,
-    N_MEASURED,
     OTHER,
     PROBE,
     REPLICAS,
@@ -117,11 +116,7 @@ from poise.runtime.verdict import Verdict
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 
 
-class PlanMismatchError(PoiseError):
-    """Ranks computed different plans from the same gathered loads."""
-
-
-class Balancer:
+class Balancer(PlanCycle):
     """Records loads, plans and applies plans for every `poise.nn.MoE` layer of `model`.
 
     - `policy`: a registered policy name (`auto`, `static`, `shadow`, `prophet`, `vexpert`,
@@ -518,14 +513,6 @@ class Balancer:
         self._prepared = False
         return stats
 
-    def steps_left(self, step: int) -> int | None:
-        """The steps a plan requested at boundary `step` would serve: those after its decision
-        at `step + lag`, up to `total_steps` (0 when none; None where the run's length is not
-        known)."""
-        if self.total_steps is None:
-            return None
-        return max(0, self.total_steps - (step + self.lag))
-
     # ------------------------------------------------------------------------ probe steps
     def note_verdict(self, verdict: Verdict | None) -> None:
         """A verdict shared by the leader (every rank gets the same): once one is conclusive on
@@ -585,180 +572,6 @@ class Balancer:
         running = self.probes.probing if self.probes.probing is not None else self.plan
         planned = layer_loads(running.placement, running.assignment, g.counts)
         self._current.set_loads(planned.measured(g.computed))
-
-    # -------------------------------------------------------------------------- planning
-    def plan_next(self) -> Plan:
-        """The policy's plan from the window, now, on this thread (every rank computes the same
-        one; verified across ranks when `check_plans`)."""
-        plan, _ = live_plan(
-            self.policy, self.predictor, np.stack(self.window), self.plan, self.fitted_cluster,
-            self.spec(), self.slots, self.options, self.split_tokens,
-        )  # fmt: skip
-        if self.check_plans and self.world_size > 1:
-            self.verify_plan(plan)
-        return plan
-
-    def wall_reference(
-        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """`StepRecords.wall_reference` of this run's record."""
-        return self.records.wall_reference(history, measured)
-
-    def probe_pairs(
-        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
-    ) -> Probes:
-        """`StepRecords.probe_pairs` of this run's record."""
-        return self.records.probe_pairs(history, measured)
-
-    def _request(self, step: int) -> None:
-        """Submit a planning job on snapshots of this step's window: fit the cluster to the
-        steps run under the plan in force, judge whether that plan paid (`verdict.verdict`),
-        forecast, plan, price against the plan in force. Only the leader plans (every rank
-        with `check_plans`); every rank notes the step the decision is due."""
-        self._due_at = step + self.lag
-        measured = self.records.measured_rows()
-        self._measure_switch(measured[self.records.not_probe()])
-        if not self._plans_here:
-            return
-        history = np.stack(self.window)  # [S, L, D, E], a copy
-        # the newest rows of both, measured under the plan in force, probe steps left out (a
-        # restored window may hold older rows that were not measured)
-        aligned = history[len(history) - len(measured) :]
-        under = self.records.under_plan(measured, self._plan_since)
-        fit_rows = measured[under]
-        rank_experts = self.records.rank_expert_rows()[under]
-        static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
-            history, measured
-        )
-        job = PlanningJob(
-            history=history,
-            fit_counts=aligned[under],
-            fit_rows=fit_rows,
-            settled=fit_rows[:, 0] > self._plan_since,  # not the step that carried the switch
-            static_counts=static_counts,
-            static_rows=static_rows,
-            balanced_counts=balanced_counts,
-            balanced_rows=balanced_rows,
-            current=self.plan,
-            static=self.static_plan,
-            prior=self.cluster,
-            spec=self.spec(),
-            previous=self.fit,
-            policy=self.policy,
-            predictor=self.predictor,
-            options=self.options,
-            slots=self.slots,
-            calibrate=self.calibrate,
-            split_tokens=self.split_tokens,
-            horizon=self.guard.horizon,
-            measured_switch=self.guard.k_switch if self.guard.switches else None,
-            guarded=self.guard.enabled,
-            probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
-            fit_rank_experts=rank_experts,
-            steps_left=self.steps_left(step),
-        )
-        self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
-
-    def _measure_switch(self, measured: np.ndarray) -> None:
-        """Record the last switch's measured seconds against its modelled ones once its step and
-        a settled step after it were measured (`guard.switch_seconds`; every rank alike)."""
-        if self._switch_check is None:
-            return
-        step, modelled, wait = self._switch_check
-        seconds = switch_seconds(measured, step, wait)
-        if seconds is not None:
-            self.guard.record_switch(seconds, modelled)
-            self._switch_check = None
-
-    def _decide(self, stats: StepStats) -> bool:
-        """Take the leader's decision (`poise.runtime.decision`): the leader takes its planner's
-        result and decides (guard), every rank receives the outcome and acts on it; with
-        `check_plans` every rank's own plan is compared with the leader's. Returns whether a
-        plan took effect."""
-        self._due_at = None
-        t0 = time.perf_counter()
-        mine = self._own_outcome(stats) if self._plans_here else None
-        outcome = share_outcome(mine if self.leader else None, self._vote_pg, leader=self.leader)
-        if mine is None:  # waited in the broadcast for the leader's planner
-            stats.add_seconds("plan_wait", time.perf_counter() - t0)
-        if self.check_plans and not plans_agree(
-            mine.plan if mine is not None else None, outcome.plan, self._vote_pg
-        ):
-            self._mismatch()
-        self.fitted_cluster, self.fit = outcome.cluster, outcome.fit
-        if self.plan_lag > 0 and outcome.next_lag > 0:
-            self.lag = outcome.next_lag
-        stats.replanned = True
-        stats.fit = outcome.fit.as_dict()
-        stats.gain_s, stats.switch_cost_s = outcome.gain_s, outcome.switch_s
-        stats.predicted_step_s = outcome.predicted_step_s
-        stats.decision = outcome.decision
-        stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}
-        self.note_verdict(outcome.verdict)
-        if outcome.decision == "fallback":
-            self.guard.fell_back(outcome.verdict)
-            self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
-            self.guard.returned(to_static=self._layout == STATIC)
-            return True
-        if not outcome.adopts:
-            if outcome.decision == "idle":
-                self.guard.planning_idle()
-            return False
-        if outcome.decision != "replace":  # a replacement has yet to prove itself
-            self.guard.kept()
-        self.guard.promised(outcome.step_gain_s, from_static=self._layout == STATIC)
-        self._switch(outcome.plan, stats, outcome.modelled_switch_s, outcome.wait_s)
-        return True
-
-    def _own_outcome(self, stats: StepStats) -> Outcome:
-        """This rank's planner result and what the guard decides on it (`leader_outcome`; the
-        leader's is the one every rank takes)."""
-        done = self.planner.take()
-        stats.add_seconds("plan", done.plan_s)
-        stats.add_seconds("plan_wait", done.wait_s)
-        planning_s = done.cpu_s if self._planner_shares_cores else 0.0
-        stats.add_seconds("plan_cpu", planning_s)
-        recent = list(self.measured)[-FIT_WINDOW:]
-        measured = np.stack(recent) if recent else np.zeros((0, 1 + N_MEASURED))
-        return leader_outcome(
-            self.guard,
-            done.value,
-            wait_s=done.wait_s,
-            plan_s=done.plan_s,
-            planning_s=planning_s,
-            on_static=self.plan.digest() == self.static_plan.digest(),
-            period_s=median_period_s(measured),
-            plan_lag=self.plan_lag,
-            replan_every=self.replan_every,
-        )
-
-    def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
-        """Apply `plan` now and start measuring it."""
-        self.apply(plan, stats)
-        stats.switched = True
-        self.switches += 1
-        self._plan_since = self.steps_done
-        self._switch_check = (self.steps_done, modelled_s, wait_s)
-
-    def verify_plan(self, plan: Plan) -> None:
-        """Raise `PlanMismatchError` on every rank unless all ranks hold the same plan (one
-        all-reduce of `Plan.digest`). Collective."""
-        if self.world_size == 1:
-            return
-        h = plan.digest()
-        t = torch.tensor([h, -h], dtype=torch.long, device=comm_device(self.group, "cpu"))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        if int(t[0]) != -int(t[1]):
-            self._mismatch()
-
-    def _mismatch(self) -> None:
-        raise PlanMismatchError(
-            f"ranks computed different plans at step {self.steps_done} (policy "
-            f"{self.policy!r}): the planner saw different inputs or is not deterministic on "
-            "these machines",
-            source=f"rank {self.rank}",
-            field="plan",
-        )
 
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
         """Make `plan` the routing of every layer now (`LayerMoves.relay`: homes migrate with
