@@ -1398,9 +1398,10 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
 
     from poise.nn import MoE, MoEConfig, apply_expert_parallel
     from poise.runtime import selfcal
-    from poise.runtime.balancer import FIT_WINDOW, Balancer, default_cluster
+    from poise.runtime.balancer import Balancer, default_cluster
     from poise.runtime.leader import median_period_s
     from poise.runtime.planner import adoption_lag
+    from poise.runtime.records import FIT_WINDOW
 
     assert adoption_lag(0.25, 0.1, 1, 10) == 3  # ready during the third step
     assert adoption_lag(0.05, 0.1, 1, 10) == 1 and adoption_lag(0.3, 0.1, 1, 10) == 3
@@ -1858,8 +1859,9 @@ def test_probe_pairs_take_settled_neighbours_under_replicas_since_replicas_took_
     import torch
 
     from poise.nn import MoE, MoEConfig, apply_expert_parallel
-    from poise.runtime.balancer import N_MEASURED, OTHER, PROBE, REPLICAS, STATIC, Balancer
+    from poise.runtime.balancer import OTHER, PROBE, REPLICAS, STATIC, Balancer
     from poise.runtime.plan_inputs import default_cluster
+    from poise.runtime.records import N_MEASURED
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
