@@ -108,6 +108,7 @@ def _equivalence(rank: int, W: int) -> dict:
         balancer.close()
         stats = list(balancer.stats)
         result[f"{policy}.switched_at"] = [s.step for s in stats if s.switched]
+        result[f"{policy}.switches"] = balancer.switches  # plans that took effect, counted
         result[f"{policy}.decided_at"] = [s.step for s in stats if s.replanned]
         result[policy] = (losses, _home_rows(model, opt, rank))
         result["routers"][policy] = [b.router.weight.detach().numpy() for b in model.blocks]
@@ -381,6 +382,7 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
         assert replans == (0 if policy == "static" else STEPS // EVERY - 1), (policy, replans)
         switched = [r[f"{policy}.switched_at"] for r in results]
         assert all(s == switched[0] for s in switched), (policy, switched)  # the same boundary
+        assert all(r[f"{policy}.switches"] == len(switched[0]) for r in results), policy
         # a plan takes effect only where the leader's decision was taken (`plan_lag` or more
         # steps after its request: `planner.adoption_lag`)
         assert set(switched[0]) <= set(results[0][f"{policy}.decided_at"]), switched[0]
