@@ -96,6 +96,24 @@ def _bench():
     return mod
 
 
+def _three_to_one(policy: str, steps: int, step_s: float) -> SimpleNamespace:
+    """A faked `MeasuredRun` on 2 ranks and 4 layers: static's loads 3:1, any other policy's
+    balanced, every step `step_s` seconds."""
+    static = policy == "static"
+    loads = [3000.0, 1000.0] if static else [2000.0, 2000.0]
+    return SimpleNamespace(
+        step_s=np.full(steps, step_s),
+        device_tokens=np.tile(np.array([[loads]]), (steps, 4, 1)),
+        tokens_per_step=2048,
+        phases={"forward": np.full(steps, 0.3)},
+        moe_phases={"experts": np.full(steps, 0.1)},
+        max_over_mean=1.5 if static else 1.0,
+        moe_phase_mean=lambda k: 0.0,
+        last_verdict={},
+        plan_changes=0 if static else 3,
+    )
+
+
 def _fake_clock(monkeypatch, bench, c_rounds: list[float]) -> list[tuple[str, int, int]]:
     """Replace the expert clock in turns: round r's clock reads `c_rounds[r]`; returns the
     (turn file, slot, slots) each clock was given."""
@@ -287,19 +305,7 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
 
     def fake_train(cfg, world: int):
         seen.append((cfg.policy, cfg.balance_guard, cfg.turns_slot))
-        static = cfg.policy == "static"
-        loads = [3000.0, 1000.0] if static else [2000.0, 2000.0]
-        return SimpleNamespace(
-            step_s=np.full(steps, step_of[cfg.policy]),
-            device_tokens=np.tile(np.array([[loads]]), (steps, 4, 1)),
-            tokens_per_step=2048,
-            phases={"forward": np.full(steps, 0.3)},
-            moe_phases={"experts": np.full(steps, 0.1)},
-            max_over_mean=1.5 if static else 1.0,
-            moe_phase_mean=lambda k: 0.0,
-            last_verdict={},
-            plan_changes=0 if static else 3,
-        )
+        return _three_to_one(cfg.policy, steps, step_of[cfg.policy])
 
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(
@@ -336,19 +342,7 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
     steps = 20
 
     def fake_train(cfg, world: int):
-        static = cfg.policy == "static"
-        return SimpleNamespace(
-            step_s=np.full(steps, 1.0 if static else 0.95),
-            device_tokens=np.tile(
-                np.array([[[3000.0, 1000.0] if static else [2000.0, 2000.0]]]), (steps, 4, 1)
-            ),
-            tokens_per_step=2048,
-            phases={"forward": np.full(steps, 0.3)},
-            moe_phases={"experts": np.full(steps, 0.1)},
-            max_over_mean=1.5 if static else 1.0,
-            moe_phase_mean=lambda k: 0.0,
-            last_verdict={},
-        )
+        return _three_to_one(cfg.policy, steps, 1.0 if cfg.policy == "static" else 0.95)
 
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(
