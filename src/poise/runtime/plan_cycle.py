@@ -15,12 +15,14 @@ in the background planner (`poise.runtime.planner`) on snapshots (`poise.runtime
 the decision is the guard's (`poise.runtime.guard`, `poise.runtime.leader`).
 
 The attributes annotated on `PlanCycle` are the Balancer state this half reads and writes; the
-Balancer sets them all in its constructor.
+Balancer sets them all in its constructor. Its two abstract methods, `spec` and `apply`, are the
+Balancer's own.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from functools import partial
 from typing import Any
@@ -51,7 +53,7 @@ class PlanMismatchError(PoiseError):
     """Ranks computed different plans from the same gathered loads."""
 
 
-class PlanCycle:
+class PlanCycle(ABC):
     """Requesting, deciding and switching plans (module docstring), for the Balancer."""
 
     # the Balancer's state this half uses (set in `Balancer.__init__`)
@@ -91,13 +93,13 @@ class PlanCycle:
     _plan_since: int
     _switch_check: tuple[int, float, float] | None
 
+    @abstractmethod
     def spec(self) -> ModelSpec:
         """The model shape the planner prices (`Balancer.spec`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, plan: Plan, stats: StepStats | None = None) -> None:
         """Make `plan` the layers' routing now (`Balancer.apply`). Collective."""
-        raise NotImplementedError
 
     def steps_left(self, step: int) -> int | None:
         """The steps a plan requested at boundary `step` would serve: those after its decision
