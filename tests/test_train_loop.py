@@ -298,3 +298,19 @@ def test_the_trainer_tells_the_balancer_where_the_run_ends(tmp_path):
     finally:
         trainer.balancer.close()
         trainer.log.close()
+
+
+def test_a_steps_balancer_fields_as_logged() -> None:
+    """`StepStats.as_record`: the metrics line's Balancer fields, `seconds` as `moe_s` and
+    `rank_seconds` as `rank_s`; a step before the Balancer's first logs its defaults."""
+    from poise.runtime.stats import StepStats
+
+    stats = StepStats(step=3, policy="auto", trans_bytes=10, decision="adopt", switched=True)
+    stats.add_seconds("experts", 0.5)
+    stats.rank_seconds = {"period": [1.0, 2.0]}
+    record = stats.as_record()
+    assert record["moe_s"] == {"experts": 0.5} and record["rank_s"] == {"period": [1.0, 2.0]}
+    assert record["trans_bytes"] == 10 and record["decision"] == "adopt" and record["switched"]
+    assert "step" not in record and "policy" not in record and "seconds" not in record
+    empty = StepStats(step=0, policy="static").as_record()
+    assert empty["device_tokens"] == [] and empty["fit"] == {} and empty["switched"] is False

@@ -124,3 +124,30 @@ class StepStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (for a log line)."""
         return asdict(self)
+
+    def as_record(self) -> dict[str, Any]:
+        """The fields of a training run's `metrics.jsonl` line that come from the Balancer
+        (`poise.train.loop`; `poise.report.runs.MeasuredRun` reads them): the dataclass's,
+        `seconds` as `moe_s` and `rank_seconds` as `rank_s`, without `step` and `policy`."""
+        return {
+            "max_over_mean": list(self.max_over_mean),
+            "device_tokens": self.device_tokens,
+            "tokens_moved": self.tokens_moved,
+            "replanned": bool(self.replanned),
+            "moved_homes": self.moved_homes,
+            "relaid_rows": self.relaid_rows,
+            "trans_bytes": self.trans_bytes,
+            "agg_bytes": self.agg_bytes,
+            "migrate_bytes": self.migrate_bytes,
+            "decision": self.decision,
+            "probe": bool(self.probe),
+            "switched": bool(self.switched),
+            "gain_s": self.gain_s,
+            "switch_cost_s": self.switch_cost_s,
+            "predicted_step_s": self.predicted_step_s,
+            "measured_period_s": self.measured_period_s,
+            "fit": dict(self.fit),
+            "verdict": dict(self.verdict),
+            "moe_s": dict(self.seconds),
+            "rank_s": dict(self.rank_seconds),
+        }

@@ -86,6 +86,7 @@ from poise.nn.moe import (
     raise_if_nonfinite,
 )
 from poise.runtime.launch import destroy_process_group
+from poise.runtime.stats import StepStats
 from poise.trace.megatron import MegatronTraceWriter
 from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
@@ -566,29 +567,11 @@ class _Trainer:
                     "tokens": tokens,
                     "step_s": step_s,
                     "tokens_per_s": tokens / step_s,
-                    "max_over_mean": list(stats.max_over_mean) if stats else [],
-                    "device_tokens": stats.device_tokens if stats else [],
-                    "tokens_moved": stats.tokens_moved if stats else [],
-                    "replanned": bool(stats.replanned) if stats else False,
                     "plan_changed": changed,
                     "plan_changes": self.plan_changes,
-                    "moved_homes": stats.moved_homes if stats else 0,
-                    "relaid_rows": stats.relaid_rows if stats else 0,
-                    "trans_bytes": stats.trans_bytes if stats else 0,
-                    "agg_bytes": stats.agg_bytes if stats else 0,
-                    "migrate_bytes": stats.migrate_bytes if stats else 0,
-                    "decision": stats.decision if stats else "",
-                    "probe": bool(stats.probe) if stats else False,
-                    "switched": bool(stats.switched) if stats else False,
-                    "gain_s": stats.gain_s if stats else 0.0,
-                    "switch_cost_s": stats.switch_cost_s if stats else 0.0,
-                    "predicted_step_s": stats.predicted_step_s if stats else 0.0,
-                    "measured_period_s": stats.measured_period_s if stats else 0.0,
-                    "fit": dict(stats.fit) if stats else {},
-                    "verdict": dict(stats.verdict) if stats else {},
                     "phases_s": ph,
-                    "moe_s": dict(stats.seconds) if stats else {},
-                    "rank_s": dict(stats.rank_seconds) if stats else {},
+                    # the Balancer's side of the step (none before its first step)
+                    **(stats or StepStats(step=done, policy=cfg.policy)).as_record(),
                 }
                 if load is not None:
                     record.update(load.as_record())
