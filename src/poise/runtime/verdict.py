@@ -33,8 +33,8 @@ degrees of freedom), not 5%.
    normal-equivalent spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a
    mean's), with `min(n_a, n_b) - 1` degrees of freedom (the conservative choice for two
    samples of unequal spread). The plan fails when `wall_saving + z * se < 0`: balancing
-   measured slower
-   than static by more than the noise. The static steps are the run's latest settled static
+   measured slower than static by more than the noise. The static steps are the run's latest
+   settled static
    steps (the Balancer's `FIT_WINDOW` at most); the balanced steps are every settled step run
    under plans with replicas since the static layout last ran, whichever plan ran them (r prices
    every step on the static layout, so steps of different plans pool; balancing is judged as
@@ -108,8 +108,8 @@ class Verdict:
     busy seconds minus the plan's, priced on those steps' counts) against `cost_s` (their
     measured transfer seconds); `wall_saving_s` (None: not measured) the wall clock's saving
     per step and `wall_se_s` its standard error, with `dof` degrees of freedom (module
-    docstring, test 2); with probes,
-    `modelled_clock_s`, what the cost model predicts the paired clock measures
+    docstring, test 2); with probes, `modelled_clock_s`, what the cost model predicts the
+    paired clock measures
     (`modelled_clock`): predicted against measured for the same comparison."""
 
     saving_s: float
