@@ -24,28 +24,26 @@ degrees of freedom), not 5%.
 
        r[s] = period[s] - busy_static(counts[s])
 
-   On steps run under the static layout, r is the rest of the step (non-MoE work, optimizer,
-   data); on steps run under the plan, it is that rest minus what the plan saved plus what it
-   cost. So `wall_saving = median(r | static steps) - median(r | balanced steps)` is
-   balancing's measured saving per step, with the loads of each step priced out (medians:
-   single slow steps of a shared machine do not decide). Its standard error is `1.2533 *
-   sqrt(s_a^2 / n_a + s_b^2 / n_b)`, with `s` the median absolute deviation times 1.4826 (the
-   normal-equivalent spread; 1.2533 = sqrt(pi / 2), the standard error of a median over a
-   mean's), with `min(n_a, n_b) - 1` degrees of freedom (the conservative choice for two
-   samples of unequal spread). The plan fails when `wall_saving + z * se < 0`: balancing
-   measured slower than static by more than the noise. The static steps are the run's latest
-   settled static
-   steps (the Balancer's `FIT_WINDOW` at most); the balanced steps are every settled step run
-   under plans with replicas since the static layout last ran, whichever plan ran them (r prices
-   every step on the static layout, so steps of different plans pool; balancing is judged as
-   a whole, and the sample grows with each plan adopted instead of starting again at each
-   switch). At least `MIN_WALL_STEPS` on each side, else this test is not taken. It is taken
-   only for plans with replicas: a plan that only moved homes has no Trans and no Agg after
-   its switch, so what the clock could add to test 1 is noise, and a false alarm there would
-   move every home back (a migration as large as the switch). Balancing is thus judged by
-   the clock after the switch, not only by the model that chose it. On
-   `benchmarks/train_speedup.py`'s `skewed-4` (4 ranks on 2 cores) the first plan measured
-   51-86 ms per step slower than static (one standard error 35-46 ms) while test 1 held.
+   On steps run under the static layout, r is the rest of the step (non-MoE work, optimizer, data);
+   on steps run under the plan, it is that rest minus what the plan saved plus what it cost. So
+   `wall_saving = median(r | static steps) - median(r | balanced steps)` is balancing's measured
+   saving per step, with the loads of each step priced out (medians: single slow steps of a shared
+   machine do not decide). Its standard error is `1.2533 * sqrt(s_a^2 / n_a + s_b^2 / n_b)`, with
+   `s` the median absolute deviation times 1.4826 (the normal-equivalent spread; 1.2533 = sqrt(pi /
+   2), the standard error of a median over a mean's), with `min(n_a, n_b) - 1` degrees of freedom
+   (the conservative choice for two samples of unequal spread). The plan fails when `wall_saving +
+   z * se < 0`: balancing measured slower than static by more than the noise. The static steps are
+   the run's latest settled static steps (the Balancer's `FIT_WINDOW` at most); the balanced steps
+   are every settled step run under plans with replicas since the static layout last ran, whichever
+   plan ran them (r prices every step on the static layout, so steps of different plans pool;
+   balancing is judged as a whole, and the sample grows with each plan adopted instead of starting
+   again at each switch). At least `MIN_WALL_STEPS` on each side, else this test is not taken. It
+   is taken only for plans with replicas: a plan that only moved homes has no Trans and no Agg
+   after its switch, so what the clock could add to test 1 is noise, and a false alarm there would
+   move every home back (a migration as large as the switch). Balancing is thus judged by the clock
+   after the switch, not only by the model that chose it. On `benchmarks/train_speedup.py`'s
+   `skewed-4` (4 ranks on 2 cores) the first plan measured 51-86 ms per step slower than static
+   (one standard error 35-46 ms) while test 1 held.
 
    That standard error sees only the spread inside the two samples, not the machine's drift
    between them: on the 2-core machine, static runs compared with themselves this way (their
