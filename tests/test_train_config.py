@@ -40,6 +40,8 @@ def test_yaml_round_trip(tmp_path):
         ("predictor: magic\n", "predictor", "last, window or ema"),
         ("probe_every: 1\n", "probe_every", "0 (off) or >= 2"),
         ("probe_every: -3\n", "probe_every", ">= 0"),
+        ("plan_lag: -1\n", "plan_lag", ">= 0"),
+        ("replan_every: 4\nplan_lag: 5\n", "plan_lag", "at most replan_every (4)"),
         ("host_link: sometimes\n", "host_link", "boolean"),
         ("compression: 0\n", "compression", "> 0"),
         ("compression: 1.5\n", "compression", "<= 1"),

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 12
 TOL = 1e-5
-# Steps a fault may be drawn from, per phase: Agg and Trans need replicas (planned from step 2),
+# Steps a fault may be drawn from, per phase: Agg and Trans need replicas (planned at step 2),
 # a migration needs a re-plan after the fault step, a checkpoint write one at or after it.
 STEP_RANGE = {
     "step": (2, STEPS),
@@ -52,6 +52,9 @@ def _argv(root: Path, name: str, *extra: str) -> list[str]:
         "cache_dir": str(root / "cache"),
         "balance_guard": False,  # every plan auto makes is adopted: faults hit real transfers
         "self_calibrate": False,
+        # each plan decided at its request's step: which steps switch, and so whether a fault
+        # finds replicas to hit, must not depend on how fast planning ran on a loaded machine
+        "plan_lag": 0,
     }
     argv = ["train", "tiny", "--nproc", "2", "--steps", str(STEPS), "--policy", "auto"]
     argv += ["--replan-every", "2", "--out", str(root / name), "--quiet"]
@@ -133,6 +136,15 @@ def test_killed_rank_restarts_to_the_same_model(
     assert final.keys() == want.keys()
     for key in want:
         assert float((final[key] - want[key]).abs().max()) <= TOL, (where, key)
+
+
+def test_the_reference_decides_each_plan_at_its_request_step(reference: Path) -> None:
+    """`plan_lag: 0` reaches the Balancer: plans are requested every 2 steps and each is
+    decided at once (with the default lag of 1 or more, at odd steps), so the steps that switch
+    are the same on any machine."""
+    lines = (reference / "reference" / "metrics.jsonl").read_text().splitlines()
+    decided = [r["step"] for r in map(json.loads, lines) if r["replanned"]]
+    assert decided == list(range(2, STEPS, 2))
 
 
 def test_without_restarts_the_failure_is_reported(reference: Path, capsys) -> None:

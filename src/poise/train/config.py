@@ -16,6 +16,10 @@ the mathematics (replicas compute with approximate weights), hence off by defaul
 `split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
 by that step's counts, holders shedding some of their own where that levels the loads
 (`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the plan's fixed shares;
+`plan_lag` (default 1; at most `replan_every`): a plan requested at step s is decided at step
+s + lag, where lag starts at `plan_lag` and then follows the last planning job's wall time
+(`Balancer(plan_lag=...)`); 0 plans at once on the critical path, every decision at its
+request's step, so that which steps switch does not depend on the machine's speed;
 `balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
 the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
@@ -28,7 +32,8 @@ through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
 (`Balancer(separate_transfers=...)`, `poise.runtime.transfer_group`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
-constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior.
+constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior;
+off: with the prior's, migrations included, so that the plans depend on the loads alone.
 `turns` (default None: off) is a counter file shared with other runs on this host that take
 their steps in turns with this one, step k of run `turns_slot` of `turns_of` right after step k
 of the runs before it (`poise.train.turns`: a paired comparison of whole runs, as
@@ -88,6 +93,7 @@ class TrainConfig:
     # balancing
     policy: str = "auto"
     replan_every: int = 10
+    plan_lag: int = 1
     spare_slots: int = 1
     predictor: str = "ema"
     cluster: str | None = None
@@ -199,6 +205,7 @@ def _rules() -> dict[str, _Rule]:
         "bias_rate": _Rule(_NUM, low=0),
         "policy": _Rule(_STR, choices=POLICIES),
         "replan_every": _Rule(_INT, low=1),
+        "plan_lag": _Rule(_INT, low=0),
         "spare_slots": _Rule(_INT, low=0),
         "predictor": _Rule(_STR),
         "cluster": _Rule(_STR, nullable=True),
@@ -312,6 +319,12 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
             f"must be below turns_of ({cfg.turns_of}), got {cfg.turns_slot}",
             source=source,
             field="turns_slot",
+        )
+    if cfg.plan_lag > cfg.replan_every:
+        raise ConfigError(
+            f"must be at most replan_every ({cfg.replan_every}), got {cfg.plan_lag}",
+            source=source,
+            field="plan_lag",
         )
     if cfg.probe_every == 1:
         raise ConfigError(

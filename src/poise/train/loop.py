@@ -221,6 +221,7 @@ class _Trainer:
             self.optimizer,
             policy=cfg.policy,
             replan_every=cfg.replan_every,
+            plan_lag=cfg.plan_lag,
             cluster=make_cluster(cfg, self.world, self.ep),
             predictor=cfg.predictor,
             group=group,
