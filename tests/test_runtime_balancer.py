@@ -1553,6 +1553,44 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
     assert not same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank
 
 
+def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None:
+    """`run_job` with `auto` from a static layout whose rank 0 holds the 4 hot experts of 8: at
+    the prior's migration price its plan moves homes; with switches measured at 1e6 times their
+    model it replicates instead. That measured figure is a fitted one: with calibration off the
+    plan is the prior's, whatever the switches measured (which steps switch, and to what, must
+    not depend on the machine's speed)."""
+    from dataclasses import replace
+
+    from poise.plan.predict import Predictor
+    from poise.runtime import selfcal
+    from poise.runtime.planning_job import PlanningJob, run_job
+    from tests.helpers import toy_cluster, toy_spec
+
+    spec = toy_spec(experts=8, d_model=64, d_expert=256)
+    home = Placement.from_homes(np.array([[0, 0, 0, 0, 1, 1, 1, 1]]), 2, 5)
+    static = Plan("static", home, Assignment.to_home(home), transfers_between(None, home, spec))
+    counts = np.array([[[60, 50, 40, 30, 5, 5, 5, 5]] * 2], dtype=float)
+    history = np.repeat(counts[None], 4, axis=0)
+    rows = np.zeros((4, 1 + len(selfcal.MEASURED)))
+    rows[:, 0] = np.arange(1, 5)
+    rows[:, 1 + selfcal.PERIOD] = 0.01
+    none = np.zeros((0, *counts.shape))
+    job = PlanningJob(
+        history=history, fit_counts=history, fit_rows=rows, settled=np.ones(4, dtype=bool),
+        static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
+        balanced_rows=np.zeros((0, rows.shape[1])), current=static, static=static,
+        prior=toy_cluster(bw=1e9, flops=1e9), spec=spec, previous=selfcal.Fit(),
+        policy="auto", predictor=Predictor("last"), options={}, slots=5, calibrate=True,
+        split_tokens=False, horizon=10, measured_switch=None,
+    )  # fmt: skip
+    moves = run_job(job).plan
+    dear = run_job(replace(job, measured_switch=1e6)).plan
+    assert moves.digest() != static.digest() and moves.placement.replicas().sum() == 0
+    assert dear.placement.replicas().sum() > 0
+    fixed = replace(job, calibrate=False)
+    assert run_job(replace(fixed, measured_switch=1e6)).plan.digest() == moves.digest()
+
+
 @pytest.mark.parametrize("transfer_s", [0.0, 1.0])
 def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_pay(
     transfer_s: float,

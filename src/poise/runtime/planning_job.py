@@ -10,7 +10,8 @@ process while training goes on:
    where its paired clock has spoken, price replicas at what it measured them to cost
    (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
-   `auto`'s migration price set from what the switches measured (`with_migration_scale`) and
+   `auto`'s migration price set from what the switches measured (`with_migration_scale`; with
+   calibration off, the prior's, so that the plan depends on the loads alone) and
    its horizon no longer than the steps the run has left (`auto.with_steps_left`), each expert's
    home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
 4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
@@ -205,7 +206,10 @@ def run_job(job: PlanningJob) -> JobResult:
                 job.prior, fit.k_compute, fit.k_transfer * k_replica, fit.dispatch_s_per_row
             )
             fitted = CostModel(cluster, job.spec)
-    k_switch = fit.k_transfer if job.measured_switch is None else job.measured_switch
+    # the switches' measured price is a fitted figure too: without calibration a plan is a
+    # function of the loads alone, whatever the machine's speed
+    measured = job.measured_switch if job.calibrate else None
+    k_switch = fit.k_transfer if measured is None else measured
     options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
     options = with_steps_left(options, job.steps_left)
     plan, loads = live_plan(
