@@ -23,7 +23,7 @@ Traces (one JSON line each):
 - `zipf-1.2`: `trace_generate.zipf` with s = 1.2 (expert popularity by a random permutation per
   layer, the same on both ranks).
 
-Three models are stepped in rotation, one step each per round (the first to go rotating too), so
+Four models are stepped in rotation, one step each per round (the first to go rotating too), so
 machine noise hits all alike:
 
 - `static`: plain static EP (no Balancer);
@@ -34,8 +34,14 @@ machine noise hits all alike:
   10-step window holds, and each would be a tenth of the window, where a training run takes at
   most 8 per episode of hundreds of steps (`train_speedup` times them in whole runs).
   `probe_steps` counts those among the timed steps;
-- `ideal`: static EP on uniform routing (every rank computes exactly the mean load, and there
-  is nothing to transfer): perfectly balanced compute at no transfer cost.
+- `ideal`: static EP on the same trace with each layer's expert loads re-dealt so that every
+  rank's homes hold an even share (`ideal_trace`, `poise.report.ideal_homes`; max/mean 1.0004 on
+  smartmoe-5001, 1.0000 on zipf-1.2): the trace's own GEMMs, balanced, with nothing to transfer;
+- `uniform`: static EP on uniform routing (every expert the mean load), the ideal of earlier
+  versions, reported beside it (`uniform_speedup`). No placement of the trace reaches it: it
+  changes the GEMMs, not only the balance (`benchmarks/expert_shapes.py`: the slowest rank's
+  experts take 12% longer on zipf-1.2's loads balanced than on as many rows in equal GEMMs,
+  and 6% less on smartmoe-5001's), and which tokens cross ranks.
 
 Peers, where the `bench` extra is installed (each guarded: a JSON line that says why it was
 skipped otherwise), step in the same rotation on the same per-rank tokens, the same per-layer
@@ -152,11 +158,27 @@ def load_trace(name: str, args: argparse.Namespace) -> Any:
         return generate("zipf", steps=1, layers=args.layers, devices=args.world,
                         experts=args.experts, top_k=args.top_k, tokens_per_device=args.tokens,
                         seed=0, s=float(name.removeprefix("zipf-")), name=name)  # fmt: skip
+    if name.startswith("ideal:"):  # the named trace, its loads dealt evenly to the ranks' homes
+        return ideal_trace(load_trace(name.removeprefix("ideal:"), args), args.world)
     if name == "uniform":
         per = args.tokens * args.top_k // args.experts
         counts = np.full((1, args.layers, args.world, args.experts), per, dtype=np.int64)
         return Trace(counts, np.array([0]), args.top_k, args.tokens, name=name)
-    raise SystemExit(f"unknown trace {name!r} (smartmoe-5001, zipf-S, uniform)")
+    raise SystemExit(f"unknown trace {name!r} (smartmoe-5001, zipf-S, uniform, ideal:NAME)")
+
+
+def ideal_trace(trace: Any, world: int) -> Any:
+    """`trace` with each layer's expert loads re-dealt to the experts so that static EP's
+    contiguous homes hold an even share per rank (`poise.report.ideal_homes.balanced_order`
+    on the loads summed over steps and source ranks): every expert's load, and so every GEMM's
+    shape, is one the trace has; only which rank holds it changes."""
+    from poise.report.ideal_homes import balanced_order
+    from poise.trace.trace import Trace
+
+    order = balanced_order(trace.counts.sum(axis=(0, 2)), world)  # [L, E]
+    counts = np.take_along_axis(trace.counts, order[None, :, None, :], axis=3)
+    return Trace(counts, trace.step_ids, trace.top_k, trace.tokens_per_device,
+                 name=f"ideal:{trace.name}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- ranks
@@ -364,7 +386,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
     runners = {
         "static": _Runner(args, load_trace(name, args), rank, None),
         "balanced": _Runner(args, load_trace(name, args), rank, args.policy),
-        "ideal": _Runner(args, load_trace("uniform", args), rank, None),
+        "ideal": _Runner(args, load_trace(f"ideal:{name}", args), rank, None),
+        "uniform": _Runner(args, load_trace("uniform", args), rank, None),
     }
     for system in getattr(args, "peers", []):
         runners[system] = _PeerRunner(args, load_trace(name, args), rank, system)
@@ -404,6 +427,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
     return out
 
 
+def _max_over_mean(trace: Any) -> float:
+    """The ranks' slowest over mean load under static homes, mean over layers."""
+    per_rank = trace.counts.sum(axis=(0, 2)).reshape(trace.layers, trace.devices, -1).sum(axis=2)
+    return float(np.mean(per_rank.max(axis=1) / per_rank.mean(axis=1)))
+
+
 def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Poise's line for the trace, then one line per peer in `args.peers`."""
     load_before = os.getloadavg()[0]
@@ -414,6 +443,8 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rounds = list(zip(res["static"], res["balanced"], res["ideal"], strict=True))
     speedup = statistics.median(s / b for s, b, _ in rounds)
     ideal_speedup = statistics.median(s / i for s, _, i in rounds)
+    uniform = zip(res["static"], res["uniform"], strict=True)
+    uniform_speedup = statistics.median(s / u for s, u in uniform)
     st = res["stats"]
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     poise = {
@@ -429,10 +460,15 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "gain_fraction": round((speedup - 1) / (ideal_speedup - 1), 3)
         if ideal_speedup > 1
         else None,
+        # uniform routing (every expert the mean load): the same tokens in GEMMs of equal size,
+        # which no placement of this trace's loads has; its speed-up over static EP holds that
+        "uniform_ms": round(statistics.median(res["uniform"]) * 1e3, 2),
+        "uniform_speedup": round(uniform_speedup, 3),
         "policy": args.policy,
         "replan_every": args.replan_every,
         "max_over_mean_static": round(st["static_max_over_mean"], 3),
         "max_over_mean_balanced": round(st["max_over_mean"], 3),
+        "max_over_mean_ideal": round(_max_over_mean(load_trace(f"ideal:{name}", args)), 4),
         "replicas": st["replicas"],
         "moved_homes": st["moved_homes"],
         "probe_steps": st["probe_steps"],
