@@ -27,6 +27,7 @@ def test_the_train_loops_clipping_norm_is_the_global_norm(tmp_path) -> None:
     """One rank, a `tiny` model after one backward: the loop's norm equals the float64 norm of
     every gradient, and clipping scales them to `clip`."""
     from poise.train.config import TrainConfig
+    from poise.train.grad_sync import clip_global_norm
     from poise.train.loop import _Trainer
 
     cfg = TrainConfig(
@@ -42,7 +43,9 @@ def test_the_train_loops_clipping_norm_is_the_global_norm(tmp_path) -> None:
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     want = float(torch.stack([g.double().square().sum() for g in grads]).sum().sqrt())
     assert want > cfg.clip  # clipping is active
-    norm = trainer._grad_norm_and_clip()
+    norm = clip_global_norm(
+        trainer.model, trainer.dense, trainer.ep, trainer.ep_group, trainer.device, cfg.clip
+    )
     assert norm == pytest.approx(want, rel=1e-12)
     after = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
     assert after == pytest.approx(cfg.clip, rel=1e-3)

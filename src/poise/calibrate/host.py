@@ -34,7 +34,7 @@ Five measurements, each fitted by least squares on relative residuals (`fit.py`)
    model's dense tensors and its stacked expert tensors with S slots, for each S of
    `slot_counts`, P parameters in all): AdamW's step (`HomeRowsAdamW`, the optimizer and
    kernel `poise.train` runs, with the two groups it builds: weight decay on matrices, none on
-   norms) and the gradient norm with clipping as `poise.train.loop` runs it (squares summed
+   norms) and the gradient norm with clipping as `poise.train.grad_sync` computes it (squares summed
    per tensor in float64, `poise.nn.grad_norm`, experts over their home slots, then every
    gradient scaled in place); fitted to a + b P: `optimizer_s`,
    `optimizer_s_per_param`, `clip_s`, `clip_s_per_param`. Per-tensor overheads and each

@@ -29,10 +29,10 @@ above, so the losses are those of plain expert parallelism.
 One step, every call named here:
 
     loss.backward()
-    dense all-reduce (with the loss)            # _sync_dense
+    dense all-reduce (with the loss)            # grad_sync.sync_dense
     balancer.reduce_replicas()                  # Agg; gather counts, non-finite flags, timings
     [layout: EDP sum of expert gradients, EDP gather of the counts]
-    global gradient norm and clipping
+    global gradient norm and clipping           # grad_sync.clip_global_norm
     optimizer.step()
     balancer.step()                             # decide a due plan / request one / Trans
     log
@@ -44,7 +44,7 @@ warms up linearly for `warmup` steps, then follows a cosine down to `lr * min_lr
 
 Set-up (process group, device, corpus, optimizer, modelled cluster, learning rate, the check
 that all ranks share the config) is `poise.train.setup`; rank 0's console and metrics file are
-`poise.train.runlog.RunLog`.
+`poise.train.runlog.RunLog`; the trace and summary files are `poise.train.run_files`.
 
 Outputs in `out` (rank 0; every file written atomically or as flushed JSON lines):
 `config.yaml`, `metrics.jsonl` (one line per step: loss, tokens/s, per-layer device max/mean
@@ -59,7 +59,6 @@ router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.trace.megat
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -77,7 +76,6 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
-from poise.nn.grad_norm import squared_norm
 from poise.nn.moe import (
     MoE,
     default_slots,
@@ -88,13 +86,14 @@ from poise.nn.moe import (
 from poise.runtime.launch import destroy_process_group
 from poise.runtime.stats import StepStats
 from poise.trace.megatron import MegatronTraceWriter
-from poise.trace.trace import Trace
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, resolve_layout, save_config
 from poise.train.data import Sampler, shard_rows
 from poise.train.expert_load import ExpertLoad, expert_load
 from poise.train.faults import Fault, FaultInjector
+from poise.train.grad_sync import clip_global_norm, sync_dense
 from poise.train.layout import edp_counts, install_edp_bias_sum
+from poise.train.run_files import closing_lines, previous_trace, routing_trace, write_summary
 from poise.train.runlog import RunLog
 from poise.train.setup import (
     check_config_agrees,
@@ -107,7 +106,6 @@ from poise.train.setup import (
     seed_everything,
 )
 from poise.train.turns import StepTurns
-from poise.util.atomic import atomic_write_text
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
 
@@ -143,6 +141,21 @@ class TrainResult:
         return asdict(self)
 
 
+@dataclass
+class _Stepped:
+    """What `_Trainer._compute` leaves of one step: its learning rate, the scalars summed over
+    the ranks (`[2 + L]`: cross-entropy sum, auxiliary loss, dropped assignments per layer),
+    the gradient norm, the world's counts `[L, D, E]` in a layout with EDP replicas (else
+    None), seconds by phase and in all."""
+
+    lr: float
+    summed: torch.Tensor
+    norm: float
+    world_counts: np.ndarray | None
+    phases: dict[str, float]
+    step_s: float
+
+
 # ----------------------------------------------------------------------------- the loop
 class _Trainer:
     """State of one run on one rank; `run()` does the steps."""
@@ -170,6 +183,7 @@ class _Trainer:
         self.ep = self.layout.ep if self.layout is not None else self.world
         self.edp_group = self.groups.edp if self.groups is not None else None
         self.rows = shard_rows(cfg.batch, self.rank, self.world)
+        self.tokens = cfg.batch * self.mcfg.context  # per step, over all ranks
         self.out = Path(cfg.out)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -272,16 +286,8 @@ class _Trainer:
         """On resume, the recorded trace up to the checkpoint (same ranks and layers only)."""
         if self.ckpt is None or not self.cfg.record_trace:
             return [], []
-        path = Path(self.ckpt["path"]).parent.parent / "trace.npz"
-        try:
-            trace = Trace.load(path)
-        except Exception:
-            return [], []
-        keep = trace.step_ids < self.start
-        L = len(find_moe_layers(self.model))
-        if trace.counts.shape[1:] != (L, self.world, self.mcfg.num_experts):
-            return [], []
-        return list(trace.counts[keep]), [int(s) for s in trace.step_ids[keep]]
+        shape = (len(find_moe_layers(self.model)), self.world, self.mcfg.num_experts)
+        return previous_trace(self.ckpt["path"], self.start, shape)
 
     def _take_turn(self, step: int) -> dict[str, float] | None:
         """With `turns`: wait until the runs before this one have done step `step`, then let
@@ -300,22 +306,6 @@ class _Trainer:
             return
         self.balancer.pause()
         self.turns.hand_over(step)
-
-    def _sync_dense(self, stats: torch.Tensor) -> torch.Tensor:
-        """Sum the dense gradients and `stats` over the ranks in one all-reduce."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
-        if self.world == 1:
-            return stats
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().reshape(-1)])
-        buf = flat.to(comm_device(None, self.device))
-        dist.all_reduce(buf)
-        flat = buf.to(self.device)
-        offset = 0
-        for p, g in zip(self.dense, grads, strict=True):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
-            offset += n
-        return flat[offset:]
 
     def _step_scalars(self, ce: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """`[2 + L]` float64: the step's cross-entropy sum, auxiliary loss and each MoE layer's
@@ -370,32 +360,6 @@ class _Trainer:
             self.balancer.window[-1] = summed
         return counts
 
-    def _grad_norm_and_clip(self) -> float:
-        """Global gradient norm (dense gradients once, expert home slots summed over the ranks
-        of the EP group: replica and empty slots hold no gradient of their own, and with a
-        layout every EP group holds every expert); clip in place."""
-        dev = self.device
-        dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        for p in self.dense:
-            if p.grad is not None:
-                dense_sq += squared_norm(p.grad)
-        expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        for moe in find_moe_layers(self.model):
-            homes = int(moe.routing.slots.home.sum())  # the leading slots (`slot_maps`)
-            for w in moe.experts.weights():
-                if w.grad is not None:
-                    expert_sq += squared_norm(w.grad[:homes])
-        if self.ep > 1:  # each expert once: over the EP group (the world without a layout)
-            t = expert_sq.to(comm_device(self.ep_group, dev))
-            dist.all_reduce(t, group=self.ep_group)
-            expert_sq = t.to(dev)
-        norm = float((dense_sq + expert_sq).sqrt())
-        if self.cfg.clip > 0 and norm > self.cfg.clip:
-            scale = self.cfg.clip / (norm + 1e-6)
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, scale)
-        return norm
-
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean cross-entropy over `eval_batches` fixed validation batches (all ranks)."""
@@ -416,27 +380,24 @@ class _Trainer:
         return float(total[0] / total[1])
 
     def save_trace(self) -> str | None:
+        """Rank 0: write `trace.npz` (`run_files.routing_trace`); its path, None if none."""
         if not self.cfg.record_trace or not self.trace_counts or self.rank != 0:
             return None
-        trace = Trace(
-            counts=np.stack(self.trace_counts).astype(np.int64),
-            step_ids=np.asarray(self.trace_steps, dtype=np.int64),
-            top_k=self.mcfg.top_k,
-            tokens_per_device=len(self.rows) * self.mcfg.context,
-            name=f"train-{self.cfg.policy}",
-            meta={
-                "source": "poise train",
-                "policy": self.cfg.policy,
-                "model": self.cfg.model,
-                # the cluster the run planned on: its `cluster` config, else the modelled one
-                "cluster": self.cfg.cluster or make_cluster(self.cfg, self.world).name,
-                "world_size": self.world,
-                "device_type": self.device.type,
-                "batch": self.cfg.batch,
-                "context": self.mcfg.context,
-                "seed": self.cfg.seed,
-                "layout": self.layout.name if self.layout is not None else None,
-            },
+        meta = {
+            "policy": self.cfg.policy,
+            "model": self.cfg.model,
+            # the cluster the run planned on: its `cluster` config, else the modelled one
+            "cluster": self.cfg.cluster or make_cluster(self.cfg, self.world).name,
+            "world_size": self.world,
+            "device_type": self.device.type,
+            "batch": self.cfg.batch,
+            "context": self.mcfg.context,
+            "seed": self.cfg.seed,
+            "layout": self.layout.name if self.layout is not None else None,
+        }
+        tokens_per_device = len(self.rows) * self.mcfg.context
+        trace = routing_trace(
+            self.trace_counts, self.trace_steps, meta, self.mcfg.top_k, tokens_per_device
         )
         path = self.out / "trace.npz"
         trace.save(path)
@@ -457,6 +418,75 @@ class _Trainer:
         )
         self.save_trace()
         return str(path)
+
+    def _compute(self, step: int) -> _Stepped:
+        """One step's computation, every call named in the module docstring, timed by phase."""
+        cfg, dev, tokens = self.cfg, self.device, self.tokens
+        ph: dict[str, float] = {}
+        t_start = t = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        x, y = self.sampler.batch(self.position, self.rows, dev)
+        t = _lap(ph, "data", t)
+        with self.autocast:
+            logits = self.model(x)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        aux = self.model.aux_loss()
+        loss = ce * (1.0 / tokens) + aux / self.world
+        t = _lap(ph, "forward", t)
+        self.faults.at(step + 1, "forward")
+        loss.backward()
+        t = _lap(ph, "backward", t)
+        self.faults.at(step + 1, "backward")
+        summed = sync_dense(self.dense, self._step_scalars(ce, aux), self.world, dev)
+        t = _lap(ph, "grad_sync", t)
+        self.balancer.reduce_replicas()
+        t = _lap(ph, "balance", t)
+        world_counts = self._sync_experts(step)
+        t = _lap(ph, "grad_sync", t)
+        norm = clip_global_norm(self.model, self.dense, self.ep, self.ep_group, dev, cfg.clip)
+        t = _lap(ph, "clip", t)
+        self.optimizer.step()
+        t = _lap(ph, "optimizer", t)
+        self.balancer.step()  # decide a due plan, request the next, or launch Trans
+        self.optimizer.zero_grad(set_to_none=True)
+        t = _lap(ph, "balance", t)
+        return _Stepped(lr, summed, norm, world_counts, ph, t - t_start)
+
+    def _record(self, step: int, stepped: _Stepped) -> dict[str, Any]:
+        """The step's `metrics.jsonl` line (plan changes counted, the routing trace extended)."""
+        cfg, done, tokens = self.cfg, step + 1, self.tokens
+        key = self.balancer.plan.digest()
+        changed = key != self._digest
+        self._digest = key
+        self.plan_changes += int(changed)
+        if cfg.record_trace and stepped.world_counts is not None:
+            self.trace_counts.append(stepped.world_counts)
+            self.trace_steps.append(step)
+        elif cfg.record_trace and self.balancer.window:
+            self.trace_counts.append(self.balancer.window[-1].copy())
+            self.trace_steps.append(step)
+        summed, stats = stepped.summed, self.balancer.last_stats
+        record: dict[str, Any] = {
+            "step": done,
+            "loss": float(summed[0]) * (1.0 / tokens),
+            "aux_loss": float(summed[1]) / self.world,
+            "lr": stepped.lr,
+            "grad_norm": stepped.norm,
+            "tokens": tokens,
+            "step_s": stepped.step_s,
+            "tokens_per_s": tokens / stepped.step_s,
+            "plan_changed": changed,
+            "plan_changes": self.plan_changes,
+            "phases_s": stepped.phases,
+            # the Balancer's side of the step (none before its first step)
+            **(stats or StepStats(step=done, policy=cfg.policy)).as_record(),
+        }
+        load = self._expert_load(stepped.world_counts, summed[2:])
+        if load is not None:
+            record.update(load.as_record())
+        return record
 
     # ------------------------------------------------------------------------------ run
     def header(self) -> None:
@@ -490,8 +520,7 @@ class _Trainer:
             resumed_plan=self.resumed_plan,
             layout=self.layout.name if self.layout is not None else None,
         )
-        tokens = cfg.batch * self.mcfg.context
-        res.tokens_per_step = tokens
+        tokens = res.tokens_per_step = self.tokens
         if self.rank == 0:
             # The written config says what this run does: `tensorboard: true` only if events
             # are written (TensorBoard is optional and skipped when absent).
@@ -500,9 +529,8 @@ class _Trainer:
                 written = dataclasses.replace(cfg, tensorboard=False)
             save_config(written, self.out / "config.yaml")
         self.header()
-        inv_tokens = 1.0 / tokens
         totals = dict.fromkeys(PHASES, 0.0)
-        prev_hash = self.balancer.plan.digest()
+        self._digest = self.balancer.plan.digest()
         self.model.train()
         self.faults.install()
         try:
@@ -511,78 +539,19 @@ class _Trainer:
             for step in range(self.start, cfg.steps):
                 turn = self._take_turn(step)
                 self.faults.at(step + 1, "step")
-                ph: dict[str, float] = {}
-                t_start = t = time.perf_counter()
-                lr = lr_at(step, cfg)
-                for g in self.optimizer.param_groups:
-                    g["lr"] = lr
-                x, y = self.sampler.batch(self.position, self.rows, self.device)
-                t = _lap(ph, "data", t)
-                with self.autocast:
-                    logits = self.model(x)
-                ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-                aux = self.model.aux_loss()
-                loss = ce * inv_tokens + aux / self.world
-                t = _lap(ph, "forward", t)
-                self.faults.at(step + 1, "forward")
-                loss.backward()
-                t = _lap(ph, "backward", t)
-                self.faults.at(step + 1, "backward")
-                summed = self._sync_dense(self._step_scalars(ce, aux))
-                t = _lap(ph, "grad_sync", t)
-                self.balancer.reduce_replicas()
-                t = _lap(ph, "balance", t)
-                world_counts = self._sync_experts(step)
-                t = _lap(ph, "grad_sync", t)
-                norm = self._grad_norm_and_clip()
-                t = _lap(ph, "clip", t)
-                self.optimizer.step()
-                t = _lap(ph, "optimizer", t)
-                self.balancer.step()  # decide a due plan, request the next, or launch Trans
-                self.optimizer.zero_grad(set_to_none=True)
-                t = _lap(ph, "balance", t)
-                step_s = t - t_start
+                done = step + 1
+                stepped = self._compute(step)
                 self._write_megatron(step)
                 self.position += cfg.batch
-                done = step + 1
-
-                stats = self.balancer.last_stats
-                key = self.balancer.plan.digest()
-                changed = key != prev_hash
-                prev_hash = key
-                self.plan_changes += int(changed)
-                if cfg.record_trace and world_counts is not None:
-                    self.trace_counts.append(world_counts)
-                    self.trace_steps.append(step)
-                elif cfg.record_trace and self.balancer.window:
-                    self.trace_counts.append(self.balancer.window[-1].copy())
-                    self.trace_steps.append(step)
-                loss_value = float(summed[0]) * inv_tokens
-                load = self._expert_load(world_counts, summed[2:])
-                record: dict[str, Any] = {
-                    "step": done,
-                    "loss": loss_value,
-                    "aux_loss": float(summed[1]) / self.world,
-                    "lr": lr,
-                    "grad_norm": norm,
-                    "tokens": tokens,
-                    "step_s": step_s,
-                    "tokens_per_s": tokens / step_s,
-                    "plan_changed": changed,
-                    "plan_changes": self.plan_changes,
-                    "phases_s": ph,
-                    # the Balancer's side of the step (none before its first step)
-                    **(stats or StepStats(step=done, policy=cfg.policy)).as_record(),
-                }
-                if load is not None:
-                    record.update(load.as_record())
+                record = self._record(step, stepped)
                 if turn is not None:
                     record["turn"] = turn
+                stats, ph, loss_value = self.balancer.last_stats, stepped.phases, record["loss"]
                 for k, v in ph.items():
                     totals[k] += v
                 res.steps.append(done)
                 res.losses.append(loss_value)
-                res.step_seconds.append(step_s)
+                res.step_seconds.append(stepped.step_s)
                 res.max_over_mean.append(
                     float(np.mean(stats.max_over_mean)) if stats and stats.max_over_mean else 1.0
                 )
@@ -627,23 +596,9 @@ class _Trainer:
             if self.balancer.probe is not None:  # start-up bulk transfers, `runtime.probe`
                 k = ("k", "measured_s", "modelled_s")
                 summary["transfer_probe"] = dict(zip(k, self.balancer.probe, strict=True))
-            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")
-            self.log.print(
-                f"done: {len(res.losses)} steps, final loss {res.losses[-1]:.4f}"
-                + (f", val {res.val[-1][1]:.4f}" if res.val else "")
-                + f", {res.tokens_per_s:,.0f} tok/s (median), {res.plan_changes} plan changes;"
-                + (
-                    f" EDP replicas {'identical' if res.replicas_agree else 'DIFFER'};"
-                    if res.replicas_agree is not None
-                    else ""
-                )
-                + f" outputs in {self.out}"
-            )
-            spent = sum(totals.values()) or 1.0
-            self.log.print(
-                "time by phase: "
-                + ", ".join(f"{k} {100 * v / spent:.0f}%" for k, v in totals.items() if v)
-            )
+            write_summary(self.out / "summary.json", summary)
+            for line in closing_lines(res, totals, self.out):
+                self.log.print(line)
         return res
 
 
