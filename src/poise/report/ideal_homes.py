@@ -6,9 +6,10 @@
 Static expert parallelism homes expert e on device `e * D // E` (contiguous blocks of P = E / D,
 `plan.policies.base.static_homes`). `balanced_order` finds, per layer, which experts' loads
 the block of each device should hold so that the devices' loads are even, as far as whole
-experts allow and a local search finds: longest-processing-time greedy with P experts per device (`plan.policies.lpt.lpt_assign`,
-heaviest first), then swaps of one expert between the heaviest device and another while a
-swap lowers the heavier of the two (a local search; it never ends heavier than the greedy).
+experts allow and a local search finds: longest-processing-time greedy with P experts per
+device (`plan.policies.lpt.lpt_assign`, heaviest first), then swaps of one expert between the
+heaviest device and another while a swap lowers the heavier of the two (it never ends heavier
+than the greedy).
 
 Routing a trace through the re-dealt counts keeps every expert's load (the same GEMM shapes,
 the same tokens per step) and only moves whole loads between the devices' blocks: static EP
