@@ -316,12 +316,15 @@ def _guarded(rank: int, W: int) -> dict:
         records: list[tuple] = []  # what the guard was told of each switch, and from what
         record = balancer.guard.record_switch
 
-        def spy(measured_s: float, modelled_s: float, b=balancer, rec=records, call=record):
+        def spy(
+            measured_s: float, modelled_s: float, migrate_s: float | None = None,
+            b=balancer, rec=records, call=record,
+        ) -> None:  # fmt: skip
             from poise.runtime.balancer import PROBE
 
             rows = np.stack(b.measured)[np.array(b.row_layout) != PROBE]  # probes left out
-            rec.append((measured_s, modelled_s, b._switch_check, rows))
-            call(measured_s, modelled_s)
+            rec.append((measured_s, modelled_s, migrate_s, b._switch_check, rows))
+            call(measured_s, modelled_s, migrate_s)
 
         balancer.guard.record_switch = spy  # type: ignore[method-assign]
         _train(model, opt, rank, 10, balancer)
@@ -458,13 +461,18 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
     assert pays["switched_at"] and pays["decisions"][0] == "adopt", pays
     # each switch was measured from its own row and the steady rows after it, on every rank
-    from poise.runtime.guard import switch_seconds
+    from poise.runtime import selfcal
+    from poise.runtime.guard import migration_seconds, switch_seconds
 
     assert pays["switch_records"], pays
-    for measured_s, modelled_s, (step, modelled, wait), rows in pays["switch_records"]:
+    for measured_s, modelled_s, migrate_s, (step, modelled, wait), rows in pays["switch_records"]:
         # the row after the switch's stats carries it (its boundary, then the fill's Trans)
         assert step - 1 in pays["switched_at"] and modelled_s == modelled > 0
         assert measured_s == switch_seconds(rows, step, wait)
+        # its migration was timed inside its boundary, and gathered with it
+        carried = rows[rows[:, 0] == step, 1:][0]
+        assert migrate_s == migration_seconds(rows, step)
+        assert 0 < migrate_s <= carried[selfcal.BOUNDARY]
     assert all(g["pays"]["k_switch"] == pays["k_switch"] for g in guards)
     # each measured row knows its layout: static up to the first switch, replicas from the row
     # that carried it (eplb replicates the hot experts)
@@ -779,6 +787,30 @@ def test_a_switch_is_measured_beyond_the_plans_steady_steps() -> None:
     assert switch_seconds(rows[2:], 4, 0.05) is None  # its row is gone
 
 
+def test_a_switchs_migration_is_priced_apart_from_its_fixed_part() -> None:
+    """`record_switch` with the migration's own seconds: the per-byte ratio `k_switch` comes
+    from the migration alone, the rest of the switch goes to `relay_s`, which every switch
+    pays. A first switch that moved one home and re-laid four layers (ep_step's zipf-1.2:
+    31 ms exposed for a 0.62 ms modelled migration that took 5 ms) prices a later 10x larger
+    migration at 8.06 x 6.2 + 26 = 76 ms, not 50 x 6.2 = 310 ms."""
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard
+
+    guard = SwitchGuard(horizon=10)
+    guard.record_switch(measured_s=0.031, modelled_s=0.00062, migrate_s=0.005)
+    assert guard.k_switch == pytest.approx(0.005 / 0.00062) and guard.switches == 1
+    assert (guard.relays, guard.relay_s) == (1, pytest.approx(0.026))
+    bigger = Assessment(False, switch_s=0.0062, current_busy_s=1.0, candidate_busy_s=0.9)
+    assert guard.decide(bigger).switch_s == pytest.approx(0.005 / 0.00062 * 0.0062 + 0.026)
+    whole = SwitchGuard(horizon=10)  # the migration not timed: the whole switch's ratio
+    whole.record_switch(measured_s=0.031, modelled_s=0.00062)
+    assert whole.k_switch == pytest.approx(50.0) and whole.relays == 0
+    # a migration that outlasted the switch's exposure (overlapped steps) leaves no fixed part
+    guard.record_switch(measured_s=0.010, modelled_s=0.001, migrate_s=0.012)
+    assert guard.relays == 2 and guard.relay_s == pytest.approx(0.013)
+    assert guard.k_switch == pytest.approx((0.005 / 0.00062 + 12.0) / 2)
+
+
 def test_guard_prices_switches_with_what_they_measured() -> None:
     from poise.runtime.assessment import Assessment
     from poise.runtime.guard import Decision, SwitchGuard
@@ -809,7 +841,8 @@ def test_guard_prices_switches_with_what_they_measured() -> None:
     assert d.adopt and d.switch_s == pytest.approx(0.06)
     guard.record_switch(measured_s=0.24, modelled_s=0.0)  # mean 0.12: 0.1 < 1.2 * 0.12
     assert not guard.decide(relay).adopt
-    assert guard.decide(plan).switch_s == pytest.approx(1.5)  # a migration: k_switch 3 x 0.5 s
+    # a migration: k_switch 3 x 0.5 s, and what every switch costs beyond its migration
+    assert guard.decide(plan).switch_s == pytest.approx(1.5 + 0.12)
     refused = Decision(False, "no-gain", gain_s=0.05, switch_s=1.0)
     assert not guard.planning_pays(refused, planning_s=0.1)  # the planner cost more
     assert guard.planning_pays(refused, planning_s=0.01)

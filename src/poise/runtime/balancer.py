@@ -329,6 +329,7 @@ class Balancer(PlanCycle):
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
         self._paused_at: float | None = None  # when `pause` handed the host to another run
         self._boundary_s = 0.0  # this rank's seconds in the last `step`
+        self._migrate_s = 0.0  # ... of them moving homes (a switch's migration)
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
         self._handles: list[Any] = []
@@ -506,6 +507,7 @@ class Balancer(PlanCycle):
         if not switched:
             self.moves.launch_trans(stats)
         self._boundary_s = time.perf_counter() - t0
+        self._migrate_s = stats.seconds.get("migrate", 0.0)  # only a switch migrates
         stats.add_seconds("boundary", self._boundary_s)
         self.stats.append(stats)
         self._current = StepStats(step=self.steps_done, policy=self.policy)
@@ -553,6 +555,7 @@ class Balancer(PlanCycle):
             sec.get("dispatch", 0.0) + sec.get("combine", 0.0),
             sec.get("experts", 0.0),
             sec.get("transfers", 0.0),
+            self._migrate_s,
         ]
         g = gather_step(
             self.layers, self.num_experts, mine, self.group, self.world_size,

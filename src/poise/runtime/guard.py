@@ -19,8 +19,7 @@ Adoption (`SwitchGuard.decide`). A candidate is priced against the plan in force
 loads:
 
     gain   = (live_s(current) - live_s(candidate)) * horizon          seconds saved
-    switch = k_switch * migrate_s(candidate) + wait_s                  seconds the switch costs
-             (+ relay_s where no home moves)
+    switch = k_switch * migrate_s(candidate) + relay_s + wait_s        seconds the switch costs
 
 with `horizon` the steps the plan serves: the re-planning interval, or, for an `auto` plan, as
 long as its load pattern has held where that is longer (`poise.plan.persistence`: a home moved
@@ -28,16 +27,22 @@ for a pattern that lasts pays over more than one interval), `migrate_s` the mode
 one-off transfer (homes moved with their optimizer state; a new replica's fill is not one:
 it is the plan's first Trans, launched at the switch's boundary as every boundary launches
 one, and `live_s` already charges it each step), `k_switch` the measured / modelled ratio of
-the migrations this run already made (before the first, the prior the caller passes: the
+the migrations this run already made, each timed on its own (the boundary's seconds in
+`transfers.migrate`, `selfcal.MIGRATE`; before the first, the prior the caller passes: the
 Balancer's is `k_transfer`, the scale this run's other bulk transfers measured against the
-same prior cluster, since a migration is bulk transfers of weights and moments), and `wait_s`
-the seconds the boundary waited for the planner, and `relay_s` the mean measured seconds of
-the switches this run made that moved no home (a change of replicas alone: the layers' slots
+same prior cluster, since a migration is bulk transfers of weights and moments), `relay_s`
+the mean of what the switches this run made cost beyond their migration (the layers' slots
 re-laid, the routing rebuilt, the new replicas filled, beyond the steady steps' transfers;
-0 before the first). Such a switch is modelled at 0 (no migration), so it has no ratio to
-measure; priced at 0 it was adopted for any gain, however small: on `skewed-4` (4 ranks on
-2 cores) `auto` changed its replicas at every re-plan, each change 15-60 ms of boundary for a
-modelled gain of a few ms a step. A switch's measured seconds
+0 before the first), and `wait_s` the seconds the boundary waited for the planner. A switch
+that moves no home is modelled at 0, so it is all `relay_s`; priced at 0 it was adopted for
+any gain, however small: on `skewed-4` (4 ranks on 2 cores) `auto` changed its replicas at
+every re-plan, each change 15-60 ms of boundary for a modelled gain of a few ms a step. The
+ratio takes the migration alone because a switch's fixed part is no per-byte cost: on
+`ep_step`'s zipf-1.2 trace a first switch that moved one home (4.7 MB) and added replicas
+exposed 31 ms beyond its steady steps, 50 times its modelled migration; that ratio, applied
+to every later migration, priced them about 4 times dearer than the 66 MB migrations of the
+same trace measured (12.9 times their model), so `auto` kept four replicas and their
+transfers for the rest of the run. A switch's measured seconds
 (`switch_seconds`) are what its step exposed beyond the plan's steady steps: the exposed
 transfer seconds (boundary, Trans waits, Agg) of the step that carried it, less their median
 over the steps after it (which pay the same Trans and Agg) and less the planner wait. The plan
@@ -99,7 +104,7 @@ from poise.core.placement import Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.runtime.assessment import Assessment
 from poise.runtime.homes import homes_alone
-from poise.runtime.selfcal import exposed_transfers_s
+from poise.runtime.selfcal import MIGRATE, exposed_transfers_s
 from poise.runtime.verdict import (
     CLOCK_Z,
     Verdict,
@@ -131,6 +136,13 @@ def switch_seconds(rows: np.ndarray, step: int, wait_s: float) -> float | None:
         return None
     steady = float(np.median(exposed_transfers_s(after)))
     return float(exposed_transfers_s(carried)[0]) - steady - max(0.0, wait_s)
+
+
+def migration_seconds(rows: np.ndarray, step: int) -> float | None:
+    """The seconds the switch made at `step` spent migrating homes (`selfcal.MIGRATE` of the
+    row that carried it, as `switch_seconds` reads it); None while that row is missing."""
+    carried = rows[rows[:, 0] == step, 1:]
+    return float(carried[0, MIGRATE]) if len(carried) == 1 else None
 
 
 def exit_plans(current: Plan, static: Plan, spec: ModelSpec) -> list[Plan]:
@@ -190,7 +202,7 @@ class SwitchGuard:
         self.enabled = enabled
         self.k_switch = 1.0  # the mean measured / modelled ratio once `switches` > 0
         self.switches = 0
-        self.relay_s = 0.0  # the mean measured seconds of switches that moved no home
+        self.relay_s = 0.0  # the mean measured seconds of switches beyond their migration
         self.relays = 0
         self.fallbacks = 0
         self.idles = 0  # re-plans that did not pay for their planning
@@ -220,9 +232,7 @@ class SwitchGuard:
             return Decision(False, "same")
         steps = horizon or self.horizon
         gain = a.live_gain_s(k_transfer) * steps
-        switch = self.switch_scale(switch_prior) * a.switch_s + max(0.0, wait_s)
-        if not a.switch_s > 0:  # no home moves: what such switches measured
-            switch += self.relay_s
+        switch = self.switch_scale(switch_prior) * a.switch_s + self.relay_s + max(0.0, wait_s)
         if not self.enabled:
             return Decision(True, "off", gain, switch)
         gain *= self.trust  # after a fallback the clock forced on the model (`fell_back`)
@@ -230,20 +240,30 @@ class SwitchGuard:
         ok = gain > 0 and gain - doubt > (1.0 + self.margin) * switch
         return Decision(ok, "adopt" if ok else "no-gain", gain, switch)
 
-    def record_switch(self, measured_s: float, modelled_s: float) -> None:
-        """A switch's measured seconds against its modelled ones: `k_switch` becomes the mean
-        ratio over the switches so far; a switch modelled at 0 (no home moved) counts towards
-        `relay_s` instead, the mean of such switches' measured seconds (none below 0)."""
+    def record_switch(
+        self, measured_s: float, modelled_s: float, migrate_s: float | None = None
+    ) -> None:
+        """A switch's measured seconds (`switch_seconds`), its modelled migration and, where
+        known, the seconds its migration took (`migrate_s`): `k_switch` becomes the mean ratio
+        of migration seconds (`migrate_s`, else the whole switch's) to modelled ones over the
+        switches that moved homes; what the switch cost beyond its migration (all of it where
+        no home moved, none where `migrate_s` is not known) counts towards `relay_s`, the mean
+        over the switches (none below 0)."""
         if not np.isfinite(measured_s):
             return
-        if not modelled_s > 0:
+        moved = modelled_s > 0
+        known = migrate_s is not None and np.isfinite(migrate_s)
+        if not moved or known:
+            beyond = measured_s - (migrate_s if moved and known else 0.0)
             self.relays += 1
-            self.relay_s += (max(0.0, measured_s) - self.relay_s) / self.relays
+            self.relay_s += (max(0.0, beyond) - self.relay_s) / self.relays
+        if not moved:
             return
-        if not measured_s > 0:
+        seconds = migrate_s if known else measured_s
+        if not seconds > 0:
             return
         self.switches += 1
-        ratio = measured_s / modelled_s
+        ratio = seconds / modelled_s
         self.k_switch = (
             ratio
             if self.switches == 1
@@ -375,5 +395,6 @@ __all__ = [
     "SwitchGuard",
     "exit_plans",
     "fallback_target",
+    "migration_seconds",
     "switch_seconds",
 ]

@@ -95,10 +95,12 @@ class LayerMoves:
             layer_maps.append(new_maps)
             if same_homes(state.maps, new_maps):  # replicas only: no re-lay of any row
                 continue
+            t_move = time.perf_counter()
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
                 fill_replicas=False,
             )  # fmt: skip
+            stats.add_seconds("migrate", time.perf_counter() - t_move)
             stats.migrate_bytes += moved.home_total_bytes
             stats.moved_homes += moved.moved_homes
             stats.relaid_rows += moved.relaid_rows

@@ -39,7 +39,7 @@ from poise.nn.comm import comm_device
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
 from poise.runtime.decision import Outcome, plans_agree, share_outcome
-from poise.runtime.guard import SwitchGuard, switch_seconds
+from poise.runtime.guard import SwitchGuard, migration_seconds, switch_seconds
 from poise.runtime.leader import leader_outcome, median_period_s
 from poise.runtime.paired_clock import Probes
 from poise.runtime.planner import BackgroundPlanner
@@ -189,7 +189,7 @@ class PlanCycle(ABC):
         step, modelled, wait = self._switch_check
         seconds = switch_seconds(measured, step, wait)
         if seconds is not None:
-            self.guard.record_switch(seconds, modelled)
+            self.guard.record_switch(seconds, modelled, migration_seconds(measured, step))
             self._switch_check = None
 
     def _decide(self, stats: StepStats) -> bool:

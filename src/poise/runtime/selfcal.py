@@ -71,10 +71,11 @@ from poise.cost.phases import PhaseTimes
 # between two step boundaries, the boundary itself (Trans launch, migration, waiting for the
 # planner), and the layers' forward phases.
 # `transfers_s`: the step's Trans waits in forward and its Agg (launch and wait); the boundary
-# (`boundary_s`, the previous step's) holds the Trans launches.
-MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers_s")
-PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS = range(len(MEASURED))
-WAITED = (BOUNDARY, A2A, TRANSFERS)  # collectives: taken at the rank that waited least
+# (`boundary_s`, the previous step's) holds the Trans launches; `migrate_s`, the part of that
+# boundary spent moving homes with their optimizer state (a switch's migration, 0 otherwise).
+MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers_s", "migrate_s")
+PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS, MIGRATE = range(len(MEASURED))
+WAITED = (BOUNDARY, A2A, TRANSFERS, MIGRATE)  # collectives: taken at the rank that waited least
 SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: clipped
 # The least relative standard error a previous fit's k_compute carries into the next window:
 # the machine's speed drifts 10-20% over tens of steps (docs/benchmarks.md, identical static
