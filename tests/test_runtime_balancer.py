@@ -808,7 +808,8 @@ def test_a_switchs_migration_is_priced_apart_from_its_fixed_part() -> None:
     # a migration that outlasted the switch's exposure (overlapped steps) leaves no fixed part
     guard.record_switch(measured_s=0.010, modelled_s=0.001, migrate_s=0.012)
     assert guard.relays == 2 and guard.relay_s == pytest.approx(0.013)
-    assert guard.k_switch == pytest.approx((0.005 / 0.00062 + 12.0) / 2)
+    # the larger migration weighs by its size: (5 + 12) ms over (0.62 + 1) ms modelled
+    assert guard.k_switch == pytest.approx(0.017 / 0.00162)
 
 
 def test_guard_prices_switches_with_what_they_measured() -> None:
@@ -827,7 +828,7 @@ def test_guard_prices_switches_with_what_they_measured() -> None:
     assert not decision.adopt and decision.reason == "no-gain" and decision.switch_s == 2.0
     assert guard.decide(plan, switch_prior=0.1).switch_s == 2.0  # measured beats the prior
     guard.record_switch(measured_s=1.0, modelled_s=0.5)
-    assert guard.k_switch == 3.0  # the mean ratio over the switches: (4 + 2) / 2
+    assert guard.k_switch == 3.0  # measured over modelled, summed: (2 + 1) / (0.5 + 0.5)
     assert guard.decide(Assessment(same=True)).reason == "same"
     assert SwitchGuard(horizon=2, enabled=False).decide(plan).adopt  # guard off: adopt
     # a change of replicas alone (no home moves: modelled 0 s) is priced at what such switches

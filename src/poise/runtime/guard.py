@@ -26,8 +26,8 @@ long as its load pattern has held where that is longer (`poise.plan.persistence`
 for a pattern that lasts pays over more than one interval), `migrate_s` the modelled
 one-off transfer (homes moved with their optimizer state; a new replica's fill is not one:
 it is the plan's first Trans, launched at the switch's boundary as every boundary launches
-one, and `live_s` already charges it each step), `k_switch` the measured / modelled ratio of
-the migrations this run already made, each timed on its own (the boundary's seconds in
+one, and `live_s` already charges it each step), `k_switch` the measured / modelled seconds of
+the migrations this run already made, summed, each timed on its own (the boundary's seconds in
 `transfers.migrate`, `selfcal.MIGRATE`; before the first, the prior the caller passes: the
 Balancer's is `k_transfer`, the scale this run's other bulk transfers measured against the
 same prior cluster, since a migration is bulk transfers of weights and moments), `relay_s`
@@ -200,7 +200,9 @@ class SwitchGuard:
         self.backoff = int(backoff)
         self.max_backoff = int(max_backoff)
         self.enabled = enabled
-        self.k_switch = 1.0  # the mean measured / modelled ratio once `switches` > 0
+        self.k_switch = 1.0  # measured / modelled migration seconds once `switches` > 0
+        self._migrated_s = 0.0  # ... summed over the switches so far
+        self._modelled_s = 0.0
         self.switches = 0
         self.relay_s = 0.0  # the mean measured seconds of switches beyond their migration
         self.relays = 0
@@ -244,11 +246,13 @@ class SwitchGuard:
         self, measured_s: float, modelled_s: float, migrate_s: float | None = None
     ) -> None:
         """A switch's measured seconds (`switch_seconds`), its modelled migration and, where
-        known, the seconds its migration took (`migrate_s`): `k_switch` becomes the mean ratio
-        of migration seconds (`migrate_s`, else the whole switch's) to modelled ones over the
-        switches that moved homes; what the switch cost beyond its migration (all of it where
-        no home moved, none where `migrate_s` is not known) counts towards `relay_s`, the mean
-        over the switches (none below 0)."""
+        known, the seconds its migration took (`migrate_s`). `k_switch` becomes the ratio of
+        the migration seconds (`migrate_s`, else the whole switch's) to the modelled ones,
+        both summed over the switches that moved homes: a large migration, whose price
+        matters most, weighs by its size, and a small one is mostly per-layer overhead. What
+        the switch cost beyond its migration (all of it where no home moved, none where
+        `migrate_s` is not known) counts towards `relay_s`, the mean over the switches (none
+        below 0)."""
         if not np.isfinite(measured_s):
             return
         moved = modelled_s > 0
@@ -263,12 +267,9 @@ class SwitchGuard:
         if not seconds > 0:
             return
         self.switches += 1
-        ratio = seconds / modelled_s
-        self.k_switch = (
-            ratio
-            if self.switches == 1
-            else (self.k_switch + (ratio - self.k_switch) / self.switches)
-        )
+        self._migrated_s += seconds
+        self._modelled_s += modelled_s
+        self.k_switch = self._migrated_s / self._modelled_s
 
     # ------------------------------------------------------------------ keeping it
     def pays(self, v: Verdict | None) -> bool:
