@@ -35,7 +35,7 @@ def _fill(layers: list[LayerState], rank: int) -> None:
 def test_one_rank_by_hand() -> None:
     layers = _layers(1, None)
     _fill(layers, 0)
-    seconds = [0.5, 0.01, 0.02, 0.03, 0.04, 0.05]
+    seconds = [0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
     g = gather_step(layers, E, seconds, None, 1, step=7)
     assert g.counts.shape == (2, 1, E)
     assert g.counts[:, 0].tolist() == [[0, 1, 2, 3], [10, 1, 2, 3]]
@@ -63,8 +63,8 @@ def _two(rank: int, world: int) -> dict:
 
     layers = _layers(world, dist.group.WORLD)
     _fill(layers, rank)
-    # rank 1 is slower everywhere except in the collectives (a2a, transfers, boundary)
-    seconds = np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05]) * (1 + rank)
+    # rank 1 is slower everywhere except in the collectives (a2a, transfers, boundary, migration)
+    seconds = np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06]) * (1 + rank)
     return {"g": gather_step(layers, E, seconds.tolist(), dist.group.WORLD, world, step=1)}
 
 
@@ -77,10 +77,10 @@ def test_two_ranks_see_the_same_table() -> None:
     # counts [L, D, E]: layer l of rank r routed [10 l + r, 1, 2, 3]
     assert g.counts.tolist() == [[[0, 1, 2, 3], [1, 1, 2, 3]], [[10, 1, 2, 3], [11, 1, 2, 3]]]
     assert g.computed.tolist() == [[5.0, 15.0], [6.0, 16.0]]  # [L, D]
-    base = np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05])
+    base = np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06])
     np.testing.assert_allclose(g.rank_seconds, [base, 2 * base])
     want = 2 * base  # the slowest rank's, except the collectives: the fastest rank's
-    waited = [selfcal.A2A, selfcal.TRANSFERS, selfcal.BOUNDARY]
+    waited = [selfcal.A2A, selfcal.TRANSFERS, selfcal.BOUNDARY, selfcal.MIGRATE]
     want[waited] = base[waited]
     np.testing.assert_allclose(g.measured, want)
     np.testing.assert_allclose(g.rank_experts, [0.04, 0.08])
@@ -95,7 +95,7 @@ def _two_groups(rank: int, world: int) -> dict:
     group = groups[rank // 2]
     layers = _layers(2, group)
     _fill(layers, rank % 2)
-    seconds = (np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05]) * (1 + rank)).tolist()
+    seconds = (np.array([0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06]) * (1 + rank)).tolist()
     own = gather_step(layers, E, seconds, group, 2, step=1)
     _fill(layers, rank % 2)
     voted = gather_step(layers, E, seconds, group, 2, step=2, vote_group=dist.group.WORLD)
