@@ -33,7 +33,9 @@ machine noise hits all alike:
   them) are off by default (`--probe-every 0`): the paired clock needs 4 of them, more than a
   10-step window holds, and each would be a tenth of the window, where a training run takes at
   most 8 per episode of hundreds of steps (`train_speedup` times them in whole runs).
-  `probe_steps` counts those among the timed steps;
+  `probe_steps` counts those among the timed steps, and `switches_timed` lists the plan
+  switches among them (the step, 1-based, whose boundary switched; homes moved; migration MB
+  and ms on rank 0): one-off work that a short window charges in full;
 - `ideal`: static EP on the same trace with each layer's expert loads re-dealt so that every
   rank's homes hold an even share (`ideal_trace`, `poise.report.ideal_homes`; max/mean 1.0004 on
   smartmoe-5001, 1.0000 on zipf-1.2): the trace's own GEMMs, balanced, with nothing to transfer;
@@ -423,6 +425,18 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
         "replicas": int(balancer.plan.placement.replicas().sum()),
         "moved_homes": int(sum(s.moved_homes for s in balancer.stats)),
         "probe_steps": int(sum(s.probe for s in stats)),
+        # plan switches inside the timed steps: a migration there is one-off work the window
+        # charges in full (a long run pays it once)
+        "switches": [
+            {
+                "after_step": s.step + 1,  # 1-based: the step whose boundary switched
+                "moved_homes": s.moved_homes,
+                "migrate_mb": round(s.migrate_bytes / 1e6, 1),
+                "migrate_ms": round(s.seconds.get("migrate", 0.0) * 1e3, 1),
+            }
+            for s in stats
+            if s.switched
+        ],
     }
     return out
 
@@ -472,6 +486,7 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "replicas": st["replicas"],
         "moved_homes": st["moved_homes"],
         "probe_steps": st["probe_steps"],
+        "switches_timed": st["switches"],
         "transfer_bytes_per_step": round(st["bytes_per_step"]),
         "balanced_ms_by_phase": {k: round(v * 1e3, 2) for k, v in st["seconds"].items()},
         # Other processes on this machine take CPU from the ranks and hide their imbalance.
