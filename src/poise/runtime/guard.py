@@ -220,6 +220,12 @@ class SwitchGuard:
         """`k_switch`: the switches' measured / modelled ratio, `prior` before any was measured."""
         return self.k_switch if self.switches else float(prior)
 
+    def switch_cost(self, modelled_s: float, wait_s: float = 0.0, prior: float = 1.0) -> float:
+        """Seconds a switch whose migration is modelled at `modelled_s` costs (module
+        docstring): `k_switch` (`prior` before any switch was measured) times it, plus
+        `relay_s`, plus the planner wait `wait_s` (none below 0)."""
+        return self.switch_scale(prior) * modelled_s + self.relay_s + max(0.0, wait_s)
+
     def decide(
         self,
         a: Assessment,
@@ -234,7 +240,7 @@ class SwitchGuard:
             return Decision(False, "same")
         steps = horizon or self.horizon
         gain = a.live_gain_s(k_transfer) * steps
-        switch = self.switch_scale(switch_prior) * a.switch_s + self.relay_s + max(0.0, wait_s)
+        switch = self.switch_cost(a.switch_s, wait_s, switch_prior)
         if not self.enabled:
             return Decision(True, "off", gain, switch)
         gain *= self.trust  # after a fallback the clock forced on the model (`fell_back`)

@@ -104,7 +104,7 @@ def exit_outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
         gain_s=credit * a.live_gain_s() * (result.horizon or guard.horizon),
-        switch_s=guard.switch_scale(k_transfer) * a.switch_s + guard.relay_s + max(0.0, wait_s),
+        switch_s=guard.switch_cost(a.switch_s, wait_s, k_transfer),
         predicted_step_s=a.candidate_s,
         modelled_switch_s=a.switch_s,
         wait_s=wait_s,
