@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.core.placement import Assignment, Placement, balanced_weights
+from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
+from poise.core.water_fill import balanced_weights
 from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel
 from poise.cost.traffic import level_traffic

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poise.core.placement import Assignment, Placement, Plan, balanced_weights
+from poise.core.placement import Assignment, Placement, Plan
+from poise.core.water_fill import balanced_weights
 from poise.cost.incremental import ROW_R, TERMS, ExpertColumns
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
