@@ -141,11 +141,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run a round's static and auto one after the other, not step by step in turns",
     )
+    p.add_argument(
+        "--auto-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a training setting for the auto side only, its value as YAML (e.g. probe_every=0);"
+        " repeatable",
+    )
     args = p.parse_args(argv)
+    args.auto_settings = auto_settings(p, args.auto_set)
     if "all" in args.settings:
         args.settings = list(SETTINGS)
     args.settings = list(dict.fromkeys(args.settings))
     return args
+
+
+def auto_settings(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
+    """`["probe_every=0", ...]` -> `{"probe_every": 0}` (values read as YAML); a pair without
+    `=` is a usage error. The settings themselves are checked by `TrainConfig`."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"--auto-set expects KEY=VALUE, got {pair!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 # ------------------------------------------------------------------------------- training runs
@@ -266,6 +289,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
             side: run_config(
                 policy_of[side], root / f"{name}-{r}-{side}", args.steps, args.replan_every,
                 model_args, **PEERS.get(side, {}),
+                **(args.auto_settings if side == "auto" else {}),
             )
             for side in order
         }  # fmt: skip
@@ -352,6 +376,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "measured_steps": args.steps - skip,
         "repeats": args.repeats,
         "replan_every": args.replan_every,
+        "auto_settings": args.auto_settings,
         "static_tok_s_runs": [round(x, 1) for x in static_tok],
         "auto_tok_s_runs": [round(x, 1) for x in auto_tok],
         "ideal_speedup_runs": [round(i["ideal_speedup"], 4) for i in ideals],

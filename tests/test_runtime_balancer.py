@@ -1811,6 +1811,46 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     assert v.wall_saving_s is None and v.probes == 0
 
 
+def _probes_reading(counts: np.ndarray, clocks_s: np.ndarray):
+    """`Probes` on `_replica_case`'s counts whose probe i ran `clocks_s[i]` slower than its
+    one neighbour (the paired clock's `d_i`)."""
+    from poise.runtime import selfcal
+    from poise.runtime.paired_clock import Probes
+
+    n = len(clocks_s)
+    steps = np.stack([counts] * n)
+    rows = np.zeros((n, len(selfcal.MEASURED)))
+    rows[:, selfcal.PERIOD] = 1e-3 + clocks_s
+    pairs = np.zeros((n, len(selfcal.MEASURED)))
+    pairs[:, selfcal.PERIOD] = 1e-3
+    return Probes(steps, rows, steps, pairs, np.arange(n))
+
+
+def _replica_job(probes):
+    """A calibrating `PlanningJob` with `_replica_case`'s replica plan in force for as many
+    steps as `probes` has, those steps' rows empty but their periods (1 ms)."""
+    from poise.plan.predict import Predictor
+    from poise.runtime import selfcal
+    from poise.runtime.planning_job import PlanningJob
+    from tests.helpers import toy_spec
+
+    cost, static, replica, counts = _replica_case()
+    n = len(probes)
+    steps = np.stack([counts] * n)
+    rows = np.zeros((n, 1 + len(selfcal.MEASURED)))
+    rows[:, 0] = np.arange(1, n + 1)
+    rows[:, 1 + selfcal.PERIOD] = 1e-3
+    none = np.zeros((0, *counts.shape))
+    return PlanningJob(
+        history=steps, fit_counts=steps, fit_rows=rows, settled=np.ones(n, dtype=bool),
+        static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
+        balanced_rows=np.zeros((0, rows.shape[1])), current=replica, static=static,
+        prior=cost.cluster, spec=toy_spec(experts=2), previous=selfcal.Fit(), policy="static",
+        predictor=Predictor("last"), options={}, slots=2, calibrate=True, split_tokens=False,
+        horizon=10, measured_switch=None, probes=probes,
+    )  # fmt: skip
+
+
 def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monkeypatch) -> None:
     """`replica_scale` by hand on `_replica_case` (the replica saves B = 27,840 - 23,680
     = 4,160 ns of busy, its Trans + Agg T = 512 ns): a clock of 2,112 ns a step means the
@@ -1822,39 +1862,20 @@ def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monk
     scale, not the replicas')."""
     from dataclasses import replace
 
-    from poise.plan.predict import Predictor
-    from poise.runtime import selfcal
     from poise.runtime.paired_clock import Probes, replica_scale
-    from poise.runtime.planning_job import PlanningJob, run_job
-    from tests.helpers import toy_spec
+    from poise.runtime.planning_job import run_job
 
     cost, static, replica, counts = _replica_case()
     n = 4
-    steps = np.stack([counts] * n)
 
     def probes_with(clock_s: float) -> Probes:
-        rows = np.zeros((n, len(selfcal.MEASURED)))
-        rows[:, selfcal.PERIOD] = 1e-3 + clock_s
-        pairs = np.zeros((n, len(selfcal.MEASURED)))
-        pairs[:, selfcal.PERIOD] = 1e-3
-        return Probes(steps, rows, steps, pairs, np.arange(n))
+        return _probes_reading(counts, np.full(n, clock_s))
 
     assert replica_scale(cost, replica, probes_with(2_112e-9), 2_112e-9) == pytest.approx(4.0)
     assert replica_scale(cost, replica, probes_with(4e-6), 4e-6) == 1.0
     assert replica_scale(cost, replica, probes_with(-5e-6), -5e-6) == pytest.approx(9_160 / 512)
     assert replica_scale(cost, static, probes_with(-5e-6), -5e-6) == 1.0  # no Trans to price
-    rows = np.zeros((n, 1 + len(selfcal.MEASURED)))
-    rows[:, 0] = np.arange(1, n + 1)
-    rows[:, 1 + selfcal.PERIOD] = 1e-3
-    none = np.zeros((0, *counts.shape))
-    job = PlanningJob(
-        history=steps, fit_counts=steps, fit_rows=rows, settled=np.ones(n, dtype=bool),
-        static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
-        balanced_rows=np.zeros((0, rows.shape[1])), current=replica, static=static,
-        prior=cost.cluster, spec=toy_spec(experts=2), previous=selfcal.Fit(), policy="static",
-        predictor=Predictor("last"), options={}, slots=2, calibrate=True, split_tokens=False,
-        horizon=10, measured_switch=None, probes=probes_with(2_112e-9),
-    )  # fmt: skip
+    job = _replica_job(probes_with(2_112e-9))
     import poise.runtime.planning_job as planning_job
 
     seen: dict = {}
@@ -1877,6 +1898,24 @@ def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monk
     again = run_job(replace(job, probes=None, previous=result.fit))
     assert again.fit.k_replica == pytest.approx(4.0)
     assert run_job(replace(job, calibrate=False)).fit.k_replica == 1.0
+
+
+def test_replicas_are_priced_dearer_only_by_what_the_clock_shows_beyond_its_noise() -> None:
+    """The same case with a noisy clock: 4 probes reading 1,912 and 2,312 ns in turn, mean
+    2,112 ns (which alone would price the replica at 4 T, as above), standard error
+    sqrt(4 * 200^2 / 3) / 2 = 115.47 ns. The job prices replicas at the clock's ceiling, 2,112 +
+    3.182 (t, 3 degrees of freedom) x 115.47 = 2,479.4 ns: k_replica = (4,160 - 2,479.4) / 512
+    = 3.28. A clock as wide as its mean (1,112 and 3,112 ns) proves nothing: k_replica 1."""
+    from poise.runtime.planning_job import run_job
+
+    _, _, _, counts = _replica_case()
+    noisy = _probes_reading(counts, np.array([1_912e-9, 2_312e-9] * 2))
+    result = run_job(_replica_job(noisy))
+    se = np.sqrt(4 * 200.0**2 / 3) / 2
+    assert result.paid is not None and result.paid.wall_se_s == pytest.approx(se * 1e-9)
+    assert result.fit.k_replica == pytest.approx((4_160 - (2_112 + 3.182 * se)) / 512)
+    wide = _probes_reading(counts, np.array([1_112e-9, 3_112e-9] * 2))
+    assert run_job(_replica_job(wide)).fit.k_replica == 1.0
 
 
 def test_probing_stops_once_the_paired_clock_has_spoken() -> None:

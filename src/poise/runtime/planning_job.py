@@ -7,8 +7,9 @@ process while training goes on:
 
 1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
 2. judge whether that plan paid on them (`poise.runtime.verdict.verdict`), where it is not static;
-   where its paired clock has spoken, price replicas at what it measured them to cost
-   (`paired_clock.replica_scale`, `Fit.k_replica`; kept from the previous fit otherwise);
+   where its paired clock has spoken, price replicas at what it measured them to cost beyond
+   its noise (`paired_clock.replica_scale` at `verdict.clock_ceiling`, `Fit.k_replica`; kept
+   from the previous fit otherwise);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`; with
    calibration off, the prior's, so that the plan depends on the loads alone) and
@@ -45,7 +46,7 @@ from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
 from poise.runtime.homes import keep_homes
 from poise.runtime.paired_clock import Probes, replica_scale
-from poise.runtime.verdict import Verdict, plan_pays, verdict
+from poise.runtime.verdict import Verdict, clock_ceiling, plan_pays, verdict
 
 
 def planning_context(
@@ -199,7 +200,7 @@ def run_job(job: PlanningJob) -> JobResult:
     if job.calibrate:  # replicas priced at what the paired clock measured them to cost
         k_replica = job.previous.k_replica
         if paid is not None and paid.probes and paid.wall_saving_s is not None:
-            k_replica = replica_scale(fitted, job.current, job.probes, paid.wall_saving_s)
+            k_replica = replica_scale(fitted, job.current, job.probes, clock_ceiling(paid))
         fit = dataclasses.replace(fit, k_replica=k_replica)
         if k_replica != 1.0:
             cluster = selfcal.scaled_cluster(

@@ -214,6 +214,23 @@ def clock_says_slower(v: Verdict | None) -> bool:
     return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.z * v.wall_se_s < 0
 
 
+def clock_ceiling(v: Verdict) -> float:
+    """The largest saving a step the paired clock leaves plausible: its estimate plus
+    `Verdict.z` standard errors (the one-sided 97.5% bound). Replicas are priced dearer than
+    their model only by what the clock shows beyond its own noise (`paired_clock.replica_scale`):
+    on `skewed` a clock of 28.5 +- 16.2 ms from 5 probes, against 39.8 modelled, had priced every
+    later replica 5.5 times its Trans + Agg from the point estimate, and the plans that followed
+    kept 2-3 replicas where 6-7 measured faster (docs/benchmarks.md).
+
+    >>> v = Verdict(0.0, 0.0, 10, wall_saving_s=0.010, wall_se_s=0.002, probes=4)
+    >>> round(clock_ceiling(v), 6)  # 0.010 + 3.182 * 0.002 (t with 3 degrees of freedom)
+    0.016364
+    """
+    if v.wall_saving_s is None:
+        raise ValueError("the verdict has no clock")
+    return v.wall_saving_s + v.z * v.wall_se_s
+
+
 def clock_settled(v: Verdict | None) -> bool:
     """The paired clock has spoken: at least `MIN_PROBES` probe steps and a saving beyond
     `Verdict.z` standard errors either way. More probes in the episode would only confirm it at
@@ -289,6 +306,7 @@ __all__ = [
     "MIN_WALL_STEPS",
     "T_975",
     "Verdict",
+    "clock_ceiling",
     "clock_says_slower",
     "clock_settled",
     "clock_z",
