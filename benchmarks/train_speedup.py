@@ -22,6 +22,9 @@ its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per 
 balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
 nets on this machine once those are paid. `--identical` runs static on both sides (the "auto"
 fields then describe the second static run): the spread of the comparison itself.
+`--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
+`probe_every=0` to see what the guard's probe steps cost; the line lists them under
+`auto_settings`.
 
 Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 `tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
