@@ -357,3 +357,35 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
     assert line["expert_us_per_token_rounds"] == [20.0, 30.0, 40.0]
     assert line["expert_us_per_token"] == 30.0 and line["expert_us_per_token_timed"] == "in turns"
     assert line["expert_us_per_token_before_after"] == [99.0, 99.0]
+
+
+def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path) -> None:
+    """`--auto-set probe_every=0 --auto-set predictor=last`: auto's config carries both (values
+    read as YAML), static's the defaults; the line lists them; a pair without `=` is a usage
+    error, and a bad value is `TrainConfig`'s own error, naming the field."""
+    import poise.calibrate.experts as experts
+    from poise.core.errors import ConfigError
+
+    bench = _bench()
+    seen: dict[str, tuple[int, str]] = {}
+
+    def fake_train(cfg, world: int):
+        seen[cfg.policy] = (cfg.probe_every, cfg.predictor)
+        return _three_to_one(cfg.policy, 20, 1.0 if cfg.policy == "static" else 0.95)
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    _fake_clock(monkeypatch, bench, [25e-6])
+    argv = ["--settings", "skewed", "--steps", "20", "--repeats", "1",
+            "--auto-set", "probe_every=0", "--auto-set", "predictor=last"]  # fmt: skip
+    line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
+    assert seen == {"static": (5, "ema"), "auto": (0, "last")}
+    assert line["auto_settings"] == {"probe_every": 0, "predictor": "last"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--auto-set", "probe_every"])
+    bad = bench.parse_args(["--settings", "skewed", "--auto-set", "probe_every=1"])
+    with pytest.raises(ConfigError, match="probe_every"):
+        bench.bench_setting("skewed", bad, tmp_path / "bad")
