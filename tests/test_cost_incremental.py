@@ -1,4 +1,5 @@
-"""The incremental layer pricers (`cost/incremental.py`) equal `CostModel.price` on the layer."""
+"""The incremental layer pricers (`cost/incremental.py`, `cost/expert_columns.py`) equal
+`CostModel.price` on the layer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from poise.core.cluster import HostCosts
 from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
-from poise.cost.incremental import ExpertColumns, LayerState
+from poise.cost.expert_columns import ExpertColumns
+from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel
 from poise.cost.schedule import Schedule
 

@@ -5,15 +5,15 @@ needs the price of *one layer* after a small change: one expert gains or loses c
 tokens are re-routed. Every term of the cost model (`cost/model.py`) is a sum over experts of
 per-device, per-link-level quantities followed by a max over devices, so a layer can be kept as
 per-device sums and a change applied as the difference of the changed expert's terms. The
-pricers here keep those sums and evaluate batches of candidate changes; their results equal
+pricers keep those sums and evaluate batches of candidate changes; their results equal
 `CostModel.price` on the changed layer (up to float rounding, tested in
 `tests/test_cost_incremental.py`).
 
-- `LayerState`: replicas that serve only their own device's tokens (`Assignment.to_home`,
-  Pro-Prophet, HybridEP); the caller builds the per-candidate deltas.
-- `ExpertColumns`: any per-expert routing (e.g. `Assignment.balanced`), home moves with their
-  migrations; keeps per-layer totals, prices batches of candidates that change a few experts, in
-  several layers at once (FlexMoE's vExpert search).
+- `LayerState` (here): replicas that serve only their own device's tokens (`Assignment.to_home`,
+  Pro-Prophet, HybridEP); the caller builds the per-candidate deltas. `prefix_cuts` and
+  `prefix_states` price every prefix of a ranked list of such changes.
+- `ExpertColumns` (`poise.cost.expert_columns`): any per-expert routing (e.g.
+  `Assignment.balanced`), home moves with their migrations (FlexMoE's vExpert search).
 
 Float residues: both pricers and `CostModel.price` charge a link level's latency only where at
 least `cost.MIN_TRAFFIC_BYTES` (one byte) cross it, so residues of ~1e-13 tokens left by
@@ -30,9 +30,9 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
 from poise.cost.model import CostModel, expert_seconds
-from poise.cost.network import device_seconds, group_seconds, link_bytes, link_seconds, link_split
+from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
-from poise.cost.traffic import homes_traffic, level_traffic, migration_traffic, replica_traffic
+from poise.cost.traffic import homes_traffic, level_traffic, replica_traffic
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
@@ -367,230 +367,3 @@ class LayerState:
     def current_s(self) -> float:
         packed = np.ascontiguousarray(self.cells.swapaxes(-1, -2))
         return float(self.packed_layer_s(packed[None])[0])
-
-
-# Rows of the packed per-expert terms `[..., TERMS, D]` of `ExpertColumns`.
-ROW_R = 0  # tokens computed per device
-ROW_COMP = 1  # forward expert seconds per device
-ROW_SEND = slice(2, 11)  # bytes / tokens sent: dispatch tokens, Trans, migration x 3 levels
-ROW_RECV = slice(11, 20)  # the same, received
-TERMS = 20
-
-
-class ExpertColumns:
-    """Layers kept as per-device totals, for searches that change one or two experts of a layer
-    at a time under any assignment that routes each expert independently (no group-local
-    routing). Several layers are searched in lockstep: every array has a leading layer axis.
-
-    Expert e's *terms* in layer l `[TERMS, D]` are its share of every per-device sum the cost
-    model takes over experts: computed tokens R, forward expert seconds, dispatch tokens, Trans
-    bytes and migration bytes sent and received per link level (rows `ROW_*`). A layer's
-    `totals[l]` `[TERMS, D]` are their sum over experts (computed once with the cost model's own
-    vectorised functions); a candidate's totals are its layer's totals plus (new terms - current
-    terms) of the experts it changes, the current terms re-derived from the columns in force.
-    `price` turns a batch of totals into layer seconds exactly as `CostModel.price` does (the
-    schedule, Trans/Agg, the migrations from `prev_home`, a level's latency charged where at least
-    `cost.MIN_TRAFFIC_BYTES` cross it).
-
-    `counts[L, D, E]` loads, `home[L, E]`, `copies[L, D, E]`, `weights[L, E, D]` (the
-    assignment's shares of remote tokens; kept, not copied: `apply` updates them in place),
-    `prev_home[L, E]` the homes in force (None: nothing migrates); if the caller has them (None:
-    computed here), `received[L, D, E]` the computed tokens `Assignment(weights).received` and
-    `counts_t[L, E, D]` the loads transposed, contiguous (kept). Memory: O(L * E * D)."""
-
-    def __init__(
-        self,
-        cost: CostModel,
-        counts: np.ndarray,
-        home: np.ndarray,
-        copies: np.ndarray,
-        weights: np.ndarray,
-        prev_home: np.ndarray | None,
-        received: np.ndarray | None = None,
-        counts_t: np.ndarray | None = None,
-    ) -> None:
-        self.cost = cost
-        cluster, spec = cost.cluster, cost.spec
-        L, D, _ = counts.shape
-        if counts_t is None:
-            counts_t = np.ascontiguousarray(counts.transpose(0, 2, 1))
-        self.counts_t = counts_t  # [L, E, D]
-        self.home = home.copy()
-        self.copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1))  # [L, E, D]
-        self.weights = weights
-        self.prev_home = prev_home
-        self.dpn, self.dpd = cluster.devices_per_node, cluster.devices_per_domain
-        self.node_of, self.domain_of = cluster.node_of(), cluster.domain_of()
-        self.devices = np.arange(D)
-        self.levels = np.arange(3)[:, None]  # [3, 1]
-        self.fnec, self.bnec = cost.non_moe_s
-        # Tokens are priced in bytes; Trans and migration rows already are.
-        self.scale = np.array([spec.token_bytes, 1.0, 1.0])[:, None, None]  # [kinds, 1, 1]
-        placement = Placement(home, copies, 0)
-        assignment = Assignment(weights)
-        R = assignment.received(placement, counts) if received is None else received  # [L, D, E]
-        tok_send, tok_recv = level_traffic(cluster, placement, assignment, counts)
-        par_send, par_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        mig_send = np.zeros((3, L, D))
-        mig_recv = np.zeros((3, L, D))
-        if prev_home is not None:
-            layer, expert = np.nonzero(prev_home != home)
-            rows = np.stack([layer, expert, prev_home[layer, expert], home[layer, expert]], 1)
-            mig_send, mig_recv = migration_traffic(cluster, rows, L, spec.migration_bytes)
-        totals = np.empty((L, TERMS, D))
-        totals[:, ROW_R] = R.sum(axis=2)
-        totals[:, ROW_COMP] = self.comp_s(R).sum(axis=2)
-        totals[:, ROW_SEND] = np.concatenate([tok_send, par_send, mig_send]).transpose(1, 0, 2)
-        totals[:, ROW_RECV] = np.concatenate([tok_recv, par_recv, mig_recv]).transpose(1, 0, 2)
-        self.totals = totals
-
-    def comp_s(self, rows: np.ndarray) -> np.ndarray:
-        """Forward seconds of one expert GEMM over `rows` tokens (elementwise)."""
-        return expert_seconds(self.cost.cluster, self.cost.spec, rows)
-
-    def column_terms(
-        self,
-        layers: np.ndarray,
-        experts: np.ndarray,
-        home: np.ndarray,
-        copies: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        """Terms `[K, TERMS, D]` of experts `experts[K]` of layers `layers[K]` with homes
-        `home[K]`, copies `copies[K, D]` and assignment shares `weights[K, D]`."""
-        spec = self.cost.spec
-        K, D = copies.shape
-        c = self.counts_t[layers, experts]  # [K, D]
-        held = copies > 0
-        remote = np.where(held, 0.0, c)
-        r_all = remote.sum(axis=1, keepdims=True)  # [K, 1]
-        out = np.zeros((K, TERMS, D))
-        R = out[:, ROW_R]
-        np.add(np.where(held, c, 0.0), weights * r_all, out=R)
-        out[:, ROW_COMP] = self.comp_s(R)
-        # Dispatch: a source's remote tokens split by the share of e's copies in its node/domain;
-        # a holder receives its share of the remote tokens of each level's sources.
-        # inside[0 | 1, K, level, D]: the shares (0) and the remote tokens (1) summed over each
-        # device's node, domain and the cluster, then turned into what each level adds.
-        pair = np.empty((2, K, D))
-        pair[0] = weights
-        pair[1] = remote
-        inside = np.empty((2, K, 3, D))
-        inside[:, :, 0] = pair.reshape(2, K, -1, self.dpn).sum(axis=3)[..., self.node_of]
-        inside[:, :, 1] = pair.reshape(2, K, -1, self.dpd).sum(axis=3)[..., self.domain_of]
-        inside[0, :, 2] = 1.0
-        inside[1, :, 2] = r_all
-        inside[:, :, 2] -= inside[:, :, 1]  # cluster - domain
-        inside[:, :, 1] -= inside[:, :, 0]  # domain - node
-        np.multiply(remote[:, None], inside[0], out=out[:, 2:5])
-        np.multiply(weights[:, None], inside[1], out=out[:, 11:14])
-        # Trans, a broadcast from the home (`traffic.replica_traffic`): the copy enters each other
-        # domain at its first replica (level 2), each other node at its first (level 1), the
-        # rest of a node over level 0; the home sends it once, over the farthest level.
-        level = (self.node_of != self.node_of[home][:, None]).view(np.int8) + (
-            self.domain_of != self.domain_of[home][:, None]
-        ).view(np.int8)  # [K, D]
-        rep = held & (self.devices != home[:, None])
-        hop = np.zeros((K, D), dtype=np.int64)
-        with_rep = np.flatnonzero(rep.any(axis=1))
-        if with_rep.size:
-            r, lv = rep[with_rep], level[with_rep]
-            n = len(with_rep)
-            first_node = r & (np.cumsum(r.reshape(n, -1, self.dpn), axis=2) == 1).reshape(n, D)
-            first_dom = r & (np.cumsum(r.reshape(n, -1, self.dpd), axis=2) == 1).reshape(n, D)
-            hop[with_rep] = np.where(
-                lv == 2,
-                np.where(first_dom, 2, np.where(first_node, 1, 0)),
-                np.where((lv == 1) & first_node, 1, 0),
-            )
-        at = (hop[:, None, :] == self.levels) & rep[:, None, :]  # [K, 3, D]
-        w_e = spec.expert_bytes
-        np.multiply(at, w_e, out=out[:, 14:17])
-        if with_rep.size:
-            farthest = np.where(rep[with_rep], level[with_rep], -1).max(axis=1)
-            out[with_rep, 5 + farthest, home[with_rep]] = w_e
-        # Migration: M_e from the home in force to the new home.
-        if self.prev_home is not None:
-            old = self.prev_home[layers, experts]
-            k = np.flatnonzero(old != home)
-            if k.size:
-                lv_m = self.cost.cluster.level_between(old[k], home[k])
-                out[k, 8 + lv_m, old[k]] = spec.migration_bytes
-                out[k, 17 + lv_m, home[k]] = spec.migration_bytes
-        return out
-
-    def current_terms(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        """Terms `[K, TERMS, D]` of the columns in force of experts `experts[K]` of `layers[K]`."""
-        return self.column_terms(
-            layers,
-            experts,
-            self.home[layers, experts],
-            self.copies_t[layers, experts],
-            self.weights[layers, experts],
-        )
-
-    def price(self, totals: np.ndarray) -> np.ndarray:
-        """Layer seconds `[M]` for a batch of totals `[M, TERMS, D]`, as `CostModel.price`."""
-        return self.cost.schedule.layer_time(self.phase_times(totals))
-
-    def phases(self) -> tuple[PhaseTimes, np.ndarray]:
-        """The layers in force as `PlanPricer.phases` gives them: phase times `[L]` and the
-        computed tokens per device `[L, D]` (equal up to float rounding: the totals were
-        updated by differences)."""
-        return self.phase_times(self.totals), self.totals[:, ROW_R].copy()
-
-    def phase_times(self, totals: np.ndarray) -> PhaseTimes:
-        """Phase times `[M]` of a batch of totals `[M, TERMS, D]`."""
-        M, _, D = totals.shape
-        # Without `prev_home` nothing migrates: the migration rows stay zero, which price to 0 s.
-        kinds = 3 if self.prev_home is not None else 2
-        send = totals[:, 2 : 2 + 3 * kinds].reshape(M, kinds, 3, D)  # [M, kind, level, D]
-        recv = totals[:, 11 : 11 + 3 * kinds].reshape(M, kinds, 3, D)
-        scale = self.scale[:kinds]  # [kinds, 1, 1]
-        send = np.moveaxis(send * scale, 2, 0)  # [level, M, kind, D]
-        recv = np.moveaxis(recv * scale, 2, 0)
-        link_s = link_seconds(self.cost.cluster, send, recv)  # [M, kind]
-        bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
-        a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
-        mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
-        fec = totals[:, ROW_COMP].max(axis=1)
-        fnec, bnec = np.full(M, self.fnec), np.full(M, self.bnec)
-        return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)
-
-    def candidates(
-        self, layers: np.ndarray, experts: np.ndarray, terms: np.ndarray, select: np.ndarray
-    ) -> np.ndarray:
-        """Totals `[B, M, TERMS, D]` of M candidates in each of B layers: the K changed columns
-        are grouped per layer, `layers[B]`, `experts[B, K]`, `terms[B, K, TERMS, D]`; candidate m
-        of layer b replaces the terms of `experts[b, k]` with `terms[b, k]` for every k with
-        `select[m, k]` true (each expert at most once per candidate)."""
-        B, K = experts.shape
-        flat_layers = np.repeat(layers, K)
-        current = self.current_terms(flat_layers, experts.reshape(-1)).reshape(terms.shape)
-        delta = terms - current  # [B, K, TERMS, D]
-        picked = np.matmul(select.astype(np.float64), delta.reshape(B, K, -1))  # [B, M, T * D]
-        return self.totals_after(layers, picked.reshape(B, select.shape[0], TERMS, -1))
-
-    def totals_after(self, layers: np.ndarray, change: np.ndarray) -> np.ndarray:
-        """Totals `[B, M, TERMS, D]` of M candidates in each of the B layers `layers[B]`, given
-        each candidate's change of terms `change[B, M, TERMS, D]` (the sum over the columns it
-        changes of new - current terms): `totals[layers] + change`, as `candidates` prices them,
-        for callers that derive the current terms themselves."""
-        return self.totals[layers][:, None] + change
-
-    def apply(
-        self,
-        layers: np.ndarray,
-        experts: np.ndarray,
-        home: np.ndarray,
-        copies: np.ndarray,
-        weights: np.ndarray,
-        changed: np.ndarray,
-        totals: np.ndarray,
-    ) -> None:
-        """Make candidates current: expert `experts[k]` of layer `layers[k]` takes `home[k]`,
-        `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`."""
-        self.home[layers, experts] = home
-        self.copies_t[layers, experts] = copies
-        self.weights[layers, experts] = weights
-        self.totals[changed] = totals

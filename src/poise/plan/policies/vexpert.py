@@ -19,7 +19,7 @@ Our choices (the paper's exact values and rules were not available to us):
   one that sets the step), coldest = smallest load per copy among experts with more than one
   copy (lowest id on ties); per layer, each round prices these candidates on that
   layer alone with the cost model (the schedule, Trans/Agg and migrations from the previous
-  placement included; incrementally, `cost.incremental.ExpertColumns`: only the changed experts
+  placement included; incrementally, `cost.expert_columns.ExpertColumns`: only the changed experts
   are re-routed and re-priced) and applies the one with the lowest predicted layer time, if it is
   strictly (relative 1e-12) below the current one; candidates within relative 1e-12 of each other
   count as tied and the earlier one wins:
@@ -54,7 +54,7 @@ import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan
 from poise.core.water_fill import balanced_weights
-from poise.cost.incremental import ROW_R, TERMS, ExpertColumns
+from poise.cost.expert_columns import ROW_R, TERMS, ExpertColumns
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
 from poise.plan.policies.base import PlanContext, finish_plan, register, start_placement
