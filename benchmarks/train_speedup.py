@@ -162,15 +162,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def auto_settings(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
     """`["probe_every=0", ...]` -> `{"probe_every": 0}` (values read as YAML); a pair without
-    `=` is a usage error. The settings themselves are checked by `TrainConfig`."""
+    `=`, or a key that is no `TrainConfig` field, is a usage error. The values themselves are
+    checked by `TrainConfig`."""
+    import dataclasses
+
     import yaml
 
+    from poise.train.config import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             parser.error(f"--auto-set expects KEY=VALUE, got {pair!r}")
-        out[key.strip()] = yaml.safe_load(value)
+        if key not in known:
+            parser.error(f"--auto-set: {key!r} is not a training setting (poise.train.config)")
+        out[key] = yaml.safe_load(value)
     return out
 
 

@@ -361,8 +361,9 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
 
 def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path) -> None:
     """`--auto-set probe_every=0 --auto-set predictor=last`: auto's config carries both (values
-    read as YAML), static's the defaults; the line lists them; a pair without `=` is a usage
-    error, and a bad value is `TrainConfig`'s own error, naming the field."""
+    read as YAML), static's the defaults; the line lists them; a pair without `=` or with an
+    unknown key is a usage error, and a bad value is `TrainConfig`'s own error, naming the
+    field."""
     import poise.calibrate.experts as experts
     from poise.core.errors import ConfigError
 
@@ -386,6 +387,8 @@ def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path
     assert line["auto_settings"] == {"probe_every": 0, "predictor": "last"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--auto-set", "probe_every"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--auto-set", "probe_evry=0"])  # no such setting
     bad = bench.parse_args(["--settings", "skewed", "--auto-set", "probe_every=1"])
     with pytest.raises(ConfigError, match="probe_every"):
         bench.bench_setting("skewed", bad, tmp_path / "bad")
