@@ -73,7 +73,9 @@ def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
 
 def replica_scale(cost: CostModel, current: Plan, probes: Probes, wall_saving_s: float) -> float:
     """How much dearer the paired clock found `current`'s replicas than their modelled Trans +
-    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C`, the replicas' step
+    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C` (`wall_saving_s`, as
+    the caller reads it: the planning job passes `verdict.clock_ceiling`, so that the clock's
+    noise alone does not make replicas dearer), the replicas' step
     cost as measured is `B - C` (what the busy model says they save, less what they saved),
     and the factor is `(B - C) / T`, at least 1 (a clock above `B - T` is the busy model's
     error, not the transfers': it does not make them cheaper than they measured) and within

@@ -62,8 +62,8 @@ degrees of freedom), not 5%.
    (`clock_settled`) the Balancer stops probing until plans with replicas take over again.
    Each probed verdict also carries the fitted model's figure for the same comparison
    (`modelled_clock`), and the clock prices the replicas the next plans make
-   (`replica_scale`: what they measured to cost a step over their modelled Trans + Agg;
-   `planning_job.run_job`).
+   (`replica_scale`: what they measured to cost a step over their modelled Trans + Agg, read
+   at the clock's ceiling, `clock_ceiling`; `planning_job.run_job`).
 
 When the clock contradicts the model's own prediction for the same comparison
 (`prediction_refuted`), the clock's estimate judges the plan (`plan_pays`), and a replacement
