@@ -211,7 +211,7 @@ def _spread(x: np.ndarray) -> float:
 def clock_says_slower(v: Verdict | None) -> bool:
     """The wall clock measured balancing slower by more than `Verdict.z` standard errors (test 2
     of the module docstring failed)."""
-    return v is not None and v.wall_saving_s is not None and v.wall_saving_s + v.z * v.wall_se_s < 0
+    return v is not None and v.wall_saving_s is not None and clock_ceiling(v) < 0
 
 
 def clock_ceiling(v: Verdict) -> float:
