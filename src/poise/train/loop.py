@@ -100,6 +100,7 @@ from poise.train.setup import (
     init_distributed,
     load_corpus,
     lr_at,
+    make_balancer,
     make_cluster,
     make_optimizer,
     pick_device,
@@ -161,8 +162,6 @@ class _Trainer:
     """State of one run on one rank; `run()` does the steps."""
 
     def __init__(self, cfg: TrainConfig, resume: str | None, quiet: bool) -> None:
-        from poise.runtime.balancer import Balancer
-
         self.cfg = cfg
         self.world, self.rank = (
             (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -230,29 +229,8 @@ class _Trainer:
                     source=self.ckpt["path"],
                     field="steps",
                 )
-        self.balancer = Balancer(
-            self.model,
-            self.optimizer,
-            policy=cfg.policy,
-            replan_every=cfg.replan_every,
-            plan_lag=cfg.plan_lag,
-            cluster=make_cluster(cfg, self.world, self.ep),
-            predictor=cfg.predictor,
-            group=group,
-            vote_group=dist.group.WORLD if self.groups is not None else None,
-            guard=cfg.balance_guard,
-            probe_every=cfg.probe_every,
-            host_link=cfg.host_link,
-            separate_transfers=cfg.separate_transfers,
-            transfer_group=(
-                self.groups.ep_transfer
-                if self.groups is not None and cfg.separate_transfers
-                else None
-            ),
-            calibrate=cfg.self_calibrate,
-            compression=cfg.compression,
-            split_tokens=cfg.split_tokens,
-            total_steps=cfg.steps,
+        self.balancer = make_balancer(
+            cfg, self.model, self.optimizer, self.world, self.ep, group, self.groups
         )
         self.resumed_plan = False
         if self.ckpt is not None:

@@ -1,6 +1,6 @@
 """Setting up one training rank: the process group, the device, seeds, the corpus, the
-optimizer, the modelled cluster the Balancer plans on, the learning-rate schedule, and the check
-that every rank runs the same config."""
+optimizer, the modelled cluster the Balancer plans on, the Balancer itself, the learning-rate
+schedule, and the check that every rank runs the same config."""
 
 from __future__ import annotations
 
@@ -152,3 +152,41 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
             field="cluster",
         )
     return cluster
+
+
+def make_balancer(
+    cfg: TrainConfig,
+    model: GPTMoE,
+    optimizer: torch.optim.Optimizer,
+    world: int,
+    ep: int,
+    group,
+    groups=None,
+):
+    """The run's `poise.runtime.balancer.Balancer` from `cfg`: over `model`'s MoE layers on the
+    EP `group` (None: one rank), planned on `make_cluster(cfg, world, ep)`; with a hybrid
+    layout's `groups` (`poise.runtime.layouts.create_groups`), the world votes on plans and the
+    transfers take the EP transfer group where `cfg.separate_transfers`."""
+    from poise.runtime.balancer import Balancer
+
+    moves = groups.ep_transfer if groups is not None and cfg.separate_transfers else None
+    return Balancer(
+        model,
+        optimizer,
+        policy=cfg.policy,
+        replan_every=cfg.replan_every,
+        plan_lag=cfg.plan_lag,
+        cluster=make_cluster(cfg, world, ep),
+        predictor=cfg.predictor,
+        group=group,
+        vote_group=dist.group.WORLD if groups is not None else None,
+        guard=cfg.balance_guard,
+        probe_every=cfg.probe_every,
+        host_link=cfg.host_link,
+        separate_transfers=cfg.separate_transfers,
+        transfer_group=moves,
+        calibrate=cfg.self_calibrate,
+        compression=cfg.compression,
+        split_tokens=cfg.split_tokens,
+        total_steps=cfg.steps,
+    )
