@@ -332,6 +332,42 @@ def test_forward_does_not_synchronise_with_the_host(monkeypatch):
     balancer.close()
 
 
+def test_counts_match_bincount_without_its_host_wait():
+    """`count_values` against `torch.bincount` (the reference it replaces in the router and the
+    dispatcher, whose CUDA kernel reads the input's range on the host): shapes [T, k] and flat,
+    a sentinel value, values that leave experts empty, and no values at all."""
+    from poise.nn.counts import count_values
+
+    gen = torch.Generator().manual_seed(3)
+    for shape, n in (((50, 2), 8), ((7,), 9), ((0, 2), 4), ((40, 3), 64)):
+        values = torch.randint(0, max(1, n // 2), shape, generator=gen)
+        got = count_values(values, n)
+        assert got.dtype == torch.long and got.shape == (n,)
+        assert torch.equal(got, torch.bincount(values.reshape(-1), minlength=n)), (shape, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dropless_forward_on_cuda_never_waits_for_the_gpu():
+    """On one GPU (no counts exchange) a dropless bf16 layer's forward and backward make no
+    host synchronisation at all: CUDA's sync debug mode set to "error" raises on any. Before
+    `count_values`, the router's and the dispatcher's `bincount` waited twice each
+    (`benchmarks/cuda_syncs.py`)."""
+    device = torch.device("cuda")
+    moe = MoE(MoEConfig(64, 128, 8, 2), device=device, dtype=torch.bfloat16)
+    x = torch.randn(256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().sum().backward()  # warm-up: lazy initialisation may wait
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe(x)
+        (y.float().sum() + moe.last_forward.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert moe.experts.resolved_impl(x) == "grouped"
+    assert int(moe.last_counts.sum()) == 256 * 2
+
+
 def test_world_must_fit_the_experts():
     from poise.nn import check_world
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from poise.core.errors import ConfigError, PlanError, PoiseError
 from poise.core.placement import Assignment, Placement
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
+from poise.nn.counts import count_values
 from poise.nn.slots import SlotMap, slot_maps
 from poise.util.digest import digest
 
@@ -422,7 +423,7 @@ class Dispatcher:
         if keep is not None:
             key = torch.where(keep.reshape(-1), key, P)
         order = torch.argsort(key, stable=True)
-        tokens_per_slot = torch.bincount(key, minlength=P + 1)[:P]
+        tokens_per_slot = count_values(key, P + 1)[:P]
         if keep is not None:
             order = order[: int(keep.sum())]
         index = TokenIndex.build(order, T, k)
@@ -454,7 +455,7 @@ class Dispatcher:
         if keep is not None:
             flat = torch.where(keep.reshape(-1), flat, E)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=E + 1)[:E].cpu().numpy()
+        counts = count_values(flat, E + 1)[:E].cpu().numpy()  # the counts exchange's one wait
         N = int(counts.sum())
         if routing.by_counts:
             every = self._gather_counts(counts, routing, nonfinite, x.device)  # [D, E]

@@ -39,6 +39,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from poise.core.errors import ConfigError, TraceError
+from poise.nn.counts import count_values
 from poise.trace.trace import Trace
 
 Score = Literal["softmax", "sigmoid"]
@@ -121,7 +122,7 @@ class Router(nn.Module):
         weights = scores.gather(1, experts)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(experts.view(-1), minlength=self.num_experts)
+        counts = count_values(experts, self.num_experts)
         cap = self.capacity(x.shape[0])
         keep = None if cap is None else capacity_keep(experts, self.num_experts, cap)
         balance, z = self._losses(logits, scores, counts, x.shape[0])
@@ -198,7 +199,7 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int) -> tor
     T, k = experts.shape
     flat = experts.t().reshape(-1)  # choice-major: priority order
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_values(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     pos = torch.empty_like(pos_sorted)
