@@ -123,3 +123,19 @@ def test_model_shapes_causality_and_init():
         model(torch.zeros(1, 17, dtype=torch.long))
     n = model.num_parameters()
     assert n["experts"] == cfg.num_experts * 3 * 32 * 32 and not math.isnan(n["dense"])
+
+
+def test_ranks_take_cuda_only_with_a_gpu_each() -> None:
+    """NCCL cannot put two ranks on one GPU: `auto` falls back to the CPU where the local ranks
+    outnumber the GPUs, and `cuda` is one error naming `device`, not NCCL's from deep inside."""
+    from poise.train.setup import ranks_use_cuda
+
+    assert ranks_use_cuda("auto", 1, 1) and ranks_use_cuda("auto", 8, 8)
+    assert not ranks_use_cuda("auto", 2, 1) and not ranks_use_cuda("auto", 1, 0)
+    assert not ranks_use_cuda("cpu", 1, 8)
+    assert ranks_use_cuda("cuda", 2, 2)
+    with pytest.raises(ConfigError, match="2 ranks on this host need one GPU each") as err:
+        ranks_use_cuda("cuda", 2, 1)
+    assert err.value.field == "device"
+    with pytest.raises(ConfigError, match="not available"):
+        ranks_use_cuda("cuda", 1, 0)

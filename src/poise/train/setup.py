@@ -31,14 +31,47 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def ranks_use_cuda(device: str, local_ranks: int, gpus: int) -> bool:
+    """Whether `local_ranks` ranks on this host run on CUDA (NCCL), one GPU each, given the
+    config's `device` ("auto", "cpu", "cuda") and the host's `gpus`.
+
+    NCCL cannot put two ranks of one group on one GPU, so "auto" takes CUDA only where every
+    local rank gets its own GPU (else the CPU and gloo), and "cuda" without enough GPUs is a
+    `ConfigError` naming `device` (rather than NCCL's "duplicate GPU" or an invalid ordinal
+    from deep inside `init_process_group`)."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        if gpus == 0:
+            raise ConfigError("CUDA was requested but is not available", field="device")
+        if local_ranks > gpus:
+            raise ConfigError(
+                f"{local_ranks} ranks on this host need one GPU each (NCCL cannot share one "
+                f"between ranks), and it has {gpus}: run at most {gpus} ranks here, or set "
+                "device: cpu",
+                field="device",
+            )
+        return True
+    return 0 < local_ranks <= gpus
+
+
+def host_gpus() -> int:
+    """The CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_ranks() -> int:
+    """The ranks on this host, from the launcher's `LOCAL_WORLD_SIZE` (else `WORLD_SIZE`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 def init_distributed(cfg: TrainConfig) -> bool:
     """Create the default process group from torchrun's environment if there is none and
-    `WORLD_SIZE` > 1; returns whether it did. NCCL when CUDA is usable, else gloo."""
+    `WORLD_SIZE` > 1; returns whether it did. NCCL where every local rank has a GPU
+    (`ranks_use_cuda`), else gloo."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("CUDA was requested but is not available", field="device")
+    use_cuda = ranks_use_cuda(cfg.device, local_ranks(), host_gpus())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
@@ -48,14 +81,17 @@ def init_distributed(cfg: TrainConfig) -> bool:
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:
+    """This rank's device: the GPU of its `LOCAL_RANK` under an NCCL group, the CPU under a
+    gloo group (tests, CPU launches), and alone the GPU where `ranks_use_cuda` says so."""
     if cfg.device == "cpu":
         return torch.device("cpu")
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("CUDA was requested but is not available", field="device")
-        if dist.is_initialized() and not nccl:
-            return torch.device("cpu")  # a gloo group (tests, CPU launches): stay on the CPU
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cfg.device == "cuda":
+            ranks_use_cuda(cfg.device, local_ranks(), host_gpus())  # raises where it cannot
+        return torch.device("cpu")
+    if ranks_use_cuda(cfg.device, 1, host_gpus()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
