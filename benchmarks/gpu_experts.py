@@ -20,8 +20,10 @@ timing is `--inner` back-to-back calls between two CUDA events, divided by `--in
 counts are swept `--repeats` times in alternating order, and the median taken.
 `calibrate.fit.fit_gemm_curve` fits rate(n) = F n / (n + h) per slot to them. One JSON line
 per (model, slots): the fitted `tflops` and `half_rows`, `efficiency` (F over the data-sheet
-peak the cluster file gives for the dtype), the cluster's own figures, and per row count the
-measured milliseconds and `measured_over_model`.
+peak the cluster file gives for the dtype), `floor_ms` (the fastest call: below some rows the
+host's issuing of kernels, not the GEMMs, sets the time), `marginal_tflops` (the rate of the
+rows between the two largest row counts, the floor taken out), the cluster's own figures, and
+per row count the measured milliseconds and `measured_over_model`.
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                         "efficiency": round(fit.gemm_flops / peak, 3),
                         "half_rows": round(fit.half_rows, 1),
                         "fit_note": fit.note,
+                        "floor_ms": round(min(seconds) * 1e3, 4),
+                        "marginal_tflops": round(
+                            marginal_rate(args.rows, seconds, 3.0 * fwd_flops * slots) / 1e12, 1
+                        ),
                         "cluster": args.cluster,
                         "cluster_tflops": round(cluster.gemm_flops(dtype_name) / 1e12, 1),
                         "cluster_efficiency": round(cluster.gemm_efficiency, 3),
@@ -157,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     return 0
+
+
+def marginal_rate(rows: list[int], seconds: list[float], flops_per_row: float) -> float:
+    """FLOP/s the last rows add: `flops_per_row` x (the largest row count - the next largest)
+    over the seconds between them; the large-GEMM rate with any per-call floor taken out."""
+    order = np.argsort(rows)
+    hi, lo = order[-1], order[-2]
+    return flops_per_row * (rows[hi] - rows[lo]) / (seconds[hi] - seconds[lo])
 
 
 def sweep_medians(run: Any, rows: list[int], repeats: int, warmup: int = 2) -> list[float]:
