@@ -51,7 +51,11 @@ the smaller of them is used:
     ideal[s]    = step_static[s] - excess[s]          (the non-expert part as measured)
     ideal_speedup = sum_s step_static[s] / sum_s ideal[s]       (per static run; median)
 
-The ideal is balance for free: no Trans, Agg, migration or planning. With more ranks than
+The ideal is balance for free: no Trans, Agg, migration or planning. Its premise, that each
+pair the slowest ranks shed saves `c`, is tested per round (`shed_pairs_rounds`, median
+`shed_pairs_premise`; `poise.report.ideal.shed_pairs_worth`): over the later half of the steps,
+the ms auto saved plus what it paid to shed pairs (transfers, extra `balance`), over the shed
+pairs at `c`; 1 where the premise holds. With more ranks than
 cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its core to the
 others, so a layer's expert work takes max(slowest rank, total / C), C the cores' worth the
 ranks get (`poise.runtime.plan_inputs.shared_cores`), balanced or not: the ideal then uses
@@ -280,7 +284,7 @@ def phase_ms(run: Any, skip: int) -> dict[str, float]:
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
-    from poise.report.ideal import ideal_of, judge
+    from poise.report.ideal import ideal_of, judge, shed_pairs_worth
     from poise.runtime.plan_inputs import shared_cores
 
     world, model_args = SETTINGS[name]
@@ -336,6 +340,11 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     ideals = [
         ideal_of(x, c_r, skip, cores=cores) for x, c_r in zip(runs["static"], c_rounds, strict=True)
     ]
+    shed = [
+        shed_pairs_worth(s, a, c_r, skip, cores=cores)
+        for s, a, c_r in zip(runs["static"], runs["auto"], c_rounds, strict=True)
+    ]
+    premises = [x["premise"] for x in shed if x["premise"] is not None]
     static_tok_s = statistics.median(static_tok)
     auto_tok_s = statistics.median(auto_tok)
     paired = [a / b for a, b in zip(auto_tok, static_tok, strict=True)]  # per round
@@ -407,6 +416,11 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "non_expert_ms": round(statistics.median(i["non_expert_ms"] for i in ideals), 1),
         "slowest_expert_ms": round(statistics.median(i["slowest_expert_ms"] for i in ideals), 1),
         "balanced_expert_ms": round(statistics.median(i["balanced_expert_ms"] for i in ideals), 1),
+        # the ideal's premise per round (`poise.report.ideal.shed_pairs_worth`): over the later
+        # half of the steps, (ms saved + ms auto paid to shed pairs) / (the shed pairs at c);
+        # 1 where each pair the slowest ranks shed saved c, as the ideal assumes
+        "shed_pairs_premise": round(statistics.median(premises), 3) if premises else None,
+        "shed_pairs_rounds": shed,
         "static_phase_ms": {k: round(v, 1) for k, v in static_ph.items()},
         "auto_extra_phase_ms": {k: round(auto_ph[k] - static_ph[k], 1) for k in static_ph},
         "auto_moe_ms": {

@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from poise.report.ideal import GAIN_TARGET, IDEAL_MIN, NO_HARM, ideal_of, judge, tokens_per_s
+from poise.report.ideal import (
+    GAIN_TARGET,
+    IDEAL_MIN,
+    NO_HARM,
+    ideal_of,
+    judge,
+    shed_pairs_worth,
+    tokens_per_s,
+)
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "train_speedup.py"
 
@@ -77,6 +85,31 @@ def test_ideal_of_ranks_sharing_cores() -> None:
     assert ideal_of(run, 1e-3, skip=0, cores=4.0)["ideal_speedup"] == pytest.approx(1.0 / 0.775)
     with pytest.raises(ValueError):
         ideal_of(run, 1e-3, skip=0, cores=-1.0)
+
+
+def test_shed_pairs_worth_a_hand_made_round() -> None:
+    """Six steps, skip 2: the later half is steps 4 and 5. There static's slowest rank computes
+    6 pairs and auto's 4 (c = 1 ms: 2 ms expected); the step falls from 20 to 19 ms, and auto
+    paid 0.5 ms of transfers and 0.5 ms more balance: (1 + 1) / 2 = 1, the ideal's premise
+    holding. Auto's earlier steps (unbalanced, slow, no transfers) must not count."""
+
+    def run(slowest: list[float], step_ms: list[float], transfers: float, balance: float):
+        n = np.array([[[x, 8.0 - x]] for x in slowest])  # [6, 1, 2]
+        return SimpleNamespace(
+            step_s=np.array(step_ms) / 1e3,
+            device_tokens=n,
+            phases={"balance": np.full(6, balance / 1e3)},
+            moe_phases={"transfers": np.full(6, transfers / 1e3)} if transfers else {},
+        )
+
+    static = run([6] * 6, [20] * 6, 0.0, 1.0)
+    auto = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 19, 19], 0.5, 1.5)
+    got = shed_pairs_worth(static, auto, 1e-3, skip=2)
+    assert got == {"expected_ms": 2.0, "saved_ms": 1.0, "costs_ms": 1.0, "premise": 1.0}
+    # shedding that saves no more than it costs: premise 0
+    auto_half = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 21, 21], 0.5, 1.5)
+    assert shed_pairs_worth(static, auto_half, 1e-3, skip=2)["premise"] == 0.0
+    assert shed_pairs_worth(static, static, 1e-3, skip=2)["premise"] is None  # nothing shed
 
 
 def test_module_examples() -> None:
@@ -192,6 +225,12 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     assert line["auto_paired_clock_ms"] == [[12.3, 4.0, 4]]  # the auto run's own paired clock
     assert line["auto_modelled_clock_ms"] == [31.0]
     assert line["auto_decisions"] == [["11 adopt r5 m0", "31 fallback r0 m7"]]
+    # the premise: 4 layers x 1000 pairs shed at 25 us = 100 ms expected, 20 ms saved, no
+    # transfers or balance logged: 0.2 of what the ideal counts
+    assert line["shed_pairs_rounds"] == [
+        {"expected_ms": 100.0, "saved_ms": 20.0, "costs_ms": 0.0, "premise": 0.2}
+    ]
+    assert line["shed_pairs_premise"] == 0.2
 
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:

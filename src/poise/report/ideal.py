@@ -58,15 +58,9 @@ def ideal_of(static: Any, c_s: float, skip: int, cores: float = 0.0) -> dict[str
     and per step the non-expert ms, the expert ms as run and balanced (the slowest and mean
     rank's where ranks do not share cores) and the mean slowest/mean rank load."""
     w = measured_steps(static.step_s, skip)
-    n = np.asarray(static.device_tokens, dtype=float)[w]  # [S, L, W]
-    if n.ndim != 3 or n.shape[0] == 0:
-        raise ValueError(f"device_tokens must be [steps, layers, ranks], got {n.shape}")
-    if not cores >= 0:
-        raise ValueError(f"cores must be >= 0, got {cores}")
+    n = _pairs(static, w)
     step = np.asarray(static.step_s, dtype=float)[w]
-    bound = n.sum(axis=2) / cores if cores > 0 else np.zeros(n.shape[:2])  # [S, L]
-    slow = np.maximum(n.max(axis=2), bound).sum(axis=1)  # the layers' expert pairs as run, [S]
-    mean = np.maximum(n.mean(axis=2), bound).sum(axis=1)  # ... balanced
+    slow, mean = expert_pairs(n, cores)
     ideal = step - c_s * (slow - mean)
     return {
         "ideal_speedup": float(step.sum() / ideal.sum()),
@@ -74,6 +68,64 @@ def ideal_of(static: Any, c_s: float, skip: int, cores: float = 0.0) -> dict[str
         "slowest_expert_ms": float((c_s * slow).mean() * 1e3),
         "balanced_expert_ms": float((c_s * mean).mean() * 1e3),
         "max_over_mean": float((n.max(axis=2) / np.maximum(n.mean(axis=2), 1e-9)).mean()),
+    }
+
+
+def _pairs(run: Any, w: slice) -> np.ndarray:
+    n = np.asarray(run.device_tokens, dtype=float)[w]  # [S, L, W]
+    if n.ndim != 3 or n.shape[0] == 0:
+        raise ValueError(f"device_tokens must be [steps, layers, ranks], got {n.shape}")
+    return n
+
+
+def expert_pairs(n: np.ndarray, cores: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """`n [S, L, W]` pairs per step, layer and rank -> (`slow [S]`, `mean [S]`): the layers'
+    pairs on the slowest rank and on the mean rank, each at least `sum_r n / cores` where the
+    ranks share `cores` (module docstring); summed over the layers."""
+    if not cores >= 0:
+        raise ValueError(f"cores must be >= 0, got {cores}")
+    bound = n.sum(axis=2) / cores if cores > 0 else np.zeros(n.shape[:2])  # [S, L]
+    slow = np.maximum(n.max(axis=2), bound).sum(axis=1)
+    mean = np.maximum(n.mean(axis=2), bound).sum(axis=1)
+    return slow, mean
+
+
+def shed_pairs_worth(
+    static: Any, auto: Any, c_s: float, skip: int, cores: float = 0.0
+) -> dict[str, float | None]:
+    """The ideal's premise, tested on one round: does each pair the slowest ranks shed save `c`?
+
+    Over the later half of the steps after `skip` (auto's first plans, probes and switches
+    behind it), with means over those steps of the static run (s) and the auto run (a), `slow`
+    as in `expert_pairs`, `transfers` the auto run's Trans + Agg (its `moe_phases`) and
+    `balance` each run's balance phase:
+
+        expected = c * (slow_s - slow_a)                      what the shed pairs are worth
+        saved    = step_s - step_a                            net, as measured
+        costs    = transfers_a + (balance_a - balance_s)      what auto paid to shed them
+        premise  = (saved + costs) / expected
+
+    1 where each shed pair saved `c`, as the ideal assumes; well below 1 where shedding pairs
+    saves less than their expert time (the ideal then overstates what balance can win). Returns
+    the four in ms (`premise` None where no pairs were shed)."""
+    S = len(static.step_s)
+    w = slice(min(S - 1, max(skip, 0) + (S - max(skip, 0)) // 2), None)
+    slow_s = expert_pairs(_pairs(static, w), cores)[0].mean()
+    slow_a = expert_pairs(_pairs(auto, w), cores)[0].mean()
+
+    def mean_of(run: Any, table: str, name: str) -> float:
+        values = getattr(run, table).get(name)
+        return 0.0 if values is None else float(np.asarray(values, dtype=float)[w].mean())
+
+    expected = c_s * (slow_s - slow_a)
+    saved = float(np.asarray(static.step_s)[w].mean() - np.asarray(auto.step_s)[w].mean())
+    costs = mean_of(auto, "moe_phases", "transfers") + mean_of(auto, "phases", "balance")
+    costs -= mean_of(static, "phases", "balance")
+    return {
+        "expected_ms": round(float(expected) * 1e3, 2),
+        "saved_ms": round(saved * 1e3, 2),
+        "costs_ms": round(costs * 1e3, 2),
+        "premise": round(float((saved + costs) / expected), 3) if expected > 0 else None,
     }
 
 
@@ -121,8 +173,10 @@ __all__ = [
     "GAIN_TARGET",
     "IDEAL_MIN",
     "NO_HARM",
+    "expert_pairs",
     "ideal_of",
     "judge",
     "measured_steps",
+    "shed_pairs_worth",
     "tokens_per_s",
 ]
