@@ -72,6 +72,11 @@ V100_EFF = 0.90
 # FLOPS table: 271.2 of 312 TFLOP/s (best shape 1024x10240x5120, torch 2.6.0+cu126).
 A100_EFF = 271.2 / 312.0
 # H100 SXM, bf16: the same table: 794.5 of 989 TFLOP/s (best shape 2048x2048x13312, torch 2.7.0).
+# Measured against it (`benchmarks/gpu_experts.py`, one H100 80GB HBM3, torch 2.11): Poise's own
+# grouped experts, forward and backward, add 543-596 TFLOP/s (0.55-0.60) at 4,096-8,192 rows a
+# slot, and cost a floor of 0.8-1.0 ms a call (the host issuing eager kernels) that this curve
+# lacks (docs/benchmarks.md, "Expert compute on a GPU"). Kept at the published figure until a
+# GPU calibration fits both on the machine.
 H100_EFF = 794.5 / 989.0
 # RTX 3090: no published fraction found. Assumed FasterMoE's 90% for V100 fp32 GEMMs, since
 # Pro-Prophet trains in fp32 on FasterMoE's code (its own planner assumes 100%: Comp_tp =
