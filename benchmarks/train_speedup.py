@@ -54,8 +54,9 @@ the smaller of them is used:
 The ideal is balance for free: no Trans, Agg, migration or planning. Its premise, that each
 pair the slowest ranks shed saves `c`, is tested per round (`shed_pairs_rounds`, median
 `shed_pairs_premise`; `poise.report.ideal.shed_pairs_worth`): over the later half of the steps,
-the ms auto saved plus what it paid to shed pairs (transfers, extra `balance`), over the shed
-pairs at `c`; 1 where the premise holds. With more ranks than
+the ms auto saved plus what it paid to shed pairs (its transfers inside forward and backward,
+and its extra `balance`, which holds the boundary's), over the shed pairs at `c`; 1 where the
+premise holds. With more ranks than
 cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its core to the
 others, so a layer's expert work takes max(slowest rank, total / C), C the cores' worth the
 ranks get (`poise.runtime.plan_inputs.shared_cores`), balanced or not: the ideal then uses

@@ -93,23 +93,32 @@ def test_shed_pairs_worth_a_hand_made_round() -> None:
     paid 0.5 ms of transfers and 0.5 ms more balance: (1 + 1) / 2 = 1, the ideal's premise
     holding. Auto's earlier steps (unbalanced, slow, no transfers) must not count."""
 
-    def run(slowest: list[float], step_ms: list[float], transfers: float, balance: float):
+    def run(slowest: list[float], step_ms: list[float], moe_ms: dict, balance: float):
         n = np.array([[[x, 8.0 - x]] for x in slowest])  # [6, 1, 2]
         return SimpleNamespace(
             step_s=np.array(step_ms) / 1e3,
             device_tokens=n,
             phases={"balance": np.full(6, balance / 1e3)},
-            moe_phases={"transfers": np.full(6, transfers / 1e3)} if transfers else {},
+            moe_phases={k: np.full(6, v / 1e3) for k, v in moe_ms.items()},
         )
 
-    static = run([6] * 6, [20] * 6, 0.0, 1.0)
-    auto = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 19, 19], 0.5, 1.5)
+    static = run([6] * 6, [20] * 6, {}, 1.0)
+    # 0.8 ms of transfers, 0.5 of them inside forward/backward (the rest is in balance)
+    moe = {"transfers": 0.8, "transfers_in_compute": 0.5}
+    auto = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 19, 19], moe, 1.5)
     got = shed_pairs_worth(static, auto, 1e-3, skip=2)
-    assert got == {"expected_ms": 2.0, "saved_ms": 1.0, "costs_ms": 1.0, "premise": 1.0}
+    assert got == {
+        "expected_ms": 2.0, "saved_ms": 1.0, "costs_ms": 1.0, "premise": 1.0,
+        "costs_counted": "transfers_in_compute + balance",
+    }  # fmt: skip
     # shedding that saves no more than it costs: premise 0
-    auto_half = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 21, 21], 0.5, 1.5)
+    auto_half = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 21, 21], moe, 1.5)
     assert shed_pairs_worth(static, auto_half, 1e-3, skip=2)["premise"] == 0.0
     assert shed_pairs_worth(static, static, 1e-3, skip=2)["premise"] is None  # nothing shed
+    # a run from before the split: all its transfers counted, as the line says
+    old = run([6, 6, 6, 6, 4, 4], [30, 30, 30, 30, 19, 19], {"transfers": 0.8}, 1.5)
+    got = shed_pairs_worth(static, old, 1e-3, skip=2)
+    assert got["costs_ms"] == 1.3 and got["costs_counted"] == "transfers + balance"
 
 
 def test_module_examples() -> None:
@@ -228,8 +237,9 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     # the premise: 4 layers x 1000 pairs shed at 25 us = 100 ms expected, 20 ms saved, no
     # transfers or balance logged: 0.2 of what the ideal counts
     assert line["shed_pairs_rounds"] == [
-        {"expected_ms": 100.0, "saved_ms": 20.0, "costs_ms": 0.0, "premise": 0.2}
-    ]
+        {"expected_ms": 100.0, "saved_ms": 20.0, "costs_ms": 0.0, "premise": 0.2,
+         "costs_counted": "transfers + balance"}
+    ]  # fmt: skip
     assert line["shed_pairs_premise"] == 0.2
 
 

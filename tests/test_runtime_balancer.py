@@ -110,6 +110,12 @@ def _equivalence(rank: int, W: int) -> dict:
         result[f"{policy}.switched_at"] = [s.step for s in stats if s.switched]
         result[f"{policy}.switches"] = balancer.switches  # plans that took effect, counted
         result[f"{policy}.decided_at"] = [s.step for s in stats if s.replanned]
+        # per step: all transfer seconds, those inside forward/backward, the Agg bytes sent
+        result[f"{policy}.transfer_s"] = [
+            (s.seconds.get("transfers", 0.0), s.seconds.get("transfers_in_compute", 0.0),
+             s.agg_bytes)
+            for s in stats
+        ]  # fmt: skip
         result[policy] = (losses, _home_rows(model, opt, rank))
         result["routers"][policy] = [b.router.weight.detach().numpy() for b in model.blocks]
         result[f"{policy}.moved"] = (
@@ -437,6 +443,20 @@ def _check_forced(results: list[dict]) -> None:
 
 
 @pytest.mark.dist
+def test_transfers_inside_forward_and_backward_are_told_apart(two_ranks: list[dict]) -> None:
+    """`transfers_in_compute` holds the Trans waits of the forward pre-hooks and the Agg
+    launches of the gradient hooks: on every step whose replicas sent gradients it is more than
+    0 and less than all the transfers (the boundary finishes the Aggs and launches the next
+    Trans, which the training loop times as `balance`); without replicas it is 0."""
+    for r in two_ranks:
+        for policy in ("eplb", "shadow"):
+            rows = r[f"{policy}.transfer_s"]
+            with_replicas = [(t, c) for t, c, agg in rows if agg > 0]
+            assert with_replicas, policy
+            assert all(0.0 < c < t for t, c in with_replicas), (policy, with_replicas)
+        assert all(c == 0.0 for _, c, _ in r["static.transfer_s"])
+
+
 def test_forced_home_change_moves_adamw_moments(two_ranks: list[dict]) -> None:
     _check_forced(two_ranks)
 

@@ -92,22 +92,26 @@ def expert_pairs(n: np.ndarray, cores: float = 0.0) -> tuple[np.ndarray, np.ndar
 
 def shed_pairs_worth(
     static: Any, auto: Any, c_s: float, skip: int, cores: float = 0.0
-) -> dict[str, float | None]:
+) -> dict[str, Any]:
     """The ideal's premise, tested on one round: does each pair the slowest ranks shed save `c`?
 
     Over the later half of the steps after `skip` (auto's first plans, probes and switches
     behind it), with means over those steps of the static run (s) and the auto run (a), `slow`
-    as in `expert_pairs`, `transfers` the auto run's Trans + Agg (its `moe_phases`) and
-    `balance` each run's balance phase:
+    as in `expert_pairs`, `balance` each run's balance phase and `transfers` the auto run's
+    Trans and Agg seconds inside forward and backward (`moe_phases["transfers_in_compute"]`;
+    those at the step boundary are in `balance` already):
 
         expected = c * (slow_s - slow_a)                      what the shed pairs are worth
         saved    = step_s - step_a                            net, as measured
         costs    = transfers_a + (balance_a - balance_s)      what auto paid to shed them
         premise  = (saved + costs) / expected
 
-    1 where each shed pair saved `c`, as the ideal assumes; well below 1 where shedding pairs
-    saves less than their expert time (the ideal then overstates what balance can win). Returns
-    the four in ms (`premise` None where no pairs were shed)."""
+    1 where each shed pair saved `c`, as the ideal assumes; below 1 where shedding pairs saves
+    less than their expert time, or costs more than these two (the split's dispatch, the
+    replicas' optimizer rows). Returns the four in ms (`premise` None where no pairs were shed)
+    and `costs_counted`. A run written before `transfers_in_compute` existed has only all of
+    its transfers: they are counted instead, and the boundary's twice (the premise reads
+    high)."""
     S = len(static.step_s)
     w = slice(min(S - 1, max(skip, 0) + (S - max(skip, 0)) // 2), None)
     slow_s = expert_pairs(_pairs(static, w), cores)[0].mean()
@@ -119,13 +123,15 @@ def shed_pairs_worth(
 
     expected = c_s * (slow_s - slow_a)
     saved = float(np.asarray(static.step_s)[w].mean() - np.asarray(auto.step_s)[w].mean())
-    costs = mean_of(auto, "moe_phases", "transfers") + mean_of(auto, "phases", "balance")
+    moved = "transfers_in_compute" if "transfers_in_compute" in auto.moe_phases else "transfers"
+    costs = mean_of(auto, "moe_phases", moved) + mean_of(auto, "phases", "balance")
     costs -= mean_of(static, "phases", "balance")
     return {
         "expected_ms": round(float(expected) * 1e3, 2),
         "saved_ms": round(saved * 1e3, 2),
         "costs_ms": round(costs * 1e3, 2),
         "premise": round(float((saved + costs) / expected), 3) if expected > 0 else None,
+        "costs_counted": f"{moved} + balance",
     }
 
 

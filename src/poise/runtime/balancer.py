@@ -403,7 +403,7 @@ class Balancer(PlanCycle):
                 continue
             self._handles.append(
                 state.layer.register_forward_pre_hook(
-                    lambda m, a, s=state: self.moves.wait(s, self._current)
+                    lambda m, a, s=state: self.moves.wait(s, self._current, in_compute=True)
                 )
             )
             for i, p in enumerate(state.params):
@@ -462,7 +462,7 @@ class Balancer(PlanCycle):
         if len(state.grads_ready) < len(state.params) or not state.has_replicas:
             return
         state.grads_ready.clear()
-        self.moves.launch_agg(state, self._current)
+        self.moves.launch_agg(state, self._current, in_compute=True)
 
     # ---------------------------------------------------------------------- step boundary
     def reduce_replicas(self) -> None:

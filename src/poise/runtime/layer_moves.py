@@ -16,8 +16,11 @@ The Balancer decides *which* plan runs; this carries it out on the layers of one
   gradient hooks and finished before anything reads gradients.
 
 Seconds spent here go to the step's `transfers` phase, bytes to its `trans_bytes`,
-`agg_bytes`, `migrate_bytes`. Every rank calls the same methods in the same order (the
-transfers are collective over `group`)."""
+`agg_bytes`, `migrate_bytes`. The part spent inside the step's forward and backward (Trans
+waits in the forward pre-hooks, Agg launches from the gradient hooks) also goes to
+`transfers_in_compute` (`TRANSFERS_IN_COMPUTE`); the rest falls in the training loop's
+`balance` phase. Every rank calls the same methods in the same order (the transfers are
+collective over `group`)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from poise.runtime.compress import Compression
 from poise.runtime.host_link import Channel, HostLink
 from poise.runtime.layer_state import LayerState, grad_of, same_homes
 from poise.runtime.stats import StepStats
+
+TRANSFERS_IN_COMPUTE = "transfers_in_compute"  # the transfers' seconds inside forward/backward
 
 
 class LayerMoves:
@@ -140,24 +145,30 @@ class LayerMoves:
                     self.wait(state)
         stats.add_seconds("transfers", time.perf_counter() - t0)
 
-    def wait(self, state: LayerState, stats: StepStats | None = None) -> None:
+    def wait(
+        self, state: LayerState, stats: StepStats | None = None, in_compute: bool = False
+    ) -> None:
         """The layer's Trans must have landed before it runs (its forward pre-hook); the wait
-        goes to `stats`' transfers where given."""
+        goes to `stats`' transfers where given, and also to `TRANSFERS_IN_COMPUTE` when
+        `in_compute` (from the forward pre-hook: inside the step's forward)."""
         if state.trans is not None:
             t0 = time.perf_counter()
             state.trans.wait()
             state.trans = None
             if stats is not None:
-                stats.add_seconds("transfers", time.perf_counter() - t0)
+                _add_transfer_seconds(stats, time.perf_counter() - t0, in_compute)
 
     def wait_all(self, stats: StepStats | None = None) -> None:
         for state in self.layers:
             self.wait(state, stats)
 
     # -------------------------------------------------------------------------------- Agg
-    def launch_agg(self, state: LayerState, stats: StepStats, timed: bool = True) -> None:
+    def launch_agg(
+        self, state: LayerState, stats: StepStats, timed: bool = True, in_compute: bool = False
+    ) -> None:
         """Launch the layer's Agg on its gradients as they stand (its launch seconds to
-        `stats`' transfers when `timed`)."""
+        `stats`' transfers when `timed`, and to `TRANSFERS_IN_COMPUTE` too when `in_compute`:
+        from a gradient hook, inside the step's backward)."""
         t0 = time.perf_counter()
         grads = [grad_of(p) for p in state.params]
         pending = tr.agg_async(
@@ -167,7 +178,7 @@ class LayerMoves:
         state.aggs.append(pending)
         stats.agg_bytes += pending.total_bytes
         if timed:
-            stats.add_seconds("transfers", time.perf_counter() - t0)
+            _add_transfer_seconds(stats, time.perf_counter() - t0, in_compute)
 
     def finish_aggs(self, stats: StepStats) -> None:
         """Before anything reads expert gradients: every tensor gets a gradient (zeros where
@@ -192,4 +203,10 @@ class LayerMoves:
         return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
 
 
-__all__ = ["LayerMoves"]
+def _add_transfer_seconds(stats: StepStats, seconds: float, in_compute: bool) -> None:
+    stats.add_seconds("transfers", seconds)
+    if in_compute:
+        stats.add_seconds(TRANSFERS_IN_COMPUTE, seconds)
+
+
+__all__ = ["TRANSFERS_IN_COMPUTE", "LayerMoves"]
