@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def event_timer(device: torch.device, inner: int) -> Any:
     """`timed(op)`: seconds per call of `op()` over `inner` back-to-back calls, by CUDA events
-    on the current stream (by the host clock after a synchronisation on the CPU)."""
-    import time
+    on the current stream (by the host clock on the CPU)."""
 
     def timed(op: Any) -> float:
         if device.type != "cuda":

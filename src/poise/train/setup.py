@@ -61,8 +61,11 @@ def host_gpus() -> int:
 
 
 def local_ranks() -> int:
-    """The ranks on this host, from the launcher's `LOCAL_WORLD_SIZE` (else `WORLD_SIZE`)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    """The ranks on this host (`plan_inputs.ranks_on_host`: the launcher's `LOCAL_WORLD_SIZE`,
+    checked, else every rank of `WORLD_SIZE`)."""
+    from poise.runtime.plan_inputs import ranks_on_host
+
+    return ranks_on_host(int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def init_distributed(cfg: TrainConfig) -> bool:
@@ -82,16 +85,14 @@ def init_distributed(cfg: TrainConfig) -> bool:
 
 def pick_device(cfg: TrainConfig) -> torch.device:
     """This rank's device: the GPU of its `LOCAL_RANK` under an NCCL group, the CPU under a
-    gloo group (tests, CPU launches), and alone the GPU where `ranks_use_cuda` says so."""
+    gloo group (tests, CPU launches), and alone the GPU where `ranks_use_cuda` says so
+    ("cuda" without any GPU is its error in every case)."""
     if cfg.device == "cpu":
         return torch.device("cpu")
-    if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        if cfg.device == "cuda":
-            ranks_use_cuda(cfg.device, local_ranks(), host_gpus())  # raises where it cannot
-        return torch.device("cpu")
-    if ranks_use_cuda(cfg.device, 1, host_gpus()):
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    alone_on_gpu = ranks_use_cuda(cfg.device, 1, host_gpus())
+    if alone_on_gpu and not dist.is_initialized():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
