@@ -63,12 +63,19 @@ step) and the same residual stack, loss, gate all-reduce and AdamW:
 Each peer's line gives its median step and `ratio_vs_static` / `ratio_vs_balanced`, medians over
 rounds of its step over Poise's static and balanced steps of the same round (lower is faster).
 
+`--compare POLICY ...` steps more balanced models in the same rotation, one Balancer policy
+each (e.g. `permute`, SmartMoE's homes alone; `eplb`), and gives each a line like Poise's
+`--policy` line, against the same rounds' static, ideal and uniform steps; only `--policy`'s line
+is judged (`judged`).
+
 Each rank times its own steps from a common start (a barrier); a step's time is the slowest
 rank's. `*_ms` are medians over the timed steps, after a warm-up that includes the first plan;
 `speedup` and `ideal_speedup` are medians over rounds of static / balanced and static / ideal
 (steps of one round run back to back, so they share the machine's load); `fraction_of_ideal =
 speedup / ideal_speedup`; `gain_fraction = (speedup - 1) / (ideal_speedup - 1)` is the share of
-the possible gain achieved.
+the possible gain achieved, and `gain_fraction_90` the central 90% of it over 2,000 bootstrap
+resamples of the rounds (`gain_fraction_interval`): how far the machine's noise alone moves it
+with this many timed steps.
 """
 
 from __future__ import annotations
@@ -107,7 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--spare-slots", type=int, default=2)
-    p.add_argument("--policy", default="auto")
+    from poise.train.config import POLICIES
+
+    p.add_argument("--policy", default="auto", choices=POLICIES)
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=[],
+        choices=POLICIES,
+        metavar="POLICY",
+        help="more Balancer policies stepped in the same rotation, one line each (not judged)",
+    )
     p.add_argument("--replan-every", type=int, default=5)
     p.add_argument(
         "--probe-every",
@@ -381,38 +398,10 @@ class _Runner:
         self.times.append(time.perf_counter() - t0)
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    runners = {
-        "static": _Runner(args, load_trace(name, args), rank, None),
-        "balanced": _Runner(args, load_trace(name, args), rank, args.policy),
-        "ideal": _Runner(args, load_trace(f"ideal:{name}", args), rank, None),
-        "uniform": _Runner(args, load_trace("uniform", args), rank, None),
-    }
-    for system in getattr(args, "peers", []):
-        runners[system] = _PeerRunner(args, load_trace(name, args), rank, system)
-    order = list(runners)
-    n = len(order)
-    for r in range(args.warmup + args.steps):
-        for key in order[r % n :] + order[: r % n]:  # rotate who goes first
-            runners[key].step()
-    out: dict[str, Any] = {}
-    for key, runner in runners.items():
-        t = torch.tensor(runner.times[args.warmup :], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
-        out[key] = t.tolist()
-    peers = {k: r for k, r in runners.items() if isinstance(r, _PeerRunner)}
-    out["peer_rows"] = {k: r.rows for k, r in peers.items() if r.rows}
-    dropped = {k: torch.tensor(r.dropped).mean() for k, r in peers.items() if r.dropped}
-    for t in dropped.values():
-        dist.all_reduce(t)  # mean over the ranks
-    out["peer_dropped"] = {k: float(t) / world for k, t in dropped.items()}
-    balancer = runners["balanced"].balancer
-    assert balancer is not None
-    stats = list(balancer.stats)[args.warmup :]
-    out["stats"] = {
+def balancer_stats(balancer: Any, warmup: int) -> dict[str, Any]:
+    """What a balanced model's Balancer did over the timed steps (after `warmup`)."""
+    stats = list(balancer.stats)[warmup:]
+    return {
         "max_over_mean": float(np.mean([np.mean(s.max_over_mean) for s in stats])),
         "static_max_over_mean": float(np.mean(balancer.stats[0].max_over_mean)),
         "bytes_per_step": float(
@@ -438,6 +427,43 @@ def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[st
             if s.switched
         ],
     }
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    runners = {
+        "static": _Runner(args, load_trace(name, args), rank, None),
+        "balanced": _Runner(args, load_trace(name, args), rank, args.policy),
+        "ideal": _Runner(args, load_trace(f"ideal:{name}", args), rank, None),
+        "uniform": _Runner(args, load_trace("uniform", args), rank, None),
+    }
+    for policy in getattr(args, "compare", []):
+        runners[f"balanced:{policy}"] = _Runner(args, load_trace(name, args), rank, policy)
+    for system in getattr(args, "peers", []):
+        runners[system] = _PeerRunner(args, load_trace(name, args), rank, system)
+    order = list(runners)
+    n = len(order)
+    for r in range(args.warmup + args.steps):
+        for key in order[r % n :] + order[: r % n]:  # rotate who goes first
+            runners[key].step()
+    out: dict[str, Any] = {}
+    for key, runner in runners.items():
+        t = torch.tensor(runner.times[args.warmup :], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
+        out[key] = t.tolist()
+    peers = {k: r for k, r in runners.items() if isinstance(r, _PeerRunner)}
+    out["peer_rows"] = {k: r.rows for k, r in peers.items() if r.rows}
+    dropped = {k: torch.tensor(r.dropped).mean() for k, r in peers.items() if r.dropped}
+    for t in dropped.values():
+        dist.all_reduce(t)  # mean over the ranks
+    out["peer_dropped"] = {k: float(t) / world for k, t in dropped.items()}
+    out["stats"] = {
+        key: balancer_stats(runner.balancer, args.warmup)
+        for key, runner in runners.items()
+        if isinstance(runner, _Runner) and runner.balancer is not None
+    }
     return out
 
 
@@ -447,21 +473,62 @@ def _max_over_mean(trace: Any) -> float:
     return float(np.mean(per_rank.max(axis=1) / per_rank.mean(axis=1)))
 
 
-def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Poise's line for the trace, then one line per peer in `args.peers`."""
-    load_before = os.getloadavg()[0]
-    res = run_ranks(_rank, args.world, args, name, timeout_s=600)[0]
+def gain_fraction(speedup: float, ideal_speedup: float) -> float | None:
+    """`(speedup - 1) / (ideal_speedup - 1)`: the share of the possible gain achieved (None
+    where the ideal gains nothing)."""
+    return (speedup - 1) / (ideal_speedup - 1) if ideal_speedup > 1 else None
+
+
+def gain_fraction_interval(
+    static: list[float],
+    balanced: list[float],
+    ideal: list[float],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> list[float] | None:
+    """The central `level` interval of the gain fraction over bootstrap resamples of the rounds
+    (each round's static, balanced and ideal steps drawn together, as they ran together; the
+    fraction recomputed from the medians of each resample's ratios, as the line computes it):
+    how far the machine's noise alone could move the figure. None with fewer than 3 rounds or
+    no resample whose ideal gains anything."""
+    s, b, i = (np.asarray(x, dtype=np.float64) for x in (static, balanced, ideal))
+    if len(s) < 3:
+        return None
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(s), size=(resamples, len(s)))
+    speedup = np.median(s[pick] / b[pick], axis=1)
+    ideal_speedup = np.median(s[pick] / i[pick], axis=1)
+    ok = ideal_speedup > 1
+    if not ok.any():
+        return None
+    fractions = (speedup[ok] - 1) / (ideal_speedup[ok] - 1)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(fractions, [tail, 100 - tail])
+    return [round(float(lo), 3), round(float(hi), 3)]
+
+
+def policy_line(
+    name: str,
+    key: str,
+    policy: str,
+    res: dict[str, Any],
+    args: argparse.Namespace,
+    load: list[float],
+) -> dict[str, Any]:
+    """Poise's line for the balanced model `key` (`policy`) against the same rounds' static,
+    ideal and uniform steps."""
     static = statistics.median(res["static"]) * 1e3
-    balanced = statistics.median(res["balanced"]) * 1e3
+    balanced = statistics.median(res[key]) * 1e3
     ideal = statistics.median(res["ideal"]) * 1e3
-    rounds = list(zip(res["static"], res["balanced"], res["ideal"], strict=True))
+    rounds = list(zip(res["static"], res[key], res["ideal"], strict=True))
     speedup = statistics.median(s / b for s, b, _ in rounds)
     ideal_speedup = statistics.median(s / i for s, _, i in rounds)
     uniform = zip(res["static"], res["uniform"], strict=True)
     uniform_speedup = statistics.median(s / u for s, u in uniform)
-    st = res["stats"]
-    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    poise = {
+    fraction = gain_fraction(speedup, ideal_speedup)
+    st = res["stats"][key]
+    return {
         "bench": "ep_step",
         "trace": name,
         "impl": "poise",
@@ -471,14 +538,14 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "speedup": round(speedup, 3),
         "ideal_speedup": round(ideal_speedup, 3),
         "fraction_of_ideal": round(speedup / ideal_speedup, 3),
-        "gain_fraction": round((speedup - 1) / (ideal_speedup - 1), 3)
-        if ideal_speedup > 1
-        else None,
+        "gain_fraction": None if fraction is None else round(fraction, 3),
+        "gain_fraction_90": gain_fraction_interval(res["static"], res[key], res["ideal"]),
         # uniform routing (every expert the mean load): the same tokens in GEMMs of equal size,
         # which no placement of this trace's loads has; its speed-up over static EP holds that
         "uniform_ms": round(statistics.median(res["uniform"]) * 1e3, 2),
         "uniform_speedup": round(uniform_speedup, 3),
-        "policy": args.policy,
+        "policy": policy,
+        "judged": key == "balanced",  # the target is judged on `--policy`'s line
         "replan_every": args.replan_every,
         "max_over_mean_static": round(st["static_max_over_mean"], 3),
         "max_over_mean_balanced": round(st["max_over_mean"], 3),
@@ -492,7 +559,17 @@ def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         # Other processes on this machine take CPU from the ranks and hide their imbalance.
         "load_avg_1min": load,
     }
-    return [poise] + [peer_line(name, system, res, args, load) for system in args.peers]
+
+
+def run_trace(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Poise's line for the trace (`--policy`), one per `--compare` policy, then one line per
+    peer in `args.peers`."""
+    load_before = os.getloadavg()[0]
+    res = run_ranks(_rank, args.world, args, name, timeout_s=600)[0]
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    lines = [policy_line(name, "balanced", args.policy, res, args, load)]
+    lines += [policy_line(name, f"balanced:{p}", p, res, args, load) for p in args.compare]
+    return lines + [peer_line(name, system, res, args, load) for system in args.peers]
 
 
 def peer_line(

@@ -1,6 +1,12 @@
-"""Small builders shared by tests: a toy cluster and model with round numbers."""
+"""Small builders shared by tests: a toy cluster and model with round numbers, and the
+benchmark scripts loaded as modules."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 from poise.core.cluster import Cluster, Link
 from poise.core.spec import ModelSpec
@@ -133,3 +139,18 @@ def assert_priced_as_the_cost_model(plan, cost, loads, device_load_rtol: float =
         np.testing.assert_allclose(
             getattr(plan.cost.phases, name), getattr(fresh.phases, name), rtol=1e-9, err_msg=name
         )
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/NAME.py` as the module `bench_NAME` (registered in `sys.modules`, so that its
+    dataclasses resolve). A script that imports its sibling modules (`peers`) needs
+    `BENCHMARKS` on `sys.path` first (`monkeypatch.syspath_prepend(str(BENCHMARKS))`)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -6,28 +6,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import BENCHMARKS, load_benchmark
+
 PEER_PACKAGES = ("deepspeed", "torchtitan")
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
 def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmarks importable, and the peer packages absent even where installed."""
-    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     find_spec = importlib.util.find_spec
 
     def absent(name: str, *args: object, **kwargs: object) -> object:
@@ -41,7 +32,7 @@ def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_moe_layer_skips_absent_peers(no_peers: None, capsys: pytest.CaptureFixture) -> None:
-    moe_layer = _load("moe_layer")
+    moe_layer = load_benchmark("moe_layer")
     threads = torch.get_num_threads()
     try:
         tiny = "--tokens 64 --d-model 32 --d-expert 32 --experts 4 --reps 1 --warmup 0"
@@ -56,7 +47,7 @@ def test_moe_layer_skips_absent_peers(no_peers: None, capsys: pytest.CaptureFixt
 
 
 def test_ep_step_skips_absent_peers(no_peers: None) -> None:
-    ep_step = _load("ep_step")
+    ep_step = load_benchmark("ep_step")
     notes = ep_step.peer_notes(ep_step.parse_args([]))
     assert set(notes) == set(PEER_PACKAGES)
     assert all("not installed" in note for note in notes.values())

@@ -3,18 +3,15 @@ ideal built from them (the trace's own loads, dealt evenly to the ranks' static 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from argparse import Namespace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from poise.plan.policies.lpt import lpt_assign
 from poise.report.ideal_homes import balanced_order, device_loads
-
-EP_STEP = Path(__file__).resolve().parents[1] / "benchmarks" / "ep_step.py"
+from tests.helpers import BENCHMARKS, load_benchmark
 
 
 def _best_max(load: np.ndarray, devices: int) -> float:
@@ -78,11 +75,8 @@ def test_ep_steps_ideal_keeps_each_experts_load_and_each_ranks_tokens(
 ) -> None:
     """`ep_step`'s ideal trace for zipf-1.2: per layer the same multiset of expert loads (the
     same GEMM shapes), every source rank sending the same tokens, the ranks' homes even."""
-    monkeypatch.syspath_prepend(str(EP_STEP.parent))  # its sibling modules
-    spec = importlib.util.spec_from_file_location("ep_step_bench", EP_STEP)
-    assert spec is not None and spec.loader is not None
-    ep_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ep_step)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling modules
+    ep_step = load_benchmark("ep_step")
     args = Namespace(layers=4, world=2, experts=32, top_k=2, tokens=1024, data="")
     trace = ep_step.load_trace("zipf-1.2", args)
     ideal = ep_step.load_trace("ideal:zipf-1.2", args)

@@ -3,9 +3,6 @@ numbers; `benchmarks/train_speedup.py` judges by it (its JSON line, with trainin
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,8 +17,7 @@ from poise.report.ideal import (
     shed_pairs_worth,
     tokens_per_s,
 )
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "train_speedup.py"
+from tests.helpers import load_benchmark
 
 
 def test_judge_rewards_the_gain_not_doing_nothing() -> None:
@@ -130,12 +126,7 @@ def test_module_examples() -> None:
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("train_speedup_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("train_speedup")
 
 
 def _three_to_one(policy: str, steps: int, step_s: float) -> SimpleNamespace:
