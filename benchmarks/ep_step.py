@@ -132,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the guard's probe steps (default 0: off; the module docstring says why)",
     )
+    p.add_argument(
+        "--host-link",
+        action="store_true",
+        help="the Balancers move Trans, Agg and migrations through shared memory",
+    )
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (the first plan included)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--world", type=int, default=2)
@@ -368,6 +373,7 @@ class _Runner:
                 policy,
                 replan_every=args.replan_every,
                 probe_every=args.probe_every,
+                host_link=args.host_link,
             )
             if policy
             else None

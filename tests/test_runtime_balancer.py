@@ -411,7 +411,10 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
             assert replicated, policy  # splitting had replicas to split among
         if results[0][f"{policy}.link"]:  # it had replicas, and they went through the link
             assert replicated, policy
-            assert results[0][f"{policy}.channels"] == ["agg", "trans"], policy
+            # and so did its migrations, where it moved homes (`migrate` bytes)
+            channels = set(results[0][f"{policy}.channels"])
+            assert {"agg", "trans"} <= channels <= {"agg", "trans", "migrate"}, policy
+            assert ("migrate" in channels) or migrate == 0, (policy, migrate)
     # the split routed some step differently from the fixed shares (on 2 ranks, where a
     # replicated expert sits on both and no tokens are remote, only by shedding)
     assert sum(results[0][f"{p}.split"][3] for p in POLICIES if ":" not in p) > 0

@@ -110,7 +110,7 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
             p.grad = torch.tensor(x)
         opt.step()
         res["before"] = _snapshot(params, opt)
-        mig = tr.migrate(params, opt, old_maps, new_maps, rank)
+        mig = tr.migrate(params, opt, old_maps, new_maps, rank, link=channel("migrate"))
         res["after"] = _snapshot(params, opt)
         res["migration"] = mig
         out.append(res)
@@ -207,9 +207,9 @@ def _check_migration(rank: int, new_maps, old_homes, results, S: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("shared", [False, True], ids=["gloo", "shared-memory"])
 def test_trans_agg_migrate_match_the_reference(world_size: int, shared: bool) -> None:
-    """Through gloo's all-to-all, and with Trans and Agg through shared memory (`HostLink`):
-    two Trans in flight on two channels, a second Agg started on the channel of an unread
-    one."""
+    """Through gloo's all-to-all, and with Trans, Agg and migration through shared memory
+    (`HostLink`): two Trans in flight on two channels, a second Agg started on the channel of an
+    unread one, the migration's homes with their moments and its replicas in one turn."""
     seeds = list(range(100 * world_size, 100 * world_size + CASES))
     results = run_ranks(_rank_cases, world_size, seeds, shared)
     for i, seed in enumerate(seeds):

@@ -5,8 +5,9 @@ The Balancer decides *which* plan runs; this carries it out on the layers of one
 
 - `route(plan, layer_maps)`: every layer's placement, assignment and this rank's slot map;
 - `relay(plan, stats)`: make `plan` the layout now: migrate the homes whose slots change (with
-  their optimizer state, `transfers.migrate`), route, and launch every layer's Trans (the
-  replicas' fill);
+  their optimizer state, `transfers.migrate`, through the host link's shared memory where there
+  is one: one channel that every layer's migration takes in turn), route, and launch every
+  layer's Trans (the replicas' fill);
 - Trans (`start_trans`, `launch_trans`, `wait`): each replica slot gets its home's weights,
   launched at the step boundary and waited for in the layer's forward (`overlap`); plain
   (`transfers.trans_async`, through the host link's shared memory where there is one,
@@ -103,7 +104,7 @@ class LayerMoves:
             t_move = time.perf_counter()
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
-                fill_replicas=False,
+                fill_replicas=False, link=self._migrate_channel(),
             )  # fmt: skip
             stats.add_seconds("migrate", time.perf_counter() - t_move)
             stats.migrate_bytes += moved.home_total_bytes
@@ -201,6 +202,11 @@ class LayerMoves:
     def _channel(self, kind: str, state: LayerState) -> Channel | None:
         """The layer's shared-memory channel for `kind` (Trans or Agg), None without a link."""
         return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
+
+    def _migrate_channel(self) -> Channel | None:
+        """The shared-memory channel every layer's migration takes in turn (one region, sized by
+        the largest layer's move, not one per layer), None without a link."""
+        return None if self.link is None else self.link.channel("migrate")
 
 
 def _add_transfer_seconds(stats: StepStats, seconds: float, in_compute: bool) -> None:

@@ -472,6 +472,7 @@ def migrate(
     *,
     group: dist.ProcessGroup | None = None,
     fill_replicas: bool = True,
+    link: Channel | None = None,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
     `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
@@ -486,7 +487,10 @@ def migrate(
     not the whole layer (`Migration.relaid_bytes`).
 
     `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
-    fills them another way (the compressed Trans, `poise.runtime.domains_trans`)."""
+    fills them another way (the compressed Trans, `poise.runtime.domains_trans`). `link`: the
+    rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
+    packed straight into the region and placed from it, about two copies of the bytes where
+    gloo's all-to-all adds a socket round trip of them."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -510,7 +514,7 @@ def migrate(
 
     with torch.no_grad():
         streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
-        pending = exchange(streams, rank, len(new_maps), group=group)  # source rows read now
+        pending = exchange(streams, rank, len(new_maps), group=group, link=link)  # rows read now
         if rewritten.size:
             clear = torch.as_tensor(rewritten, dtype=torch.long, device=params[0].device)
             for t in every:

@@ -25,8 +25,8 @@ the switch, and falls back to the static layout when it does not (`poise.runtime
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
 without its replicas, so that the guard's wall clock compares neighbouring steps
 (`Balancer(probe_every=...)`; 1 is refused);
-`host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows
-through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
+`host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
+and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`);
 `separate_transfers` (default on): Trans, Agg and migration run on a process group of their own
 over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
