@@ -20,8 +20,11 @@ runtime's `eplb` policy, re-planned every `--replan-every` steps and adopted wit
 check, as published: `balance_guard` off); its line under `peers` gives its speedup over static,
 its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per round. EPLB
 balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
-nets on this machine once those are paid. `--identical` runs static on both sides (the "auto"
-fields then describe the second static run): the spread of the comparison itself.
+nets on this machine once those are paid. `--peers auto-link` runs `auto` with the host link
+(`host_link: true`: Trans, Agg and migrations through shared memory) as the third run, so
+`auto_over_peer` compares the two paths of the same policy in the same turns. `--identical`
+runs static on both sides (the "auto" fields then describe the second static run): the spread
+of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
 `probe_every=0` to see what the guard's probe steps cost; the line lists them under
 `auto_settings`.
@@ -116,7 +119,11 @@ SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
 
 # peer policies run as their papers and libraries do: re-planned every period, adopted without
 # a cost check (`balance_guard` off; `probe_every` then has no effect)
-PEERS: dict[str, dict[str, Any]] = {"eplb": {"balance_guard": False}}
+# peer -> (its policy, the training settings it changes)
+PEERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eplb": ("eplb", {"balance_guard": False}),
+    "auto-link": ("auto", {"host_link": True}),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,7 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         choices=sorted(PEERS),
-        help="peer policies to run in turns beside static and auto (eplb: DeepSeek's EPLB)",
+        help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
+        "with the host link)",
     )
     p.add_argument(
         "--sequential",
@@ -298,14 +306,14 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     runs: dict[str, list[Any]] = {side: [] for side in sides}
     clocked: list[dict[str, Any]] = []  # the expert clock's result per round (in turns)
     # the side called "auto" runs `static` too with --identical: the instrument's own spread
-    policy_of = {side: side for side in sides}
+    policy_of = {side: PEERS[side][0] if side in PEERS else side for side in sides}
     policy_of["auto"] = "static" if args.identical else "auto"
     for r in range(args.repeats):
         order = tuple(sides[r % len(sides) :] + sides[: r % len(sides)])  # who starts rotates
         cfgs = {
             side: run_config(
                 policy_of[side], root / f"{name}-{r}-{side}", args.steps, args.replan_every,
-                model_args, **PEERS.get(side, {}),
+                model_args, **(PEERS[side][1] if side in PEERS else {}),
                 **(args.auto_settings if side == "auto" else {}),
             )
             for side in order

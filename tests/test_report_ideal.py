@@ -372,6 +372,42 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     assert bench.parse_args(["--settings", "tiny"]).peers == []
 
 
+def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) -> None:
+    """`--peers auto-link`: the third run trains `auto` with the host link (the guard on); its
+    figures sit under `peers`, auto's own are the run without the link. Auto 0.95 s a step
+    without the link and 0.92 s with it: auto / auto-link 0.92/0.95 per round."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    steps = 20
+    seen: list[tuple[str, bool, bool]] = []
+
+    def fake_train(cfg, world: int):
+        seen.append((cfg.policy, cfg.host_link, cfg.balance_guard))
+        step_s = 1.0 if cfg.policy == "static" else (0.92 if cfg.host_link else 0.95)
+        return _three_to_one(cfg.policy, steps, step_s)
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    _fake_clock(monkeypatch, bench, [25e-6] * 2)
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
+    line = bench.bench_setting(
+        "skewed", bench.parse_args([*argv, "--peers", "auto-link"]), tmp_path
+    )
+    assert sorted(set(seen)) == [
+        ("auto", False, True),
+        ("auto", True, True),
+        ("static", False, True),
+    ]
+    peer = line["peers"]["auto-link"]
+    assert peer["speedup"] == pytest.approx(1 / 0.92, abs=1e-4)
+    assert peer["auto_over_peer_rounds"] == pytest.approx([0.92 / 0.95] * 2, abs=1e-4)
+    assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
+
+
 def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path) -> None:
     """In turns, round r's ideal uses the c its own clock timed: static 1.0 s a step with loads
     3:1 (4 layers x 1000 excess pairs) at c = 20, 30, 40 us gives ideals 1/0.92, 1/0.88,
