@@ -113,6 +113,16 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
         mig = tr.migrate(params, opt, old_maps, new_maps, rank, link=channel("migrate"))
         res["after"] = _snapshot(params, opt)
         res["migration"] = mig
+        if link is not None:  # the same migration over the link's cap: through the group
+            params = [torch.nn.Parameter(torch.tensor(x)) for x in case["weights"][rank]]
+            opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01)
+            for p, x in zip(params, case["step_grads"][rank], strict=True):
+                p.grad = torch.tensor(x)
+            opt.step()
+            capped = channel("capped")
+            tr.migrate(params, opt, old_maps, new_maps, rank, link=capped, link_max_bytes=0)
+            res["after_capped"] = _snapshot(params, opt)
+            res["capped_turns"] = capped.turns
         out.append(res)
     return out
 
@@ -214,6 +224,12 @@ def test_trans_agg_migrate_match_the_reference(world_size: int, shared: bool) ->
     results = run_ranks(_rank_cases, world_size, seeds, shared)
     for i, seed in enumerate(seeds):
         _check_case(seed, world_size, [results[r][i] for r in range(world_size)])
+    if shared:  # over the cap the rows went through the group, to the same result
+        for res in (results[r][i] for r in range(world_size) for i in range(len(seeds))):
+            assert res["capped_turns"] == 0
+            for key in ("w", "m", "v"):
+                for got, want in zip(res["after_capped"][key], res["after"][key], strict=True):
+                    np.testing.assert_array_equal(got, want)
 
 
 # ------------------------------------------------------------------ routes (no process group)

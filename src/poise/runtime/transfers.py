@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from poise.core.errors import PoiseError
 from poise.nn.slots import SlotMap
-from poise.runtime.host_link import Channel
+from poise.runtime.host_link import Channel, half_bytes
 
 Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]
 """Receives rows: `sink(dst_slots[n], rows)` with one `[n, ...]` tensor per stream tensor."""
@@ -463,6 +463,13 @@ def state_tensors(
     return out
 
 
+# The most one rank sends in a migration through shared memory (a channel's half; its region
+# is twice that and is kept for the run): 128 MiB holds the migrations of `ep_step` and
+# `train_speedup` (at most about 40 MB a rank and layer) with room; a larger one (a model
+# whose home with its moments is 150 MB) goes through the process group.
+LINK_MIGRATE_MAX_BYTES = 128 * 2**20
+
+
 def migrate(
     params: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
@@ -473,6 +480,7 @@ def migrate(
     group: dist.ProcessGroup | None = None,
     fill_replicas: bool = True,
     link: Channel | None = None,
+    link_max_bytes: int | None = None,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
     `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
@@ -490,7 +498,10 @@ def migrate(
     fills them another way (the compressed Trans, `poise.runtime.domains_trans`). `link`: the
     rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
     packed straight into the region and placed from it, about two copies of the bytes where
-    gloo's all-to-all adds a socket round trip of them."""
+    gloo's all-to-all adds a socket round trip of them. A region never shrinks, so a migration
+    whose largest sender needs more than `link_max_bytes` (default `LINK_MIGRATE_MAX_BYTES`)
+    goes through `group` instead: every rank computes that from the routes alone, so all take
+    the same path."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -514,6 +525,11 @@ def migrate(
 
     with torch.no_grad():
         streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
+        if link is not None:
+            cap = LINK_MIGRATE_MAX_BYTES if link_max_bytes is None else link_max_bytes
+            itemsize = torch.empty((), dtype=_buffer_dtype(streams)).element_size()
+            if half_bytes(pair_numel(streams, len(new_maps)), itemsize) > cap:
+                link = None  # the region would stay that large for the rest of the run
         pending = exchange(streams, rank, len(new_maps), group=group, link=link)  # rows read now
         if rewritten.size:
             clear = torch.as_tensor(rewritten, dtype=torch.long, device=params[0].device)
