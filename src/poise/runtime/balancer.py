@@ -174,11 +174,12 @@ class Balancer(PlanCycle):
       saving once;
     - `host_link` (default off): where every rank of the group is a CPU process on this host
       (gloo), Trans, Agg and migrations move their rows through shared memory
-      (`poise.runtime.host_link`) instead of gloo's sockets. Off by default: it halves a
-      layer's Trans and Agg in isolation and takes a migration in a fifth to a third of gloo's
-      time (`benchmarks/migrate.py`), but on a 2-core host it made no measurable difference to
-      a training step and 4 ranks on 2 cores ran slower with it in 2 of 3 paired runs
-      (docs/benchmarks.md);
+      (`poise.runtime.host_link`) instead of gloo's sockets (calls above
+      `transfers.LINK_MAX_BYTES` a rank through the group). It halves a layer's Trans and Agg
+      in isolation and takes a migration in a fifth to a third of gloo's time
+      (`benchmarks/migrate.py`); `poise train` turns it on by default (`TrainConfig.host_link`:
+      ahead of gloo in 14 paired training rounds of 17, docs/benchmarks.md); off here, for
+      callers that build a Balancer themselves;
     - `separate_transfers` (default on): Trans, Agg and migration run on a process group of
       their own over the same ranks (`poise.runtime.transfer_group`; made here, collectively,
       where `group` spans the world), so that they do not queue ahead of the tokens'

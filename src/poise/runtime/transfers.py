@@ -187,6 +187,13 @@ class Pending:
             finish()
 
 
+# The most one rank sends in one call through shared memory (a channel's half; its region is
+# twice that and is kept for the run): 128 MiB holds every Trans, Agg and migration of
+# `train_speedup` and `ep_step` (at most about 40 MB a rank and layer) with room; a larger one
+# (a migration of a model whose home with its moments is 150 MB) goes through the group.
+LINK_MAX_BYTES = 128 * 2**20
+
+
 def exchange(
     streams: Sequence[Stream],
     rank: int,
@@ -195,9 +202,13 @@ def exchange(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     link: Channel | None = None,
+    link_max_bytes: int | None = None,
 ) -> Pending:
     """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks),
-    or through shared memory where `link` (a `HostLink` channel of the same ranks) is given.
+    or through shared memory where `link` (a `HostLink` channel of the same ranks) is given and
+    the largest sender's rows fit in `link_max_bytes` (default `LINK_MAX_BYTES`): a channel's
+    region never shrinks, so a larger call goes through the group (every rank computes that
+    from the routes alone, so all take the same path).
 
     Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
     time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
@@ -205,6 +216,11 @@ def exchange(
     _check_streams(streams)
     remote = any(s.routes.remote_rows() for s in streams)
     dtype = _buffer_dtype(streams)
+    if link is not None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        cap = LINK_MAX_BYTES if link_max_bytes is None else link_max_bytes
+        if half_bytes(pair_numel(streams, world_size), itemsize) > cap:
+            link = None  # its region would stay that large for the rest of the run
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(world_size)]
     local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
     recv_numel = [0] * world_size
@@ -463,13 +479,6 @@ def state_tensors(
     return out
 
 
-# The most one rank sends in a migration through shared memory (a channel's half; its region
-# is twice that and is kept for the run): 128 MiB holds the migrations of `ep_step` and
-# `train_speedup` (at most about 40 MB a rank and layer) with room; a larger one (a model
-# whose home with its moments is 150 MB) goes through the process group.
-LINK_MIGRATE_MAX_BYTES = 128 * 2**20
-
-
 def migrate(
     params: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
@@ -498,10 +507,8 @@ def migrate(
     fills them another way (the compressed Trans, `poise.runtime.domains_trans`). `link`: the
     rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
     packed straight into the region and placed from it, about two copies of the bytes where
-    gloo's all-to-all adds a socket round trip of them. A region never shrinks, so a migration
-    whose largest sender needs more than `link_max_bytes` (default `LINK_MIGRATE_MAX_BYTES`)
-    goes through `group` instead: every rank computes that from the routes alone, so all take
-    the same path."""
+    gloo's all-to-all adds a socket round trip of them; one larger than `link_max_bytes`
+    goes through `group` (`exchange`)."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -525,12 +532,9 @@ def migrate(
 
     with torch.no_grad():
         streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
-        if link is not None:
-            cap = LINK_MIGRATE_MAX_BYTES if link_max_bytes is None else link_max_bytes
-            itemsize = torch.empty((), dtype=_buffer_dtype(streams)).element_size()
-            if half_bytes(pair_numel(streams, len(new_maps)), itemsize) > cap:
-                link = None  # the region would stay that large for the rest of the run
-        pending = exchange(streams, rank, len(new_maps), group=group, link=link)  # rows read now
+        pending = exchange(
+            streams, rank, len(new_maps), group=group, link=link, link_max_bytes=link_max_bytes
+        )  # source rows read now
         if rewritten.size:
             clear = torch.as_tensor(rewritten, dtype=torch.long, device=params[0].device)
             for t in every:
