@@ -20,10 +20,9 @@ runtime's `eplb` policy, re-planned every `--replan-every` steps and adopted wit
 check, as published: `balance_guard` off); its line under `peers` gives its speedup over static,
 its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per round. EPLB
 balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
-nets on this machine once those are paid. `--peers auto-gloo` runs `auto` without the host
-link (`host_link: false`: Trans, Agg and migrations through gloo's sockets, not shared memory)
-as the third run, so `auto_over_peer` compares the two paths of the same policy in the same
-turns. `--identical`
+nets on this machine once those are paid. `--peers auto-link` runs `auto` with the host link
+(`host_link: true`: Trans, Agg and migrations through shared memory) as the third run, so
+`auto_over_peer` compares the two paths of the same policy in the same turns. `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -123,7 +122,7 @@ SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
 # peer -> (its policy, the training settings it changes)
 PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "eplb": ("eplb", {"balance_guard": False}),
-    "auto-gloo": ("auto", {"host_link": False}),
+    "auto-link": ("auto", {"host_link": True}),
 }
 
 
@@ -150,8 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         choices=sorted(PEERS),
-        help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-gloo: auto "
-        "without the host link)",
+        help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
+        "with the host link)",
     )
     p.add_argument(
         "--sequential",

@@ -372,10 +372,10 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     assert bench.parse_args(["--settings", "tiny"]).peers == []
 
 
-def test_train_speedup_runs_auto_without_the_link_as_a_peer(monkeypatch, tmp_path) -> None:
-    """`--peers auto-gloo`: the third run trains `auto` without the host link (the guard on);
-    its figures sit under `peers`, auto's own are the run with the link (the default). Auto
-    0.92 s a step with the link and 0.95 s without: auto / auto-gloo 0.95/0.92 per round."""
+def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) -> None:
+    """`--peers auto-link`: the third run trains `auto` with the host link (the guard on); its
+    figures sit under `peers`, auto's own are the run without the link. Auto 0.95 s a step
+    without the link and 0.92 s with it: auto / auto-link 0.92/0.95 per round."""
     import poise.calibrate.experts as experts
 
     bench = _bench()
@@ -395,17 +395,17 @@ def test_train_speedup_runs_auto_without_the_link_as_a_peer(monkeypatch, tmp_pat
     _fake_clock(monkeypatch, bench, [25e-6] * 2)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
     line = bench.bench_setting(
-        "skewed", bench.parse_args([*argv, "--peers", "auto-gloo"]), tmp_path
+        "skewed", bench.parse_args([*argv, "--peers", "auto-link"]), tmp_path
     )
     assert sorted(set(seen)) == [
         ("auto", False, True),
         ("auto", True, True),
-        ("static", True, True),  # the default; a static run makes no link
+        ("static", False, True),
     ]
-    peer = line["peers"]["auto-gloo"]
-    assert peer["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
-    assert peer["auto_over_peer_rounds"] == pytest.approx([0.95 / 0.92] * 2, abs=1e-4)
-    assert line["speedup"] == pytest.approx(1 / 0.92, abs=1e-4)
+    peer = line["peers"]["auto-link"]
+    assert peer["speedup"] == pytest.approx(1 / 0.92, abs=1e-4)
+    assert peer["auto_over_peer_rounds"] == pytest.approx([0.92 / 0.95] * 2, abs=1e-4)
+    assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
 
 
 def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path) -> None:

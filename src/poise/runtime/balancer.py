@@ -177,9 +177,8 @@ class Balancer(PlanCycle):
       (`poise.runtime.host_link`) instead of gloo's sockets (calls above
       `transfers.LINK_MAX_BYTES` a rank through the group). It halves a layer's Trans and Agg
       in isolation and takes a migration in a fifth to a third of gloo's time
-      (`benchmarks/migrate.py`); `poise train` turns it on by default (`TrainConfig.host_link`:
-      ahead of gloo in 14 paired training rounds of 17, docs/benchmarks.md); off here, for
-      callers that build a Balancer themselves;
+      (`benchmarks/migrate.py`); off by default: in paired training runs it was ahead of gloo
+      in 16 rounds of 25, not in every setting (docs/benchmarks.md);
     - `separate_transfers` (default on): Trans, Agg and migration run on a process group of
       their own over the same ranks (`poise.runtime.transfer_group`; made here, collectively,
       where `group` spans the world), so that they do not queue ahead of the tokens'

@@ -25,11 +25,12 @@ the switch, and falls back to the static layout when it does not (`poise.runtime
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
 without its replicas, so that the guard's wall clock compares neighbouring steps
 (`Balancer(probe_every=...)`; 1 is refused);
-`host_link` (default on; off: gloo's sockets): ranks that are CPU processes of one host move
-Trans and Agg rows, and migrations, through shared memory (`Balancer(host_link=...)`,
+`host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
+and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
-`/dev/shm` has no room, go through the group): in runs taking turns with gloo's it was ahead
-in 14 paired rounds of 17, by about 1% (docs/benchmarks.md);
+`/dev/shm` has no room, go through the group). Off by default: in runs taking turns with
+gloo's it was ahead in 16 paired rounds of 25, not in every setting, and `tiny` read 0.985 of
+static with it in one run (docs/benchmarks.md);
 `separate_transfers` (default on): Trans, Agg and migration run on a process group of their own
 over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
 (`Balancer(separate_transfers=...)`, `poise.runtime.transfer_group`);
@@ -103,7 +104,7 @@ class TrainConfig:
     split_tokens: bool = True
     balance_guard: bool = True
     probe_every: int = 5
-    host_link: bool = True
+    host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
     # parallelism
