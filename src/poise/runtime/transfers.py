@@ -216,10 +216,11 @@ def exchange(
     _check_streams(streams)
     remote = any(s.routes.remote_rows() for s in streams)
     dtype = _buffer_dtype(streams)
-    if link is not None:
+    numel = pair_numel(streams, world_size) if link is not None else None
+    if numel is not None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         cap = LINK_MAX_BYTES if link_max_bytes is None else link_max_bytes
-        if half_bytes(pair_numel(streams, world_size), itemsize) > cap:
+        if half_bytes(numel, itemsize) > cap:
             link = None  # its region would stay that large for the rest of the run
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(world_size)]
     local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
@@ -255,10 +256,8 @@ def exchange(
     if not remote:
         return Pending(0, 0, 0, lambda: place([None] * world_size))
     turn = (
-        link.start(
-            pair_numel(streams, world_size), lambda dst, out: gather_rows(parts[dst], out), dtype
-        )
-        if link is not None
+        link.start(numel, lambda dst, out: gather_rows(parts[dst], out), dtype)
+        if link is not None and numel is not None
         else None
     )
     if turn is not None:
