@@ -7,6 +7,16 @@ replicas save, with the machine's drift cancelled (`paired_clock`); the fitted c
 predicts the same comparison (`modelled_clock`), and the gap between the two prices the
 replicas of the next plans (`replica_scale`). The do-no-harm guard (`poise.runtime.guard`)
 judges the plan in force by them. NumPy only.
+
+The pairing assumes the machine's speed is the same over a probe and its two neighbours. A
+shared host breaks that now and then: another process takes the cores for a few steps. On
+`skewed` (2 gloo ranks, 2026-11-28) one such stall lengthened steps 29-32 by 80-420 ms, in the
+static run beside auto as well; two of the four probes had a stalled neighbour, their pairs read
+the replicas -34 and -30 ms a step where the clean two read +9 and +30, and the clock (-7.4 +-
+12.0 ms against 53.6 modelled) sent the run back to the static layout for good. `steady_probes`
+therefore leaves out a probe whose two neighbours disagree by more than noise: their
+difference is an outlier among the step-to-step differences of the steps run under the plans
+(the modified z-score beyond `OUTLIER_Z`).
 """
 
 from __future__ import annotations
@@ -19,6 +29,14 @@ from poise.core.placement import Plan
 from poise.cost.model import CostModel
 from poise.runtime.homes import homes_alone
 from poise.runtime.selfcal import PERIOD, SCALE_LIMITS, live_parts
+
+# Iglewicz and Hoaglin, "How to Detect and Handle Outliers" (ASQC Basic References in Quality
+# Control 16, 1993): an observation whose modified z-score, 0.6745 (x - median) / MAD, exceeds
+# 3.5 in magnitude is labelled a potential outlier. 0.6745 / MAD is 1 / (1.4826 MAD), the
+# normal-equivalent standard deviation's inverse.
+OUTLIER_Z = 3.5
+MAD_SIGMA = 1.4826  # the standard deviation per median absolute deviation (normal data)
+MIN_STEADY_DIFFS = 5  # step-to-step differences needed to tell a neighbour's stall from noise
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,57 @@ class Probes:
     def __len__(self) -> int:
         return int(self.counts.shape[0])
 
+    def subset(self, keep: np.ndarray) -> Probes:
+        """The probes where `keep[P]` (bool) holds, with their neighbours, re-indexed."""
+        keep = np.asarray(keep, dtype=bool)
+        new_index = np.cumsum(keep) - 1
+        pairs = keep[self.pair_of]
+        return Probes(
+            self.counts[keep], self.measured[keep], self.pair_counts[pairs],
+            self.pair_measured[pairs], new_index[self.pair_of[pairs]],
+        )  # fmt: skip
+
+
+def residuals(cost: CostModel, static: Plan, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`r[S]`, each step's measured period less the static layout's busy seconds on its counts
+    (`counts[S, L, D, E]`, `rows[S, len(selfcal.MEASURED)]`): what the static model does not
+    explain (`poise.runtime.verdict`, test 2)."""
+    return rows[:, PERIOD] - live_parts(cost, static, counts)[:, 0]
+
+
+def steady_probes(
+    cost: CostModel,
+    static: Plan,
+    probes: Probes,
+    steady_counts: np.ndarray,
+    steady_rows: np.ndarray,
+) -> Probes:
+    """`probes` less those whose two neighbours disagree beyond the machine's step-to-step
+    noise (module docstring). With `r` the `residuals` of the settled steps run under plans
+    with replicas (`steady_counts[B, L, D, E]`, `steady_rows[B, len(selfcal.MEASURED)]`, in
+    step order) and `diff` its successive differences, a probe goes when, for its neighbours'
+    residuals `a` (before) and `b` (after),
+
+        |b - a - median(diff)| > OUTLIER_Z * MAD_SIGMA * median(|diff - median(diff)|)
+
+    (the modified z-score of Iglewicz and Hoaglin). Probes with one neighbour stay (nothing to
+    compare it with), and so do all of them with fewer than `MIN_STEADY_DIFFS` differences or
+    a spread of 0."""
+    if len(probes) == 0 or len(steady_rows) < MIN_STEADY_DIFFS + 1:
+        return probes
+    diff = np.diff(residuals(cost, static, steady_counts, steady_rows))
+    centre = float(np.median(diff))
+    spread = MAD_SIGMA * float(np.median(np.abs(diff - centre)))
+    if not spread > 0:
+        return probes
+    r_pair = residuals(cost, static, probes.pair_counts, probes.pair_measured)
+    keep = np.ones(len(probes), dtype=bool)
+    for i in range(len(probes)):
+        around = r_pair[probes.pair_of == i]
+        if len(around) == 2 and abs(around[1] - around[0] - centre) > OUTLIER_Z * spread:
+            keep[i] = False
+    return probes.subset(keep)
+
 
 def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, float]:
     """`(saving, se)` per step of the replicas over the same homes without them, from probe
@@ -45,8 +114,8 @@ def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, 
     busy_static(counts)` on every step, `d_i = r(probe i) - mean(r(its neighbours))`; the saving
     is `mean(d)` and its standard error `std(d) / sqrt(P)`. Neighbours one step away share the
     machine's speed, so its drift, which a reference taken once cannot follow, cancels."""
-    r_probe = probes.measured[:, PERIOD] - live_parts(cost, static, probes.counts)[:, 0]
-    r_pair = probes.pair_measured[:, PERIOD] - live_parts(cost, static, probes.pair_counts)[:, 0]
+    r_probe = residuals(cost, static, probes.counts, probes.measured)
+    r_pair = residuals(cost, static, probes.pair_counts, probes.pair_measured)
     n = len(probes)
     sums = np.bincount(probes.pair_of, weights=r_pair, minlength=n)
     per = np.bincount(probes.pair_of, minlength=n)
@@ -95,9 +164,13 @@ def replica_scale(cost: CostModel, current: Plan, probes: Probes, wall_saving_s:
 
 
 __all__ = [
+    "MAD_SIGMA",
+    "OUTLIER_Z",
     "Probes",
     "modelled_clock",
     "modelled_clock_parts",
     "paired_clock",
     "replica_scale",
+    "residuals",
+    "steady_probes",
 ]

@@ -9,7 +9,8 @@ process while training goes on:
 2. judge whether that plan paid on them (`poise.runtime.verdict.verdict`), where it is not static;
    where its paired clock has spoken, price replicas at what it measured them to cost beyond
    its noise (`paired_clock.replica_scale` at `verdict.clock_ceiling`, `Fit.k_replica`; kept
-   from the previous fit otherwise);
+   from the previous fit otherwise), leaving out the probes beside a stalled step
+   (`paired_clock.steady_probes`);
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`; with
    calibration off, the prior's, so that the plan depends on the loads alone) and
@@ -45,7 +46,7 @@ from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
 from poise.runtime.homes import keep_homes
-from poise.runtime.paired_clock import Probes, replica_scale
+from poise.runtime.paired_clock import Probes, replica_scale, steady_probes
 from poise.runtime.verdict import Verdict, clock_ceiling, plan_pays, verdict
 
 
@@ -189,18 +190,24 @@ def run_job(job: PlanningJob) -> JobResult:
         )
     fitted = CostModel(cluster, job.spec)
     paid = None
+    probes = job.probes
+    if probes is not None:  # a probe beside a stalled step measures the stall: left out
+        probes = steady_probes(
+            fitted, job.static, probes, job.balanced_counts, job.balanced_rows[:, 1:]
+        )
     if job.current.digest() != job.static.digest():
         after = job.settled
         paid = verdict(
             fitted, job.static, job.current, job.fit_counts[after], rows[after],
             static_counts=job.static_counts, static_measured=job.static_rows[:, 1:],
             balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
-            probes=job.probes,
+            probes=probes,
         )  # fmt: skip
     if job.calibrate:  # replicas priced at what the paired clock measured them to cost
         k_replica = job.previous.k_replica
         if paid is not None and paid.probes and paid.wall_saving_s is not None:
-            k_replica = replica_scale(fitted, job.current, job.probes, clock_ceiling(paid))
+            assert probes is not None
+            k_replica = replica_scale(fitted, job.current, probes, clock_ceiling(paid))
         fit = dataclasses.replace(fit, k_replica=k_replica)
         if k_replica != 1.0:
             cluster = selfcal.scaled_cluster(

@@ -79,7 +79,7 @@ import numpy as np
 
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
-from poise.runtime.paired_clock import Probes, modelled_clock, paired_clock
+from poise.runtime.paired_clock import MAD_SIGMA, Probes, modelled_clock, paired_clock
 from poise.runtime.selfcal import PERIOD, exposed_transfers_s, live_parts
 
 MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
@@ -97,7 +97,6 @@ T_975 = (
 )  # fmt: skip
 CLOCK_Z = 2.0
 MEDIAN_SE = float(np.sqrt(np.pi / 2))  # a median's standard error over a mean's (normal data)
-MAD_SIGMA = 1.4826  # the standard deviation per median absolute deviation (normal data)
 
 
 @dataclass(frozen=True)
