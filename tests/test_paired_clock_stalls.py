@@ -109,10 +109,12 @@ def test_the_planning_job_judges_the_plan_on_the_steady_probes() -> None:
     result = run_job(job)
     paid = result.paid
     assert paid is not None and paid.probes == 4
+    assert paid.stalled_probes == 2 and paid.as_dict()["stalled_probes"] == 2  # as logged
     assert paid.wall_saving_s == pytest.approx(6.375 * US, abs=1e-12)
     assert paid.wall_se_s == pytest.approx(1.375 * US, rel=1e-9)
     assert paid.wall_saving_s - paid.z * paid.wall_se_s > 0  # the clock alone says it pays
     assert plan_pays(paid) and result.fit.k_replica == 1.0
     unfiltered = run_job(_replica_job(probes))  # no steady rows to measure a stall against
     assert unfiltered.paid is not None and unfiltered.paid.probes == 6
+    assert unfiltered.paid.stalled_probes == 0
     assert unfiltered.paid.wall_saving_s == pytest.approx(-139.5 / 6 * US, abs=1e-12)

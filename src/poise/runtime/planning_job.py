@@ -203,6 +203,8 @@ def run_job(job: PlanningJob) -> JobResult:
             balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
             probes=probes,
         )  # fmt: skip
+        if job.probes is not None and probes is not None:
+            paid = dataclasses.replace(paid, stalled_probes=len(job.probes) - len(probes))
     if job.calibrate:  # replicas priced at what the paired clock measured them to cost
         k_replica = job.previous.k_replica
         if paid is not None and paid.probes and paid.wall_saving_s is not None:

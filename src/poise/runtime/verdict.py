@@ -107,7 +107,9 @@ class Verdict:
     per step and `wall_se_s` its standard error, with `dof` degrees of freedom (module
     docstring, test 2); with probes, `modelled_clock_s`, what the cost model predicts the
     paired clock measures
-    (`modelled_clock`): predicted against measured for the same comparison."""
+    (`modelled_clock`): predicted against measured for the same comparison; `stalled_probes`,
+    the probe steps left out because a neighbour straddled a stall of the machine
+    (`paired_clock.steady_probes`; set by the planning job)."""
 
     saving_s: float
     cost_s: float
@@ -117,6 +119,7 @@ class Verdict:
     probes: int = 0  # > 0: the clock's figures come from that many paired probe steps
     modelled_clock_s: float | None = None
     wall_dof: int = 0  # degrees of freedom of `wall_se_s` (0: from `probes`, else not known)
+    stalled_probes: int = 0
 
     @property
     def dof(self) -> int:
@@ -140,6 +143,7 @@ class Verdict:
             "probes": self.probes,
             "modelled_clock_s": self.modelled_clock_s,
             "dof": self.dof,
+            "stalled_probes": self.stalled_probes,
         }
 
 
