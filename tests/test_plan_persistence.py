@@ -158,7 +158,8 @@ def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
     from poise.runtime.selfcal import Fit
 
     def outcome(horizon: int | None) -> str:
-        result = JobResult(grown, a, _zipf_case()[2], Fit(), None, horizon=horizon)
+        # (the last candidate, the same plan, would have passed on the steps since as well)
+        result = JobResult(grown, a, _zipf_case()[2], Fit(), None, horizon=horizon, backtest=a)
         return leader_outcome(
             guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=True,
             period_s=0.2, plan_lag=1, replan_every=5,

@@ -482,7 +482,9 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
         # only the leader (rank 0) planned; the others took its decisions
         assert guards[0][name]["planned_s"] > 0 and guards[1][name]["planned_s"] == 0, name
     pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
-    assert pays["switched_at"] and pays["decisions"][0] == "adopt", pays
+    # the first candidate waits (no earlier one to backtest); the next, whose predecessor
+    # would have paid on the steps since, is adopted (`leader.forecast_held`)
+    assert pays["switched_at"] and pays["decisions"][:2] == ["unsettled", "adopt"], pays
     # each switch was measured from its own row and the steady rows after it, on every rank
     from poise.runtime import selfcal
     from poise.runtime.guard import migration_seconds, switch_seconds
@@ -1226,7 +1228,8 @@ def test_the_leader_records_what_an_adopted_plan_promised() -> None:
     plan = Plan("fresh", p, Assignment.even(p), transfers_between(None, p, spec))
     cand = Assessment(False, current_busy_s=1.0, candidate_busy_s=0.95, switch_s=0.01)
     guard = SwitchGuard(horizon=10, margin=0.2)
-    result = JobResult(plan, cand, default_cluster(2), selfcal.Fit(), None)
+    # (its forecast held: the same candidate would have paid on the steps since)
+    result = JobResult(plan, cand, default_cluster(2), selfcal.Fit(), None, backtest=cand)
     kw = dict(wait_s=0.0, plan_s=0.0, planning_s=0.0, period_s=0.1, plan_lag=1, replan_every=10)
     out = leader_outcome(guard, result, on_static=True, **kw)
     assert out.decision == "adopt" and out.step_gain_s == pytest.approx(0.05)

@@ -326,6 +326,7 @@ class Balancer(PlanCycle):
         self.static_plan = self.plan  # the layout to fall back to
         self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
+        self._last_candidate: tuple[int, Plan] | None = None  # (requested at, plan): backtests
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
         self._paused_at: float | None = None  # when `pause` handed the host to another run

@@ -37,7 +37,9 @@ class Outcome:
     `plan`; the plan in force did not pay and `replace`: the fresh candidate `plan` replaces
     it, `fallback`: `plan` is the exit chosen (`guard.exit_plans`), and re-plans back off;
     `same`, `no-gain`: keep the plan in force; `idle`: keep it and back off, the candidate's
-    gain did not cover its planning); `gain_s`, `switch_s`: the guard's figures for `plan`;
+    gain did not cover its planning; `unsettled`: keep the static layout, the last candidate
+    would not have paid on the steps since, `poise.runtime.leader`); `gain_s`, `switch_s`: the
+    guard's figures for `plan`;
     `predicted_step_s`: the fitted model's step of the plan that will run;
     `modelled_switch_s`: the candidate's switch on the prior cluster (what `k_switch` scales);
     `wait_s`: how long the leader's boundary waited for its planner; `cluster`, `fit`: the

@@ -11,7 +11,17 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    refused (`same`, `no-gain`; `idle` where the static layout is in force, or the clock has
    refuted the model outright (`SwitchGuard.trust` 0: nothing it prices can be adopted), and
    the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
-   off).
+   off);
+3. from the static layout, a candidate the guard would adopt is adopted only where the last
+   job's candidate, priced on the steps run since its loads were taken, would have been
+   adopted too (`JobResult.backtest`, `planning_job.backtest`); otherwise it waits
+   (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
+   while the loads hold still for as long as it serves. Where the router still moves (the
+   first tens of steps of a run from scratch), the first plan is stale by the time it has paid
+   for its switch. On `train_speedup.py`'s `tiny` and `skewed-4` every round adopted at step 11
+   and fell back at step 21 because the plan had saved nothing on the steps between, on the
+   2-core machine and on a 16-core host alike (docs/benchmarks.md). A trial costs its switch,
+   its transfers and its way back, and a backtest costs one assessment.
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
@@ -23,7 +33,7 @@ import numpy as np
 
 from poise.runtime import selfcal
 from poise.runtime.decision import Outcome
-from poise.runtime.guard import SwitchGuard
+from poise.runtime.guard import Decision, SwitchGuard
 from poise.runtime.planner import adoption_lag
 from poise.runtime.planning_job import JobResult
 
@@ -58,7 +68,10 @@ def leader_outcome(
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
-    if decision.adopt:
+    if decision.adopt and on_static and guard.enabled and not forecast_held(guard, result):
+        decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
+        reason = decision.reason
+    elif decision.adopt:
         reason = decision.reason
     elif (on_static or guard.trust <= 0) and not guard.planning_pays(decision, planning_s):
         reason = "idle"
@@ -78,6 +91,17 @@ def leader_outcome(
         next_lag=next_lag,
         step_gain_s=decision.gain_s / steps if decision.adopt else 0.0,
     )
+
+
+def forecast_held(guard: SwitchGuard, result: JobResult) -> bool:
+    """Whether the last job's candidate would have passed the guard on the steps run since
+    (`result.backtest`, priced over the same horizon as the candidate and with the same
+    switch prior; module docstring, 3). False without a backtest (no earlier candidate, or
+    one equal to the static layout: nothing to learn from)."""
+    tested = result.backtest
+    if tested is None:
+        return False
+    return guard.decide(tested, switch_prior=result.fit.k_transfer, horizon=result.horizon).adopt
 
 
 def exit_outcome(
@@ -116,4 +140,4 @@ def exit_outcome(
     )
 
 
-__all__ = ["exit_outcome", "leader_outcome", "median_period_s"]
+__all__ = ["exit_outcome", "forecast_held", "leader_outcome", "median_period_s"]

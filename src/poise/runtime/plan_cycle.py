@@ -92,6 +92,7 @@ class PlanCycle(ABC):
     _layout: int
     _plan_since: int
     _switch_check: tuple[int, float, float] | None
+    _last_candidate: tuple[int, Plan] | None
 
     @abstractmethod
     def spec(self) -> ModelSpec:
@@ -152,6 +153,10 @@ class PlanCycle(ABC):
         static_counts, static_rows, balanced_counts, balanced_rows = self.wall_reference(
             history, measured
         )
+        backtest_plan, backtest_counts = None, None
+        if self._last_candidate is not None and self._layout == STATIC:
+            since, backtest_plan = self._last_candidate  # rows from `since` on ran after it
+            backtest_counts = aligned[measured[:, 0] >= since]
         job = PlanningJob(
             history=history,
             fit_counts=aligned[under],
@@ -178,6 +183,8 @@ class PlanCycle(ABC):
             probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
             fit_rank_experts=rank_experts,
             steps_left=self.steps_left(step),
+            backtest_plan=backtest_plan,
+            backtest_counts=backtest_counts,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 
@@ -236,6 +243,7 @@ class PlanCycle(ABC):
         """This rank's planner result and what the guard decides on it (`leader_outcome`; the
         leader's is the one every rank takes)."""
         done = self.planner.take()
+        self._last_candidate = (done.requested_at, done.value.plan)
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
         planning_s = done.cpu_s if self._planner_shares_cores else 0.0

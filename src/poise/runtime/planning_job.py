@@ -19,7 +19,9 @@ process while training goes on:
 4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
    the plan in force is not static and did not pay (`verdict.plan_pays`, with the guard on), the
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
-   (`SwitchGuard.exit_choice`).
+   (`SwitchGuard.exit_choice`);
+5. where the static layout is in force, price the last job's candidate on the steps run since
+   its loads were taken (`backtest`): whether that forecast held (`poise.runtime.leader`).
 
 Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
 planner can run it in another process, where its Python holds no lock the training thread needs.
@@ -120,7 +122,9 @@ class PlanningJob:
     seconds on the `fit_rows` steps (the marginal compute fit, `selfcal.fit_compute`; None:
     the slowest rank's alone); `steps_left`: the steps a plan decided for this job serves before
     the run ends (None: not known), which caps every horizon the plan is priced and judged
-    over."""
+    over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the candidate of the last job and the
+    counts of the steps run since its loads were taken, where the static layout is in force
+    (None otherwise: `JobResult.backtest`)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -147,6 +151,8 @@ class PlanningJob:
     probes: Probes | None = None
     fit_rank_experts: np.ndarray | None = None
     steps_left: int | None = None
+    backtest_plan: Plan | None = None
+    backtest_counts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,9 @@ class JobResult:
     `exits`: the layouts a fallback may go to, each with its assessment against the plan in
     force (empty when that is the static one or it paid, `verdict.plan_pays`); `horizon`: the
     steps the guard credits the candidate's saving over (None: its own; an `auto` plan's
-    horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`)."""
+    horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`);
+    `backtest`: the last job's candidate against the static layout on the steps run since
+    (`backtest`; None where the job has none to price)."""
 
     plan: Plan
     assessment: Assessment
@@ -165,6 +173,7 @@ class JobResult:
     paid: Verdict | None
     exits: tuple[tuple[Plan, Assessment], ...] = ()
     horizon: int | None = None
+    backtest: Assessment | None = None
 
 
 def plan_horizon(plan: Plan, base: int) -> int:
@@ -238,12 +247,37 @@ def run_job(job: PlanningJob) -> JobResult:
     horizon = plan_horizon(plan, job.horizon)
     if job.steps_left is not None:  # no step past the run's end pays anything back
         horizon = max(1, min(horizon, job.steps_left))
-    return JobResult(plan, assessment, cluster, fit, paid, exits, horizon)
+    tested = backtest(fitted, prior, job)
+    return JobResult(plan, assessment, cluster, fit, paid, exits, horizon, tested)
+
+
+def backtest(fitted: CostModel, prior: CostModel, job: PlanningJob) -> Assessment | None:
+    """The last job's candidate (`job.backtest_plan`) priced against the static layout on the
+    counts of the steps run since its loads were taken (`job.backtest_counts[B, L, D, E]`, their
+    mean as the forecast and each as a recent step): what that plan would have saved had it
+    been adopted then. None without a candidate, steps, or the guard, or where a plan other
+    than the static layout is in force. The leader adopts from the static layout only where
+    this would have passed the guard too (`poise.runtime.leader`): a forecast that did not hold
+    for one re-plan interval is not trusted for the next."""
+    if (
+        not job.guarded
+        or job.backtest_plan is None
+        or job.backtest_counts is None
+        or len(job.backtest_counts) == 0
+        or job.current.digest() != job.static.digest()
+    ):
+        return None
+    counts = job.backtest_counts
+    return assess(
+        fitted, job.static, job.backtest_plan, counts.mean(axis=0), switch_cost=prior,
+        recent=counts,
+    )  # fmt: skip
 
 
 __all__ = [
     "JobResult",
     "PlanningJob",
+    "backtest",
     "live_plan",
     "plan_horizon",
     "planning_context",

@@ -74,7 +74,8 @@ class StepStats:
     decided (`adopt`, `same`, `no-gain`, `off`; the plan in force did not pay and `replace`:
     the fresh candidate replaced it, `fallback`: an exit did (`guard.exit_plans`); `idle`:
     refused, and the candidate's gain did not cover the planning, so re-plans back off;
-    empty: nothing decided);
+    `unsettled`: refused on the static layout, the last candidate would not have paid on the
+    steps since (`poise.runtime.leader`); empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
     rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
     `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the

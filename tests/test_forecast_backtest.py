@@ -1,0 +1,114 @@
+"""From the static layout a plan is adopted only where the last candidate's forecast held.
+
+`planning_job.backtest` prices the last job's candidate against the static layout on the steps
+run since its loads were taken; `leader.forecast_held` asks the guard whether that plan would
+have been adopted on them; `leader_outcome` refuses a candidate (`unsettled`) from the static
+layout otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.test_runtime_balancer import _probes_reading, _replica_case, _replica_job
+
+
+def _gain(per_step_s: float, switch_s: float = 0.0):
+    """An assessment whose candidate saves `per_step_s` a step over the plan in force (busy
+    seconds, no transfers) and moves homes for `switch_s`."""
+    from poise.runtime.assessment import Assessment
+
+    return Assessment(
+        False, current_busy_s=1.0, candidate_busy_s=1.0 - per_step_s, switch_s=switch_s
+    )
+
+
+def _outcome(guard, candidate, backtest, on_static: bool = True) -> str:
+    from poise.core.placement import Plan
+    from poise.runtime.leader import leader_outcome
+    from poise.runtime.planning_job import JobResult
+    from poise.runtime.selfcal import Fit
+
+    cost, _, replica, _ = _replica_case()
+    plan = Plan("fresh", replica.placement, replica.assignment, replica.transfers)
+    result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, backtest=backtest)
+    return leader_outcome(
+        guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=on_static,
+        period_s=0.2, plan_lag=1, replan_every=10,
+    ).decision  # fmt: skip
+
+
+def test_the_leader_adopts_from_static_only_where_the_last_forecast_held() -> None:
+    """Horizon 10, margin 0: a candidate saving 10 ms a step for a 50 ms switch passes the
+    guard (100 > 50 ms). From the static layout it is adopted only with a backtest that passes
+    the same test: saving 6 ms a step on the steps since for the same switch (60 > 50) does,
+    4 ms (40 < 50) and a loss do not, and no backtest at all (the first job, or a last
+    candidate equal to the static layout) does not either. Under another plan, or with the
+    guard off, the backtest plays no part."""
+    from poise.runtime.assessment import Assessment
+    from poise.runtime.guard import SwitchGuard
+
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    candidate = _gain(10e-3, 50e-3)
+    assert guard.decide(candidate).adopt
+    assert _outcome(guard, candidate, _gain(6e-3, 50e-3)) == "adopt"
+    assert _outcome(guard, candidate, _gain(4e-3, 50e-3)) == "unsettled"
+    assert _outcome(guard, candidate, _gain(-2e-3)) == "unsettled"
+    assert _outcome(guard, candidate, None) == "unsettled"
+    assert _outcome(guard, candidate, Assessment(same=True)) == "unsettled"
+    assert _outcome(guard, candidate, None, on_static=False) == "adopt"
+    assert _outcome(SwitchGuard(horizon=10, enabled=False), candidate, None) == "off"
+    # a candidate the guard refuses is refused for its own reason, whatever the backtest
+    assert _outcome(guard, _gain(1e-3, 50e-3), _gain(6e-3, 50e-3)) == "no-gain"
+
+
+def test_an_unsettled_refusal_does_not_back_off() -> None:
+    """`unsettled` is no adoption, and the next re-plan runs as usual: no skipped re-plans."""
+    from poise.runtime.decision import ADOPTING
+    from poise.runtime.guard import SwitchGuard
+
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    assert "unsettled" not in ADOPTING
+    assert _outcome(guard, _gain(10e-3, 50e-3), None) == "unsettled"
+    assert not guard.skip_replan()
+
+
+def test_the_backtest_prices_the_last_candidate_on_the_steps_since_by_hand() -> None:
+    """`_replica_case` (tests/test_runtime_balancer.py): on counts [[10, 30], [20, 40]] the
+    replica saves 27,840 - 23,680 = 4,160 ns of busy for 512 ns of Trans + Agg: 3,648 ns a
+    step. On the cold counts [[30, 10], [40, 20]] it loses 3,840 + 512 = 4,352 ns a step
+    (tests/test_runtime_balancer.py, `test_guard_prices_a_plan_by_its_live_parts`). Two steps
+    of each since the last candidate was made: the forecast (their mean, [[20, 20], [30, 30]])
+    and the steps' own mean decide; their mean is (3,648 - 4,352) / 2 = -352 ns a step."""
+    from poise.cost.model import CostModel
+    from poise.runtime.planning_job import backtest, run_job
+
+    cost, static, replica, counts = _replica_case()
+    cold = np.array([[[30, 10], [40, 20]]], dtype=float)
+    steps = np.stack([counts, counts, cold, cold])  # [S, L, D, E]
+    job = replace(
+        _replica_job(_probes_reading(counts, np.zeros(1))), current=static, backtest_plan=replica,
+        backtest_counts=steps[:2],
+    )  # fmt: skip
+    tested = backtest(cost, cost, job)
+    assert tested is not None and not tested.same
+    assert tested.recent_busy_gain_s == pytest.approx(4_160e-9)
+    assert tested.live_gain_s() == pytest.approx(3_648e-9)
+    mixed = backtest(cost, cost, replace(job, backtest_counts=steps))
+    assert mixed is not None
+    assert mixed.recent_busy_gain_s + mixed.recent_transfers_gain_s == pytest.approx(-352e-9)
+    assert mixed.live_gain_s() <= -352e-9 + 1e-15
+    # none where a plan other than static is in force, without a candidate, steps or guard
+    assert backtest(cost, cost, replace(job, current=replica)) is None
+    assert backtest(cost, cost, replace(job, backtest_plan=None)) is None
+    assert backtest(cost, cost, replace(job, backtest_counts=steps[:0])) is None
+    assert backtest(cost, cost, replace(job, guarded=False)) is None
+    # the planning job carries it to the leader, priced on its fitted cluster (the prior's
+    # constants here: the job's rows measure nothing)
+    result = run_job(job)
+    assert result.backtest is not None
+    fitted = CostModel(result.cluster, job.spec)
+    assert result.backtest == backtest(fitted, CostModel(job.prior, job.spec), job)
