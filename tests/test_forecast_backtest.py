@@ -1,9 +1,9 @@
 """From the static layout a plan is adopted only where the last candidate's forecast held.
 
 `planning_job.backtest` prices the last job's candidate against the static layout on the steps
-run since its loads were taken; `leader.forecast_held` asks the guard whether that plan would
-have been adopted on them; `leader_outcome` refuses a candidate (`unsettled`) from the static
-layout otherwise.
+run since its loads were taken; `leader.forecast_held` asks whether that plan would have saved
+time a step on them, net of its transfers; `leader_outcome` refuses a candidate (`unsettled`)
+from the static layout otherwise.
 """
 
 from __future__ import annotations
@@ -43,26 +43,28 @@ def _outcome(guard, candidate, backtest, on_static: bool = True) -> str:
 
 def test_the_leader_adopts_from_static_only_where_the_last_forecast_held() -> None:
     """Horizon 10, margin 0: a candidate saving 10 ms a step for a 50 ms switch passes the
-    guard (100 > 50 ms). From the static layout it is adopted only with a backtest that passes
-    the same test: saving 6 ms a step on the steps since for the same switch (60 > 50) does,
-    4 ms (40 < 50) and a loss do not, and no backtest at all (the first job, or a last
-    candidate equal to the static layout) does not either. Under another plan, or with the
-    guard off, the backtest plays no part."""
+    guard (100 > 50 ms). From the static layout it is adopted only with a backtest whose plan
+    saved time a step on the steps since: 4 ms a step does, though it would not have repaid
+    the same switch over 10 steps (whether a switch pays is the fresh candidate's question);
+    a loss does not, nor 0, nor no backtest at all (the first job), nor a last candidate equal
+    to the static layout. Under another plan, or with the guard off, the backtest plays no
+    part."""
     from poise.runtime.assessment import Assessment
     from poise.runtime.guard import SwitchGuard
 
     guard = SwitchGuard(horizon=10, margin=0.0)
     candidate = _gain(10e-3, 50e-3)
     assert guard.decide(candidate).adopt
-    assert _outcome(guard, candidate, _gain(6e-3, 50e-3)) == "adopt"
-    assert _outcome(guard, candidate, _gain(4e-3, 50e-3)) == "unsettled"
+    assert _outcome(guard, candidate, _gain(4e-3, 50e-3)) == "adopt"
+    assert not guard.decide(_gain(4e-3, 50e-3)).adopt
     assert _outcome(guard, candidate, _gain(-2e-3)) == "unsettled"
+    assert _outcome(guard, candidate, _gain(0.0)) == "unsettled"
     assert _outcome(guard, candidate, None) == "unsettled"
     assert _outcome(guard, candidate, Assessment(same=True)) == "unsettled"
     assert _outcome(guard, candidate, None, on_static=False) == "adopt"
     assert _outcome(SwitchGuard(horizon=10, enabled=False), candidate, None) == "off"
     # a candidate the guard refuses is refused for its own reason, whatever the backtest
-    assert _outcome(guard, _gain(1e-3, 50e-3), _gain(6e-3, 50e-3)) == "no-gain"
+    assert _outcome(guard, _gain(1e-3, 50e-3), _gain(4e-3, 50e-3)) == "no-gain"
 
 
 def test_an_unsettled_refusal_does_not_back_off() -> None:

@@ -13,15 +13,19 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
    off);
 3. from the static layout, a candidate the guard would adopt is adopted only where the last
-   job's candidate, priced on the steps run since its loads were taken, would have been
-   adopted too (`JobResult.backtest`, `planning_job.backtest`); otherwise it waits
-   (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
+   job's candidate, priced on the steps run since its loads were taken, would have saved time
+   a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`); otherwise it
+   waits (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
    while the loads hold still for as long as it serves. Where the router still moves (the
    first tens of steps of a run from scratch), the first plan is stale by the time it has paid
    for its switch. On `train_speedup.py`'s `tiny` and `skewed-4` every round adopted at step 11
    and fell back at step 21 because the plan had saved nothing on the steps between, on the
    2-core machine and on a 16-core host alike (docs/benchmarks.md). A trial costs its switch,
-   its transfers and its way back, and a backtest costs one assessment.
+   its transfers and its way back, and a backtest costs one assessment. The backtest asks
+   only whether the forecast held, not whether its plan would have repaid its switch: that is
+   the fresh candidate's question (`SwitchGuard.decide`). Asked with the switch, it held
+   `skewed` on the static layout until step 31 in both rounds, where the first plan (15 homes
+   moved) had not repaid its migration in 10 steps yet the forecast it came from held.
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
@@ -68,7 +72,7 @@ def leader_outcome(
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
-    if decision.adopt and on_static and guard.enabled and not forecast_held(guard, result):
+    if decision.adopt and on_static and guard.enabled and not forecast_held(result):
         decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
         reason = decision.reason
     elif decision.adopt:
@@ -93,15 +97,13 @@ def leader_outcome(
     )
 
 
-def forecast_held(guard: SwitchGuard, result: JobResult) -> bool:
-    """Whether the last job's candidate would have passed the guard on the steps run since
-    (`result.backtest`, priced over the same horizon as the candidate and with the same
-    switch prior; module docstring, 3). False without a backtest (no earlier candidate, or
-    one equal to the static layout: nothing to learn from)."""
+def forecast_held(result: JobResult) -> bool:
+    """Whether the last job's candidate would have saved time a step net of its transfers on
+    the steps run since (`result.backtest`: `Assessment.live_gain_s` above 0; module
+    docstring, 3). False without a backtest (no earlier candidate) or where that candidate was
+    the static layout itself (nothing to learn from)."""
     tested = result.backtest
-    if tested is None:
-        return False
-    return guard.decide(tested, switch_prior=result.fit.k_transfer, horizon=result.horizon).adopt
+    return tested is not None and not tested.same and tested.live_gain_s() > 0
 
 
 def exit_outcome(
