@@ -69,7 +69,8 @@ each (e.g. `permute`, SmartMoE's homes alone; `eplb`), and gives each a line lik
 is judged (`judged`).
 
 Each rank times its own steps from a common start (a barrier); a step's time is the slowest
-rank's. `*_ms` are medians over the timed steps, after a warm-up that includes the first plan;
+rank's. `*_ms` are medians over the timed steps, after a warm-up that includes the first
+adoption (`first_adoption_warmup`: 11 steps at the default re-plan interval);
 `speedup` and `ideal_speedup` are medians over rounds of static / balanced and static / ideal
 (steps of one round run back to back, so they share the machine's load); `fraction_of_ideal =
 speedup / ideal_speedup`; `gain_fraction = (speedup - 1) / (ideal_speedup - 1)` is the share of
@@ -137,7 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the Balancers move Trans, Agg and migrations through shared memory",
     )
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps (the first plan included)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps (default 2 x replan-every + 1: the first adoption included)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--world", type=int, default=2)
     p.add_argument(
@@ -145,7 +151,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed-MoE")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's MoE")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = first_adoption_warmup(args.replan_every)
+    return args
+
+
+def first_adoption_warmup(replan_every: int) -> int:
+    """Untimed steps that hold the Balancer's first adoption: from the static layout it adopts
+    at the second re-plan at the earliest (the first candidate has no earlier forecast to be
+    backtested against, `poise.runtime.leader.forecast_held`), decided one step after its
+    request (the planner's lag), so `2 * replan_every + 1`."""
+    return 2 * replan_every + 1
 
 
 def peer_notes(args: argparse.Namespace) -> dict[str, str]:

@@ -56,6 +56,10 @@ def test_compared_policies_are_named_and_checked(ep_step, capsys) -> None:
     args = ep_step.parse_args(["--compare", "permute", "eplb"])
     assert args.policy == "auto" and args.compare == ["permute", "eplb"]
     assert ep_step.parse_args([]).compare == []
+    # the warm-up holds the first adoption: decided at the second re-plan, one step late
+    assert ep_step.parse_args([]).warmup == 11
+    assert ep_step.parse_args(["--replan-every", "10"]).warmup == 21
+    assert ep_step.parse_args(["--warmup", "3"]).warmup == 3
     with pytest.raises(SystemExit):
         ep_step.parse_args(["--compare", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err

@@ -60,7 +60,7 @@ the last `horizon` steps' actual counts (`assessment.assess(..., recent=)`): a p
 a smoothed forecast looks better on it than on any real step (per-step noise, a router still
 moving in warm-up), and a plan that would not have paid on the steps just run is not expected
 to pay on the next ones. Those steps are the ones the plan was made from; from the static
-layout the leader also asks whether the last candidate would have passed this test on the
+layout the leader also asks whether the last candidate would have saved time a step on the
 steps run after it was made (`poise.runtime.leader.forecast_held`).
 
 Keeping it (`SwitchGuard.pays`): whether the plan in force paid on the steps it ran, by the
