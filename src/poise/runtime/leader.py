@@ -18,9 +18,10 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    waits (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
    while the loads hold still for as long as it serves. Where the router still moves (the
    first tens of steps of a run from scratch), the first plan is stale by the time it has paid
-   for its switch. On `train_speedup.py`'s `tiny` and `skewed-4` every round adopted at step 11
-   and fell back at step 21 because the plan had saved nothing on the steps between, on the
-   2-core machine and on a 16-core host alike (docs/benchmarks.md). A trial costs its switch,
+   for its switch. In `train_speedup.py`'s `skewed-4` on the 2-core machine (6 of 7 rounds
+   recorded on 2026-11-28) and `tiny` on a 16-core host (both rounds), auto adopted at step 11
+   and fell back at step 21 because the plan had saved nothing on the steps between
+   (docs/benchmarks.md). A trial costs its switch,
    its transfers and its way back, and a backtest costs one assessment. The backtest asks
    only whether the forecast held, not whether its plan would have repaid its switch: that is
    the fresh candidate's question (`SwitchGuard.decide`). Asked with the switch, it held
