@@ -12,7 +12,8 @@ The pairing assumes the machine's speed is the same over a probe and its two nei
 shared host breaks that now and then: another process takes the cores for a few steps. On
 `skewed` (2 gloo ranks, 2026-11-28) one such stall lengthened steps 29-32 by 80-420 ms, in the
 static run beside auto as well; two of the four probes had a stalled neighbour, their pairs read
-the replicas -34 and -30 ms a step where the clean two read +9 and +30, and the clock (-7.4 +-
+the replicas about -34 and -30 ms a step (by the step periods alone) where the clean two read
+about +9 and +30, and the clock (-7.4 +-
 12.0 ms against 53.6 modelled) sent the run back to the static layout for good. `steady_probes`
 therefore leaves out a probe whose two neighbours disagree by more than noise: their
 difference is an outlier among the step-to-step differences of the steps run under the plans
