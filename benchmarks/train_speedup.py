@@ -36,6 +36,12 @@ and one auto run; the machine's speed drifts between rounds by more than balance
 step (other processes, frequency), so the speedup is paired: `speedup` = the median over
 rounds of auto_tok_s / static_tok_s of the same round. `static_tok_s`, `auto_tok_s` are the
 medians over the rounds, and `speedup_of_medians` their ratio, for comparison.
+With more `--steps` than `--window` (default 100), `windows` also gives the speedup, ideal and
+gain fraction of each window of that many steps (`window_figures`): a run from scratch spends
+its first tens of steps in the router's warm-up, where loads move faster than plans follow,
+and later windows show what balancing nets past it (`skewed` over 300 steps: gain fraction
+0.32-0.33 over steps 13-100, 0.43-0.61 a window after; docs/benchmarks.md). The judged
+figures stay the whole run's.
 
 The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: each MoE layer
 costs its slowest rank's expert compute, perfectly balanced experts the mean rank's. With
@@ -138,6 +144,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.add_argument("--repeats", type=int, default=5, help="rounds (static/auto pairs) per setting")
     p.add_argument("--replan-every", type=int, default=10)
+    p.add_argument(
+        "--window",
+        type=int,
+        default=100,
+        help="with more steps than this, also report the figures of each window of this many "
+        "steps (`windows`: past the router's warm-up); the judged figures stay the whole run's",
+    )
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
     p.add_argument(
         "--identical",
@@ -290,6 +303,47 @@ def phase_ms(run: Any, skip: int) -> dict[str, float]:
     return {k: float(v[w].mean() * 1e3) for k, v in run.phases.items()}
 
 
+def window_figures(
+    static: list[Any], auto: list[Any], c_rounds: list[float], skip: int, window: int,
+    cores: float = 0.0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The benchmark's figures over each window of `window` steps (the first from `skip` to
+    `window`, then `window` to `2 window`, ...; run lengths as `static[0]`'s): per round the
+    speedup (static's summed step time over auto's, tokens being equal a step) and the ideal
+    (`ideal_of` over the same steps at the round's `c`), then their medians over the rounds
+    and the gain fraction of those (`judge`). Empty where the runs are no longer than one
+    window."""
+    from poise.report.ideal import ideal_of, judge
+
+    steps = len(static[0].step_s)
+    if steps <= window:
+        return []
+    out = []
+    for lo in range(0, steps, window):
+        start, stop = max(lo, skip), min(lo + window, steps)
+        if stop <= start:
+            continue
+        speedups = [
+            float(np.sum(s.step_s[start:stop]) / np.sum(a.step_s[start:stop]))
+            for s, a in zip(static, auto, strict=True)
+        ]
+        ideals = [
+            ideal_of(s, c, start, cores=cores, stop=stop)["ideal_speedup"]
+            for s, c in zip(static, c_rounds, strict=True)
+        ]
+        speedup, ideal = statistics.median(speedups), statistics.median(ideals)
+        out.append(
+            {
+                "steps": [start + 1, stop],
+                "speedup": round(speedup, 4),
+                "ideal_speedup": round(ideal, 4),
+                "gain_fraction": judge(speedup, ideal)["gain_fraction"],
+                "speedup_rounds": [round(x, 4) for x in speedups],
+            }
+        )
+    return out
+
+
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
@@ -404,6 +458,9 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         },
         "steps": args.steps,
         "measured_steps": args.steps - skip,
+        "windows": window_figures(
+            runs["static"], runs["auto"], c_rounds, skip, args.window, cores=cores
+        ),
         "repeats": args.repeats,
         "replan_every": args.replan_every,
         "auto_settings": args.auto_settings,

@@ -468,3 +468,29 @@ def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path
     bad = bench.parse_args(["--settings", "skewed", "--auto-set", "probe_every=1"])
     with pytest.raises(ConfigError, match="probe_every"):
         bench.bench_setting("skewed", bad, tmp_path / "bad")
+
+
+def test_train_speedup_reports_each_window_by_hand() -> None:
+    """Two rounds of 4-step runs, windows of 2 steps, 1 warm-up step. Every static step takes
+    1.0 s, on 1 layer with loads (300, 100) on steps 1-2 and (350, 50) on steps 3-4: at c = 1
+    ms a pair the slowest rank wastes 0.1 s, then 0.15 s, so the ideal is 1 / 0.9 in the first
+    window and 1 / 0.85 in the second. Auto takes 1.0 s on steps 1-2 and 0.95 s (round 0) or
+    0.9 s (round 1) on steps 3-4. Window 2-2 (step 1 is the warm-up): speedup 1, gain fraction
+    0. Window 3-4: speedups 1 / 0.95 and 1 / 0.9, median 1.0819; gain fraction 0.0819 /
+    0.1765 = 0.464. Runs no longer than one window give no windows."""
+    bench = load_benchmark("train_speedup")
+    tokens = np.array([[[300.0, 100.0]]] * 2 + [[[350.0, 50.0]]] * 2)
+    static = [_run([1.0] * 4, tokens), _run([1.0] * 4, tokens)]
+    auto = [_run([1.0, 1.0, 0.95, 0.95], tokens), _run([1.0, 1.0, 0.9, 0.9], tokens)]
+    got = bench.window_figures(static, auto, [1e-3, 1e-3], skip=1, window=2)
+    assert [w["steps"] for w in got] == [[2, 2], [3, 4]]
+    first, second = got
+    assert first["speedup"] == pytest.approx(1.0) and first["gain_fraction"] == pytest.approx(0.0)
+    assert first["ideal_speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
+    assert second["speedup_rounds"] == pytest.approx([1 / 0.95, 1 / 0.9], abs=1e-4)
+    assert second["speedup"] == pytest.approx((1 / 0.95 + 1 / 0.9) / 2, abs=1e-4)
+    assert second["ideal_speedup"] == pytest.approx(1 / 0.85, abs=1e-4)
+    assert second["gain_fraction"] == pytest.approx(
+        ((1 / 0.95 + 1 / 0.9) / 2 - 1) / (1 / 0.85 - 1), abs=2e-3
+    )
+    assert bench.window_figures(static, auto, [1e-3, 1e-3], skip=1, window=4) == []

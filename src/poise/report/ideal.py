@@ -40,9 +40,10 @@ IDEAL_MIN = 1.10  # below this ideal speedup there is too little to gain to judg
 NO_HARM = 0.99  # auto / static, in every setting
 
 
-def measured_steps(step_s: np.ndarray, skip: int) -> slice:
-    """The steps after `skip` warm-up steps (at least the last one)."""
-    return slice(min(max(skip, 0), len(step_s) - 1), None)
+def measured_steps(step_s: np.ndarray, skip: int, stop: int | None = None) -> slice:
+    """The steps after `skip` warm-up steps (at least the last one), up to step `stop` (None:
+    to the end)."""
+    return slice(min(max(skip, 0), len(step_s) - 1), stop)
 
 
 def tokens_per_s(run: Any, skip: int) -> float:
@@ -52,12 +53,15 @@ def tokens_per_s(run: Any, skip: int) -> float:
     return float(run.tokens_per_step * len(run.step_s[w]) / run.step_s[w].sum())
 
 
-def ideal_of(static: Any, c_s: float, skip: int, cores: float = 0.0) -> dict[str, float]:
-    """The ideal of one static `MeasuredRun` (module docstring) over its steps after `skip`,
-    its ranks sharing `cores` cores' worth of compute (0: each rank has its own): `ideal_speedup`,
-    and per step the non-expert ms, the expert ms as run and balanced (the slowest and mean
-    rank's where ranks do not share cores) and the mean slowest/mean rank load."""
-    w = measured_steps(static.step_s, skip)
+def ideal_of(
+    static: Any, c_s: float, skip: int, cores: float = 0.0, stop: int | None = None
+) -> dict[str, float]:
+    """The ideal of one static `MeasuredRun` (module docstring) over its steps after `skip` (up
+    to step `stop`; None: to the end), its ranks sharing `cores` cores' worth of compute (0:
+    each rank has its own): `ideal_speedup`, and per step the non-expert ms, the expert ms as
+    run and balanced (the slowest and mean rank's where ranks do not share cores) and the mean
+    slowest/mean rank load."""
+    w = measured_steps(static.step_s, skip, stop)
     n = _pairs(static, w)
     step = np.asarray(static.step_s, dtype=float)[w]
     slow, mean = expert_pairs(n, cores)
