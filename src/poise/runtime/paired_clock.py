@@ -75,6 +75,12 @@ def residuals(cost: CostModel, static: Plan, counts: np.ndarray, rows: np.ndarra
     return rows[:, PERIOD] - live_parts(cost, static, counts)[:, 0]
 
 
+def robust_spread(x: np.ndarray) -> float:
+    """The normal-equivalent standard deviation of `x` from its median absolute deviation:
+    `MAD_SIGMA * median(|x - median(x)|)`."""
+    return MAD_SIGMA * float(np.median(np.abs(x - np.median(x))))
+
+
 def steady_probes(
     cost: CostModel,
     static: Plan,
@@ -96,8 +102,7 @@ def steady_probes(
     if len(probes) == 0 or len(steady_rows) < MIN_STEADY_DIFFS + 1:
         return probes
     diff = np.diff(residuals(cost, static, steady_counts, steady_rows))
-    centre = float(np.median(diff))
-    spread = MAD_SIGMA * float(np.median(np.abs(diff - centre)))
+    centre, spread = float(np.median(diff)), robust_spread(diff)
     if not spread > 0:
         return probes
     r_pair = residuals(cost, static, probes.pair_counts, probes.pair_measured)
@@ -173,5 +178,6 @@ __all__ = [
     "paired_clock",
     "replica_scale",
     "residuals",
+    "robust_spread",
     "steady_probes",
 ]

@@ -79,8 +79,14 @@ import numpy as np
 
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
-from poise.runtime.paired_clock import MAD_SIGMA, Probes, modelled_clock, paired_clock
-from poise.runtime.selfcal import PERIOD, exposed_transfers_s, live_parts
+from poise.runtime.paired_clock import (
+    Probes,
+    modelled_clock,
+    paired_clock,
+    residuals,
+    robust_spread,
+)
+from poise.runtime.selfcal import exposed_transfers_s, live_parts
 
 MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
 MIN_PROBES = 4  # probe steps, each paired with its neighbours, for the paired clock test
@@ -186,11 +192,11 @@ def verdict(
         or not current.placement.replicas().any()
     ):
         return Verdict(saving_s, cost_s, len(counts))
-    on_plan = balanced_measured[:, PERIOD] - live_parts(cost, static, balanced_counts)[:, 0]
-    on_static = static_measured[:, PERIOD] - live_parts(cost, static, static_counts)[:, 0]
+    on_plan = residuals(cost, static, balanced_counts, balanced_measured)
+    on_static = residuals(cost, static, static_counts, static_measured)
     wall = float(np.median(on_static) - np.median(on_plan))
-    se = MEDIAN_SE * float(np.sqrt(_spread(on_static) ** 2 / len(on_static)
-                                   + _spread(on_plan) ** 2 / len(on_plan)))  # fmt: skip
+    se = MEDIAN_SE * float(np.sqrt(robust_spread(on_static) ** 2 / len(on_static)
+                                   + robust_spread(on_plan) ** 2 / len(on_plan)))  # fmt: skip
     dof = min(len(on_static), len(on_plan)) - 1
     return Verdict(saving_s, cost_s, len(counts), wall, se, wall_dof=dof)
 
@@ -204,11 +210,6 @@ def clock_z(dof: int) -> float:
     (3.182, 2.365, 2.0, 2.0)
     """
     return T_975[dof - 1] if 1 <= dof <= len(T_975) else CLOCK_Z
-
-
-def _spread(x: np.ndarray) -> float:
-    """The normal-equivalent standard deviation of `x` from its median absolute deviation."""
-    return MAD_SIGMA * float(np.median(np.abs(x - np.median(x))))
 
 
 def clock_says_slower(v: Verdict | None) -> bool:
