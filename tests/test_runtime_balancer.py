@@ -564,6 +564,44 @@ def _one_rank_steps(model, opt, balancer, steps: int) -> None:
         opt.zero_grad()
 
 
+def test_the_balancer_counts_due_replans_towards_a_refuted_models_retrial() -> None:
+    """A refutation with a wait of 3 re-plans, on a Balancer re-planning every 2 steps: the
+    re-plan due at step 2 is skipped (the fallback's backoff), the one at 4 plans homes only
+    (`PlanningJob.homes_only`), and at step 6, skipped or not, the model is trusted again: the
+    next job plans in full."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, default_cluster
+    from poise.runtime.verdict import Verdict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
+                        plan_lag=0)  # fmt: skip
+    submit = balancer.planner.submit
+    jobs: list[tuple[int, bool]] = []
+
+    def spy(fn, requested_at, adopt_at):
+        jobs.append((requested_at, fn.args[0].homes_only))
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    balancer.planner.submit = spy
+    balancer.guard.retrial = 3
+    balancer.guard.fell_back(Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002,
+                                     probes=4, modelled_clock_s=0.015))  # fmt: skip
+    _one_rank_steps(model, opt, balancer, 4)
+    assert balancer.guard.trust == 0.0 and jobs == [(4, True)]
+    _one_rank_steps(model, opt, balancer, 2)
+    assert balancer.guard.trust == 1.0
+    # (one rank has nothing to gain: the job at 4 was idle, so 6 and 8 back off)
+    _one_rank_steps(model, opt, balancer, 4)
+    assert jobs == [(4, True), (10, False)]
+    balancer.close()
+
+
 def test_one_process_balancer_records_and_plans() -> None:
     import torch
 
@@ -649,11 +687,17 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert leader_outcome(balancer.guard, same, on_static=True, **kw).decision == "idle"
     out = leader_outcome(balancer.guard, same, on_static=False, **kw)  # nothing fresh to take
     assert (out.decision, out.plan) == ("fallback", back)
-    # once the clock refuted the model outright (trust 0) nothing it prices can be adopted: a
-    # re-plan is idle (backs off) under any layout that pays, not only the static one
+    # once the clock refuted the model outright (trust 0) no candidate with replicas can be
+    # adopted: a re-plan is idle (backs off) under any layout that pays, not only the static
+    # one; a candidate without replicas, which the clock never measured, is still weighed
     balancer.guard.trust = 0.0
-    assert leader_outcome(balancer.guard, paid, on_static=False, **kw).decision == "idle"
+    replicas = dataclasses.replace(
+        paid, assessment=dataclasses.replace(paid.assessment, candidate_transfers_s=0.05)
+    )
+    assert leader_outcome(balancer.guard, replicas, on_static=False, **kw).decision == "idle"
+    assert leader_outcome(balancer.guard, paid, on_static=False, **kw).decision == "adopt"
     balancer.guard.trust = 1.0
+    assert leader_outcome(balancer.guard, replicas, on_static=False, **kw).decision == "adopt"
     # every rank applies the plan the outcome names; a fallback backs off, a replacement keeps
     # the backoff as it was, an adoption resets it
     from poise.runtime.stats import StepStats
@@ -965,13 +1009,18 @@ def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> Non
 def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() -> None:
     """Predicted +15 ms a step for the paired clock, measured -4 +- 2 (4 probes) while the
     model's counterfactual said the plan paid: the fallback sets `trust` to clip(-4 / 15, 0, 1)
-    = 0, and a later candidate's gain is credited at 0. A fallback the model agreed with (its
-    own saving below the transfers) or one without the model's figure leaves it at 1."""
+    = 0, and a later candidate with replicas is credited at 0; one without replicas, which the
+    clock never measured, in full. A fallback the model agreed with (its own saving below the
+    transfers) or one without the model's figure leaves it at 1."""
     from poise.runtime.assessment import Assessment
     from poise.runtime.guard import SwitchGuard
     from poise.runtime.verdict import Verdict
 
-    big = Assessment(False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9)
+    # 0.1 s a step of compute saved, 0.01 of Trans and Agg paid: 0.09 s a step over 10 steps
+    big = Assessment(
+        False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9, candidate_transfers_s=0.01
+    )
+    homes = Assessment(False, switch_s=0.0, current_busy_s=1.0, candidate_busy_s=0.9)
     refuted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
                       modelled_clock_s=0.015)  # fmt: skip
     guard = SwitchGuard(horizon=10)
@@ -980,6 +1029,8 @@ def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() ->
     assert guard.trust == 0.0 and guard.fallbacks == 1
     d = guard.decide(big)
     assert not d.adopt and d.gain_s == 0.0
+    d = guard.decide(homes)
+    assert d.adopt and d.gain_s == pytest.approx(1.0)
     agreed = Verdict(0.05, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
                      modelled_clock_s=0.015)  # fmt: skip
     unpredicted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002)
@@ -988,13 +1039,42 @@ def test_a_fallback_the_clock_forced_on_the_model_stops_crediting_its_gains() ->
         other.fell_back(v)
         assert other.trust == 1.0 and other.decide(big).adopt
     half = SwitchGuard(horizon=10)
-    half.trust = 0.5  # the share scales the gain: 0.1 s a step over 10 steps, halved
-    assert half.decide(big).gain_s == pytest.approx(0.5)
-    # leaving a plan that does not pay: the candidate's gain is credited at `trust` too
-    moves = Assessment(False, switch_s=0.1, current_busy_s=1.0, candidate_busy_s=0.9)
+    half.trust = 0.5  # the share scales the gain: 0.09 s a step over 10 steps, halved
+    assert half.decide(big).gain_s == pytest.approx(0.45)
+    assert half.decide(homes).gain_s == pytest.approx(1.0)
+    # leaving a plan that does not pay: the candidate's gain is credited at `trust` too, where
+    # it holds replicas
+    moves = dataclasses.replace(big, switch_s=0.1)
     back = Assessment(False, switch_s=0.2, current_busy_s=1.0, candidate_busy_s=1.0)
     assert SwitchGuard(horizon=10).exit_choice(moves, [back], model_refuted=False) == 0
     assert guard.exit_choice(moves, [back], model_refuted=False) == 1  # trust 0: the exit
+    rehome = dataclasses.replace(homes, switch_s=0.1)
+    assert guard.exit_choice(rehome, [back], model_refuted=False) == 0
+
+
+def test_a_refuted_model_is_trusted_again_after_a_wait_that_doubles() -> None:
+    """After a refutation `trust` returns to 1 once `max_backoff` (here 3) re-plans were due,
+    skipped or not; the next refutation waits twice as long (6), the one after 12. A fallback
+    the clock did not force starts no wait."""
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import Verdict
+
+    refuted = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
+                      modelled_clock_s=0.015)  # fmt: skip
+    guard = SwitchGuard(horizon=10, max_backoff=3)
+    guard.replan_due()  # nothing refuted: nothing to wait for
+    assert guard.trust == 1.0
+    for wait in (3, 6, 12):
+        guard.fell_back(refuted)
+        for _ in range(wait - 1):
+            guard.replan_due()
+            assert guard.trust == 0.0
+        guard.replan_due()
+        assert guard.trust == 1.0
+    guard.fell_back(Verdict(0.05, 0.1, 10))  # the model saw it fail too: no refutation
+    guard.replan_due()
+    assert guard.trust == 1.0 and guard.retrial == 24
+    assert SwitchGuard(horizon=10, backoff=0, max_backoff=0).retrial == 1
 
 
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
@@ -1924,6 +2004,31 @@ def test_replicas_are_priced_at_what_the_paired_clock_measured_them_to_cost(monk
     again = run_job(replace(job, probes=None, previous=result.fit))
     assert again.fit.k_replica == pytest.approx(4.0)
     assert run_job(replace(job, calibrate=False)).fit.k_replica == 1.0
+
+
+def test_while_the_clock_refutes_replicas_auto_plans_homes_only() -> None:
+    """`_replica_case` from the static layout: `auto` places 2 replicas; with `homes_only` (the
+    guard's trust at 0) it weighs only `keep`, `permute` and `static` and places none.
+    `homes_only_options` keeps the homes-only policies of a user's list, `static` where none is
+    left."""
+    from dataclasses import replace
+
+    from poise.runtime.planning_job import homes_only_options, run_job
+
+    _, static, _, counts = _replica_case()
+    job = replace(_replica_job(_probes_reading(counts, np.full(4, 2e-6))), policy="auto",
+                  current=static, probes=None)  # fmt: skip
+    assert run_job(job).plan.placement.replicas().sum() == 2
+    homes = run_job(replace(job, homes_only=True)).plan
+    assert homes.placement.replicas().sum() == 0
+    assert set(homes.notes["candidate_step_s"]) <= {"keep", "permute", "static"}
+    assert homes_only_options({})["auto"]["candidates"] == ["permute", "static"]
+    mine = {"auto": {"candidates": ["prophet", "permute"], "horizon": 5}}
+    assert homes_only_options(mine)["auto"] == {"candidates": ["permute"], "horizon": 5}
+    assert homes_only_options({"auto": {"candidates": ["prophet"]}})["auto"]["candidates"] == [
+        "static"
+    ]
+    assert mine["auto"]["candidates"] == ["prophet", "permute"]  # a copy
 
 
 def test_replicas_are_priced_dearer_only_by_what_the_clock_shows_beyond_its_noise() -> None:

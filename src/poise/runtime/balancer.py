@@ -494,13 +494,11 @@ class Balancer(PlanCycle):
         if self.probes.probing is not None:
             self._end_probe()
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
-        if (
-            self.balancing
-            and s % self.replan_every == 0
-            and self.window
-            and self.steps_left(s) != 0
-            and not self.guard.skip_replan()
-        ):
+        due = bool(self.balancing and s % self.replan_every == 0 and self.window)
+        due = due and self.steps_left(s) != 0
+        if due:
+            self.guard.replan_due()
+        if due and not self.guard.skip_replan():
             self._request(s)
             if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched

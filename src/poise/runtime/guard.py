@@ -51,8 +51,12 @@ is adopted iff `gain - CLOCK_Z * se * horizon > (1 + margin) * switch` and `gain
 from the spread of the gains those steps' own counts give): a gain the steps' spread cannot
 tell from the switch's price is not taken (on `skewed-4` `auto` had adopted at 7 of 9
 re-plans, twice moving 19-22 homes, for savings 1.1-1.6 times the switch while the clock read
-none). After a fallback where the paired clock refuted the model's prediction of it, `gain`
-is credited only at the share the clock measured (`SwitchGuard.trust`, `fell_back`). A
+none). After a fallback where the paired clock refuted the model's prediction of it, the gain
+of a candidate with replicas is credited only at the share the clock measured
+(`SwitchGuard.trust`, `fell_back`); a candidate without replicas is credited in full, since the
+clock measured replicas against their homes alone and said nothing of homes. The refutation
+lasts `retrial` re-plans, then the model is trusted again for one trial; each refutation
+doubles the next wait (`replan_due`). A
 candidate equal to the plan in force (same placement and assignment) is skipped outright: no
 transfer, no routing change.
 The per-step difference in `gain` is the smaller of its value on the forecast and its mean over
@@ -211,6 +215,8 @@ class SwitchGuard:
         self.fallbacks = 0
         self.idles = 0  # re-plans that did not pay for their planning
         self.trust = 1.0  # the share of the model's predicted gains credited (`fell_back`)
+        self.retrial = max(1, self.max_backoff)  # re-plans until a refuted model is trusted again
+        self._retrial_in = 0  # re-plans left until then (0: trust is not waiting to return)
         # what the plan in force was predicted to save a step over the static layout, net of
         # its transfers (`promised`): 0 on static, None where not known (a fallback's homes)
         self.promised_s: float | None = 0.0
@@ -245,10 +251,18 @@ class SwitchGuard:
         switch = self.switch_cost(a.switch_s, wait_s, switch_prior)
         if not self.enabled:
             return Decision(True, "off", gain, switch)
-        gain *= self.trust  # after a fallback the clock forced on the model (`fell_back`)
+        gain *= self.credit(a)  # after a fallback the clock forced on the model (`fell_back`)
         doubt = CLOCK_Z * a.recent_gain_se_s(k_transfer) * steps
         ok = gain > 0 and gain - doubt > (1.0 + self.margin) * switch
         return Decision(ok, "adopt" if ok else "no-gain", gain, switch)
+
+    def credit(self, a: Assessment) -> float:
+        """The share of `a`'s predicted gain credited after a refutation: `trust` where the
+        candidate holds replicas (its transfers are priced above 0), 1 where it holds none. The
+        paired clock times replicas against steps on their homes alone (`poise.runtime.probe`),
+        so its refutation is a fact about replicas; a homes-only plan's gain is the model's
+        counterfactual alone, which the verdict tests separately."""
+        return self.trust if a.candidate_transfers_s > 0 else 1.0
 
     def record_switch(
         self, measured_s: float, modelled_s: float, migrate_s: float | None = None
@@ -326,15 +340,17 @@ class SwitchGuard:
 
         nets = [net(a, 0.0) for a in exits]
         best = int(np.argmax(nets)) + 1
-        credit = self.replacement_credit(paid)
+        credit = self.replacement_credit(paid, candidate)
         if model_refuted or candidate.same or credit <= 0:
             return best
         return 0 if net(candidate, self.margin, credit) > nets[best - 1] else best
 
-    def replacement_credit(self, paid: Verdict | None) -> float:
-        """The share of a replacement candidate's predicted gain `exit_choice` credits: `trust`
-        times the share of its promise the plan in force delivered (`delivered_share`)."""
-        return self.trust * delivered_share(self.promised_s, paid)
+    def replacement_credit(self, paid: Verdict | None, a: Assessment | None = None) -> float:
+        """The share of a replacement candidate's (`a`'s) predicted gain `exit_choice` credits:
+        `credit(a)` (`trust` where `a` holds replicas or is not given) times the share of its
+        promise the plan in force delivered (`delivered_share`)."""
+        trust = self.trust if a is None else self.credit(a)
+        return trust * delivered_share(self.promised_s, paid)
 
     def promised(self, step_gain_s: float, from_static: bool) -> None:
         """A plan predicted to save `step_gain_s` a step over the plan in force (credited, net
@@ -359,7 +375,8 @@ class SwitchGuard:
         fallbacks): the model that priced them was just measured to overstate what it saves,
         and nothing but another plan in force can measure it again (on `skewed-4` the guard
         fell back on the clock and re-adopted on the same model's prices a few re-plans later,
-        twice a run)."""
+        twice a run). The refutation holds for `retrial` re-plans (`replan_due`), and
+        `retrial` doubles for the next one."""
         self.fallbacks += 1
         if (
             v is not None
@@ -370,7 +387,24 @@ class SwitchGuard:
         ):
             share = min(1.0, max(0.0, v.wall_saving_s / v.modelled_clock_s))
             self.trust = min(self.trust, share)
+            self._retrial_in = self.retrial
+            self.retrial *= 2
         self._back_off()
+
+    def replan_due(self) -> None:
+        """A re-plan is due (skipped or not): count it towards the refuted model's re-trial.
+        When `retrial` re-plans have passed since the refutation, `trust` returns to 1, so the
+        next candidate with replicas is priced in full and, if adopted, measured by the clock
+        again. A refutation measures the loads and the machine of its time; loads drift, and a
+        run of 10,000 steps should not give up replicas for good on one of its first 100 (the
+        circuit breaker's half-open state). Each refutation doubles the wait for the next
+        (`fell_back`), so over a run the trials' cost is a geometric series: the first comes
+        `max_backoff` re-plans after the first refutation, the guard's longest backoff."""
+        if self._retrial_in <= 0:
+            return
+        self._retrial_in -= 1
+        if self._retrial_in == 0:
+            self.trust = 1.0
 
     def planning_pays(self, decision: Decision, planning_s: float) -> bool:
         """Whether a re-plan was worth its `planning_s` (the planner's seconds charged to the

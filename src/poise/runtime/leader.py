@@ -9,7 +9,8 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    the most over the horizon (`exit_outcome`, `SwitchGuard.exit_choice`);
 2. otherwise the candidate is adopted if it pays for its switch (`SwitchGuard.decide`), or
    refused (`same`, `no-gain`; `idle` where the static layout is in force, or the clock has
-   refuted the model outright (`SwitchGuard.trust` 0: nothing it prices can be adopted), and
+   refuted the model outright (`SwitchGuard.trust` 0: no candidate with replicas can be
+   adopted, and `auto` plans homes only until the re-trial, `SwitchGuard.replan_due`), and
    the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
    off);
 3. from the static layout, a candidate the guard would adopt is adopted only where the last

@@ -185,6 +185,7 @@ class PlanCycle(ABC):
             steps_left=self.steps_left(step),
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
+            homes_only=self.guard.trust <= 0,
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 

@@ -14,8 +14,9 @@ process while training goes on:
 3. forecast `[L, D, E]` (the predictor) and make the policy's plan on the fitted cluster, with
    `auto`'s migration price set from what the switches measured (`with_migration_scale`; with
    calibration off, the prior's, so that the plan depends on the loads alone) and
-   its horizon no longer than the steps the run has left (`auto.with_steps_left`), each expert's
-   home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
+   its horizon no longer than the steps the run has left (`auto.with_steps_left`), only its
+   homes-only candidates while the clock's refutation of replicas holds (`homes_only_options`),
+   each expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
 4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
    the plan in force is not static and did not pay (`verdict.plan_pays`, with the guard on), the
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
@@ -42,6 +43,7 @@ from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
 from poise.plan.policies.auto import with_steps_left
 from poise.plan.policies.base import PlanContext
+from poise.plan.policies.bounds import BOUNDS
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
@@ -85,6 +87,19 @@ def with_migration_scale(
     return out
 
 
+def homes_only_options(options: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A copy of `options` whose `auto.candidates` keeps only the policies that place one copy
+    per expert (those `poise.plan.policies.bounds` bounds: `static`, `permute`), of the user's
+    list where one was set (`static` where none of it is left): `auto`'s plans while the paired
+    clock's refutation of replicas holds (`SwitchGuard.trust` 0)."""
+    out = {k: dict(v) for k, v in options.items()}
+    auto = out.setdefault("auto", {})
+    chosen = auto.get("candidates")
+    names = [n for n in (sorted(BOUNDS) if chosen is None else chosen) if n in BOUNDS]
+    auto["candidates"] = names or ["static"]
+    return out
+
+
 def live_plan(
     policy: str,
     predictor: Predictor,
@@ -124,7 +139,8 @@ class PlanningJob:
     the run ends (None: not known), which caps every horizon the plan is priced and judged
     over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the candidate of the last job and the
     counts of the steps run since its loads were taken, where the static layout is in force
-    (None otherwise: `JobResult.backtest`)."""
+    (None otherwise: `JobResult.backtest`); `homes_only`: the paired clock refuted replicas
+    (`SwitchGuard.trust` 0), so `auto` weighs only plans without them (`homes_only_options`)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -153,6 +169,7 @@ class PlanningJob:
     steps_left: int | None = None
     backtest_plan: Plan | None = None
     backtest_counts: np.ndarray | None = None
+    homes_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,6 +248,8 @@ def run_job(job: PlanningJob) -> JobResult:
     k_switch = fit.k_transfer if measured is None else measured
     options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
     options = with_steps_left(options, job.steps_left)
+    if job.homes_only:
+        options = homes_only_options(options)
     plan, loads = live_plan(
         job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
         options, job.split_tokens,
@@ -278,6 +297,7 @@ __all__ = [
     "JobResult",
     "PlanningJob",
     "backtest",
+    "homes_only_options",
     "live_plan",
     "plan_horizon",
     "planning_context",
