@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poise.core.placement import Assignment, Placement
-from poise.core.token_split import split_routes, water_fill
+from poise.core.token_split import fill_row, split_routes, split_totals, water_fill
 from poise.cost.model import CostModel
 from poise.cost.traffic import Routing
 from poise.plan.policies.base import PlanContext
@@ -129,6 +129,46 @@ def test_never_worse_than_the_fixed_split(seed: int, D: int, kind: str) -> None:
     assert (f_split <= f_fixed * (1 + 1e-12) + 1e-9).all()
     # deterministic: the same routes from a fresh call
     np.testing.assert_array_equal(split.split(placement, counts.copy()), r_split)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 5_000), min_size=1, max_size=8),
+    total=st.integers(0, 20_000),
+    halves=st.booleans(),
+    integer=st.booleans(),
+)
+def test_the_one_row_water_fill_is_numpys_to_the_last_bit(
+    base: list[int], total: int, halves: bool, integer: bool
+) -> None:
+    """`fill_row` (Python floats, the runtime's one-layer path) against `water_fill` (NumPy,
+    the cost model's many layers) on the same row, bit for bit: ties, empty totals and
+    fractional loads (the real split's) included."""
+    row = [b / 2 if halves else float(b) for b in base]
+    want = water_fill(np.array([row]), np.array([float(total)]), integer)[0]
+    got = np.array(fill_row(row, float(total), integer))
+    assert got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), D=st.sampled_from([2, 3, 4, 8]), integer=st.booleans())
+def test_one_layer_splits_as_it_does_among_many(seed: int, D: int, integer: bool) -> None:
+    """`split_totals` on each layer alone (its one-layer path, expert by expert in Python)
+    equals its result for that layer among all of them (the NumPy path over layers), bit for
+    bit."""
+    rng = np.random.default_rng(seed)
+    L, E = 3, 8
+    placement = _random_plan(rng, L, D, E)
+    counts = rng.integers(0, 50, size=(L, D, E)) * rng.integers(1, 200, size=(1, 1, E))
+    held = placement.copies > 0
+    start = np.where(held, rng.integers(0, 40, size=(L, D, E)), 0).astype(np.float64)
+    if not integer:
+        counts = counts + rng.random((L, D, E))
+    x_all, shed_all = split_totals(placement.copies, counts, start, integer=integer)
+    for layer in range(L):
+        one = slice(layer, layer + 1)
+        x, shed = split_totals(placement.copies[one], counts[one], start[one], integer=integer)
+        assert x.tobytes() == x_all[one].tobytes() and shed.tobytes() == shed_all[one].tobytes()
 
 
 def test_price_with_splitting_is_the_price_of_each_steps_assignment() -> None:

@@ -472,12 +472,7 @@ class Assignment:
         # Hand the leftover tokens to the largest remainders (stable: lower device first on ties).
         order = np.argsort(-frac, axis=3, kind="stable")
         rank = np.empty_like(order)
-        np.put_along_axis(
-            rank,
-            order,
-            np.arange(D)[None, None, None, :].repeat(E, 2).repeat(D, 1).repeat(L, 0),
-            axis=3,
-        )
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(D), order.shape), axis=3)
         base += (rank < short[..., None]).astype(np.int64)
         return routes + base
 

@@ -55,6 +55,8 @@ Everything is computed from the counts with the same code on every rank, so the 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 SWEEPS = 2  # Gauss-Seidel sweeps over the replicated experts
@@ -88,6 +90,30 @@ def water_fill(base: np.ndarray, total: np.ndarray, integer: bool) -> np.ndarray
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(base.shape[1])[None, :].repeat(len(base), 0), 1)
     return x + (rank < left[:, None])
+
+
+def fill_row(base: list[float], total: float, integer: bool) -> list[float]:
+    """`water_fill` of one row without padding, in Python floats: the same operations in the
+    same order, so the same result to the last bit (`tests/test_token_split.py` checks). The
+    runtime splits one layer at a time, whose rows are an expert's few holders; on such rows
+    NumPy's cost per call is most of `water_fill`'s time (`benchmarks/token_split.py`)."""
+    width = len(base)
+    order = sorted(base)
+    cum, run = [], 0.0
+    for b in order:
+        run += b
+        cum.append(run)
+    # filling the k lowest holders up to the next one's base costs next * k - cum[k - 1]
+    active = sum(order[i + 1] * (i + 1) - cum[i] < total for i in range(width - 1))
+    lam = (total + cum[active]) / (active + 1)
+    x = [max(0.0, lam - b) for b in base]
+    if not integer:
+        return x
+    x = [float(math.floor(v)) for v in x]
+    left = round(total - sum(x))
+    for i in sorted(range(width), key=lambda i: base[i] + x[i])[:left]:  # stable: lower first
+        x[i] += 1.0
+    return x
 
 
 def splittable(copies: np.ndarray, counts: np.ndarray, only: np.ndarray | None) -> np.ndarray:
@@ -129,21 +155,51 @@ def split_totals(
     cells = (layer[:, None], dev, expert[:, None])
     own_m = np.where(pad, 0.0, own[cells])
     ym = np.where(pad, 0.0, x[cells] + own_m)  # [M, W] tokens each holder computes
-    first = np.searchsorted(layer, layer)  # position of each pair among its layer's pairs
-    pos = np.arange(layer.size) - first
-    for _ in range(SWEEPS):
-        for k in range(int(pos.max()) + 1):
-            m = np.flatnonzero(pos == k)
-            lm, dm = layer[m][:, None], dev[m]
-            base = np.where(pad[m], np.inf, load[lm, dm] - ym[m])
-            new = water_fill(base, total[layer[m], expert[m]], integer)
-            delta = np.where(pad[m], 0.0, new - ym[m])
-            np.add.at(load, (np.broadcast_to(lm, dm.shape), dm), delta)
-            ym[m] = new
+    if layer[0] == layer[-1]:  # one layer (the runtime's): expert by expert, in Python floats
+        _sweep_one_layer(load[layer[0]], ym, dev, pad, total[layer[0], expert], integer)
+    else:  # many layers (the cost model's): the k-th expert of every layer at once
+        first = np.searchsorted(layer, layer)  # position of each pair among its layer's pairs
+        pos = np.arange(layer.size) - first
+        for _ in range(SWEEPS):
+            for k in range(int(pos.max()) + 1):
+                m = np.flatnonzero(pos == k)
+                lm, dm = layer[m][:, None], dev[m]
+                base = np.where(pad[m], np.inf, load[lm, dm] - ym[m])
+                new = water_fill(base, total[layer[m], expert[m]], integer)
+                delta = np.where(pad[m], 0.0, new - ym[m])
+                np.add.at(load, (np.broadcast_to(lm, dm.shape), dm), delta)
+                ym[m] = new
     kept = np.minimum(ym, own_m)
     x[cells] = np.where(pad, x[cells], ym - kept)
     shed[cells] = np.where(pad, 0.0, own_m - kept)
     return x, shed
+
+
+def _sweep_one_layer(
+    load: np.ndarray,
+    ym: np.ndarray,
+    dev: np.ndarray,
+    pad: np.ndarray,
+    total: np.ndarray,
+    integer: bool,
+) -> None:
+    """`split_totals`' sweeps over one layer's replicated experts, in place: `load[D]` the
+    devices' loads, `ym[M, W]` the tokens each of expert m's holders `dev[M, W]` (padding
+    `pad`) computes, `total[M]` each expert's tokens; `fill_row` per expert, in expert order."""
+    loads = load.tolist()
+    rows = []
+    for m in range(len(ym)):
+        width = int((~pad[m]).sum())
+        rows.append((dev[m, :width].tolist(), float(total[m]), ym[m, :width].tolist()))
+    for _ in range(SWEEPS):
+        for devs, tot, y in rows:
+            new = fill_row([loads[d] - y[i] for i, d in enumerate(devs)], tot, integer)
+            for i, d in enumerate(devs):
+                loads[d] += new[i] - y[i]
+            y[:] = new
+    load[:] = loads
+    for m, (_, _, y) in enumerate(rows):
+        ym[m, : len(y)] = y
 
 
 def split_weights(
