@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from poise.core.errors import ConfigError
-from poise.plan.persistence import BAND, pattern_age, persistence_horizon
+from poise.plan.persistence import BAND, carried_age, pattern_age, persistence_horizon
 
 
 def _steps(rows: list[list[float]]) -> np.ndarray:
@@ -54,6 +54,26 @@ def test_noise_about_a_steady_pattern_does_not_end_it():
     moved = history.copy()
     moved[:25] = rng.multinomial(1000, p[::-1], size=25)[:, None, :]
     assert pattern_age(moved, forecast, recent=5) <= 25
+
+
+def test_a_pattern_that_held_the_whole_window_counts_the_steps_before_it():
+    """`held_before` adds to the age only where every step of the window held: a stationary
+    window of 12 with 40 steps held before is 52 steps old; the moved window of 26 steps is
+    6 old whatever came before. `carried_age` by hand: the last plan at step 100 saw a pattern
+    of age 100; at step 110, a window of 100 steps (11-110) overlaps it, and the pattern has
+    held since step 1: 110 steps, 10 of them before the window."""
+    history = _steps([[30, 10, 10, 10]] * 12)
+    assert pattern_age(history, history[-1], recent=4, held_before=40) == 52
+    assert persistence_horizon(history, history[-1], base=4, held_before=40) == 52
+    moved = _steps([[40, 5, 5, 5]] * 20 + [[5, 5, 40, 5]] * 6)
+    assert pattern_age(moved, moved[-1], recent=4, held_before=40) == 6
+    assert carried_age((100, 100), 110, 100) == 10
+    assert carried_age((100, 250), 110, 100) == 160  # 250 + 10 - 100
+    assert carried_age((100, 30), 110, 100) == 0  # it began inside this window
+    assert carried_age((5, 100), 110, 100) == 0  # no overlap: the window began after it
+    assert carried_age(None, 110, 100) == 0
+    with pytest.raises(ConfigError, match="held_before"):
+        pattern_age(history, history[-1], recent=4, held_before=-1)
 
 
 def test_bad_shapes_and_bases_are_refused():
@@ -131,6 +151,33 @@ def test_auto_stops_its_horizon_at_the_runs_end():
     assert fixed.notes["horizon"] == 5.0 and fixed.digest() == fixed5.digest()
     last, _ = _auto({"auto": {"horizon": 30, "migration_scale": 3.0, "steps_left": 0}})
     assert last.notes["horizon"] == 1.0
+
+
+def test_auto_prices_a_pattern_older_than_its_window_over_its_whole_age():
+    """The 30-step window held throughout and the caller says the pattern held 70 steps
+    before it: the horizon is 100, as a fixed horizon of 100 makes it, and the note says the
+    age. Where the window did not hold throughout, `held_before` adds nothing."""
+    grown, _ = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0, "held_before": 70}})
+    fixed, _ = _auto({"auto": {"horizon": 100, "migration_scale": 3.0}})
+    assert grown.notes["horizon"] == 100.0 and grown.notes["pattern_age"] == 100
+    assert grown.digest() == fixed.digest()
+    assert fixed.notes["pattern_age"] is None  # a fixed horizon reads no age
+
+
+def test_the_simulator_carries_a_patterns_age_past_its_window():
+    """A stationary trace of 250 steps replayed with re-plans every 10: the simulator's
+    window is 100 steps, and `auto`'s last plan (made at step 240 from steps 140-239) still
+    reads the pattern's whole age, 240 steps, as a live run would."""
+    from poise.sim.simulator import HISTORY_STEPS, simulate
+
+    from .helpers import toy_cluster, toy_spec
+
+    assert HISTORY_STEPS == 100
+    counts = np.zeros((250, 1, 2, 8), dtype=np.int64)
+    counts[:, 0, :, :] = [40, 20, 10, 10, 5, 5, 5, 5]
+    result = simulate(counts, toy_cluster(2), toy_spec(experts=8, layers=1), ["auto"],
+                      replan_every=10)  # fmt: skip
+    assert result.runs["auto"].last_plan.notes["pattern_age"] == 240
 
 
 def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():

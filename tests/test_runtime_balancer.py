@@ -602,6 +602,46 @@ def test_the_balancer_counts_due_replans_towards_a_refuted_models_retrial() -> N
     balancer.close()
 
 
+def test_the_balancer_carries_the_load_patterns_age_from_plan_to_plan() -> None:
+    """Each taken job leaves `(requested at, auto's pattern_age note)`; the next job gets the
+    steps the pattern held before its window (`persistence.carried_age`): here a pattern of
+    age 50 at step 2, and a 4-step window at step 4, give 50 + 2 - 4 = 48."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, default_cluster
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
+                        plan_lag=0, guard=False)  # fmt: skip
+    submit = balancer.planner.submit
+    held: list[tuple[int, int]] = []
+
+    def spy(fn, requested_at, adopt_at):
+        held.append((requested_at, fn.args[0].held_before))
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    take = balancer.planner.take
+    ages: list[int] = []
+
+    def took():
+        done = take()
+        ages.append(done.value.plan.notes["pattern_age"])
+        return done
+
+    balancer.planner.submit, balancer.planner.take = spy, took
+    _one_rank_steps(model, opt, balancer, 2)
+    assert held == [(2, 0)] and len(ages) == 1 and 0 <= ages[0] <= 2
+    assert balancer._pattern == (2, ages[0])
+    balancer._pattern = (2, 50)
+    _one_rank_steps(model, opt, balancer, 2)
+    assert held[-1] == (4, 48) and len(balancer.window) == 4
+    balancer.close()
+
+
 def test_one_process_balancer_records_and_plans() -> None:
     import torch
 
@@ -2029,6 +2069,22 @@ def test_while_the_clock_refutes_replicas_auto_plans_homes_only() -> None:
         "static"
     ]
     assert mine["auto"]["candidates"] == ["prophet", "permute"]  # a copy
+
+
+def test_a_planning_job_hands_the_carried_age_to_auto() -> None:
+    """`_replica_case`'s 4 identical steps hold throughout, so with `held_before` 70 the plan's
+    pattern is 74 steps old and its horizon 74; with none, 4 and the base of 10."""
+    from dataclasses import replace
+
+    from poise.runtime.planning_job import run_job
+
+    _, static, _, counts = _replica_case()
+    job = replace(_replica_job(_probes_reading(counts, np.full(4, 2e-6))), policy="auto",
+                  current=static, probes=None)  # fmt: skip
+    carried = run_job(replace(job, held_before=70))
+    assert carried.plan.notes["pattern_age"] == 74 and carried.horizon == 74
+    fresh = run_job(job)
+    assert fresh.plan.notes["pattern_age"] == 4 and fresh.horizon == 10
 
 
 def test_replicas_are_priced_dearer_only_by_what_the_clock_shows_beyond_its_noise() -> None:

@@ -28,6 +28,22 @@ further). `BAND` = 2 keeps a step in the pattern while it lies within twice that
 routing that has moved lies further. An exactly stationary trace (tau = 0) has every step at
 distance 0 and holds for the whole history; the horizon never falls below `base`, the
 re-planning interval the horizon was before.
+
+The history is a window (the newest 100 steps, live and simulated), so an age read from it
+alone stops at the window's length: on a pattern that holds for thousands of steps the horizon
+stayed at 100, and a re-placement of homes that pays back only over more steps than that was
+never made (on `benchmarks/ep_step.py`'s stationary zipf-1.2 trace, `auto` kept 4 replicas and
+their Trans and Agg, 2% of each step, where moving the homes instead paid back in about 100
+steps). Where the whole window held, the pattern had held before it too, as long as the last
+plan's age says it had: with that plan made at step s' from a pattern aged A', and this
+window of W steps ending at step s overlapping it,
+
+    held_before = max(0, A' + (s - s') - W)          (`carried_age`)
+
+and the age is W + held_before (`pattern_age`'s `held_before`). The two windows share their
+overlapping steps, each within the band of both forecasts, so the pattern they describe is one.
+The caller keeps (s', A') from plan to plan: the live Balancer from `auto`'s `pattern_age` note,
+the simulator from the same function on the same inputs.
 """
 
 from __future__ import annotations
@@ -39,10 +55,13 @@ from poise.core.errors import ConfigError
 BAND = 2.0
 
 
-def pattern_age(history: np.ndarray, forecast: np.ndarray, recent: int) -> int:
+def pattern_age(
+    history: np.ndarray, forecast: np.ndarray, recent: int, held_before: int = 0
+) -> int:
     """Steps the pattern of `forecast[L, E]` has held in `history[S, L, E]` (oldest first):
     the newest consecutive steps within `BAND` times the step-to-step spread of the newest
-    `recent` (module docstring). 0 for an empty history or a forecast of no tokens."""
+    `recent` (module docstring), plus `held_before` where all S held (the steps it had held
+    before the window, `carried_age`). 0 for an empty history or a forecast of no tokens."""
     history = np.asarray(history, dtype=np.float64)
     forecast = np.asarray(forecast, dtype=np.float64)
     if history.ndim != 3 or history.shape[1:] != forecast.shape:
@@ -57,21 +76,37 @@ def pattern_age(history: np.ndarray, forecast: np.ndarray, recent: int) -> int:
     if len(history) == 0 or total <= 0:
         return 0
     delta = np.abs(history - forecast).sum(axis=(1, 2)) / total  # [S]
+    if held_before < 0:
+        raise ConfigError(f"must be >= 0, got {held_before}", field="held_before")
     if len(history) < 2:
-        return int(delta[0] <= 0.0)
+        return int(delta[0] <= 0.0) * (1 + held_before)
     steps = np.abs(np.diff(history, axis=0)).sum(axis=(1, 2)) / total  # [S - 1]
     tau = float(np.median(steps[-recent:]))
     within = delta <= BAND * tau
     outside = np.flatnonzero(~within)
-    return int(len(delta) - 1 - outside[-1]) if outside.size else len(delta)
+    return int(len(delta) - 1 - outside[-1]) if outside.size else len(delta) + held_before
 
 
-def persistence_horizon(history: np.ndarray, forecast: np.ndarray, base: int) -> int:
-    """`max(base, pattern_age(history, forecast, recent=base))`: the steps a plan for
-    `forecast[L, E]` is priced over (module docstring)."""
+def carried_age(previous: tuple[int, int] | None, step: int, window: int) -> int:
+    """Steps the pattern had held before a window of `window` steps ending at `step`, from
+    the last plan's `previous = (step, age)` (module docstring): `max(0, age + (step - s') -
+    window)`; 0 without a last plan, or where the window begins after its step (no overlap)."""
+    if previous is None:
+        return 0
+    made_at, age = previous
+    if made_at < step - window + 1 or made_at > step:
+        return 0
+    return max(0, int(age) + (step - made_at) - int(window))
+
+
+def persistence_horizon(
+    history: np.ndarray, forecast: np.ndarray, base: int, held_before: int = 0
+) -> int:
+    """`max(base, pattern_age(history, forecast, recent=base, held_before))`: the steps a plan
+    for `forecast[L, E]` is priced over (module docstring)."""
     if base < 1:
         raise ConfigError(f"must be >= 1, got {base}", field="horizon")
-    return max(int(base), pattern_age(history, forecast, base))
+    return max(int(base), pattern_age(history, forecast, base, held_before))
 
 
-__all__ = ["BAND", "pattern_age", "persistence_horizon"]
+__all__ = ["BAND", "carried_age", "pattern_age", "persistence_horizon"]

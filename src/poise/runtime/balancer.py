@@ -327,6 +327,7 @@ class Balancer(PlanCycle):
         self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
         self._last_candidate: tuple[int, Plan] | None = None  # (requested at, plan): backtests
+        self._pattern: tuple[int, int] | None = None  # (requested at, `auto`'s pattern age)
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
         self._paused_at: float | None = None  # when `pause` handed the host to another run

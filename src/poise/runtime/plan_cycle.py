@@ -36,6 +36,7 @@ from poise.core.errors import PoiseError
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
+from poise.plan.persistence import carried_age
 from poise.plan.predict import Predictor
 from poise.runtime import selfcal
 from poise.runtime.decision import Outcome, plans_agree, share_outcome
@@ -93,6 +94,7 @@ class PlanCycle(ABC):
     _plan_since: int
     _switch_check: tuple[int, float, float] | None
     _last_candidate: tuple[int, Plan] | None
+    _pattern: tuple[int, int] | None
 
     @abstractmethod
     def spec(self) -> ModelSpec:
@@ -186,6 +188,7 @@ class PlanCycle(ABC):
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
             homes_only=self.guard.trust <= 0,
+            held_before=carried_age(self._pattern, step, len(history)),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
 
@@ -245,6 +248,8 @@ class PlanCycle(ABC):
         leader's is the one every rank takes)."""
         done = self.planner.take()
         self._last_candidate = (done.requested_at, done.value.plan)
+        age = done.value.plan.notes.get("pattern_age")  # `auto`'s (`persistence.carried_age`)
+        self._pattern = None if age is None else (done.requested_at, int(age))
         stats.add_seconds("plan", done.plan_s)
         stats.add_seconds("plan_wait", done.wait_s)
         planning_s = done.cpu_s if self._planner_shares_cores else 0.0

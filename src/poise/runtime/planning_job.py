@@ -140,7 +140,9 @@ class PlanningJob:
     over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the candidate of the last job and the
     counts of the steps run since its loads were taken, where the static layout is in force
     (None otherwise: `JobResult.backtest`); `homes_only`: the paired clock refuted replicas
-    (`SwitchGuard.trust` 0), so `auto` weighs only plans without them (`homes_only_options`)."""
+    (`SwitchGuard.trust` 0), so `auto` weighs only plans without them (`homes_only_options`);
+    `held_before`: the steps the load pattern had held before `history`'s first step, carried
+    from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -170,6 +172,7 @@ class PlanningJob:
     backtest_plan: Plan | None = None
     backtest_counts: np.ndarray | None = None
     homes_only: bool = False
+    held_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,7 @@ def run_job(job: PlanningJob) -> JobResult:
     k_switch = fit.k_transfer if measured is None else measured
     options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
     options = with_steps_left(options, job.steps_left)
+    options["auto"]["held_before"] = job.held_before  # the caller's state, not a setting
     if job.homes_only:
         options = homes_only_options(options)
     plan, loads = live_plan(

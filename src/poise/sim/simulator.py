@@ -55,6 +55,7 @@ from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule, parse_schedule
 from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
 from poise.cost.traffic import padded_counts
+from poise.plan.persistence import carried_age, pattern_age
 from poise.plan.policies.auto import with_steps_left
 from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
@@ -264,6 +265,7 @@ def simulate(
     ]
     forecast = OnlineForecast(predictor)
     history: list[np.ndarray] = []  # [L, E] per observed step
+    pattern: tuple[int, int] | None = None  # (newest step seen, its pattern's age), as live
     done, total = 0, S * len(names)
     threads = min(workers if workers is not None else (os.cpu_count() or 1), len(names))
     with ThreadPoolExecutor(threads) as pool:
@@ -282,15 +284,24 @@ def simulate(
                 # the steps the plan can serve: from this step, or the next one when it is
                 # made beside training (`auto`'s horizon stops at the trace's end)
                 left = S - s - (1 if background_planning else 0)
+                step_opts = with_steps_left(opts, left)
+                # the steps the pattern held before the window, carried as the live planner
+                # carries them (`poise.plan.persistence`)
+                held = carried_age(pattern, s - 1, len(history))
+                step_opts["auto"]["held_before"] = held
                 ctx = PlanContext(
                     cluster,
                     spec,
                     cost,
                     base_ctx.slots_per_device,
                     history=np.array(history) if history else None,
-                    options=with_steps_left(opts, left),
+                    options=step_opts,
                     split_tokens=split_tokens,
                 )
+                if history:
+                    recent = int(step_opts["auto"]["base_horizon"])
+                    age = pattern_age(np.array(history), loads.sum(axis=1), recent, held)
+                    pattern = (s - 1, age)
             step = _Step(s, actual, loads, ctx)
             # Policies share nothing they write: several replay at once (NumPy frees the GIL).
             for _ in pool.map(lambda r, step=step: r.advance(step), replays):

@@ -9,16 +9,17 @@ i.e. K steps of the candidate's recurring time plus its one-off migration from t
 force, `m` (option `migration_scale`, default 1) times the model's: the live Balancer sets it to
 what its switches measured against the model (moving homes with their optimizer moments in one
 burst at a step boundary costs more per byte than the steady Trans and Agg the links are fitted
-to); `m = inf` allows no migration (replicas only). K is option `horizon` where it is set,
-else the steps the load pattern is expected to last (`auto_horizon`, `poise.plan.persistence`:
-at least option `base_horizon`, which the live Balancer and the simulator set to the
-re-planning interval, and as many steps as the forecast has held in the history; the plan's
-notes say `horizon`), and never more than option `steps_left` where it is set: the steps the
-run has left for the plan to serve (the live Balancer sets it from the run's length, the
-simulator from the trace's), so a migration is paid back over steps the run will take, not
-over steps past its end. `auto` keeps, per layer, the candidate with
-the least total; so it moves only when the gain over the next K steps exceeds the cost of
-moving. Layers are priced independently (the step time is a sum over layers), so with no
+to); `m = inf` allows no migration (replicas only). K is option `horizon` where it is set, else
+the steps the load pattern is expected to last (`auto_horizon`, `poise.plan.persistence`: at
+least option `base_horizon`, which the live Balancer and the simulator set to the re-planning
+interval, and as many steps as the forecast has held in the history, and before it where the
+whole history held: option `held_before`, which the live Balancer and the simulator carry from
+plan to plan; the plan's notes say `horizon` and `pattern_age`), and never more than option
+`steps_left` where it is set: the steps the run has left for the plan to serve (the live
+Balancer sets it from the run's length, the simulator from the trace's), so a migration is paid
+back over steps the run will take, not over steps past its end. `auto` keeps, per layer, the
+candidate with the least total; so it moves only when the gain over the next K steps exceeds the
+cost of moving. Layers are priced independently (the step time is a sum over layers), so with no
 placement in force the result is never slower than any candidate. Candidates within relative
 `TIE_REL` of the least total tie; ties go to `keep`, then to the placement with the fewest
 copies (it leaves the most free slots for later re-planning: a uniform forecast, as at the first
@@ -65,7 +66,7 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
-from poise.plan.persistence import persistence_horizon
+from poise.plan.persistence import pattern_age
 from poise.plan.policies.base import (
     BUILDS_ON,
     HELPER_CPU_NOTE,
@@ -224,7 +225,8 @@ class Candidates:
 
 @register("auto")
 def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
-    horizon = auto_horizon(loads, ctx)
+    age = auto_pattern_age(loads, ctx)
+    horizon = auto_horizon(loads, ctx, age)
     L = loads.shape[0]
     made = Candidates(previous, loads, ctx, horizon)
     candidates = candidate_names(ctx)
@@ -261,6 +263,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         "pruned_bound_step_s": pruned,
         "alone": made.alone,
         "horizon": horizon,
+        "pattern_age": age,
         HELPER_CPU_NOTE: made.helper_cpu_s,
     }
     for p in plans:
@@ -298,20 +301,36 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     )
 
 
-def auto_horizon(loads: np.ndarray, ctx: PlanContext) -> float:
+def auto_pattern_age(loads: np.ndarray, ctx: PlanContext) -> int | None:
+    """How many steps the forecast `loads[L, D, E]`'s pattern has held
+    (`poise.plan.persistence.pattern_age` over the context's history, `recent` = option
+    `base_horizon`, plus option `held_before` where the whole history held: the steps it had
+    held before the history's window, which the caller carries from plan to plan,
+    `persistence.carried_age`); None where the horizon is fixed (option `horizon`) or there
+    is no history."""
+    if ctx.option("auto", "horizon", None) is not None:
+        return None
+    if ctx.history is None or not len(ctx.history):
+        return None
+    base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
+    held_before = int(ctx.option("auto", "held_before", 0))
+    return pattern_age(ctx.history, loads.sum(axis=1), base, held_before)
+
+
+def auto_horizon(loads: np.ndarray, ctx: PlanContext, age: int | None = None) -> float:
     """K: option `horizon` where set (a fixed number of steps); else the load pattern's
-    persistence (`poise.plan.persistence.persistence_horizon`: at least option `base_horizon`,
-    default `DEFAULT_HORIZON`, longer as the forecast `loads[L, D, E]` has held in the
-    context's history); either at most option `steps_left` (the steps the run has left for
-    the plan, >= 1) where it is set."""
+    persistence: at least option `base_horizon` (default `DEFAULT_HORIZON`), longer as the
+    forecast `loads[L, D, E]` has held (`age`, `auto_pattern_age`'s where not given;
+    `poise.plan.persistence`); either at most option `steps_left` (the steps the run has left
+    for the plan, >= 1) where it is set."""
     fixed = ctx.option("auto", "horizon", None)
     if fixed is not None:
         horizon = float(fixed)
     else:
-        base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
-        horizon = float(base)
-        if ctx.history is not None and len(ctx.history):
-            horizon = float(persistence_horizon(ctx.history, loads.sum(axis=1), base))
+        horizon = float(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
+        age = auto_pattern_age(loads, ctx) if age is None else age
+        if age is not None:
+            horizon = max(horizon, float(age))
     left = ctx.option("auto", "steps_left", None)
     return horizon if left is None else min(horizon, float(max(1, left)))
 
