@@ -551,6 +551,23 @@ def test_layer_loads_follow_the_assignment() -> None:
     assert loads.tokens_moved.tolist() == [2]
 
 
+def _one_rank_balancer(replan_every: int, plan_lag: int, guard: bool = True):
+    """A one-layer MoE (8 wide, 4 experts top-2) on one rank with a spare slot, its AdamW and
+    an `auto` Balancer re-planning every `replan_every` steps on one modelled device."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, default_cluster
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, "auto", replan_every=replan_every,
+                        cluster=default_cluster(1), plan_lag=plan_lag, guard=guard)  # fmt: skip
+    return model, opt, balancer
+
+
 def _one_rank_steps(model, opt, balancer, steps: int) -> None:
     """`steps` training steps of a one-rank model taking `[16, 8]` inputs, as the loop runs
     them (the Balancer's `reduce_replicas` before the optimizer, `step` after it)."""
@@ -569,18 +586,9 @@ def test_the_balancer_counts_due_replans_towards_a_refuted_models_retrial() -> N
     re-plan due at step 2 is skipped (the fallback's backoff), the one at 4 plans homes only
     (`PlanningJob.homes_only`), and at step 6, skipped or not, the model is trusted again: the
     next job plans in full."""
-    import torch
-
-    from poise.nn import MoE, MoEConfig, apply_expert_parallel
-    from poise.runtime.balancer import Balancer, default_cluster
     from poise.runtime.verdict import Verdict
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
-    apply_expert_parallel(model, None, num_slots=5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
-                        plan_lag=0)  # fmt: skip
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
     submit = balancer.planner.submit
     jobs: list[tuple[int, bool]] = []
 
@@ -606,17 +614,7 @@ def test_the_balancer_carries_the_load_patterns_age_from_plan_to_plan() -> None:
     """Each taken job leaves `(requested at, auto's pattern_age note)`; the next job gets the
     steps the pattern held before its window (`persistence.carried_age`): here a pattern of
     age 50 at step 2, and a 4-step window at step 4, give 50 + 2 - 4 = 48."""
-    import torch
-
-    from poise.nn import MoE, MoEConfig, apply_expert_parallel
-    from poise.runtime.balancer import Balancer, default_cluster
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
-    apply_expert_parallel(model, None, num_slots=5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, "auto", replan_every=2, cluster=default_cluster(1),
-                        plan_lag=0, guard=False)  # fmt: skip
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=False)
     submit = balancer.planner.submit
     held: list[tuple[int, int]] = []
 
@@ -1578,9 +1576,7 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
 
     import torch
 
-    from poise.nn import MoE, MoEConfig, apply_expert_parallel
     from poise.runtime import selfcal
-    from poise.runtime.balancer import Balancer, default_cluster
     from poise.runtime.leader import median_period_s
     from poise.runtime.planner import adoption_lag
     from poise.runtime.records import FIT_WINDOW
@@ -1592,12 +1588,7 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
     rows = np.zeros((4, 1 + len(selfcal.MEASURED)))
     rows[:, 1 + selfcal.PERIOD] = [0.0, 0.2, 0.4, 0.3]  # the first step has no period
     assert median_period_s(rows) == pytest.approx(0.3) and median_period_s(rows[:1]) == 0.0
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
-    apply_expert_parallel(model, None, num_slots=5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, "auto", replan_every=4, cluster=default_cluster(1),
-                        plan_lag=1, guard=False)  # fmt: skip
+    model, opt, balancer = _one_rank_balancer(replan_every=4, plan_lag=1, guard=False)
     balancer.lag = 3  # the first request (step 4) is decided at step 7
     lags = {}
     for _ in range(12):  # room for a second decision up to 4 steps after its request
