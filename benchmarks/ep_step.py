@@ -5,7 +5,10 @@
 Two ranks, one intra-op thread each, fp32. Each rank runs a residual stack of `--layers` MoE
 layers (SwiGLU experts, d_model 128, d_expert 1024, 32 experts, top-2, 1,024 tokens per rank
 and step, 16 + 2 slots per rank) whose routers are `ReplayRouter`s: each layer's per-expert counts
-follow a recorded trace, scaled to the batch. A step is forward, `(y * g).sum()` backward, router
+follow a recorded trace, scaled to the batch. A step is forward, `s * (y * g).sum()` backward
+(`s` = +1 and -1 in turn: the linear loss has no minimum, and with one sign throughout the
+weights grew until the activations overflowed at step 128; alternating, the steps cancel and the
+weights stay bounded over runs of any length, with the same computation each step), router
 gradients summed over ranks, AdamW step (`HomeRowsAdamW`, as `poise train` steps it: the fused
 kernel, on the home slots; the peers below step `torch.optim.AdamW(fused=True)`). The fused
 kernel matters here: the per-tensor AdamW loop takes a slow path on the zero moments of experts
@@ -295,6 +298,11 @@ def _peer_model(args: argparse.Namespace, system: str) -> Any:
     return model
 
 
+def loss_sign(step: int) -> float:
+    """The sign of step `step`'s loss (module docstring): +1 on even steps, -1 on odd ones."""
+    return -1.0 if step % 2 else 1.0
+
+
 class _PeerRunner:
     """A peer's stack on this rank's tokens and routing: forward, backward, gate gradients
     summed over the ranks, AdamW step (expert parameters local to the rank)."""
@@ -333,7 +341,7 @@ class _PeerRunner:
         y = self.x
         for block, f in zip(self.model.blocks, self.feats, strict=True):
             y = y + block(y + f)[0]
-        (y * self.g).sum().backward()
+        (y * self.g).sum().mul(loss_sign(len(self.times))).backward()
         for p in self._replicated():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
@@ -410,7 +418,7 @@ class _Runner:
         y = self.x
         for block in self.model.blocks:
             y = y + block(y)
-        (y * self.g).sum().backward()
+        (y * self.g).sum().mul(loss_sign(len(self.times))).backward()
         sync_router_grads(self.model)
         if self.balancer is not None:
             self.balancer.reduce_replicas()
