@@ -111,7 +111,7 @@ from poise.runtime.records import (
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
 from poise.runtime.transfer_group import transfer_group as own_transfer_group
-from poise.runtime.verdict import Verdict
+from poise.runtime.verdict import MIN_PROBES, Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
 
@@ -328,6 +328,7 @@ class Balancer(PlanCycle):
         self._plan_since = 0  # first step run under `plan`
         self._last_candidate: tuple[int, Plan] | None = None  # (requested at, plan): backtests
         self._pattern: tuple[int, int] | None = None  # (requested at, `auto`'s pattern age)
+        self._replicas_timed = False  # the paired clock has timed a plan with replicas
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
         self._t_reduce: float | None = None  # when the last `reduce_replicas` started
         self._paused_at: float | None = None  # when `pause` handed the host to another run
@@ -520,8 +521,11 @@ class Balancer(PlanCycle):
     def note_verdict(self, verdict: Verdict | None) -> None:
         """A verdict shared by the leader (every rank gets the same): once one is conclusive on
         the episode's probes (`verdict.clock_settled`), no more probe steps until plans with
-        replicas take over again."""
+        replicas take over again. One read from `MIN_PROBES` probes or more means the clock
+        has timed replicas in this run (`leader`'s `unjudged`)."""
         self.probes.note_verdict(verdict)
+        if verdict is not None and verdict.probes >= MIN_PROBES:
+            self._replicas_timed = self._replicas_timed or verdict.wall_saving_s is not None
 
     def _probe_due(self, step: int) -> bool:
         """Whether the step after boundary `step` is a probe step (`ProbeSteps.due`: a plan

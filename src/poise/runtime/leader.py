@@ -28,6 +28,15 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    the fresh candidate's question (`SwitchGuard.decide`). Asked with the switch, it held
    `skewed` on the static layout until step 31 in both rounds, where the first plan (15 homes
    moved) had not repaid its migration in 10 steps yet the forecast it came from held.
+4. a candidate with replicas is not adopted (`unjudged`, no backoff) while no plan with
+   replicas has been timed by the paired clock in this run and the run ends before the clock
+   could judge one adopted now (`trial_judgeable`: `MIN_PROBES` probe steps, one every
+   `probe_every` steps, then the re-plan that reads them). Until the clock has timed replicas
+   their price is the model's prior, which on ranks that share cores overstates what they
+   save (docs/benchmarks.md); a trial the guard can take back costs at most its steps, one it
+   cannot is a bet on that prior for the rest of the run. On `train_speedup.py`'s `skewed-4`
+   (4 ranks on 2 cores) the first replicas came at step 81 of 100 and ran 1.6-2.5% slower
+   than static over the 19 steps left, in both rounds.
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
@@ -42,6 +51,7 @@ from poise.runtime.decision import Outcome
 from poise.runtime.guard import Decision, SwitchGuard
 from poise.runtime.planner import adoption_lag
 from poise.runtime.planning_job import JobResult
+from poise.runtime.verdict import MIN_PROBES
 
 
 def median_period_s(rows: np.ndarray) -> float:
@@ -63,19 +73,26 @@ def leader_outcome(
     period_s: float,
     plan_lag: int,
     replan_every: int,
+    blind_replicas: bool = False,
 ) -> Outcome:
     """The outcome of `result` (module docstring). `wait_s`: the seconds the boundary waited
     for the planner; `plan_s`: the job's wall seconds; `planning_s`: its CPU seconds charged
     to the step (0 on accelerators); `on_static`: the static layout is in force; `period_s`:
-    the median step; `plan_lag`, `replan_every`: the bounds of the next lag."""
+    the median step; `plan_lag`, `replan_every`: the bounds of the next lag; `blind_replicas`:
+    no plan with replicas has been timed by the clock and one adopted now could not be judged
+    before the run ends (module docstring, 4)."""
     next_lag = adoption_lag(plan_s, period_s, plan_lag, replan_every)
     fit, assessment = result.fit, result.assessment
+    blind = blind_replicas and assessment.candidate_transfers_s > 0  # (4)
     if not on_static and not guard.pays(result.paid):
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
     if decision.adopt and on_static and guard.enabled and not forecast_held(result):
         decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
+        reason = decision.reason
+    elif decision.adopt and guard.enabled and blind:
+        decision = Decision(False, "unjudged", decision.gain_s, decision.switch_s)
         reason = decision.reason
     elif decision.adopt:
         reason = decision.reason
@@ -97,6 +114,15 @@ def leader_outcome(
         next_lag=next_lag,
         step_gain_s=decision.gain_s / steps if decision.adopt else 0.0,
     )
+
+
+def trial_judgeable(steps_left: int | None, probe_every: int, replan_every: int) -> bool:
+    """Whether a plan with replicas adopted with `steps_left` steps of the run to go leaves the
+    paired clock time to judge it (module docstring, 4): `MIN_PROBES * probe_every +
+    replan_every` steps; always where the run's length is not known or nothing probes."""
+    if steps_left is None or probe_every <= 0:
+        return True
+    return steps_left >= MIN_PROBES * probe_every + replan_every
 
 
 def forecast_held(result: JobResult) -> bool:
@@ -144,4 +170,10 @@ def exit_outcome(
     )
 
 
-__all__ = ["exit_outcome", "forecast_held", "leader_outcome", "median_period_s"]
+__all__ = [
+    "exit_outcome",
+    "forecast_held",
+    "leader_outcome",
+    "median_period_s",
+    "trial_judgeable",
+]

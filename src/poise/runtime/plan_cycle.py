@@ -41,7 +41,7 @@ from poise.plan.predict import Predictor
 from poise.runtime import selfcal
 from poise.runtime.decision import Outcome, plans_agree, share_outcome
 from poise.runtime.guard import SwitchGuard, migration_seconds, switch_seconds
-from poise.runtime.leader import leader_outcome, median_period_s
+from poise.runtime.leader import leader_outcome, median_period_s, trial_judgeable
 from poise.runtime.paired_clock import Probes
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import PlanningJob, live_plan, run_job
@@ -95,6 +95,7 @@ class PlanCycle(ABC):
     _switch_check: tuple[int, float, float] | None
     _last_candidate: tuple[int, Plan] | None
     _pattern: tuple[int, int] | None
+    _replicas_timed: bool
 
     @abstractmethod
     def spec(self) -> ModelSpec:
@@ -256,6 +257,8 @@ class PlanCycle(ABC):
         stats.add_seconds("plan_cpu", planning_s)
         recent = list(self.measured)[-FIT_WINDOW:]
         measured = np.stack(recent) if recent else np.zeros((0, 1 + N_MEASURED))
+        left = None if self.total_steps is None else self.total_steps - self.steps_done
+        every, replan = self.probes.every, self.replan_every
         return leader_outcome(
             self.guard,
             done.value,
@@ -266,6 +269,7 @@ class PlanCycle(ABC):
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
             replan_every=self.replan_every,
+            blind_replicas=not self._replicas_timed and not trial_judgeable(left, every, replan),
         )
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
