@@ -707,6 +707,15 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert out.next_lag == 3
     assert out.gain_s == pytest.approx(1.0) and out.switch_s == pytest.approx(0.1)
     assert out.verdict is stale
+    # after a refutation (trust 0.5) the homes-only candidate is credited, and reported, in
+    # full; one with replicas at half: 0.5 x 0.49 x 2 - 1.2 x 0.1 = 0.37 < static's 0.4
+    balancer.guard.trust = 0.5
+    out = exit_outcome(balancer.guard, result, 0.0, 1.0, 3)
+    assert out.decision == "replace" and out.gain_s == pytest.approx(1.0)
+    held = dataclasses.replace(result.assessment, candidate_transfers_s=0.01)
+    out = exit_outcome(balancer.guard, dataclasses.replace(result, assessment=held), 0, 1.0, 3)
+    assert out.decision == "fallback" and out.plan is back
+    balancer.guard.trust = 1.0
     refuted = Verdict(saving_s=2.0, cost_s=1.0, steps=3, wall_saving_s=-5.0, wall_se_s=1.0)
     out = exit_outcome(balancer.guard, dataclasses.replace(result, paid=refuted), 0.0, 1.0, 3)
     assert out.decision == "fallback" and out.plan is back and out.gain_s == pytest.approx(0.4)
@@ -1317,11 +1326,13 @@ def test_a_replacement_is_credited_at_the_share_its_predecessor_delivered() -> N
     assert guard.exit_choice(candidate, [static], False, paid=paid(120, 40)) == 0
     assert guard.exit_choice(candidate, [static], False, paid=paid(80, 40)) == 1
     assert guard.exit_choice(candidate, [static], False, paid=paid(20, 60)) == 1
-    assert guard.replacement_credit(paid(80, 40)) == pytest.approx(0.5)
+    replicas = Assessment(False, candidate_transfers_s=1e-3)  # a candidate holding replicas
+    assert guard.replacement_credit(paid(80, 40), replicas) == pytest.approx(0.5)
     guard.trust = 0.5  # after a fallback the clock forced on the model: both shares apply
-    assert guard.replacement_credit(paid(80, 40)) == pytest.approx(0.25)
+    assert guard.replacement_credit(paid(80, 40), replicas) == pytest.approx(0.25)
+    assert guard.replacement_credit(paid(80, 40), candidate) == pytest.approx(0.5)  # no replica
     guard.returned(to_static=False)
-    assert guard.promised_s is None and guard.replacement_credit(paid(20, 60)) == 0.5
+    assert guard.promised_s is None and guard.replacement_credit(paid(20, 60), replicas) == 0.5
     guard.promised(3e-3, from_static=False)
     assert guard.promised_s is None  # still unknown: no base to add to
     guard.returned(to_static=True)

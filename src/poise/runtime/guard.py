@@ -345,12 +345,11 @@ class SwitchGuard:
             return best
         return 0 if net(candidate, self.margin, credit) > nets[best - 1] else best
 
-    def replacement_credit(self, paid: Verdict | None, a: Assessment | None = None) -> float:
+    def replacement_credit(self, paid: Verdict | None, a: Assessment) -> float:
         """The share of a replacement candidate's (`a`'s) predicted gain `exit_choice` credits:
-        `credit(a)` (`trust` where `a` holds replicas or is not given) times the share of its
-        promise the plan in force delivered (`delivered_share`)."""
-        trust = self.trust if a is None else self.credit(a)
-        return trust * delivered_share(self.promised_s, paid)
+        `credit(a)` (`trust` where `a` holds replicas) times the share of its promise the plan
+        in force delivered (`delivered_share`)."""
+        return self.credit(a) * delivered_share(self.promised_s, paid)
 
     def promised(self, step_gain_s: float, from_static: bool) -> None:
         """A plan predicted to save `step_gain_s` a step over the plan in force (credited, net

@@ -153,7 +153,7 @@ def exit_outcome(
     )
     plan, a = options[pick]
     # the candidate's gain as `exit_choice` took it
-    credit = guard.replacement_credit(result.paid) if pick == 0 else 1.0
+    credit = guard.replacement_credit(result.paid, a) if pick == 0 else 1.0
     return Outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
