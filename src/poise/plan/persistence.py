@@ -72,12 +72,12 @@ def pattern_age(
         )
     if recent < 1:
         raise ConfigError(f"must be >= 1, got {recent}", field="recent")
+    if held_before < 0:
+        raise ConfigError(f"must be >= 0, got {held_before}", field="held_before")
     total = float(forecast.sum())
     if len(history) == 0 or total <= 0:
         return 0
     delta = np.abs(history - forecast).sum(axis=(1, 2)) / total  # [S]
-    if held_before < 0:
-        raise ConfigError(f"must be >= 0, got {held_before}", field="held_before")
     if len(history) < 2:
         return int(delta[0] <= 0.0) * (1 + held_before)
     steps = np.abs(np.diff(history, axis=0)).sum(axis=(1, 2)) / total  # [S - 1]
@@ -99,14 +99,22 @@ def carried_age(previous: tuple[int, int] | None, step: int, window: int) -> int
     return max(0, int(age) + (step - made_at) - int(window))
 
 
+def horizon_for_age(age: int, base: int) -> int:
+    """`max(base, age)`: the steps a plan for a pattern of `age` steps is priced over, never
+    fewer than the re-planning interval `base` (module docstring)."""
+    if base < 1:
+        raise ConfigError(f"must be >= 1, got {base}", field="horizon")
+    return max(int(base), int(age))
+
+
 def persistence_horizon(
     history: np.ndarray, forecast: np.ndarray, base: int, held_before: int = 0
 ) -> int:
-    """`max(base, pattern_age(history, forecast, recent=base, held_before))`: the steps a plan
-    for `forecast[L, E]` is priced over (module docstring)."""
+    """`horizon_for_age(pattern_age(history, forecast, recent=base, held_before), base)`: the
+    steps a plan for `forecast[L, E]` is priced over (module docstring)."""
     if base < 1:
         raise ConfigError(f"must be >= 1, got {base}", field="horizon")
-    return max(int(base), pattern_age(history, forecast, base, held_before))
+    return horizon_for_age(pattern_age(history, forecast, base, held_before), base)
 
 
-__all__ = ["BAND", "carried_age", "pattern_age", "persistence_horizon"]
+__all__ = ["BAND", "carried_age", "horizon_for_age", "pattern_age", "persistence_horizon"]

@@ -289,19 +289,19 @@ def simulate(
                 # carries them (`poise.plan.persistence`)
                 held = carried_age(pattern, s - 1, len(history))
                 step_opts["auto"]["held_before"] = held
+                seen = np.array(history) if history else None
                 ctx = PlanContext(
                     cluster,
                     spec,
                     cost,
                     base_ctx.slots_per_device,
-                    history=np.array(history) if history else None,
+                    history=seen,
                     options=step_opts,
                     split_tokens=split_tokens,
                 )
-                if history:
+                if seen is not None and "auto" in names:
                     recent = int(step_opts["auto"]["base_horizon"])
-                    age = pattern_age(np.array(history), loads.sum(axis=1), recent, held)
-                    pattern = (s - 1, age)
+                    pattern = (s - 1, pattern_age(seen, loads.sum(axis=1), recent, held))
             step = _Step(s, actual, loads, ctx)
             # Policies share nothing they write: several replay at once (NumPy frees the GIL).
             for _ in pool.map(lambda r, step=step: r.advance(step), replays):

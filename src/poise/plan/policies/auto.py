@@ -66,7 +66,7 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
-from poise.plan.persistence import pattern_age
+from poise.plan.persistence import horizon_for_age, pattern_age
 from poise.plan.policies.base import (
     BUILDS_ON,
     HELPER_CPU_NOTE,
@@ -327,10 +327,9 @@ def auto_horizon(loads: np.ndarray, ctx: PlanContext, age: int | None = None) ->
     if fixed is not None:
         horizon = float(fixed)
     else:
-        horizon = float(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
+        base = int(ctx.option("auto", "base_horizon", DEFAULT_HORIZON))
         age = auto_pattern_age(loads, ctx) if age is None else age
-        if age is not None:
-            horizon = max(horizon, float(age))
+        horizon = float(horizon_for_age(0 if age is None else age, base))
     left = ctx.option("auto", "steps_left", None)
     return horizon if left is None else min(horizon, float(max(1, left)))
 
