@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from poise.runtime.verdict import Verdict
 from tests.test_forecast_backtest import _gain, _outcome
 from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps
 
@@ -80,4 +81,39 @@ def test_the_balancer_is_blind_to_replicas_until_the_clock_timed_them(monkeypatc
     balancer._replicas_timed = False
     _one_rank_steps(model, opt, balancer, 2)
     assert seen[-1] is False
+    balancer.close()
+
+
+def test_a_request_whose_decision_would_be_blind_plans_homes_only() -> None:
+    """The same 12-step run with the guard on: every job is requested homes only
+    (`PlanningJob.homes_only`) until a verdict read from 4 probes says the clock timed
+    replicas; then, and in a run of unknown length, in full. With the guard off (rule 4 off),
+    never homes only."""
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
+    balancer.total_steps = 12
+    submit = balancer.planner.submit
+    jobs: list[bool] = []
+
+    def spy(fn, requested_at, adopt_at):
+        jobs.append(fn.args[0].homes_only)
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)  # the balancer's own
+
+    balancer.planner.submit = spy
+    balancer.guard.skip_replan = lambda: False  # one rank idles: plan at every boundary here
+    _one_rank_steps(model, opt, balancer, 2)
+    assert jobs == [True] and balancer.probes.every == 5
+    balancer.note_verdict(Verdict(1.0, 0.1, 3, wall_saving_s=2e-3, wall_se_s=1e-3, probes=4))
+    _one_rank_steps(model, opt, balancer, 2)
+    assert jobs == [True, False]
+    balancer._replicas_timed = False
+    balancer.total_steps = None
+    _one_rank_steps(model, opt, balancer, 2)
+    assert jobs == [True, False, False]
+    balancer.close()
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=False)
+    balancer.total_steps, balancer.probes.every = 12, 5
+    submit = balancer.planner.submit
+    balancer.planner.submit = spy
+    _one_rank_steps(model, opt, balancer, 2)
+    assert jobs == [True, False, False, False]
     balancer.close()

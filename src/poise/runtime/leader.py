@@ -36,7 +36,11 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    save (docs/benchmarks.md); a trial the guard can take back costs at most its steps, one it
    cannot is a bet on that prior for the rest of the run. On `train_speedup.py`'s `skewed-4`
    (4 ranks on 2 cores) the first replicas came at step 81 of 100 and ran 1.6-2.5% slower
-   than static over the 19 steps left, in both rounds.
+   than static over the 19 steps left, in both rounds. The Balancer knows at the request
+   which decision will be blind, and asks `auto` for homes only there (`PlanningJob.homes_only`,
+   as while the clock refutes replicas): its other candidates could only be refused, and on
+   ranks that share cores their planning is paid in step time (there, with its decisions of
+   steps 81 and 91 `unjudged`, `skewed-4`'s jobs took 15-28 ms of CPU each).
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.

@@ -188,7 +188,9 @@ class PlanCycle(ABC):
             steps_left=self.steps_left(step),
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
-            homes_only=self.guard.trust <= 0,
+            # homes only while the clock refutes replicas, or could not judge any adopted now
+            homes_only=self.guard.trust <= 0
+            or (self.guard.enabled and self._blind_replicas(self.steps_left(step))),
             held_before=carried_age(self._pattern, step, len(history)),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
@@ -258,7 +260,6 @@ class PlanCycle(ABC):
         recent = list(self.measured)[-FIT_WINDOW:]
         measured = np.stack(recent) if recent else np.zeros((0, 1 + N_MEASURED))
         left = None if self.total_steps is None else self.total_steps - self.steps_done
-        every, replan = self.probes.every, self.replan_every
         return leader_outcome(
             self.guard,
             done.value,
@@ -269,8 +270,15 @@ class PlanCycle(ABC):
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
             replan_every=self.replan_every,
-            blind_replicas=not self._replicas_timed and not trial_judgeable(left, every, replan),
+            blind_replicas=self._blind_replicas(left),
         )
+
+    def _blind_replicas(self, steps_left: int | None) -> bool:
+        """Whether a plan with replicas adopted with `steps_left` steps to go would run blind:
+        the paired clock has timed no plan with replicas in this run and could not judge one
+        adopted now before the run ends (`leader`, rule 4; `trial_judgeable`)."""
+        every, replan = self.probes.every, self.replan_every
+        return not self._replicas_timed and not trial_judgeable(steps_left, every, replan)
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
         """Apply `plan` now and start measuring it."""

@@ -140,7 +140,8 @@ class PlanningJob:
     over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the candidate of the last job and the
     counts of the steps run since its loads were taken, where the static layout is in force
     (None otherwise: `JobResult.backtest`); `homes_only`: the paired clock refuted replicas
-    (`SwitchGuard.trust` 0), so `auto` weighs only plans without them (`homes_only_options`);
+    (`SwitchGuard.trust` 0) or could not judge any adopted from this job before the run ends
+    (`leader`, rule 4), so `auto` weighs only plans without them (`homes_only_options`);
     `held_before`: the steps the load pattern had held before `history`'s first step, carried
     from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name)."""
 
