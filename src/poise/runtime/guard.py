@@ -97,11 +97,16 @@ is adopted). On accelerators the charge is 0 and planning never backs off for it
 Every input is identical on every rank (gathered measurements, the same plan from the same
 loads), and one rank, the leader, decides for all (`poise.runtime.decision`), so no rank's own
 planner timings can split the decision.
+
+What the guard learned in a run (`SwitchGuard.state`, the entries of `LEARNED`) goes into the
+run's checkpoints and back into a resumed run's guard (`poise.runtime.learned_state`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +123,24 @@ from poise.runtime.verdict import (
     delivered_share,
     plan_pays,
 )
+
+# `SwitchGuard.state()`'s entries and the attributes they are
+LEARNED = {
+    "k_switch": "k_switch",
+    "migrated_s": "_migrated_s",
+    "modelled_s": "_modelled_s",
+    "switches": "switches",
+    "relay_s": "relay_s",
+    "relays": "relays",
+    "fallbacks": "fallbacks",
+    "idles": "idles",
+    "trust": "trust",
+    "retrial": "retrial",
+    "retrial_in": "_retrial_in",
+    "promised_s": "promised_s",
+    "skip": "_skip",
+    "next_backoff": "_next_backoff",
+}
 
 
 @dataclass(frozen=True)
@@ -222,6 +245,35 @@ class SwitchGuard:
         self.promised_s: float | None = 0.0
         self._skip = 0  # re-plans still to skip
         self._next_backoff = self.backoff
+
+    # ------------------------------------------------------------------ what it learned
+    def state(self) -> dict[str, float | int | None]:
+        """What this guard learned in the run (`LEARNED`: the switches' measured price, the
+        trust left by a refutation and its re-trial, the backoffs, the promise of the plan in
+        force), as plain values for a checkpoint; its settings are the run's configuration."""
+        return {name: getattr(self, attr) for name, attr in LEARNED.items()}
+
+    def restore(self, state: Mapping[str, Any], source: str = "checkpoint") -> None:
+        """Take back `state()` of a guard of the same run (a resumed one): every `LEARNED`
+        entry, numbers only (`promised_s` may be None); the backoffs are held to this guard's
+        `max_backoff`. One `ConfigError` naming `source` and the entry for a malformed one."""
+        missing = sorted(set(LEARNED) - set(state))
+        unknown = sorted(set(state) - set(LEARNED))
+        if missing or unknown:
+            raise ConfigError(
+                f"guard state: missing {missing}, unknown {unknown}", source=source, field="guard"
+            )
+        values = {}
+        for name, attr in LEARNED.items():
+            v = state[name]
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not (number or (v is None and name == "promised_s")):
+                raise ConfigError(f"not a number: {v!r}", source=source, field=f"guard.{name}")
+            values[attr] = v
+        for attr, v in values.items():
+            setattr(self, attr, v)
+        self._skip = min(int(self._skip), self.max_backoff)
+        self._next_backoff = min(int(self._next_backoff), self.max_backoff)
 
     # ------------------------------------------------------------------ adoption
     def switch_scale(self, prior: float = 1.0) -> float:
@@ -433,6 +485,7 @@ class SwitchGuard:
 
 
 __all__ = [
+    "LEARNED",
     "Decision",
     "SwitchGuard",
     "exit_plans",

@@ -242,9 +242,7 @@ def run_job(job: PlanningJob) -> JobResult:
             k_replica = replica_scale(fitted, job.current, probes, clock_ceiling(paid))
         fit = dataclasses.replace(fit, k_replica=k_replica)
         if k_replica != 1.0:
-            cluster = selfcal.scaled_cluster(
-                job.prior, fit.k_compute, fit.k_transfer * k_replica, fit.dispatch_s_per_row
-            )
+            cluster = selfcal.cluster_of(job.prior, fit)
             fitted = CostModel(cluster, job.spec)
     # the switches' measured price is a fitted figure too: without calibration a plan is a
     # function of the loads alone, whatever the machine's speed

@@ -56,12 +56,14 @@ The fit is NumPy only: it runs on the background planner's thread.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from poise.core.cluster import Cluster, PeakFlops
+from poise.core.errors import ConfigError
 from poise.core.placement import Plan
 from poise.cost.host import busiest_sharing, dispatch_rows
 from poise.cost.model import CostModel
@@ -104,6 +106,22 @@ class Fit:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "checkpoint") -> Fit:
+        """The fit `as_dict` gave: every field, a number (a checkpoint's); one `ConfigError`
+        naming `source` and the field for a malformed one."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(values) != names:
+            raise ConfigError(
+                f"missing {sorted(names - set(values))}, unknown {sorted(set(values) - names)}",
+                source=source,
+                field="fit",
+            )
+        for name, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"not a number: {v!r}", source=source, field=f"fit.{name}")
+        return cls(**{k: (int(v) if k == "rows" else float(v)) for k, v in values.items()})
 
 
 def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
@@ -344,6 +362,15 @@ def fit_cluster(
     return scaled_cluster(prior, k_c, k_t, h), fit
 
 
+def cluster_of(prior: Cluster, fit: Fit) -> Cluster:
+    """The cluster plans are priced on after `fit`: `prior` scaled by its compute, its bulk
+    transfers (`k_transfer` times the paired clock's `k_replica`) and its dispatcher's seconds
+    per row (`scaled_cluster`)."""
+    return scaled_cluster(
+        prior, fit.k_compute, fit.k_transfer * fit.k_replica, fit.dispatch_s_per_row
+    )
+
+
 def exposed_transfers_s(measured: np.ndarray) -> np.ndarray:
     """`[S]` seconds the steps of `measured[S, len(MEASURED)]` spent on balancing's transfers
     on the critical path: Trans waits and Agg in the step, Trans launches at the boundary."""
@@ -366,6 +393,7 @@ __all__ = [
     "Fit",
     "across_ranks",
     "busy_and_transfers",
+    "cluster_of",
     "device_compute",
     "exposed_transfers_s",
     "fit_cluster",

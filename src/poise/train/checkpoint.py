@@ -15,8 +15,9 @@ A checkpoint is a folder `<out>/checkpoints/step-<step, 8 digits>/` holding
 - `poise.pt` (rank 0, `torch.save` of plain values, read with `weights_only=True`): `format`,
   `version`, `step` (optimizer steps done), `data_position` (samples consumed, see
   `poise.train.data`), `plan` (the placement and assignment in force: home `[L, E]`, copies
-  `[L, D, E]`, weights; with `auto`, its rivals' trails), `balancer` (its step counter and load
-  window `[S, L, D, E]`, so a resumed run re-plans exactly as an uninterrupted one would), `rng`
+  `[L, D, E]`, weights; with `auto`, its rivals' trails), `balancer` (its step counter, load
+  window `[S, L, D, E]` and `learned` state, `poise.runtime.learned_state`: the guard's, the
+  fit; so a resumed run re-plans from what the interrupted one knew), `rng`
   (every rank's torch, CUDA, NumPy and Python random states), `world_size`, `ep_size` (ranks of
   an expert-parallel group: the world, or a layout's ep), `config`, `extra`.
 
@@ -56,6 +57,7 @@ from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.runtime.learned_state import learned_state, restore_learned
 from poise.train.ckpt_state import (
     expert_param_names,
     expert_weights,
@@ -392,6 +394,7 @@ def snapshot(
         payload["balancer"] = {
             "step": int(balancer.steps_done),
             "window": None if window is None else torch.from_numpy(window.astype(np.int64)),
+            "learned": learned_state(balancer),
         }
     return payload
 
@@ -599,9 +602,12 @@ def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) -> bool:
-    """Re-apply the saved placement and load window when the world size (`world`, default the
-    balancer's), the expert-parallel group size and the slots match (collective over the
-    balancer's group); returns whether it did. Always restores the balancer's step counter."""
+    """Re-apply the saved placement, load window and what the balancer learned
+    (`poise.runtime.learned_state`: the guard's state, the fit) when the world size (`world`,
+    default the balancer's), the expert-parallel group size and the slots match (collective
+    over the balancer's group); returns whether it did. Always restores the balancer's step
+    counter. A malformed learned state is one `CheckpointError` naming `poise.pt` and the
+    entry, before anything is applied."""
     saved = ckpt.get("balancer")
     if saved is not None:
         balancer.steps_done = int(saved["step"])
@@ -616,6 +622,13 @@ def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) 
         or int(plan["slots_per_device"]) != balancer.slots
     ):
         return False
+    learned = saved.get("learned")  # absent from checkpoints before it was saved
+    if learned is not None:  # checked before anything changes
+        source = str(Path(ckpt.get("path", "checkpoint")) / META)
+        try:
+            restore_learned(balancer, learned, source=source)
+        except PoiseError as exc:
+            raise CheckpointError(exc.message, source=source, field=exc.field) from None
     balancer.window.clear()
     if saved["window"] is not None:
         for row in saved["window"].numpy():
