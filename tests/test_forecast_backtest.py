@@ -1,7 +1,8 @@
 """From the static layout a plan is adopted only where the last candidate's forecast held.
 
 `planning_job.backtest` prices the last job's candidate against the static layout on the steps
-run since its loads were taken; `leader.forecast_held` asks whether that plan would have saved
+run since its loads were taken (without one, `planning_job.holdout`: a plan from the window's
+older half on its newer half); `leader.forecast_held` asks whether that plan would have saved
 time a step on them, net of its transfers; `leader_outcome` refuses a candidate (`unsettled`)
 from the static layout otherwise.
 """
@@ -114,3 +115,44 @@ def test_the_backtest_prices_the_last_candidate_on_the_steps_since_by_hand() -> 
     assert result.backtest is not None
     fitted = CostModel(result.cluster, job.spec)
     assert result.backtest == backtest(fitted, CostModel(job.prior, job.spec), job)
+
+
+def test_without_an_earlier_candidate_the_job_backtests_its_windows_older_half() -> None:
+    """The run's first re-plan (no earlier candidate, or none with steps since): EPLB's plan
+    from the window's older half (hot steps [[10, 30], [20, 40]]: e1 replicated on d0) is
+    priced on the newer half. On hot steps it saves 3,648 ns a step (by hand, above): held.
+    Hot then cold ([[30, 10], [40, 20]]): it loses 4,352 ns a step there: not held. The plan
+    is the one `live_plan` makes from the older half, and none is made under another plan in
+    force, with the guard off, with a candidate that has steps since, or from one step."""
+    from poise.runtime.leader import forecast_held
+    from poise.runtime.planning_job import holdout, live_plan, run_job
+
+    cost, static, replica, hot = _replica_case()
+    cold = np.array([[[30, 10], [40, 20]]], dtype=float)
+    job = replace(
+        _replica_job(_probes_reading(hot, np.zeros(1))), current=static, policy="eplb",
+        history=np.stack([hot, hot, hot, hot]), probes=None,
+    )  # fmt: skip
+    result = run_job(job)
+    assert result.backtest is not None
+    assert result.backtest.live_gain_s() == pytest.approx(3_648e-9) and forecast_held(result)
+    turned = replace(job, history=np.stack([hot, hot, cold, cold]))
+    result = run_job(turned)
+    assert result.backtest.live_gain_s() == pytest.approx(-4_352e-9)
+    assert not forecast_held(result)
+    plan, newer = holdout(turned, cost.cluster, {})
+    made, _ = live_plan("eplb", job.predictor, turned.history[:2], static, cost.cluster,
+                        job.spec, job.slots, {}, False)  # fmt: skip
+    assert plan.digest() == made.digest() and plan.placement.copies[0, 0, 1] == 1
+    np.testing.assert_array_equal(newer, turned.history[2:])
+    three = replace(turned, history=turned.history[:3])  # an odd window: the newer half longer
+    np.testing.assert_array_equal(holdout(three, cost.cluster, {})[1], turned.history[1:3])
+    # none under another plan, without the guard, with a backtest of its own, from one step
+    assert holdout(replace(turned, current=replica), cost.cluster, {}) is None
+    assert holdout(replace(turned, guarded=False), cost.cluster, {}) is None
+    earlier = replace(turned, backtest_plan=replica, backtest_counts=turned.history[3:])
+    assert holdout(earlier, cost.cluster, {}) is None
+    assert run_job(earlier).backtest.live_gain_s() == pytest.approx(-4_352e-9)  # its own
+    no_steps = replace(earlier, backtest_counts=turned.history[:0])
+    assert holdout(no_steps, cost.cluster, {}) is not None  # a candidate with no steps since
+    assert holdout(replace(turned, history=turned.history[:1]), cost.cluster, {}) is None

@@ -15,8 +15,10 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    off);
 3. from the static layout, a candidate the guard would adopt is adopted only where the last
    job's candidate, priced on the steps run since its loads were taken, would have saved time
-   a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`); otherwise it
-   waits (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
+   a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's
+   first re-plan, where there is no last candidate, one made from the window's older half
+   and priced on its newer half, `planning_job.holdout`); otherwise it waits (`unsettled`),
+   with no backoff, for the next re-plan. A plan made from a forecast pays only
    while the loads hold still for as long as it serves. Where the router still moves (the
    first tens of steps of a run from scratch), the first plan is stale by the time it has paid
    for its switch. In `train_speedup.py`'s `skewed-4` on the 2-core machine (6 of 7 rounds

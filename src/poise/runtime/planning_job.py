@@ -22,7 +22,9 @@ process while training goes on:
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
    (`SwitchGuard.exit_choice`);
 5. where the static layout is in force, price the last job's candidate on the steps run since
-   its loads were taken (`backtest`): whether that forecast held (`poise.runtime.leader`).
+   its loads were taken (`backtest`): whether that forecast held (`poise.runtime.leader`);
+   without such a candidate (the run's first re-plan, the first after a resume), a candidate
+   made from the window's older half, priced on its newer half (`holdout`).
 
 Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
 planner can run it in another process, where its Python holds no lock the training thread needs.
@@ -269,8 +271,38 @@ def run_job(job: PlanningJob) -> JobResult:
     horizon = plan_horizon(plan, job.horizon)
     if job.steps_left is not None:  # no step past the run's end pays anything back
         horizon = max(1, min(horizon, job.steps_left))
+    made = holdout(job, cluster, options)
+    if made is not None:  # no earlier candidate to backtest: one of the window's older half
+        job = dataclasses.replace(job, backtest_plan=made[0], backtest_counts=made[1])
     tested = backtest(fitted, prior, job)
     return JobResult(plan, assessment, cluster, fit, paid, exits, horizon, tested)
+
+
+def holdout(
+    job: PlanningJob, cluster: Cluster, options: Mapping[str, Mapping[str, Any]]
+) -> tuple[Plan, np.ndarray] | None:
+    """`(plan, counts[H, L, D, E])`: where the static layout is in force, with the guard, and
+    the job has no earlier candidate with steps run since it (`backtest_plan`, `backtest_counts`:
+    the run's first re-plan, or the first after a resume), the policy's plan made as this job
+    makes its own (`cluster`, `options`) from the window's older half, and the newer half's
+    counts to price it on (`backtest`): the same question the backtest asks of the last job's
+    candidate (did a forecast hold for as long again as it was made from?), on the steps this
+    job already has. None otherwise, or with fewer than 2 steps in the window."""
+    has_backtest = job.backtest_plan is not None and job.backtest_counts is not None
+    if (
+        not job.guarded
+        or (has_backtest and len(job.backtest_counts) > 0)
+        or job.current.digest() != job.static.digest()
+        or len(job.history) < 2
+    ):
+        return None
+    cut = len(job.history) // 2
+    older, newer = job.history[:cut], job.history[cut:]
+    plan, _ = live_plan(
+        job.policy, job.predictor, older, job.current, cluster, job.spec, job.slots, options,
+        job.split_tokens,
+    )  # fmt: skip
+    return plan, newer
 
 
 def backtest(fitted: CostModel, prior: CostModel, job: PlanningJob) -> Assessment | None:
@@ -300,6 +332,7 @@ __all__ = [
     "JobResult",
     "PlanningJob",
     "backtest",
+    "holdout",
     "homes_only_options",
     "live_plan",
     "plan_horizon",
