@@ -77,10 +77,12 @@ FULL = DemoSize(
     sim_steps=30,
     drift_steps=60,
 )
-# 30 steps: from the static layout a plan is adopted only at the second re-plan at the
-# earliest (`poise.runtime.leader.forecast_held`), step 7 or 10 at re-plans every 3 steps; with
-# 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
-# nothing but noise (docs/benchmarks.md, "Main job")
+# 30 steps: from the static layout a plan is adopted only where a forecast held
+# (`poise.runtime.leader.forecast_held`): at the first re-plan (step 4 at re-plans every 3
+# steps) where the window's older half's plan paid on its newer half (`planning_job.holdout`),
+# otherwise at the second (step 7) at the earliest, or later; with 12 steps (as until f61cefd)
+# auto ran the static layout throughout and `--quick` measured nothing but noise
+# (docs/benchmarks.md, "Main job")
 QUICK = DemoSize(
     steps=30,
     warmup=3,
