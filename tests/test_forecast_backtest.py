@@ -27,7 +27,7 @@ def _gain(per_step_s: float, switch_s: float = 0.0):
     )
 
 
-def _outcome(guard, candidate, backtest, on_static: bool = True) -> str:
+def _outcome(guard, candidate, backtest, on_static: bool = True, held_out: bool = False) -> str:
     from poise.core.placement import Plan
     from poise.runtime.leader import leader_outcome
     from poise.runtime.planning_job import JobResult
@@ -35,7 +35,8 @@ def _outcome(guard, candidate, backtest, on_static: bool = True) -> str:
 
     cost, _, replica, _ = _replica_case()
     plan = Plan("fresh", replica.placement, replica.assignment, replica.transfers)
-    result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, backtest=backtest)
+    result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, backtest=backtest,
+                       held_out=held_out)  # fmt: skip
     return leader_outcome(
         guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=on_static,
         period_s=0.2, plan_lag=1, replan_every=10,
@@ -124,6 +125,7 @@ def test_without_an_earlier_candidate_the_job_backtests_its_windows_older_half()
     Hot then cold ([[30, 10], [40, 20]]): it loses 4,352 ns a step there: not held. The plan
     is the one `live_plan` makes from the older half, and none is made under another plan in
     force, with the guard off, with a candidate that has steps since, or from one step."""
+    from poise.runtime.guard import SwitchGuard
     from poise.runtime.leader import forecast_held
     from poise.runtime.planning_job import holdout, live_plan, run_job
 
@@ -134,8 +136,18 @@ def test_without_an_earlier_candidate_the_job_backtests_its_windows_older_half()
         history=np.stack([hot, hot, hot, hot]), probes=None,
     )  # fmt: skip
     result = run_job(job)
-    assert result.backtest is not None
+    assert result.backtest is not None and result.held_out
     assert result.backtest.live_gain_s() == pytest.approx(3_648e-9) and forecast_held(result)
+    # a holdout vouches for no candidate with replicas (EPLB's here): the leader waits
+    assert result.assessment.candidate_transfers_s > 0
+    assert not forecast_held(result, result.assessment)
+    assert forecast_held(replace(result, held_out=False), result.assessment)
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    held = result.backtest
+    assert _outcome(guard, result.assessment, held) == "adopt"  # a backtest would do
+    assert _outcome(guard, result.assessment, held, held_out=True) == "unsettled"
+    homes = _gain(10e-3)  # a candidate without replicas: the holdout vouches for it
+    assert _outcome(guard, homes, held, held_out=True) == "adopt"
     turned = replace(job, history=np.stack([hot, hot, cold, cold]))
     result = run_job(turned)
     assert result.backtest.live_gain_s() == pytest.approx(-4_352e-9)
@@ -153,6 +165,28 @@ def test_without_an_earlier_candidate_the_job_backtests_its_windows_older_half()
     earlier = replace(turned, backtest_plan=replica, backtest_counts=turned.history[3:])
     assert holdout(earlier, cost.cluster, {}) is None
     assert run_job(earlier).backtest.live_gain_s() == pytest.approx(-4_352e-9)  # its own
+    assert not run_job(earlier).held_out
     no_steps = replace(earlier, backtest_counts=turned.history[:0])
     assert holdout(no_steps, cost.cluster, {}) is not None  # a candidate with no steps since
     assert holdout(replace(turned, history=turned.history[:1]), cost.cluster, {}) is None
+
+
+def test_a_job_backtesting_a_holdout_plans_autos_homes_only() -> None:
+    """On `_replica_case`'s hot steps `auto` replicates (both devices hold both experts) where an
+    earlier candidate is backtested; where the job backtests a holdout instead (the run's first
+    re-plan) it weighs homes-only plans (`homes_only_options`), for its candidate and for the
+    holdout's plan alike."""
+    from poise.runtime.planning_job import holdout, holdout_due, run_job
+
+    cost, static, replica, hot = _replica_case()
+    job = replace(
+        _replica_job(_probes_reading(hot, np.zeros(1))), current=static, policy="auto",
+        history=np.stack([hot, hot, hot, hot]), probes=None,
+    )  # fmt: skip
+    later = replace(job, backtest_plan=replica, backtest_counts=job.history[2:])
+    assert holdout_due(job) and not holdout_due(later)
+    assert run_job(later).plan.placement.replicas().any()
+    first = run_job(job)
+    assert first.held_out and not first.plan.placement.replicas().any()
+    assert first.backtest is not None and first.backtest.candidate_transfers_s == 0  # its plan too
+    assert holdout(job, cost.cluster, {})[0].placement.replicas().any()  # options as given

@@ -482,10 +482,11 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
         # only the leader (rank 0) planned; the others took its decisions
         assert guards[0][name]["planned_s"] > 0 and guards[1][name]["planned_s"] == 0, name
     pays, costly, balanced = guards[0]["pays"], guards[0]["costly"], guards[0]["balanced"]
-    # the first candidate is adopted: with no earlier one to backtest, the plan made from the
-    # window's older half would have paid on its newer half (`planning_job.holdout`,
-    # `leader.forecast_held`; the routing here does not move)
-    assert pays["switched_at"] and pays["decisions"][:2] == ["adopt", "adopt"], pays
+    # the first candidate (EPLB's, with replicas) waits: with no earlier one to backtest, only
+    # the window's own older half vouches for it (`planning_job.holdout`), which is not enough
+    # for replicas; the next, whose predecessor would have paid on the steps since, is adopted
+    # (`leader.forecast_held`)
+    assert pays["switched_at"] and pays["decisions"][:2] == ["unsettled", "adopt"], pays
     # each switch was measured from its own row and the steady rows after it, on every rank
     from poise.runtime import selfcal
     from poise.runtime.guard import migration_seconds, switch_seconds
@@ -1765,6 +1766,7 @@ def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None
         prior=toy_cluster(bw=1e9, flops=1e9), spec=spec, previous=selfcal.Fit(),
         policy="auto", predictor=Predictor("last"), options={}, slots=5, calibrate=True,
         split_tokens=False, horizon=10, measured_switch=None,
+        backtest_plan=static, backtest_counts=history[:1],  # not the first re-plan: no holdout
     )  # fmt: skip
     moves = run_job(job).plan
     dear = run_job(replace(job, measured_switch=1e6)).plan
@@ -2060,7 +2062,8 @@ def test_while_the_clock_refutes_replicas_auto_plans_homes_only() -> None:
 
     _, static, _, counts = _replica_case()
     job = replace(_replica_job(_probes_reading(counts, np.full(4, 2e-6))), policy="auto",
-                  current=static, probes=None)  # fmt: skip
+                  current=static, probes=None, backtest_plan=static,
+                  backtest_counts=counts[None])  # not the first re-plan: no holdout  # fmt: skip
     assert run_job(job).plan.placement.replicas().sum() == 2
     homes = run_job(replace(job, homes_only=True)).plan
     assert homes.placement.replicas().sum() == 0

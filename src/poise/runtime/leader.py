@@ -17,7 +17,8 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    job's candidate, priced on the steps run since its loads were taken, would have saved time
    a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's
    first re-plan, where there is no last candidate, one made from the window's older half
-   and priced on its newer half, `planning_job.holdout`); otherwise it waits (`unsettled`),
+   and priced on its newer half, `planning_job.holdout`, which vouches only for a candidate
+   without replicas: `auto` plans homes only there); otherwise it waits (`unsettled`),
    with no backoff, for the next re-plan. A plan made from a forecast pays only
    while the loads hold still for as long as it serves. Where the router still moves (the
    first tens of steps of a run from scratch), the first plan is stale by the time it has paid
@@ -53,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 
 from poise.runtime import selfcal
+from poise.runtime.assessment import Assessment
 from poise.runtime.decision import Outcome
 from poise.runtime.guard import Decision, SwitchGuard
 from poise.runtime.planner import adoption_lag
@@ -94,7 +96,7 @@ def leader_outcome(
         return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
     decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
-    if decision.adopt and on_static and guard.enabled and not forecast_held(result):
+    if decision.adopt and on_static and guard.enabled and not forecast_held(result, assessment):
         decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
         reason = decision.reason
     elif decision.adopt and guard.enabled and blind:
@@ -131,12 +133,15 @@ def trial_judgeable(steps_left: int | None, probe_every: int, replan_every: int)
     return steps_left >= MIN_PROBES * probe_every + replan_every
 
 
-def forecast_held(result: JobResult) -> bool:
+def forecast_held(result: JobResult, candidate: Assessment | None = None) -> bool:
     """Whether the last job's candidate would have saved time a step net of its transfers on
     the steps run since (`result.backtest`: `Assessment.live_gain_s` above 0; module
-    docstring, 3). False without a backtest (no earlier candidate) or where that candidate was
-    the static layout itself (nothing to learn from)."""
+    docstring, 3). False without a backtest, where that candidate was the static layout itself
+    (nothing to learn from), and where the backtest was a holdout (`result.held_out`) and
+    `candidate` holds replicas."""
     tested = result.backtest
+    if candidate is not None and result.held_out and candidate.candidate_transfers_s > 0:
+        return False
     return tested is not None and not tested.same and tested.live_gain_s() > 0
 
 
