@@ -162,9 +162,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def first_adoption_warmup(replan_every: int) -> int:
     """Untimed steps that hold the Balancer's first adoption: from the static layout it adopts
-    where a forecast held (`poise.runtime.leader.forecast_held`): at the first re-plan where a
-    plan from the window's older half paid on its newer half (`planning_job.holdout`), else at
-    the second at the earliest (its candidate backtested on the steps since the first), decided
+    where a forecast held (`poise.runtime.leader.forecast_held`): at the first re-plan a plan
+    without replicas, where one from the window's older half paid on its newer half
+    (`planning_job.holdout`), else at the second at the earliest (its candidate backtested on
+    the steps since the first), decided
     one step after its request (the planner's lag), so `2 * replan_every + 1`."""
     return 2 * replan_every + 1
 
