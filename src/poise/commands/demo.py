@@ -81,9 +81,8 @@ FULL = DemoSize(
 # (`poise.runtime.leader.forecast_held`): at the first re-plan (step 4 at re-plans every 3
 # steps) a plan without replicas, where the window's older half's plan paid on its newer half
 # (`planning_job.holdout`), otherwise at the second (step 7) at the earliest, or later; with
-# 12 steps (as until f61cefd)
-# auto ran the static layout throughout and `--quick` measured nothing but noise
-# (docs/benchmarks.md, "Main job")
+# 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
+# nothing but noise (docs/benchmarks.md, "Main job")
 QUICK = DemoSize(
     steps=30,
     warmup=3,
