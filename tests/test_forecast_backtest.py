@@ -189,4 +189,39 @@ def test_a_job_backtesting_a_holdout_plans_autos_homes_only() -> None:
     first = run_job(job)
     assert first.held_out and not first.plan.placement.replicas().any()
     assert first.backtest is not None and first.backtest.candidate_transfers_s == 0  # its plan too
+    # the next job backtests the candidate with every policy weighed, as a later job makes it
+    again = run_job(later)
+    assert first.next_backtest().digest() == again.plan.digest() != first.plan.digest()
+    assert again.backtest_next is None and again.next_backtest() is again.plan
+    homes = run_job(replace(job, homes_only=True))  # homes only for the clock: nothing else
+    assert homes.held_out and homes.backtest_next is None
     assert holdout(job, cost.cluster, {})[0].placement.replicas().any()  # options as given
+
+
+def test_the_balancer_backtests_the_candidate_a_job_names_for_it() -> None:
+    """The Balancer keeps `JobResult.next_backtest()` of each job it takes as the last
+    candidate, and the next job from the static layout backtests that plan."""
+    import dataclasses
+
+    from poise.core.placement import Assignment, Placement, Plan
+    from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps
+
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
+    balancer.guard.skip_replan = lambda: False  # one rank idles: plan at every boundary here
+    p = Placement.from_homes(np.array([[0, 0, 0, 0]]), 1, 5)
+    named = Plan("named", p, Assignment.to_home(p), balancer.static_plan.transfers)
+    take, submit = balancer.planner.take, balancer.planner.submit
+    backtested: list = []
+
+    def took():
+        done = take()
+        return dataclasses.replace(done, value=dataclasses.replace(done.value, backtest_next=named))
+
+    def spy(fn, requested_at, adopt_at):
+        backtested.append(fn.args[0].backtest_plan)
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    balancer.planner.take, balancer.planner.submit = took, spy
+    _one_rank_steps(model, opt, balancer, 4)
+    balancer.close()
+    assert backtested[0] is None and backtested[1] is named

@@ -250,7 +250,7 @@ class PlanCycle(ABC):
         """This rank's planner result and what the guard decides on it (`leader_outcome`; the
         leader's is the one every rank takes)."""
         done = self.planner.take()
-        self._last_candidate = (done.requested_at, done.value.plan)
+        self._last_candidate = (done.requested_at, done.value.next_backtest())
         age = done.value.plan.notes.get("pattern_age")  # `auto`'s (`persistence.carried_age`)
         self._pattern = None if age is None else (done.requested_at, int(age))
         stats.add_seconds("plan", done.plan_s)

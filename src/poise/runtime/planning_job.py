@@ -188,7 +188,7 @@ class JobResult:
     horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`);
     `backtest`: the last job's candidate against the static layout on the steps run since
     (`backtest`; None where the job has none to price), or, where `held_out`, the `holdout`
-    candidate against the window's newer half."""
+    candidate against the window's newer half; `backtest_next`: see `next_backtest`."""
 
     plan: Plan
     assessment: Assessment
@@ -199,6 +199,13 @@ class JobResult:
     horizon: int | None = None
     backtest: Assessment | None = None
     held_out: bool = False
+    backtest_next: Plan | None = None
+
+    def next_backtest(self) -> Plan:
+        """The candidate the next job backtests (`PlanningJob.backtest_plan`): `backtest_next`
+        where the job made one (a holdout job's `auto` candidate with every policy weighed, since
+        its own `plan` was restricted to homes), `plan` otherwise."""
+        return self.plan if self.backtest_next is None else self.backtest_next
 
 
 def plan_horizon(plan: Plan, base: int) -> int:
@@ -255,12 +262,21 @@ def run_job(job: PlanningJob) -> JobResult:
     options = with_migration_scale(job.options, k_switch / (fit.k_transfer * fit.k_replica))
     options = with_steps_left(options, job.steps_left)
     options["auto"]["held_before"] = job.held_before  # the caller's state, not a setting
-    if job.homes_only or holdout_due(job):  # a holdout is weaker evidence: homes only
+    unrestricted = options
+    first = holdout_due(job)
+    if job.homes_only or first:  # a holdout is weaker evidence: homes only
         options = homes_only_options(options)
     plan, loads = live_plan(
         job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
         options, job.split_tokens,
     )  # fmt: skip
+    backtest_next = None
+    if first and not job.homes_only and job.policy == "auto":
+        # what the next job backtests: the candidate this job would have made on a backtest
+        backtest_next, _ = live_plan(
+            job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
+            unrestricted, job.split_tokens,
+        )  # fmt: skip
     recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
     prior = CostModel(job.prior, job.spec)
     assessment = assess(fitted, job.current, plan, loads, switch_cost=prior, recent=recent)
@@ -278,8 +294,9 @@ def run_job(job: PlanningJob) -> JobResult:
         job = dataclasses.replace(job, backtest_plan=made[0], backtest_counts=made[1])
     tested = backtest(fitted, prior, job)
     return JobResult(
-        plan, assessment, cluster, fit, paid, exits, horizon, tested, held_out=made is not None
-    )
+        plan, assessment, cluster, fit, paid, exits, horizon, tested,
+        held_out=made is not None, backtest_next=backtest_next,
+    )  # fmt: skip
 
 
 def holdout_due(job: PlanningJob) -> bool:
@@ -311,7 +328,9 @@ def holdout(
     migration, and the leader adopts no candidate with replicas on it (`poise.runtime.leader`,
     rule 3). On `train_speedup.py`'s `skewed-4` (4 ranks on 2 cores) a first plan with 5
     replicas adopted on a holdout alone at step 11 fell back at step 21 in both rounds
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md). Such a job also makes the candidate with every policy weighed, for
+    the next job to backtest (`JobResult.next_backtest`): backtesting the homes-only one there
+    held `skewed`'s first adoption from step 21 to 31."""
     if not holdout_due(job):
         return None
     cut = len(job.history) // 2
