@@ -27,7 +27,10 @@ def _gain(per_step_s: float, switch_s: float = 0.0):
     )
 
 
-def _outcome(guard, candidate, backtest, on_static: bool = True, held_out: bool = False) -> str:
+def _outcome(
+    guard, candidate, backtest, on_static: bool = True, held_out: bool = False,
+    planning_s: float = 0.0,
+) -> str:  # fmt: skip
     from poise.core.placement import Plan
     from poise.runtime.leader import leader_outcome
     from poise.runtime.planning_job import JobResult
@@ -38,7 +41,7 @@ def _outcome(guard, candidate, backtest, on_static: bool = True, held_out: bool 
     result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, backtest=backtest,
                        held_out=held_out)  # fmt: skip
     return leader_outcome(
-        guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=on_static,
+        guard, result, wait_s=0.0, plan_s=0.0, planning_s=planning_s, on_static=on_static,
         period_s=0.2, plan_lag=1, replan_every=10,
     ).decision  # fmt: skip
 
@@ -78,6 +81,19 @@ def test_an_unsettled_refusal_does_not_back_off() -> None:
     assert "unsettled" not in ADOPTING
     assert _outcome(guard, _gain(10e-3, 50e-3), None) == "unsettled"
     assert not guard.skip_replan()
+
+
+def test_a_refusal_at_a_holdout_is_never_idle() -> None:
+    """A candidate saving 1 us a step against a 50 ms switch, whose planning took 20 ms of
+    CPU: refused, and from the static layout `idle` (the re-plans back off), except where the
+    job backtested a holdout (`JobResult.held_out`): its candidate was held to homes, so it
+    says nothing of what planning is worth (`no-gain`, no backoff)."""
+    from poise.runtime.guard import SwitchGuard
+
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    small = _gain(1e-6, 50e-3)
+    assert _outcome(guard, small, None, planning_s=0.02, held_out=True) == "no-gain"
+    assert _outcome(guard, small, None, planning_s=0.02) == "idle"
 
 
 def test_the_backtest_prices_the_last_candidate_on_the_steps_since_by_hand() -> None:

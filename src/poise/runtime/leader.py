@@ -18,8 +18,9 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's
    first re-plan, where there is no last candidate, one made from the window's older half
    and priced on its newer half, `planning_job.holdout`, which vouches only for a candidate
-   without replicas: `auto` plans homes only there); otherwise it waits (`unsettled`),
-   with no backoff, for the next re-plan. A plan made from a forecast pays only
+   without replicas: `auto` plans homes only there, and a refusal there is never `idle`, since
+   a candidate held to homes says nothing of what planning is worth); otherwise it waits
+   (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
    while the loads hold still for as long as it serves. Where the router still moves (the
    first tens of steps of a run from scratch), the first plan is stale by the time it has paid
    for its switch. In `train_speedup.py`'s `skewed-4` on the 2-core machine (6 of 7 rounds
@@ -104,7 +105,11 @@ def leader_outcome(
         reason = decision.reason
     elif decision.adopt:
         reason = decision.reason
-    elif (on_static or guard.trust <= 0) and not guard.planning_pays(decision, planning_s):
+    elif (
+        (on_static or guard.trust <= 0)
+        and not result.held_out  # its candidate was held to homes: no verdict on planning
+        and not guard.planning_pays(decision, planning_s)
+    ):
         reason = "idle"
     else:
         reason = decision.reason
