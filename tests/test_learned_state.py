@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,10 +206,11 @@ def test_a_malformed_learned_state_is_one_checkpoint_error_naming_the_file() -> 
     from poise.train import checkpoint as ck
 
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
-    _one_rank_steps(model, opt, balancer, 2)
-    payload = ck.snapshot(balancer, step=2, data_position=0)
+    _one_rank_steps(model, opt, balancer, 4)  # the re-plan at 4 idles: the guard backs off
+    payload = ck.snapshot(balancer, step=4, data_position=0)
     balancer.close()
-    payload["path"] = "run/checkpoints/step-00000002"
+    assert payload["balancer"]["learned"]["guard"]["idles"] == 1
+    payload["path"] = "run/checkpoints/step-00000004"
     bad = [
         ({"lag": -1}, "balancer.lag"),
         ({"replicas_timed": 1}, "balancer.replicas_timed"),
@@ -224,8 +226,53 @@ def test_a_malformed_learned_state_is_one_checkpoint_error_naming_the_file() -> 
         before = fresh.guard.state()
         with pytest.raises(ck.CheckpointError) as err:
             ck.restore_plan(fresh, broken)
-        assert err.value.source == "run/checkpoints/step-00000002/poise.pt"
+        assert err.value.source == "run/checkpoints/step-00000004/poise.pt"
         assert err.value.field == field, change
         assert len(fresh.window) == 0 and fresh._pattern is None  # nothing applied
         assert fresh.guard.state() == before != payload["balancer"]["learned"]["guard"]
         fresh.close()
+
+
+def test_a_resumed_balancer_backtests_its_last_candidate_on_the_restored_window() -> None:
+    """Saved at step 5, after the job of step 4: the resumed Balancer's job of step 6 backtests
+    that job's candidate (`_last_candidate`, kept in the checkpoint) on the window's rows since
+    step 4, the restored one included, as the uninterrupted run's job does."""
+    from poise.train import checkpoint as ck
+
+    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
+    balancer.guard.skip_replan = lambda: False  # one rank idles: plan at every boundary here
+    _one_rank_steps(model, opt, balancer, 5)
+    since, candidate = balancer._last_candidate
+    payload = _through_torch(ck.snapshot(balancer, step=5, data_position=0))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    went_on: list = []
+    submit = balancer.planner.submit
+
+    def spy(fn, requested_at, adopt_at):
+        went_on.append(fn.args[0])
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    balancer.planner.submit = spy
+    _one_rank_steps(model, opt, balancer, 1)
+    balancer.close()
+
+    model, opt, resumed = _one_rank_balancer(replan_every=2, plan_lag=0)
+    resumed.guard.skip_replan = lambda: False
+    model.load_state_dict(state)
+    assert ck.restore_plan(resumed, payload)
+    assert resumed._last_candidate[0] == since == 4
+    assert resumed._last_candidate[1].digest() == candidate.digest()
+    jobs: list = []
+    submit_resumed = resumed.planner.submit
+
+    def spy_resumed(fn, requested_at, adopt_at):
+        jobs.append(fn.args[0])
+        return submit_resumed(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    resumed.planner.submit = spy_resumed
+    _one_rank_steps(model, opt, resumed, 1)
+    resumed.close()
+    assert len(jobs) == len(went_on) == 1
+    assert len(jobs[0].backtest_counts) == len(went_on[0].backtest_counts) == 2
+    assert jobs[0].backtest_plan.digest() == went_on[0].backtest_plan.digest()
+    np.testing.assert_array_equal(jobs[0].backtest_counts[0], went_on[0].backtest_counts[0])

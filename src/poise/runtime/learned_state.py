@@ -14,6 +14,9 @@ this is the rest of what its decisions depend on, beyond the loads:
 - `pattern`: `(requested at, age)` of the load pattern the last plan saw
   (`persistence.carried_age`).
 
+Beside them the checkpoint keeps the last candidate, the plan the next job from the static
+layout backtests on the window's steps since it (`poise.train.checkpoint`).
+
 Without them a resumed run starts as a fresh one: it trusts a model the clock had refuted,
 prices switches at the prior, and re-learns its backoffs, so a run resumed after a refutation
 pays for the trial the refutation had spared it. The step times behind them (the records the

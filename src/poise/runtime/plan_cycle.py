@@ -159,7 +159,10 @@ class PlanCycle(ABC):
         backtest_plan, backtest_counts = None, None
         if self._last_candidate is not None and self._layout == STATIC:
             since, backtest_plan = self._last_candidate  # rows from `since` on ran after it
-            backtest_counts = aligned[measured[:, 0] >= since]
+            # the window's rows by step (the newest is this step's), whether measured in this
+            # process or restored from a checkpoint
+            steps = np.arange(step - len(history), step)
+            backtest_counts = history[steps >= since]
         job = PlanningJob(
             history=history,
             fit_counts=aligned[under],

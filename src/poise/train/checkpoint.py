@@ -16,8 +16,9 @@ A checkpoint is a folder `<out>/checkpoints/step-<step, 8 digits>/` holding
   `version`, `step` (optimizer steps done), `data_position` (samples consumed, see
   `poise.train.data`), `plan` (the placement and assignment in force: home `[L, E]`, copies
   `[L, D, E]`, weights; with `auto`, its rivals' trails), `balancer` (its step counter, load
-  window `[S, L, D, E]` and `learned` state, `poise.runtime.learned_state`: the guard's, the
-  fit; so a resumed run re-plans from what the interrupted one knew), `rng`
+  window `[S, L, D, E]`, its `learned` state, `poise.runtime.learned_state`: the guard's, the
+  fit, and its `last_candidate`, the plan its next job backtests; so a resumed run re-plans
+  from what the interrupted one knew), `rng`
   (every rank's torch, CUDA, NumPy and Python random states), `world_size`, `ep_size` (ranks of
   an expert-parallel group: the world, or a layout's ep), `config`, `extra`.
 
@@ -354,6 +355,14 @@ def plan_from_payload(p: dict[str, Any], previous: Placement | None, spec: Any) 
     return plan
 
 
+def _candidate_payload(candidate: tuple[int, Plan] | None) -> dict[str, Any] | None:
+    """The balancer's last candidate `(requested at, plan)`, which its next job from the static
+    layout backtests on the window's steps since, as checkpoint values."""
+    if candidate is None:
+        return None
+    return {"requested_at": int(candidate[0]), "plan": plan_to_payload(candidate[1])}
+
+
 def snapshot(
     balancer: Any,
     *,
@@ -395,6 +404,7 @@ def snapshot(
             "step": int(balancer.steps_done),
             "window": None if window is None else torch.from_numpy(window.astype(np.int64)),
             "learned": learned_state(balancer),
+            "last_candidate": _candidate_payload(balancer._last_candidate),
         }
     return payload
 
@@ -633,6 +643,10 @@ def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) 
     if saved["window"] is not None:
         for row in saved["window"].numpy():
             balancer.window.append(row)
+    candidate = saved.get("last_candidate")  # the next backtest's plan (`plan_cycle`)
+    if candidate is not None:
+        last = plan_from_payload(candidate["plan"], None, balancer.spec())
+        balancer._last_candidate = (int(candidate["requested_at"]), last)
     restored = plan_from_payload(plan, balancer.plan.placement, balancer.spec())
     # this run's splitting setting, whatever the saved run's was
     restored.assignment = restored.assignment.with_split(balancer.split_tokens)
