@@ -220,24 +220,20 @@ def test_the_balancer_backtests_the_candidate_a_job_names_for_it() -> None:
     import dataclasses
 
     from poise.core.placement import Assignment, Placement, Plan
-    from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps
+    from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs
 
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
     balancer.guard.skip_replan = lambda: False  # one rank idles: plan at every boundary here
     p = Placement.from_homes(np.array([[0, 0, 0, 0]]), 1, 5)
     named = Plan("named", p, Assignment.to_home(p), balancer.static_plan.transfers)
-    take, submit = balancer.planner.take, balancer.planner.submit
-    backtested: list = []
+    take = balancer.planner.take
+    backtested = _spy_jobs(balancer, lambda job, _: job.backtest_plan)
 
     def took():
         done = take()
         return dataclasses.replace(done, value=dataclasses.replace(done.value, backtest_next=named))
 
-    def spy(fn, requested_at, adopt_at):
-        backtested.append(fn.args[0].backtest_plan)
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
-
-    balancer.planner.take, balancer.planner.submit = took, spy
+    balancer.planner.take = took
     _one_rank_steps(model, opt, balancer, 4)
     balancer.close()
     assert backtested[0] is None and backtested[1] is named

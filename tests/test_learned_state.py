@@ -22,7 +22,7 @@ from poise.runtime.guard import LEARNED, SwitchGuard
 from poise.runtime.selfcal import Fit, cluster_of
 from poise.runtime.verdict import Verdict
 from tests.test_forecast_backtest import _gain
-from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps
+from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs
 
 # the paired clock measured 4 ms a step lost where the model said 15 saved: trust 0
 REFUTING = Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002, probes=4,
@@ -123,19 +123,6 @@ def test_a_fit_comes_back_from_its_dict_and_prices_on_its_cluster() -> None:
         prior.host.dispatch_fwd_s_per_row + 1e-6
     )
     assert cluster_of(prior, Fit()) == prior
-
-
-def _spy_jobs(balancer) -> list[tuple[int, bool]]:
-    """The `(requested at, homes_only)` of every job `balancer` submits from now on."""
-    submit = balancer.planner.submit
-    jobs: list[tuple[int, bool]] = []
-
-    def spy(fn, requested_at, adopt_at):
-        jobs.append((requested_at, fn.args[0].homes_only))
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
-
-    balancer.planner.submit = spy
-    return jobs
 
 
 def test_a_checkpoint_keeps_what_the_balancer_learned() -> None:
@@ -245,14 +232,7 @@ def test_a_resumed_balancer_backtests_its_last_candidate_on_the_restored_window(
     since, candidate = balancer._last_candidate
     payload = _through_torch(ck.snapshot(balancer, step=5, data_position=0))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    went_on: list = []
-    submit = balancer.planner.submit
-
-    def spy(fn, requested_at, adopt_at):
-        went_on.append(fn.args[0])
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
-
-    balancer.planner.submit = spy
+    went_on = _spy_jobs(balancer, lambda job, _: job)
     _one_rank_steps(model, opt, balancer, 1)
     balancer.close()
 
@@ -262,14 +242,7 @@ def test_a_resumed_balancer_backtests_its_last_candidate_on_the_restored_window(
     assert ck.restore_plan(resumed, payload)
     assert resumed._last_candidate[0] == since == 4
     assert resumed._last_candidate[1].digest() == candidate.digest()
-    jobs: list = []
-    submit_resumed = resumed.planner.submit
-
-    def spy_resumed(fn, requested_at, adopt_at):
-        jobs.append(fn.args[0])
-        return submit_resumed(fn, requested_at=requested_at, adopt_at=adopt_at)
-
-    resumed.planner.submit = spy_resumed
+    jobs = _spy_jobs(resumed, lambda job, _: job)
     _one_rank_steps(model, opt, resumed, 1)
     resumed.close()
     assert len(jobs) == len(went_on) == 1

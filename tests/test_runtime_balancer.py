@@ -585,6 +585,20 @@ def _one_rank_steps(model, opt, balancer, steps: int) -> None:
         opt.zero_grad()
 
 
+def _spy_jobs(balancer, what=lambda job, requested_at: (requested_at, job.homes_only)) -> list:
+    """`what(job, requested at)` of every planning job `balancer` submits from now on (default
+    `(requested at, homes_only)`), in a list that fills as the steps run."""
+    submit = balancer.planner.submit
+    seen: list = []
+
+    def spy(fn, requested_at, adopt_at):
+        seen.append(what(fn.args[0], requested_at))
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    balancer.planner.submit = spy
+    return seen
+
+
 def test_the_balancer_counts_due_replans_towards_a_refuted_models_retrial() -> None:
     """A refutation with a wait of 3 re-plans, on a Balancer re-planning every 2 steps: the
     re-plan due at step 2 is skipped (the fallback's backoff), the one at 4 plans homes only
@@ -593,14 +607,7 @@ def test_the_balancer_counts_due_replans_towards_a_refuted_models_retrial() -> N
     from poise.runtime.verdict import Verdict
 
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
-    submit = balancer.planner.submit
-    jobs: list[tuple[int, bool]] = []
-
-    def spy(fn, requested_at, adopt_at):
-        jobs.append((requested_at, fn.args[0].homes_only))
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
-
-    balancer.planner.submit = spy
+    jobs = _spy_jobs(balancer)
     balancer.guard.retrial = 3
     balancer.guard.fell_back(Verdict(1.0, 0.1, 10, wall_saving_s=-0.004, wall_se_s=0.002,
                                      probes=4, modelled_clock_s=0.015))  # fmt: skip
@@ -619,13 +626,7 @@ def test_the_balancer_carries_the_load_patterns_age_from_plan_to_plan() -> None:
     steps the pattern held before its window (`persistence.carried_age`): here a pattern of
     age 50 at step 2, and a 4-step window at step 4, give 50 + 2 - 4 = 48."""
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=False)
-    submit = balancer.planner.submit
-    held: list[tuple[int, int]] = []
-
-    def spy(fn, requested_at, adopt_at):
-        held.append((requested_at, fn.args[0].held_before))
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
-
+    held = _spy_jobs(balancer, lambda job, requested_at: (requested_at, job.held_before))
     take = balancer.planner.take
     ages: list[int] = []
 
@@ -634,7 +635,7 @@ def test_the_balancer_carries_the_load_patterns_age_from_plan_to_plan() -> None:
         ages.append(done.value.plan.notes["pattern_age"])
         return done
 
-    balancer.planner.submit, balancer.planner.take = spy, took
+    balancer.planner.take = took
     _one_rank_steps(model, opt, balancer, 2)
     assert held == [(2, 0)] and len(ages) == 1 and 0 <= ages[0] <= 2
     assert balancer._pattern == (2, ages[0])

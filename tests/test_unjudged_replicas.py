@@ -11,7 +11,7 @@ import dataclasses
 
 from poise.runtime.verdict import Verdict
 from tests.test_forecast_backtest import _gain, _outcome
-from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps
+from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs
 
 
 def test_a_trial_is_judgeable_with_room_for_the_clocks_probes_and_the_replan_that_reads_them():
@@ -91,14 +91,7 @@ def test_a_request_whose_decision_would_be_blind_plans_homes_only() -> None:
     never homes only."""
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
     balancer.total_steps = 12
-    submit = balancer.planner.submit
-    jobs: list[bool] = []
-
-    def spy(fn, requested_at, adopt_at):
-        jobs.append(fn.args[0].homes_only)
-        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)  # the balancer's own
-
-    balancer.planner.submit = spy
+    jobs = _spy_jobs(balancer, lambda job, _: job.homes_only)
     balancer.guard.skip_replan = lambda: False  # one rank idles: plan at every boundary here
     _one_rank_steps(model, opt, balancer, 2)
     assert jobs == [True] and balancer.probes.every == 5
@@ -112,8 +105,7 @@ def test_a_request_whose_decision_would_be_blind_plans_homes_only() -> None:
     balancer.close()
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=False)
     balancer.total_steps, balancer.probes.every = 12, 5
-    submit = balancer.planner.submit
-    balancer.planner.submit = spy
+    off = _spy_jobs(balancer, lambda job, _: job.homes_only)
     _one_rank_steps(model, opt, balancer, 2)
-    assert jobs == [True, False, False, False]
+    assert jobs == [True, False, False] and off == [False]
     balancer.close()
