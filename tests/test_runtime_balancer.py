@@ -1743,17 +1743,13 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
     assert not same_homes(maps["static"], maps["moved"])  # e1 and e2 change rank
 
 
-def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None:
-    """`run_job` with `auto` from a static layout whose rank 0 holds the 4 hot experts of 8: at
-    the prior's migration price its plan moves homes; with switches measured at 1e6 times their
-    model it replicates instead. That measured figure is a fitted one: with calibration off the
-    plan is the prior's, whatever the switches measured (which steps switch, and to what, must
-    not depend on the machine's speed)."""
-    from dataclasses import replace
-
+def _static_auto_job():
+    """A `run_job` case: `auto` from a static layout whose rank 0 holds the 4 hot experts of 8
+    (2 ranks, 5 slots each), 4 steps of the same counts measured, calibrating, not the first
+    re-plan (a backtest plan is given: no holdout)."""
     from poise.plan.predict import Predictor
     from poise.runtime import selfcal
-    from poise.runtime.planning_job import PlanningJob, run_job
+    from poise.runtime.planning_job import PlanningJob
     from tests.helpers import toy_cluster, toy_spec
 
     spec = toy_spec(experts=8, d_model=64, d_expert=256)
@@ -1765,7 +1761,7 @@ def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None
     rows[:, 0] = np.arange(1, 5)
     rows[:, 1 + selfcal.PERIOD] = 0.01
     none = np.zeros((0, *counts.shape))
-    job = PlanningJob(
+    return PlanningJob(
         history=history, fit_counts=history, fit_rows=rows, settled=np.ones(4, dtype=bool),
         static_counts=none, static_rows=np.zeros((0, rows.shape[1])), balanced_counts=none,
         balanced_rows=np.zeros((0, rows.shape[1])), current=static, static=static,
@@ -1774,6 +1770,19 @@ def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None
         split_tokens=False, horizon=10, measured_switch=None,
         backtest_plan=static, backtest_counts=history[:1],  # not the first re-plan: no holdout
     )  # fmt: skip
+
+
+def test_the_switches_measured_price_steers_auto_only_when_calibrating() -> None:
+    """`run_job` on `_static_auto_job`: at the prior's migration price its plan moves homes;
+    with switches measured at 1e6 times their model it replicates instead. That measured
+    figure is a fitted one: with calibration off the plan is the prior's, whatever the switches
+    measured (which steps switch, and to what, must not depend on the machine's speed)."""
+    from dataclasses import replace
+
+    from poise.runtime.planning_job import run_job
+
+    job = _static_auto_job()
+    static = job.static
     moves = run_job(job).plan
     dear = run_job(replace(job, measured_switch=1e6)).plan
     assert moves.digest() != static.digest() and moves.placement.replicas().sum() == 0

@@ -205,16 +205,21 @@ def test_resume_four_ranks_onto_two(runs):
 
 
 def test_summary_records_the_transfer_probe(runs):
-    """A self-calibrating balancing run records its start-up probe (`poise.runtime.probe`); a
-    run without self-calibration or balancing does not probe."""
+    """A self-calibrating balancing run records its start-up probes (`poise.runtime.probe`:
+    the exchange's and the switch's, 2 homes a rank of the 8 experts on 2 ranks); a run
+    without self-calibration or balancing does not probe."""
     import json
 
     root, _, _ = runs
-    probe = json.loads((root / "four-on-two" / "summary.json").read_text())["transfer_probe"]
-    assert probe["measured_s"] > 0 and probe["modelled_s"] > 0
-    assert probe["k"] == pytest.approx(probe["measured_s"] / probe["modelled_s"])
+    summary = json.loads((root / "four-on-two" / "summary.json").read_text())
+    for name in ("transfer_probe", "switch_probe"):
+        probe = summary[name]
+        assert probe["measured_s"] > 0 and probe["modelled_s"] > 0
+        assert probe["k"] == pytest.approx(probe["measured_s"] / probe["modelled_s"])
+    assert summary["switch_probe"]["homes"] == 2
     for name in ("static", "auto"):  # static; auto with self_calibrate=False
-        assert "transfer_probe" not in json.loads((root / name / "summary.json").read_text())
+        summary = json.loads((root / name / "summary.json").read_text())
+        assert "transfer_probe" not in summary and "switch_probe" not in summary
 
 
 def test_resume_four_ranks_onto_four(runs):

@@ -99,7 +99,7 @@ from poise.runtime.plan_cycle import PlanCycle, PlanMismatchError
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import run_job
-from poise.runtime.probe import probe_transfer_scale
+from poise.runtime.probe import probe_switch_scale, probe_transfer_scale
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
     OTHER,
@@ -142,7 +142,9 @@ class Balancer(PlanCycle):
       measured phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
       `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
       migration's worth of bulk traffic at start-up (`poise.runtime.probe`, collective) and
-      start `k_transfer` there instead of at the prior's 1;
+      start `k_transfer` there instead of at the prior's 1, and time a synthetic switch's
+      migration (`probe_switch_scale`: half a rank's experts with their moments through
+      `transfers.migrate`), the first switch's price until one is measured;
     - `plan_process`: plan in a worker process (`poise.runtime.planner`: a planning thread
       would hold the interpreter lock the training thread needs between its tensor operations);
       False: on a thread of this process;
@@ -278,12 +280,14 @@ class Balancer(PlanCycle):
             separate = separate_transfers and self.balancing and self.world_size > 1
             self.transfers_pg = own_transfer_group(self.group) if separate else self.group
         self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
+        # (k_switch, measured s, modelled s, homes a rank moved): the first switch's price
+        self.switch_probe: tuple[float, float, float, int] | None = None
         if calibrate and probe_transfers and self.balancing and self.world_size > 1:
             shapes = spec if spec is not None else spec_from_layers(modules)
-            self.probe = probe_transfer_scale(
-                self.cluster, shapes, self.transfers_pg, self.layers[0].params[0].device
-            )
+            device = self.layers[0].params[0].device
+            self.probe = probe_transfer_scale(self.cluster, shapes, self.transfers_pg, device)
             self.fit = selfcal.Fit(k_transfer=self.probe[0])
+            self.switch_probe = probe_switch_scale(self.cluster, shapes, self.transfers_pg, device)
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
         self.options = {k: dict(v) for k, v in (options or {}).items()}

@@ -29,8 +29,10 @@ it is the plan's first Trans, launched at the switch's boundary as every boundar
 one, and `live_s` already charges it each step), `k_switch` the measured / modelled seconds of
 the migrations this run already made, summed, each timed on its own (the boundary's seconds in
 `transfers.migrate`, `selfcal.MIGRATE`; before the first, the prior the caller passes: the
-Balancer's is `k_transfer`, the scale this run's other bulk transfers measured against the
-same prior cluster, since a migration is bulk transfers of weights and moments), `relay_s`
+Balancer's is its start-up switch probe's, a synthetic migration through `transfers.migrate`
+timed against the same prior cluster (`poise.runtime.probe.probe_switch_scale`; without it
+`k_transfer`, the scale this run's other bulk transfers measured: the exchange alone priced
+`many-experts`' first switch 2.4-2.7 times under what it took), `relay_s`
 the mean of what the switches this run made cost beyond their migration (the layers' slots
 re-laid, the routing rebuilt, the new replicas filled, beyond the steady steps' transfers;
 0 before the first), and `wait_s` the seconds the boundary waited for the planner. A switch

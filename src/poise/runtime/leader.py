@@ -94,8 +94,10 @@ def leader_outcome(
     fit, assessment = result.fit, result.assessment
     blind = blind_replicas and assessment.candidate_transfers_s > 0  # (4)
     if not on_static and not guard.pays(result.paid):
-        return exit_outcome(guard, result, wait_s, fit.k_transfer, next_lag)
-    decision = guard.decide(assessment, wait_s, switch_prior=fit.k_transfer, horizon=result.horizon)
+        return exit_outcome(guard, result, wait_s, result.switch_prior, next_lag)
+    decision = guard.decide(
+        assessment, wait_s, switch_prior=result.switch_prior, horizon=result.horizon
+    )
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
     if decision.adopt and on_static and guard.enabled and not forecast_held(result, assessment):
         decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
@@ -151,7 +153,7 @@ def forecast_held(result: JobResult, candidate: Assessment | None = None) -> boo
 
 
 def exit_outcome(
-    guard: SwitchGuard, result: JobResult, wait_s: float, k_transfer: float, next_lag: int
+    guard: SwitchGuard, result: JobResult, wait_s: float, switch_prior: float, next_lag: int
 ) -> Outcome:
     """The plan in force did not pay: replace it with the fresh candidate or fall back to one
     of `result.exits`, whichever nets the most over the horizon (`SwitchGuard.exit_choice`;
@@ -163,7 +165,7 @@ def exit_outcome(
         result.assessment,
         [a for _, a in result.exits],
         model_refuted=guard.model_refuted(result.paid),
-        switch_prior=k_transfer,
+        switch_prior=switch_prior,
         horizon=result.horizon,
         paid=result.paid,
     )
@@ -174,7 +176,7 @@ def exit_outcome(
         plan=plan,
         decision="replace" if pick == 0 else "fallback",
         gain_s=credit * a.live_gain_s() * (result.horizon or guard.horizon),
-        switch_s=guard.switch_cost(a.switch_s, wait_s, k_transfer),
+        switch_s=guard.switch_cost(a.switch_s, wait_s, switch_prior),
         predicted_step_s=a.candidate_s,
         modelled_switch_s=a.switch_s,
         wait_s=wait_s,

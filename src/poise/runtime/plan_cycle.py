@@ -78,6 +78,7 @@ class PlanCycle(ABC):
     leader: bool
     guard: SwitchGuard
     probes: ProbeSteps
+    switch_probe: tuple[float, float, float, int] | None
     planner: BackgroundPlanner
     records: StepRecords
     window: deque[np.ndarray]
@@ -184,7 +185,7 @@ class PlanCycle(ABC):
             calibrate=self.calibrate,
             split_tokens=self.split_tokens,
             horizon=self.guard.horizon,
-            measured_switch=self.guard.k_switch if self.guard.switches else None,
+            measured_switch=self._switch_scale(),
             guarded=self.guard.enabled,
             probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
             fit_rank_experts=rank_experts,
@@ -197,6 +198,14 @@ class PlanCycle(ABC):
             held_before=carried_age(self._pattern, step, len(history)),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
+
+    def _switch_scale(self) -> float | None:
+        """The measured / modelled seconds of a switch's migration: the guard's `k_switch` once
+        this run measured a switch, the start-up switch probe's before (`probe_switch_scale`),
+        None without either."""
+        if self.guard.switches:
+            return self.guard.k_switch
+        return self.switch_probe[0] if self.switch_probe is not None else None
 
     def _measure_switch(self, measured: np.ndarray) -> None:
         """Record the last switch's measured seconds against its modelled ones once its step and

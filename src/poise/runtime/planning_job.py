@@ -81,7 +81,8 @@ def with_migration_scale(
 ) -> dict[str, dict[str, Any]]:
     """`options` with `auto.migration_scale` set to `scale` unless the user set it: the
     switches' measured seconds over the prior cluster's model (`SwitchGuard.k_switch`; before
-    the first switch, `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
+    the first switch, the start-up switch probe's, `poise.runtime.probe.probe_switch_scale`,
+    else `k_transfer`: a migration is bulk transfers like Trans and Agg) divided
     by the fitted transfer scale (`k_transfer`), so that `auto`, pricing on the fitted cluster,
     charges a migration what the guard will."""
     out = {k: dict(v) for k, v in options.items()}
@@ -132,7 +133,8 @@ class PlanningJob:
     `balanced_rows[B, ...]`: the settled steps run under plans with replicas since the static
     layout last ran (the wall-clock test of `poise.runtime.guard`; T and B may be 0);
     `previous`: the last fit; `measured_switch`: the guard's `k_switch`
-    once a switch was measured (None before); `horizon`: steps a plan is expected to serve;
+    once a switch was measured, before that the start-up switch probe's (`PlanCycle._switch_scale`;
+    None without either); `horizon`: steps a plan is expected to serve;
     `guarded`: the guard is on (the exits are priced only then); `probes`: the probe steps
     and their neighbours for the paired clock test (None: the Balancer does not probe, and the
     clock compares with the static steps); `fit_rank_experts[n, D]`: every rank's own expert
@@ -188,7 +190,10 @@ class JobResult:
     horizon where that is longer, `plan_horizon`; never more than the job's `steps_left`);
     `backtest`: the last job's candidate against the static layout on the steps run since
     (`backtest`; None where the job has none to price), or, where `held_out`, the `holdout`
-    candidate against the window's newer half; `backtest_next`: see `next_backtest`."""
+    candidate against the window's newer half; `backtest_next`: see `next_backtest`;
+    `k_switch`: the scale of a switch's modelled migration the job priced with (the job's
+    `measured_switch` where calibrating, else `fit.k_transfer`), which the guard takes as its
+    prior until a switch is measured (None: `fit.k_transfer`)."""
 
     plan: Plan
     assessment: Assessment
@@ -200,6 +205,12 @@ class JobResult:
     backtest: Assessment | None = None
     held_out: bool = False
     backtest_next: Plan | None = None
+    k_switch: float | None = None
+
+    @property
+    def switch_prior(self) -> float:
+        """The guard's `k_switch` before a switch was measured (`k_switch`, else the fit's)."""
+        return self.fit.k_transfer if self.k_switch is None else self.k_switch
 
     def next_backtest(self) -> Plan:
         """The candidate the next job backtests (`PlanningJob.backtest_plan`): `backtest_next`
@@ -295,7 +306,7 @@ def run_job(job: PlanningJob) -> JobResult:
     tested = backtest(fitted, prior, job)
     return JobResult(
         plan, assessment, cluster, fit, paid, exits, horizon, tested,
-        held_out=made is not None, backtest_next=backtest_next,
+        held_out=made is not None, backtest_next=backtest_next, k_switch=k_switch,
     )  # fmt: skip
 
 

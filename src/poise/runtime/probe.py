@@ -22,6 +22,28 @@ Each round is timed on every rank after a barrier; the rank that waited least gi
 exchange's time (as `selfcal.across_ranks` takes collectives); the first round, which pays the
 backend's set-up, is left out. `k_probe` is the centre `selfcal.fit_cluster` starts from and the
 guard's price of the first switch; the fits from the run's own steps take over as they come.
+
+*The switch probe* (`probe_switch_scale`) prices the first switch on its own. A switch's
+migration is more than its bytes at the exchange's rate: `transfers.migrate` packs the rows of
+every weight and moment tensor, clears the rows it rewrites, places the arrivals, and its
+buffers are fresh allocations (above glibc's mmap threshold each is page-faulted anew; the
+exchange probe above reuses its buffers). On `many-experts` (`benchmarks/train_speedup.py`,
+2 gloo ranks) the first switch moved 66 homes (155.7 MB) in 107-114 ms of `migrate_s` where
+the exchange probe's scale priced 41-47 ms (docs/benchmarks.md). So the switch probe runs
+`transfers.migrate` itself on a synthetic layer shaped as the model's experts, with as many
+moment tensors as `ModelSpec.optimizer_bytes_per_param` holds: every rank's `homes` homes move
+to the next rank (and back, round by round), with
+
+    homes    = max(1, min(E // D // 2, SWITCH_PROBE_BYTES // M_e))    (half a rank's experts)
+    modelled = the cost model's migration of those moves as one layer (as above)
+    k_switch = median over rounds of (min over ranks of the round's seconds) / modelled
+
+Half a rank's experts is the size of the first switches measured (`many-experts` moved 8 of
+each rank's 16 homes a layer, `skewed` 2-4 of 8), and a rate measured at that size carries the
+allocator's regime of such a switch; `SWITCH_PROBE_BYTES` bounds what the probe allocates on a
+large model. `k_switch` is the guard's `k_switch` until the run's first switch is measured
+(`SwitchGuard.record_switch`) and the scale `auto` prices migrations at meanwhile
+(`planning_job.run_job`).
 """
 
 from __future__ import annotations
@@ -33,21 +55,26 @@ import torch
 import torch.distributed as dist
 
 from poise.core.cluster import Cluster
+from poise.core.placement import Placement
 from poise.core.spec import ModelSpec
 from poise.cost.model import link_time
 from poise.cost.traffic import migration_traffic
 from poise.nn.comm import comm_device
+from poise.nn.slots import slot_maps
 from poise.runtime.selfcal import SCALE_LIMITS
+from poise.runtime.transfers import migrate
 
 ROUNDS = 5  # timed rounds after the warm-up one
+SWITCH_PROBE_BYTES = 64 * 2**20  # the most one rank's synthetic homes hold (weights + moments)
 
 
-def modelled_probe_s(cluster: Cluster, spec: ModelSpec) -> float:
-    """Seconds the cost model gives the probe's moves on `cluster`: rank r sends one expert's
-    migration (`spec.migration_bytes`) to rank (r + 1) mod D, all at once, as one layer."""
+def modelled_probe_s(cluster: Cluster, spec: ModelSpec, homes: int = 1) -> float:
+    """Seconds the cost model gives the probe's moves on `cluster`: rank r sends `homes`
+    experts' migrations (`spec.migration_bytes` each) to rank (r + 1) mod D, all at once, as
+    one layer."""
     D = cluster.num_devices
-    ranks = np.arange(D)
-    moves = np.stack([np.zeros(D, int), np.zeros(D, int), ranks, (ranks + 1) % D], axis=1)
+    src = np.repeat(np.arange(D), homes)
+    moves = np.stack([np.zeros(src.size, int), np.arange(src.size), src, (src + 1) % D], axis=1)
     send, recv = migration_traffic(cluster, moves, 1, spec.migration_bytes)
     return float(link_time(cluster, send, recv)[0] * cluster.host.transfer_scale)
 
@@ -97,4 +124,85 @@ def probe_transfer_scale(
     return k, measured, modelled
 
 
-__all__ = ["ROUNDS", "measure_probe_s", "modelled_probe_s", "probe_transfer_scale"]
+def switch_probe_homes(spec: ModelSpec, world: int) -> int:
+    """The homes each rank moves in the switch probe (module docstring): half a rank's
+    experts, at most `SWITCH_PROBE_BYTES` of weights and moments, at least one."""
+    by_bytes = int(SWITCH_PROBE_BYTES // max(spec.migration_bytes, 1.0))
+    return max(1, min(spec.experts // max(world, 1) // 2, by_bytes))
+
+
+def _synthetic_layer(
+    spec: ModelSpec, homes: int, device: torch.device
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """`homes` slots of the spec's expert tensors (`[homes, d_model, d_expert]` for the inputs,
+    `[homes, d_expert, d_model]` for the output) and an optimizer holding as many moment tensors
+    of each as `optimizer_bytes_per_param` bytes per parameter make (AdamW's two)."""
+    dtype = {2: torch.bfloat16, 8: torch.float64}.get(int(spec.dtype_bytes), torch.float32)
+    M, H = spec.d_model, spec.d_expert
+    shapes = [(homes, M, H)] * (spec.expert_matrices - 1) + [(homes, H, M)]
+    params = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # holds the state `migrate` moves
+    moments = max(0, round(spec.optimizer_bytes_per_param / spec.dtype_bytes))
+    for p in params:
+        optimizer.state[p] = {f"moment{i}": torch.zeros_like(p) for i in range(moments)}
+    return params, optimizer
+
+
+def measure_switch_probe_s(
+    spec: ModelSpec,
+    homes: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+    rounds: int = ROUNDS,
+) -> float:
+    """Measured seconds of the switch probe (module docstring): `transfers.migrate` moving
+    every rank's `homes` synthetic homes to the next rank, then back, round by round; the
+    median over `rounds` timed rounds (after a warm-up one) of the fastest rank's time.
+    Collective over `group`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = torch.device(device)
+    params, optimizer = _synthetic_layer(spec, homes, dev)
+    home = np.repeat(np.arange(world), homes)
+    layouts = [Placement.from_homes(h[None], world, homes) for h in (home, (home + 1) % world)]
+    maps = slot_maps(layouts[0], 0, homes)
+    seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, dev))
+    for r in range(rounds + 1):
+        new = slot_maps(layouts[(r + 1) % 2], 0, homes, previous=maps)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        migrate(params, optimizer, maps, new, rank, group=group, fill_replicas=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds[r] = time.perf_counter() - t0
+        maps = new
+    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
+    return float(seconds[1:].median())
+
+
+def probe_switch_scale(
+    cluster: Cluster,
+    spec: ModelSpec,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+    rounds: int = ROUNDS,
+) -> tuple[float, float, float, int]:
+    """`(k_switch, measured_s, modelled_s, homes)` of the switch probe (module docstring),
+    `k_switch` clipped to `selfcal.SCALE_LIMITS`. Collective over `group`, whose size is
+    `cluster.num_devices`."""
+    homes = switch_probe_homes(spec, cluster.num_devices)
+    modelled = modelled_probe_s(cluster, spec, homes)
+    measured = measure_switch_probe_s(spec, homes, group, device, rounds)
+    k = float(np.clip(measured / modelled, *SCALE_LIMITS)) if modelled > 0 else 1.0
+    return k, measured, modelled, homes
+
+
+__all__ = [
+    "ROUNDS",
+    "SWITCH_PROBE_BYTES",
+    "measure_probe_s",
+    "measure_switch_probe_s",
+    "modelled_probe_s",
+    "probe_switch_scale",
+    "probe_transfer_scale",
+    "switch_probe_homes",
+]

@@ -574,6 +574,9 @@ class _Trainer:
             if self.balancer.probe is not None:  # start-up bulk transfers, `runtime.probe`
                 k = ("k", "measured_s", "modelled_s")
                 summary["transfer_probe"] = dict(zip(k, self.balancer.probe, strict=True))
+            if self.balancer.switch_probe is not None:  # the first switch's price
+                k = ("k", "measured_s", "modelled_s", "homes")
+                summary["switch_probe"] = dict(zip(k, self.balancer.switch_probe, strict=True))
             write_summary(self.out / "summary.json", summary)
             for line in closing_lines(res, totals, self.out):
                 self.log.print(line)
