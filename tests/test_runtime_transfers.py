@@ -77,6 +77,7 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
     def channel(key: str):
         return None if link is None else link.channel(key)
 
+    scratch = tr.Scratch()  # one for every case: reused at other sizes, stale rows left in it
     out = []
     for seed in seeds:
         case = make_case(seed, W)
@@ -123,6 +124,15 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
             tr.migrate(params, opt, old_maps, new_maps, rank, link=capped, link_max_bytes=0)
             res["after_capped"] = _snapshot(params, opt)
             res["capped_turns"] = capped.turns
+        else:  # the same migration through reused buffers (`Scratch`)
+            params = [torch.nn.Parameter(torch.tensor(x)) for x in case["weights"][rank]]
+            opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01)
+            for p, x in zip(params, case["step_grads"][rank], strict=True):
+                p.grad = torch.tensor(x)
+            opt.step()
+            tr.migrate(params, opt, old_maps, new_maps, rank, scratch=scratch)
+            res["after_scratch"] = _snapshot(params, opt)
+            res["scratch_bytes"] = scratch.nbytes
         out.append(res)
     return out
 
@@ -224,11 +234,18 @@ def test_trans_agg_migrate_match_the_reference(world_size: int, shared: bool) ->
     results = run_ranks(_rank_cases, world_size, seeds, shared)
     for i, seed in enumerate(seeds):
         _check_case(seed, world_size, [results[r][i] for r in range(world_size)])
+    every = [results[r][i] for r in range(world_size) for i in range(len(seeds))]
     if shared:  # over the cap the rows went through the group, to the same result
-        for res in (results[r][i] for r in range(world_size) for i in range(len(seeds))):
+        for res in every:
             assert res["capped_turns"] == 0
             for key in ("w", "m", "v"):
                 for got, want in zip(res["after_capped"][key], res["after"][key], strict=True):
+                    np.testing.assert_array_equal(got, want)
+    else:  # through buffers kept from case to case, to the same result
+        assert max(res["scratch_bytes"] for res in every) > 0
+        for res in every:
+            for key in ("w", "m", "v"):
+                for got, want in zip(res["after_scratch"][key], res["after"][key], strict=True):
                     np.testing.assert_array_equal(got, want)
 
 

@@ -68,6 +68,8 @@ class LayerMoves:
         self.compression = compression
         self.overlap = overlap
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
+        # the migrations' packed rows, reused from layer to layer and switch to switch
+        self._scratch = tr.Scratch()
 
     # ---------------------------------------------------------------------------- routing
     def route(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
@@ -87,7 +89,9 @@ class LayerMoves:
     def relay(self, plan: Plan, stats: StepStats) -> None:
         """Make `plan` the routing of every layer now: migrate homes with their optimizer state
         where the home slots change (homes that stay keep their slots, `slot_maps(previous=)`,
-        and only rewritten rows cost memory traffic: `stats.relaid_rows`; a layer whose plan
+        and only rewritten rows cost memory traffic: `stats.relaid_rows`; the packed rows go
+        through buffers kept from layer to layer and switch to switch, `transfers.Scratch`;
+        a layer whose plan
         only adds, drops or swaps replicas moves nothing: replica rows are overwritten by its
         Trans; rows no slot holds keep stale values no forward reads), then launch every
         layer's Trans under the new maps (the replicas' fill) as a step boundary does: it runs
@@ -104,7 +108,7 @@ class LayerMoves:
             t_move = time.perf_counter()
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
-                fill_replicas=False, link=self._migrate_channel(),
+                fill_replicas=False, link=self._migrate_channel(), scratch=self._scratch,
             )  # fmt: skip
             stats.add_seconds("migrate", time.perf_counter() - t_move)
             stats.migrate_bytes += moved.home_total_bytes

@@ -25,9 +25,8 @@ guard's price of the first switch; the fits from the run's own steps take over a
 
 *The switch probe* (`probe_switch_scale`) prices the first switch on its own. A switch's
 migration is more than its bytes at the exchange's rate: `transfers.migrate` packs the rows of
-every weight and moment tensor, clears the rows it rewrites, places the arrivals, and its
-buffers are fresh allocations (above glibc's mmap threshold each is page-faulted anew; the
-exchange probe above reuses its buffers). On `many-experts` (`benchmarks/train_speedup.py`,
+every weight and moment tensor, clears the rows no arrival fills, and places the arrivals,
+each a pass over the bytes, per tensor and row. On `many-experts` (`benchmarks/train_speedup.py`,
 2 gloo ranks) the first switch moved 66 homes (155.7 MB) in 107-114 ms of `migrate_s` where
 the exchange probe's scale priced 41-47 ms (docs/benchmarks.md). So the switch probe runs
 `transfers.migrate` itself on a synthetic layer shaped as the model's experts, with as many
@@ -39,9 +38,11 @@ to the next rank (and back, round by round), with
     k_switch = median over rounds of (min over ranks of the round's seconds) / modelled
 
 Half a rank's experts is the size of the first switches measured (`many-experts` moved 8 of
-each rank's 16 homes a layer, `skewed` 2-4 of 8), and a rate measured at that size carries the
-allocator's regime of such a switch; `SWITCH_PROBE_BYTES` bounds what the probe allocates on a
-large model. `k_switch` is the guard's `k_switch` until the run's first switch is measured
+each rank's 16 homes a layer, `ep_step` 5-7 of 16); `SWITCH_PROBE_BYTES` bounds what the probe
+allocates on a large model. The probe's migrations reuse their packing buffers
+(`transfers.Scratch`) as the Balancer's do, and its warm-up round, left out, sizes them: the
+run's first switch also pays its buffers' first touch (one layer's), which the probe does not.
+`k_switch` is the guard's `k_switch` until the run's first switch is measured
 (`SwitchGuard.record_switch`) and the scale `auto` prices migrations at meanwhile
 (`planning_job.run_job`).
 """
@@ -62,7 +63,7 @@ from poise.cost.traffic import migration_traffic
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
 from poise.runtime.selfcal import SCALE_LIMITS
-from poise.runtime.transfers import migrate
+from poise.runtime.transfers import Scratch, migrate
 
 ROUNDS = 5  # timed rounds after the warm-up one
 SWITCH_PROBE_BYTES = 64 * 2**20  # the most one rank's synthetic homes hold (weights + moments)
@@ -157,8 +158,8 @@ def measure_switch_probe_s(
 ) -> float:
     """Measured seconds of the switch probe (module docstring): `transfers.migrate` moving
     every rank's `homes` synthetic homes to the next rank, then back, round by round; the
-    median over `rounds` timed rounds (after a warm-up one) of the fastest rank's time.
-    Collective over `group`."""
+    median over `rounds` timed rounds (after a warm-up one, which also sizes the reused
+    buffers, `transfers.Scratch`) of the fastest rank's time. Collective over `group`."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dev = torch.device(device)
     params, optimizer = _synthetic_layer(spec, homes, dev)
@@ -166,11 +167,13 @@ def measure_switch_probe_s(
     layouts = [Placement.from_homes(h[None], world, homes) for h in (home, (home + 1) % world)]
     maps = slot_maps(layouts[0], 0, homes)
     seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, dev))
+    scratch = Scratch()  # as the Balancer's switches reuse their buffers
     for r in range(rounds + 1):
         new = slot_maps(layouts[(r + 1) % 2], 0, homes, previous=maps)
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        migrate(params, optimizer, maps, new, rank, group=group, fill_replicas=False)
+        migrate(params, optimizer, maps, new, rank, group=group, fill_replicas=False,
+                scratch=scratch)  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds[r] = time.perf_counter() - t0

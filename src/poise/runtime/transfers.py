@@ -203,6 +203,7 @@ def exchange(
     async_op: bool = False,
     link: Channel | None = None,
     link_max_bytes: int | None = None,
+    scratch: Scratch | None = None,
 ) -> Pending:
     """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks),
     or through shared memory where `link` (a `HostLink` channel of the same ranks) is given and
@@ -212,7 +213,9 @@ def exchange(
 
     Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
     time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
-    fixed order. Every rank must call this with streams built from the same routes."""
+    fixed order. Every rank must call this with streams built from the same routes. `scratch`:
+    the packed rows go through its buffers instead of fresh ones, where the rows are on the CPU
+    and the call is synchronous (`Scratch`)."""
     _check_streams(streams)
     remote = any(s.routes.remote_rows() for s in streams)
     dtype = _buffer_dtype(streams)
@@ -264,12 +267,13 @@ def exchange(
         return Pending(sent, received, total, lambda: place(turn.wait()))
     device = streams[0].sources[0].device
     send_numel = [sum(_row_numel(t) * len(i) for t, i in p) for p in parts]
-    send = torch.empty(sum(send_numel), dtype=dtype, device=device)
+    reuse = scratch if not async_op and device.type == "cpu" else None
+    send = _buffer(reuse, "send", sum(send_numel), dtype, device)
     starts = np.concatenate([[0], np.cumsum(send_numel)])
     for peer, items in enumerate(parts):
         if items:
             gather_rows(items, send[starts[peer] : starts[peer + 1]])
-    recv = torch.empty(sum(recv_numel), dtype=dtype, device=device)
+    recv = _buffer(reuse, "recv", sum(recv_numel), dtype, device)
     work = dist.all_to_all_single(
         recv, send, recv_numel, send_numel, group=group, async_op=async_op
     )
@@ -285,6 +289,42 @@ def exchange(
         place(chunks)
 
     return Pending(sent, received, total, finish)
+
+
+class Scratch:
+    """Grow-only CPU buffers for the packed rows of synchronous exchanges (migrations), kept
+    between calls. A fresh buffer above glibc's mmap threshold (at most 32 MiB) is mapped anew
+    and page-faulted on first touch at every call: on 2 gloo ranks an exchange of 35 MB a rank
+    through fresh buffers took 53 ms against 24-26 through reused ones, and `ep_step`'s first
+    switch (58 homes) 193-210 ms against 145-151 (docs/benchmarks.md). The buffers stay as large
+    as the largest call (send and receive: the most one layer's migration moves through a rank);
+    CUDA's caching allocator already reuses its blocks, so only CPU rows use them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A `[numel]` view of buffer `name`, grown (reallocated) where smaller or of another
+        dtype; its contents are whatever the last call left."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype)
+            self._buffers[name] = buffer
+        return buffer[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _buffer(
+    scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`[numel]` elements for packed rows: `scratch`'s buffer `name`, else a fresh one."""
+    if scratch is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return scratch.take(name, numel, dtype)
 
 
 def gather_rows(items: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
@@ -489,6 +529,7 @@ def migrate(
     fill_replicas: bool = True,
     link: Channel | None = None,
     link_max_bytes: int | None = None,
+    scratch: Scratch | None = None,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
     `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
@@ -500,14 +541,16 @@ def migrate(
 
     Only the rows that change are touched: a home that keeps its rank and slot is neither
     copied nor rewritten, so the memory traffic is `relaid_rows` x (weights + moments) per row,
-    not the whole layer (`Migration.relaid_bytes`).
+    not the whole layer (`Migration.relaid_bytes`); of those, the rows an arriving home fills
+    are written once (not cleared first), the others (replica and empty slots) are cleared.
 
     `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
     fills them another way (the compressed Trans, `poise.runtime.domains_trans`). `link`: the
     rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
     packed straight into the region and placed from it, about two copies of the bytes where
     gloo's all-to-all adds a socket round trip of them; one larger than `link_max_bytes`
-    goes through `group` (`exchange`)."""
+    goes through `group` (`exchange`). `scratch`: reused buffers for the packed rows
+    (`Scratch`; the caller keeps it between switches)."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -519,6 +562,8 @@ def migrate(
     kept = homes.dst_slot[staying & (homes.dst_rank == rank)]
     slots = int(params[0].shape[0]) if params else 0
     rewritten = np.setdiff1d(np.arange(slots), kept)
+    # an arriving home's row is written whole (weights and moments): not cleared first
+    cleared = np.setdiff1d(rewritten, moving.dst_slot[moving.dst_rank == rank])
     flat_moments = [m for ms in moments for m in ms]
     every = [*params, *flat_moments]
 
@@ -532,10 +577,11 @@ def migrate(
     with torch.no_grad():
         streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
         pending = exchange(
-            streams, rank, len(new_maps), group=group, link=link, link_max_bytes=link_max_bytes
-        )  # source rows read now
-        if rewritten.size:
-            clear = torch.as_tensor(rewritten, dtype=torch.long, device=params[0].device)
+            streams, rank, len(new_maps), group=group, link=link, link_max_bytes=link_max_bytes,
+            scratch=scratch,
+        )  # source rows read now  # fmt: skip
+        if cleared.size:
+            clear = torch.as_tensor(cleared, dtype=torch.long, device=params[0].device)
             for t in every:
                 t.index_fill_(0, clear.to(t.device), 0.0)
         pending.wait()
