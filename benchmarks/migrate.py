@@ -19,9 +19,11 @@ call), and `ratio_vs_canonical` (median over rounds of this variant's time over 
 
 Then the path the rows take: `--homes` experts of each rank (default 8 of 16) swap ranks and
 swap back (stable slot maps, homes with their moments), each direction one `migrate` through
-gloo's all-to-all (`group`) or through shared memory (`link`, a `HostLink` channel, as the
-Balancer migrates with `host_link`), rounds rotating the two. One JSON line per path: the median
-ms per call, the MB moved (all ranks), and `ratio_vs_gloo` (median over rounds).
+gloo's all-to-all in fresh buffers (`gloo`), through gloo with the packed rows in buffers kept
+between calls (`gloo-reused`, `transfers.Scratch`, as the Balancer migrates by default) or
+through shared memory (`link`, a `HostLink` channel, as the Balancer migrates with
+`host_link`), rounds rotating the three. One JSON line per path: the median ms per call, the MB
+moved (all ranks), and `ratio_vs_gloo` (median over rounds).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 SLOTS, D_MODEL, D_EXPERT, EXPERTS = 17, 128, 512, 32
-PATHS = ("gloo", "shared-memory")
+PATHS = ("gloo", "gloo-reused", "shared-memory")
 ROUNDS_PATHS = 6
 
 
@@ -94,17 +96,19 @@ def _paths(params: list, opt: Any, home: np.ndarray, world: int, homes: int) -> 
     layouts = [Placement.from_homes(h[None], world, SLOTS) for h in (home, swapped)]
     link = HostLink.connect()
     assert link is not None, "the ranks do not share memory"
-    channels = {"gloo": None, "shared-memory": link.channel("migrate")}
+    channels = {"gloo": None, "gloo-reused": None, "shared-memory": link.channel("migrate")}
+    scratch = {"gloo-reused": tr.Scratch()}
     times: dict[str, list[float]] = {p: [] for p in channels}
     moved = 0
     maps = slot_maps(layouts[0], 0, SLOTS)
     for r in range(ROUNDS_PATHS):
-        for path in PATHS if r % 2 == 0 else PATHS[::-1]:
+        for path in PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]:
             for target in (layouts[1], layouts[0]):
                 new = slot_maps(target, 0, SLOTS, previous=maps)
                 dist.barrier()
                 t0 = time.perf_counter()
-                m = tr.migrate(params, opt, maps, new, dist.get_rank(), link=channels[path])
+                m = tr.migrate(params, opt, maps, new, dist.get_rank(), link=channels[path],
+                               scratch=scratch.get(path))  # fmt: skip
                 times[path].append(time.perf_counter() - t0)
                 moved = m.home_total_bytes
                 maps = new

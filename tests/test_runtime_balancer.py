@@ -125,6 +125,8 @@ def _equivalence(rank: int, W: int) -> dict:
             float(np.mean(stats[-1].max_over_mean)),
             float(np.mean(stats[0].max_over_mean)),
         )
+        # the migrations' packed rows stay in buffers for the next switch (`transfers.Scratch`)
+        result[f"{policy}.scratch"] = balancer.moves._scratch.nbytes
         plan = balancer.plan
         fixed_routes = plan.assignment.with_split(False)
         result[f"{policy}.split"] = (
@@ -395,6 +397,9 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
         # a plan takes effect only where the leader's decision was taken (`plan_lag` or more
         # steps after its request: `planner.adoption_lag`)
         assert set(switched[0]) <= set(results[0][f"{policy}.decided_at"]), switched[0]
+        # homes moved through gloo left their packing buffers for the next switch
+        kept = results[0][f"{policy}.scratch"]
+        assert (kept > 0) == (migrate > 0 and ":link" not in policy), (policy, kept, migrate)
         if policy != "static":
             assert trans + migrate > 0, policy  # the policy really replicated or moved experts
             assert balance_end < balance_start, policy
