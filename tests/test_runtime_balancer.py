@@ -126,7 +126,7 @@ def _equivalence(rank: int, W: int) -> dict:
             float(np.mean(stats[0].max_over_mean)),
         )
         # the migrations' packed rows stay in buffers for the next switch (`transfers.Scratch`)
-        result[f"{policy}.scratch"] = balancer.moves._scratch.nbytes
+        result[f"{policy}.scratch"] = balancer.moves.scratch.nbytes
         plan = balancer.plan
         fixed_routes = plan.assignment.with_split(False)
         result[f"{policy}.split"] = (

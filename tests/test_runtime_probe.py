@@ -98,19 +98,65 @@ def test_the_switch_probes_layer_holds_each_homes_migration_bytes() -> None:
 def _switch_probe(rank: int, world: int) -> tuple:
     import torch.distributed as dist
 
+    from poise.runtime.host_link import HostLink
+    from poise.runtime.transfers import Scratch
+
     cluster = toy_cluster(world, bw=1e9, lat=1e-5)
-    return probe_switch_scale(cluster, SPEC, dist.group.WORLD, rounds=3)
+    scratch = Scratch()
+    figures = probe_switch_scale(cluster, SPEC, dist.group.WORLD, rounds=3, scratch=scratch)
+    link = HostLink.connect()
+    assert link is not None
+    channel = link.channel("migrate")
+    through_link = probe_switch_scale(cluster, SPEC, dist.group.WORLD, rounds=3, link=channel)
+    return figures, scratch.nbytes, through_link, channel.turns
 
 
 @pytest.mark.dist
 def test_switch_probe_on_gloo_ranks() -> None:
     """`transfers.migrate` of 2 synthetic homes a rank, timed: one figure on every rank, the
-    scale its measured over its modelled seconds (2 homes of 589,824 bytes a rank)."""
+    scale its measured over its modelled seconds (2 homes of 589,824 bytes a rank). It leaves
+    the buffers it was given sized for such a switch (2 homes sent and 2 received), and goes
+    through the shared-memory channel it is given (a turn a migration: warm-up and 3 rounds)."""
     results = run_ranks(_switch_probe, 2)
-    assert results[0] == results[1]
-    k, measured, modelled, homes = results[0]
+    assert [r[0] for r in results] == [results[0][0]] * 2
+    (k, measured, modelled, homes), kept, (k_link, *_), turns = results[0]
     assert homes == 2 and modelled == pytest.approx(2 * 589_824 / 1e9 + 1e-5)
     assert measured > 0 and k == pytest.approx(measured / modelled)
+    assert kept == 2 * 2 * 589_824
+    assert k_link > 0 and turns == 4
+
+
+def _balancer_probes(rank: int, world: int, host_link: bool) -> tuple:
+    from poise.runtime.balancer import Balancer
+    from poise.runtime.plan_inputs import spec_from_layers
+    from tests.test_runtime_balancer import _build
+
+    model, opt = _build(world)
+    balancer = Balancer(model, opt, "auto", replan_every=5, cluster=toy_cluster(world),
+                        host_link=host_link)  # fmt: skip
+    spec = spec_from_layers(list(model.blocks))
+    turns = balancer.link.channels["migrate"].turns if balancer.link is not None else 0
+    out = (balancer.switch_probe, balancer.moves.scratch.nbytes, spec.migration_bytes, turns)
+    balancer.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("host_link", [False, True], ids=["gloo", "shared-memory"])
+def test_the_balancer_probes_its_switches_own_path(host_link: bool) -> None:
+    """A self-calibrating Balancer on 2 gloo ranks probes the first switch through its own
+    `LayerMoves`: through gloo it leaves the buffers its switches keep sized for the probe's
+    homes (sent and received); with `host_link` it migrates through its link's channel (a turn
+    a migration: the warm-up and 5 rounds) and those buffers stay empty."""
+    from poise.runtime.probe import ROUNDS
+
+    results = run_ranks(_balancer_probes, 2, host_link)
+    (k, measured, modelled, homes), kept, migration_bytes, turns = results[0]
+    assert k == pytest.approx(measured / modelled) and homes >= 1
+    if host_link:
+        assert kept == 0 and turns == ROUNDS + 1
+    else:
+        assert kept == 2 * homes * migration_bytes and turns == 0
 
 
 def test_the_first_switch_is_priced_at_the_switch_probes_scale_until_one_is_measured() -> None:

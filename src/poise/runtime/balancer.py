@@ -279,15 +279,6 @@ class Balancer(PlanCycle):
         if self.transfers_pg is None:
             separate = separate_transfers and self.balancing and self.world_size > 1
             self.transfers_pg = own_transfer_group(self.group) if separate else self.group
-        self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
-        # (k_switch, measured s, modelled s, homes a rank moved): the first switch's price
-        self.switch_probe: tuple[float, float, float, int] | None = None
-        if calibrate and probe_transfers and self.balancing and self.world_size > 1:
-            shapes = spec if spec is not None else spec_from_layers(modules)
-            device = self.layers[0].params[0].device
-            self.probe = probe_transfer_scale(self.cluster, shapes, self.transfers_pg, device)
-            self.fit = selfcal.Fit(k_transfer=self.probe[0])
-            self.switch_probe = probe_switch_scale(self.cluster, shapes, self.transfers_pg, device)
         self.num_experts = modules[0].num_experts
         self.predictor = parse_predictor(predictor) if isinstance(predictor, str) else predictor
         self.options = {k: dict(v) for k, v in (options or {}).items()}
@@ -302,9 +293,6 @@ class Balancer(PlanCycle):
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         # probe steps serve the guard (`poise.runtime.probe_steps`)
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
-        self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
-        if self._plans_here and self.balancing:
-            self.planner.start()  # the worker starts up while the first steps run
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
@@ -316,6 +304,24 @@ class Balancer(PlanCycle):
             self.layers, self.rank, self.slots, optimizer, self.transfers_pg,
             link=self.link, compression=self.compression, overlap=overlap,
         )  # fmt: skip
+        self.probe: tuple[float, float, float] | None = None  # (k, measured s, modelled s)
+        # (k_switch, measured s, modelled s, homes a rank moved): the first switch's price
+        self.switch_probe: tuple[float, float, float, int] | None = None
+        if calibrate and probe_transfers and self.balancing and self.world_size > 1:
+            shapes = spec if spec is not None else spec_from_layers(modules)
+            device = self.layers[0].params[0].device
+            self.probe = probe_transfer_scale(self.cluster, shapes, self.transfers_pg, device)
+            self.fit = selfcal.Fit(k_transfer=self.probe[0])
+            # on the path the switches take: its link's channel, its kept buffers (sized here)
+            self.switch_probe = probe_switch_scale(
+                self.cluster, shapes, self.transfers_pg, device,
+                link=self.moves.migrate_channel(), scratch=self.moves.scratch,
+            )  # fmt: skip
+        # the planning worker starts after the probes, which it would slow, and starts up
+        # while the first steps run
+        self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))
+        if self._plans_here and self.balancing:
+            self.planner.start()
         # per step: counts, measured seconds, layout, settled (`poise.runtime.records`)
         self.records = StepRecords(history)
         # its rows, by their names here (the same deques; changed in place, never replaced)

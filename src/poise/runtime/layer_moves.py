@@ -69,7 +69,7 @@ class LayerMoves:
         self.overlap = overlap
         self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
         # the migrations' packed rows, reused from layer to layer and switch to switch
-        self._scratch = tr.Scratch()
+        self.scratch = tr.Scratch()
 
     # ---------------------------------------------------------------------------- routing
     def route(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
@@ -108,7 +108,7 @@ class LayerMoves:
             t_move = time.perf_counter()
             moved = tr.migrate(
                 state.params, self.optimizer, state.maps, new_maps, self.rank, group=self.group,
-                fill_replicas=False, link=self._migrate_channel(), scratch=self._scratch,
+                fill_replicas=False, link=self.migrate_channel(), scratch=self.scratch,
             )  # fmt: skip
             stats.add_seconds("migrate", time.perf_counter() - t_move)
             stats.migrate_bytes += moved.home_total_bytes
@@ -207,7 +207,7 @@ class LayerMoves:
         """The layer's shared-memory channel for `kind` (Trans or Agg), None without a link."""
         return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
 
-    def _migrate_channel(self) -> Channel | None:
+    def migrate_channel(self) -> Channel | None:
         """The shared-memory channel every layer's migration takes in turn (one region, sized by
         the largest layer's move, not one per layer), None without a link."""
         return None if self.link is None else self.link.channel("migrate")

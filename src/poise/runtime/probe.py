@@ -39,9 +39,11 @@ to the next rank (and back, round by round), with
 
 Half a rank's experts is the size of the first switches measured (`many-experts` moved 8 of
 each rank's 16 homes a layer, `ep_step` 5-7 of 16); `SWITCH_PROBE_BYTES` bounds what the probe
-allocates on a large model. The probe's migrations reuse their packing buffers
-(`transfers.Scratch`) as the Balancer's do, and its warm-up round, left out, sizes them: the
-run's first switch also pays its buffers' first touch (one layer's), which the probe does not.
+allocates on a large model. The Balancer probes on its switches' own path: through its
+shared-memory channel where it migrates through one (`host_link`), and in the buffers its
+migrations keep (`transfers.Scratch`), which the probe's left-out warm-up round sizes and
+touches first, so that a first switch of up to that size a layer finds them ready, as the
+probe's timed rounds did.
 `k_switch` is the guard's `k_switch` until the run's first switch is measured
 (`SwitchGuard.record_switch`) and the scale `auto` prices migrations at meanwhile
 (`planning_job.run_job`).
@@ -62,6 +64,7 @@ from poise.cost.model import link_time
 from poise.cost.traffic import migration_traffic
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
+from poise.runtime.host_link import Channel
 from poise.runtime.selfcal import SCALE_LIMITS
 from poise.runtime.transfers import Scratch, migrate
 
@@ -155,11 +158,16 @@ def measure_switch_probe_s(
     group: dist.ProcessGroup | None,
     device: torch.device | str = "cpu",
     rounds: int = ROUNDS,
+    *,
+    link: Channel | None = None,
+    scratch: Scratch | None = None,
 ) -> float:
     """Measured seconds of the switch probe (module docstring): `transfers.migrate` moving
     every rank's `homes` synthetic homes to the next rank, then back, round by round; the
     median over `rounds` timed rounds (after a warm-up one, which also sizes the reused
-    buffers, `transfers.Scratch`) of the fastest rank's time. Collective over `group`."""
+    buffers) of the fastest rank's time. `link`, `scratch`: the path the run's migrations take
+    (`transfers.migrate`'s; default: through `group`, in buffers of the probe's own).
+    Collective over `group`."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dev = torch.device(device)
     params, optimizer = _synthetic_layer(spec, homes, dev)
@@ -167,13 +175,13 @@ def measure_switch_probe_s(
     layouts = [Placement.from_homes(h[None], world, homes) for h in (home, (home + 1) % world)]
     maps = slot_maps(layouts[0], 0, homes)
     seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, dev))
-    scratch = Scratch()  # as the Balancer's switches reuse their buffers
+    scratch = Scratch() if scratch is None else scratch
     for r in range(rounds + 1):
         new = slot_maps(layouts[(r + 1) % 2], 0, homes, previous=maps)
         dist.barrier(group=group)
         t0 = time.perf_counter()
         migrate(params, optimizer, maps, new, rank, group=group, fill_replicas=False,
-                scratch=scratch)  # fmt: skip
+                link=link, scratch=scratch)  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds[r] = time.perf_counter() - t0
@@ -188,13 +196,18 @@ def probe_switch_scale(
     group: dist.ProcessGroup | None,
     device: torch.device | str = "cpu",
     rounds: int = ROUNDS,
+    *,
+    link: Channel | None = None,
+    scratch: Scratch | None = None,
 ) -> tuple[float, float, float, int]:
     """`(k_switch, measured_s, modelled_s, homes)` of the switch probe (module docstring),
-    `k_switch` clipped to `selfcal.SCALE_LIMITS`. Collective over `group`, whose size is
-    `cluster.num_devices`."""
+    `k_switch` clipped to `selfcal.SCALE_LIMITS`; `link`, `scratch` as for
+    `measure_switch_probe_s`. Collective over `group`, whose size is `cluster.num_devices`."""
     homes = switch_probe_homes(spec, cluster.num_devices)
     modelled = modelled_probe_s(cluster, spec, homes)
-    measured = measure_switch_probe_s(spec, homes, group, device, rounds)
+    measured = measure_switch_probe_s(
+        spec, homes, group, device, rounds, link=link, scratch=scratch
+    )
     k = float(np.clip(measured / modelled, *SCALE_LIMITS)) if modelled > 0 else 1.0
     return k, measured, modelled, homes
 
