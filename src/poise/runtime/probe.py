@@ -52,6 +52,7 @@ probe's timed rounds did.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -83,6 +84,33 @@ def modelled_probe_s(cluster: Cluster, spec: ModelSpec, homes: int = 1) -> float
     return float(link_time(cluster, send, recv)[0] * cluster.host.transfer_scale)
 
 
+def timed_rounds(
+    round_: Callable[[int], None],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rounds: int = ROUNDS,
+) -> float:
+    """The median over `rounds` timed rounds of the fastest rank's seconds of `round_(r)`
+    (collective), after a warm-up round `r` = 0 that is left out: each round starts at a
+    barrier, and ends on a CUDA device once its kernels are done."""
+    seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, device))
+    for r in range(rounds + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        round_(r)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds[r] = time.perf_counter() - t0
+    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
+    return float(seconds[1:].median())
+
+
+def scale_of(measured_s: float, modelled_s: float) -> float:
+    """`measured_s / modelled_s` clipped to `selfcal.SCALE_LIMITS`, 1 where nothing was
+    modelled."""
+    return float(np.clip(measured_s / modelled_s, *SCALE_LIMITS)) if modelled_s > 0 else 1.0
+
+
 def measure_probe_s(
     nbytes: float,
     group: dist.ProcessGroup | None,
@@ -99,18 +127,13 @@ def measure_probe_s(
     send, recv = torch.empty(n, device=dev), torch.empty(n, device=dev)
     into, out = [0] * world, [0] * world
     into[(rank - 1) % world], out[(rank + 1) % world] = n, n
-    seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=dev)
-    for r in range(rounds + 1):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
+
+    def exchange(_: int) -> None:
         send.copy_(source)
         dist.all_to_all_single(recv, send, into, out, group=group)
         landed.copy_(recv)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds[r] = time.perf_counter() - t0
-    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
-    return float(seconds[1:].median())
+
+    return timed_rounds(exchange, group, dev, rounds)
 
 
 def probe_transfer_scale(
@@ -124,8 +147,7 @@ def probe_transfer_scale(
     `selfcal.SCALE_LIMITS`. Collective over `group`, whose size is `cluster.num_devices`."""
     modelled = modelled_probe_s(cluster, spec)
     measured = measure_probe_s(spec.migration_bytes, group, device, rounds)
-    k = float(np.clip(measured / modelled, *SCALE_LIMITS)) if modelled > 0 else 1.0
-    return k, measured, modelled
+    return scale_of(measured, modelled), measured, modelled
 
 
 def switch_probe_homes(spec: ModelSpec, world: int) -> int:
@@ -173,21 +195,16 @@ def measure_switch_probe_s(
     params, optimizer = _synthetic_layer(spec, homes, dev)
     home = np.repeat(np.arange(world), homes)
     layouts = [Placement.from_homes(h[None], world, homes) for h in (home, (home + 1) % world)]
-    maps = slot_maps(layouts[0], 0, homes)
-    seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, dev))
+    start = slot_maps(layouts[0], 0, homes)
+    maps = (start, slot_maps(layouts[1], 0, homes, previous=start))
     scratch = Scratch() if scratch is None else scratch
-    for r in range(rounds + 1):
-        new = slot_maps(layouts[(r + 1) % 2], 0, homes, previous=maps)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        migrate(params, optimizer, maps, new, rank, group=group, fill_replicas=False,
+
+    def switch(r: int) -> None:  # there on even rounds, back on odd ones
+        old, new = maps if r % 2 == 0 else maps[::-1]
+        migrate(params, optimizer, old, new, rank, group=group, fill_replicas=False,
                 link=link, scratch=scratch)  # fmt: skip
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds[r] = time.perf_counter() - t0
-        maps = new
-    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
-    return float(seconds[1:].median())
+
+    return timed_rounds(switch, group, dev, rounds)
 
 
 def probe_switch_scale(
@@ -208,8 +225,7 @@ def probe_switch_scale(
     measured = measure_switch_probe_s(
         spec, homes, group, device, rounds, link=link, scratch=scratch
     )
-    k = float(np.clip(measured / modelled, *SCALE_LIMITS)) if modelled > 0 else 1.0
-    return k, measured, modelled, homes
+    return scale_of(measured, modelled), measured, modelled, homes
 
 
 __all__ = [
@@ -220,5 +236,7 @@ __all__ = [
     "modelled_probe_s",
     "probe_switch_scale",
     "probe_transfer_scale",
+    "scale_of",
     "switch_probe_homes",
+    "timed_rounds",
 ]
