@@ -99,7 +99,7 @@ from poise.runtime.plan_cycle import PlanCycle, PlanMismatchError
 from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import run_job
-from poise.runtime.probe import probe_switch_scale, probe_transfer_scale
+from poise.runtime.probe import start_up_probes
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
     OTHER,
@@ -143,7 +143,7 @@ class Balancer(PlanCycle):
       `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
       migration's worth of bulk traffic at start-up (`poise.runtime.probe`, collective) and
       start `k_transfer` there instead of at the prior's 1, and time a synthetic switch's
-      migration (`probe_switch_scale`: half a rank's experts with their moments through
+      migration (`probe.probe_switch_scale`: half a rank's experts with their moments through
       `transfers.migrate`), the first switch's price until one is measured;
     - `plan_process`: plan in a worker process (`poise.runtime.planner`: a planning thread
       would hold the interpreter lock the training thread needs between its tensor operations);
@@ -309,14 +309,11 @@ class Balancer(PlanCycle):
         self.switch_probe: tuple[float, float, float, int] | None = None
         if calibrate and probe_transfers and self.balancing and self.world_size > 1:
             shapes = spec if spec is not None else spec_from_layers(modules)
-            device = self.layers[0].params[0].device
-            self.probe = probe_transfer_scale(self.cluster, shapes, self.transfers_pg, device)
-            self.fit = selfcal.Fit(k_transfer=self.probe[0])
-            # on the path the switches take: its link's channel, its kept buffers (sized here)
-            self.switch_probe = probe_switch_scale(
-                self.cluster, shapes, self.transfers_pg, device,
+            self.probe, self.switch_probe = start_up_probes(
+                self.cluster, shapes, self.transfers_pg, self.layers[0].params[0].device,
                 link=self.moves.migrate_channel(), scratch=self.moves.scratch,
             )  # fmt: skip
+            self.fit = selfcal.Fit(k_transfer=self.probe[0])
         # the planning worker starts after the probes, which it would slow, and starts up
         # while the first steps run
         self.planner = BackgroundPlanner(plan_process, preload=(run_job.__module__,))

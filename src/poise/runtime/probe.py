@@ -228,6 +228,24 @@ def probe_switch_scale(
     return scale_of(measured, modelled), measured, modelled, homes
 
 
+def start_up_probes(
+    cluster: Cluster,
+    spec: ModelSpec,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str,
+    *,
+    link: Channel | None = None,
+    scratch: Scratch | None = None,
+) -> tuple[tuple[float, float, float], tuple[float, float, float, int]]:
+    """The Balancer's start-up probes, in order: the exchange's (`probe_transfer_scale`, the
+    fit's first `k_transfer`) and the switch's (`probe_switch_scale`, the first switch's
+    price), the latter on the switches' own path (`link`, `scratch`: its channel and its kept
+    buffers, which this sizes). Collective over `group`."""
+    exchange = probe_transfer_scale(cluster, spec, group, device)
+    switch = probe_switch_scale(cluster, spec, group, device, link=link, scratch=scratch)
+    return exchange, switch
+
+
 __all__ = [
     "ROUNDS",
     "SWITCH_PROBE_BYTES",
@@ -237,6 +255,7 @@ __all__ = [
     "probe_switch_scale",
     "probe_transfer_scale",
     "scale_of",
+    "start_up_probes",
     "switch_probe_homes",
     "timed_rounds",
 ]
