@@ -26,9 +26,10 @@ from poise.runtime.launch import run_ranks
 from .helpers import train_residual_moe
 
 # `:fixed`: the plan's fixed token shares (no per-step split); `:link`: Trans and Agg through
-# shared memory (`host_link`) instead of gloo's all-to-all
+# shared memory (`host_link`) instead of gloo's all-to-all; `:free`: free balancing (the timing
+# oracle, `poise.runtime.untimed`)
 POLICIES = ["static", "shadow", "prophet", "vexpert", "eplb", "auto", "shadow:fixed", "eplb:fixed",
-            "eplb:link"]  # fmt: skip
+            "eplb:link", "eplb:free"]  # fmt: skip
 E, D_MODEL, D_EXPERT, TOKENS, STEPS, EVERY = 8, 8, 16, 64, 20, 2
 TOL = 1e-5
 
@@ -93,7 +94,7 @@ def _equivalence(rank: int, W: int) -> dict:
         # every plan that differs is adopted (guard off), priced on the toy cluster as given
         balancer = Balancer(model, opt, name, replan_every=EVERY, cluster=cluster,
                             guard=False, calibrate=False, split_tokens=fixed != "fixed",
-                            host_link=fixed == "link")  # fmt: skip
+                            host_link=fixed == "link", free_balancing=fixed == "free")  # fmt: skip
         result[f"{policy}.link"] = balancer.link is not None
         # Trans, Agg and migration on a group of their own over the same ranks (balancing only)
         result[f"{policy}.transfers_pg"] = (
@@ -114,6 +115,12 @@ def _equivalence(rank: int, W: int) -> dict:
         result[f"{policy}.transfer_s"] = [
             (s.seconds.get("transfers", 0.0), s.seconds.get("transfers_in_compute", 0.0),
              s.agg_bytes)
+            for s in stats
+        ]  # fmt: skip
+        # per step: the seconds free balancing left out, those of `step` itself, the transfers'
+        result[f"{policy}.untimed"] = [
+            (s.seconds.get("untimed", 0.0), s.seconds.get("boundary", 0.0),
+             s.seconds.get("transfers", 0.0))
             for s in stats
         ]  # fmt: skip
         result[policy] = (losses, _home_rows(model, opt, rank))
@@ -389,8 +396,10 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
         for a, b in routers:
             np.testing.assert_allclose(a, b, atol=TOL)
         trans, migrate, replans, balance_end, balance_start = results[0][f"{policy}.moved"]
-        # the last request (step 20) is never decided; static never plans (nothing to pay)
-        assert replans == (0 if policy == "static" else STEPS // EVERY - 1), (policy, replans)
+        # the last request (step 20) is never decided, but free balancing decides at once
+        # (`plan_lag` 0); static never plans (nothing to pay)
+        expected = STEPS // EVERY - (0 if policy.endswith(":free") else 1)
+        assert replans == (0 if policy == "static" else expected), (policy, replans)
         switched = [r[f"{policy}.switched_at"] for r in results]
         assert all(s == switched[0] for s in switched), (policy, switched)  # the same boundary
         assert all(r[f"{policy}.switches"] == len(switched[0]) for r in results), policy
@@ -463,6 +472,20 @@ def test_transfers_inside_forward_and_backward_are_told_apart(two_ranks: list[di
             assert with_replicas, policy
             assert all(0.0 < c < t for t, c in with_replicas), (policy, with_replicas)
         assert all(c == 0.0 for _, c, _ in r["static.transfer_s"])
+
+
+@pytest.mark.dist
+def test_free_balancing_leaves_its_transfers_out_of_the_step(two_ranks: list[dict]) -> None:
+    """Free balancing (`poise.runtime.untimed`): Agg, planning, migration and Trans run at the
+    step boundary, so the seconds it leaves out of a step hold all its transfers and all of
+    `step`; nothing of them falls inside forward and backward; other runs leave nothing out."""
+    for r in two_ranks:
+        rows = r["eplb:free.untimed"]
+        assert all(u >= t and u >= b for u, b, t in rows), rows
+        assert sum(t > 0 for _, _, t in rows) >= STEPS // 2  # it had transfers to leave out
+        assert all(c == 0.0 for _, c, _ in r["eplb:free.transfer_s"])  # none inside compute
+        for policy in ("eplb", "static", "auto"):
+            assert all(u == 0.0 for u, _, _ in r[f"{policy}.untimed"]), policy
 
 
 def test_forced_home_change_moves_adamw_moments(two_ranks: list[dict]) -> None:
@@ -896,6 +919,9 @@ def test_bad_arguments_are_config_errors() -> None:
         Balancer(model, opt, cluster="cpu-2")
     with pytest.raises(ConfigError, match=r"no poise\.nn\.MoE"):
         Balancer(torch.nn.Linear(2, 2), opt)
+    with pytest.raises(ConfigError, match="turn the guard off") as info:
+        Balancer(model, opt, "eplb", free_balancing=True)  # the guard is on by default
+    assert info.value.field == "free_balancing"
 
 
 def test_a_switch_is_measured_beyond_the_plans_steady_steps() -> None:

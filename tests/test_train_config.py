@@ -43,6 +43,7 @@ def test_yaml_round_trip(tmp_path):
         ("plan_lag: -1\n", "plan_lag", ">= 0"),
         ("replan_every: 4\nplan_lag: 5\n", "plan_lag", "at most replan_every (4)"),
         ("host_link: sometimes\n", "host_link", "boolean"),
+        ("free_balancing: true\n", "free_balancing", "needs balance_guard off"),
         ("compression: 0\n", "compression", "> 0"),
         ("compression: 1.5\n", "compression", "<= 1"),
         ("- a list\n", None, "top level must be a mapping"),

@@ -79,6 +79,13 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
                    balance_guard=False, self_calibrate=False, **SKEWED)  # fmt: skip
         r = train(cfg, quiet=True)
         out[name] = (r.losses, r.plan_changes, r.max_over_mean)
+    # free balancing (the timing oracle): EPLB re-planned every step, its work left out of time
+    free = train(
+        _cfg(root, "eplb-free", steps=POLICY_STEPS, policy="eplb", replan_every=1,
+             balance_guard=False, self_calibrate=False, free_balancing=True, **SKEWED),
+        quiet=True,
+    )  # fmt: skip
+    out["eplb-free"] = (free.losses, free.plan_changes, free.max_over_mean)
     static = train(_cfg(root, "static", steps=30, policy="static"), quiet=True)
     auto_cfg = _cfg(
         root,
@@ -142,6 +149,26 @@ def test_every_policy_changes_plans_and_lowers_device_imbalance(runs):
         assert changes >= 1, policy
         planned = np.mean(max_over_mean[PLANNED:])
         assert planned < static.mean(), (policy, max_over_mean, static)
+
+
+def test_free_balancing_takes_its_boundary_out_of_the_step(runs):
+    """Under free balancing (`poise.runtime.untimed`) a step's recorded time leaves out what
+    its Balancer did at the boundary: `step_s` is still the sum of the phases, and the `balance`
+    phase no longer holds `step` itself (`moe_s.boundary`: the plan, its migration, the Trans),
+    which it does in any other run. The losses stay static EP's."""
+    import json
+
+    root, _, two = runs
+    reference = np.array(two["static-skewed"][0])
+    assert np.max(np.abs(np.array(two["eplb-free"][0]) - reference)) <= TOL
+    assert two["eplb-free"][1] >= 1  # it re-planned and switched
+    lines = [json.loads(x) for x in (root / "eplb-free" / "metrics.jsonl").read_text().splitlines()]
+    for row in lines:
+        assert row["step_s"] == pytest.approx(sum(row["phases_s"].values()), abs=1e-9)
+        assert row["moe_s"]["untimed"] >= row["moe_s"]["boundary"] > 0
+    balance = np.median([row["phases_s"]["balance"] for row in lines])
+    boundary = np.median([row["moe_s"]["boundary"] for row in lines])
+    assert balance < boundary, (balance, boundary)
 
 
 def test_static_and_auto_give_the_same_losses(runs):

@@ -111,6 +111,7 @@ from poise.runtime.records import (
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
 from poise.runtime.transfer_group import transfer_group as own_transfer_group
+from poise.runtime.untimed import UNTIMED, UntimedWindows
 from poise.runtime.verdict import MIN_PROBES, Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
@@ -186,6 +187,11 @@ class Balancer(PlanCycle):
       where `group` spans the world), so that they do not queue ahead of the tokens'
       all-to-alls in the group's order of operations; `transfer_group`: that group, given by
       a caller that made it (`LayoutGroups.ep_transfer`); off and none given: `group`;
+    - `free_balancing` (default off; needs `guard` off): a timing oracle for benchmarks
+      (`poise.runtime.untimed`): Agg, planning, migration and Trans run at the step boundary
+      (`overlap` off, `plan_lag` 0) and their seconds are left out of the step's time
+      (`untimed_s`), so a run measures what the policy's balance is worth with its transfers
+      free; the mathematics stays static EP's;
     - `total_steps` (default None: not known): the step the run ends at (`steps_done` counts
       from the run's start, a resumed run included). A plan is requested only if it would
       serve a step before then, and priced and judged over no more steps than it would serve
@@ -227,7 +233,16 @@ class Balancer(PlanCycle):
         separate_transfers: bool = True,
         transfer_group: dist.ProcessGroup | None = None,
         total_steps: int | None = None,
+        free_balancing: bool = False,
     ) -> None:
+        if free_balancing and guard:
+            raise ConfigError(
+                "free balancing leaves the transfers unpaid, so the guard's prices would be "
+                "wrong: turn the guard off",
+                field="free_balancing",
+            )
+        if free_balancing:  # everything balancing pays for at the boundary, left out of time
+            overlap, plan_lag = False, 0
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
         if probe_every == 1 or probe_every < 0:
@@ -290,6 +305,7 @@ class Balancer(PlanCycle):
         self._due_at: int | None = None  # the step boundary where the next decision is taken
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
+        self.untimed = UntimedWindows(free_balancing and self.balancing, self.group)
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         # probe steps serve the guard (`poise.runtime.probe_steps`)
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
@@ -484,7 +500,9 @@ class Balancer(PlanCycle):
         if self._prepared:
             return
         t_start = time.perf_counter()
+        free = self.untimed.start()
         self.moves.finish_aggs(self._current)
+        self.untimed.end(self._current, free)
         period = 0.0 if self._t_reduce is None else t_start - self._t_reduce
         self._t_reduce = t_start
         self._gather(period)
@@ -496,6 +514,7 @@ class Balancer(PlanCycle):
         `replan_every` steps, otherwise launch Trans for the next forward. Calls
         `reduce_replicas` first if the loop did not. Collective; returns the step's stats."""
         self.reduce_replicas()
+        free = self.untimed.start()
         t0 = time.perf_counter()
         self.steps_done += 1
         s = self.steps_done
@@ -518,6 +537,7 @@ class Balancer(PlanCycle):
         self._boundary_s = time.perf_counter() - t0
         self._migrate_s = stats.seconds.get("migrate", 0.0)  # only a switch migrates
         stats.add_seconds("boundary", self._boundary_s)
+        self.untimed.end(stats, free)
         self.stats.append(stats)
         self._current = StepStats(step=self.steps_done, policy=self.policy)
         self._current.probe = self.probes.probing is not None
@@ -553,6 +573,12 @@ class Balancer(PlanCycle):
     @property
     def last_stats(self) -> StepStats | None:
         return self.stats[-1] if self.stats else None
+
+    @property
+    def untimed_s(self) -> float:
+        """Seconds of the last step that free balancing leaves out of its time (0 otherwise)."""
+        last = self.last_stats
+        return 0.0 if last is None else last.seconds.get(UNTIMED, 0.0)
 
     # ----------------------------------------------------------------------------- loads
     def _gather(self, period_s: float) -> None:

@@ -37,6 +37,10 @@ over the EP group's ranks, so that they never queue ahead of the tokens' all-to-
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
 constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior;
 off: with the prior's, migrations included, so that the plans depend on the loads alone.
+`free_balancing` (default off; needs `balance_guard` off): a timing oracle for benchmarks: Agg,
+planning, migration and Trans run at the step boundary and are left out of the step's time
+(`Balancer(free_balancing=...)`, `poise.runtime.untimed`), so the run measures what its
+policy's balance is worth with free transfers (`benchmarks/train_speedup.py --peers free`).
 `turns` (default None: off) is a counter file shared with other runs on this host that take
 their steps in turns with this one, step k of run `turns_slot` of `turns_of` right after step k
 of the runs before it (`poise.train.turns`: a paired comparison of whole runs, as
@@ -107,6 +111,7 @@ class TrainConfig:
     host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
+    free_balancing: bool = False  # a timing oracle for benchmarks (`poise.runtime.untimed`)
     # parallelism
     layout: str | None = None
     # run
@@ -217,6 +222,7 @@ def _rules() -> dict[str, _Rule]:
         "balance_guard": _Rule(_BOOL),
         "probe_every": _Rule(_INT, low=0),
         "host_link": _Rule(_BOOL),
+        "free_balancing": _Rule(_BOOL),
         "separate_transfers": _Rule(_BOOL),
         "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
@@ -334,6 +340,13 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
             "must be 0 (off) or >= 2: a probe step needs neighbours run with the replicas",
             source=source,
             field="probe_every",
+        )
+    if cfg.free_balancing and cfg.balance_guard:
+        raise ConfigError(
+            "needs balance_guard off: free balancing leaves the transfers unpaid, so the "
+            "guard's prices would be wrong",
+            source=source,
+            field="free_balancing",
         )
 
 

@@ -430,7 +430,11 @@ class _Trainer:
         self.balancer.step()  # decide a due plan, request the next, or launch Trans
         self.optimizer.zero_grad(set_to_none=True)
         t = _lap(ph, "balance", t)
-        return _Stepped(lr, summed, norm, world_counts, ph, t - t_start)
+        # free balancing (a timing oracle, `poise.runtime.untimed`): its transfers and planning
+        # ran inside the balance phases and are left out of the step's time
+        free = self.balancer.untimed_s
+        ph["balance"] -= free
+        return _Stepped(lr, summed, norm, world_counts, ph, t - t_start - free)
 
     def _record(self, step: int, stepped: _Stepped) -> dict[str, Any]:
         """The step's `metrics.jsonl` line (plan changes counted, the routing trace extended)."""

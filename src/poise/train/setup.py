@@ -226,4 +226,5 @@ def make_balancer(
         compression=cfg.compression,
         split_tokens=cfg.split_tokens,
         total_steps=cfg.steps,
+        free_balancing=cfg.free_balancing,
     )
