@@ -22,7 +22,13 @@ its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per 
 balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
 nets on this machine once those are paid. `--peers auto-link` runs `auto` with the host link
 (`host_link: true`: Trans, Agg and migrations through shared memory) as the third run, so
-`auto_over_peer` compares the two paths of the same policy in the same turns. `--identical`
+`auto_over_peer` compares the two paths of the same policy in the same turns. `--peers free`
+runs the ideal for real (`Balancer(free_balancing=True)`, `poise.runtime.untimed`): EPLB's plans
+from the latest loads at every step, with its Agg, planning, migration and Trans done at the
+step boundary and left out of the step's time, so it balances as well as the spare slots and
+the per-step split allow with every transfer free, and pays what balance itself costs (the
+busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); its
+`auto_gain_share` is auto's gain fraction against that measured ideal. `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -129,6 +135,10 @@ SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
 PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "eplb": ("eplb", {"balance_guard": False}),
     "auto-link": ("auto", {"host_link": True}),
+    # the ideal, measured: EPLB's plans from the latest loads at every step, with Agg, planning,
+    # migration and Trans at the step boundary and left out of the step's time
+    # (`poise.runtime.untimed`)
+    "free": ("eplb", {"balance_guard": False, "free_balancing": True, "replan_every": 1}),
 }
 
 
@@ -163,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         choices=sorted(PEERS),
         help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
-        "with the host link)",
+        "with the host link; free: the ideal measured, EPLB every step with free transfers)",
     )
     p.add_argument(
         "--sequential",
@@ -210,7 +220,9 @@ def auto_settings(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str
 
 
 # ------------------------------------------------------------------------------- training runs
-def run_config(policy: str, out: Path, steps: int, replan_every: int, model_args: dict, **kw):
+def run_config(
+    policy: str, out: Path, steps: int, replan_every: int, model_args: dict, **kw: Any
+) -> Any:
     """The `configs/tiny.yaml` settings without aux loss, for a timed run."""
     from poise.train.config import TrainConfig
 
@@ -366,9 +378,12 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         order = tuple(sides[r % len(sides) :] + sides[: r % len(sides)])  # who starts rotates
         cfgs = {
             side: run_config(
-                policy_of[side], root / f"{name}-{r}-{side}", args.steps, args.replan_every,
-                model_args, **(PEERS[side][1] if side in PEERS else {}),
-                **(args.auto_settings if side == "auto" else {}),
+                policy_of[side], root / f"{name}-{r}-{side}", args.steps, model_args=model_args,
+                **{
+                    "replan_every": args.replan_every,
+                    **PEERS.get(side, ("", {}))[1],
+                    **(args.auto_settings if side == "auto" else {}),
+                },
             )
             for side in order
         }  # fmt: skip
@@ -515,14 +530,23 @@ def peer_figures(
 ) -> dict[str, Any]:
     """A peer policy's runs against the same rounds' static and auto runs: `speedup` (median
     over rounds of peer / static tokens/s), its `gain_fraction` against the same ideal,
-    `auto_over_peer` (median over rounds of auto / peer), the peer's slowest/mean load and
-    its plan changes per run."""
+    `auto_over_peer` (median over rounds of auto / peer), `auto_gain_share` (median over
+    rounds of auto's gain over static as a share of the peer's: against `free`, auto's gain
+    fraction of the measured ideal), the peer's slowest/mean load and its plan changes per
+    run."""
     from poise.report.ideal import judge
 
     peer_tok = [tok_s(x, skip) for x in peer]
     over_static = [p / tok_s(s, skip) for p, s in zip(peer_tok, static, strict=True)]
     auto_over = [tok_s(a, skip) / p for a, p in zip(auto, peer_tok, strict=True)]
     speedup = statistics.median(over_static)
+    # auto's gain over static as a share of the peer's, per round (None where the peer gained
+    # nothing): against `free`, auto's gain fraction of the measured ideal
+    shares = [
+        (tok_s(a, skip) / tok_s(s, skip) - 1) / (g - 1) if g > 1 else None
+        for a, s, g in zip(auto, static, over_static, strict=True)
+    ]
+    judged = [x for x in shares if x is not None]
     return {
         "tok_s_runs": [round(x, 1) for x in peer_tok],
         "speedup": round(speedup, 4),
@@ -530,6 +554,8 @@ def peer_figures(
         "gain_fraction": judge(speedup, ideal_speedup)["gain_fraction"],
         "auto_over_peer": round(statistics.median(auto_over), 4),
         "auto_over_peer_rounds": [round(x, 4) for x in auto_over],
+        "auto_gain_share": round(statistics.median(judged), 3) if judged else None,
+        "auto_gain_share_rounds": [None if x is None else round(x, 3) for x in shares],
         "max_over_mean": round(statistics.median(x.max_over_mean for x in peer), 3),
         "plan_changes": [x.plan_changes for x in peer],
     }

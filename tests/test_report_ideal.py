@@ -408,6 +408,42 @@ def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) 
     assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
 
 
+def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> None:
+    """`--peers free`: the third run trains `eplb` with free balancing, re-planned every step,
+    the guard off (static and auto keep `--replan-every` and their guard). Static 1.0 s a step,
+    auto 0.95 s, free 0.9 s: auto's gain share of the measured ideal is (1/0.95 - 1) / (1/0.9 -
+    1) = 0.474 in every round."""
+    import poise.calibrate.experts as experts
+
+    bench = _bench()
+    steps = 20
+    seen: list[tuple[str, bool, bool, int]] = []
+
+    def fake_train(cfg, world: int):
+        seen.append((cfg.policy, cfg.free_balancing, cfg.balance_guard, cfg.replan_every))
+        step_s = {"static": 1.0, "auto": 0.95, "eplb": 0.9}[cfg.policy]
+        return _three_to_one(cfg.policy, steps, step_s)
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
+    _fake_clock(monkeypatch, bench, [25e-6] * 2)
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2", "--peers", "free"]
+    line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
+    assert sorted(set(seen)) == [
+        ("auto", False, True, 10),
+        ("eplb", True, False, 1),
+        ("static", False, True, 10),
+    ]
+    peer = line["peers"]["free"]
+    assert peer["speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
+    share = (1 / 0.95 - 1) / (1 / 0.9 - 1)
+    assert peer["auto_gain_share_rounds"] == pytest.approx([share] * 2, abs=1e-3)
+    assert peer["auto_gain_share"] == pytest.approx(share, abs=1e-3)
+
+
 def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path) -> None:
     """In turns, round r's ideal uses the c its own clock timed: static 1.0 s a step with loads
     3:1 (4 layers x 1000 excess pairs) at c = 20, 30, 40 us gives ideals 1/0.92, 1/0.88,
