@@ -28,7 +28,10 @@ from the latest loads at every step, with its Agg, planning, migration and Trans
 step boundary and left out of the step's time, so it balances as well as the spare slots and
 the per-step split allow with every transfer free, and pays what balance itself costs (the
 busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); its
-`auto_gain_share` is auto's gain fraction against that measured ideal. `--identical`
+`auto_gain_share` is auto's gain fraction against that measured ideal. Its parts:
+`--peers free-paced` (EPLB re-planned every `--replan-every` steps, free) and `auto-free`
+(auto's own plans, every one adopted, free) show what re-planning less often and auto's choice
+of replicas cost apart from the transfers' seconds. `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -139,6 +142,10 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     # migration and Trans at the step boundary and left out of the step's time
     # (`poise.runtime.untimed`)
     "free": ("eplb", {"balance_guard": False, "free_balancing": True, "replan_every": 1}),
+    # ... its parts: EPLB at the runs' own re-plan period, and auto's own plans (every one
+    # adopted), with free transfers
+    "free-paced": ("eplb", {"balance_guard": False, "free_balancing": True}),
+    "auto-free": ("auto", {"balance_guard": False, "free_balancing": True}),
 }
 
 
@@ -173,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         choices=sorted(PEERS),
         help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
-        "with the host link; free: the ideal measured, EPLB every step with free transfers)",
+        "with the host link; free: the ideal measured, EPLB every step with free transfers; "
+        "free-paced, auto-free: EPLB at the re-plan period and auto, free)",
     )
     p.add_argument(
         "--sequential",

@@ -444,6 +444,19 @@ def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> No
     assert peer["auto_gain_share"] == pytest.approx(share, abs=1e-3)
 
 
+def test_train_speedup_peers_are_valid_training_configs(tmp_path) -> None:
+    """Every peer's settings make a `TrainConfig` (a free-balancing peer with the guard on
+    would be refused), and the free peers balance for free with the guard off."""
+    bench = _bench()
+    for name, (policy, settings) in bench.PEERS.items():
+        cfg = bench.run_config(policy, tmp_path / name, 20, **{"replan_every": 10, **settings},
+                               model_args={})  # fmt: skip
+        assert cfg.policy == policy
+        if name.startswith("free") or name.endswith("-free"):
+            assert cfg.free_balancing and not cfg.balance_guard, name
+    assert bench.PEERS["free"][1]["replan_every"] == 1  # the ideal re-plans every step
+
+
 def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path) -> None:
     """In turns, round r's ideal uses the c its own clock timed: static 1.0 s a step with loads
     3:1 (4 layers x 1000 excess pairs) at c = 20, 30, 40 us gives ideals 1/0.92, 1/0.88,
