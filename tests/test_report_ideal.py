@@ -166,6 +166,21 @@ def _fake_clock(monkeypatch, bench, c_rounds: list[float]) -> list[tuple[str, in
     return given
 
 
+def _fake_machine(
+    monkeypatch, bench, fake_train, c_rounds: list[float], c_alone: float = 25e-6
+) -> None:
+    """The benchmark on a faked machine: `fake_train` trains, 2 ranks with a core each, the
+    expert clock reads `c_alone` timed alone and `c_rounds[r]` in round r's turns."""
+    import poise.calibrate.experts as experts
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
+    )
+    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": c_alone})
+    _fake_clock(monkeypatch, bench, c_rounds)
+
+
 def test_train_speedup_settings_all() -> None:
     bench = _bench()
     args = bench.parse_args(["--settings", "all"])
@@ -176,7 +191,6 @@ def test_train_speedup_settings_all() -> None:
 def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     """With training faked (static 1.0 s per step with loads 3:1; auto 0.98 s, balanced), the
     JSON line's verdict is `judge`'s on the gain, not the old fraction-of-ideal >= 0.8."""
-    import poise.calibrate.experts as experts
 
     bench = _bench()
     steps = 20
@@ -205,13 +219,8 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
             ],
         )  # fmt: skip
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(  # 2 ranks with a core each, whatever this machine has
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
     # c = 25 us: 4 layers x 1000 excess pairs x 25 us = 0.1 s of a 1.0 s step -> ideal 1/0.9.
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
-    _fake_clock(monkeypatch, bench, [25e-6])
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6])
     args = bench.parse_args(["--settings", "skewed", "--steps", str(steps), "--repeats", "1"])
     line = bench.bench_setting("skewed", args, tmp_path)
     assert line["ideal_speedup"] == pytest.approx(1 / 0.9, abs=1e-4)
@@ -336,7 +345,6 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     the guard off; the first slot rotates static, auto, eplb. Static 1.0 s a step with loads
     3:1 (ideal 1/0.9 at c = 25 us), auto 0.95 s, EPLB 0.9 s: EPLB's speedup 1/0.9 is the whole
     gain, auto / EPLB 0.9/0.95 per round."""
-    import poise.calibrate.experts as experts
 
     bench = _bench()
     steps = 20
@@ -347,12 +355,7 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
         seen.append((cfg.policy, cfg.balance_guard, cfg.turns_slot))
         return _three_to_one(cfg.policy, steps, step_of[cfg.policy])
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
-    _fake_clock(monkeypatch, bench, [25e-6] * 3)
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 3)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3", "--peers", "eplb"]
     line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
     rounds = [sorted(seen[i : i + 3], key=lambda x: x[2]) for i in (0, 3, 6)]
@@ -376,7 +379,6 @@ def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) 
     """`--peers auto-link`: the third run trains `auto` with the host link (the guard on); its
     figures sit under `peers`, auto's own are the run without the link. Auto 0.95 s a step
     without the link and 0.92 s with it: auto / auto-link 0.92/0.95 per round."""
-    import poise.calibrate.experts as experts
 
     bench = _bench()
     steps = 20
@@ -387,12 +389,7 @@ def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) 
         step_s = 1.0 if cfg.policy == "static" else (0.92 if cfg.host_link else 0.95)
         return _three_to_one(cfg.policy, steps, step_s)
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
-    _fake_clock(monkeypatch, bench, [25e-6] * 2)
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
     line = bench.bench_setting(
         "skewed", bench.parse_args([*argv, "--peers", "auto-link"]), tmp_path
@@ -413,7 +410,6 @@ def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> No
     the guard off (static and auto keep `--replan-every` and their guard). Static 1.0 s a step,
     auto 0.95 s, free 0.9 s: auto's gain share of the measured ideal is (1/0.95 - 1) / (1/0.9 -
     1) = 0.474 in every round."""
-    import poise.calibrate.experts as experts
 
     bench = _bench()
     steps = 20
@@ -424,12 +420,7 @@ def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> No
         step_s = {"static": 1.0, "auto": 0.95, "eplb": 0.9}[cfg.policy]
         return _three_to_one(cfg.policy, steps, step_s)
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
-    _fake_clock(monkeypatch, bench, [25e-6] * 2)
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2", "--peers", "free"]
     line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
     assert sorted(set(seen)) == [
@@ -461,7 +452,6 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
     """In turns, round r's ideal uses the c its own clock timed: static 1.0 s a step with loads
     3:1 (4 layers x 1000 excess pairs) at c = 20, 30, 40 us gives ideals 1/0.92, 1/0.88,
     1/0.84; the timings alone before and after (99 us) are reported, not used."""
-    import poise.calibrate.experts as experts
 
     bench = _bench()
     steps = 20
@@ -469,12 +459,7 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
     def fake_train(cfg, world: int):
         return _three_to_one(cfg.policy, steps, 1.0 if cfg.policy == "static" else 0.95)
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 99e-6})
-    _fake_clock(monkeypatch, bench, [20e-6, 30e-6, 40e-6])
+    _fake_machine(monkeypatch, bench, fake_train, [20e-6, 30e-6, 40e-6], c_alone=99e-6)
     argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3"]
     line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
     assert line["ideal_speedup_runs"] == pytest.approx([1 / 0.92, 1 / 0.88, 1 / 0.84], abs=1e-4)
@@ -489,7 +474,6 @@ def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path
     read as YAML), static's the defaults; the line lists them; a pair without `=` or with an
     unknown key is a usage error, and a bad value is `TrainConfig`'s own error, naming the
     field."""
-    import poise.calibrate.experts as experts
     from poise.core.errors import ConfigError
 
     bench = _bench()
@@ -499,12 +483,7 @@ def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path
         seen[cfg.policy] = (cfg.probe_every, cfg.predictor)
         return _three_to_one(cfg.policy, 20, 1.0 if cfg.policy == "static" else 0.95)
 
-    monkeypatch.setattr(bench, "train", fake_train)
-    monkeypatch.setattr(
-        "poise.runtime.plan_inputs.shared_cores", lambda world, on_host, threads=None: 0.0
-    )
-    monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
-    _fake_clock(monkeypatch, bench, [25e-6])
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6])
     argv = ["--settings", "skewed", "--steps", "20", "--repeats", "1",
             "--auto-set", "probe_every=0", "--auto-set", "predictor=last"]  # fmt: skip
     line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
