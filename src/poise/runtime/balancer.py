@@ -111,7 +111,7 @@ from poise.runtime.records import (
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
 from poise.runtime.transfer_group import transfer_group as own_transfer_group
-from poise.runtime.untimed import UNTIMED, UntimedWindows
+from poise.runtime.untimed import UNTIMED, UntimedWindows, free_settings
 from poise.runtime.verdict import MIN_PROBES, Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
@@ -235,14 +235,7 @@ class Balancer(PlanCycle):
         total_steps: int | None = None,
         free_balancing: bool = False,
     ) -> None:
-        if free_balancing and guard:
-            raise ConfigError(
-                "free balancing leaves the transfers unpaid, so the guard's prices would be "
-                "wrong: turn the guard off",
-                field="free_balancing",
-            )
-        if free_balancing:  # everything balancing pays for at the boundary, left out of time
-            overlap, plan_lag = False, 0
+        overlap, plan_lag = free_settings(free_balancing, guard, overlap, plan_lag)
         if replan_every < 1:
             raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
         if probe_every == 1 or probe_every < 0:

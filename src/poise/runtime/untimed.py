@@ -27,9 +27,25 @@ import time
 
 import torch.distributed as dist
 
+from poise.core.errors import ConfigError
 from poise.runtime.stats import StepStats
 
 UNTIMED = "untimed"  # a step's seconds left out of its time under free balancing
+
+
+def free_settings(free: bool, guard: bool, overlap: bool, plan_lag: int) -> tuple[bool, int]:
+    """The Balancer's `(overlap, plan_lag)` under free balancing (`free`): everything at the
+    boundary (`(False, 0)`); otherwise as given. Free balancing with the guard on is one
+    `ConfigError` naming `free_balancing`: the guard would price transfers nobody pays."""
+    if not free:
+        return overlap, plan_lag
+    if guard:
+        raise ConfigError(
+            "free balancing leaves the transfers unpaid, so the guard's prices would be "
+            "wrong: turn the guard off",
+            field="free_balancing",
+        )
+    return False, 0
 
 
 class UntimedWindows:
@@ -56,4 +72,4 @@ class UntimedWindows:
             stats.add_seconds(UNTIMED, time.perf_counter() - started)
 
 
-__all__ = ["UNTIMED", "UntimedWindows"]
+__all__ = ["UNTIMED", "UntimedWindows", "free_settings"]
