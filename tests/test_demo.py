@@ -329,7 +329,13 @@ def test_demo_sim_cases_have_experts_at_least_devices(
     """Every simulated cluster of the demo has at least as many experts as devices; with the
     shared data the real routing is there (SmartMoE-AE, OLMoE, 256 experts top-8 on 64 and 256
     H100 in the full demo); without it only the run's own trace is, and `missing` says what."""
-    from poise.commands.demo_sims import SPLIT, find_shared_data, sim_cases, split_experts
+    from poise.commands.demo_sims import (
+        SPLIT,
+        find_shared_data,
+        sim_cases,
+        split_experts,
+        split_parents,
+    )
     from poise.core.presets import get_cluster
 
     if found and find_shared_data(None) is None:
@@ -349,13 +355,39 @@ def test_demo_sim_cases_have_experts_at_least_devices(
         dsv3 = cases.cases[-1]
         assert (dsv3.spec.experts, dsv3.spec.top_k) == (256, 8)
         olmoe = cases.cases[2].trace
-        # Splitting conserves every count.
+        # Splitting conserves every count: each coarse expert's is the sum of its parts'.
         fine = split_experts(olmoe, SPLIT)
-        np.testing.assert_array_equal(
-            fine.counts.reshape(*olmoe.counts.shape, SPLIT).sum(axis=-1), olmoe.counts
-        )
+        np.testing.assert_array_equal(fine.counts, dsv3.trace.counts[: fine.steps])
+        parents = split_parents(olmoe.layers, olmoe.experts, SPLIT)
+        for layer in range(olmoe.layers):
+            summed = np.zeros_like(olmoe.counts[:, layer])
+            np.add.at(summed.T, parents[layer], fine.counts[:, layer].T)
+            np.testing.assert_array_equal(summed, olmoe.counts[:, layer])
     else:
         assert keys == ["own"] and len(cases.missing) == 2
+
+
+def test_split_experts_numbers_the_parts_apart() -> None:
+    """A hot expert's parts are not numbered side by side: in a layer, no block of `parts`
+    consecutive fine experts (what static EP puts on one device) holds one expert's parts
+    alone, each layer is numbered its own way, and every part's count is its parent's share
+    (a hand-made trace: expert 0 takes every token)."""
+    from poise.commands.demo_sims import split_experts, split_parents
+
+    parents = split_parents(layers=3, experts=64, parts=4)
+    assert parents.shape == (3, 256)
+    for layer in parents:
+        assert np.array_equal(np.bincount(layer, minlength=64), np.full(64, 4))
+        blocks = layer.reshape(64, 4)
+        assert not np.any((blocks == blocks[:, :1]).all(axis=1))
+    assert not np.array_equal(parents[0], parents[1])
+    counts = np.zeros((2, 3, 1, 64), dtype=np.int64)
+    counts[:, :, :, 0] = 1000
+    fine = split_experts(Trace(counts, np.arange(2), 1, 1000, name="hot"), 4)
+    for layer in range(3):
+        hot = np.flatnonzero(fine.counts[0, layer, 0])
+        assert set(hot) <= set(np.flatnonzero(parents[layer] == 0))
+        assert fine.counts[0, layer, 0].sum() == 1000
 
 
 def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -115,6 +115,30 @@ def test_background_planning_applies_each_plan_when_it_is_ready() -> None:
     np.testing.assert_allclose(auto.step_s, auto.layer_s.sum(axis=1) + auto.plan_s)
 
 
+def test_background_planning_pays_the_first_moves_from_the_static_homes() -> None:
+    """Beside training, step 0 runs the static placement, so the first plan's re-homing is
+    paid where it takes effect, as the live Balancer (which starts from the static homes)
+    pays it: bytes moved there = the plan's steady Trans + Agg plus one `migration_bytes` per
+    (layer, expert) whose home differs from the static one. Inline, the first plan is the
+    layout training starts with and moves nothing."""
+    trace = drift_trace(steps=4, devices=8, experts=16)
+    spec = toy_spec(experts=16, layers=2, d_model=256, d_expert=512, tokens=512)
+    cluster = toy_cluster(4, 2, bw=5e6, inter_bw=2e5, lat=1e-3, flops=1e9)  # plans in time
+    args = (trace, cluster, spec, ["static", "eplb"], "sync", 10, "ema")
+    bg = simulate(*args, count_planning=False, background_planning=True).runs["eplb"]
+    plan = bg.last_plan  # made at step 0 (uniform forecast), in force from step 1
+    static_home = np.repeat(np.arange(8), 2)  # 16 experts, 2 per device, in blocks
+    moved = int((plan.placement.home != static_home[None, :]).sum())
+    assert moved > 0  # EPLB lays uniform loads out otherwise than in blocks
+    assert bg.bytes_moved[0] == 0.0
+    assert bg.bytes_moved[1] == pytest.approx(
+        plan.transfers.total_step_bytes + moved * spec.migration_bytes
+    )
+    assert bg.phases["migrate_s"][1].sum() > 0 and bg.phases["migrate_s"][2].sum() == 0
+    inline = simulate(*args, count_planning=False).runs["eplb"]
+    assert inline.phases["migrate_s"].sum() == 0
+
+
 def test_auto_prices_no_step_past_the_end_of_the_trace() -> None:
     """The replay caps `auto`'s horizon at the steps its plan can serve: the last re-plan of
     a 12-step trace (at step 10) serves steps 10 and 11 inline, only 11 beside training; a

@@ -109,9 +109,21 @@ def find_shared_data(explicit: str | None) -> Path | None:
     return None
 
 
+def split_parents(layers: int, experts: int, parts: int, seed: int = 0) -> np.ndarray:
+    """Which coarse expert each fine-grained expert comes from when each of `experts` is split
+    into `parts`: `[L, experts * parts]`, every coarse expert `parts` times per layer, in an
+    order drawn at random per layer (seeded). A trained DeepSeekMoE's expert numbers say nothing
+    of its load, so a hot expert's parts are not numbered side by side; numbered so, static
+    EP's contiguous blocks would put them all on one device and flatter every balancer."""
+    rng = np.random.default_rng([seed, 1])
+    base = np.repeat(np.arange(experts), parts)  # [E * P]
+    return np.stack([rng.permutation(base) for _ in range(layers)])
+
+
 def split_experts(trace: Any, parts: int, seed: int = 0) -> Any:
-    """`trace` with every expert split into `parts` fine-grained experts (expert e becomes
-    e * parts .. e * parts + parts - 1), as DeepSeekMoE segments its experts; top-k kept.
+    """`trace` with every expert split into `parts` fine-grained experts, as DeepSeekMoE
+    segments its experts; top-k kept. Fine expert j of layer l comes from coarse expert
+    `split_parents(L, E, parts, seed)[l, j]` (numbered at random per layer).
 
     Each expert's count is shared among its parts by fixed weights per (layer, expert), drawn
     once from Dirichlet(4) (the parts of a hot expert stay hot together, unevenly), by the
@@ -130,10 +142,19 @@ def split_experts(trace: Any, parts: int, seed: int = 0) -> Any:
     order = np.argsort(-(exact - out), axis=-1, kind="stable")
     rank = np.argsort(order, axis=-1, kind="stable")
     out += rank < short[..., None]
+    grouped = out.reshape(S, L, D, E * parts)  # fine expert e * parts + p, parent e
+    parents = split_parents(L, E, parts, seed)  # [L, E * P]
+    fine = np.empty_like(grouped)
+    for layer in range(L):
+        # the k-th fine expert numbered with parent e takes e's k-th part
+        grouped_index = np.empty(E * parts, dtype=np.int64)
+        for e in range(E):
+            grouped_index[parents[layer] == e] = e * parts + np.arange(parts)
+        fine[:, layer] = grouped[:, layer][..., grouped_index]
     meta = dict(trace.meta)
     meta["split_experts"] = parts
     return Trace(
-        out.reshape(S, L, D, E * parts),
+        fine,
         trace.step_ids,
         trace.top_k,
         trace.tokens_per_device,
@@ -277,7 +298,9 @@ def sim_cases(own: Any, data_dir: str | None, *, quick: bool, sim_steps: int) ->
                     "256-expert routing is at hand, so OLMoE's real routing above is split "
                     f"as DeepSeekMoE segments experts: each of the 64 experts into {SPLIT}, "
                     "its tokens shared among them by fixed random weights (Dirichlet(4) per "
-                    "layer and expert), top-8 kept.",
+                    "layer and expert), top-8 kept, and the 256 numbered at random per layer "
+                    "(a trained model's expert numbers say nothing of load: numbered side by "
+                    "side, a hot expert's parts would share one device under static EP).",
                 )
             )
     else:
@@ -295,4 +318,5 @@ __all__ = [
     "one_batch",
     "sim_cases",
     "split_experts",
+    "split_parents",
 ]

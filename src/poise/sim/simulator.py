@@ -12,9 +12,10 @@
 - `background_planning=True` models a planner beside training, as the runtime's `Balancer`
   plans in a worker process: the plan made at step s, from the same forecast, runs during
   steps s, s + 1, ... and takes effect at the first step boundary after it is ready (step s + 1
-  at the earliest; step 0 runs the static placement), so nothing is charged, except when the
-  next re-plan comes before it is ready: that boundary waits for it (the rest of its planning
-  time is charged there) and puts it in force;
+  at the earliest; step 0 runs the static placement, which the first plan moves from and pays
+  for, where inline the first plan is the layout training starts with), so nothing is
+  charged, except when the next re-plan comes before it is ready: that boundary waits for it
+  (the rest of its planning time is charged there) and puts it in force;
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
@@ -397,6 +398,9 @@ class _PolicyReplay:
         self.active: tuple[PlanPricer, Plan] | None = None
         if start is not None:  # background planning: step 0 runs the static placement
             self.active = (cost.pricer(start.placement, start.assignment), start)
+            # and the first plan is made with it in force: its moves from the static homes
+            # are paid, as the live Balancer, which starts from them, pays them
+            self.plan = start
 
     def _activate(self, plan: Plan, s: int) -> np.ndarray:
         """Put `plan` in force at step `s`; its migrations, paid at `s`."""
