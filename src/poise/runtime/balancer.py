@@ -82,7 +82,6 @@ from torch import nn
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.moe import find_moe_layers
 from poise.nn.slots import slot_maps
@@ -96,7 +95,7 @@ from poise.runtime.host_link import HostLink
 from poise.runtime.layer_moves import LayerMoves
 from poise.runtime.layer_state import LayerState, expert_params
 from poise.runtime.plan_cycle import PlanCycle, PlanMismatchError
-from poise.runtime.plan_inputs import default_cluster, ranks_on_host, spec_from_layers
+from poise.runtime.plan_inputs import default_cluster, prior_cluster, spec_from_layers
 from poise.runtime.planner import BackgroundPlanner
 from poise.runtime.planning_job import run_job
 from poise.runtime.probe import start_up_probes
@@ -115,6 +114,31 @@ from poise.runtime.untimed import UNTIMED, UntimedWindows, free_settings
 from poise.runtime.verdict import MIN_PROBES, Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
+
+
+def check_settings(
+    policy: str,
+    replan_every: int,
+    plan_lag: int,
+    probe_every: int,
+    max_probes: int,
+    total_steps: int | None,
+) -> None:
+    """The Balancer's settings that no tensor is needed to judge: one `ConfigError` naming the
+    field for the first that is out of range (an unknown policy: `get_policy`'s)."""
+    if replan_every < 1:
+        raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
+    if probe_every == 1 or probe_every < 0:
+        raise ConfigError(f"must be 0 (off) or >= 2, got {probe_every}", field="probe_every")
+    if max_probes < 1:
+        raise ConfigError(f"must be >= 1, got {max_probes}", field="max_probes")
+    if total_steps is not None and total_steps < 0:
+        raise ConfigError(f"must be >= 0, got {total_steps}", field="total_steps")
+    if not 0 <= plan_lag <= replan_every:
+        raise ConfigError(
+            f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
+        )
+    get_policy(policy)  # unknown names fail here
 
 
 class Balancer(PlanCycle):
@@ -236,19 +260,7 @@ class Balancer(PlanCycle):
         free_balancing: bool = False,
     ) -> None:
         overlap, plan_lag = free_settings(free_balancing, guard, overlap, plan_lag)
-        if replan_every < 1:
-            raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
-        if probe_every == 1 or probe_every < 0:
-            raise ConfigError(f"must be 0 (off) or >= 2, got {probe_every}", field="probe_every")
-        if max_probes < 1:
-            raise ConfigError(f"must be >= 1, got {max_probes}", field="max_probes")
-        if total_steps is not None and total_steps < 0:
-            raise ConfigError(f"must be >= 0, got {total_steps}", field="total_steps")
-        if not 0 <= plan_lag <= replan_every:
-            raise ConfigError(
-                f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
-            )
-        get_policy(policy)  # unknown names fail here
+        check_settings(policy, replan_every, plan_lag, probe_every, max_probes, total_steps)
         modules = find_moe_layers(model)
         if not modules:
             raise ConfigError("the model has no poise.nn.MoE layer", field="model")
@@ -264,19 +276,8 @@ class Balancer(PlanCycle):
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [LayerState(m, i) for i, m in enumerate(modules)]
         self.slots = self._slots()
-        if isinstance(cluster, str):
-            cluster = get_cluster(cluster)
         on_cpu = self.layers[0].params[0].device.type == "cpu"
-        local = None  # CPU processes on this host share its cores
-        if on_cpu and dist.is_initialized():
-            local = ranks_on_host(dist.get_world_size())
-        self.cluster = cluster or default_cluster(self.world_size, ranks_on_host=local)
-        if self.cluster.num_devices != self.world_size:
-            raise ConfigError(
-                f"cluster has {self.cluster.num_devices} devices but {self.world_size} ranks run",
-                source=self.cluster.name,
-                field="cluster",
-            )
+        self.cluster = prior_cluster(cluster, self.world_size, on_cpu)
         self.fitted_cluster = self.cluster
         self.fit = selfcal.Fit()
         self.calibrate = calibrate

@@ -9,10 +9,11 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
-from poise.core.presets import PRESETS
+from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE
 
@@ -35,6 +36,25 @@ def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluste
         return base
     host = dataclasses.replace(base.host, shared_cores=shared)
     return dataclasses.replace(base, name=f"{base.name}-on-{shared:g}-cores", host=host)
+
+
+def prior_cluster(cluster: Cluster | str | None, world_size: int, on_cpu: bool) -> Cluster:
+    """The cluster plans are priced on before the run fits its own constants: `cluster` (a
+    preset's name or a `Cluster`), else `default_cluster` for `world_size` ranks (CPU processes
+    of one host sharing its cores); a cluster of another size than the run is a `ConfigError`."""
+    if isinstance(cluster, str):
+        cluster = get_cluster(cluster)
+    local = None  # CPU processes on this host share its cores
+    if on_cpu and dist.is_initialized():
+        local = ranks_on_host(dist.get_world_size())
+    prior = cluster or default_cluster(world_size, ranks_on_host=local)
+    if prior.num_devices != world_size:
+        raise ConfigError(
+            f"cluster has {prior.num_devices} devices but {world_size} ranks run",
+            source=prior.name,
+            field="cluster",
+        )
+    return prior
 
 
 def ranks_on_host(world_size: int) -> int:
@@ -97,6 +117,7 @@ _COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.flo
 
 __all__ = [
     "default_cluster",
+    "prior_cluster",
     "ranks_on_host",
     "shared_cores",
     "spec_from_layers",
