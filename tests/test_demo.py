@@ -530,3 +530,36 @@ def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
         {"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6, "modelled_clock_s": 0.0456}
     )
     assert "predicted +45.6 ms a step" in text
+
+
+def test_sim_note_says_when_autos_plans_came_later() -> None:
+    """A replay beside training where `auto`'s planning (every policy's plan priced) takes
+    longer than eplb's: its plans take effect later, and the table's note says so with the
+    delays the replay recorded; inline, where every plan is in force at once, it says
+    nothing of delays."""
+    from poise.commands.demo_report import sim_note
+    from poise.sim.simulator import simulate
+    from poise.trace.generate import generate
+
+    from .helpers import toy_cluster, toy_spec
+
+    trace = generate(
+        "drift", steps=8, layers=2, devices=8, experts=8, top_k=2, tokens_per_device=512,
+        seed=3, s=1.5, rate=0.15,
+    )  # fmt: skip
+    spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
+    # steps of nanoseconds: no plan is ready before the next re-plan waits for it
+    fast = toy_cluster(4, 2, bw=5e12, inter_bw=2e12, lat=1e-9, flops=1e18)
+    args = (trace, fast, spec, ["static", "eplb", "auto"], "sync", 2, "ema")
+    result = simulate(*args, background_planning=True)
+    auto, eplb = result.runs["auto"], result.runs["eplb"]
+    assert auto.plan_delays == [2, 2, 2] and eplb.plan_delays == [2, 2, 2]
+    auto.plan_delays[:] = [3, 3, 3]  # as if auto's plans had come a step later than eplb's
+    for name, ms in (("static", 10.0), ("eplb", 5.0), ("auto", 8.0)):  # eplb the fastest
+        result.runs[name].step_s = np.full(8, ms * 1e-3)
+    note = sim_note(result)
+    assert "The fastest here is eplb (5.00 ms, 2.00x): auto is 1.60x its step." in note
+    assert "auto's plans took effect 3.0 steps after their request on average, eplb's 2.0" in note
+    inline = simulate(*args)
+    assert inline.runs["auto"].plan_delays == [0, 0, 0, 0]
+    assert "took effect" not in sim_note(inline)

@@ -97,6 +97,8 @@ def test_background_planning_applies_each_plan_when_it_is_ready() -> None:
     np.testing.assert_allclose(bg.phases["migrate_s"][3], il.phases["migrate_s"][2])
     assert not np.allclose(bg.layer_s[2], il.layer_s[2])
     assert np.all(bg.plan_s == 0) and np.all(bg.plan_charge_s == 0)  # always ready in time
+    # each plan in force from the step after its request (made at 0, 2, 4), inline at once
+    assert bg.plan_delays == [1, 1, 1] and il.plan_delays == [0, 0, 0]
     # Steps of nanoseconds: no plan is ready before the next re-plan, which waits for it:
     # charged the planning seconds the two steps since did not cover, and the plan in force
     # from that step on (the plan made at 2 is not in force at 3, it is at 4).
@@ -110,6 +112,9 @@ def test_background_planning_applies_each_plan_when_it_is_ready() -> None:
         expected = auto.plan_wall_s[s - 2] - priced[s - 2] - priced[s - 1]
         assert auto.plan_s[s] == pytest.approx(expected) and expected > 0
     assert auto.plan_s[[0, 1, 3, 5]].tolist() == [0.0] * 4
+    # the plans of 0 and 2 took effect where the next re-plan waited for them; that of 4
+    # was never ready before the trace ended
+    assert auto.plan_delays == [2, 2] and auto.mean_plan_delay == 2.0
     np.testing.assert_allclose(auto.layer_s[3], static.layer_s[3])  # the plan of 2 not yet
     assert not np.allclose(auto.layer_s[4], static.layer_s[4])  # in force once waited for
     np.testing.assert_allclose(auto.step_s, auto.layer_s.sum(axis=1) + auto.plan_s)

@@ -98,6 +98,9 @@ class PolicyRun:
     bytes_moved: np.ndarray
     device_load: np.ndarray  # [S, D] tokens per device summed over layers
     plan_ms: list[float] = field(default_factory=list)  # per re-plan: ms per layer
+    # per plan put in force: the steps from its request to the step it took effect at (0
+    # inline; 1 at the earliest beside training)
+    plan_delays: list[int] = field(default_factory=list)
     last_plan: Plan | None = None
     host_phases: dict[str, np.ndarray] = field(default_factory=dict)
     outside_s: dict[str, np.ndarray] = field(default_factory=dict)
@@ -109,6 +112,11 @@ class PolicyRun:
     @property
     def plan_ms_per_layer(self) -> float:
         return float(np.mean(self.plan_ms)) if self.plan_ms else 0.0
+
+    @property
+    def mean_plan_delay(self) -> float:
+        """Mean steps from a plan's request to the step it took effect at (0 with none)."""
+        return float(np.mean(self.plan_delays)) if self.plan_delays else 0.0
 
     def phase_totals(self) -> dict[str, float]:
         """Mean seconds of work per step in each phase (summed over layers), as a step performs
@@ -153,6 +161,7 @@ class SimResult:
                     "bytes_moved_per_step": float(r.bytes_moved.mean()),
                     "planning_s_per_step": float(r.plan_s.mean()),
                     "plan_ms_per_layer": r.plan_ms_per_layer,
+                    "plan_delay_steps": r.mean_plan_delay,
                 }
             )
         return rows
@@ -394,6 +403,7 @@ class _PolicyReplay:
         self.background = start is not None
         self.plan: Plan | None = None  # the last plan made (`previous` of the next)
         self.pending: Plan | None = None  # made in the background, not yet in force
+        self.pending_since = 0  # the step it was requested at
         self.pending_left_s = 0.0  # its planning seconds still to run
         self.active: tuple[PlanPricer, Plan] | None = None
         if start is not None:  # background planning: step 0 runs the static placement
@@ -402,9 +412,11 @@ class _PolicyReplay:
             # are paid, as the live Balancer, which starts from them, pays them
             self.plan = start
 
-    def _activate(self, plan: Plan, s: int) -> np.ndarray:
-        """Put `plan` in force at step `s`; its migrations, paid at `s`."""
+    def _activate(self, plan: Plan, s: int, requested: int) -> np.ndarray:
+        """Put `plan`, requested at step `requested`, in force at step `s`; its migrations,
+        paid at `s`."""
         self.active = (self.cost.pricer(plan.placement, plan.assignment), plan)
+        self.run.plan_delays.append(s - requested)
         self.run.bytes_moved[s] += plan.transfers.migrate_bytes.sum()
         return plan.transfers.migrations
 
@@ -416,7 +428,7 @@ class _PolicyReplay:
         if self.pending is not None and step.loads is not None:
             waited, self.pending_left_s = max(0.0, self.pending_left_s), 0.0
         if self.pending is not None and self.pending_left_s <= 0.0:  # ready: in force now
-            migrations = self._activate(self.pending, s)
+            migrations = self._activate(self.pending, s, self.pending_since)
             self.pending = None
         wall = 0.0
         if step.loads is not None and step.ctx is not None:
@@ -427,9 +439,9 @@ class _PolicyReplay:
             run.plan_wall_s[s] = wall
             run.plan_ms.append(wall * 1e3 / step.loads.shape[0])
             if self.background:
-                self.pending, self.pending_left_s = plan, wall
+                self.pending, self.pending_left_s, self.pending_since = plan, wall, s
             else:
-                migrations = self._activate(plan, s)
+                migrations = self._activate(plan, s, s)
         assert self.active is not None
         pricer, in_force = self.active
         priced = pricer.price(step.actual, migrations)
