@@ -42,9 +42,14 @@ Per run, the first `replan_every + 2` steps are warm-up; over the rest,
 `tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
 with their full cost; a step's seconds leave out the turns it waited). A round is one static
 and one auto run; the machine's speed drifts between rounds by more than balance changes a
-step (other processes, frequency), so the speedup is paired: `speedup` = the median over
-rounds of auto_tok_s / static_tok_s of the same round. `static_tok_s`, `auto_tok_s` are the
-medians over the rounds, and `speedup_of_medians` their ratio, for comparison.
+step (other processes, frequency), so the speedup is paired: per round auto_tok_s /
+static_tok_s of the same round (`speedup_rounds`), and going first costs a run a few per cent
+on shared cores (static against static on `skewed-4`: 1.023 and 0.964 by order), so `speedup`
+is `poise.report.ideal.position_balanced` of them: the geometric mean of the median ratio of
+the rounds where auto ran second (`auto_second_rounds`) and of those where it ran first (the
+median of all rounds with `--repeats 1`); a peer's speedup alike. `speedup_median` is the plain
+median over rounds (the judged figure before this), `static_tok_s`, `auto_tok_s` the medians
+over the rounds, and `speedup_of_medians` their ratio, for comparison.
 With more `--steps` than `--window` (default 100), `windows` also gives the speedup, ideal and
 gain fraction of each window of that many steps (`window_figures`): a run from scratch spends
 its first tens of steps in the router's warm-up, where loads move faster than plans follow,
@@ -367,7 +372,7 @@ def window_figures(
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
-    from poise.report.ideal import ideal_of, judge, shed_pairs_worth
+    from poise.report.ideal import ideal_of, judge, position_balanced, shed_pairs_worth
     from poise.runtime.plan_inputs import shared_cores
 
     world, model_args = SETTINGS[name]
@@ -382,8 +387,10 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     # the side called "auto" runs `static` too with --identical: the instrument's own spread
     policy_of = {side: PEERS[side][0] if side in PEERS else side for side in sides}
     policy_of["auto"] = "static" if args.identical else "auto"
+    orders: list[tuple[str, ...]] = []  # per round, the sides in the order they ran
     for r in range(args.repeats):
         order = tuple(sides[r % len(sides) :] + sides[: r % len(sides)])  # who starts rotates
+        orders.append(order)
         cfgs = {
             side: run_config(
                 policy_of[side], root / f"{name}-{r}-{side}", args.steps, model_args=model_args,
@@ -434,7 +441,8 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     static_tok_s = statistics.median(static_tok)
     auto_tok_s = statistics.median(auto_tok)
     paired = [a / b for a, b in zip(auto_tok, static_tok, strict=True)]  # per round
-    speedup = statistics.median(paired)
+    auto_second = [o.index("auto") > o.index("static") for o in orders]
+    speedup = position_balanced(paired, auto_second)
     ideal_speedup = statistics.median(i["ideal_speedup"] for i in ideals)
     verdict = judge(speedup, ideal_speedup)
     # Cross-check of c from the runs: rank 0's forward expert seconds against its own load,
@@ -461,8 +469,10 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "static_tok_s": round(static_tok_s, 1),
         "auto_tok_s": round(auto_tok_s, 1),
         "speedup": round(speedup, 4),
+        "speedup_median": round(statistics.median(paired), 4),
         "speedup_of_medians": round(auto_tok_s / static_tok_s, 4),
         "speedup_rounds": [round(x, 4) for x in paired],
+        "auto_second_rounds": auto_second,
         "ideal_speedup": round(ideal_speedup, 4),
         "gain_fraction": verdict["gain_fraction"],
         "target_met": verdict["target_met"],
@@ -526,7 +536,14 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "auto_decisions": [decisions_text(x) for x in runs["auto"]],
         # peers in the same turns: their speedup over static and auto's over them, per round
         "peers": {
-            peer: peer_figures(runs[peer], runs["static"], runs["auto"], ideal_speedup, skip)
+            peer: peer_figures(
+                runs[peer],
+                runs["static"],
+                runs["auto"],
+                ideal_speedup,
+                skip,
+                [o.index(peer) > o.index("static") for o in orders],
+            )
             for peer in args.peers
         },
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -534,20 +551,26 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
 
 
 def peer_figures(
-    peer: list[Any], static: list[Any], auto: list[Any], ideal_speedup: float, skip: int
+    peer: list[Any],
+    static: list[Any],
+    auto: list[Any],
+    ideal_speedup: float,
+    skip: int,
+    second: list[bool],
 ) -> dict[str, Any]:
-    """A peer policy's runs against the same rounds' static and auto runs: `speedup` (median
-    over rounds of peer / static tokens/s), its `gain_fraction` against the same ideal,
+    """A peer policy's runs against the same rounds' static and auto runs: `speedup` (peer /
+    static tokens/s per round, `position_balanced` by `second[r]`: whether the peer ran after
+    static in round r), its `gain_fraction` against the same ideal,
     `auto_over_peer` (median over rounds of auto / peer), `auto_gain_share` (median over
     rounds of auto's gain over static as a share of the peer's: against `free`, auto's gain
     fraction of the measured ideal), the peer's slowest/mean load and its plan changes per
     run."""
-    from poise.report.ideal import judge
+    from poise.report.ideal import judge, position_balanced
 
     peer_tok = [tok_s(x, skip) for x in peer]
     over_static = [p / tok_s(s, skip) for p, s in zip(peer_tok, static, strict=True)]
     auto_over = [tok_s(a, skip) / p for a, p in zip(auto, peer_tok, strict=True)]
-    speedup = statistics.median(over_static)
+    speedup = position_balanced(over_static, second)
     # auto's gain over static as a share of the peer's, per round (None where the peer gained
     # nothing): against `free`, auto's gain fraction of the measured ideal
     shares = [

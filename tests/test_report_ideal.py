@@ -3,6 +3,7 @@ numbers; `benchmarks/train_speedup.py` judges by it (its JSON line, with trainin
 
 from __future__ import annotations
 
+import statistics
 from types import SimpleNamespace
 
 import numpy as np
@@ -181,6 +182,26 @@ def _fake_machine(
     _fake_clock(monkeypatch, bench, c_rounds)
 
 
+def test_position_balanced_cancels_the_cost_of_going_first() -> None:
+    """Identical runs where going first costs 3%: 5 rotated rounds hold auto second 3 times,
+    so the plain median reads the second slot's 1.03 as a gain; the balanced figure reads
+    sqrt(1.03 * 1 / 1.03) = 1. A true 2% gain under the same effect reads 1.02. One order
+    only: the median of the rounds. Mismatched lengths are an error."""
+    from poise.report.ideal import position_balanced
+
+    second = [True, False, True, False, True]
+    same = [1.03 if s else 1 / 1.03 for s in second]
+    assert statistics.median(same) == pytest.approx(1.03)
+    assert position_balanced(same, second) == pytest.approx(1.0)
+    gain = [1.02 * r for r in same]
+    assert position_balanced(gain, second) == pytest.approx(1.02)
+    assert position_balanced([0.9, 1.1, 1.0], [True, True, True]) == pytest.approx(1.0)
+    # each order's median, not its mean: one stalled round of three does not carry the class
+    assert position_balanced([1.0, 0.5, 1.0, 1.0], [True, True, True, False]) == 1.0
+    with pytest.raises(ValueError):
+        position_balanced([1.0, 1.0], [True])
+
+
 def test_train_speedup_settings_all() -> None:
     bench = _bench()
     args = bench.parse_args(["--settings", "all"])
@@ -245,9 +266,11 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     """Three rounds whose machine speed differs: static 1.0, 1.2, 1.1 s per step, auto 0.9, 1.2,
-    1.15. Per round auto/static = 1.111, 1.0, 0.957: the paired median is 1.0, where the ratio
-    of the medians (1.1 / 1.15 = 0.957) pairs auto's slow round with static's middle one. Four
-    ranks sharing 2 cores' worth: the ideal is `ideal_of`'s with cores=2."""
+    1.15. Per round auto/static = 1.111, 1.0, 0.957, auto second in rounds 0 and 2: the
+    position-balanced speedup is sqrt(median(1.111, 0.957) * 1.0) = 1.0168 and the plain median
+    1.0, where the ratio of the medians (1.1 / 1.15 = 0.957) pairs auto's slow round with
+    static's middle one. Four ranks sharing 2 cores' worth: the ideal is `ideal_of`'s with
+    cores=2."""
     import poise.calibrate.experts as experts
     import poise.runtime.plan_inputs as plan_inputs
 
@@ -282,7 +305,9 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     line = bench.bench_setting("skewed-4", args, tmp_path)
     assert seen == {"static": 3, "auto": 3}
     assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
-    assert line["speedup"] == pytest.approx(1.0, abs=1e-4)
+    assert line["auto_second_rounds"] == [True, False, True]
+    assert line["speedup"] == pytest.approx(((1 / 0.9 + 1.1 / 1.15) / 2) ** 0.5, abs=1e-4)
+    assert line["speedup_median"] == pytest.approx(1.0, abs=1e-4)
     assert line["speedup_of_medians"] == pytest.approx(1.1 / 1.15, abs=1e-4)
     # Per layer max(4000, 7000 / 2) - max(1750, 3500) = 500 pairs x 25 us x 4 layers = 50 ms.
     assert line["shared_cores"] == 2.0
@@ -373,6 +398,28 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     assert peer["plan_changes"] == [3, 3, 3] and peer["max_over_mean"] == 1.0
     assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)  # auto's own figures unchanged
     assert bench.parse_args(["--settings", "tiny"]).peers == []
+
+
+def test_train_speedup_balances_a_peers_order(monkeypatch, tmp_path) -> None:
+    """A peer's speedup is balanced by its own order against static: over rounds [static,
+    auto, eplb], [auto, eplb, static], [eplb, static, auto] EPLB runs after static once and
+    before it twice; where going first costs it 5% (0.9 s a step after static, 0.945 before),
+    its speedup is sqrt(1/0.9 * 1/0.945), not the median's 1/0.945."""
+    bench = _bench()
+    steps = 20
+    eplb_steps = iter([0.9, 0.945, 0.945])
+
+    def fake_train(cfg, world: int):
+        step = (
+            next(eplb_steps) if cfg.policy == "eplb" else {"static": 1.0, "auto": 0.95}[cfg.policy]
+        )
+        return _three_to_one(cfg.policy, steps, step)
+
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 3)
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "3", "--peers", "eplb"]
+    peer = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)["peers"]["eplb"]
+    assert peer["speedup_rounds"] == pytest.approx([1 / 0.9, 1 / 0.945, 1 / 0.945], abs=1e-4)
+    assert peer["speedup"] == pytest.approx((1 / (0.9 * 0.945)) ** 0.5, abs=1e-4)
 
 
 def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) -> None:

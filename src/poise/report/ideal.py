@@ -27,10 +27,25 @@ possible gain achieved. It is judged only where balance is worth something
 setting balancing must do no harm: `speedup >= NO_HARM` (0.99). `speedup / ideal_speedup`
 (`fraction_of_ideal`) is reported too but not judged: it rewards doing nothing when the ideal
 is small.
+
+The speedup judged is paired by rounds: each round runs static and auto side by side (in
+turns), and the one that goes first alternates. Going first is not neutral: static against
+static on `train_speedup.py`'s `skewed-4` (4 ranks on 2 cores) read 1.023 and 0.964 with the
+two orders (docs/benchmarks.md), a position effect as large as the margin judged. The median
+of an odd number of rounds holds one order once more than the other, so `position_balanced`
+takes the median ratio of each order and their geometric mean:
+
+    speedup = sqrt(median(r_i : auto ran second) * median(r_i : auto ran first))
+
+which cancels a constant factor for going first; with rounds of one order only it is their
+median.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -139,6 +154,24 @@ def shed_pairs_worth(
     }
 
 
+def position_balanced(ratios: Sequence[float], second: Sequence[bool]) -> float:
+    """The paired speedup over rounds with the order's effect cancelled (module docstring):
+    `ratios[i]` the round's auto / static, `second[i]` whether auto ran after static in it.
+
+    >>> round(position_balanced([1.03, 0.97, 1.03], [True, False, True]), 4)  # 1.03 * 0.97
+    0.9995
+    >>> position_balanced([1.03, 0.97, 1.03], [True, True, True])  # one order: the median
+    1.03
+    """
+    if len(ratios) != len(second) or not ratios:
+        raise ValueError(f"need one order per ratio, got {len(ratios)} and {len(second)}")
+    after = [r for r, s in zip(ratios, second, strict=True) if s]
+    before = [r for r, s in zip(ratios, second, strict=True) if not s]
+    if not after or not before:
+        return float(statistics.median(ratios))
+    return math.sqrt(statistics.median(after) * statistics.median(before))
+
+
 def judge(
     speedup: float,
     ideal_speedup: float,
@@ -187,6 +220,7 @@ __all__ = [
     "ideal_of",
     "judge",
     "measured_steps",
+    "position_balanced",
     "shed_pairs_worth",
     "tokens_per_s",
 ]
