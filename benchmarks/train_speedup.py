@@ -10,10 +10,12 @@ setting's expert shapes) on the Python standard library, no auxiliary loss, seed
 steps. A round runs static and auto at once, taking their steps in turns (`poise.train.turns`:
 static's step k, then auto's step k, then static's step k + 1, ...; each run's ranks sleep
 while the other's step runs, auto's planner is stopped then and its Trans has landed), so the
-machine's drift falls on both within a second; the run that goes first rotates from round to
-round (static in round 0, auto in round 1, then any peer). `--sequential` runs them one after
-the other instead, as before: on the shared 2-core machine identical static runs made one after
-the other differ by 10-15% in tokens/s, and identical runs in turns by about 1%
+machine's drift falls on both within a second; the order of the runs changes from round to
+round (`round_order`: static, auto[, peer], then reversed, then the next rotation and its
+reverse), so that over each pair of rounds every two runs swap their slots' distance.
+`--sequential` runs them one after the other instead, as before: on the shared 2-core machine
+identical static runs made one after the other differ by 10-15% in tokens/s, and identical runs
+in turns by about 1%
 (docs/benchmarks.md).
 `--peers eplb` runs DeepSeek's EPLB in the same turns as a third run of every round (the
 runtime's `eplb` policy, re-planned every `--replan-every` steps and adopted without a cost
@@ -369,6 +371,16 @@ def window_figures(
     return out
 
 
+def round_order(sides: list[str], r: int) -> tuple[str, ...]:
+    """The order of round `r`'s runs in their turns: `sides` rotated by `r // 2`, reversed in
+    odd rounds. Each pair of rounds puts every two sides at opposite slot distances (static,
+    auto, free then free, auto, static), so a cost of the slot cancels over the pair however
+    many sides run; with two sides the first slot alternates static, auto, auto, static."""
+    k = (r // 2) % len(sides)
+    order = sides[k:] + sides[:k]
+    return tuple(reversed(order) if r % 2 else order)
+
+
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
@@ -389,7 +401,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     policy_of["auto"] = "static" if args.identical else "auto"
     orders: list[tuple[str, ...]] = []  # per round, the sides in the order they ran
     for r in range(args.repeats):
-        order = tuple(sides[r % len(sides) :] + sides[: r % len(sides)])  # who starts rotates
+        order = round_order(sides, r)
         orders.append(order)
         cfgs = {
             side: run_config(

@@ -202,6 +202,22 @@ def test_position_balanced_cancels_the_cost_of_going_first() -> None:
         position_balanced([1.0, 1.0], [True])
 
 
+def test_train_speedup_round_orders_swap_every_pair_of_slots() -> None:
+    """Over each pair of rounds every two runs stand at opposite slot distances, with two
+    sides or three (a run two slots after static in one round is two before it in the next)."""
+    bench = _bench()
+    for sides in (["static", "auto"], ["static", "auto", "free"]):
+        for first in range(0, 6, 2):
+            a, b = bench.round_order(sides, first), bench.round_order(sides, first + 1)
+            assert sorted(a) == sorted(b) == sorted(sides)
+            for x in sides:
+                for y in sides:
+                    assert a.index(x) - a.index(y) == b.index(y) - b.index(x)
+    assert [bench.round_order(["static", "auto"], r)[0] for r in range(4)] == [
+        "static", "auto", "auto", "static",
+    ]  # fmt: skip
+
+
 def test_train_speedup_settings_all() -> None:
     bench = _bench()
     args = bench.parse_args(["--settings", "all"])
@@ -266,11 +282,11 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     """Three rounds whose machine speed differs: static 1.0, 1.2, 1.1 s per step, auto 0.9, 1.2,
-    1.15. Per round auto/static = 1.111, 1.0, 0.957, auto second in rounds 0 and 2: the
-    position-balanced speedup is sqrt(median(1.111, 0.957) * 1.0) = 1.0168 and the plain median
-    1.0, where the ratio of the medians (1.1 / 1.15 = 0.957) pairs auto's slow round with
-    static's middle one. Four ranks sharing 2 cores' worth: the ideal is `ideal_of`'s with
-    cores=2."""
+    1.15. Per round auto/static = 1.111, 1.0, 0.957, auto second in round 0 only (orders
+    static-auto, auto-static, auto-static): the position-balanced speedup is sqrt(1.111 *
+    median(1.0, 0.957)) = 1.0426 and the plain median 1.0, where the ratio of the medians
+    (1.1 / 1.15 = 0.957) pairs auto's slow round with static's middle one. Four ranks sharing
+    2 cores' worth: the ideal is `ideal_of`'s with cores=2."""
     import poise.calibrate.experts as experts
     import poise.runtime.plan_inputs as plan_inputs
 
@@ -305,8 +321,8 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     line = bench.bench_setting("skewed-4", args, tmp_path)
     assert seen == {"static": 3, "auto": 3}
     assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
-    assert line["auto_second_rounds"] == [True, False, True]
-    assert line["speedup"] == pytest.approx(((1 / 0.9 + 1.1 / 1.15) / 2) ** 0.5, abs=1e-4)
+    assert line["auto_second_rounds"] == [True, False, False]
+    assert line["speedup"] == pytest.approx((1 / 0.9 * (1.0 + 1.1 / 1.15) / 2) ** 0.5, abs=1e-4)
     assert line["speedup_median"] == pytest.approx(1.0, abs=1e-4)
     assert line["speedup_of_medians"] == pytest.approx(1.1 / 1.15, abs=1e-4)
     # Per layer max(4000, 7000 / 2) - max(1750, 3500) = 500 pairs x 25 us x 4 layers = 50 ms.
@@ -367,7 +383,8 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
 
 def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> None:
     """`--peers eplb`: a third run in each round's turns, trained with the `eplb` policy and
-    the guard off; the first slot rotates static, auto, eplb. Static 1.0 s a step with loads
+    the guard off; the order is static-auto-eplb, then reversed, then rotated (auto-eplb-static).
+    Static 1.0 s a step with loads
     3:1 (ideal 1/0.9 at c = 25 us), auto 0.95 s, EPLB 0.9 s: EPLB's speedup 1/0.9 is the whole
     gain, auto / EPLB 0.9/0.95 per round."""
 
@@ -386,8 +403,8 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
     rounds = [sorted(seen[i : i + 3], key=lambda x: x[2]) for i in (0, 3, 6)]
     assert [[p for p, _, _ in r] for r in rounds] == [
         ["static", "auto", "eplb"],
+        ["eplb", "auto", "static"],
         ["auto", "eplb", "static"],
-        ["eplb", "static", "auto"],
     ]
     guard = {p: g for p, g, _ in seen}
     assert guard == {"static": True, "auto": True, "eplb": False}
@@ -402,7 +419,7 @@ def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> N
 
 def test_train_speedup_balances_a_peers_order(monkeypatch, tmp_path) -> None:
     """A peer's speedup is balanced by its own order against static: over rounds [static,
-    auto, eplb], [auto, eplb, static], [eplb, static, auto] EPLB runs after static once and
+    auto, eplb], [eplb, auto, static], [auto, eplb, static] EPLB runs after static once and
     before it twice; where going first costs it 5% (0.9 s a step after static, 0.945 before),
     its speedup is sqrt(1/0.9 * 1/0.945), not the median's 1/0.945."""
     bench = _bench()
