@@ -381,6 +381,17 @@ def round_order(sides: list[str], r: int) -> tuple[str, ...]:
     return tuple(reversed(order) if r % 2 else order)
 
 
+def slots_balanced(orders: list[tuple[str, ...]]) -> bool:
+    """Whether every run took every slot of the turns equally often over `orders`. The slot
+    itself weighs: on `skewed-4` with three runs the last slot ran up to 4% faster whichever
+    run held it (docs/benchmarks.md), so only such a set of rounds cancels it; with two runs
+    any even number of rounds does, with three a multiple of six."""
+    sides = orders[0]
+    slots = range(len(sides))
+    per = [sum(o.index(side) == slot for o in orders) for side in sides for slot in slots]
+    return len(set(per)) == 1  # (a slot a run never took counts 0, others more)
+
+
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
@@ -431,6 +442,13 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
             + ", ".join(f"{p} {tok_s(done[p], skip):,.0f} tok/s" for p in order)
             + (f", c {clocked[-1]['c_s'] * 1e6:.1f} us" if clocked else "")
             + f" ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+        )
+    balanced = slots_balanced(orders)
+    if not balanced and not args.sequential:
+        print(
+            f"{name}: the runs did not take every slot of the turns equally often "
+            f"({args.repeats} rounds of {len(sides)} runs); the slot's cost is not cancelled",
             file=sys.stderr,
         )
     c_after = expert_seconds_per_token(*shape)["c_s"]
@@ -485,6 +503,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "speedup_of_medians": round(auto_tok_s / static_tok_s, 4),
         "speedup_rounds": [round(x, 4) for x in paired],
         "auto_second_rounds": auto_second,
+        "slots_balanced": balanced,
         "ideal_speedup": round(ideal_speedup, 4),
         "gain_fraction": verdict["gain_fraction"],
         "target_met": verdict["target_met"],

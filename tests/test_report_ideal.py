@@ -216,6 +216,13 @@ def test_train_speedup_round_orders_swap_every_pair_of_slots() -> None:
     assert [bench.round_order(["static", "auto"], r)[0] for r in range(4)] == [
         "static", "auto", "auto", "static",
     ]  # fmt: skip
+    # every run in every slot equally often: two runs over any even number of rounds, three
+    # over six (two rounds leave auto in the middle both times)
+    two, three = ["static", "auto"], ["static", "auto", "free"]
+    assert bench.slots_balanced([bench.round_order(two, r) for r in range(2)])
+    assert not bench.slots_balanced([bench.round_order(two, r) for r in range(3)])
+    assert not bench.slots_balanced([bench.round_order(three, r) for r in range(2)])
+    assert bench.slots_balanced([bench.round_order(three, r) for r in range(6)])
 
 
 def test_train_speedup_settings_all() -> None:
@@ -322,6 +329,7 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     assert seen == {"static": 3, "auto": 3}
     assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
     assert line["auto_second_rounds"] == [True, False, False]
+    assert line["slots_balanced"] is False  # auto first twice in three rounds
     assert line["speedup"] == pytest.approx((1 / 0.9 * (1.0 + 1.1 / 1.15) / 2) ** 0.5, abs=1e-4)
     assert line["speedup_median"] == pytest.approx(1.0, abs=1e-4)
     assert line["speedup_of_medians"] == pytest.approx(1.1 / 1.15, abs=1e-4)
