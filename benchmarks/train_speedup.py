@@ -12,7 +12,8 @@ static's step k, then auto's step k, then static's step k + 1, ...; each run's r
 while the other's step runs, auto's planner is stopped then and its Trans has landed), so the
 machine's drift falls on both within a second; the order of the runs changes from round to
 round (`round_order`: static, auto[, peer], then reversed, then the next rotation and its
-reverse), so that over each pair of rounds every two runs swap their slots' distance.
+reverse): with two runs each takes each slot over every pair of rounds, with a peer over six
+rounds (`slots_balanced` in the line; a note on stderr where the rounds do not balance them).
 `--sequential` runs them one after the other instead, as before: on the shared 2-core machine
 identical static runs made one after the other differ by 10-15% in tokens/s, and identical runs
 in turns by about 1%
@@ -374,8 +375,10 @@ def window_figures(
 def round_order(sides: list[str], r: int) -> tuple[str, ...]:
     """The order of round `r`'s runs in their turns: `sides` rotated by `r // 2`, reversed in
     odd rounds. Each pair of rounds puts every two sides at opposite slot distances (static,
-    auto, free then free, auto, static), so a cost of the slot cancels over the pair however
-    many sides run; with two sides the first slot alternates static, auto, auto, static."""
+    auto, free then free, auto, static); with two sides the first slot alternates static, auto,
+    auto, static, and every run takes every slot over each pair of rounds. With three, a cost
+    of the slot itself (the last ran fastest on `skewed-4`) cancels only over six rounds
+    (`slots_balanced`)."""
     k = (r // 2) % len(sides)
     order = sides[k:] + sides[:k]
     return tuple(reversed(order) if r % 2 else order)
