@@ -146,11 +146,8 @@ def split_experts(trace: Any, parts: int, seed: int = 0) -> Any:
     parents = split_parents(L, E, parts, seed)  # [L, E * P]
     fine = np.empty_like(grouped)
     for layer in range(L):
-        # the k-th fine expert numbered with parent e takes e's k-th part
-        grouped_index = np.empty(E * parts, dtype=np.int64)
-        for e in range(E):
-            grouped_index[parents[layer] == e] = e * parts + np.arange(parts)
-        fine[:, layer] = grouped[:, layer][..., grouped_index]
+        # the k-th fine expert numbered with parent e takes e's k-th part, e * parts + k
+        fine[:, layer][..., np.argsort(parents[layer], kind="stable")] = grouped[:, layer]
     meta = dict(trace.meta)
     meta["split_experts"] = parts
     return Trace(
