@@ -133,13 +133,14 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg, model, opt, save = _small_run(tmp_path)
     first = save(1)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
-    real_save = ck.dcp.save
+    dcp = ck._dcp()  # torch.distributed.checkpoint, imported at first use
+    real_save = dcp.save
 
     def dcp_crashes(state, **kw):
         real_save(dict(list(state.items())[:3]), **kw)  # some files written, then killed
         raise KeyboardInterrupt("killed inside dcp.save")
 
-    monkeypatch.setattr(ck.dcp, "save", dcp_crashes)
+    monkeypatch.setattr(dcp, "save", dcp_crashes)
     with pytest.raises(KeyboardInterrupt):
         save(2)
     monkeypatch.undo()
@@ -201,3 +202,17 @@ def test_old_format_checkpoints_are_one_clear_error(tmp_path):
     (folder / "latest").unlink()
     with pytest.raises(ck.CheckpointError, match="poise-train-checkpoint v1"):
         ck.resolve(tmp_path / "run")
+
+
+def test_a_run_that_never_saves_does_not_import_dcp():
+    """`torch.distributed.checkpoint` (with DTensor and SymPy, about 1.8 s of a rank's start-up
+    on 2 cores) is imported at the first save or load, not with the training loop."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, poise.train.loop, poise.train.__main__; "
+        "print('torch.distributed.checkpoint' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -48,12 +48,12 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from poise.core.errors import PoiseError
@@ -77,6 +77,15 @@ OLD_FORMAT = "poise-train-checkpoint v1 (one torch.save .pt file)"
 
 class CheckpointError(PoiseError):
     """A checkpoint that cannot be found, read or used."""
+
+
+def _dcp() -> ModuleType:
+    """`torch.distributed.checkpoint`, imported at its first use: it imports DTensor and SymPy,
+    about 1.8 s of every rank's start-up on a 2-core host (`python -X importtime`), which a run
+    that neither saves nor resumes does not need."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _old_format_error(path: Path) -> CheckpointError:
@@ -136,7 +145,7 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
 def _saved_tensors(folder: Path) -> dict[str, Any]:
     """`{key: TensorStorageMetadata}` of a checkpoint's DCP files."""
     try:
-        md = dcp.FileSystemReader(str(folder)).read_metadata()
+        md = _dcp().FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:
         raise CheckpointError(
             f"cannot read DCP metadata ({type(exc).__name__}: {str(exc)[:200]})",
@@ -154,9 +163,9 @@ def _dcp_load(state: dict[str, torch.Tensor], folder: Path, group: Any = None) -
     alone = not (dist.is_available() and dist.is_initialized())
     try:
         with _quiet():
-            dcp.load(
+            _dcp().load(
                 state,
-                storage_reader=dcp.FileSystemReader(str(folder)),
+                storage_reader=_dcp().FileSystemReader(str(folder)),
                 process_group=group,
                 no_dist=alone,
             )
@@ -177,7 +186,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     state = {k: _empty_like_saved(v) for k, v in saved.items()}
     try:
         with _quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            _dcp().load(state, storage_reader=_dcp().FileSystemReader(str(folder)), no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read tensors ({exc})", source=str(folder)) from None
     out = dict(meta)
@@ -453,9 +462,9 @@ def save(
     state = state_to_save(model, optimizer, dense=rank == 0, experts=_holds_rank0(ep_group))
     if error is None and tmp.is_dir():
         with _quiet():
-            dcp.save(
+            _dcp().save(
                 state,
-                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                storage_writer=_dcp().FileSystemWriter(str(tmp), sync_files=True),
                 process_group=group,
                 no_dist=world == 1,
             )
