@@ -112,7 +112,14 @@ Settings (one JSON line each; `--settings all` runs every one):
 - `many-experts`, 2 ranks: 32 experts top-2, d_expert 512: 16 experts per rank, so a plan can
   move load in small pieces;
 - `skewed-4`, 4 ranks: 32 experts top-1, d_expert 1024 (8 per rank): the slowest of 4 ranks
-  sets each layer.
+  sets each layer;
+- `skewed-micro4`, 2 ranks: `skewed` with 4 micro-batches of 16 sequences a step (gradient
+  accumulation, `micro_batches: 4`): the replicas' Trans and Agg run once a step for four
+  micro-batches of compute, as where a step holds many micro-batches (pipeline schedules,
+  large global batches). Its ideal is taken from the step's counts, summed over the
+  micro-batches, so it leaves out the imbalance that cancels between them: on `skewed`'s static
+  runs, groups of 4 consecutive steps summed lose 2.1% of the steps' own excess
+  (docs/benchmarks.md), an upper bound for 4 micro-batches of one step.
 """
 
 from __future__ import annotations
@@ -131,12 +138,13 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-# name: (ranks, model_args over the `tiny` preset)
-SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
-    "tiny": (2, {}),
-    "skewed": (2, {"num_experts": 16, "top_k": 1, "d_expert": 1024}),
-    "many-experts": (2, {"num_experts": 32, "top_k": 2, "d_expert": 512}),
-    "skewed-4": (4, {"num_experts": 32, "top_k": 1, "d_expert": 1024}),
+# name: (ranks, model_args over the `tiny` preset, training settings over `run_config`'s)
+SETTINGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
+    "tiny": (2, {}, {}),
+    "skewed": (2, {"num_experts": 16, "top_k": 1, "d_expert": 1024}, {}),
+    "many-experts": (2, {"num_experts": 32, "top_k": 2, "d_expert": 512}, {}),
+    "skewed-4": (4, {"num_experts": 32, "top_k": 1, "d_expert": 1024}, {}),
+    "skewed-micro4": (2, {"num_experts": 16, "top_k": 1, "d_expert": 1024}, {"micro_batches": 4}),
 }
 
 
@@ -401,7 +409,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     from poise.report.ideal import ideal_of, judge, position_balanced, shed_pairs_worth
     from poise.runtime.plan_inputs import shared_cores
 
-    world, model_args = SETTINGS[name]
+    world, model_args, setting = SETTINGS[name]
     mcfg = model_config("tiny", dict(model_args), source=name)
     skip = args.replan_every + 2
     load_before = os.getloadavg()[0]
@@ -422,6 +430,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
                 policy_of[side], root / f"{name}-{r}-{side}", args.steps, model_args=model_args,
                 **{
                     "replan_every": args.replan_every,
+                    **setting,
                     **PEERS.get(side, ("", {}))[1],
                     **(args.auto_settings if side == "auto" else {}),
                 },

@@ -32,6 +32,8 @@ def test_yaml_round_trip(tmp_path):
         ("steps: ten\n", "steps", "must be an integer"),
         ("steps: 0\n", "steps", ">= 1"),
         ("lr: -0.1\n", "lr", "> 0"),
+        ("micro_batches: 0\n", "micro_batches", ">= 1"),
+        ("micro_batches: 2.5\n", "micro_batches", "integer"),
         ("policy: fastest\n", "policy", "must be one of"),
         ("spare_slots: 1.5\n", "spare_slots", "integer"),
         ("model: huge\n", "model", "must be one of tiny"),

@@ -86,6 +86,16 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         quiet=True,
     )  # fmt: skip
     out["eplb-free"] = (free.losses, free.plan_changes, free.max_over_mean)
+    # gradient accumulation: 2 micro-batches of 8 sequences a step, static and EPLB (replicas
+    # from the first plan on, their gradients summed over both micro-batches before one Agg)
+    half = {**SKEWED, "batch": SKEWED["batch"] // 2, "micro_batches": 2}
+    for policy in ["static", "eplb"]:
+        r = train(
+            _cfg(root, f"{policy}-micro", steps=POLICY_STEPS, policy=policy,
+                 balance_guard=False, self_calibrate=False, **half),
+            quiet=True,
+        )  # fmt: skip
+        out[f"{policy}-micro"] = (r.losses, r.plan_changes, r.max_over_mean)
     static = train(_cfg(root, "static", steps=30, policy="static"), quiet=True)
     auto_cfg = _cfg(
         root,
@@ -149,6 +159,30 @@ def test_every_policy_changes_plans_and_lowers_device_imbalance(runs):
         assert changes >= 1, policy
         planned = np.mean(max_over_mean[PLANNED:])
         assert planned < static.mean(), (policy, max_over_mean, static)
+
+
+def test_micro_batches_give_the_losses_of_one_batch_of_their_sum(runs):
+    """Two micro-batches of 8 sequences a step (gradient accumulation) train as one batch of
+    16 (the same sequences, no auxiliary loss): the same losses step after step, static or
+    with EPLB's replicas, whose gradients both micro-batches add to before one Agg."""
+    import json
+
+    root, _, two = runs
+    reference = np.array(two["static-skewed"][0])  # batch 16, one micro-batch
+    for name in ["static-micro", "eplb-micro"]:
+        losses = np.array(two[name][0])
+        assert losses.shape == reference.shape, name
+        assert np.max(np.abs(losses - reference)) <= TOL, (name, losses, reference)
+    assert two["eplb-micro"][1] >= 1  # it re-planned and switched
+    metrics = root / "eplb-micro" / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert any(sum(row["replicas"]) > 0 for row in lines)  # Agg had replicas to sum
+    # one Agg a step, for both micro-batches: it moves back what the Trans before it moved
+    agg = [row["agg_bytes"] for row in lines[1:]]
+    assert agg == [row["trans_bytes"] for row in lines[:-1]] and max(agg) > 0
+    assert all(row["tokens"] == 16 * 32 for row in lines)  # both micro-batches counted
+    # each step's counts `[L, D]` add up both micro-batches' forwards: top-1 of 16 x 32 tokens
+    assert all(np.all(np.sum(row["device_tokens"], axis=1) == 16 * 32) for row in lines)
 
 
 def test_free_balancing_takes_its_boundary_out_of_the_step(runs):

@@ -6,7 +6,7 @@
     balancer = Balancer(model, opt, policy="auto", replan_every=10)  # every rank, collective
     for batch in data:
         loss = model(batch).loss
-        loss.backward()
+        loss.backward()            # micro-batches before the last: inside `balancer.no_sync()`
         sync_router_grads(model)   # + the data-parallel all-reduce of other non-expert gradients
         balancer.reduce_replicas() # Agg: replica gradients summed into their homes; counts
         clip_grad_norm_(...)       # anything that reads expert gradients comes after it
@@ -71,7 +71,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -353,6 +354,7 @@ class Balancer(PlanCycle):
         self._migrate_s = 0.0  # ... of them moving homes (a switch's migration)
         self._current = StepStats(step=0, policy=policy)
         self._prepared = False
+        self._accumulating = False  # inside `no_sync`: a micro-batch before the step's last
         self._handles: list[Any] = []
         self.moves.route(self.plan)
         for state in self.layers:  # replicas of the initial routing start from their homes
@@ -478,12 +480,26 @@ class Balancer(PlanCycle):
 
     def _grad_ready(self, state: LayerState, index: int) -> None:
         """Gradient hook: once all of a layer's expert tensors have their gradient from this
-        backward, launch its Agg."""
+        backward, launch its Agg (not inside `no_sync`: a later micro-batch adds to them)."""
         state.grads_ready.add(index)
-        if len(state.grads_ready) < len(state.params) or not state.has_replicas:
+        if len(state.grads_ready) < len(state.params):
             return
         state.grads_ready.clear()
-        self.moves.launch_agg(state, self._current, in_compute=True)
+        if state.has_replicas and not self._accumulating:
+            self.moves.launch_agg(state, self._current, in_compute=True)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards of micro-batches before a step's last (gradient accumulation, as
+        `DistributedDataParallel.no_sync`): the replicas' gradients add up and no Agg is
+        launched; the last micro-batch's backward, outside this context, launches each
+        layer's Agg on the step's sum (or `reduce_replicas` does, `overlap=False`). Counts and
+        phase seconds add up over the micro-batches' forwards; Trans is awaited by the first."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     # ---------------------------------------------------------------------- step boundary
     def reduce_replicas(self) -> None:

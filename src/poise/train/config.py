@@ -7,7 +7,10 @@
 A YAML file holds any subset of the fields below (the rest keep their defaults); `model` is a
 preset of `poise.models.gpt.MODEL_PRESETS` and `model_args` overrides its shapes
 (`{d_model: 256, num_experts: 16}`). `batch` is the global batch in sequences (split evenly over
-the ranks), `context` the sequence length (default: the preset's). `layout` (None: expert
+the ranks) of one micro-batch, `micro_batches` (default 1) the micro-batches whose gradients one
+optimizer step sums (gradient accumulation: DeepSpeed's `gradient_accumulation_steps`,
+Megatron-Core's micro-batches per global batch), so a step trains on `batch * micro_batches`
+sequences; `context` the sequence length (default: the preset's). `layout` (None: expert
 parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
 `poise layouts` and `poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
 `compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
@@ -85,6 +88,7 @@ class TrainConfig:
     # optimisation
     steps: int = 500
     batch: int = 16
+    micro_batches: int = 1
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 20
@@ -200,6 +204,7 @@ def _rules() -> dict[str, _Rule]:
         "val_fraction": _Rule(_NUM, low=0, high=1, low_open=True, high_open=True),
         "steps": _Rule(_INT, low=1),
         "batch": _Rule(_INT, low=1),
+        "micro_batches": _Rule(_INT, low=1),
         "lr": _Rule(_NUM, low=0, low_open=True),
         "min_lr_ratio": _Rule(_NUM, low=0, high=1),
         "warmup": _Rule(_INT, low=0),

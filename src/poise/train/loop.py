@@ -14,7 +14,14 @@ each, plus `spare_slots` for replicas when the policy balances). Each rank reads
 global batch. After `backward`, the dense gradients are summed over the ranks in one
 all-reduce; the loss on each rank is its tokens' cross-entropy sum divided by the global token
 count (and the routers' auxiliary loss divided by D), so the summed gradients are those of the
-global mean loss whatever the number of ranks. Expert gradients need no all-reduce: the
+global mean loss whatever the number of ranks. With `micro_batches` M > 1 the global count is
+the step's (M micro-batches of `batch` sequences) and the auxiliary loss is divided by M too, so
+a step of M micro-batches of `batch` sequences takes the gradients of one of a single batch of
+M * `batch` sequences (the router's auxiliary loss excepted: it is the mean of the
+micro-batches'). Replica gradients add up over the micro-batches and Agg sums them into their
+homes once, after the last backward (`Balancer.no_sync`, as DDP's); Trans once a step, after
+the optimizer; each micro-batch's tokens are split among a replicated expert's holders by its
+own counts. Expert gradients need no all-reduce: the
 dispatcher's backward brings every rank's contribution to the slot that computed it, and the
 `poise.runtime.Balancer` sums replica gradients into their homes (Agg).
 
@@ -28,7 +35,8 @@ above, so the losses are those of plain expert parallelism.
 
 One step, every call named here:
 
-    loss.backward()
+    for each of `micro_batches` micro-batches:   # gradient accumulation (default 1)
+        forward; loss.backward()                # all but the last inside `balancer.no_sync()`
     dense all-reduce (with the loss)            # grad_sync.sync_dense
     balancer.reduce_replicas()                  # Agg; gather counts, non-finite flags, timings
     [layout: EDP sum of expert gradients, EDP gather of the counts]
@@ -182,7 +190,8 @@ class _Trainer:
         self.ep = self.layout.ep if self.layout is not None else self.world
         self.edp_group = self.groups.edp if self.groups is not None else None
         self.rows = shard_rows(cfg.batch, self.rank, self.world)
-        self.tokens = cfg.batch * self.mcfg.context  # per step, over all ranks
+        # per step, over all ranks: `micro_batches` micro-batches of `batch` sequences
+        self.tokens = cfg.batch * self.mcfg.context * cfg.micro_batches
         self.out = Path(cfg.out)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -369,11 +378,12 @@ class _Trainer:
             "world_size": self.world,
             "device_type": self.device.type,
             "batch": self.cfg.batch,
+            "micro_batches": self.cfg.micro_batches,
             "context": self.mcfg.context,
             "seed": self.cfg.seed,
             "layout": self.layout.name if self.layout is not None else None,
         }
-        tokens_per_device = len(self.rows) * self.mcfg.context
+        tokens_per_device = len(self.rows) * self.mcfg.context * self.cfg.micro_batches
         trace = routing_trace(
             self.trace_counts, self.trace_steps, meta, self.mcfg.top_k, tokens_per_device
         )
@@ -405,19 +415,25 @@ class _Trainer:
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        x, y = self.sampler.batch(self.position, self.rows, dev)
-        t = _lap(ph, "data", t)
-        with self.autocast:
-            logits = self.model(x)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        aux = self.model.aux_loss()
-        loss = ce * (1.0 / tokens) + aux / self.world
-        t = _lap(ph, "forward", t)
-        self.faults.at(step + 1, "forward")
-        loss.backward()
-        t = _lap(ph, "backward", t)
-        self.faults.at(step + 1, "backward")
-        summed = sync_dense(self.dense, self._step_scalars(ce, aux), self.world, dev)
+        micro = cfg.micro_batches
+        scalars: list[torch.Tensor] = []
+        for m in range(micro):  # gradient accumulation: the micro-batches' gradients add up
+            x, y = self.sampler.batch(self.position + m * cfg.batch, self.rows, dev)
+            t = _lap(ph, "data", t)
+            with self.autocast:
+                logits = self.model(x)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            aux = self.model.aux_loss()
+            loss = ce * (1.0 / tokens) + aux / (self.world * micro)
+            t = _lap(ph, "forward", t)
+            self.faults.at(step + 1, "forward")
+            # Agg once a step, for the sum: after the last micro-batch's backward (`no_sync`)
+            with nullcontext() if m == micro - 1 else self.balancer.no_sync():
+                loss.backward()
+            t = _lap(ph, "backward", t)
+            self.faults.at(step + 1, "backward")
+            scalars.append(self._step_scalars(ce, aux / micro))
+        summed = sync_dense(self.dense, torch.stack(scalars).sum(dim=0), self.world, dev)
         t = _lap(ph, "grad_sync", t)
         self.balancer.reduce_replicas()
         t = _lap(ph, "balance", t)
@@ -524,7 +540,7 @@ class _Trainer:
                 done = step + 1
                 stepped = self._compute(step)
                 self._write_megatron(step)
-                self.position += cfg.batch
+                self.position += cfg.batch * cfg.micro_batches
                 record = self._record(step, stepped)
                 if turn is not None:
                     record["turn"] = turn
