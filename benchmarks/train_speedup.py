@@ -1,7 +1,7 @@
 """Training throughput of `auto` balancing over static expert parallelism, against the ideal.
 
     .venv/bin/python benchmarks/train_speedup.py                      # tiny, ~4 min on 2 cores
-    .venv/bin/python benchmarks/train_speedup.py --settings all       # every setting, ~30 min
+    .venv/bin/python benchmarks/train_speedup.py --settings all       # every setting, ~50 min
     .venv/bin/python benchmarks/train_speedup.py --settings skewed --steps 60 --repeats 1
 
 Each run is real training: `python -m poise.train` on the setting's local gloo ranks (2 or 4,
