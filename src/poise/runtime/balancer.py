@@ -82,13 +82,12 @@ from torch import nn
 
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
-from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.moe import find_moe_layers
-from poise.nn.slots import slot_maps
-from poise.plan.policies.registry import get_policy
 from poise.plan.predict import Predictor, parse_predictor
 from poise.runtime import selfcal
+from poise.runtime.balancer_setup import check_settings, initial_plan, layer_slots
 from poise.runtime.compress import Compression
 from poise.runtime.decision import is_leader
 from poise.runtime.guard import SwitchGuard
@@ -115,31 +114,6 @@ from poise.runtime.untimed import UNTIMED, UntimedWindows, free_settings
 from poise.runtime.verdict import MIN_PROBES, Verdict
 
 LAYER_PHASES = ("gate", "dispatch", "experts", "combine")
-
-
-def check_settings(
-    policy: str,
-    replan_every: int,
-    plan_lag: int,
-    probe_every: int,
-    max_probes: int,
-    total_steps: int | None,
-) -> None:
-    """The Balancer's settings that no tensor is needed to judge: one `ConfigError` naming the
-    field for the first that is out of range (an unknown policy: `get_policy`'s)."""
-    if replan_every < 1:
-        raise ConfigError(f"must be >= 1, got {replan_every}", field="replan_every")
-    if probe_every == 1 or probe_every < 0:
-        raise ConfigError(f"must be 0 (off) or >= 2, got {probe_every}", field="probe_every")
-    if max_probes < 1:
-        raise ConfigError(f"must be >= 1, got {max_probes}", field="max_probes")
-    if total_steps is not None and total_steps < 0:
-        raise ConfigError(f"must be >= 0, got {total_steps}", field="total_steps")
-    if not 0 <= plan_lag <= replan_every:
-        raise ConfigError(
-            f"must be in [0, replan_every = {replan_every}], got {plan_lag}", field="plan_lag"
-        )
-    get_policy(policy)  # unknown names fail here
 
 
 class Balancer(PlanCycle):
@@ -276,7 +250,7 @@ class Balancer(PlanCycle):
         self.vote_group = vote_group
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [LayerState(m, i) for i, m in enumerate(modules)]
-        self.slots = self._slots()
+        self.slots = layer_slots(self.layers)
         on_cpu = self.layers[0].params[0].device.type == "cpu"
         self.cluster = prior_cluster(cluster, self.world_size, on_cpu)
         self.fitted_cluster = self.cluster
@@ -340,7 +314,7 @@ class Balancer(PlanCycle):
         self.stats: deque[StepStats] = deque(maxlen=keep_stats)
         self.steps_done = 0
         self.switches = 0
-        self.plan = self._initial_plan()
+        self.plan = initial_plan(self.layers, self.slots, self.rank, self.split_tokens, self.spec())
         self.static_plan = self.plan  # the layout to fall back to
         self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
@@ -368,45 +342,6 @@ class Balancer(PlanCycle):
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
 
     # ----------------------------------------------------------------------------- set-up
-    def _slots(self) -> int:
-        slots = {int(s.params[0].shape[0]) for s in self.layers}
-        if len(slots) != 1:
-            raise ConfigError(
-                f"MoE layers have different slot counts {sorted(slots)}", field="slots"
-            )
-        return slots.pop()
-
-    def _initial_plan(self) -> Plan:
-        """The plan the layers run now (their `routing`: static EP's for fresh layers).
-
-        A routing's weights are this rank's source shares, so this assumes plain (not
-        group-local) routing, which is all a layer's own default routing uses."""
-        routings = [s.layer.routing for s in self.layers]
-        if len({x.num_experts for x in routings}) != 1:
-            raise ConfigError("MoE layers have different expert counts", field="num_experts")
-        placement = Placement(
-            home=np.stack([x.home for x in routings]).astype(np.int64),
-            copies=np.stack([x.copies for x in routings]).astype(np.int32),
-            slots_per_device=self.slots,
-        )
-        placement.validate()
-        assignment = Assignment(np.stack([x.weights for x in routings]).astype(np.float64))
-        assignment = assignment.with_split(self.split_tokens)
-        for state, routing in zip(self.layers, routings, strict=True):
-            mine = slot_maps(placement, state.index, self.slots)[self.rank]
-            if not np.array_equal(mine.expert, routing.slots.expert):
-                raise ConfigError(
-                    f"MoE layer {state.index}'s slots are not in the order slot_maps derives "
-                    "from its placement (homes, then replicas, then empty)",
-                    field="routing.slots",
-                )
-        return Plan(
-            policy="initial",
-            placement=placement,
-            assignment=assignment,
-            transfers=transfers_between(None, placement, self.spec()),
-        )
-
     def spec(self) -> ModelSpec:
         """The model shape the planner prices, tokens per device from the counts seen so far."""
         if self._spec is not None:
