@@ -52,7 +52,8 @@ def test_worst_layer_text_names_the_largest_cv():
 def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
     """A 4-step 2-rank `poise train tiny --out DIR` leaves TensorBoard event files under DIR and
     JSONL lines with `tokens_per_expert` and `cv` that agree with the recorded trace; with
-    `megatron_trace` the same counts as Megatron-Core router traces."""
+    `megatron_trace` the same counts as Megatron-Core router traces. Each step holds two
+    micro-batches (`micro_batches=2`): every figure is the step's, both micro-batches' tokens."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from poise.cli import main
@@ -60,7 +61,7 @@ def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
 
     out = tmp_path / "run"
     args = ["train", "tiny", "--nproc", "2", "--steps", "4", "--policy", "auto", "--out", str(out)]
-    for kv in ("context=32", "batch=4", "eval_every=0", "checkpoint_every=0",
+    for kv in ("context=32", "batch=4", "micro_batches=2", "eval_every=0", "checkpoint_every=0",
                "megatron_trace=true", f"cache_dir={tmp_path / 'cache'}"):  # fmt: skip
         args += ["--set", kv]
     assert main(args) == 0
@@ -68,6 +69,7 @@ def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     trace = Trace.load(out / "trace.npz")  # counts [steps, layers, ranks, experts]
     L, E = trace.counts.shape[1], trace.counts.shape[3]
+    assert np.all(trace.counts.sum(axis=(2, 3)) == 2 * 4 * 32 * 2)  # top-2 of 2 x 4 x 32 tokens
     for r, counts in zip(records, trace.counts, strict=True):
         per_expert = counts.sum(axis=1)
         assert r["tokens_per_expert"] == per_expert.tolist()

@@ -254,6 +254,7 @@ class _Trainer:
             if cfg.megatron_trace
             else None
         )
+        self._choices: dict[int, list[np.ndarray]] = {}  # a step's choices by layer (megatron)
         self.trace_counts, self.trace_steps = self._previous_trace()
         self.turns = (
             StepTurns.open(cfg.turns, cfg.turns_slot, cfg.turns_of, self.rank,
@@ -316,15 +317,25 @@ class _Trainer:
         drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
         return expert_load(counts, self.balancer.plan.placement.copies, drops)
 
-    def _write_megatron(self, step: int) -> None:
-        """This rank's routing of the step (0-based) as Megatron-Core router-trace records, one
-        per MoE layer (`layer`: the block's index), when `megatron_trace` is on."""
+    def _keep_choices(self) -> None:
+        """After a micro-batch's forward, when `megatron_trace` is on: keep each MoE layer's
+        expert choices `[T, k]` (`layer`: the block's index) for the step's records."""
         if self.megatron is None:
             return
         for name, moe in self.model.named_modules():
             if isinstance(moe, MoE) and moe.last_forward.choices is not None:
                 layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
-                self.megatron.record(step, layer, moe.last_forward.choices.cpu().numpy())
+                self._choices.setdefault(layer, []).append(moe.last_forward.choices.cpu().numpy())
+
+    def _write_megatron(self, step: int) -> None:
+        """This rank's routing of the step (0-based) as Megatron-Core router-trace records, one
+        per MoE layer, its micro-batches' choices one after the other, when `megatron_trace` is
+        on."""
+        if self.megatron is None:
+            return
+        for layer, choices in self._choices.items():
+            self.megatron.record(step, layer, np.concatenate(choices))
+        self._choices.clear()
         self.megatron.flush()
 
     def _sync_experts(self, step: int) -> np.ndarray | None:
@@ -425,6 +436,7 @@ class _Trainer:
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             aux = self.model.aux_loss()
             loss = ce * (1.0 / tokens) + aux / (self.world * micro)
+            self._keep_choices()  # megatron_trace: a copy of the choices, in forward's time
             t = _lap(ph, "forward", t)
             self.faults.at(step + 1, "forward")
             # Agg once a step, for the sum: after the last micro-batch's backward (`no_sync`)
