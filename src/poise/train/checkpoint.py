@@ -163,9 +163,10 @@ def _dcp_load(state: dict[str, torch.Tensor], folder: Path, group: Any = None) -
     alone = not (dist.is_available() and dist.is_initialized())
     try:
         with _quiet():
-            _dcp().load(
+            dcp = _dcp()
+            dcp.load(
                 state,
-                storage_reader=_dcp().FileSystemReader(str(folder)),
+                storage_reader=dcp.FileSystemReader(str(folder)),
                 process_group=group,
                 no_dist=alone,
             )
@@ -186,7 +187,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
     state = {k: _empty_like_saved(v) for k, v in saved.items()}
     try:
         with _quiet():
-            _dcp().load(state, storage_reader=_dcp().FileSystemReader(str(folder)), no_dist=True)
+            dcp = _dcp()
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read tensors ({exc})", source=str(folder)) from None
     out = dict(meta)
@@ -462,9 +464,10 @@ def save(
     state = state_to_save(model, optimizer, dense=rank == 0, experts=_holds_rank0(ep_group))
     if error is None and tmp.is_dir():
         with _quiet():
-            _dcp().save(
+            dcp = _dcp()
+            dcp.save(
                 state,
-                storage_writer=_dcp().FileSystemWriter(str(tmp), sync_files=True),
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                 process_group=group,
                 no_dist=world == 1,
             )

@@ -61,7 +61,7 @@ plan changes, seconds by phase, validation loss when measured), `trace.npz` (the
 `[steps, layers, ranks, experts]` as a `poise.trace.trace.Trace`, at checkpoints and at the end),
 `checkpoints/`, `summary.json`, TensorBoard events in `tb/` (`poise.train.tboard`; unless
 `tensorboard: false`), and with `megatron_trace: true` every rank's routing as Megatron-Core
-router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.trace.megatron`).
+router traces in `megatron-trace/router_trace_rank<R>.jsonl` (`poise.train.router_trace`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ from poise.models.gpt import GPTMoE
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
 from poise.nn.moe import (
-    MoE,
     default_slots,
     find_moe_layers,
     install_bias_update,
@@ -93,7 +92,6 @@ from poise.nn.moe import (
 )
 from poise.runtime.launch import destroy_process_group
 from poise.runtime.stats import StepStats
-from poise.trace.megatron import MegatronTraceWriter
 from poise.train import checkpoint as ckpt_io
 from poise.train.config import TrainConfig, resolve_layout, save_config
 from poise.train.data import Sampler, shard_rows
@@ -101,6 +99,7 @@ from poise.train.expert_load import ExpertLoad, expert_load
 from poise.train.faults import Fault, FaultInjector
 from poise.train.grad_sync import clip_global_norm, sync_dense
 from poise.train.layout import edp_counts, install_edp_bias_sum
+from poise.train.router_trace import StepRouterTrace
 from poise.train.run_files import closing_lines, previous_trace, routing_trace, write_summary
 from poise.train.runlog import RunLog
 from poise.train.setup import (
@@ -250,11 +249,10 @@ class _Trainer:
             install_bias_update(self.optimizer, self.model, cfg.bias_rate)
         self.log = RunLog(cfg, self.out, self.rank == 0, self.start, quiet)
         self.megatron = (
-            MegatronTraceWriter(self.out / "megatron-trace", self.rank, self.start)
+            StepRouterTrace(self.out / "megatron-trace", self.rank, self.start)
             if cfg.megatron_trace
             else None
         )
-        self._choices: dict[int, list[np.ndarray]] = {}  # a step's choices by layer (megatron)
         self.trace_counts, self.trace_steps = self._previous_trace()
         self.turns = (
             StepTurns.open(cfg.turns, cfg.turns_slot, cfg.turns_of, self.rank,
@@ -316,27 +314,6 @@ class _Trainer:
             return None
         drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
         return expert_load(counts, self.balancer.plan.placement.copies, drops)
-
-    def _keep_choices(self) -> None:
-        """After a micro-batch's forward, when `megatron_trace` is on: keep each MoE layer's
-        expert choices `[T, k]` (`layer`: the block's index) for the step's records."""
-        if self.megatron is None:
-            return
-        for name, moe in self.model.named_modules():
-            if isinstance(moe, MoE) and moe.last_forward.choices is not None:
-                layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
-                self._choices.setdefault(layer, []).append(moe.last_forward.choices.cpu().numpy())
-
-    def _write_megatron(self, step: int) -> None:
-        """This rank's routing of the step (0-based) as Megatron-Core router-trace records, one
-        per MoE layer, its micro-batches' choices one after the other, when `megatron_trace` is
-        on."""
-        if self.megatron is None:
-            return
-        for layer, choices in self._choices.items():
-            self.megatron.record(step, layer, np.concatenate(choices))
-        self._choices.clear()
-        self.megatron.flush()
 
     def _sync_experts(self, step: int) -> np.ndarray | None:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
@@ -436,7 +413,8 @@ class _Trainer:
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             aux = self.model.aux_loss()
             loss = ce * (1.0 / tokens) + aux / (self.world * micro)
-            self._keep_choices()  # megatron_trace: a copy of the choices, in forward's time
+            if self.megatron is not None:  # a copy of the choices, in forward's time
+                self.megatron.keep(self.model)
             t = _lap(ph, "forward", t)
             self.faults.at(step + 1, "forward")
             # Agg once a step, for the sum: after the last micro-batch's backward (`no_sync`)
@@ -551,7 +529,8 @@ class _Trainer:
                 self.faults.at(step + 1, "step")
                 done = step + 1
                 stepped = self._compute(step)
-                self._write_megatron(step)
+                if self.megatron is not None:
+                    self.megatron.write(step)
                 self.position += cfg.batch * cfg.micro_batches
                 record = self._record(step, stepped)
                 if turn is not None:
