@@ -1,6 +1,8 @@
+import os
+
 import pytest
 
-from poise.runtime.launch import RankFailedError, run_ranks
+from poise.runtime.launch import RankFailedError, _take_environment, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -26,3 +28,31 @@ def test_results_come_back_in_rank_order() -> None:
 def test_a_failing_rank_fails_the_run_with_its_message() -> None:
     with pytest.raises(RankFailedError, match="rank 1: ValueError: rank one refuses"):
         run_ranks(_fail_on_rank_one, 2, collective_timeout_s=10)
+
+
+def _environment(rank: int, world_size: int, names: tuple[str, ...]) -> list[str | None]:
+    import os
+
+    return [os.environ.get(name) for name in names]
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_the_call(monkeypatch) -> None:
+    """Ranks fork from a server started at the first call: a variable set after that must
+    still reach them as the caller has it (the fault tests rely on it)."""
+    run_ranks(_sum_ranks, 2, 1)  # the fork server is running from here on
+    monkeypatch.setenv("POISE_LAUNCH_TEST_SET", "after the server started")
+    got = run_ranks(_environment, 2, ("POISE_LAUNCH_TEST_SET", "HOME"))
+    assert got == [["after the server started", os.environ.get("HOME")]] * 2
+
+
+def test_a_rank_drops_what_the_caller_has_not(monkeypatch) -> None:
+    """What the server's environment has and the caller's has not (removed after the server
+    started) is gone in the rank: `_take_environment` makes the environment the caller's."""
+    monkeypatch.setenv("POISE_LAUNCH_TEST_GONE", "the server's")
+    callers = {k: v for k, v in os.environ.items() if k != "POISE_LAUNCH_TEST_GONE"}
+    callers["POISE_LAUNCH_TEST_NEW"] = "the caller's"
+    monkeypatch.setenv("POISE_LAUNCH_TEST_NEW", "")  # restored (removed) after the test
+    _take_environment(callers)
+    assert "POISE_LAUNCH_TEST_GONE" not in os.environ
+    assert os.environ["POISE_LAUNCH_TEST_NEW"] == "the caller's"
+    assert dict(os.environ) == callers

@@ -4,7 +4,8 @@
     apply_expert_parallel(model, group, num_slots=E // D + 1)        # poise.nn, on every rank
     balancer = Balancer(model, optimizer, policy="auto", replan_every=10)  # then train as usual
 
-- `launch`: `run_ranks(fn, world_size, *args)` on spawned gloo ranks (tests, benchmarks);
+- `launch`: `run_ranks(fn, world_size, *args)` on gloo ranks forked from a fork server that
+  imported torch once (tests, benchmarks);
 - `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
   `migrate`, their async variants and byte counts); `host_link`: `HostLink`, shared-memory
   channels for them between the CPU ranks of one host;
