@@ -1,13 +1,19 @@
 """Trans and Agg of one replica alone and beside expert compute, on ranks that share cores.
 
     .venv/bin/python benchmarks/contended_exchange.py    # 2 then 4 gloo ranks, 1 thread each, ~40 s
+    .venv/bin/python benchmarks/contended_exchange.py --worlds 2 --layouts ring pair single
 
 What a replica's bulk transfer costs a step where the ranks share the host's cores: the
 start-up probe (`poise.runtime.probe`) times the bytes on idle cores, while in training Trans is
 launched at a step boundary and waited for in the forward, with the ranks computing meanwhile.
-Each rank holds one replica of an expert of the next rank (the stacked SwiGLU tensors of
-`train_speedup`'s `skewed` settings: d_model 128, d_expert 1024, fp32, 8 experts a rank and a
-spare slot, 1.5 MiB a row). Per call, after a barrier, three modes in rotation:
+Each rank holds one replica of an expert of the next rank (`--layouts ring`, the default; the
+stacked SwiGLU tensors of `train_speedup`'s `skewed` settings: d_model 128, d_expert 1024,
+fp32, 8 experts a rank and a spare slot, 1.5 MiB a row); `pair` puts two replicas of rank 1's
+experts on rank 0 (every byte one way) and `single` one. A cost model whose links are full
+duplex per device (each device's Trans time set by the larger of what it sends and receives)
+prices `ring` like `single` and `pair` twice that; if the ranks' shared cores and memory carry
+every byte (one link for all of them), `ring` and `pair` cost alike, twice `single`.
+Per call, after a barrier, three modes in rotation:
 
 - `exchange`: `trans_async` then `agg_async`, each launched and waited for (as the Balancer
   does per layer and step);
@@ -32,11 +38,27 @@ from typing import Any
 
 import numpy as np
 
-SLOTS, D_MODEL, D_EXPERT, PER_RANK, ROWS = 9, 128, 1024, 8, 512
+D_MODEL, D_EXPERT, PER_RANK, ROWS = 128, 1024, 8, 512
 MODES = ("exchange", "compute", "both")
 
 
-def _rank(rank: int, world: int, rounds: int, repeats: int) -> dict[str, Any]:
+LAYOUTS = ("ring", "pair", "single")
+
+
+def replica_holders(layout: str, world: int) -> list[tuple[int, int]]:
+    """`(holder rank, expert)` of each replica: `ring`, every rank one of the next rank's first
+    expert (each rank sends one and receives one); `pair`, rank 0 two of rank 1's experts (all
+    bytes one way, twice `single`'s); `single`, rank 0 one of rank 1's first expert."""
+    if layout == "ring":
+        return [(r, ((r + 1) % world) * PER_RANK) for r in range(world)]
+    if layout == "pair":
+        return [(0, PER_RANK), (0, PER_RANK + 1)]
+    if layout == "single":
+        return [(0, PER_RANK)]
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _rank(rank: int, world: int, rounds: int, repeats: int, layout: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F  # noqa: N812
@@ -46,14 +68,16 @@ def _rank(rank: int, world: int, rounds: int, repeats: int) -> dict[str, Any]:
     from poise.runtime import transfers as tr
 
     torch.set_num_threads(1)
-    shapes = [(SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_EXPERT, D_MODEL)]
+    holders = replica_holders(layout, world)
+    slots = PER_RANK + max(sum(h == r for h, _ in holders) for r in range(world))
+    shapes = [(slots, D_MODEL, D_EXPERT), (slots, D_MODEL, D_EXPERT), (slots, D_EXPERT, D_MODEL)]
     params = [torch.randn(*s) for s in shapes]
     grads = [torch.randn(*s) for s in shapes]
     home = np.repeat(np.arange(world), PER_RANK)
-    placement = Placement.from_homes(home[None], world, SLOTS)
-    for r in range(world):  # each rank replicates the first expert of the next rank
-        placement.copies[0, r, ((r + 1) % world) * PER_RANK] = 1
-    maps = slot_maps(placement, 0, SLOTS)
+    placement = Placement.from_homes(home[None], world, slots)
+    for holder, expert in holders:
+        placement.copies[0, holder, expert] = 1
+    maps = slot_maps(placement, 0, slots)
     trans_routes, agg_routes = tr.trans_routes(maps), tr.agg_routes(maps)
     x = torch.randn(ROWS, D_MODEL)
     w_in, w_gate, w_out = (p[0] for p in params)
@@ -93,11 +117,18 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=6, help="expert forwards per compute")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=LAYOUTS,
+        default=["ring"],
+        help="where the replicas are (`replica_holders`); one line per layout and world size",
+    )
     args = parser.parse_args()
     from poise.runtime.launch import run_ranks
 
-    for world in args.worlds:
-        results = run_ranks(_rank, world, args.rounds, args.repeats)
+    for world, layout in ((w, lay) for w in args.worlds for lay in args.layouts):
+        results = run_ranks(_rank, world, args.rounds, args.repeats, layout)
         t = {m: np.array([r["times"][m] for r in results])[:, 1:] for m in MODES}  # [W, rounds]
         slowest = {m: float(np.median(t[m].max(axis=0))) for m in MODES}
         exposed = float(np.median((t["both"] - t["compute"]).max(axis=0)))
@@ -106,6 +137,7 @@ def main() -> None:
                 {
                     "bench": "contended_exchange",
                     "ranks": world,
+                    "layout": layout,
                     "cores": os.cpu_count(),
                     "exchange_ms": round(1e3 * slowest["exchange"], 3),
                     "compute_ms": round(1e3 * slowest["compute"], 3),

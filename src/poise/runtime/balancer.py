@@ -126,7 +126,8 @@ class Balancer(PlanCycle):
       replan_every; 0: planned and decided at the same boundary, on the training thread);
     - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
       YAML path (the file `poise calibrate` writes); default `default_cluster(D)`, with the
-      world's ranks sharing this host's cores where they are CPU processes. It is the
+      world's ranks sharing this host's cores, and one link for their bulk bytes, where they
+      are CPU processes. It is the
       prior of the self-calibration (`calibrate`);
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);

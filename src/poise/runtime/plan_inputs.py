@@ -25,12 +25,25 @@ def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluste
     running on this host (this group's ranks and any others), each with `torch.get_num_threads()`
     threads. Where they want more cores than the host gives them (`os.sched_getaffinity`), the
     cluster's devices share `shared_cores` = cores / threads x world_size / ranks_on_host cores'
-    worth of compute (`HostCosts.shared_cores`): a waiting rank lends its core to the others."""
+    worth of compute (`HostCosts.shared_cores`): a waiting rank lends its core to the others.
+
+    Where the host is known, its ranks' bulk transfers (Trans, Agg, migration, and the token
+    all-to-all) are priced on one link all of them share (`Link.shared_by` = `world_size`):
+    processes of one host move their bytes with the same cores and memory, so bytes that cross
+    in opposite directions add up, where a device's own full-duplex link (the preset's) would
+    carry them at once. Measured (`benchmarks/contended_exchange.py --worlds 2 --layouts single
+    ring pair`, docs/benchmarks.md): one replica's Trans and Agg between 2 gloo ranks took
+    4.8 ms one way, 6.8-7.0 ms for two replicas one way, and 7.2-7.6 ms for one replica each
+    way, as for two one way; a full-duplex model prices that last as one replica. Under it a
+    second replica in a layer with one each way (a hot expert's and a cold one's) cost nothing,
+    and `auto` kept such replicas, moving twice the bytes the split needed."""
     base = PRESETS["cpu-2"]
     if world_size != base.num_devices:
         base = dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
     if ranks_on_host is None:
         return base
+    one_link = dataclasses.replace(base.intra_node, shared_by=world_size)
+    base = dataclasses.replace(base, intra_node=one_link)
     shared = shared_cores(world_size, ranks_on_host)
     if shared == 0.0:
         return base
