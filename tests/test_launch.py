@@ -37,8 +37,9 @@ def _environment(rank: int, world_size: int, names: tuple[str, ...]) -> list[str
 
 
 def test_ranks_see_the_callers_environment_as_it_is_at_the_call(monkeypatch) -> None:
-    """Ranks fork from a server started at the first call: a variable set after that must
-    still reach them as the caller has it (the fault tests rely on it)."""
+    """Ranks fork from a server started at the first call: a variable set after that
+    (`LOCAL_WORLD_SIZE`, the `POISE_FAIL_*` fault settings) must still reach them as the
+    caller has it, as it did when each rank was spawned from the caller."""
     run_ranks(_sum_ranks, 2, 1)  # the fork server is running from here on
     monkeypatch.setenv("POISE_LAUNCH_TEST_SET", "after the server started")
     got = run_ranks(_environment, 2, ("POISE_LAUNCH_TEST_SET", "HOME"))
