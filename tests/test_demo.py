@@ -548,18 +548,20 @@ def test_sim_note_says_when_autos_plans_came_later() -> None:
         seed=3, s=1.5, rate=0.15,
     )  # fmt: skip
     spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
-    # steps of nanoseconds: no plan is ready before the next re-plan waits for it
+    # steps of nanoseconds: no plan is ready in 8 steps; the re-plans after the first skipped
     fast = toy_cluster(4, 2, bw=5e12, inter_bw=2e12, lat=1e-9, flops=1e18)
     args = (trace, fast, spec, ["static", "eplb", "auto"], "sync", 2, "ema")
     result = simulate(*args, background_planning=True)
     auto, eplb = result.runs["auto"], result.runs["eplb"]
-    assert auto.plan_delays == [2, 2, 2] and eplb.plan_delays == [2, 2, 2]
-    auto.plan_delays[:] = [3, 3, 3]  # as if auto's plans had come a step later than eplb's
+    assert auto.skipped_replans == [2, 4, 6] and auto.plan_delays == eplb.plan_delays == []
+    # as if auto's one plan had come a step later than eplb's
+    auto.plan_delays[:], eplb.plan_delays[:] = [3], [2]
     for name, ms in (("static", 10.0), ("eplb", 5.0), ("auto", 8.0)):  # eplb the fastest
         result.runs[name].step_s = np.full(8, ms * 1e-3)
     note = sim_note(result)
     assert "The fastest here is eplb (5.00 ms, 2.00x): auto is 1.60x its step." in note
     assert "auto's plans took effect 3.0 steps after their request on average, eplb's 2.0" in note
+    assert "3 of its 4 re-plans came while the last plan was still being made" in note
     inline = simulate(*args)
     assert inline.runs["auto"].plan_delays == [0, 0, 0, 0]
     assert "took effect" not in sim_note(inline)

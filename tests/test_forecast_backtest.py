@@ -42,7 +42,7 @@ def _outcome(
                        held_out=held_out)  # fmt: skip
     return leader_outcome(
         guard, result, wait_s=0.0, plan_s=0.0, planning_s=planning_s, on_static=on_static,
-        period_s=0.2, plan_lag=1, replan_every=10,
+        period_s=0.2, plan_lag=1,
     ).decision  # fmt: skip
 
 

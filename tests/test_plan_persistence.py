@@ -209,7 +209,7 @@ def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
         result = JobResult(grown, a, _zipf_case()[2], Fit(), None, horizon=horizon, backtest=a)
         return leader_outcome(
             guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=True,
-            period_s=0.2, plan_lag=1, replan_every=5,
+            period_s=0.2, plan_lag=1,
         ).decision  # fmt: skip
 
     assert outcome(None) == "no-gain" and outcome(30) == "adopt"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from poise.core.spec import ModelSpec
@@ -149,10 +150,13 @@ def test_the_balancer_probes_its_switches_own_path(host_link: bool) -> None:
     homes (sent and received); with `host_link` it migrates through its link's channel (a turn
     a migration: the warm-up and 5 rounds) and those buffers stay empty."""
     from poise.runtime.probe import ROUNDS
+    from poise.runtime.selfcal import SCALE_LIMITS
 
     results = run_ranks(_balancer_probes, 2, host_link)
     (k, measured, modelled, homes), kept, migration_bytes, turns = results[0]
-    assert k == pytest.approx(measured / modelled) and homes >= 1
+    # (the toy link has no latency: gloo's milliseconds over its microseconds can reach the
+    # scale's upper limit on a loaded machine)
+    assert k == pytest.approx(np.clip(measured / modelled, *SCALE_LIMITS)) and homes >= 1
     if host_link:
         assert kept == 0 and turns == ROUNDS + 1
     else:
@@ -207,7 +211,7 @@ def _leader_switch_s(guard, candidate, k_switch) -> float:
     result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, k_switch=k_switch)
     return leader_outcome(
         guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=False, period_s=0.2,
-        plan_lag=1, replan_every=10,
+        plan_lag=1,
     ).switch_s  # fmt: skip
 
 

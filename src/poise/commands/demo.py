@@ -468,11 +468,12 @@ def run(args: argparse.Namespace) -> int:
         "little to balance). Every registered policy re-plans from the loads it has already "
         "seen (EMA-predicted), in a planner beside training as the runtime plans, so a plan "
         "takes effect at the first step after its planning time has run (the next step at the "
-        "earliest), and only a re-plan that comes before the previous plan is ready waits "
-        "(that wait is charged). Columns: mean step time over all replayed steps, its ratio to "
-        "static, the busiest device's load over the mean, bytes moved per step (Trans, Agg, "
-        "migration), planning time charged per step and the planner's CPU time per layer on "
-        "this machine."
+        "earliest); a re-plan due while the previous plan is still being made is skipped, so a "
+        "planner slower than the re-planning interval stretches it and no step waits for it. "
+        "Columns: mean step time over all replayed steps, its ratio to static, the busiest "
+        "device's load over the mean, bytes moved per step (Trans, Agg, migration), planning "
+        "time charged per step (none, beside training) and the planner's CPU time per layer "
+        "on this machine."
     ]
     if missing:
         sim_intro.append(

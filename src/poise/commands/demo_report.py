@@ -28,11 +28,12 @@ def sim_note(result) -> str:
     if "auto" in result.runs:
         auto_ms = 1e3 * result.runs["auto"].mean_step_s
         plan_ms = 1e3 * float(result.runs["auto"].plan_s.mean())
-        parts.append(
-            f"auto: {auto_ms:,.2f} ms ({static_ms / auto_ms:.2f}x static), of which "
-            f"{plan_ms:,.2f} ms per step is planning time the planner could not hide (a "
-            "re-plan that came before the previous plan was ready)."
+        charged = (
+            f", of which {plan_ms:,.2f} ms per step is planning time charged to the steps"
+            if plan_ms > 0
+            else ""
         )
+        parts.append(f"auto: {auto_ms:,.2f} ms ({static_ms / auto_ms:.2f}x static){charged}.")
         if best != "auto":
             parts.append(
                 f"The fastest here is {best} ({best_ms:,.2f} ms, {static_ms / best_ms:.2f}x): "
@@ -61,10 +62,18 @@ def plan_delay_note(auto, best, best_name: str) -> str:
     if not auto.plan_delays or auto.mean_plan_delay <= best.mean_plan_delay:
         return ""
     cpu_ms = 1e3 * float(auto.plan_wall_s[auto.plan_wall_s > 0].mean())
+    skipped = len(auto.skipped_replans)
+    stretched = (
+        f" {skipped} of its {skipped + len(auto.plan_ms)} re-plans came while the last plan was "
+        f"still being made and {'was' if skipped == 1 else 'were'} skipped."
+        if skipped
+        else ""
+    )
     return (
         f"auto's plans took effect {auto.mean_plan_delay:.1f} steps after their request on "
         f"average, {best_name}'s {best.mean_plan_delay:.1f}: auto prices every policy's plan, "
         f"{cpu_ms:,.1f} ms of this host's CPU per re-plan, and a plan serves only once made."
+        + stretched
     )
 
 

@@ -40,7 +40,9 @@ Each step:
   steps later, at the same step boundary on every rank (the leader waits for its planner there
   if it must, the others for the leader's broadcast; `plan_lag=0` plans at once); later
   requests are decided as many steps later as the last job took (`planner.adoption_lag`, at
-  least `plan_lag`, at most `replan_every`; the leader broadcasts it with its decision). The guard
+  least `plan_lag`; the leader broadcasts it with its decision), and a re-plan due while a
+  plan is still in flight is skipped (a planner slower than `replan_every` steps stretches the
+  interval rather than stalling a step). The guard
   (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan horizon
   exceeds the switch's measured cost by a margin, skips it when it equals the plan in force,
   and falls back to the static layout when a plan in force does not make steps faster; the
@@ -472,7 +474,9 @@ class Balancer(PlanCycle):
         due = due and self.steps_left(s) != 0
         if due:
             self.guard.replan_due()
-        if due and not self.guard.skip_replan():
+        # one plan in flight at a time: a slow planner stretches the interval (every rank
+        # knows `_due_at`: the lag is the leader's, broadcast with its decisions)
+        if due and self._due_at is None and not self.guard.skip_replan():
             self._request(s)
             if self._due_at == s:  # plan_lag 0
                 switched = self._decide(stats) or switched

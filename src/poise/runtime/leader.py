@@ -81,16 +81,15 @@ def leader_outcome(
     on_static: bool,
     period_s: float,
     plan_lag: int,
-    replan_every: int,
     blind_replicas: bool = False,
 ) -> Outcome:
     """The outcome of `result` (module docstring). `wait_s`: the seconds the boundary waited
     for the planner; `plan_s`: the job's wall seconds; `planning_s`: its CPU seconds charged
     to the step (0 on accelerators); `on_static`: the static layout is in force; `period_s`:
-    the median step; `plan_lag`, `replan_every`: the bounds of the next lag; `blind_replicas`:
+    the median step; `plan_lag`: the least next lag; `blind_replicas`:
     no plan with replicas has been timed by the clock and one adopted now could not be judged
     before the run ends (module docstring, 4)."""
-    next_lag = adoption_lag(plan_s, period_s, plan_lag, replan_every)
+    next_lag = adoption_lag(plan_s, period_s, plan_lag)
     fit, assessment = result.fit, result.assessment
     blind = blind_replicas and assessment.candidate_transfers_s > 0  # (4)
     if not on_static and not guard.pays(result.paid):

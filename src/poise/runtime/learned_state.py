@@ -52,8 +52,8 @@ def restore_learned(balancer: Any, state: Mapping[str, Any], source: str = "chec
     """Give `balancer` back the `learned_state` of the run it resumes (the same configuration
     and world): checked in full before any of it is set, one `ConfigError` naming `source` and
     the entry for a malformed one. The fitted cluster is re-derived from the fit on this
-    balancer's prior; the lag is held within this run's bounds, `plan_lag` to `replan_every`
-    (`planner.adoption_lag`; left at `plan_lag` 0 where that is 0)."""
+    balancer's prior; the lag is at least this run's `plan_lag` (`planner.adoption_lag`; left
+    at `plan_lag` 0 where that is 0)."""
     if set(state) != set(KEYS):
         raise ConfigError(
             f"balancer state: expected {list(KEYS)}, got {sorted(state)}",
@@ -76,7 +76,7 @@ def restore_learned(balancer: Any, state: Mapping[str, Any], source: str = "chec
     balancer.fit = fit
     balancer.fitted_cluster = selfcal.cluster_of(balancer.cluster, fit)
     if balancer.plan_lag > 0:  # as `_decide` adapts it
-        balancer.lag = max(balancer.plan_lag, min(lag, balancer.replan_every))
+        balancer.lag = max(balancer.plan_lag, lag)
     balancer._replicas_timed = timed
     balancer._pattern = None if pattern is None else (int(pattern[0]), int(pattern[1]))
 

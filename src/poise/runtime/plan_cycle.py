@@ -281,7 +281,6 @@ class PlanCycle(ABC):
             on_static=self.plan.digest() == self.static_plan.digest(),
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
-            replan_every=self.replan_every,
             blind_replicas=self._blind_replicas(left),
         )
 

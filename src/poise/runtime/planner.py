@@ -12,9 +12,11 @@ finished early or late: the rank that plans (the Balancer's leader, `poise.runti
 waits for its planner at that boundary if it must. The Balancer sets each request's `lag` from
 the last job's wall time (`adoption_lag`): the steps it took, so that a plan is adopted about
 when it is ready, rather than a boundary waiting for it (steps much shorter than planning:
-accelerators). The job's inputs are snapshots taken at step
-`s` (the gathered loads, identical on every rank) and the policy is deterministic, so any rank
-that plans gets the same plan at the same step (`check_plans` verifies it).
+accelerators). Where that is longer than the re-plan interval, the re-plans due while the job
+runs are skipped: the interval stretches to the planner's time. The job's inputs are snapshots
+taken at step `s` (the gathered loads, identical on every rank) and the policy is
+deterministic, so any rank that plans gets the same plan at the same step (`check_plans`
+verifies it).
 
 Where the job runs:
 - `process=True` (the default): in a worker process (`poise.runtime.plan_worker`, started once,
@@ -55,13 +57,15 @@ import numpy as np
 from poise.core.errors import PoiseError
 
 
-def adoption_lag(plan_s: float, period_s: float, least: int, most: int) -> int:
+def adoption_lag(plan_s: float, period_s: float, least: int) -> int:
     """Steps from a plan's request to its adoption so that a job of `plan_s` wall seconds is
-    ready: `ceil(plan_s / period_s)` with `period_s` the step's seconds, kept within
-    `[least, most]` (`least` where the period is not known)."""
+    ready: `ceil(plan_s / period_s)` with `period_s` the step's seconds, at least `least`
+    (`least` where the period is not known). No upper bound: a job longer than the re-plan
+    interval stretches it (the Balancer requests no plan while one is in flight), so that no
+    boundary waits for a planner that was known to be slow."""
     if not period_s > 0 or not plan_s > 0:
         return least
-    return int(max(least, min(most, np.ceil(plan_s / period_s))))
+    return int(max(least, np.ceil(plan_s / period_s)))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@
   steps s, s + 1, ... and takes effect at the first step boundary after it is ready (step s + 1
   at the earliest; step 0 runs the static placement, which the first plan moves from and pays
   for, where inline the first plan is the layout training starts with), so nothing is
-  charged, except when the next re-plan comes before it is ready: that boundary waits for it
-  (the rest of its planning time is charged there) and puts it in force;
+  charged; a re-plan due while the previous plan is still being made is skipped (the planner
+  makes one plan at a time and training does not wait for it: a planner slower than
+  `replan_every` steps stretches the interval, as the runtime's does,
+  `poise.runtime.planner`);
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the
@@ -101,6 +103,8 @@ class PolicyRun:
     # per plan put in force: the steps from its request to the step it took effect at (0
     # inline; 1 at the earliest beside training)
     plan_delays: list[int] = field(default_factory=list)
+    # beside training: the re-planning steps skipped because the last plan was still being made
+    skipped_replans: list[int] = field(default_factory=list)
     last_plan: Plan | None = None
     host_phases: dict[str, np.ndarray] = field(default_factory=dict)
     outside_s: dict[str, np.ndarray] = field(default_factory=dict)
@@ -424,14 +428,13 @@ class _PolicyReplay:
         """Plan (at re-planning steps) and price one step."""
         run, s = self.run, step.index
         migrations = None
-        waited = 0.0  # a re-plan boundary waiting for the background plan before it
-        if self.pending is not None and step.loads is not None:
-            waited, self.pending_left_s = max(0.0, self.pending_left_s), 0.0
         if self.pending is not None and self.pending_left_s <= 0.0:  # ready: in force now
             migrations = self._activate(self.pending, s, self.pending_since)
             self.pending = None
-        wall = 0.0
-        if step.loads is not None and step.ctx is not None:
+        wall, replans = 0.0, False
+        # beside training, a re-plan due while the last plan is still being made is skipped
+        if step.loads is not None and step.ctx is not None and self.pending is None:
+            replans = True
             t0 = time.thread_time()
             plan = make_plan(self.name, step.loads, self.plan, step.ctx)
             wall = time.thread_time() - t0 + float(plan.notes.get(HELPER_CPU_NOTE, 0.0))
@@ -442,6 +445,8 @@ class _PolicyReplay:
                 self.pending, self.pending_left_s, self.pending_since = plan, wall, s
             else:
                 migrations = self._activate(plan, s, s)
+        elif step.loads is not None:
+            run.skipped_replans.append(s)
         assert self.active is not None
         pricer, in_force = self.active
         priced = pricer.price(step.actual, migrations)
@@ -457,10 +462,8 @@ class _PolicyReplay:
         run.layer_s[s] = layer_s
         if self.pending is not None:  # the background plan runs during this step
             self.pending_left_s -= step_s
-        if step.loads is not None:
-            if self.background:
-                run.plan_charge_s[s] = waited
-            else:
+        if replans:
+            if not self.background:  # beside training, planning delays no step
                 a2a = 2.0 * float((priced.phases.dispatch_s + priced.phases.combine_s).sum())
                 run.plan_charge_s[s] = self.cost.schedule.planning_s(wall, a2a)
             if self.count_planning:

@@ -140,9 +140,9 @@ class Scenario:
     count_planning: bool = True
     background_planning: bool = True
     planning_note: str = (
-        "planning wall time charged where a planner beside training cannot hide it (each plan "
-        "takes effect once its planning time has run, the step after at the earliest; a "
-        "re-plan before then waits for it; the papers' iteration times include their planners)"
+        "planning beside training (each plan takes effect once its planning time has run, the "
+        "step after at the earliest; a re-plan due before then is skipped, so a planner slower "
+        "than the interval stretches it and no step waits for it)"
     )
     all_policies: bool = True
     # What the paper's times cover: "step", a whole training iteration (the MoE layers, the
