@@ -57,3 +57,39 @@ def test_a_rank_drops_what_the_caller_has_not(monkeypatch) -> None:
     assert "POISE_LAUNCH_TEST_GONE" not in os.environ
     assert os.environ["POISE_LAUNCH_TEST_NEW"] == "the caller's"
     assert dict(os.environ) == callers
+
+
+def _speak(tag: str, code: int) -> int:
+    import os
+    import sys
+
+    print(f"out {tag} {os.environ.get('POISE_LAUNCH_TEST_TAG')}", flush=True)
+    print(f"err {tag}", file=sys.stderr, flush=True)
+    return code
+
+
+def _raise(tag: str) -> int:
+    raise ValueError(f"forked {tag} refuses")
+
+
+def test_a_forked_process_writes_to_the_callers_streams_as_they_are_now(capfd) -> None:
+    """`start_forked`: the fork server's standard output and error are those of when it
+    started (an earlier test's captured output, here); a forked process writes to the
+    caller's as they are at the call, sees the environment it is given and exits with the int
+    its target returns, or 1 with the traceback on the caller's standard error."""
+    from poise.runtime.launch import start_forked
+
+    with capfd.disabled():  # the server, if it starts now, gets other streams than these
+        run_ranks(_sum_ranks, 2, 1)  # the fork server is running from here on
+    capfd.readouterr()
+    env = {**os.environ, "POISE_LAUNCH_TEST_TAG": "given"}
+    proc = start_forked(_speak, "a", 3, environ=env)
+    proc.join(60)
+    assert proc.exitcode == 3
+    failed = start_forked(_raise, "b")
+    failed.join(60)
+    assert failed.exitcode == 1
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["out a given"]
+    assert "err a" in err.splitlines()
+    assert "ValueError: forked b refuses" in err

@@ -5,6 +5,7 @@ worst layer in the console."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -65,6 +66,9 @@ def test_poise_train_writes_expert_load_and_tensorboard(tmp_path):
                "megatron_trace=true", f"cache_dir={tmp_path / 'cache'}"):  # fmt: skip
         args += ["--set", kv]
     assert main(args) == 0
+    # each rank computes at the launcher's share of the cores (not the fork server's count)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["threads"] == max(1, (os.cpu_count() or 1) // 2)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     trace = Trace.load(out / "trace.npz")  # counts [steps, layers, ranks, experts]

@@ -408,6 +408,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     wall: dict[str, float] = {}
 
+    from poise.runtime.launch import warm_fork_server
+
+    warm_fork_server()  # the runs' ranks fork from it; its imports overlap the corpus's reading
     cfgs = {p: demo_config(p, out, size, steps=steps, corpus=args.corpus) for p in POLICIES}
     first = cfgs[POLICIES[0]]
     with console.status("reading the corpus"):

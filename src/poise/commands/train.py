@@ -2,10 +2,15 @@
 
 With `--nproc 1` (the default) the run happens in this process. With N > 1 it checks the config
 and builds the corpus cache here (so bad input fails once, as one line), then starts N local
-ranks, each `python -m poise.train <out>/config.yaml` with torchrun's environment variables and a
-free port: the same entry point `torchrun -m poise.train` runs, so multi-node runs use torchrun's
-rendezvous instead. If a rank fails, the others are stopped and its exit status is returned;
-with `--max-restarts N` all ranks start again from the last complete checkpoint, up to N times
+ranks, each running `python -m poise.train <out>/config.yaml`'s `main` with torchrun's
+environment variables and a free port: the same entry point `torchrun -m poise.train` runs, so
+multi-node runs use torchrun's rendezvous instead. The local ranks are forked from a fork
+server that imported torch and `torch._dynamo` once (`poise.runtime.launch.start_forked`,
+`warm_fork_server`): a fresh interpreter spends about 7 s of CPU importing them (3 s torch,
+3 s `torch._dynamo`, which `torch.optim.AdamW` imports), so ranks that outnumber the cores
+(`poise demo`'s 4 on 2) waited for each other's imports. If a rank fails, the others are
+stopped and its exit status is returned; with `--max-restarts N` all ranks start again from
+the last complete checkpoint, up to N times
 (see `launch`). `--fail-at-step S --fail-rank R [--fail-phase P]` kills a rank on purpose
 (`poise.train.faults`), to test exactly that. `--layout ep=K` trains in a SmartMoE layout; the
 world must be a multiple of K and K divide the experts (checked here, one line).
@@ -15,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -108,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
 
         train(cfg, resume=args.resume, quiet=args.quiet)
         return 0
+    from poise.runtime.launch import warm_fork_server
+
+    warm_fork_server()  # its imports overlap the corpus's preparation
     build_corpus(
         cfg.data, glob=cfg.data_glob, cache_dir=cfg.cache_dir, val_fraction=cfg.val_fraction
     )
@@ -230,16 +238,16 @@ def _launch_once(
 ) -> int:
     """One attempt: start the ranks, wait for all; 0, or the first failing rank's exit status
     (the others are then stopped)."""
-    from poise.runtime.launch import free_port
+    from poise.runtime.launch import free_port, start_forked
 
     port = free_port()
     per_rank = threads or max(1, (os.cpu_count() or 1) // nproc)
-    cmd = [sys.executable, "-m", "poise.train", str(config_path)]
+    argv = [str(config_path)]
     if resume:
-        cmd += ["--resume", str(resume)]
+        argv += ["--resume", str(resume)]
     if quiet:
-        cmd.append("--quiet")
-    procs: list[subprocess.Popen] = []
+        argv.append("--quiet")
+    procs: list[BaseProcess] = []
     try:
         for rank in range(nproc):
             env = dict(os.environ)
@@ -253,9 +261,10 @@ def _launch_once(
                 OMP_NUM_THREADS=str(per_rank),
                 **extra_env,
             )
-            procs.append(subprocess.Popen(cmd, env=env))
+            name = f"poise-rank{rank}"
+            procs.append(start_forked(_rank_main, argv, per_rank, name=name, environ=env))
         while True:
-            codes = [p.poll() for p in procs]
+            codes = [p.exitcode for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _stop(procs)
@@ -266,6 +275,17 @@ def _launch_once(
     except KeyboardInterrupt:
         _stop(procs)
         raise
+
+
+def _rank_main(argv: list[str], threads: int) -> int:
+    """One local rank (in a forked process): `python -m poise.train ARGV` at `threads` intra-op
+    threads (`OMP_NUM_THREADS` is read when torch loads, which the fork server did before)."""
+    import torch
+
+    from poise.train.__main__ import main
+
+    torch.set_num_threads(threads)
+    return main(argv)
 
 
 def _first_failure(codes: list[int]) -> int:
@@ -298,15 +318,14 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[BaseProcess]) -> None:
     """Terminate the ranks this launch started that still run (then kill after 10 s)."""
     for p in procs:
-        if p.poll() is None:
+        if p.exitcode is None:
             p.terminate()
     deadline = time.monotonic() + 10
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.exitcode is None:
             p.kill()
-            p.wait()
+            p.join()

@@ -1,4 +1,5 @@
-"""Run a function on D local gloo ranks in fresh processes and collect what each returns.
+"""Run a function on D local gloo ranks in fresh processes and collect what each returns; start
+one process from the same fork server (`start_forked`: `poise train --nproc`'s ranks).
 
 Used by the multi-rank tests, the benchmarks and `poise calibrate`: every rank gets a gloo
 process group on 127.0.0.1 (with a collective timeout, so a disagreeing rank is an error, not a
@@ -13,18 +14,29 @@ rank imports them itself, 3-4 s on 2 cores, and `torch.optim`'s first step impor
 process group and no CUDA, the caller's `sys.path` and working directory (sent with each rank),
 and the caller's environment as it is at the call (`_take_environment`; the server's own is
 the one it started with).
+
+`start_forked(target, *args)` starts one such process running `target(*args)` and exits with
+the int it returns; besides the caller's environment it takes the caller's standard output and
+error as they are at the call (file descriptors 1 and 2, passed to it through the server as
+`multiprocessing` passes a pipe: the server's own are those of when it started, which may be
+gone, a test's captured output for one).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +160,69 @@ def run_ranks(
         return results
 
 
+def start_forked(
+    target: Callable[..., int],
+    *args: Any,
+    name: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> BaseProcess:
+    """Start `target(*args)` in a process forked from the fork server (module docstring): the
+    environment `environ` (default: the caller's as it is now), the caller's standard output
+    and error as they are now; the process exits with the int `target` returns (`exitcode`; an
+    exception: 1, its traceback on standard error; a signal N: -N). `target` and `args` must be
+    picklable."""
+    _preload_forkserver()
+    ctx = multiprocessing.get_context("forkserver")
+    streams = (_PassedFd(1), _PassedFd(2))
+    env = dict(os.environ) if environ is None else dict(environ)
+    proc = ctx.Process(target=_forked_main, args=(target, args, env, streams), name=name)
+    proc.start()
+    return proc
+
+
+class _PassedFd:
+    """A file descriptor of the caller, duplicated into the forked process as it starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # only while a process is being started: the fd travels to it through the fork server
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup: Any) -> int:
+    """The descriptor a `_PassedFd` arrived as in the forked process."""
+    return int(dup.detach())
+
+
+def _forked_main(
+    target: Callable[..., int], args: tuple[Any, ...], environ: dict[str, str], streams: tuple
+) -> None:
+    """In the forked process: take the caller's streams and environment, run, exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, own in zip(streams, (1, 2), strict=True):
+        os.dup2(fd, own)
+        os.close(fd)
+    _take_environment(environ)
+    sys.exit(target(*args))
+
+
+def warm_fork_server() -> threading.Thread:
+    """Start the fork server (its imports, several seconds) in a thread now, so that the
+    caller's own work until its first `start_forked` or `run_ranks` overlaps them; returns the
+    thread (a daemon). A process started meanwhile waits for the server."""
+    from multiprocessing import forkserver
+
+    _preload_forkserver()
+    thread = threading.Thread(
+        target=forkserver.ensure_running, name="poise-fork-server", daemon=True
+    )
+    thread.start()
+    return thread
+
+
 def _preload_forkserver() -> None:
     """Name the fork server's imports; it starts (importing them) at the first rank's start."""
     import multiprocessing
@@ -172,4 +247,4 @@ def _first_error(out_dir: str, world_size: int) -> str | None:
     return None
 
 
-__all__ = ["RankFailedError", "free_port", "run_ranks"]
+__all__ = ["RankFailedError", "free_port", "run_ranks", "start_forked", "warm_fork_server"]

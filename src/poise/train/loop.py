@@ -582,6 +582,7 @@ class _Trainer:
         if self.rank == 0:
             summary = res.as_dict()
             summary.update(policy=cfg.policy, model=cfg.model, device=self.device.type)
+            summary["threads"] = torch.get_num_threads()  # rank 0's intra-op threads
             if self.balancer.probe is not None:  # start-up bulk transfers, `runtime.probe`
                 k = ("k", "measured_s", "modelled_s")
                 summary["transfer_probe"] = dict(zip(k, self.balancer.probe, strict=True))
