@@ -1782,6 +1782,18 @@ def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> Non
     del dropped  # never closed: its finalizer ends the worker's input, and it exits
     gc.collect()
     assert proc.wait(timeout=10) == 0
+    # a Ctrl-C reaches the worker with its rank (one process group): the rank answers it, the
+    # worker goes on serving until its input ends
+    import pickle
+    import signal
+
+    worker = WorkerProcess(("poise.runtime.planning_job",))
+    worker.call(pickle.dumps(partial(os.getpid)))  # started: its handlers are set
+    worker.proc.send_signal(signal.SIGINT)
+    assert worker.call(pickle.dumps(partial(abs, -7)))[0] == 7
+    assert worker.proc.stdin is not None
+    worker.proc.stdin.close()
+    assert worker.proc.wait(timeout=10) == 0
 
 
 def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:

@@ -7,7 +7,9 @@ callable taking no argument (`functools.partial(run_job, job)`); each reply is t
 around a pickled `("ok", value, wall_s, cpu_s)` or `("error", exception, traceback_text)`. The
 worker runs at the lowest CPU priority (nice 19) with one BLAS thread, imports the MODULEs
 before its first request (the jobs' code), and exits at the end of its input (its parent
-closed the pipe, or exited).
+closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at the terminal reaches its whole
+process group, and the training rank that owns the worker answers it (and ends the worker by
+ending its input), where the worker used to print a `KeyboardInterrupt` traceback of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import importlib
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     the first job does not pay for the imports)."""
     replies = sys.stdout.buffer
     sys.stdout = sys.stderr  # prints must not corrupt the replies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owning rank answers a Ctrl-C
     with contextlib.suppress(AttributeError, OSError):
         os.nice(19)
     for module in sys.argv[1:] if argv is None else argv:
