@@ -209,3 +209,48 @@ def test_injector_fires_once_on_its_rank_in_the_first_attempt(monkeypatch) -> No
     again = FaultInjector(Fault(3, 1, "backward"), rank=1, kill=lambda: fired.append(-2))
     again.at(3, "backward")
     assert -1 not in fired and -2 not in fired
+
+
+def test_ctrl_c_ends_every_rank_with_one_line_each(tmp_path) -> None:
+    """A Ctrl-C at the terminal (SIGINT to the whole process group) ends `poise train --nproc
+    2` with status 130 within seconds: the launcher, its ranks (forked from the fork server) and
+    the leader's planner worker are all gone, and standard error holds one `interrupted` line
+    per process that answered, no traceback (the worker leaves the interruption to its rank)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    argv = _argv(tmp_path, "run")
+    argv[argv.index("--steps") + 1] = "100000"  # runs until interrupted
+    argv.remove("--quiet")
+
+    def default_sigint() -> None:  # a background job may have inherited SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poise.cli", *argv],
+        start_new_session=True,
+        preexec_fn=default_sigint,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "training never stepped"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "interrupted" in err
+    time.sleep(0.5)
+    group = subprocess.run(
+        ["ps", "-o", "pid=,stat=", "-g", str(proc.pid)], capture_output=True, text=True
+    ).stdout
+    alive = [row for row in group.splitlines() if row.split() and row.split()[1][0] != "Z"]
+    assert not alive, group  # (a zombie is an ended process its parent has not reaped)
