@@ -42,17 +42,16 @@ Each step:
   requests are decided as many steps later as the last job took (`planner.adoption_lag`, at
   least `plan_lag`; the leader broadcasts it with its decision), and a re-plan due while a
   plan is still in flight is skipped (a planner slower than `replan_every` steps stretches the
-  interval rather than stalling a step). The guard
-  (`poise.runtime.guard`) adopts it only when its predicted saving over the re-plan horizon
-  exceeds the switch's measured cost by a margin, skips it when it equals the plan in force,
-  and falls back to the static layout when a plan in force does not make steps faster; the
-  leader broadcasts its decision with the plan (`check_plans`: every rank also plans and
-  compares the plan's digest, `PlanMismatchError` if they disagree). An adopted plan takes
-  effect at once: `migrate` (weights and AdamW moments to new homes, replicas filled) and the
-  layers' new routings. Otherwise Trans refreshes the replicas, launched asynchronously and
-  awaited by each layer before it runs; on a probe step's boundary (`probe_every`) the layers
-  take the plan's homes-only routing for one step instead, and the next boundary restores the
-  plan's and launches its Trans.
+  interval rather than stalling a step). The guard (`poise.runtime.guard`) adopts it only when
+  its predicted saving over the re-plan horizon exceeds the switch's measured cost by a margin,
+  skips it when it equals the plan in force, and falls back to the static layout when a plan in
+  force does not make steps faster; the leader broadcasts its decision with the plan
+  (`check_plans`: every rank also plans and compares the plan's digest, `PlanMismatchError` if
+  they disagree). An adopted plan takes effect at once: `migrate` (weights and AdamW moments to
+  new homes, replicas filled) and the layers' new routings. Otherwise Trans refreshes the
+  replicas, launched asynchronously and awaited by each layer before it runs; on a probe step's
+  boundary (`probe_every`) the layers take the plan's homes-only routing for one step instead,
+  and the next boundary restores the plan's and launches its Trans.
 
 The planning half (`_request`, `_decide` with the leader's outcome, `_switch`, `verify_plan`)
 is `poise.runtime.plan_cycle.PlanCycle`, which the Balancer mixes in; this module keeps the
@@ -129,8 +128,7 @@ class Balancer(PlanCycle):
     - `cluster`: the modelled cluster the cost model prices: a `Cluster`, a preset name or a
       YAML path (the file `poise calibrate` writes); default `default_cluster(D)`, with the
       world's ranks sharing this host's cores, and one link for their bulk bytes, where they
-      are CPU processes. It is the
-      prior of the self-calibration (`calibrate`);
+      are CPU processes. It is the prior of the self-calibration (`calibrate`);
     - `spec`: the model shape (default: from the layers, `spec_from_layers`; tokens per device
       from the observed counts);
     - `predictor`: `Predictor` or its text form (`ema`, `window:20`, `last`);

@@ -197,7 +197,10 @@ def _received_fd(dup: Any) -> int:
 
 
 def _forked_main(
-    target: Callable[..., int], args: tuple[Any, ...], environ: dict[str, str], streams: tuple
+    target: Callable[..., int],
+    args: tuple[Any, ...],
+    environ: dict[str, str],
+    streams: tuple[int, int],
 ) -> None:
     """In the forked process: take the caller's streams and environment, run, exit."""
     sys.stdout.flush()
@@ -225,8 +228,6 @@ def warm_fork_server() -> threading.Thread:
 
 def _preload_forkserver() -> None:
     """Name the fork server's imports; it starts (importing them) at the first rank's start."""
-    import multiprocessing
-
     multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 
