@@ -63,3 +63,22 @@ def test_compared_policies_are_named_and_checked(ep_step, capsys) -> None:
     with pytest.raises(SystemExit):
         ep_step.parse_args(["--compare", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_the_judged_line_meets_the_target_at_its_figure_and_beyond_its_noise(ep_step) -> None:
+    assert ep_step.GAIN_TARGET == 0.85  # issue 18
+    clear = ep_step.target_verdict(0.95, [0.86, 1.05])
+    assert clear == {"target": 0.85, "target_met": True, "target_met_90": True}
+    # met at the figure, but the noise reaches below the target
+    assert ep_step.target_verdict(0.88, [0.79, 0.98])["target_met_90"] is False
+    assert ep_step.target_verdict(0.88, [0.79, 0.98])["target_met"] is True
+    assert ep_step.target_verdict(0.85, [0.85, 0.9]) == clear  # the bound counts
+    missed = ep_step.target_verdict(0.8, [0.7, 0.9])
+    assert missed["target_met"] is False and missed["target_met_90"] is False
+    nothing = ep_step.target_verdict(None, None)  # the ideal gained nothing
+    assert nothing["target_met"] is False and nothing["target_met_90"] is None
+
+
+def test_forty_timed_steps_by_default(ep_step) -> None:
+    # with 10 the 90% interval spanned more than 1 (module docstring): one line judged nothing
+    assert ep_step.parse_args([]).steps == 40
