@@ -82,7 +82,10 @@ pair the slowest ranks shed saves `c`, is tested per round (`shed_pairs_rounds`,
 `shed_pairs_premise`; `poise.report.ideal.shed_pairs_worth`): over the later half of the steps,
 the ms auto saved plus what it paid to shed pairs (its transfers inside forward and backward,
 and its extra `balance`, which holds the boundary's), over the shed pairs at `c`; 1 where the
-premise holds. With more ranks than
+premise holds. `gain_accounting` charges the ideal's gain step by step
+(`poise.report.gain_accounting`): the shares auto achieved and lost before its first plan, on
+probe and switch steps, and under its plans to the imbalance left, its transfers and the rest
+(medians over the rounds; `gain_accounting_rounds` per round). With more ranks than
 cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its core to the
 others, so a layer's expert work takes max(slowest rank, total / C), C the cores' worth the
 ranks get (`poise.runtime.plan_inputs.shared_cores`), balanced or not: the ideal then uses
@@ -406,6 +409,7 @@ def slots_balanced(orders: list[tuple[str, ...]]) -> bool:
 def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from poise.calibrate.experts import expert_seconds_per_token
     from poise.models.gpt import model_config
+    from poise.report.gain_accounting import gain_accounting
     from poise.report.ideal import ideal_of, judge, position_balanced, shed_pairs_worth
     from poise.runtime.plan_inputs import shared_cores
 
@@ -480,6 +484,10 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         for s, a, c_r in zip(runs["static"], runs["auto"], c_rounds, strict=True)
     ]
     premises = [x["premise"] for x in shed if x["premise"] is not None]
+    accounts = [
+        gain_accounting(s, a, c_r, skip, cores=cores)
+        for s, a, c_r in zip(runs["static"], runs["auto"], c_rounds, strict=True)
+    ]
     static_tok_s = statistics.median(static_tok)
     auto_tok_s = statistics.median(auto_tok)
     paired = [a / b for a, b in zip(auto_tok, static_tok, strict=True)]  # per round
@@ -563,6 +571,11 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         # 1 where each pair the slowest ranks shed saved c, as the ideal assumes
         "shed_pairs_premise": round(statistics.median(premises), 3) if premises else None,
         "shed_pairs_rounds": shed,
+        # where the ideal's gain went, per round (`poise.report.gain_accounting`): the shares
+        # of it auto achieved and lost before its first plan, to probe and switch steps, and,
+        # under its plans, to the imbalance left, its transfers and the rest; their medians
+        "gain_accounting": accounting_medians(accounts),
+        "gain_accounting_rounds": accounts,
         "static_phase_ms": {k: round(v, 1) for k, v in static_ph.items()},
         "auto_extra_phase_ms": {k: round(auto_ph[k] - static_ph[k], 1) for k in static_ph},
         "auto_moe_ms": {
@@ -641,6 +654,20 @@ def decisions_text(run: Any) -> list[str]:
         f"{d['step']} {d['decision']} r{d['replicas']} m{d['moved_homes']}"
         for d in getattr(run, "decisions", [])
     ]
+
+
+def accounting_medians(accounts: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per share of `poise.report.gain_accounting` (`achieved`, then each cause lost), its
+    median over the rounds (None where no round had a gain to share)."""
+    from poise.report.gain_accounting import CAUSES
+
+    def median(values: list[float | None]) -> float | None:
+        kept = [v for v in values if v is not None]
+        return round(statistics.median(kept), 3) if kept else None
+
+    out = {"achieved": median([a["achieved"] for a in accounts])}
+    out.update({k: median([a["lost"][k] for a in accounts]) for k in CAUSES})
+    return out
 
 
 def paired_clock_ms(run: Any) -> list[float] | None:

@@ -145,6 +145,9 @@ def _three_to_one(policy: str, steps: int, step_s: float) -> SimpleNamespace:
         moe_phase_mean=lambda k: 0.0,
         last_verdict={},
         plan_changes=0 if static else 3,
+        steps=np.arange(1, steps + 1),
+        probe_steps=np.zeros(steps, dtype=bool),
+        switches=[] if static else [11],
     )
 
 
@@ -261,6 +264,9 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
                 {"step": 11, "decision": "adopt", "replicas": 5, "moved_homes": 0},
                 {"step": 31, "decision": "fallback", "replicas": 0, "moved_homes": 7},
             ],
+            steps=np.arange(1, n + 1),
+            probe_steps=np.zeros(n, dtype=bool) if static else np.arange(n) == 15,
+            switches=[] if static else [11],
         )  # fmt: skip
 
     # c = 25 us: 4 layers x 1000 excess pairs x 25 us = 0.1 s of a 1.0 s step -> ideal 1/0.9.
@@ -285,6 +291,16 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
          "costs_counted": "transfers + balance"}
     ]  # fmt: skip
     assert line["shed_pairs_premise"] == 0.2
+    # the gain step by step: 0.02 of the ideal's 0.1 s a step saved on each of the 8 measured
+    # steps (13-20; the first plan at 11), the probe step (16) too, as nothing else differs
+    account = line["gain_accounting_rounds"][0]
+    assert account["steps"] == {
+        "before_first_plan": 0, "probe_steps": 1, "switch_steps": 0, "under_plans": 7,
+    }  # fmt: skip
+    assert account["achieved"] == pytest.approx(0.2) and account["ideal_gain_ms"] == 100.0
+    assert account["lost"]["probe_steps"] == pytest.approx(0.1)  # 1 of 8 steps' 0.08 s
+    assert account["lost"]["other"] == pytest.approx(0.7)
+    assert line["gain_accounting"] == {"achieved": 0.2, **account["lost"]}
 
 
 def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
@@ -315,6 +331,9 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
             moe_phases={"experts": np.full(steps, 0.1)},
             max_over_mean=2.28,
             moe_phase_mean=lambda k: 0.0,
+            steps=np.arange(1, steps + 1),
+            probe_steps=np.zeros(steps, dtype=bool),
+            switches=[],
         )
 
     timed = iter([25e-6, 40e-6])  # before the rounds, after them (slowed): the smaller counts
@@ -363,6 +382,9 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
             max_over_mean=1.0,
             moe_phase_mean=lambda k: 0.0,
             last_verdict={},
+            steps=np.arange(1, n + 1),
+            probe_steps=np.zeros(n, dtype=bool),
+            switches=[],
         )
 
     monkeypatch.setattr(bench, "train", fake_train)

@@ -77,7 +77,7 @@ def ideal_of(
     run and balanced (the slowest and mean rank's where ranks do not share cores) and the mean
     slowest/mean rank load."""
     w = measured_steps(static.step_s, skip, stop)
-    n = _pairs(static, w)
+    n = step_pairs(static, w)
     step = np.asarray(static.step_s, dtype=float)[w]
     slow, mean = expert_pairs(n, cores)
     ideal = step - c_s * (slow - mean)
@@ -90,7 +90,9 @@ def ideal_of(
     }
 
 
-def _pairs(run: Any, w: slice) -> np.ndarray:
+def step_pairs(run: Any, w: slice) -> np.ndarray:
+    """`run.device_tokens[S, L, D]` over the steps `w`, as floats (a ValueError naming the shape
+    where it is not three-dimensional or holds no step)."""
     n = np.asarray(run.device_tokens, dtype=float)[w]  # [S, L, W]
     if n.ndim != 3 or n.shape[0] == 0:
         raise ValueError(f"device_tokens must be [steps, layers, ranks], got {n.shape}")
@@ -133,8 +135,8 @@ def shed_pairs_worth(
     high)."""
     S = len(static.step_s)
     w = slice(min(S - 1, max(skip, 0) + (S - max(skip, 0)) // 2), None)
-    slow_s = expert_pairs(_pairs(static, w), cores)[0].mean()
-    slow_a = expert_pairs(_pairs(auto, w), cores)[0].mean()
+    slow_s = expert_pairs(step_pairs(static, w), cores)[0].mean()
+    slow_a = expert_pairs(step_pairs(auto, w), cores)[0].mean()
 
     def mean_of(run: Any, table: str, name: str) -> float:
         values = getattr(run, table).get(name)

@@ -71,7 +71,9 @@ class MeasuredRun:
     `last_verdict`: the guard's last verdict with probe steps behind it (`verdict.Verdict.as_dict`:
     the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none; `decisions`:
     the Balancer's decisions in order (`_decisions`), empty for static; `switches`: the steps
-    after whose loss another plan took effect (`_switch_steps`), empty for static."""
+    after whose loss another plan took effect (`_switch_steps`), empty for static;
+    `probe_steps[S]`: whether the step was one of the guard's probe steps (all False for
+    static)."""
 
     policy: str
     path: Path
@@ -92,6 +94,7 @@ class MeasuredRun:
     last_verdict: dict[str, Any] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
+    probe_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:
@@ -142,6 +145,7 @@ class MeasuredRun:
             last_verdict=_last_probed_verdict(records),
             decisions=_decisions(records),
             switches=_switch_steps(records),
+            probe_steps=np.array([bool(r.get("probe")) for r in records], dtype=bool),
         )
 
     def warm(self) -> slice:

@@ -1,0 +1,116 @@
+"""Where the ideal's gain went: one round of static and auto, step by step, in shares.
+
+The ideal (`poise.report.ideal`) credits static's step s with `excess[s] = c * sum_l
+(slow[s, l] - mean[s, l])`, the expert seconds perfect, free balance would save. Auto ran the
+same steps in the same turns, so per measured step
+
+    achieved[s] = step_static[s] - step_auto[s]
+    lost[s]     = excess_static[s] - achieved[s]
+
+and over the steps `G = sum_s excess_static[s]`, the ideal's gain in seconds. Each step of the
+auto run is charged to one cause, in this order:
+
+- `before_first_plan`: up to and including the step whose boundary put the first plan in force
+  (the warm-up's static layout, the re-plans the guard refused, the first switch);
+- `probe_steps`: the guard's probe steps (the plan's homes without its replicas, for the
+  paired clock: `poise.runtime.probe_steps`);
+- `switch_steps`: the steps whose boundary put another plan in force (migration, re-lay, the
+  new replicas' first Trans);
+- every other step, under a plan, splits its loss three ways:
+  `residual_imbalance`, auto's own excess at `c` (what its layout left unbalanced);
+  `transfers`, the replicas' Trans and Agg inside forward and backward and its `balance`
+  phase beyond static's (what it paid to move weights and gradients, as `shed_pairs_worth`
+  counts them);
+  `other`, the rest: what shedding pairs cost beyond those (the busy neighbour, the split's
+  dispatch, the all-to-all's other routes: `shed_pairs_worth`'s premise below 1), and the
+  machine's noise, which pairs of steps in turns leave small over tens of steps.
+
+`achieved` plus the six losses is 1 (each a share of `G`, by construction). These are
+seconds: the gain fraction of tokens per second, `(S/A - 1) / (S/I - 1)` with `S`, `A`, `I` the
+summed static, auto and ideal steps, is `achieved * I / A`, within a few per cent of it where
+auto's steps are near the ideal's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from poise.report.ideal import expert_pairs, measured_steps, step_pairs
+
+CAUSES = (
+    "before_first_plan",
+    "probe_steps",
+    "switch_steps",
+    "residual_imbalance",
+    "transfers",
+    "other",
+)
+
+
+def gain_accounting(
+    static: Any, auto: Any, c_s: float, skip: int, cores: float = 0.0
+) -> dict[str, Any]:
+    """The shares of the ideal's gain that auto `achieved` and lost by cause (module
+    docstring) over the steps after `skip`, `c_s` seconds a pair, ranks sharing `cores` (0:
+    none); `ideal_gain_ms`, `G` per step. `static`, `auto`: `MeasuredRun`s of one round, the
+    same steps (`step_s[S]`, `device_tokens[S, L, D]`, `phases["balance"]`, `moe_phases`,
+    `steps`); `auto` also `probe_steps[S]` (bool) and `switches` (the step numbers whose
+    boundary switched). Shares are None where the ideal gains nothing."""
+    w = measured_steps(static.step_s, skip)
+    step_s = np.asarray(static.step_s, dtype=float)[w]
+    step_a = np.asarray(auto.step_s, dtype=float)[w]
+    if step_s.shape != step_a.shape:
+        raise ValueError(f"the runs' steps differ: {step_s.shape} against {step_a.shape}")
+    slow_s, mean_s = expert_pairs(step_pairs(static, w), cores)
+    slow_a, mean_a = expert_pairs(step_pairs(auto, w), cores)
+    excess = c_s * (slow_s - mean_s)
+    lost = excess - (step_s - step_a)
+    numbers = np.asarray(auto.steps)[w]
+    switches = np.asarray(auto.switches, dtype=np.int64)
+    switched = np.isin(numbers, switches)
+    probe = np.asarray(auto.probe_steps, dtype=bool)[w]
+    before = numbers <= switches.min() if switches.size else np.ones(len(numbers), dtype=bool)
+    probe &= ~before
+    switch = switched & ~before & ~probe
+    under = ~(before | probe | switch)
+    transfers = _phase(auto, "moe_phases", "transfers_in_compute", w)
+    transfers = transfers + _phase(auto, "phases", "balance", w)
+    transfers = transfers - _phase(static, "phases", "balance", w)
+    residual = c_s * (slow_a - mean_a)
+    seconds = {
+        "before_first_plan": lost[before].sum(),
+        "probe_steps": lost[probe].sum(),
+        "switch_steps": lost[switch].sum(),
+        "residual_imbalance": residual[under].sum(),
+        "transfers": transfers[under].sum(),
+        "other": (lost - residual - transfers)[under].sum(),
+    }
+    total = float(excess.sum())
+
+    def share(x: float) -> float | None:
+        return round(float(x) / total, 3) if total > 0 else None
+
+    return {
+        "ideal_gain_ms": round(total / len(excess) * 1e3, 2),
+        "achieved": share((step_s - step_a).sum()),
+        "lost": {k: share(v) for k, v in seconds.items()},
+        "steps": {
+            "before_first_plan": int(before.sum()),
+            "probe_steps": int(probe.sum()),
+            "switch_steps": int(switch.sum()),
+            "under_plans": int(under.sum()),
+        },
+    }
+
+
+def _phase(run: Any, table: str, name: str, w: slice) -> np.ndarray:
+    """`run`'s seconds of phase `name` in `table` (`phases` or `moe_phases`) over `w`; zeros
+    where the run did not log it."""
+    values = getattr(run, table).get(name)
+    size = len(np.asarray(run.step_s)[w])
+    return np.zeros(size) if values is None else np.asarray(values, dtype=float)[w]
+
+
+__all__ = ["CAUSES", "gain_accounting"]
