@@ -83,7 +83,7 @@ pair the slowest ranks shed saves `c`, is tested per round (`shed_pairs_rounds`,
 the ms auto saved plus what it paid to shed pairs (its transfers inside forward and backward,
 and its extra `balance`, which holds the boundary's), over the shed pairs at `c`; 1 where the
 premise holds. `gain_accounting` charges the ideal's gain step by step
-(`poise.report.gain_accounting`): the shares auto achieved and lost before its first plan, on
+(`poise.report.gain_accounting`): the shares auto achieved and lost on the static layout, on
 probe and switch steps, and under its plans to the imbalance left, its transfers and the rest
 (medians over the rounds; `gain_accounting_rounds` per round). With more ranks than
 cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its core to the
@@ -572,7 +572,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "shed_pairs_premise": round(statistics.median(premises), 3) if premises else None,
         "shed_pairs_rounds": shed,
         # where the ideal's gain went, per round (`poise.report.gain_accounting`): the shares
-        # of it auto achieved and lost before its first plan, to probe and switch steps, and,
+        # of it auto achieved and lost on the static layout, to probe and switch steps, and,
         # under its plans, to the imbalance left, its transfers and the rest; their medians
         "gain_accounting": accounting_medians(accounts),
         "gain_accounting_rounds": accounts,

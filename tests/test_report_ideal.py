@@ -295,7 +295,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     # steps (13-20; the first plan at 11), the probe step (16) too, as nothing else differs
     account = line["gain_accounting_rounds"][0]
     assert account["steps"] == {
-        "before_first_plan": 0, "probe_steps": 1, "switch_steps": 0, "under_plans": 7,
+        "static_layout": 0, "probe_steps": 1, "switch_steps": 0, "under_plans": 7,
     }  # fmt: skip
     assert account["achieved"] == pytest.approx(0.2) and account["ideal_gain_ms"] == 100.0
     assert account["lost"]["probe_steps"] == pytest.approx(0.1)  # 1 of 8 steps' 0.08 s

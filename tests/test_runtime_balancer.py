@@ -192,6 +192,7 @@ def _probed(rank: int, W: int, cluster) -> dict:
         ],
         "replica_steps_bytes": [s.agg_bytes for s in stats if not s.probe and s.step > 6],
         "row_layout": list(balancer.row_layout),
+        "layouts": [(s.step, s.layout) for s in stats],  # as `metrics.jsonl` names them
         "pairs": (len(probes), probes.pair_of.tolist()),
         "fit_steps": [job.fit_rows[:, 0].astype(int).tolist() for job in jobs],
         "job_probes": [None if job.probes is None else len(job.probes) for job in jobs],
@@ -1987,6 +1988,13 @@ def test_probe_steps_idle_the_replicas_and_keep_the_mathematics(two_ranks: list[
     for i, lay in enumerate(layout):
         if lay == PROBE:  # between two steps run under the plan's replicas (or at the end)
             assert layout[i - 1] == REPLICAS and (i + 1 == len(layout) or layout[i + 1] == REPLICAS)
+    # each step's stats name the layout it ran under, as the records hold it
+    from poise.runtime.records import LAYOUT_NAMES
+
+    names = [name for _, name in probed["layouts"]]
+    assert names[-len(layout) :] == [LAYOUT_NAMES[x] for x in layout]
+    assert names[0] == "static" and "replicas" in names
+    assert [t for t, name in probed["layouts"] if name == "probe"] == steps
     n, pair_of = probed["pairs"]
     assert n == len(steps) and sorted(set(pair_of)) == list(range(n))
     # the self-calibration never fits a probe step (it ran another layout); jobs carry probes

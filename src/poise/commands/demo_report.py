@@ -103,6 +103,7 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
     `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
     compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. Where
     the runs took their steps in turns (`turns` in their configs), the text says so."""
+    from poise.report.gain_accounting import gain_accounting
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
@@ -148,6 +149,10 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
             "one run's steps more than from the other's: compare benchmarks/train_speedup.py, "
             "which repeats the pair and takes the median."
         )
+    same_steps = len(static.step_s) == len(auto.step_s)
+    accounting = gain_accounting(static, auto, c_s, skip, cores=cores) if same_steps else None
+    if accounting is not None and verdict["judged_gain"]:
+        text += accounting_sentence(accounting)
     text += paired_clock_sentence(getattr(auto, "last_verdict", {}) or {})
     if steps < 30:
         text += (
@@ -163,6 +168,31 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
         measured_steps=steps,
         expert_us_per_token=c_s * 1e6,
         text=text,
+        gain_accounting=accounting,
+    )
+
+
+def accounting_sentence(account: dict[str, Any]) -> str:
+    """Where the ideal's gain went, step by step (`poise.report.gain_accounting`), in words;
+    nothing where the ideal gained nothing."""
+    lost, steps = account["lost"], account["steps"]
+    if account["achieved"] is None:
+        return ""
+    parts = [
+        f"{lost['static_layout']:.0%} on the static layout ({steps['static_layout']} steps: "
+        "before a plan was due or trusted, or after a fallback)",
+        f"{lost['probe_steps']:.0%} on its {steps['probe_steps']} probe steps (the plan's homes "
+        "without its replicas, which time the replicas' saving)",
+        f"{lost['switch_steps']:.0%} on its {steps['switch_steps']} switch steps",
+        f"{lost['residual_imbalance']:.0%} to imbalance its plans left",
+        f"{lost['transfers']:.0%} to the replicas' Trans and Agg",
+        f"{lost['other']:.0%} to what shedding pairs costs here beyond those (the neighbour "
+        "rank now busy, the split's dispatch, more tokens crossing ranks) and the machine's "
+        "noise",
+    ]
+    return (
+        f" Step by step, of the ideal's {account['ideal_gain_ms']:.0f} ms a step auto kept "
+        f"{account['achieved']:.0%}; the rest went " + "; ".join(parts) + "."
     )
 
 

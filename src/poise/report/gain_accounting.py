@@ -8,14 +8,15 @@ same steps in the same turns, so per measured step
     lost[s]     = excess_static[s] - achieved[s]
 
 and over the steps `G = sum_s excess_static[s]`, the ideal's gain in seconds. Each step of the
-auto run is charged to one cause, in this order:
+auto run is charged to one cause, the first that applies:
 
-- `before_first_plan`: up to and including the step whose boundary put the first plan in force
-  (the warm-up's static layout, the re-plans the guard refused, the first switch);
 - `probe_steps`: the guard's probe steps (the plan's homes without its replicas, for the
   paired clock: `poise.runtime.probe_steps`);
 - `switch_steps`: the steps whose boundary put another plan in force (migration, re-lay, the
   new replicas' first Trans);
+- `static_layout`: the steps run on the static layout (the warm-up, the re-plans the guard
+  refused, the steps after a fallback to it), as each step's `layout` in `metrics.jsonl` says;
+  for a run that did not log it, the steps before its first switch;
 - every other step, under a plan, splits its loss three ways:
   `residual_imbalance`, auto's own excess at `c` (what its layout left unbalanced);
   `transfers`, the replicas' Trans and Agg inside forward and backward and its `balance`
@@ -40,7 +41,7 @@ import numpy as np
 from poise.report.ideal import expert_pairs, measured_steps, step_pairs
 
 CAUSES = (
-    "before_first_plan",
+    "static_layout",
     "probe_steps",
     "switch_steps",
     "residual_imbalance",
@@ -56,8 +57,9 @@ def gain_accounting(
     docstring) over the steps after `skip`, `c_s` seconds a pair, ranks sharing `cores` (0:
     none); `ideal_gain_ms`, `G` per step. `static`, `auto`: `MeasuredRun`s of one round, the
     same steps (`step_s[S]`, `device_tokens[S, L, D]`, `phases["balance"]`, `moe_phases`,
-    `steps`); `auto` also `probe_steps[S]` (bool) and `switches` (the step numbers whose
-    boundary switched). Shares are None where the ideal gains nothing."""
+    `steps`); `auto` also `probe_steps[S]` (bool), `switches` (the step numbers whose
+    boundary switched) and `layouts[S]` (names, or empty). Shares are None where the ideal
+    gains nothing."""
     w = measured_steps(static.step_s, skip)
     step_s = np.asarray(static.step_s, dtype=float)[w]
     step_a = np.asarray(auto.step_s, dtype=float)[w]
@@ -69,18 +71,22 @@ def gain_accounting(
     lost = excess - (step_s - step_a)
     numbers = np.asarray(auto.steps)[w]
     switches = np.asarray(auto.switches, dtype=np.int64)
-    switched = np.isin(numbers, switches)
     probe = np.asarray(auto.probe_steps, dtype=bool)[w]
-    before = numbers <= switches.min() if switches.size else np.ones(len(numbers), dtype=bool)
-    probe &= ~before
-    switch = switched & ~before & ~probe
-    under = ~(before | probe | switch)
+    switch = np.isin(numbers, switches) & ~probe
+    layouts = list(getattr(auto, "layouts", []))
+    if len(layouts) == len(auto.step_s) and all(layouts):
+        static_layout = np.asarray(layouts, dtype=object)[w] == "static"
+    else:  # not logged: the steps before the first switch
+        first = switches.min() if switches.size else np.inf
+        static_layout = numbers < first
+    static_layout &= ~(probe | switch)
+    under = ~(static_layout | probe | switch)
     transfers = _phase(auto, "moe_phases", "transfers_in_compute", w)
     transfers = transfers + _phase(auto, "phases", "balance", w)
     transfers = transfers - _phase(static, "phases", "balance", w)
     residual = c_s * (slow_a - mean_a)
     seconds = {
-        "before_first_plan": lost[before].sum(),
+        "static_layout": lost[static_layout].sum(),
         "probe_steps": lost[probe].sum(),
         "switch_steps": lost[switch].sum(),
         "residual_imbalance": residual[under].sum(),
@@ -97,7 +103,7 @@ def gain_accounting(
         "achieved": share((step_s - step_a).sum()),
         "lost": {k: share(v) for k, v in seconds.items()},
         "steps": {
-            "before_first_plan": int(before.sum()),
+            "static_layout": int(static_layout.sum()),
             "probe_steps": int(probe.sum()),
             "switch_steps": int(switch.sum()),
             "under_plans": int(under.sum()),

@@ -138,7 +138,8 @@ class ReplaySection:
 class MeasuredSummary:
     """The measured part in one line: static and auto tokens/s over the steps after the
     warm-up, their ratio, the ideal (`poise.report.ideal`) and the verdict of
-    `poise.report.ideal.judge`; `text`: what it means, in words."""
+    `poise.report.ideal.judge`; `text`: what it means, in words; `gain_accounting`: where the
+    ideal's gain went, step by step (`poise.report.gain_accounting`), None where not reckoned."""
 
     static_tok_s: float
     auto_tok_s: float
@@ -148,6 +149,7 @@ class MeasuredSummary:
     measured_steps: int
     expert_us_per_token: float
     text: str = ""
+    gain_accounting: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -161,6 +163,7 @@ class MeasuredSummary:
             "rule": self.verdict.get("rule"),
             "measured_steps": self.measured_steps,
             "expert_us_per_token": round(self.expert_us_per_token, 3),
+            "gain_accounting": self.gain_accounting,
         }
 
 

@@ -73,7 +73,8 @@ class MeasuredRun:
     the Balancer's decisions in order (`_decisions`), empty for static; `switches`: the steps
     after whose loss another plan took effect (`_switch_steps`), empty for static;
     `probe_steps[S]`: whether the step was one of the guard's probe steps (all False for
-    static)."""
+    static); `layouts[S]`: what each step ran under (`poise.runtime.records.LAYOUT_NAMES`;
+    "" where the run did not log it)."""
 
     policy: str
     path: Path
@@ -95,6 +96,7 @@ class MeasuredRun:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
     probe_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    layouts: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:
@@ -146,6 +148,7 @@ class MeasuredRun:
             decisions=_decisions(records),
             switches=_switch_steps(records),
             probe_steps=np.array([bool(r.get("probe")) for r in records], dtype=bool),
+            layouts=[str(r.get("layout") or "") for r in records],
         )
 
     def warm(self) -> slice:

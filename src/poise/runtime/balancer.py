@@ -102,6 +102,7 @@ from poise.runtime.planning_job import run_job
 from poise.runtime.probe import start_up_probes
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
+    LAYOUT_NAMES,
     OTHER,
     PROBE,
     REPLICAS,
@@ -558,6 +559,7 @@ class Balancer(PlanCycle):
             g.rank_experts,
         )
         self._current.measured_period_s = float(g.measured[selfcal.PERIOD])
+        self._current.layout = LAYOUT_NAMES[self._layout]
         running = self.probes.probing if self.probes.probing is not None else self.plan
         planned = layer_loads(running.placement, running.assignment, g.counts)
         self._current.set_loads(planned.measured(g.computed))

@@ -28,6 +28,7 @@ from poise.runtime.paired_clock import Probes
 
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
 STATIC, REPLICAS, OTHER, PROBE = range(4)  # the layout a recorded step ran under
+LAYOUT_NAMES = ("static", "replicas", "homes", "probe")  # as `metrics.jsonl` names them
 N_MEASURED = len(selfcal.MEASURED)
 
 

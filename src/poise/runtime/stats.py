@@ -86,7 +86,9 @@ class StepStats:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
     `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
     > 0), when a plan other than the static layout was judged here; `probe`: this step was a
-    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`);
+    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`); `layout`:
+    what the step ran under (`records.LAYOUT_NAMES`: `static`, the static layout; `replicas`, a
+    plan with replicas; `homes`, a plan that moved homes and holds none; `probe`, a probe step);
     `rank_seconds`: every rank's own seconds of the step, one list `[D]` per
     `selfcal.MEASURED` name (period, boundary, gate, all-to-all, experts, transfers), as the
     Balancer gathers them (the phases above are this rank's alone)."""
@@ -111,6 +113,7 @@ class StepStats:
     fit: dict[str, Any] = field(default_factory=dict)
     verdict: dict[str, Any] = field(default_factory=dict)
     probe: bool = False
+    layout: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     rank_seconds: dict[str, list[float]] = field(default_factory=dict)
 
@@ -142,6 +145,7 @@ class StepStats:
             "migrate_bytes": self.migrate_bytes,
             "decision": self.decision,
             "probe": bool(self.probe),
+            "layout": self.layout,
             "switched": bool(self.switched),
             "gain_s": self.gain_s,
             "switch_cost_s": self.switch_cost_s,
