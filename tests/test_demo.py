@@ -499,6 +499,9 @@ def test_the_accounting_in_words() -> None:
     ):  # fmt: skip
         assert part in text, part
     assert accounting_sentence(account | {"achieved": None}) == ""
+    # a cause that took under half a per cent goes unsaid
+    quiet = accounting_sentence(account | {"lost": lost | {"probe_steps": 0.004}})
+    assert "probe steps" not in quiet and "to imbalance its plans left" in quiet
 
 
 def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:

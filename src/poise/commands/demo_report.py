@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from poise.report.gain_accounting import CAUSES, gain_accounting
+
 if TYPE_CHECKING:
     from poise.report.html import MeasuredSummary
 
@@ -103,7 +105,6 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
     `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
     compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. Where
     the runs took their steps in turns (`turns` in their configs), the text says so."""
-    from poise.report.gain_accounting import gain_accounting
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
@@ -173,11 +174,13 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
 
 
 def accounting_sentence(account: dict[str, Any]) -> str:
-    """Where the ideal's gain went, step by step (`poise.report.gain_accounting`), in words;
-    nothing where the ideal gained nothing."""
+    """Where the ideal's gain went, step by step (`poise.report.gain_accounting`), in words:
+    the causes that took at least half a per cent of it; nothing where the ideal gained
+    nothing."""
     lost, steps = account["lost"], account["steps"]
     if account["achieved"] is None:
         return ""
+    shares = [lost[k] for k in CAUSES]
     parts = [
         f"{lost['static_layout']:.0%} on the static layout ({steps['static_layout']} steps: "
         "before a plan was due or trusted, or after a fallback)",
@@ -190,6 +193,7 @@ def accounting_sentence(account: dict[str, Any]) -> str:
         "rank now busy, the split's dispatch, more tokens crossing ranks) and the machine's "
         "noise",
     ]
+    parts = [part for part, share in zip(parts, shares, strict=True) if abs(share) >= 0.005]
     return (
         f" Step by step, of the ideal's {account['ideal_gain_ms']:.0f} ms a step auto kept "
         f"{account['achieved']:.0%}; the rest went " + "; ".join(parts) + "."
