@@ -237,3 +237,32 @@ def test_the_balancer_backtests_the_candidate_a_job_names_for_it() -> None:
     _one_rank_steps(model, opt, balancer, 4)
     balancer.close()
     assert backtested[0] is None and backtested[1] is named
+
+
+def test_with_holdouts_off_the_first_job_weighs_every_plan_and_vouches_for_none() -> None:
+    """`PlanningJob(holdout=False)` (`Balancer(holdout=False)`, the training setting
+    `holdout`): the run's first job makes no holdout, so `auto` weighs its plans with replicas
+    as a later job does, and the leader finds no forecast held: the first adoption waits for
+    the next job's backtest. The Balancer hands the setting to every job."""
+    from poise.runtime.leader import forecast_held
+    from poise.runtime.planning_job import holdout_due, run_job
+    from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs
+
+    _, static, _, hot = _replica_case()
+    job = replace(
+        _replica_job(_probes_reading(hot, np.zeros(1))), current=static, policy="auto",
+        history=np.stack([hot, hot, hot, hot]), probes=None, holdout=False,
+    )  # fmt: skip
+    assert not holdout_due(job) and holdout_due(replace(job, holdout=True))
+    first = run_job(job)
+    assert not first.held_out and first.backtest is None
+    assert first.plan.placement.replicas().any()  # every policy weighed
+    assert not forecast_held(first, first.assessment)
+    for setting in (False, True):
+        model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
+        balancer.holdout = setting
+        balancer.guard.skip_replan = lambda: False
+        seen = _spy_jobs(balancer, lambda job, _: job.holdout)
+        _one_rank_steps(model, opt, balancer, 4)
+        balancer.close()
+        assert seen and set(seen) == {setting}

@@ -167,6 +167,11 @@ class Balancer(PlanCycle):
       tokens to the others where that levels them (`Assignment.by_counts`,
       `poise.core.token_split`; the planner prices plans so too); off: by the plan's fixed
       shares, holders keeping their own;
+    - `holdout` (default on; with the guard only): the run's first re-plan (and the first
+      after a resume), which has no earlier candidate to backtest, may adopt a homes-only plan
+      that a holdout vouched for (`planning_job.holdout`: made from the window's older half,
+      priced on its newer half); off, the first adoption waits for a backtest, at the second
+      re-plan at the earliest;
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
@@ -235,6 +240,7 @@ class Balancer(PlanCycle):
         transfer_group: dist.ProcessGroup | None = None,
         total_steps: int | None = None,
         free_balancing: bool = False,
+        holdout: bool = True,
     ) -> None:
         overlap, plan_lag = free_settings(free_balancing, guard, overlap, plan_lag)
         check_settings(policy, replan_every, plan_lag, probe_every, max_probes, total_steps)
@@ -280,6 +286,7 @@ class Balancer(PlanCycle):
         self.guard = SwitchGuard(guard_horizon or replan_every, guard_margin, enabled=guard)
         # probe steps serve the guard (`poise.runtime.probe_steps`)
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
+        self.holdout = bool(holdout)  # the first re-plan may vouch by a holdout (PlanningJob)
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)

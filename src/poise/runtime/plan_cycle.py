@@ -78,6 +78,7 @@ class PlanCycle(ABC):
     leader: bool
     guard: SwitchGuard
     probes: ProbeSteps
+    holdout: bool
     switch_probe: tuple[float, float, float, int] | None
     planner: BackgroundPlanner
     records: StepRecords
@@ -192,6 +193,7 @@ class PlanCycle(ABC):
             steps_left=self.steps_left(step),
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
+            holdout=self.holdout,
             # homes only while the clock refutes replicas, or could not judge any adopted now
             homes_only=self.guard.trust <= 0
             or (self.guard.enabled and self._blind_replicas(self.steps_left(step))),

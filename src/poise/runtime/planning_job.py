@@ -147,7 +147,9 @@ class PlanningJob:
     (`SwitchGuard.trust` 0) or could not judge any adopted from this job before the run ends
     (`leader`, rule 4), so `auto` weighs only plans without them (`homes_only_options`);
     `held_before`: the steps the load pattern had held before `history`'s first step, carried
-    from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name)."""
+    from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name);
+    `holdout`: a job without a backtest may vouch for a homes-only candidate by a `holdout`
+    (off: the first adoption waits for a backtest, at the second re-plan at the earliest)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -178,6 +180,7 @@ class PlanningJob:
     backtest_counts: np.ndarray | None = None
     homes_only: bool = False
     held_before: int = 0
+    holdout: bool = True
 
 
 @dataclass(frozen=True)
@@ -311,11 +314,13 @@ def run_job(job: PlanningJob) -> JobResult:
 
 
 def holdout_due(job: PlanningJob) -> bool:
-    """Whether `job` backtests a `holdout` candidate: the static layout in force, the guard
-    on, no earlier candidate with steps run since it, and at least 2 steps in the window."""
+    """Whether `job` backtests a `holdout` candidate: holdouts on (`PlanningJob.holdout`), the
+    static layout in force, the guard on, no earlier candidate with steps run since it, and at
+    least 2 steps in the window."""
     has_backtest = job.backtest_plan is not None and job.backtest_counts is not None
     return (
-        job.guarded
+        job.holdout
+        and job.guarded
         and not (has_backtest and len(job.backtest_counts) > 0)
         and job.current.digest() == job.static.digest()
         and len(job.history) >= 2

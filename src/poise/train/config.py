@@ -28,6 +28,9 @@ the switch, and falls back to the static layout when it does not (`poise.runtime
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
 without its replicas, so that the guard's wall clock compares neighbouring steps
 (`Balancer(probe_every=...)`; 1 is refused);
+`holdout` (default on): with the guard, the run's first re-plan may adopt a homes-only plan
+vouched for by a holdout (made from the window's older half, priced on its newer half); off,
+the first adoption waits for the second re-plan's backtest (`Balancer(holdout=...)`);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
@@ -112,6 +115,7 @@ class TrainConfig:
     split_tokens: bool = True
     balance_guard: bool = True
     probe_every: int = 5
+    holdout: bool = True
     host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
@@ -226,6 +230,7 @@ def _rules() -> dict[str, _Rule]:
         "split_tokens": _Rule(_BOOL),
         "balance_guard": _Rule(_BOOL),
         "probe_every": _Rule(_INT, low=0),
+        "holdout": _Rule(_BOOL),
         "host_link": _Rule(_BOOL),
         "free_balancing": _Rule(_BOOL),
         "separate_transfers": _Rule(_BOOL),

@@ -219,6 +219,7 @@ def make_balancer(
         vote_group=dist.group.WORLD if groups is not None else None,
         guard=cfg.balance_guard,
         probe_every=cfg.probe_every,
+        holdout=cfg.holdout,
         host_link=cfg.host_link,
         separate_transfers=cfg.separate_transfers,
         transfer_group=moves,
