@@ -1,6 +1,6 @@
 """Expert-parallel training step time, static EP against the Balancer, on skewed routing.
 
-    .venv/bin/python benchmarks/ep_step.py            # 2 gloo ranks, 1 thread each, ~4 min
+    .venv/bin/python benchmarks/ep_step.py            # 2 gloo ranks, 1 thread each, ~3.5 min
 
 Two ranks, one intra-op thread each, fp32. Each rank runs a residual stack of `--layers` MoE
 layers (SwiGLU experts, d_model 128, d_expert 1024, 32 experts, top-2, 1,024 tokens per rank

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.report.ideal import expert_pairs, measured_steps, step_pairs
+from poise.report.ideal import expert_pairs, measured_steps, phase_seconds, step_pairs
 
 CAUSES = (
     "static_layout",
@@ -81,9 +81,9 @@ def gain_accounting(
         static_layout = numbers < first
     static_layout &= ~(probe | switch)
     under = ~(static_layout | probe | switch)
-    transfers = _phase(auto, "moe_phases", "transfers_in_compute", w)
-    transfers = transfers + _phase(auto, "phases", "balance", w)
-    transfers = transfers - _phase(static, "phases", "balance", w)
+    transfers = phase_seconds(auto, "moe_phases", "transfers_in_compute", w)
+    transfers = transfers + phase_seconds(auto, "phases", "balance", w)
+    transfers = transfers - phase_seconds(static, "phases", "balance", w)
     residual = c_s * (slow_a - mean_a)
     seconds = {
         "static_layout": lost[static_layout].sum(),
@@ -109,14 +109,6 @@ def gain_accounting(
             "under_plans": int(under.sum()),
         },
     }
-
-
-def _phase(run: Any, table: str, name: str, w: slice) -> np.ndarray:
-    """`run`'s seconds of phase `name` in `table` (`phases` or `moe_phases`) over `w`; zeros
-    where the run did not log it."""
-    values = getattr(run, table).get(name)
-    size = len(np.asarray(run.step_s)[w])
-    return np.zeros(size) if values is None else np.asarray(values, dtype=float)[w]
 
 
 __all__ = ["CAUSES", "gain_accounting"]

@@ -138,15 +138,12 @@ def shed_pairs_worth(
     slow_s = expert_pairs(step_pairs(static, w), cores)[0].mean()
     slow_a = expert_pairs(step_pairs(auto, w), cores)[0].mean()
 
-    def mean_of(run: Any, table: str, name: str) -> float:
-        values = getattr(run, table).get(name)
-        return 0.0 if values is None else float(np.asarray(values, dtype=float)[w].mean())
-
     expected = c_s * (slow_s - slow_a)
     saved = float(np.asarray(static.step_s)[w].mean() - np.asarray(auto.step_s)[w].mean())
     moved = "transfers_in_compute" if "transfers_in_compute" in auto.moe_phases else "transfers"
-    costs = mean_of(auto, "moe_phases", moved) + mean_of(auto, "phases", "balance")
-    costs -= mean_of(static, "phases", "balance")
+    costs = float(phase_seconds(auto, "moe_phases", moved, w).mean())
+    costs += phase_seconds(auto, "phases", "balance", w).mean()
+    costs -= phase_seconds(static, "phases", "balance", w).mean()
     return {
         "expected_ms": round(float(expected) * 1e3, 2),
         "saved_ms": round(saved * 1e3, 2),
@@ -154,6 +151,14 @@ def shed_pairs_worth(
         "premise": round(float((saved + costs) / expected), 3) if expected > 0 else None,
         "costs_counted": f"{moved} + balance",
     }
+
+
+def phase_seconds(run: Any, table: str, name: str, w: slice) -> np.ndarray:
+    """`run`'s seconds of phase `name` in `table` (`phases` or `moe_phases`) per step over `w`;
+    zeros where the run did not log it."""
+    values = getattr(run, table).get(name)
+    size = len(np.asarray(run.step_s)[w])
+    return np.zeros(size) if values is None else np.asarray(values, dtype=float)[w]
 
 
 def position_balanced(ratios: Sequence[float], second: Sequence[bool]) -> float:
