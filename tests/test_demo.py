@@ -540,6 +540,20 @@ def test_a_run_lists_its_decisions_in_order(tmp_path) -> None:
     ]
 
 
+def test_a_run_reads_each_steps_layout_as_the_balancer_records_it(tmp_path) -> None:
+    """`MeasuredRun.layouts`: each step's `layout` as `StepStats.as_record` writes it; "" for
+    a run written before it was logged."""
+    from poise.runtime.stats import StepStats
+
+    folder = _fake_run(tmp_path, "auto", np.linspace(5.0, 4.0, 3), 1)
+    assert MeasuredRun.load(folder).layouts == ["", "", ""]
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r, name in zip(rows, ["static", "replicas", "probe"], strict=True):
+        r |= {"layout": StepStats(step=0, policy="auto", layout=name).as_record()["layout"]}
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert MeasuredRun.load(folder).layouts == ["static", "replicas", "probe"]
+
+
 def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
     """`paired_clock_sentence`: nothing without probes; the saving (or cost), its standard error
     and whether it is beyond `clock_z` standard errors (Student's t: 6 probes, 5 degrees of
