@@ -350,6 +350,7 @@ def _guarded(rank: int, W: int) -> dict:
             "switched_at": [s.step for s in stats if s.switched],
             "decisions": [s.decision for s in stats if s.replanned],
             "gain_switch": [(s.gain_s, s.switch_cost_s) for s in stats if s.replanned],
+            "doubts": [s.as_record()["doubt_s"] for s in stats if s.replanned],
             "bytes": sum(s.trans_bytes + s.migrate_bytes for s in stats),
             "fit": stats[-1].fit if name == "balanced" else None,
             "fits": [s.fit for s in stats if s.replanned],
@@ -546,6 +547,9 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     assert costly["switched_at"] == [] and costly["bytes"] == 0, costly
     assert "no-gain" in costly["decisions"], costly
     assert all(gain < 2 * switch for gain, switch in costly["gain_switch"]), costly
+    # each decision's record says what the recent steps' spread took off its gain
+    assert all(d >= 0 for d in costly["doubts"] + pays["doubts"]), (costly, pays)
+    assert pays["doubts"][0] > 0, pays  # loads that vary from step to step leave some doubt
     assert balanced["switched_at"] == [] and balanced["bytes"] == 0, balanced
     # nothing to gain repaid the planner's CPU (it shares the cores), but the first re-plan's
     # job backtested a holdout, whose candidate is held to homes and says nothing of what
@@ -1096,8 +1100,10 @@ def test_guard_adopts_only_a_gain_beyond_the_spread_of_the_recent_steps() -> Non
         recent_busy_gain_s=0.01, recent_transfers_gain_s=0.0, recent_gain_cov=(1e-6, 0.0, 0.0),
     )  # fmt: skip
     assert guard.decide(sure).adopt  # 0.1 - 2 * 0.001 * 10 = 0.08 > 0.06
+    assert guard.decide(sure).doubt_s == pytest.approx(0.02)  # reported beside gain and switch
     noisy = dataclasses.replace(sure, recent_gain_cov=(1e-4, 0.0, 0.0))
     assert CLOCK_Z == 2.0 and not guard.decide(noisy).adopt  # 0.1 - 0.2 < 0.06
+    assert guard.decide(noisy).doubt_s == pytest.approx(0.2)
     assert not guard.decide(noisy, horizon=100).adopt  # the doubt grows with the horizon too
 
 

@@ -38,8 +38,8 @@ class Outcome:
     it, `fallback`: `plan` is the exit chosen (`guard.exit_plans`), and re-plans back off;
     `same`, `no-gain`: keep the plan in force; `idle`: keep it and back off, the candidate's
     gain did not cover its planning; `unsettled`: keep the static layout, the last candidate
-    would not have paid on the steps since, `poise.runtime.leader`); `gain_s`, `switch_s`: the
-    guard's figures for `plan`;
+    would not have paid on the steps since, `poise.runtime.leader`); `gain_s`, `switch_s`,
+    `doubt_s`: the guard's figures for `plan` (`guard.Decision`);
     `predicted_step_s`: the fitted model's step of the plan that will run;
     `modelled_switch_s`: the candidate's switch on the prior cluster (what `k_switch` scales);
     `wait_s`: how long the leader's boundary waited for its planner; `cluster`, `fit`: the
@@ -59,6 +59,7 @@ class Outcome:
     wait_s: float
     cluster: Cluster
     fit: Fit
+    doubt_s: float = 0.0
     verdict: Verdict | None = None
     next_lag: int = 0
     step_gain_s: float = 0.0

@@ -148,12 +148,14 @@ LEARNED = {
 @dataclass(frozen=True)
 class Decision:
     """What the guard decided: `adopt`, why (`reason`: adopt, same, no-gain, off), and the
-    figures it compared (seconds): `gain_s` over the horizon, `switch_s` the switch's cost."""
+    figures it compared (seconds): `gain_s` over the horizon, `switch_s` the switch's cost,
+    `doubt_s` what the recent steps' spread took off the gain (`CLOCK_Z * se * horizon`)."""
 
     adopt: bool
     reason: str
     gain_s: float = 0.0
     switch_s: float = 0.0
+    doubt_s: float = 0.0
 
 
 def switch_seconds(rows: np.ndarray, step: int, wait_s: float) -> float | None:
@@ -308,7 +310,7 @@ class SwitchGuard:
         gain *= self.credit(a)  # after a fallback the clock forced on the model (`fell_back`)
         doubt = CLOCK_Z * a.recent_gain_se_s(k_transfer) * steps
         ok = gain > 0 and gain - doubt > (1.0 + self.margin) * switch
-        return Decision(ok, "adopt" if ok else "no-gain", gain, switch)
+        return Decision(ok, "adopt" if ok else "no-gain", gain, switch, doubt)
 
     def credit(self, a: Assessment) -> float:
         """The share of `a`'s predicted gain credited after a refutation: `trust` where the

@@ -52,12 +52,14 @@ wall time over the median measured step, `median_period_s`). Pure: no collective
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment
 from poise.runtime.decision import Outcome
-from poise.runtime.guard import Decision, SwitchGuard
+from poise.runtime.guard import SwitchGuard
 from poise.runtime.planner import adoption_lag
 from poise.runtime.planning_job import JobResult
 from poise.runtime.verdict import MIN_PROBES
@@ -99,10 +101,10 @@ def leader_outcome(
     )
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
     if decision.adopt and on_static and guard.enabled and not forecast_held(result, assessment):
-        decision = Decision(False, "unsettled", decision.gain_s, decision.switch_s)
+        decision = replace(decision, adopt=False, reason="unsettled")
         reason = decision.reason
     elif decision.adopt and guard.enabled and blind:
-        decision = Decision(False, "unjudged", decision.gain_s, decision.switch_s)
+        decision = replace(decision, adopt=False, reason="unjudged")
         reason = decision.reason
     elif decision.adopt:
         reason = decision.reason
@@ -119,6 +121,7 @@ def leader_outcome(
         decision=reason,
         gain_s=decision.gain_s,
         switch_s=decision.switch_s,
+        doubt_s=decision.doubt_s,
         predicted_step_s=assessment.candidate_s if decision.adopt else assessment.current_s,
         modelled_switch_s=assessment.switch_s,
         wait_s=wait_s,

@@ -241,6 +241,7 @@ class PlanCycle(ABC):
         stats.replanned = True
         stats.fit = outcome.fit.as_dict()
         stats.gain_s, stats.switch_cost_s = outcome.gain_s, outcome.switch_s
+        stats.doubt_s = outcome.doubt_s
         stats.predicted_step_s = outcome.predicted_step_s
         stats.decision = outcome.decision
         stats.verdict = outcome.verdict.as_dict() if outcome.verdict is not None else {}

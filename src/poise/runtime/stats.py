@@ -78,8 +78,9 @@ class StepStats:
     steps since (`poise.runtime.leader`); empty: nothing decided);
     `switched`: a new plan took effect after this step, with `moved_homes` experts changing
     rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
-    `gain_s`, `switch_cost_s`: the guard's predicted saving over the horizon and the
-    switch's cost; `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
+    `gain_s`, `switch_cost_s`, `doubt_s`: the guard's predicted saving over the horizon, the
+    switch's cost and what the recent steps' spread took off the saving (`guard.Decision`);
+    `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
     `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
     this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
     `verdict`: the guard's figures on whether the plan in force paid (`verdict.Verdict.as_dict`:
@@ -108,6 +109,7 @@ class StepStats:
     switched: bool = False
     gain_s: float = 0.0
     switch_cost_s: float = 0.0
+    doubt_s: float = 0.0
     predicted_step_s: float = 0.0
     measured_period_s: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +151,7 @@ class StepStats:
             "switched": bool(self.switched),
             "gain_s": self.gain_s,
             "switch_cost_s": self.switch_cost_s,
+            "doubt_s": self.doubt_s,
             "predicted_step_s": self.predicted_step_s,
             "measured_period_s": self.measured_period_s,
             "fit": dict(self.fit),
