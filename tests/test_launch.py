@@ -93,3 +93,71 @@ def test_a_forked_process_writes_to_the_callers_streams_as_they_are_now(capfd) -
     assert out.splitlines() == ["out a given"]
     assert "err a" in err.splitlines()
     assert "ValueError: forked b refuses" in err
+
+
+_LAUNCHER = """
+import os, sys, time
+from poise.runtime.launch import run_ranks, start_forked
+from tests.test_launch import _sleep_ranks
+
+if __name__ == "__main__":
+    if sys.argv[1] == "forked":
+        with open(f"{sys.argv[2]}/0.tmp", "w") as f:
+            f.write(str(start_forked(time.sleep, 600).pid))
+        os.rename(f"{sys.argv[2]}/0.tmp", f"{sys.argv[2]}/0.pid")
+    else:
+        run_ranks(_sleep_ranks, 2, sys.argv[2], timeout_s=600)
+    time.sleep(600)
+"""
+
+
+def _sleep_ranks(rank: int, world_size: int, folder: str) -> None:
+    import time
+    from pathlib import Path
+
+    Path(folder, f"{rank}.pid.tmp").write_text(str(os.getpid()))
+    Path(folder, f"{rank}.pid.tmp").rename(Path(folder, f"{rank}.pid"))
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("how", ["forked", "ranks"])
+def test_forked_processes_end_when_their_launcher_is_killed(tmp_path, how: str) -> None:
+    """A launcher killed outright (SIGKILL: no `finally`, no clean-up) leaves neither its
+    forked processes (`start_forked`, `run_ranks`) nor their fork server running: each ends
+    itself within seconds (`launch.exit_with`)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from poise.runtime.launch import _alive
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(script), how, str(folder)], env=env)
+    try:
+        want = 1 if how == "forked" else 2
+        deadline = time.monotonic() + 120
+        while len(list(folder.glob("*.pid"))) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in folder.glob("*.pid")]
+        assert len(pids) == want, pids
+        servers = {
+            int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in pids
+        }
+        assert all(_alive(p) for p in pids + list(servers))
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids + list(servers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), pids
+        assert not any(_alive(p) for p in servers), servers
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

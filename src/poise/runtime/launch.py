@@ -15,6 +15,11 @@ process group and no CUDA, the caller's `sys.path` and working directory (sent w
 and the caller's environment as it is at the call (`_take_environment`; the server's own is
 the one it started with).
 
+A forked process lives no longer than the process that started it (`exit_with`): the fork server
+outlives a launcher that is killed (SIGKILL, a closed terminal), and so would its ranks, waiting
+for turns or peers that never come; each checks every second that its launcher is alive and
+ends itself, and the fork server, when it is not.
+
 `start_forked(target, *args)` starts one such process running `target(*args)` and exits with
 the int it returns; besides the caller's environment it takes the caller's standard output and
 error as they are at the call (file descriptors 1 and 2, passed to it through the server as
@@ -24,9 +29,11 @@ gone, a test's captured output for one).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -99,7 +106,9 @@ def _rank_main(
     collective_timeout_s: float,
     args: tuple[Any, ...],
     environ: dict[str, str],
+    launcher: int,
 ) -> None:
+    exit_with(launcher)
     _take_environment(environ)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
@@ -133,7 +142,7 @@ def run_ranks(
         rank_args = (fn, world_size, free_port(), out_dir, threads, collective_timeout_s, args)
         procs = mp.start_processes(
             _rank_main,
-            args=(*rank_args, dict(os.environ)),
+            args=(*rank_args, dict(os.environ), os.getpid()),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
@@ -175,7 +184,9 @@ def start_forked(
     ctx = multiprocessing.get_context("forkserver")
     streams = (_PassedFd(1), _PassedFd(2))
     env = dict(os.environ) if environ is None else dict(environ)
-    proc = ctx.Process(target=_forked_main, args=(target, args, env, streams), name=name)
+    proc = ctx.Process(
+        target=_forked_main, args=(target, args, env, streams, os.getpid()), name=name
+    )
     proc.start()
     return proc
 
@@ -201,8 +212,10 @@ def _forked_main(
     args: tuple[Any, ...],
     environ: dict[str, str],
     streams: tuple[int, int],
+    launcher: int,
 ) -> None:
     """In the forked process: take the caller's streams and environment, run, exit."""
+    exit_with(launcher)
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, own in zip(streams, (1, 2), strict=True):
@@ -210,6 +223,42 @@ def _forked_main(
         os.close(fd)
     _take_environment(environ)
     sys.exit(target(*args))
+
+
+def exit_with(launcher: int, every_s: float = 1.0) -> threading.Thread:
+    """In a forked process: end this process (SIGTERM) and the fork server it came from once
+    the process `launcher` is gone (module docstring), checked every `every_s` seconds on a
+    daemon thread; returns the thread."""
+
+    server = os.getppid()  # the fork server, alive now
+
+    def watch() -> None:
+        while _alive(launcher):
+            time.sleep(every_s)
+        if server != launcher and os.getppid() == server:  # no launch can reach it now
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="poise-exit-with-launcher", daemon=True)
+    thread.start()
+    return thread
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux: its `/proc` state; elsewhere
+    whether it can be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: the signal's answer
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def warm_fork_server() -> threading.Thread:
@@ -248,4 +297,11 @@ def _first_error(out_dir: str, world_size: int) -> str | None:
     return None
 
 
-__all__ = ["RankFailedError", "free_port", "run_ranks", "start_forked", "warm_fork_server"]
+__all__ = [
+    "RankFailedError",
+    "exit_with",
+    "free_port",
+    "run_ranks",
+    "start_forked",
+    "warm_fork_server",
+]
