@@ -34,9 +34,9 @@ busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); i
 `auto_gain_share` is auto's gain fraction against that measured ideal. Its parts:
 `--peers free-paced` (EPLB re-planned every `--replan-every` steps, free) and `auto-free`
 (auto's own plans, every one adopted, free) show what re-planning less often and auto's choice
-of replicas cost apart from the transfers' seconds. `--peers auto-no-holdout` runs `auto`
-with `holdout: false` (its first re-plan adopts no homes-only plan on a holdout's word) beside
-the default one. `--identical`
+of replicas cost apart from the transfers' seconds. `--peers auto-holdout` runs `auto`
+with `holdout: true` (its first re-plan may adopt a homes-only plan on a holdout's word) beside
+the default one, which waits for a backtest. `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -167,9 +167,8 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     # adopted), with free transfers
     "free-paced": ("eplb", {"balance_guard": False, "free_balancing": True}),
     "auto-free": ("auto", {"balance_guard": False, "free_balancing": True}),
-    # auto whose first re-plan adopts nothing on a holdout's word (the first plan waits for a
-    # backtest, at the second re-plan)
-    "auto-no-holdout": ("auto", {"holdout": False}),
+    # auto whose first re-plan may adopt homes on a holdout's word (training's default is off)
+    "auto-holdout": ("auto", {"holdout": True}),
 }
 
 

@@ -171,7 +171,9 @@ class Balancer(PlanCycle):
       after a resume), which has no earlier candidate to backtest, may adopt a homes-only plan
       that a holdout vouched for (`planning_job.holdout`: made from the window's older half,
       priced on its newer half); off, the first adoption waits for a backtest, at the second
-      re-plan at the earliest;
+      re-plan at the earliest. On for loads that hold still from the first step (a replayed
+      trace: `benchmarks/ep_step.py`); `poise train` turns it off by default (the training
+      setting `holdout`: a router trained from scratch still moves in its first steps);
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to

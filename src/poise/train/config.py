@@ -28,9 +28,15 @@ the switch, and falls back to the static layout when it does not (`poise.runtime
 `probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
 without its replicas, so that the guard's wall clock compares neighbouring steps
 (`Balancer(probe_every=...)`; 1 is refused);
-`holdout` (default on): with the guard, the run's first re-plan may adopt a homes-only plan
-vouched for by a holdout (made from the window's older half, priced on its newer half); off,
-the first adoption waits for the second re-plan's backtest (`Balancer(holdout=...)`);
+`holdout` (default off): on, with the guard, the run's first re-plan may adopt a homes-only
+plan vouched for by a holdout (made from the window's older half, priced on its newer half;
+`Balancer(holdout=...)`, whose own default is on, for loads that hold still from the start);
+off, the first adoption waits for the second re-plan's backtest. Off for training: a run from
+scratch routes its first steps with a router that is still moving, and on
+`benchmarks/train_speedup.py`'s `skewed-micro4` the holdout's homes of step 11 fell back at
+step 21 in every round and held the static layout to step 41 (auto without the holdout, in
+the same turns, 1.000-1.037 times as fast over six rounds, and never slower elsewhere beyond
+the comparison's spread; docs/benchmarks.md);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
@@ -115,7 +121,7 @@ class TrainConfig:
     split_tokens: bool = True
     balance_guard: bool = True
     probe_every: int = 5
-    holdout: bool = True
+    holdout: bool = False
     host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
