@@ -78,9 +78,8 @@ FULL = DemoSize(
     drift_steps=60,
 )
 # 30 steps: from the static layout a plan is adopted only where a forecast held
-# (`poise.runtime.leader.forecast_held`): at the first re-plan (step 4 at re-plans every 3
-# steps) a plan without replicas, where the window's older half's plan paid on its newer half
-# (`planning_job.holdout`), otherwise at the second (step 7) at the earliest, or later; with
+# (`poise.runtime.leader.forecast_held`), so at the second re-plan (step 7 at re-plans every 3
+# steps) at the earliest, training having no holdout at the first (`TrainConfig.holdout`); with
 # 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
 # nothing but noise (docs/benchmarks.md, "Main job")
 QUICK = DemoSize(
