@@ -266,3 +266,27 @@ def test_with_holdouts_off_the_first_job_weighs_every_plan_and_vouches_for_none(
         _one_rank_steps(model, opt, balancer, 4)
         balancer.close()
         assert seen and set(seen) == {setting}
+
+
+def test_training_runs_without_the_holdout_unless_asked() -> None:
+    """`poise train`'s Balancer (`train.setup.make_balancer`) has no holdout by default
+    (`TrainConfig.holdout` false: a router trained from scratch still moves at the first
+    re-plan, docs/benchmarks.md), while the Balancer's own default keeps it for replays; the
+    setting `holdout: true` reaches the Balancer."""
+    import inspect
+
+    from poise.models.gpt import GPTMoE
+    from poise.runtime.balancer import Balancer
+    from poise.train.config import TrainConfig
+    from poise.train.setup import make_balancer, make_optimizer
+
+    assert inspect.signature(Balancer).parameters["holdout"].default is True
+    cfg = TrainConfig(policy="auto", steps=10)
+    for setting, want in ((None, False), (True, True)):
+        run = cfg if setting is None else cfg.replace(holdout=setting)
+        model = GPTMoE(run.model_config(), seed=0)
+        balancer = make_balancer(run, model, make_optimizer(model, run), 1, 1, None)
+        try:
+            assert balancer.holdout is want
+        finally:
+            balancer.close()
