@@ -131,7 +131,7 @@ def test_forked_processes_end_when_their_launcher_is_killed(tmp_path, how: str) 
     import time
     from pathlib import Path
 
-    from poise.runtime.launch import _alive
+    from poise.runtime.launch import _alive, proc_stat
 
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
@@ -147,9 +147,7 @@ def test_forked_processes_end_when_their_launcher_is_killed(tmp_path, how: str) 
             time.sleep(0.2)
         pids = [int(f.read_text()) for f in folder.glob("*.pid")]
         assert len(pids) == want, pids
-        servers = {
-            int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in pids
-        }
+        servers = {int(proc_stat(p)[1]) for p in pids}  # type: ignore[index]  # their parents
         assert all(_alive(p) for p in pids + list(servers))
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(30)

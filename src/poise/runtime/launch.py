@@ -254,11 +254,18 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] != "Z"  # no /proc: the signal's answer
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of `/proc/PID/stat` after the command's name (state, then the parent's pid,
+    ...), None where it cannot be read (no such process, or no `/proc`)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True  # no /proc: the signal's answer
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+        return None
+    return stat.rsplit(")", 1)[-1].split()
 
 
 def warm_fork_server() -> threading.Thread:
