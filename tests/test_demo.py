@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from poise.cli import main
+from poise.report.figure_workers import FigureWorkers
 from poise.report.html import DemoData, SimSection, write_demo_report
 from poise.report.runs import LOSS_AGREEMENT_TOL, MeasuredRun
 from poise.report.tables import BREAKDOWN_GROUPS, breakdown_by_phase, breakdown_table
@@ -87,7 +88,10 @@ def _sim_section(trace_path: Path) -> SimSection:
     return SimSection("dgx-h100:1", "dgx-h100:1 (simulated)", result, 0.1, "a note")
 
 
-def test_report_builder_on_run_folders(tmp_path) -> None:
+@pytest.mark.parametrize("workers", [0, 1])
+def test_report_builder_on_run_folders(tmp_path, workers: int) -> None:
+    """The page and every figure it names, drawn here or by a worker (the page is written
+    once the figures are)."""
     losses = np.linspace(5.5, 3.0, 8)
     runs = {
         "static": MeasuredRun.load(_fake_run(tmp_path, "static", losses, 0)),
@@ -96,7 +100,7 @@ def test_report_builder_on_run_folders(tmp_path) -> None:
     assert runs["auto"].device_tokens.shape == (8, 4, 2)
     sim = _sim_section(runs["static"].trace_path)
     data = DemoData(runs=runs, sims=[sim], settings={"model": "tiny <b>"}, wall_s={"x": 1.0})
-    page = write_demo_report(data, tmp_path / "report")
+    page = write_demo_report(data, tmp_path / "report", FigureWorkers(workers))
     assert page == tmp_path / "report" / "report.html"
     html = page.read_text()
     images = _images(html)

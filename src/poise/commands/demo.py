@@ -96,6 +96,9 @@ WORLD = 2
 # 8 small experts top-2 the experts are a third of a CPU step and balance is worth < 10%
 # (benchmarks/train_speedup.py `tiny`); here the slowest rank's expert work sets the step.
 MODEL_ARGS: dict[str, int] = {"num_experts": 16, "top_k": 1, "d_expert": 1024}
+# Processes that draw the report's figures (`poise.report.figure_workers`) beside the
+# simulations and the page's writing.
+FIGURE_WORKERS = 2
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -376,23 +379,6 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
-    from poise.commands.expert_clock import expert_seconds_in_turns
-    from poise.report.html import DemoData, write_demo_report
-    from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
-    from poise.report.tables import (
-        MEASURED_COLUMNS,
-        SIM_COLUMNS,
-        breakdown_by_phase,
-        measured_rows,
-        sim_rows,
-    )
-    from poise.runtime.plan_inputs import shared_cores
-    from poise.trace.trace import Trace
-    from poise.train.data import build_corpus
-    from poise.util.atomic import atomic_write_text
-
     console = Console()
     size = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else size.steps
@@ -409,7 +395,28 @@ def run(args: argparse.Namespace) -> int:
 
     from poise.runtime.launch import warm_fork_server
 
-    warm_fork_server()  # the runs' ranks fork from it; its imports overlap the corpus's reading
+    # the runs' ranks fork from it: its imports (torch, seconds) overlap this process's own
+    # below and the corpus's reading, on another core
+    warm_fork_server()
+
+    import json
+
+    from poise.commands.expert_clock import expert_seconds_in_turns
+    from poise.report.figure_workers import FigureWorkers
+    from poise.report.html import DemoData, draw_measured_figures, write_demo_report
+    from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
+    from poise.report.tables import (
+        MEASURED_COLUMNS,
+        SIM_COLUMNS,
+        breakdown_by_phase,
+        measured_rows,
+        sim_rows,
+    )
+    from poise.runtime.plan_inputs import shared_cores
+    from poise.trace.trace import Trace
+    from poise.train.data import build_corpus
+    from poise.util.atomic import atomic_write_text
+
     cfgs = {p: demo_config(p, out, size, steps=steps, corpus=args.corpus) for p in POLICIES}
     first = cfgs[POLICIES[0]]
     with console.status("reading the corpus"):
@@ -444,6 +451,10 @@ def run(args: argparse.Namespace) -> int:
         train_in_turns([cfgs[p] for p in POLICIES], console, out / "train.turns", clock)
     )
     runs = {p: MeasuredRun.load(cfgs[p].out) for p in POLICIES}
+    # the report's workers draw the measured figures while this process simulates, the rest
+    # while it writes the page (an error here ends them at the interpreter's exit)
+    figures = FigureWorkers(FIGURE_WORKERS)
+    draw_measured_figures(runs, out, figures)
     traces = {}
     for p, r in runs.items():
         if r.trace_path is None:
@@ -519,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
         out / "demo.json", json.dumps(demo_json(summary, sims, missing), indent=1) + "\n"
     )
     with console.status("writing the report"):
-        report = write_demo_report(data, out)
+        report = write_demo_report(data, out, figures)
     total = time.perf_counter() - started
 
     table = Table(title=f"measured on this machine: {WORLD} ranks, {steps} steps per run")

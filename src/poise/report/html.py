@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
 from poise.report.tables import (
@@ -32,6 +32,9 @@ from poise.report.tables import (
     sim_rows,
 )
 from poise.util.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from poise.report.figure_workers import FigureWorkers
 
 # ------------------------------------------------------------------------------- page builder
 _CSS = """
@@ -188,20 +191,69 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
 
 
-def write_demo_report(data: DemoData, out: str | Path) -> Path:
-    """Draw the plots (PNG files in `out`) and write `out/report.html` atomically; returns its
-    path."""
-    from poise.report.plots import (
-        breakdown_plot,
-        device_load_heatmaps,
-        layer_load_heatmaps,
-        loss_curves_plot,
-        train_speed_plot,
+LOSS_PNG = "demo-loss.png"
+SPEED_PNG = "demo-speed.png"
+PHASES_PNG = "demo-phases.png"
+LOAD_PNG = "demo-load.png"
+
+
+def _measured_loads(runs: dict[str, MeasuredRun]) -> dict[str, Any]:
+    """`[S, L, D]` tokens each rank computed, per run that recorded them."""
+    return {n: r.device_tokens for n, r in runs.items() if r.device_tokens.ndim == 3}
+
+
+def draw_measured_figures(
+    runs: dict[str, MeasuredRun], out: str | Path, figures: FigureWorkers
+) -> None:
+    """Set the measured runs' figures drawing into `out` (`LOSS_PNG`, `SPEED_PNG`,
+    `PHASES_PNG`, `LOAD_PNG`): what `write_demo_report` shows of `runs`, so that a caller
+    with workers can start them before the rest of its data is ready."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(runs)
+    figures.draw(
+        "loss_curves_plot",
+        out / LOSS_PNG,
+        {n: (r.steps, r.losses) for n, r in runs.items()},
+        title="training loss, " + " vs ".join(names),
     )
+    figures.draw(
+        "train_speed_plot",
+        out / SPEED_PNG,
+        {n: r.step_s for n, r in runs.items()},
+        {n: r.tokens_per_s for n, r in runs.items()},
+        title="measured training speed",
+    )
+    figures.draw(
+        "breakdown_plot",
+        out / PHASES_PNG,
+        {n: r.phase_means() for n, r in runs.items()},
+        title="measured time by phase (rank 0, mean per step)",
+        step_s={n: float(r.step_s[r.warm()].mean()) for n, r in runs.items()},
+    )
+    loads = _measured_loads(runs)
+    if loads:
+        figures.draw(
+            "layer_load_heatmaps",
+            out / LOAD_PNG,
+            loads,
+            title="tokens each rank computed, per layer and step",
+        )
+
+
+def write_demo_report(
+    data: DemoData, out: str | Path, figures: FigureWorkers | None = None
+) -> Path:
+    """Draw the plots (PNG files in `out`; with `figures`' workers, beside this page's writing)
+    and write `out/report.html` atomically once they are all drawn; returns its path."""
+    from poise.report.figure_workers import FigureWorkers
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    figures = figures if figures is not None else FigureWorkers(0)
+    draw = figures.draw
     runs = data.runs
+    draw_measured_figures(runs, out, figures)  # nothing where the caller set them drawing
     names = list(runs)
     page = HtmlPage("Poise demo: static against balanced expert parallelism")
     page.paragraph(
@@ -217,13 +269,7 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
 
     # Loss curves.
     page.heading("Loss curves", anchor="loss")
-    loss_png = "demo-loss.png"
-    loss_curves_plot(
-        {n: (r.steps, r.losses) for n, r in runs.items()},
-        out / loss_png,
-        "training loss, " + " vs ".join(names),
-    )
-    page.figure(loss_png, "Training loss per step; below, the absolute difference between runs.")
+    page.figure(LOSS_PNG, "Training loss per step; below, the absolute difference between runs.")
     if len(names) >= 2:
         ag = loss_agreement(runs[names[0]], runs[names[1]])
         verdict = "ok" if ag.agrees else "bad" if ag.judged else None
@@ -253,22 +299,8 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
         if m.text:
             page.paragraph(m.text)
     page.table(MEASURED_COLUMNS, measured_rows(runs), caption="measured on this machine")
-    speed_png = "demo-speed.png"
-    train_speed_plot(
-        {n: r.step_s for n, r in runs.items()},
-        {n: r.tokens_per_s for n, r in runs.items()},
-        out / speed_png,
-        "measured training speed",
-    )
-    page.figure(speed_png, "Step time per step (left) and median tokens/s (right) per policy.")
-    phases_png = "demo-phases.png"
-    breakdown_plot(
-        {n: r.phase_means() for n, r in runs.items()},
-        out / phases_png,
-        "measured time by phase (rank 0, mean per step)",
-        {n: float(r.step_s[r.warm()].mean()) for n, r in runs.items()},
-    )
-    page.figure(phases_png, "Where a measured step's time goes, by phase of the training loop.")
+    page.figure(SPEED_PNG, "Step time per step (left) and median tokens/s (right) per policy.")
+    page.figure(PHASES_PNG, "Where a measured step's time goes, by phase of the training loop.")
     moe_rows = []
     for n, r in runs.items():
         moe_rows.append(
@@ -288,13 +320,10 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
     )
 
     # Heatmaps.
-    loads = {n: r.device_tokens for n, r in runs.items() if r.device_tokens.ndim == 3}
-    if loads:
+    if _measured_loads(runs):
         page.heading("Device load over time (measured)", anchor="load")
-        heat_png = "demo-load.png"
-        layer_load_heatmaps(loads, out / heat_png, "tokens each rank computed, per layer and step")
         page.figure(
-            heat_png,
+            LOAD_PNG,
             "Each rank's expert load per MoE layer and step, as a ratio to the layer's mean "
             "(1.0 is balanced); the slowest rank sets each layer's time.",
         )
@@ -321,11 +350,12 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
         page.table(columns, rows, caption=f"{sec.title}: step time by phase, ms per step (mean)")
         order = [row["policy"] for row in res.summary_rows()]
         png = f"demo-sim-{_slug(sec.key)}.png"
-        breakdown_plot(
-            {k: res.runs[k].phase_totals() for k in order},
+        draw(
+            "breakdown_plot",
             out / png,
-            f"{sec.title}: time by phase",
-            {k: res.runs[k].mean_step_s for k in order},
+            {k: res.runs[k].phase_totals() for k in order},
+            title=f"{sec.title}: time by phase",
+            step_s={k: res.runs[k].mean_step_s for k in order},
         )
         page.figure(
             png,
@@ -346,7 +376,12 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
         shown = {k: rep.runs[k].device_load for k in ("static", "auto") if k in rep.runs}
         if shown:
             png = f"demo-replay-{_slug(rep.key)}.png"
-            device_load_heatmaps(shown, out / png, f"{rep.title}: device load per step")
+            draw(
+                "device_load_heatmaps",
+                out / png,
+                shown,
+                title=f"{rep.title}: device load per step",
+            )
             page.figure(png, "Modelled device load per step (all layers summed), static and auto.")
 
     if data.wall_s:
@@ -357,6 +392,7 @@ def write_demo_report(data: DemoData, out: str | Path) -> Path:
         "Run folders (config.yaml, metrics.jsonl, trace.npz, summary.json): " + "; ".join(files),
         cls="note",
     )
+    figures.wait()
     path = out / "report.html"
     page.write(path)
     return path
@@ -368,5 +404,6 @@ __all__ = [
     "MeasuredSummary",
     "ReplaySection",
     "SimSection",
+    "draw_measured_figures",
     "write_demo_report",
 ]
