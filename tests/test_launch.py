@@ -105,6 +105,17 @@ if __name__ == "__main__":
         with open(f"{sys.argv[2]}/0.tmp", "w") as f:
             f.write(str(start_forked(time.sleep, 600).pid))
         os.rename(f"{sys.argv[2]}/0.tmp", f"{sys.argv[2]}/0.pid")
+    elif sys.argv[1] == "figures":
+        from poise.report.figure_workers import FigureWorkers
+
+        figures = FigureWorkers(2)
+        figures.draw("breakdown_plot", f"{sys.argv[2]}/drawn.png", {"a": {"x": 1.0}}, title="t")
+        while not os.path.exists(f"{sys.argv[2]}/drawn.png"):  # a worker is up and drawing
+            time.sleep(0.1)
+        for i, pid in enumerate(figures.pids()):
+            with open(f"{sys.argv[2]}/{i}.tmp", "w") as f:
+                f.write(str(pid))
+            os.rename(f"{sys.argv[2]}/{i}.tmp", f"{sys.argv[2]}/{i}.pid")
     else:
         run_ranks(_sleep_ranks, 2, sys.argv[2], timeout_s=600)
     time.sleep(600)
@@ -120,11 +131,11 @@ def _sleep_ranks(rank: int, world_size: int, folder: str) -> None:
     time.sleep(600)
 
 
-@pytest.mark.parametrize("how", ["forked", "ranks"])
+@pytest.mark.parametrize("how", ["forked", "ranks", "figures"])
 def test_forked_processes_end_when_their_launcher_is_killed(tmp_path, how: str) -> None:
     """A launcher killed outright (SIGKILL: no `finally`, no clean-up) leaves neither its
-    forked processes (`start_forked`, `run_ranks`) nor their fork server running: each ends
-    itself within seconds (`launch.exit_with`)."""
+    forked processes (`start_forked`, `run_ranks`, the report's `FigureWorkers`) nor their
+    fork server running: each ends itself within seconds (`launch.exit_with`)."""
     import signal
     import subprocess
     import sys
@@ -141,7 +152,7 @@ def test_forked_processes_end_when_their_launcher_is_killed(tmp_path, how: str) 
     folder.mkdir()
     launcher = subprocess.Popen([sys.executable, str(script), how, str(folder)], env=env)
     try:
-        want = 1 if how == "forked" else 2
+        want = 1 if how == "forked" else 2  # ranks and figure workers: 2
         deadline = time.monotonic() + 120
         while len(list(folder.glob("*.pid"))) < want and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -84,6 +84,12 @@ class FigureWorkers:
             return
         self._futures.append(self._pool.submit(_draw, plot, path, args, kwargs))
 
+    def pids(self) -> list[int]:
+        """The workers' process ids (none without workers, or once `wait` has returned)."""
+        if self._pool is None:
+            return []
+        return sorted(self._pool._processes or {})  # the executor's own record of its workers
+
     def wait(self) -> None:
         """Wait for every figure; the first error a figure raised is raised here."""
         try:
