@@ -97,7 +97,7 @@ WORLD = 2
 # (benchmarks/train_speedup.py `tiny`); here the slowest rank's expert work sets the step.
 MODEL_ARGS: dict[str, int] = {"num_experts": 16, "top_k": 1, "d_expert": 1024}
 # Processes that draw the report's figures (`poise.report.figure_workers`) beside the
-# simulations and the page's writing.
+# simulations and the page's writing, at most one a core.
 FIGURE_WORKERS = 2
 
 
@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
     runs = {p: MeasuredRun.load(cfgs[p].out) for p in POLICIES}
     # the report's workers draw the measured figures while this process simulates, the rest
     # while it writes the page (an error here ends them at the interpreter's exit)
-    figures = FigureWorkers(FIGURE_WORKERS)
+    figures = FigureWorkers(min(FIGURE_WORKERS, os.cpu_count() or 1))
     draw_measured_figures(runs, out, figures)
     traces = {}
     for p, r in runs.items():
