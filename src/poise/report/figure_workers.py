@@ -91,7 +91,8 @@ class FigureWorkers:
         return sorted(self._pool._processes or {})  # the executor's own record of its workers
 
     def wait(self) -> None:
-        """Wait for every figure; the first error a figure raised is raised here."""
+        """Wait for every figure; the first error a figure raised is raised here. The workers
+        end: a later `draw` draws in the caller."""
         try:
             for future in self._futures:
                 future.result()
