@@ -70,3 +70,11 @@ def test_a_figures_error_reaches_wait(tmp_path, workers: int) -> None:
 def test_workers_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="workers must be >= 0"):
         FigureWorkers(-1)
+
+
+def test_after_wait_a_figure_is_drawn_in_the_caller(tmp_path) -> None:
+    figures = FigureWorkers(1)
+    figures.wait()
+    assert figures.pids() == []
+    figures.draw("breakdown_plot", tmp_path / "late.png", _phases(0), title="x")
+    assert (tmp_path / "late.png").read_bytes()[:8] == PNG  # written before `draw` returned
