@@ -78,3 +78,10 @@ def test_after_wait_a_figure_is_drawn_in_the_caller(tmp_path) -> None:
     assert figures.pids() == []
     figures.draw("breakdown_plot", tmp_path / "late.png", _phases(0), title="x")
     assert (tmp_path / "late.png").read_bytes()[:8] == PNG  # written before `draw` returned
+
+
+def test_an_error_inside_the_block_ends_the_workers() -> None:
+    with pytest.raises(RuntimeError, match="caller failed"), FigureWorkers(1) as figures:
+        assert figures.pids()
+        raise RuntimeError("caller failed")
+    assert figures.pids() == []

@@ -97,10 +97,14 @@ class FigureWorkers:
             for future in self._futures:
                 future.result()
         finally:
-            self._futures.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            self._close()
+
+    def _close(self) -> None:
+        """End the workers, dropping the figures not started; later figures draw here."""
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def __enter__(self) -> FigureWorkers:
         return self
@@ -108,9 +112,8 @@ class FigureWorkers:
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:
             self.wait()
-        elif self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        else:
+            self._close()
 
 
 __all__ = ["FigureWorkers"]
