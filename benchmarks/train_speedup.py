@@ -36,7 +36,8 @@ busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); i
 (auto's own plans, every one adopted, free) show what re-planning less often and auto's choice
 of replicas cost apart from the transfers' seconds. `--peers auto-holdout` runs `auto`
 with `holdout: true` (its first re-plan may adopt a homes-only plan on a holdout's word) beside
-the default one, which waits for a backtest. `--identical`
+the default one, which waits for a backtest; `--peers auto-late` runs `auto` with `recheck:
+false` (that backtest a whole re-plan period after the first request, not half). `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -169,6 +170,8 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "auto-free": ("auto", {"balance_guard": False, "free_balancing": True}),
     # auto whose first re-plan may adopt homes on a holdout's word (training's default is off)
     "auto-holdout": ("auto", {"holdout": True}),
+    # auto whose `unsettled` first candidate waits a whole re-plan period for its backtest
+    "auto-late": ("auto", {"recheck": False}),
 }
 
 

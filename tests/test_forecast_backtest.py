@@ -290,3 +290,26 @@ def test_training_runs_without_the_holdout_unless_asked() -> None:
             assert balancer.holdout is want
         finally:
             balancer.close()
+
+
+def test_training_rechecks_an_unsettled_candidate_unless_told_not_to() -> None:
+    """`recheck` is on in `poise train` (`TrainConfig.recheck`) and in the Balancer, and the
+    setting `recheck: false` reaches the Balancer; without the guard there is no `unsettled`
+    refusal to recheck."""
+    from poise.models.gpt import GPTMoE
+    from poise.train.config import TrainConfig
+    from poise.train.setup import make_balancer, make_optimizer
+
+    cfg = TrainConfig(policy="auto", steps=10)
+    for run, want in (
+        (cfg, True),
+        (cfg.replace(recheck=False), False),
+        (cfg.replace(balance_guard=False), False),
+    ):
+        model = GPTMoE(run.model_config(), seed=0)
+        balancer = make_balancer(run, model, make_optimizer(model, run), 1, 1, None)
+        try:
+            assert balancer.recheck is want
+            assert balancer.replan_phase == 0
+        finally:
+            balancer.close()

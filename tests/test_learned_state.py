@@ -203,6 +203,8 @@ def test_a_malformed_learned_state_is_one_checkpoint_error_naming_the_file() -> 
         ({"lag": -1}, "balancer.lag"),
         ({"replicas_timed": 1}, "balancer.replicas_timed"),
         ({"pattern": [3]}, "balancer.pattern"),
+        ({"replan_phase": -1}, "balancer.replan_phase"),
+        ({"replan_phase": 1.5}, "balancer.replan_phase"),
         ({"fit": {"k_compute": 1.0}}, "fit"),
         ({"guard": {}}, "guard"),
         ({"extra": 0}, "balancer.learned"),
@@ -250,3 +252,30 @@ def test_a_resumed_balancer_backtests_its_last_candidate_on_the_restored_window(
     assert len(jobs[0].backtest_counts) == len(went_on[0].backtest_counts) == 2
     assert jobs[0].backtest_plan.digest() == went_on[0].backtest_plan.digest()
     np.testing.assert_array_equal(jobs[0].backtest_counts[0], went_on[0].backtest_counts[0])
+
+
+def test_the_replan_phase_survives_a_checkpoint() -> None:
+    """A cadence shifted by an `unsettled` refusal (`Balancer(recheck=...)`) is the resumed
+    run's: its re-plans fall on the boundaries the uninterrupted run's do; a checkpoint written
+    before the phase was kept (no entry) resumes on the unshifted cadence."""
+    from poise.train import checkpoint as ck
+
+    _, _, balancer = _one_rank_balancer(replan_every=4, plan_lag=1)
+    balancer.replan_phase = 2  # as a refusal shifts it
+    payload = _through_torch(ck.snapshot(balancer, step=0, data_position=0))
+    balancer.close()
+    assert payload["balancer"]["learned"]["replan_phase"] == 2
+    _, _, resumed = _one_rank_balancer(replan_every=4, plan_lag=1)
+    assert ck.restore_plan(resumed, payload)
+    assert resumed.replan_phase == 2
+    assert [s for s in range(1, 12) if resumed.replan_due_at(s)] == [2, 6, 10]
+    resumed.close()
+    older = dict(payload, balancer=dict(payload["balancer"]))
+    older["balancer"]["learned"] = {
+        k: v for k, v in payload["balancer"]["learned"].items() if k != "replan_phase"
+    }
+    _, _, resumed = _one_rank_balancer(replan_every=4, plan_lag=1)
+    assert ck.restore_plan(resumed, older)
+    assert resumed.replan_phase == 0
+    assert [s for s in range(1, 12) if resumed.replan_due_at(s)] == [4, 8]
+    resumed.close()

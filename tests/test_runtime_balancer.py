@@ -313,6 +313,9 @@ def _guarded(rank: int, W: int) -> dict:
         "costly": dict(policy="eplb", cluster=toy_cluster(W, bw=1e2, flops=1e6), calibrate=False,
                        guard_horizon=1, guard_margin=1.0),
         "balanced": dict(policy="auto"),
+        # `pays` with its `unsettled` candidate asked again a whole period later
+        "pays-late": dict(policy="eplb", cluster=toy_cluster(W, bw=1e12, flops=1e6),
+                          calibrate=False, recheck=False),
     }  # fmt: skip
     for name, kw in settings.items():
         if name == "balanced":
@@ -343,12 +346,21 @@ def _guarded(rank: int, W: int) -> dict:
             call(measured_s, modelled_s, migrate_s)
 
         balancer.guard.record_switch = spy  # type: ignore[method-assign]
+        requests: list[int] = []  # the boundaries where a plan was requested
+        request = balancer._request
+
+        def requested(step: int, rec=requests, call=request) -> None:
+            rec.append(step)
+            call(step)
+
+        balancer._request = requested  # type: ignore[method-assign]
         _train(model, opt, rank, 10, balancer)
         balancer.close()
         stats = list(balancer.stats)
         out[name] = {
             "switched_at": [s.step for s in stats if s.switched],
             "decisions": [s.decision for s in stats if s.replanned],
+            "requested_at": requests,
             "gain_switch": [(s.gain_s, s.switch_cost_s) for s in stats if s.replanned],
             "doubts": [s.as_record()["doubt_s"] for s in stats if s.replanned],
             "bytes": sum(s.trans_bytes + s.migrate_bytes for s in stats),
@@ -523,6 +535,16 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     # for replicas; the next, whose predecessor would have paid on the steps since, is adopted
     # (`leader.forecast_held`)
     assert pays["switched_at"] and pays["decisions"][:2] == ["unsettled", "adopt"], pays
+    # `recheck`: the refused candidate's request is followed half a period (1 step) later, and
+    # every 2 steps from there; without it a whole period later, on the first cadence
+    late = guards[0]["pays-late"]
+    assert late["decisions"][:2] == ["unsettled", "adopt"], late
+    first = pays["requested_at"][0]
+    assert late["requested_at"][0] == first == EVERY, (pays, late)
+    assert pays["requested_at"][1] == first + 1, pays
+    assert {s % EVERY for s in pays["requested_at"][1:]} == {(first + 1) % EVERY}, pays
+    assert {s % EVERY for s in late["requested_at"]} == {0}, late
+    assert pays["switched_at"][0] < late["switched_at"][0], (pays, late)
     # each switch was measured from its own row and the steady rows after it, on every rank
     from poise.runtime import selfcal
     from poise.runtime.guard import migration_seconds, switch_seconds

@@ -174,6 +174,13 @@ class Balancer(PlanCycle):
       re-plan at the earliest. On for loads that hold still from the first step (a replayed
       trace: `benchmarks/ep_step.py`); `poise train` turns it off by default (the training
       setting `holdout`: a router trained from scratch still moves in its first steps);
+    - `recheck` (default on; with the guard only): a candidate refused as `unsettled` (from the
+      static layout, with no backtest yet that its forecast held: `leader`, rule 3) is asked
+      again half a period later: the re-plans shift so that the next request comes
+      `replan_every // 2` steps after the refused one (its backtest then covers those steps)
+      and every `replan_every` steps from there (`replan_phase`); off, the next backtest waits
+      a whole period. Not where the refused decision came later than that point (a lag above
+      half a period);
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
@@ -243,6 +250,7 @@ class Balancer(PlanCycle):
         total_steps: int | None = None,
         free_balancing: bool = False,
         holdout: bool = True,
+        recheck: bool = True,
     ) -> None:
         overlap, plan_lag = free_settings(free_balancing, guard, overlap, plan_lag)
         check_settings(policy, replan_every, plan_lag, probe_every, max_probes, total_steps)
@@ -282,6 +290,8 @@ class Balancer(PlanCycle):
         self.leader = is_leader(self._vote_pg)  # plans and decides for every rank
         self._plans_here = self.leader or check_plans
         self._due_at: int | None = None  # the step boundary where the next decision is taken
+        self._requested_at: int | None = None  # the boundary of the last request
+        self.replan_phase = 0  # re-plans are due where steps_done % replan_every == this
         self.split_tokens = bool(split_tokens)
         self.overlap = overlap
         self.untimed = UntimedWindows(free_balancing and self.balancing, self.group)
@@ -289,6 +299,7 @@ class Balancer(PlanCycle):
         # probe steps serve the guard (`poise.runtime.probe_steps`)
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
         self.holdout = bool(holdout)  # the first re-plan may vouch by a holdout (PlanningJob)
+        self.recheck = bool(recheck) and guard  # an `unsettled` refusal is asked again sooner
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
@@ -478,7 +489,7 @@ class Balancer(PlanCycle):
         if self.probes.probing is not None:
             self._end_probe()
         switched = self._due_at is not None and s >= self._due_at and self._decide(stats)
-        due = bool(self.balancing and s % self.replan_every == 0 and self.window)
+        due = bool(self.balancing and self.replan_due_at(s) and self.window)
         due = due and self.steps_left(s) != 0
         if due:
             self.guard.replan_due()

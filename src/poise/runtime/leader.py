@@ -13,25 +13,25 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    adopted, and `auto` plans homes only until the re-trial, `SwitchGuard.replan_due`), and
    the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
    off);
-3. from the static layout, a candidate the guard would adopt is adopted only where the last
-   job's candidate, priced on the steps run since its loads were taken, would have saved time
-   a step net of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's
-   first re-plan, where there is no last candidate, one made from the window's older half
-   and priced on its newer half, `planning_job.holdout`, which vouches only for a candidate
-   without replicas: `auto` plans homes only there, and a refusal there is never `idle`, since
-   a candidate held to homes says nothing of what planning is worth); otherwise it waits
-   (`unsettled`), with no backoff, for the next re-plan. A plan made from a forecast pays only
-   while the loads hold still for as long as it serves. Where the router still moves (the
-   first tens of steps of a run from scratch), the first plan is stale by the time it has paid
-   for its switch. In `train_speedup.py`'s `skewed-4` on the 2-core machine (6 of 7 rounds
-   recorded on 2026-11-28) and `tiny` on a 16-core host (both rounds), auto adopted at step 11
-   and fell back at step 21 because the plan had saved nothing on the steps between
-   (docs/benchmarks.md). A trial costs its switch,
-   its transfers and its way back, and a backtest costs one assessment. The backtest asks
-   only whether the forecast held, not whether its plan would have repaid its switch: that is
-   the fresh candidate's question (`SwitchGuard.decide`). Asked with the switch, it held
-   `skewed` on the static layout until step 31 in both rounds, where the first plan (15 homes
-   moved) had not repaid its migration in 10 steps yet the forecast it came from held.
+3. from the static layout, a candidate the guard would adopt is adopted only where the last job's
+   candidate, priced on the steps run since its loads were taken, would have saved time a step net
+   of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's first re-plan,
+   where there is no last candidate, one made from the window's older half and priced on its newer
+   half, `planning_job.holdout`, which vouches only for a candidate without replicas: `auto` plans
+   homes only there, and a refusal there is never `idle`, since a candidate held to homes says
+   nothing of what planning is worth); otherwise it waits (`unsettled`), with no backoff, for the
+   next re-plan, which the Balancer asks half a period after the refused one
+   (`Balancer(recheck=...)`, `PlanCycle.replan_phase`). A plan made from a forecast pays only while
+   the loads hold still for as long as it serves. Where the router still moves (the first tens of
+   steps of a run from scratch), the first plan is stale by the time it has paid for its switch. In
+   `train_speedup.py`'s `skewed-4` on the 2-core machine (6 of 7 rounds recorded on 2026-11-28) and
+   `tiny` on a 16-core host (both rounds), auto adopted at step 11 and fell back at step 21 because
+   the plan had saved nothing on the steps between (docs/benchmarks.md). A trial costs its switch,
+   its transfers and its way back, and a backtest costs one assessment. The backtest asks only
+   whether the forecast held, not whether its plan would have repaid its switch: that is the fresh
+   candidate's question (`SwitchGuard.decide`). Asked with the switch, it held `skewed` on the
+   static layout until step 31 in both rounds, where the first plan (15 homes moved) had not repaid
+   its migration in 10 steps yet the forecast it came from held.
 4. a candidate with replicas is not adopted (`unjudged`, no backoff) while no plan with
    replicas has been timed by the paired clock in this run and the run ends before the clock
    could judge one adopted now (`trial_judgeable`: `MIN_PROBES` probe steps, one every

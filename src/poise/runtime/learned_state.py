@@ -12,7 +12,9 @@ this is the rest of what its decisions depend on, beyond the loads:
 - `replicas_timed`: the paired clock has timed a plan with replicas in this run (`leader`,
   rule 4);
 - `pattern`: `(requested at, age)` of the load pattern the last plan saw
-  (`persistence.carried_age`).
+  (`persistence.carried_age`);
+- `replan_phase`: the re-plans' cadence, shifted by an `unsettled` refusal (`Balancer(recheck=
+  ...)`; absent from checkpoints written before it was kept: 0).
 
 Beside them the checkpoint keeps the last candidate, the plan the next job from the static
 layout backtests on the window's steps since it (`poise.train.checkpoint`).
@@ -32,7 +34,8 @@ from typing import Any
 from poise.core.errors import ConfigError
 from poise.runtime import selfcal
 
-KEYS = ("guard", "fit", "lag", "replicas_timed", "pattern")
+KEYS = ("guard", "fit", "lag", "replicas_timed", "pattern", "replan_phase")
+OPTIONAL = ("replan_phase",)  # written since it was kept; older checkpoints lack it
 
 
 def learned_state(balancer: Any) -> dict[str, Any]:
@@ -45,6 +48,7 @@ def learned_state(balancer: Any) -> dict[str, Any]:
         "lag": int(balancer.lag),
         "replicas_timed": bool(balancer._replicas_timed),
         "pattern": None if pattern is None else [int(pattern[0]), int(pattern[1])],
+        "replan_phase": int(balancer.replan_phase),
     }
 
 
@@ -54,7 +58,7 @@ def restore_learned(balancer: Any, state: Mapping[str, Any], source: str = "chec
     the entry for a malformed one. The fitted cluster is re-derived from the fit on this
     balancer's prior; the lag is at least this run's `plan_lag` (`planner.adoption_lag`; left
     at `plan_lag` 0 where that is 0)."""
-    if set(state) != set(KEYS):
+    if not set(KEYS) - set(OPTIONAL) <= set(state) <= set(KEYS):
         raise ConfigError(
             f"balancer state: expected {list(KEYS)}, got {sorted(state)}",
             source=source,
@@ -72,6 +76,11 @@ def restore_learned(balancer: Any, state: Mapping[str, Any], source: str = "chec
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pattern)
     ):
         raise ConfigError(f"not (step, age): {pattern!r}", source=source, field="balancer.pattern")
+    phase = state.get("replan_phase", 0)
+    if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
+        raise ConfigError(
+            f"not a step count: {phase!r}", source=source, field="balancer.replan_phase"
+        )
     balancer.guard.restore(state["guard"], source=source)
     balancer.fit = fit
     balancer.fitted_cluster = selfcal.cluster_of(balancer.cluster, fit)
@@ -79,6 +88,7 @@ def restore_learned(balancer: Any, state: Mapping[str, Any], source: str = "chec
         balancer.lag = max(balancer.plan_lag, lag)
     balancer._replicas_timed = timed
     balancer._pattern = None if pattern is None else (int(pattern[0]), int(pattern[1]))
+    balancer.replan_phase = phase % balancer.replan_every
 
 
 __all__ = ["KEYS", "learned_state", "restore_learned"]

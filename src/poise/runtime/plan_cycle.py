@@ -3,7 +3,7 @@
 `PlanCycle` is mixed into `poise.runtime.balancer.Balancer`; the Balancer keeps the layers, the
 step boundary and the moves, and calls into this half at its boundaries:
 
-    boundary s, s % replan_every == 0   ->  _request(s)       the leader submits a PlanningJob
+    boundary s, replan_due_at(s)        ->  _request(s)       the leader submits a PlanningJob
     boundary s >= _due_at               ->  _decide(stats)    the leader's outcome, on every rank
                                               _own_outcome      (the leader) its planner's result,
                                                                 judged by the guard
@@ -92,6 +92,9 @@ class PlanCycle(ABC):
     _plans_here: bool
     _planner_shares_cores: bool
     _due_at: int | None
+    _requested_at: int | None
+    recheck: bool
+    replan_phase: int
     _layout: int
     _plan_since: int
     _switch_check: tuple[int, float, float] | None
@@ -114,6 +117,22 @@ class PlanCycle(ABC):
         if self.total_steps is None:
             return None
         return max(0, self.total_steps - (step + self.lag))
+
+    def replan_due_at(self, step: int) -> bool:
+        """Whether boundary `step` is on the re-plan cadence: `step % replan_every ==
+        replan_phase` (the phase is 0 until an `unsettled` refusal shifts it, `recheck`)."""
+        return step % self.replan_every == self.replan_phase
+
+    def _shift_after_unsettled(self, decided_at: int) -> None:
+        """After an `unsettled` refusal at boundary `decided_at` (`recheck`): the next request
+        comes `replan_every // 2` steps after the refused one, unless that boundary has passed;
+        the cadence runs on from it (`replan_phase`). Every rank takes the same outcome, so
+        every rank shifts alike."""
+        if not self.recheck or self._requested_at is None:
+            return
+        sooner = self._requested_at + max(1, self.replan_every // 2)
+        if decided_at <= sooner < self._requested_at + self.replan_every:
+            self.replan_phase = sooner % self.replan_every
 
     def plan_next(self) -> Plan:
         """The policy's plan from the window, now, on this thread (every rank computes the same
@@ -144,6 +163,7 @@ class PlanCycle(ABC):
         forecast, plan, price against the plan in force. Only the leader plans (every rank
         with `check_plans`); every rank notes the step the decision is due."""
         self._due_at = step + self.lag
+        self._requested_at = step
         measured = self.records.measured_rows()
         self._measure_switch(measured[self.records.not_probe()])
         if not self._plans_here:
@@ -254,6 +274,8 @@ class PlanCycle(ABC):
         if not outcome.adopts:
             if outcome.decision == "idle":
                 self.guard.planning_idle()
+            elif outcome.decision == "unsettled":
+                self._shift_after_unsettled(self.steps_done)
             return False
         if outcome.decision != "replace":  # a replacement has yet to prove itself
             self.guard.kept()

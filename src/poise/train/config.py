@@ -37,6 +37,9 @@ scratch routes its first steps with a router that is still moving, and on
 step 21 in every round and held the static layout to step 41 (auto without the holdout, in
 the same turns, 1.000-1.037 times as fast over six rounds, and never slower elsewhere beyond
 the comparison's spread; docs/benchmarks.md);
+`recheck` (default on): with the guard, a first candidate refused for want of a backtest
+(`unsettled`) is asked again half a re-plan period later instead of a whole one, and the
+re-plans run on from there (`Balancer(recheck=...)`);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
@@ -122,6 +125,7 @@ class TrainConfig:
     balance_guard: bool = True
     probe_every: int = 5
     holdout: bool = False
+    recheck: bool = True
     host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
@@ -237,6 +241,7 @@ def _rules() -> dict[str, _Rule]:
         "balance_guard": _Rule(_BOOL),
         "probe_every": _Rule(_INT, low=0),
         "holdout": _Rule(_BOOL),
+        "recheck": _Rule(_BOOL),
         "host_link": _Rule(_BOOL),
         "free_balancing": _Rule(_BOOL),
         "separate_transfers": _Rule(_BOOL),

@@ -220,6 +220,7 @@ def make_balancer(
         guard=cfg.balance_guard,
         probe_every=cfg.probe_every,
         holdout=cfg.holdout,
+        recheck=cfg.recheck,
         host_link=cfg.host_link,
         separate_transfers=cfg.separate_transfers,
         transfer_group=moves,
