@@ -406,9 +406,11 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     seeds = {"static": 0, "auto": 1}
 
     clocks = []
+    batches: list[int] = []
 
     def fake_train(cfgs, console, turns, clock):
         clocks.append(clock)
+        batches.extend(cfg.batch for cfg in cfgs)
         for cfg in cfgs:
             out = Path(cfg.out)
             losses = np.linspace(5.5, 3.0, cfg.steps)
@@ -426,6 +428,8 @@ def test_demo_quick_writes_demo_json(tmp_path, monkeypatch: pytest.MonkeyPatch, 
     (clock,) = clocks  # the clock runs over the training's steps, at its ranks' threads
     assert clock.keywords["steps"] == 30 and clock.keywords["d_expert"] == 1024
     assert clock.keywords["threads"] == 4
+    # the quick runs' smaller batch (the full demo's is 16), the same on both sides
+    assert batches == [demo.QUICK.batch] * 2 and demo.QUICK.batch < demo.FULL.batch == 16
     for key in ("static_tok_s", "auto_tok_s", "speedup", "ideal_speedup", "gain_fraction"):
         assert key in m
     assert m["speedup"] == pytest.approx(m["auto_tok_s"] / m["static_tok_s"], rel=1e-3)

@@ -26,7 +26,8 @@
    table), both atomically, and prints a summary. The report's words and `demo.json`'s figures
    are made in `poise.commands.demo_report`.
 
-`--quick` trains 30 steps per run instead of 120 and replays fewer steps.
+`--quick` trains 30 steps of 12 sequences per run instead of 120 of 16, and replays fewer
+steps.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class DemoError(PoiseError):
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How much the demo does. `steps`: training steps per run; `sim_steps`: the most steps a
-    simulated replay runs."""
+    """How much the demo does. `steps`: training steps per run; `batch`: sequences of 128 bytes
+    per step over both ranks; `sim_steps`: the most steps a simulated replay runs."""
 
     steps: int
+    batch: int
     warmup: int
     replan_every: int
     eval_batches: int
@@ -71,6 +73,7 @@ class DemoSize:
 
 FULL = DemoSize(
     steps=120,
+    batch=16,
     warmup=20,
     replan_every=10,
     eval_batches=2,
@@ -81,9 +84,15 @@ FULL = DemoSize(
 # (`poise.runtime.leader.forecast_held`), so at the second re-plan (step 7 at re-plans every 3
 # steps) at the earliest, training having no holdout at the first (`TrainConfig.holdout`); with
 # 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
-# nothing but noise (docs/benchmarks.md, "Main job")
+# nothing but noise (docs/benchmarks.md, "Main job"). A batch of 12 sequences, not 16: the 60
+# steps of the two runs are most of the quick demo's minute, and with 16 it took 60-62 s on the
+# 2-core machine's slow days (52-57 s with 12). The smaller batch saves less per step than the
+# larger (static 2,590-2,850 tokens/s against 3,060), so its first re-plan did not pay for its
+# planning (`4 idle`) and its plan came at step 20, not 7: still a plan at work for 10 of the 25
+# measured steps, which is what the smoke test shows
 QUICK = DemoSize(
     steps=30,
+    batch=12,
     warmup=3,
     replan_every=3,
     eval_batches=1,
@@ -113,7 +122,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK.steps} training steps per run, not {FULL.steps}, and shorter replays "
+        help=f"{QUICK.steps} training steps of {QUICK.batch} sequences per run, not "
+        f"{FULL.steps} of {FULL.batch}, and shorter replays "
         "(a smoke test: too few steps to measure a speedup)",
     )
     p.add_argument(
@@ -175,7 +185,7 @@ def demo_config(policy: str, out: Path, size: DemoSize, *, steps: int, corpus: s
         model_args=dict(MODEL_ARGS),
         device=device,
         context=128,
-        batch=16,
+        batch=size.batch,
         steps=steps,
         lr=2e-3,
         warmup=min(size.warmup, max(1, steps // 5)),
