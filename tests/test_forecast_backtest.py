@@ -313,3 +313,28 @@ def test_training_rechecks_an_unsettled_candidate_unless_told_not_to() -> None:
             assert balancer.replan_phase == 0
         finally:
             balancer.close()
+
+
+def test_the_recheck_shifts_the_cadence_once_a_run() -> None:
+    """`recheck`: the first `unsettled` refusal (decided at the boundary after a request at 10,
+    every 10 steps) moves the next request to 15 and the cadence with it; a later refusal keeps
+    the shifted cadence (planning does not double while loads move); a refusal decided after
+    the half-period point (a lag of 6) shifts nothing."""
+    from tests.test_runtime_balancer import _one_rank_balancer
+
+    _, _, balancer = _one_rank_balancer(replan_every=10, plan_lag=1)
+    try:
+        assert balancer.recheck and balancer.replan_phase == 0
+        balancer._requested_at = 10
+        balancer._shift_after_unsettled(decided_at=11)
+        assert balancer.replan_phase == 5
+        assert [s for s in range(1, 40) if balancer.replan_due_at(s)] == [5, 15, 25, 35]
+        balancer._requested_at = 25
+        balancer._shift_after_unsettled(decided_at=26)
+        assert balancer.replan_phase == 5
+        balancer.replan_phase = 0
+        balancer._requested_at = 10
+        balancer._shift_after_unsettled(decided_at=16)
+        assert balancer.replan_phase == 0
+    finally:
+        balancer.close()

@@ -179,8 +179,9 @@ class Balancer(PlanCycle):
       again half a period later: the re-plans shift so that the next request comes
       `replan_every // 2` steps after the refused one (its backtest then covers those steps)
       and every `replan_every` steps from there (`replan_phase`); off, the next backtest waits
-      a whole period. Not where the refused decision came later than that point (a lag above
-      half a period);
+      a whole period. Once a run (the first refusal: the run's first re-plan has no earlier
+      candidate to backtest), and not where the refused decision came later than that point
+      (a lag above half a period);
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to

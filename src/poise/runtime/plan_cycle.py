@@ -126,9 +126,12 @@ class PlanCycle(ABC):
     def _shift_after_unsettled(self, decided_at: int) -> None:
         """After an `unsettled` refusal at boundary `decided_at` (`recheck`): the next request
         comes `replan_every // 2` steps after the refused one, unless that boundary has passed;
-        the cadence runs on from it (`replan_phase`). Every rank takes the same outcome, so
-        every rank shifts alike."""
-        if not self.recheck or self._requested_at is None:
+        the cadence runs on from it (`replan_phase`). Once a run: only while the cadence is
+        unshifted (the run's first re-plan, which has no earlier candidate to backtest, is the
+        refusal this is for; later ones, on loads whose forecasts did not hold, keep the
+        period, so that planning on shared cores does not double while loads move). Every rank
+        takes the same outcome, so every rank shifts alike."""
+        if not self.recheck or self._requested_at is None or self.replan_phase != 0:
             return
         sooner = self._requested_at + max(1, self.replan_every // 2)
         if decided_at <= sooner < self._requested_at + self.replan_every:

@@ -37,9 +37,9 @@ scratch routes its first steps with a router that is still moving, and on
 step 21 in every round and held the static layout to step 41 (auto without the holdout, in
 the same turns, 1.000-1.037 times as fast over six rounds, and never slower elsewhere beyond
 the comparison's spread; docs/benchmarks.md);
-`recheck` (default on): with the guard, a first candidate refused for want of a backtest
-(`unsettled`) is asked again half a re-plan period later instead of a whole one, and the
-re-plans run on from there (`Balancer(recheck=...)`);
+`recheck` (default on): with the guard, the run's first candidate refused for want of a
+backtest (`unsettled`) is asked again half a re-plan period later instead of a whole one, and
+the re-plans run on from there (`Balancer(recheck=...)`; once a run);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
