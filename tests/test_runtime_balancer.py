@@ -544,7 +544,9 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     assert pays["requested_at"][1] == first + 1, pays
     assert {s % EVERY for s in pays["requested_at"][1:]} == {(first + 1) % EVERY}, pays
     assert {s % EVERY for s in late["requested_at"]} == {0}, late
-    assert pays["switched_at"][0] < late["switched_at"][0], (pays, late)
+    # (which boundary then decides depends on the lag, adapted to the planner's measured time:
+    # a request of step 3 decided 2 steps later switches where one of step 4 decided 1 later
+    # does, so only the requests are compared)
     # each switch was measured from its own row and the steady rows after it, on every rank
     from poise.runtime import selfcal
     from poise.runtime.guard import migration_seconds, switch_seconds
