@@ -37,7 +37,11 @@ busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); i
 of replicas cost apart from the transfers' seconds. `--peers auto-holdout` runs `auto`
 with `holdout: true` (its first re-plan may adopt a homes-only plan on a holdout's word) beside
 the default one, which waits for a backtest; `--peers auto-late` runs `auto` with `recheck:
-false` (that backtest a whole re-plan period after the first request, not half). `--identical`
+false` (that backtest a whole re-plan period after the first request, not half).
+`--peers static-again` runs static a second time in the same turns: its `speedup` is the
+comparison's own spread in the rounds auto was measured in (A/A), the floor under which an
+auto/static figure near 1 says nothing, and its `auto_over_peer` auto against that second
+static run. `--identical`
 runs static on both sides (the "auto" fields then describe the second static run): the spread
 of the comparison itself.
 `--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
@@ -172,6 +176,8 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "auto-holdout": ("auto", {"holdout": True}),
     # auto whose `unsettled` first candidate waits a whole re-plan period for its backtest
     "auto-late": ("auto", {"recheck": False}),
+    # static again, in the same turns: the comparison's own spread beside auto's (A/A)
+    "static-again": ("static", {}),
 }
 
 
@@ -207,7 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(PEERS),
         help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
         "with the host link; free: the ideal measured, EPLB every step with free transfers; "
-        "free-paced, auto-free: EPLB at the re-plan period and auto, free)",
+        "free-paced, auto-free: EPLB at the re-plan period and auto, free; static-again: "
+        "static a second time, the comparison's own spread)",
     )
     p.add_argument(
         "--sequential",

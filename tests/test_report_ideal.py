@@ -4,6 +4,7 @@ numbers; `benchmarks/train_speedup.py` judges by it (its JSON line, with trainin
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -527,6 +528,41 @@ def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> No
     share = (1 / 0.95 - 1) / (1 / 0.9 - 1)
     assert peer["auto_gain_share_rounds"] == pytest.approx([share] * 2, abs=1e-3)
     assert peer["auto_gain_share"] == pytest.approx(share, abs=1e-3)
+
+
+def test_train_speedup_runs_static_again_as_the_comparisons_own_spread(
+    monkeypatch, tmp_path
+) -> None:
+    """`--peers static-again`: a third run trains `static` in the same turns, in its own run
+    folder. Static 1.0 s a step, the second static 1.02 s (its slot reads 2% slow), auto 0.95 s:
+    the peer's speedup over static is 1 / 1.02 and auto over it 1.02 / 0.95 in every round."""
+
+    bench = _bench()
+    steps = 20
+    seen: list[tuple[str, str]] = []
+
+    def fake_train(cfg, world: int):
+        side = Path(cfg.out).name.split("-", 2)[-1]  # "skewed-<r>-<side>"
+        seen.append((side, cfg.policy))
+        step_s = {"static": 1.0, "static-again": 1.02, "auto": 0.95}[side]
+        return _three_to_one(cfg.policy, steps, step_s)
+
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
+    line = bench.bench_setting(
+        "skewed", bench.parse_args([*argv, "--peers", "static-again"]), tmp_path
+    )
+    assert sorted(set(seen)) == [
+        ("auto", "auto"),
+        ("static", "static"),
+        ("static-again", "static"),
+    ]
+    peer = line["peers"]["static-again"]
+    assert peer["speedup_rounds"] == pytest.approx([1 / 1.02] * 2, abs=1e-4)
+    assert peer["speedup"] == pytest.approx(1 / 1.02, abs=1e-4)
+    assert peer["auto_over_peer"] == pytest.approx(1.02 / 0.95, abs=1e-4)
+    assert peer["plan_changes"] == [0, 0]
+    assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
 
 
 def test_train_speedup_peers_are_valid_training_configs(tmp_path) -> None:
