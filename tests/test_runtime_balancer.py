@@ -1697,6 +1697,35 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
     balancer.close()
 
 
+def test_each_steps_period_holds_its_own_agg() -> None:
+    """The step period the paired clock compares (`selfcal.PERIOD`) runs from one step's Agg
+    landing to the next's: a step whose Agg takes 0.3 s longer to land (the real finish, then
+    a sleep) has a period at least that long, and its neighbours do not. Ended before the Agg,
+    the next step's period carried it, so a probe step (no Agg of its own) read its
+    predecessor's Agg as its own time and the clock credited the replicas with it."""
+    import time
+
+    from poise.runtime import selfcal
+
+    model, opt, balancer = _one_rank_balancer(replan_every=100, plan_lag=1, guard=False)
+    finish = balancer.moves.finish_aggs
+    slow = 3  # the step (`steps_done` when its Agg lands) whose Agg is slow
+
+    def slow_finish(stats) -> None:
+        finish(stats)
+        if balancer.steps_done == slow:
+            time.sleep(0.3)
+
+    balancer.moves.finish_aggs = slow_finish
+    _one_rank_steps(model, opt, balancer, 6)
+    rows = np.stack(balancer.measured)
+    steps, periods = rows[:, 0].astype(int).tolist(), rows[:, 1 + selfcal.PERIOD].tolist()
+    period = dict(zip(steps, periods, strict=True))
+    assert period[slow] >= 0.3, period
+    assert period[slow - 1] < 0.15 and period[slow + 1] < 0.15, period
+    balancer.close()
+
+
 def test_a_planner_slower_than_the_interval_stretches_it() -> None:
     """With a lag longer than `replan_every` (a planner known to take more steps than the
     interval), the re-plans due while a plan is in flight are skipped and no boundary waits:

@@ -345,7 +345,7 @@ class Balancer(PlanCycle):
         self._pattern: tuple[int, int] | None = None  # (requested at, `auto`'s pattern age)
         self._replicas_timed = False  # the paired clock has timed a plan with replicas
         self._switch_check: tuple[int, float, float] | None = None  # (step, modelled s, wait s)
-        self._t_reduce: float | None = None  # when the last `reduce_replicas` started
+        self._t_reduce: float | None = None  # when the last `reduce_replicas` had its Agg
         self._paused_at: float | None = None  # when `pause` handed the host to another run
         self._boundary_s = 0.0  # this rank's seconds in the last `step`
         self._migrate_s = 0.0  # ... of them moving homes (a switch's migration)
@@ -467,12 +467,16 @@ class Balancer(PlanCycle):
         layer saw NaN or infinity. Collective; idempotent within a step."""
         if self._prepared:
             return
-        t_start = time.perf_counter()
         free = self.untimed.start()
         self.moves.finish_aggs(self._current)
         self.untimed.end(self._current, free)
-        period = 0.0 if self._t_reduce is None else t_start - self._t_reduce
-        self._t_reduce = t_start
+        # the period ends once this step's Agg has landed, so that each step's period holds
+        # its own Agg, as it holds its own Trans (launched at the boundary before it): a probe
+        # step, which has neither, is then compared with neighbours that each carry both
+        # (`paired_clock`); ended before the Agg, a probe's period held its predecessor's
+        t_end = time.perf_counter()
+        period = 0.0 if self._t_reduce is None else t_end - self._t_reduce
+        self._t_reduce = t_end
         self._gather(period)
         self._prepared = True
 

@@ -69,9 +69,10 @@ from poise.cost.host import busiest_sharing, dispatch_rows
 from poise.cost.model import CostModel
 from poise.cost.phases import PhaseTimes
 
-# Columns of the Balancer's gathered measurement rows (seconds, `across_ranks`): the wall time
-# between two step boundaries, the boundary itself (Trans launch, migration, waiting for the
-# planner), and the layers' forward phases.
+# Columns of the Balancer's gathered measurement rows (seconds, `across_ranks`): the step's
+# period (the wall time from the previous step's Agg landing to this one's: the boundary before
+# the step, with the Trans launched for it, then its forward, backward and Agg), the boundary
+# itself (Trans launch, migration, waiting for the planner), and the layers' forward phases.
 # `transfers_s`: the step's Trans waits in forward and its Agg (launch and wait); the boundary
 # (`boundary_s`, the previous step's) holds the Trans launches; `migrate_s`, the part of that
 # boundary spent moving homes with their optimizer state (a switch's migration, 0 otherwise).

@@ -81,8 +81,9 @@ class StepStats:
     `gain_s`, `switch_cost_s`, `doubt_s`: the guard's predicted saving over the horizon, the
     switch's cost and what the recent steps' spread took off the saving (`guard.Decision`);
     `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
-    `measured_period_s`: the slowest rank's wall seconds between the previous step boundary and
-    this one; `fit`: the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
+    `measured_period_s`: the slowest rank's wall seconds from the previous step's Agg landing
+    to this step's (the boundary before this step, its forward, backward and Agg); `fit`:
+    the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
     `verdict`: the guard's figures on whether the plan in force paid (`verdict.Verdict.as_dict`:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
     `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
