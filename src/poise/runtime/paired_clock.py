@@ -8,6 +8,12 @@ predicts the same comparison (`modelled_clock`), and the gap between the two pri
 replicas of the next plans (`replica_scale`). The do-no-harm guard (`poise.runtime.guard`)
 judges the plan in force by them. NumPy only.
 
+Each step's period (`selfcal.PERIOD`) runs from the previous step's Agg landing to its own, so a
+replica step's carries its own Trans (launched at the boundary before it, waited in its forward)
+and its own Agg, and a probe's neither. Ended where the Agg began instead, a probe's period held
+its predecessor's Agg and the step after it lacked one: the clock read the replicas' saving
+about one and a half Aggs too high.
+
 The pairing assumes the machine's speed is the same over a probe and its two neighbours. A
 shared host breaks that now and then: another process takes the cores for a few steps. On
 `skewed` (2 gloo ranks, 2026-11-28) one such stall lengthened steps 29-32 by 80-420 ms, in the
