@@ -171,6 +171,14 @@ def _fake_clock(monkeypatch, bench, c_rounds: list[float]) -> list[tuple[str, in
     return given
 
 
+def _peer_line(monkeypatch, bench, fake_train, tmp_path, peer: str, steps: int) -> dict:
+    """`skewed`'s JSON line over 2 rounds of `steps` steps with `peer` beside static and auto,
+    on the faked machine (`_fake_machine`, c 25 us in both rounds)."""
+    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
+    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2", "--peers", peer]
+    return bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
+
+
 def _fake_machine(
     monkeypatch, bench, fake_train, c_rounds: list[float], c_alone: float = 25e-6
 ) -> None:
@@ -484,11 +492,7 @@ def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) 
         step_s = 1.0 if cfg.policy == "static" else (0.92 if cfg.host_link else 0.95)
         return _three_to_one(cfg.policy, steps, step_s)
 
-    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
-    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
-    line = bench.bench_setting(
-        "skewed", bench.parse_args([*argv, "--peers", "auto-link"]), tmp_path
-    )
+    line = _peer_line(monkeypatch, bench, fake_train, tmp_path, "auto-link", steps)
     assert sorted(set(seen)) == [
         ("auto", False, True),
         ("auto", True, True),
@@ -547,11 +551,7 @@ def test_train_speedup_runs_static_again_as_the_comparisons_own_spread(
         step_s = {"static": 1.0, "static-again": 1.02, "auto": 0.95}[side]
         return _three_to_one(cfg.policy, steps, step_s)
 
-    _fake_machine(monkeypatch, bench, fake_train, [25e-6] * 2)
-    argv = ["--settings", "skewed", "--steps", str(steps), "--repeats", "2"]
-    line = bench.bench_setting(
-        "skewed", bench.parse_args([*argv, "--peers", "static-again"]), tmp_path
-    )
+    line = _peer_line(monkeypatch, bench, fake_train, tmp_path, "static-again", steps)
     assert sorted(set(seen)) == [
         ("auto", "auto"),
         ("static", "static"),
