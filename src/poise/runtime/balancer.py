@@ -470,11 +470,7 @@ class Balancer(PlanCycle):
         free = self.untimed.start()
         self.moves.finish_aggs(self._current)
         self.untimed.end(self._current, free)
-        # the period ends once this step's Agg has landed, so that each step's period holds
-        # its own Agg, as it holds its own Trans (launched at the boundary before it): a probe
-        # step, which has neither, is then compared with neighbours that each carry both
-        # (`paired_clock`); ended before the Agg, a probe's period held its predecessor's
-        t_end = time.perf_counter()
+        t_end = time.perf_counter()  # the period holds the step's own Agg (`paired_clock`)
         period = 0.0 if self._t_reduce is None else t_end - self._t_reduce
         self._t_reduce = t_end
         self._gather(period)
