@@ -1,22 +1,34 @@
-"""What background planning costs the training thread: a planning thread against a worker process.
+"""What background planning costs the training ranks: a planning thread, a worker process at
+nice 19, and one at SCHED_IDLE.
 
     .venv/bin/python benchmarks/planner_overlap.py            # ~1 min on 2 cores
+    .venv/bin/python benchmarks/planner_overlap.py --ranks 4 --rounds 6   # ~1.5 min
 
-The training side is one process's loop of forward + backward of the `tiny` GPT-MoE with
-`many-experts`' experts (32 experts top-2, d_expert 512; batch 8 x 128 tokens, 1 thread), the
-same mix of small tensor operations and Python a rank runs. The planning side is
-`poise.runtime.planning_job.run_job`, the Balancer's own job, `auto` on the live cost model,
-for 4 MoE layers of 32 experts on 2 ranks (the `cpu-2` cluster), from a 20-step window of Zipf
-loads, submitted again as soon as it returns, for as long as the training loop runs:
+The training side is a loop of forward + backward of the `tiny` GPT-MoE with `many-experts`'
+experts (32 experts top-2, d_expert 512; batch 8 x 128 tokens, 1 thread), the same mix of small
+tensor operations and Python a rank runs: one process (`--ranks 1`, the default), or `--ranks`
+gloo ranks on this host, each with a few small all-reduces a step where a rank waits for the
+others as at the all-to-alls (4 ranks on 2 cores: `skewed-4`'s shared cores). The planning
+side, beside rank 0, is `poise.runtime.planning_job.run_job`, the Balancer's own job, `auto` on
+the live cost model, for 4 MoE layers of 32 experts on 2 ranks (the `cpu-2` cluster), from a
+20-step window of Zipf loads, submitted again as soon as it returns, for as long as the
+training loop runs:
 
 - `alone`: no planning;
-- `thread`: on a thread of the training process at nice 19 (`BackgroundPlanner(process=False)`);
-- `process`: in the planner's worker process at nice 19 (`BackgroundPlanner()`, the default).
+- `thread`: on a thread of rank 0's process at nice 19 (`BackgroundPlanner(process=False)`;
+  `--ranks 1` only);
+- `process`: in the planner's worker process at nice 19 (`BackgroundPlanner()`, the default);
+- `process-idle`: in the worker process at Linux's SCHED_IDLE
+  (`BackgroundPlanner(priority="idle")`).
 
 Modes rotate over `--rounds` rounds; one JSON line per mode with the median ms per training
-iteration, `ratio_vs_alone` (median over rounds of the mode's ms over `alone`'s in the same
-round) and the planning jobs finished per second. The thread mode holds the interpreter lock
-whenever the planner's Python runs, and the training thread needs it between its operations.
+iteration (rank 0's), `ratio_vs_alone` (median over rounds of the mode's ms over `alone`'s in
+the same round), the planning jobs finished per second, and `training_ms_per_job`: the
+training's extra milliseconds (rank 0's, over `alone`'s in the same round) per finished job, the
+figure that says what one re-plan costs the ranks (the Balancer plans once per re-plan, so a
+mode that finishes fewer jobs in the same time is not cheaper per job). The thread mode holds the
+interpreter lock whenever the planner's Python runs, and the training thread needs it between
+its operations.
 """
 
 from __future__ import annotations
@@ -82,25 +94,35 @@ def planning_job(seed: int = 0) -> PlanningJob:
     )  # fmt: skip
 
 
-def training_loop() -> Any:
-    """`step()`: one forward + backward of the tiny GPT-MoE with many-experts' experts."""
+def training_loop(sync: Any = None) -> Any:
+    """`step()`: one forward + backward of the tiny GPT-MoE with many-experts' experts, with
+    `sync()` (the ranks' small all-reduces, where there are several) before, between and after
+    them."""
     cfg = model_config("tiny", {"num_experts": E, "top_k": TOP_K, "d_expert": 512}, source="bench")
     model = GPTMoE(cfg, seed=0)
     idx = torch.randint(0, cfg.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
+    sync = sync or (lambda: None)
 
     def step() -> None:
+        sync()
         logits = model(idx)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+        sync()
         loss.backward()
+        sync()
         model.zero_grad(set_to_none=True)
 
     return step
 
 
-def timed_round(step: Any, iterations: int, planner: BackgroundPlanner | None, job) -> dict:
-    """ms per iteration of `step` while `planner` (None: nothing) plans `job` back to back."""
+def timed_round(
+    step: Any, iterations: int, planner: BackgroundPlanner | None, job, barrier: Any = None
+) -> dict:
+    """ms per iteration of `step` while `planner` (None: nothing) plans `job` back to back;
+    `barrier()` (the ranks', where there are several) before and after the timed loop."""
     stop = threading.Event()
     done = [0]
+    barrier = barrier or (lambda: None)
 
     def keep_planning() -> None:
         n = 0
@@ -117,50 +139,108 @@ def timed_round(step: Any, iterations: int, planner: BackgroundPlanner | None, j
         feeder = threading.Thread(target=keep_planning, daemon=True)
         feeder.start()
         time.sleep(0.2)
+    barrier()
     t0 = time.perf_counter()
     for _ in range(iterations):
         step()
+    barrier()
     seconds = time.perf_counter() - t0
     stop.set()
     if feeder is not None:
         feeder.join()
-    return {"ms": seconds / iterations * 1e3, "jobs_per_s": done[0] / seconds}
+    return {"ms": seconds / iterations * 1e3, "jobs_per_s": done[0] / seconds, "jobs": done[0]}
+
+
+def make_planner(mode: str) -> BackgroundPlanner | None:
+    preload = (run_job.__module__,)
+    return {
+        "alone": lambda: None,
+        "thread": lambda: BackgroundPlanner(process=False),
+        "process": lambda: BackgroundPlanner(preload=preload),
+        "process-idle": lambda: BackgroundPlanner(preload=preload, priority="idle"),
+    }[mode]()
+
+
+def run_rounds(args: argparse.Namespace, modes: list[str], rank: int = 0, world: int = 1) -> dict:
+    """`{mode: [round's figures]}` on this rank (rank 0 plans; every rank trains)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    sync = barrier = None
+    if world > 1:
+        import torch.distributed as dist
+
+        flag = torch.zeros(64)
+
+        def sync() -> None:
+            for _ in range(2):
+                dist.all_reduce(flag)
+
+        barrier = dist.barrier
+    step = training_loop(sync)
+    for _ in range(3):
+        step()  # warm-up
+    job = planning_job()
+    planners = {m: make_planner(m) if rank == 0 else None for m in modes}
+    got: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        for r in range(args.rounds):
+            for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                got[m].append(timed_round(step, args.iterations, planners[m], job, barrier))
+    finally:
+        for planner in planners.values():
+            if planner is not None:
+                planner.close()
+    return got
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, modes: list[str], queue):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        got = run_rounds(args, modes, rank, world)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(got)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=20, help="training iterations per round")
+    p.add_argument("--ranks", type=int, default=1, help="gloo ranks training (1: one process)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    step = training_loop()
-    for _ in range(3):
-        step()  # warm-up
-    job = planning_job()
-    planners = {
-        "alone": None,
-        "thread": BackgroundPlanner(process=False),
-        "process": BackgroundPlanner(preload=(run_job.__module__,)),
-    }
-    modes = list(planners)
-    got: dict[str, list[dict]] = {m: [] for m in modes}
-    try:
-        for r in range(args.rounds):
-            for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                got[m].append(timed_round(step, args.iterations, planners[m], job))
-    finally:
-        for planner in planners.values():
-            if planner is not None:
-                planner.close()
+    if args.ranks < 1 or args.rounds < 1 or args.iterations < 1:
+        p.error("--ranks, --rounds and --iterations must be >= 1")
+    modes = ["alone", "thread", "process", "process-idle"]
+    if args.ranks == 1:
+        got = run_rounds(args, modes)
+    else:
+        import torch.multiprocessing as mp
+
+        from poise.runtime.launch import free_port
+
+        modes.remove("thread")
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_rank, args=(args.ranks, free_port(), args, modes, queue), nprocs=args.ranks)
+        got = queue.get()
     for m in modes:
-        ratios = [x["ms"] / a["ms"] for x, a in zip(got[m], got["alone"], strict=True)]
+        pairs = list(zip(got[m], got["alone"], strict=True))
+        ratios = [x["ms"] / a["ms"] for x, a in pairs]
+        # the training's seconds each finished job cost it
+        per_job = [(x["ms"] - a["ms"]) * args.iterations / x["jobs"] for x, a in pairs if x["jobs"]]
         line = {
             "bench": "planner_overlap",
             "mode": m,
+            "ranks": args.ranks,
             "ms_per_iteration": round(statistics.median(x["ms"] for x in got[m]), 2),
             "ratio_vs_alone": round(statistics.median(ratios), 3),
             "planning_jobs_per_s": round(statistics.median(x["jobs_per_s"] for x in got[m]), 2),
+            "training_ms_per_job": round(statistics.median(per_job), 2) if per_job else None,
             "rounds": args.rounds,
             "iterations": args.iterations,
         }

@@ -1,20 +1,20 @@
-"""The planner's worker process: `python -m poise.runtime.plan_worker [MODULE ...]`, started by
-`poise.runtime.planner.BackgroundPlanner` (process mode), one per planning rank.
+"""The planner's worker process: `python -m poise.runtime.plan_worker [--priority P] [MODULE
+...]`, started by `poise.runtime.planner.BackgroundPlanner` (process mode), one per planning
+rank.
 
 Protocol on its standard input and output (binary, nothing else is written there: the worker's
 own prints go to standard error): each request is an 8-byte little-endian length and a pickled
 callable taking no argument (`functools.partial(run_job, job)`); each reply is the same framing
 around a pickled `("ok", value, wall_s, cpu_s)` or `("error", exception, traceback_text)`. The
-worker runs at the lowest CPU priority (nice 19) with one BLAS thread, imports the MODULEs
-before its first request (the jobs' code), and exits at the end of its input (its parent
-closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at the terminal reaches its whole
+worker runs with one BLAS thread at the lowest CPU priority (`lowest_priority`), imports the
+MODULEs before its first request (the jobs' code), and exits at the end of its input (its
+parent closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at the terminal reaches its whole
 process group, and the training rank that owns the worker answers it (and ends the worker by
 ending its input), where the worker used to print a `KeyboardInterrupt` traceback of its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import pickle
@@ -25,6 +25,33 @@ import traceback
 from typing import IO, Any
 
 HEADER = 8  # bytes of a frame's length
+PRIORITIES = ("nice", "idle")  # `lowest_priority`'s kinds, `nice` the default
+
+
+def lowest_priority(kind: str = "nice") -> str:
+    """Put this process at the lowest CPU priority and say which it got: `nice` (nice 19: a
+    small share of a busy core), or `idle` (Linux's SCHED_IDLE: it runs only on a core no
+    other task wants, and a rank that wakes takes the core from it at once; nice 19 where the
+    OS has no SCHED_IDLE), or `none` (the OS refused both).
+
+    Why nice: beside 4 gloo ranks sharing 2 cores, one planning job cost the ranks' steps about
+    the same either way (3.7-5 ms of training a job, a third of the job's CPU), and at
+    SCHED_IDLE a job finishes later, so the default stays nice 19
+    (`benchmarks/planner_overlap.py --ranks 4`, docs/benchmarks.md, "Planning beside training").
+    """
+    if kind not in PRIORITIES:
+        raise ValueError(f"priority must be one of {PRIORITIES}, got {kind!r}")
+    if kind == "idle" and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except OSError:
+            pass
+    try:
+        os.nice(19 - os.nice(0))
+    except (AttributeError, OSError):
+        return "none"
+    return "nice"
 
 
 def read_frame(stream: IO[bytes]) -> bytes | None:
@@ -64,14 +91,18 @@ def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Serve requests; the modules named in `argv` are imported first (the jobs' code, so that
-    the first job does not pay for the imports)."""
+    """Serve requests at the lowest priority (`--priority idle|nice`, `lowest_priority`); the
+    modules named in `argv` are imported first (the jobs' code, so that the first job does not
+    pay for the imports)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kind = "nice"
+    if args and args[0].startswith("--priority="):
+        kind = args.pop(0).split("=", 1)[1]
     replies = sys.stdout.buffer
     sys.stdout = sys.stderr  # prints must not corrupt the replies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owning rank answers a Ctrl-C
-    with contextlib.suppress(AttributeError, OSError):
-        os.nice(19)
-    for module in sys.argv[1:] if argv is None else argv:
+    lowest_priority(kind)
+    for module in args:
         importlib.import_module(module)
     return serve(sys.stdin.buffer, replies)
 

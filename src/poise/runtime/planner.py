@@ -20,12 +20,14 @@ verifies it).
 
 Where the job runs:
 - `process=True` (the default): in a worker process (`poise.runtime.plan_worker`, started once,
-  at `start()` or the first job) at the lowest CPU priority (nice 19), the job pickled to it and
-  its result back. A thread of the training process would hold the interpreter lock whenever
-  the planner's Python runs, and the training thread needs that lock between every two tensor
-  operations: `benchmarks/planner_gil.py` measures a training-like loop of small operations
-  hundreds of times slower beside a Python-bound thread, whatever its nice value, and unchanged
-  beside the same work in a worker process. The job must pickle (a module-level function, or a
+  at `start()` or the first job) at the lowest CPU priority (`priority`: `nice` for nice 19,
+  the default, or `idle` for Linux's SCHED_IDLE; `plan_worker.lowest_priority`), the job
+  pickled to it and its result back. A
+  thread of the training process would hold the interpreter lock whenever the planner's Python
+  runs, and the training thread needs that lock between every two tensor operations:
+  `benchmarks/planner_gil.py` measures a training-like loop of small operations hundreds of
+  times slower beside a Python-bound thread, whatever its nice value, and unchanged beside the
+  same work in a worker process. The job must pickle (a module-level function, or a
   `functools.partial` of one, on picklable data).
 - `process=False`: on one thread of this process at nice 19 (where the OS allows it per thread,
   as Linux does), for jobs that do not pickle; fine for NumPy-bound jobs, which release the lock.
@@ -91,11 +93,22 @@ class _Job:
 
 class BackgroundPlanner:
     """One planning job at a time, in a worker process (`process=True`, which imports the
-    `preload` modules when it starts) or on one thread."""
+    `preload` modules when it starts and runs at `priority`, `plan_worker.PRIORITIES`) or on
+    one thread."""
 
-    def __init__(self, process: bool = True, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, process: bool = True, preload: tuple[str, ...] = (), priority: str = "nice"
+    ) -> None:
+        from poise.runtime.plan_worker import PRIORITIES
+
+        if priority not in PRIORITIES:
+            raise PoiseError(
+                f"the planner's priority must be one of {PRIORITIES}, got {priority!r}",
+                field="planner",
+            )
         self.process = process
         self.preload = tuple(preload)  # modules the worker imports at start-up
+        self.priority = priority
         self._pool: ThreadPoolExecutor | None = None
         self._worker: WorkerProcess | None = None
         self._job: _Job | None = None
@@ -115,7 +128,7 @@ class BackgroundPlanner:
                 max_workers=1, thread_name_prefix="poise-planner", initializer=init
             )
         if self.process and self._worker is None:
-            self._worker = WorkerProcess(self.preload)
+            self._worker = WorkerProcess(self.preload, self.priority)
 
     def submit(self, job: Callable[[], Any], requested_at: int, adopt_at: int) -> None:
         """Start `job()` in the background; its result is taken at step `adopt_at`."""
@@ -194,17 +207,31 @@ class BackgroundPlanner:
             self._worker = None
 
 
-class WorkerProcess:
-    """`python -m poise.runtime.plan_worker` with pipes to it (its protocol: that module)."""
+# modules that library calls in the jobs import lazily, each worker imports them at start-up:
+# NumPy 2's `np.unique` imports `numpy.ma` at its first call (`np.ma.is_masked`): 6-9 ms of CPU
+# with the files cached, 0.1 s from a cold file cache, which the first planning job paid in the
+# middle of training (docs/benchmarks.md, "Planning beside training")
+LAZY_IMPORTS = ("numpy.ma",)
 
-    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+
+class WorkerProcess:
+    """`python -m poise.runtime.plan_worker` with pipes to it (its protocol: that module), at
+    `priority` (`plan_worker.lowest_priority`)."""
+
+    def __init__(self, preload: tuple[str, ...] = (), priority: str = "nice") -> None:
         package_root = str(Path(__file__).resolve().parents[2])  # the folder holding `poise`
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[name] = "1"  # one core's worth at most, at nice 19
+            env[name] = "1"  # one core's worth at most, at the lowest priority
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "poise.runtime.plan_worker", *preload],
+            [
+                sys.executable,
+                "-m",
+                "poise.runtime.plan_worker",
+                f"--priority={priority}",
+                *dict.fromkeys([*LAZY_IMPORTS, *preload]),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
