@@ -109,3 +109,26 @@ def test_a_request_whose_decision_would_be_blind_plans_homes_only() -> None:
     _one_rank_steps(model, opt, balancer, 2)
     assert jobs == [True, False, False] and off == [False]
     balancer.close()
+
+
+def test_where_the_ranks_share_their_cores_the_guard_plans_homes_only() -> None:
+    """An open-ended run (never blind) re-planning every 2 steps: on a cluster whose devices
+    share 2 cores' worth of compute (`HostCosts.shared_cores`, CPU ranks wanting more cores
+    than the host gives) every job is homes only; on the same cluster without sharing, and with
+    the guard off (plans adopted as published), none is."""
+    from poise.runtime.plan_cycle import PlanCycle
+
+    def jobs(shared: float, guard: bool = True) -> list:
+        model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=guard)
+        host = dataclasses.replace(balancer.cluster.host, shared_cores=shared)
+        balancer.cluster = dataclasses.replace(balancer.cluster, host=host)
+        assert isinstance(balancer, PlanCycle) and balancer.total_steps is None
+        seen = _spy_jobs(balancer, lambda job, _: job.homes_only)
+        balancer.guard.skip_replan = lambda: False  # plan at every boundary here
+        _one_rank_steps(model, opt, balancer, 6)
+        balancer.close()
+        return seen
+
+    assert jobs(2.0) == [True, True, True]
+    assert jobs(0.0) == [False, False, False]
+    assert jobs(2.0, guard=False) == [False, False, False]

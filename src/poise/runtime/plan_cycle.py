@@ -217,9 +217,13 @@ class PlanCycle(ABC):
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
             holdout=self.holdout,
-            # homes only while the clock refutes replicas, or could not judge any adopted now
+            # homes only while the clock refutes replicas, where it could not judge any adopted
+            # now, or where the ranks share their cores
             homes_only=self.guard.trust <= 0
-            or (self.guard.enabled and self._blind_replicas(self.steps_left(step))),
+            or (
+                self.guard.enabled
+                and (self._blind_replicas(self.steps_left(step)) or self._cores_shared())
+            ),
             held_before=carried_age(self._pattern, step, len(history)),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
@@ -318,6 +322,19 @@ class PlanCycle(ABC):
         adopted now before the run ends (`leader`, rule 4; `trial_judgeable`)."""
         every, replan = self.probes.every, self.replan_every
         return not self._replicas_timed and not trial_judgeable(steps_left, every, replan)
+
+    def _cores_shared(self) -> bool:
+        """Whether this run's ranks share their cores (the prior cluster's
+        `HostCosts.shared_cores`: CPU ranks that want more cores than the host gives them,
+        `plan_inputs.shared_cores`). There the guard plans homes only: a replica's Trans and
+        Agg are gloo's copies on the cores the experts compute on, which no overlap hides and
+        the model does not price. On `train_speedup.py`'s `skewed-4` (4 ranks on 2 cores)
+        each trial of replicas ran 12-30 ms a step slower than static for a modelled 2-4 ms of
+        transfers, the same candidates' layouts ran 0-5 ms slower while shedding 1,000 pairs
+        from the slowest ranks, and balance with every transfer free (`--peers free`) read
+        0.99 of static; on a 16-core host the same setting's replicas paid (1.01-1.04)
+        (docs/benchmarks.md, "Homes only where the ranks share cores")."""
+        return self.cluster.host.shared_cores > 0
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
         """Apply `plan` now and start measuring it."""
