@@ -44,7 +44,9 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    which decision will be blind, and asks `auto` for homes only there (`PlanningJob.homes_only`,
    as while the clock refutes replicas): its other candidates could only be refused, and on
    ranks that share cores their planning is paid in step time (there, with its decisions of
-   steps 81 and 91 `unjudged`, `skewed-4`'s jobs took 15-28 ms of CPU each).
+   steps 81 and 91 `unjudged`, `skewed-4`'s jobs took 15-28 ms of CPU each). Where the ranks
+   share their cores the Balancer asks for homes only at every request
+   (`PlanCycle._cores_shared`): the clock's trials there cost more than any candidate made.
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's
 wall time over the median measured step, `median_period_s`). Pure: no collective, no torch.
