@@ -111,24 +111,35 @@ def test_a_request_whose_decision_would_be_blind_plans_homes_only() -> None:
     balancer.close()
 
 
-def test_where_the_ranks_share_their_cores_the_guard_plans_homes_only() -> None:
+def test_where_the_ranks_share_their_cores_the_guard_plans_homes_only(monkeypatch) -> None:
     """An open-ended run (never blind) re-planning every 2 steps: on a cluster whose devices
     share 2 cores' worth of compute (`HostCosts.shared_cores`, CPU ranks wanting more cores
-    than the host gives) every job is homes only; on the same cluster without sharing, and with
-    the guard off (plans adopted as published), none is."""
-    from poise.runtime.plan_cycle import PlanCycle
+    than the host gives) every job is homes only and the leader is told to refuse replicas as
+    blind (another policy's); on the same cluster without sharing, and with the guard off
+    (plans adopted as published), neither."""
+    import poise.runtime.plan_cycle as plan_cycle
+
+    told: list[bool] = []
+    outcome = plan_cycle.leader_outcome
+
+    def spy(*args, **kw):
+        told.append(kw["blind_replicas"])
+        return outcome(*args, **kw)
+
+    monkeypatch.setattr(plan_cycle, "leader_outcome", spy)
 
     def jobs(shared: float, guard: bool = True) -> list:
         model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=guard)
         host = dataclasses.replace(balancer.cluster.host, shared_cores=shared)
         balancer.cluster = dataclasses.replace(balancer.cluster, host=host)
-        assert isinstance(balancer, PlanCycle) and balancer.total_steps is None
+        assert isinstance(balancer, plan_cycle.PlanCycle) and balancer.total_steps is None
         seen = _spy_jobs(balancer, lambda job, _: job.homes_only)
         balancer.guard.skip_replan = lambda: False  # plan at every boundary here
+        told.clear()
         _one_rank_steps(model, opt, balancer, 6)
         balancer.close()
-        return seen
+        return list(zip(seen, told, strict=True))
 
-    assert jobs(2.0) == [True, True, True]
-    assert jobs(0.0) == [False, False, False]
-    assert jobs(2.0, guard=False) == [False, False, False]
+    assert jobs(2.0) == [(True, True)] * 3
+    assert jobs(0.0) == [(False, False)] * 3
+    assert jobs(2.0, guard=False) == [(False, True)] * 3  # the leader's rule 4 needs the guard

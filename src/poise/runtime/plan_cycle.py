@@ -313,7 +313,7 @@ class PlanCycle(ABC):
             on_static=self.plan.digest() == self.static_plan.digest(),
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
-            blind_replicas=self._blind_replicas(left),
+            blind_replicas=self._blind_replicas(left) or self._cores_shared(),
         )
 
     def _blind_replicas(self, steps_left: int | None) -> bool:
@@ -333,7 +333,9 @@ class PlanCycle(ABC):
         transfers, the same candidates' layouts ran 0-5 ms slower while shedding 1,000 pairs
         from the slowest ranks, and balance with every transfer free (`--peers free`) read
         0.99 of static; on a 16-core host the same setting's replicas paid (1.01-1.04)
-        (docs/benchmarks.md, "Homes only where the ranks share cores")."""
+        (docs/benchmarks.md, "Homes only where the ranks share cores"). A policy other than
+        `auto` still plans its replicas there, and the leader refuses them as it refuses blind
+        ones (`leader`, rule 4: `unjudged`)."""
         return self.cluster.host.shared_cores > 0
 
     def _switch(self, plan: Plan, stats: StepStats, modelled_s: float, wait_s: float) -> None:
