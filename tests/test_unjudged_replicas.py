@@ -49,12 +49,10 @@ def test_the_leader_refuses_blind_replicas_only(monkeypatch) -> None:
     assert _outcome(SwitchGuard(horizon=10, enabled=False), replicas, None) == "off"
 
 
-def test_the_balancer_is_blind_to_replicas_until_the_clock_timed_them(monkeypatch) -> None:
-    """A 12-step run re-planning every 2 steps with probes every 5: no decision leaves the
-    4 * 5 + 2 = 22 steps a trial needs, so every decision is blind until a shared verdict read
-    from 4 probes says the clock timed replicas; a run of unknown length never is."""
+def _spy_blind(monkeypatch) -> list[bool]:
+    """The `blind_replicas` the Balancer passes to every `leader_outcome` from now on, in a
+    list that fills as the decisions come."""
     import poise.runtime.plan_cycle as plan_cycle
-    from poise.runtime.verdict import Verdict
 
     seen: list[bool] = []
     outcome = plan_cycle.leader_outcome
@@ -64,6 +62,16 @@ def test_the_balancer_is_blind_to_replicas_until_the_clock_timed_them(monkeypatc
         return outcome(*args, **kw)
 
     monkeypatch.setattr(plan_cycle, "leader_outcome", spy)
+    return seen
+
+
+def test_the_balancer_is_blind_to_replicas_until_the_clock_timed_them(monkeypatch) -> None:
+    """A 12-step run re-planning every 2 steps with probes every 5: no decision leaves the
+    4 * 5 + 2 = 22 steps a trial needs, so every decision is blind until a shared verdict read
+    from 4 probes says the clock timed replicas; a run of unknown length never is."""
+    from poise.runtime.verdict import Verdict
+
+    seen = _spy_blind(monkeypatch)
     model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=False)
     balancer.total_steps, balancer.probes.every = 12, 5
     _one_rank_steps(model, opt, balancer, 2)
@@ -119,14 +127,7 @@ def test_where_the_ranks_share_their_cores_the_guard_plans_homes_only(monkeypatc
     (plans adopted as published), neither."""
     import poise.runtime.plan_cycle as plan_cycle
 
-    told: list[bool] = []
-    outcome = plan_cycle.leader_outcome
-
-    def spy(*args, **kw):
-        told.append(kw["blind_replicas"])
-        return outcome(*args, **kw)
-
-    monkeypatch.setattr(plan_cycle, "leader_outcome", spy)
+    told = _spy_blind(monkeypatch)
 
     def jobs(shared: float, guard: bool = True) -> list:
         model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=guard)
