@@ -144,3 +144,23 @@ def test_where_the_ranks_share_their_cores_the_guard_plans_homes_only(monkeypatc
     assert jobs(2.0) == [(True, True)] * 3
     assert jobs(0.0) == [(False, False)] * 3
     assert jobs(2.0, guard=False) == [(False, True)] * 3  # the leader's rule 4 needs the guard
+
+
+def test_poise_train_says_at_start_up_where_it_plans_homes_only() -> None:
+    """`shared_cores_note`: one line naming the ranks, the cores' worth they share and homes
+    only, for a guarded balancing run on shared cores; None without sharing or without the
+    guard."""
+    from poise.train.setup import shared_cores_note
+
+    def note(shared: float, guard: bool = True) -> str | None:
+        _, _, balancer = _one_rank_balancer(replan_every=2, plan_lag=0, guard=guard)
+        host = dataclasses.replace(balancer.cluster.host, shared_cores=shared)
+        balancer.cluster = dataclasses.replace(balancer.cluster, host=host)
+        try:
+            return shared_cores_note(balancer)
+        finally:
+            balancer.close()
+
+    line = note(0.5)
+    assert line is not None and "1 ranks share 0.5 cores'" in line and "homes only" in line
+    assert note(0.0) is None and note(0.5, guard=False) is None

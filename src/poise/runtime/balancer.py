@@ -138,7 +138,7 @@ class Balancer(PlanCycle):
     - `history`: steps of counts kept for the predictor and the policies' look-back;
     - `guard`: adopt a plan only when it pays, fall back to the static layout when it does not
       (`poise.runtime.guard`), and plan homes only where the ranks share their cores
-      (`PlanCycle._cores_shared`); False: adopt every plan that differs from the one in force;
+      (`PlanCycle.cores_shared`); False: adopt every plan that differs from the one in force;
       `guard_margin`: the switch must be paid (1 + margin) times; `guard_horizon`: steps a plan
       is expected to serve (default `replan_every`; an `auto` plan's own horizon where longer);
     - `calibrate`: fit the cluster's compute, transfer and dispatch constants to this run's

@@ -46,7 +46,7 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    ranks that share cores their planning is paid in step time (there, with its decisions of
    steps 81 and 91 `unjudged`, `skewed-4`'s jobs took 15-28 ms of CPU each). Where the ranks
    share their cores the Balancer asks for homes only at every request and a candidate with
-   replicas (another policy's) is refused as blind (`PlanCycle._cores_shared`): a trial of
+   replicas (another policy's) is refused as blind (`PlanCycle.cores_shared`): a trial of
    replicas there cost more a step than its candidate was priced to save.
 
 Every outcome also carries the lag of the next request (`planner.adoption_lag` of this job's

@@ -222,7 +222,7 @@ class PlanCycle(ABC):
             homes_only=self.guard.trust <= 0
             or (
                 self.guard.enabled
-                and (self._blind_replicas(self.steps_left(step)) or self._cores_shared())
+                and (self._blind_replicas(self.steps_left(step)) or self.cores_shared())
             ),
             held_before=carried_age(self._pattern, step, len(history)),
         )
@@ -313,7 +313,7 @@ class PlanCycle(ABC):
             on_static=self.plan.digest() == self.static_plan.digest(),
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
-            blind_replicas=self._blind_replicas(left) or self._cores_shared(),
+            blind_replicas=self._blind_replicas(left) or self.cores_shared(),
         )
 
     def _blind_replicas(self, steps_left: int | None) -> bool:
@@ -323,7 +323,7 @@ class PlanCycle(ABC):
         every, replan = self.probes.every, self.replan_every
         return not self._replicas_timed and not trial_judgeable(steps_left, every, replan)
 
-    def _cores_shared(self) -> bool:
+    def cores_shared(self) -> bool:
         """Whether this run's ranks share their cores (the prior cluster's
         `HostCosts.shared_cores`: CPU ranks that want more cores than the host gives them,
         `plan_inputs.shared_cores`). There the guard plans homes only: a replica's Trans and

@@ -112,6 +112,7 @@ from poise.train.setup import (
     make_optimizer,
     pick_device,
     seed_everything,
+    shared_cores_note,
 )
 from poise.train.turns import StepTurns
 
@@ -490,6 +491,9 @@ class _Trainer:
         )
         if self.layout is not None:
             self.log.print(f"layout {self.layout.describe()}")
+        note = shared_cores_note(self.balancer)
+        if note:
+            self.log.print(note)
         if self.cfg.precision == "bf16" and self.device.type == "cpu":
             self.log.print("note: bf16 autocast on the CPU is slow; it is meant for GPUs")
         if self.ckpt is not None:

@@ -191,6 +191,20 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
     return cluster
 
 
+def shared_cores_note(balancer) -> str | None:
+    """The start-up line saying that a guarded, balancing `balancer`'s ranks share their cores
+    and that it plans homes only there (`PlanCycle.cores_shared`), so that a run that never
+    places a replica says why; None elsewhere."""
+    if not (balancer.balancing and balancer.guard.enabled and balancer.cores_shared()):
+        return None
+    cores = balancer.cluster.host.shared_cores
+    return (
+        f"note: the {balancer.world_size} ranks share {cores:g} cores' worth of this host, so "
+        "the guard plans homes only: a replica's Trans and Agg would be copies on the cores "
+        "the experts compute on (balance_guard: false lifts it)"
+    )
+
+
 def make_balancer(
     cfg: TrainConfig,
     model: GPTMoE,
