@@ -220,10 +220,7 @@ class PlanCycle(ABC):
             # homes only while the clock refutes replicas, where it could not judge any adopted
             # now, or where the ranks share their cores
             homes_only=self.guard.trust <= 0
-            or (
-                self.guard.enabled
-                and (self._blind_replicas(self.steps_left(step)) or self.cores_shared())
-            ),
+            or (self.guard.enabled and self._replicas_barred(self.steps_left(step))),
             held_before=carried_age(self._pattern, step, len(history)),
         )
         self.planner.submit(partial(run_job, job), requested_at=step, adopt_at=step + self.lag)
@@ -313,8 +310,15 @@ class PlanCycle(ABC):
             on_static=self.plan.digest() == self.static_plan.digest(),
             period_s=median_period_s(measured),
             plan_lag=self.plan_lag,
-            blind_replicas=self._blind_replicas(left) or self.cores_shared(),
+            blind_replicas=self._replicas_barred(left),
         )
+
+    def _replicas_barred(self, steps_left: int | None) -> bool:
+        """Whether the guard takes no plan with replicas now: the ranks share their cores
+        (`cores_shared`) or one adopted with `steps_left` steps to go would run blind
+        (`_blind_replicas`). The request then asks `auto` for homes only, and the leader
+        refuses another policy's replicas (`leader`, rule 4)."""
+        return self.cores_shared() or self._blind_replicas(steps_left)
 
     def _blind_replicas(self, steps_left: int | None) -> bool:
         """Whether a plan with replicas adopted with `steps_left` steps to go would run blind:
