@@ -22,13 +22,12 @@ Where the job runs:
 - `process=True` (the default): in a worker process (`poise.runtime.plan_worker`, started once,
   at `start()` or the first job) at the lowest CPU priority (`priority`: `nice` for nice 19,
   the default, or `idle` for Linux's SCHED_IDLE; `plan_worker.lowest_priority`), the job
-  pickled to it and its result back. A
-  thread of the training process would hold the interpreter lock whenever the planner's Python
-  runs, and the training thread needs that lock between every two tensor operations:
-  `benchmarks/planner_gil.py` measures a training-like loop of small operations hundreds of
-  times slower beside a Python-bound thread, whatever its nice value, and unchanged beside the
-  same work in a worker process. The job must pickle (a module-level function, or a
-  `functools.partial` of one, on picklable data).
+  pickled to it and its result back. A thread of the training process would hold the
+  interpreter lock whenever the planner's Python runs, and the training thread needs that lock
+  between every two tensor operations: `benchmarks/planner_gil.py` measures a training-like
+  loop of small operations hundreds of times slower beside a Python-bound thread, whatever its
+  nice value, and unchanged beside the same work in a worker process. The job must pickle (a
+  module-level function, or a `functools.partial` of one, on picklable data).
 - `process=False`: on one thread of this process at nice 19 (where the OS allows it per thread,
   as Linux does), for jobs that do not pickle; fine for NumPy-bound jobs, which release the lock.
 
