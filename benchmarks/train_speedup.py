@@ -176,6 +176,8 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "auto-holdout": ("auto", {"holdout": True}),
     # auto whose `unsettled` first candidate waits a whole re-plan period for its backtest
     "auto-late": ("auto", {"recheck": False}),
+    # auto whose replica slots stay on the experts the plan chose (no per-step retargeting)
+    "auto-fixed": ("auto", {"retarget": False}),
     # static again, in the same turns: the comparison's own spread beside auto's (A/A)
     "static-again": ("static", {}),
 }

@@ -109,6 +109,7 @@ from poise.runtime.records import (
     STATIC,
     StepRecords,
 )
+from poise.runtime.retarget import retargeted
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
 from poise.runtime.transfer_group import transfer_group as own_transfer_group
@@ -183,6 +184,13 @@ class Balancer(PlanCycle):
       a whole period. Once a run (the first refusal: the run's first re-plan has no earlier
       candidate to backtest), and not where the refused decision came later than that point
       (a lag above half a period);
+    - `retarget` (default on): under a plan with replicas, each step boundary gives the plan's
+      replica slots in each layer to the experts the step just run shows hot, the homes and the
+      layer's replica count (at most) staying (`poise.runtime.retarget`): a replica's weights
+      travel every step anyway, so which expert it copies follows the router at no cost in
+      bytes, and the per-step split then levels each step as well as those replicas allow; the
+      layers run `routed`, the guard judges `plan`; off: the plan's own replicas until the next
+      plan;
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
@@ -253,6 +261,7 @@ class Balancer(PlanCycle):
         free_balancing: bool = False,
         holdout: bool = True,
         recheck: bool = True,
+        retarget: bool = True,
     ) -> None:
         overlap, plan_lag = free_settings(free_balancing, guard, overlap, plan_lag)
         check_settings(policy, replan_every, plan_lag, probe_every, max_probes, total_steps)
@@ -302,6 +311,8 @@ class Balancer(PlanCycle):
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
         self.holdout = bool(holdout)  # the first re-plan may vouch by a holdout (PlanningJob)
         self.recheck = bool(recheck) and guard  # an `unsettled` refusal is asked again sooner
+        # the plan's replica slots follow each step's hot experts (`poise.runtime.retarget`)
+        self.retarget_replicas = bool(retarget) and self.balancing
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
         self.compression = Compression.parse(compression)
@@ -340,6 +351,7 @@ class Balancer(PlanCycle):
         self.switches = 0
         self.plan = initial_plan(self.layers, self.slots, self.rank, self.split_tokens, self.spec())
         self.static_plan = self.plan  # the layout to fall back to
+        self.routed = self.plan  # what the layers run: `plan`, its replicas retargeted
         self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
         self._last_candidate: tuple[int, Plan] | None = None  # (requested at, plan): backtests
@@ -504,7 +516,7 @@ class Balancer(PlanCycle):
         if not switched and self._probe_due(s):
             self._begin_probe()
         if not switched:
-            self.moves.launch_trans(stats)
+            self._refresh_replicas(stats)
         self._boundary_s = time.perf_counter() - t0
         self._migrate_s = stats.seconds.get("migrate", 0.0)  # only a switch migrates
         stats.add_seconds("boundary", self._boundary_s)
@@ -514,6 +526,19 @@ class Balancer(PlanCycle):
         self._current.probe = self.probes.probing is not None
         self._prepared = False
         return stats
+
+    def _refresh_replicas(self, stats: StepStats) -> None:
+        """Launch the replicas' Trans for the next forward; first, with `retarget` (off a probe
+        step), re-choose the plan's replicas from the counts of the step just run
+        (`poise.runtime.retarget`: homes stay, so only the routing changes; every rank derives
+        the same from the same gathered counts)."""
+        if self.retarget_replicas and self._layout == REPLICAS and self.probes.probing is None:
+            new = retargeted(self.plan, self.window[-1], self.spec())
+            if not np.array_equal(new.placement.copies, self.routed.placement.copies):
+                self.moves.relay(new, stats)  # replicas only: route, then launch Trans
+                self.routed = new
+                return
+        self.moves.launch_trans(stats)
 
     # ------------------------------------------------------------------------ probe steps
     def note_verdict(self, verdict: Verdict | None) -> None:
@@ -538,7 +563,7 @@ class Balancer(PlanCycle):
 
     def _end_probe(self) -> None:
         """Back to the plan's routing after a probe step (`ProbeSteps.end`)."""
-        self.probes.end(self.plan, self.moves)
+        self.probes.end(self.routed, self.moves)
         self._layout = REPLICAS
 
     @property
@@ -582,7 +607,7 @@ class Balancer(PlanCycle):
         )
         self._current.measured_period_s = float(g.measured[selfcal.PERIOD])
         self._current.layout = LAYOUT_NAMES[self._layout]
-        running = self.probes.probing if self.probes.probing is not None else self.plan
+        running = self.probes.probing if self.probes.probing is not None else self.routed
         planned = layer_loads(running.placement, running.assignment, g.counts)
         self._current.set_loads(planned.measured(g.computed))
 
@@ -594,6 +619,7 @@ class Balancer(PlanCycle):
         stats = stats if stats is not None else self._current
         self.moves.relay(plan, stats)
         self.plan = plan
+        self.routed = plan
         if plan.digest() == self.static_plan.digest():
             self._layout = STATIC
         else:

@@ -40,6 +40,10 @@ the comparison's spread; docs/benchmarks.md);
 `recheck` (default on): with the guard, the run's first candidate refused for want of a
 backtest (`unsettled`) is asked again half a re-plan period later instead of a whole one, and
 the re-plans run on from there (`Balancer(recheck=...)`; once a run);
+`retarget` (default on): under a plan with replicas, each step boundary gives the plan's replica
+slots to the experts the step just run shows hot, the homes and the replica count staying
+(`Balancer(retarget=...)`, `poise.runtime.retarget`: a replica's weights travel every step
+anyway, so which expert it copies can follow the router at no cost in bytes);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
 `poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
@@ -126,6 +130,7 @@ class TrainConfig:
     probe_every: int = 5
     holdout: bool = False
     recheck: bool = True
+    retarget: bool = True
     host_link: bool = False
     separate_transfers: bool = True
     self_calibrate: bool = True
@@ -242,6 +247,7 @@ def _rules() -> dict[str, _Rule]:
         "probe_every": _Rule(_INT, low=0),
         "holdout": _Rule(_BOOL),
         "recheck": _Rule(_BOOL),
+        "retarget": _Rule(_BOOL),
         "host_link": _Rule(_BOOL),
         "free_balancing": _Rule(_BOOL),
         "separate_transfers": _Rule(_BOOL),

@@ -235,6 +235,7 @@ def make_balancer(
         probe_every=cfg.probe_every,
         holdout=cfg.holdout,
         recheck=cfg.recheck,
+        retarget=cfg.retarget,
         host_link=cfg.host_link,
         separate_transfers=cfg.separate_transfers,
         transfer_group=moves,
