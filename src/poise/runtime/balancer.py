@@ -534,8 +534,9 @@ class Balancer(PlanCycle):
         the same from the same gathered counts)."""
         if self.retarget_replicas and self._layout == REPLICAS and self.probes.probing is None:
             new = retargeted(self.plan, self.window[-1], self.spec())
-            if not np.array_equal(new.placement.copies, self.routed.placement.copies):
-                self.moves.relay(new, stats)  # replicas only: route, then launch Trans
+            changed = (new.placement.copies != self.routed.placement.copies).any(axis=(1, 2))
+            if changed.any():
+                self.moves.reroute(new, np.flatnonzero(changed).tolist(), stats)
                 self.routed = new
                 return
         self.moves.launch_trans(stats)

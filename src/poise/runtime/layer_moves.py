@@ -4,6 +4,8 @@ its replicas' Trans and Agg, and a new plan's migration (`LayerMoves`).
 The Balancer decides *which* plan runs; this carries it out on the layers of one rank:
 
 - `route(plan, layer_maps)`: every layer's placement, assignment and this rank's slot map;
+- `reroute(plan, layers, stats)`: `plan`'s routing on some layers whose homes stay (replicas
+  re-chosen, `poise.runtime.retarget`), then Trans;
 - `relay(plan, stats)`: make `plan` the layout now: migrate the homes whose slots change (with
   their optimizer state, `transfers.migrate`, through the host link's shared memory where there
   is one: one channel that every layer's migration takes in turn), route, and launch every
@@ -117,6 +119,23 @@ class LayerMoves:
         self.route(plan, layer_maps)
         stats.add_seconds("transfers", time.perf_counter() - t0)
         self.launch_trans(stats, refresh=True)
+
+    def reroute(self, plan: Plan, layers: list[int], stats: StepStats) -> None:
+        """`plan`'s routing on `layers` (indices into `self.layers`), whose homes stay where
+        they are (replicas only: nothing migrates; `relay` for a plan that moves homes), then
+        every replicated layer's Trans launched as a step boundary does. Collective."""
+        t0 = time.perf_counter()
+        for i in layers:
+            state = self.layers[i]
+            self.wait(state)
+            maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
+            assert same_homes(state.maps, maps), "reroute moves no home"
+            state.set_maps(maps)
+            state.layer.set_routing(
+                plan.placement, plan.assignment, maps[self.rank], layer=state.index
+            )
+        stats.add_seconds("transfers", time.perf_counter() - t0)
+        self.launch_trans(stats)
 
     # ------------------------------------------------------------------------------ Trans
     def start_trans(self, state: LayerState, refresh: bool = False) -> tr.Pending:

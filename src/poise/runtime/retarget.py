@@ -1,5 +1,5 @@
 """Replica retargeting: at each step boundary under a plan with replicas, its replica slots go to
-the experts the step just run shows hot, the plan's homes and replica count staying.
+the experts the step just run shows hot, the plan's homes and its number of replicas staying.
 
 Why: a replica's weights travel every step anyway (Trans after each optimizer step, Agg of its
 gradient back), so *which* expert a replica slot copies can change from one step to the next
@@ -13,19 +13,23 @@ every 10 steps, left 10.9% of the slowest ranks' excess pairs on `skewed` and 14
 retargeting"). The per-step token split (`poise.core.token_split`) then levels each step as
 well as the retargeted replica set allows.
 
-One layer, `D` devices, `E` experts; `c[s, e]` the counts of the step just run (all ranks'
-gathered counts), `T_e = sum_s c[s, e]`, `h(e)` the plan's home of e, `k` the plan's replicas
-in the layer, `free[d]` device d's slots less its homes. With `x[e, d]` the tokens of e device
-d computes (at first all of `T_e` on `h(e)`) and `load[d] = sum_e x[e, d]`, up to `k` times:
+Layers `l`, `D` devices, `E` experts; `c[l, s, e]` the counts of the step just run (all
+ranks' gathered counts), `T[l, e] = sum_s c[l, s, e]`, `h(l, e)` the plan's home of e, `K` the
+plan's replicas over all layers, `free[l, d]` device d's slots in layer l less its homes. With
+`x[l, e, d]` the tokens of e device d computes in layer l (at first all of `T[l, e]` on its
+home) and `load[l, d] = sum_e x[l, e, d]`, each layer's next replica is
 
-    d_hi = argmax_d load[d],   e* = argmax_e x[e, d_hi]
-    d_lo = argmin load[d] over devices with free[d] > 0 that hold no copy of e*
-    stop where there is no such d_lo or load[d_hi] <= load[d_lo]; else a replica of e* on d_lo,
-    moving m = min(x[e*, d_hi], (load[d_hi] - load[d_lo]) / 2) of e*'s tokens to it
+    d_hi = argmax_d load[l, d],   e* = argmax_e x[l, e, d_hi]
+    d_lo = argmin load[l, d] over devices with free[l, d] > 0 that hold no copy of e*
+    m_l  = min(x[l, e*, d_hi], (load[l, d_hi] - load[l, d_lo]) / 2)   (0 without such d_lo)
 
-(ties: the lowest index). So a layer whose last step was balanced keeps fewer replicas than the
-plan (fewer bytes in Trans and Agg), never more. The same counts give the same plan on every
-rank: no agreement is needed beyond the gather every step already makes. NumPy only.
+and up to `K` times the layer with the largest `m_l` takes its replica (e* on d_lo, `m_l` of
+e*'s tokens moved to it), stopping where every `m_l` is 0 (ties: the lowest index). Every
+layer's experts have the same size, so a replica costs the same bytes in any layer: the plan's
+`K` replicas (what its cost check paid for) go where the step just run needed them, a layer
+balanced last step lending its replica to one that was not; never more than `K`, fewer where
+the step was balanced (fewer bytes in Trans and Agg). The same counts give the same plan on
+every rank: no agreement is needed beyond the gather every step already makes. NumPy only.
 """
 
 from __future__ import annotations
@@ -38,40 +42,69 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 
 
-def layer_replicas(
-    counts: np.ndarray, home: np.ndarray, slots: int, k: int
-) -> list[tuple[int, int]]:
-    """`[(expert, device)]`: at most `k` replicas for one layer's `counts[D, E]` of the step just
-    run, the homes `home[E]` fixed, `slots` per device (the module docstring's greedy)."""
-    D, E = counts.shape
-    x = np.zeros((E, D))
-    x[np.arange(E), home] = counts.sum(axis=0)
-    held = np.zeros((E, D), dtype=bool)
-    held[np.arange(E), home] = True
-    free = slots - np.bincount(home, minlength=D)
-    chosen: list[tuple[int, int]] = []
-    for _ in range(k):
-        load = x.sum(axis=0)
+class _Layer:
+    """One layer's greedy state (module docstring): `x[e, d]` the tokens of e device d computes,
+    which devices hold e, and each device's free slots."""
+
+    def __init__(self, counts: np.ndarray, home: np.ndarray, slots: int) -> None:
+        D, E = counts.shape
+        self.x = np.zeros((E, D))
+        self.x[np.arange(E), home] = counts.sum(axis=0)
+        self.held = np.zeros((E, D), dtype=bool)
+        self.held[np.arange(E), home] = True
+        self.free = slots - np.bincount(home, minlength=D)
+
+    def best(self) -> tuple[float, int, int, int]:
+        """`(m, e, d_hi, d_lo)`: the next replica's tokens moved off the heaviest device, its
+        expert and devices; `m` 0 where no replica would lower the heaviest device."""
+        load = self.x.sum(axis=0)
         d_hi = int(np.argmax(load))
-        e = int(np.argmax(x[:, d_hi]))
-        open_ = np.flatnonzero((free > 0) & ~held[e])
-        if not open_.size or x[e, d_hi] <= 0:
-            break
+        e = int(np.argmax(self.x[:, d_hi]))
+        open_ = np.flatnonzero((self.free > 0) & ~self.held[e])
+        if not open_.size:
+            return 0.0, e, d_hi, -1
         d_lo = int(open_[np.argmin(load[open_])])
-        if load[d_hi] <= load[d_lo]:
+        m = min(float(self.x[e, d_hi]), float(load[d_hi] - load[d_lo]) / 2)
+        return max(m, 0.0), e, d_hi, d_lo
+
+    def add(self, m: float, e: int, d_hi: int, d_lo: int) -> None:
+        self.x[e, d_hi] -= m
+        self.x[e, d_lo] += m
+        self.held[e, d_lo] = True
+        self.free[d_lo] -= 1
+
+
+def replica_picks(
+    counts: np.ndarray, home: np.ndarray, slots: int, k: int
+) -> list[tuple[int, int, int]]:
+    """`[(layer, expert, device)]`: at most `k` replicas over all layers for `counts[L, D, E]`
+    of the step just run, the homes `home[L, E]` fixed, `slots` per device in every layer (the
+    module docstring's greedy: each next replica where it moves the most tokens off a layer's
+    heaviest device)."""
+    layers = [_Layer(counts[i], home[i], slots) for i in range(len(home))]
+    best = [layer.best() for layer in layers]
+    chosen: list[tuple[int, int, int]] = []
+    for _ in range(k):
+        i = max(range(len(layers)), key=lambda j: (best[j][0], -j))
+        m, e, d_hi, d_lo = best[i]
+        if m <= 0:
             break
-        m = min(x[e, d_hi], (load[d_hi] - load[d_lo]) / 2)
-        x[e, d_hi] -= m
-        x[e, d_lo] += m
-        held[e, d_lo] = True
-        free[d_lo] -= 1
-        chosen.append((e, d_lo))
+        layers[i].add(m, e, d_hi, d_lo)
+        chosen.append((i, e, d_lo))
+        best[i] = layers[i].best()
     return chosen
 
 
+def layer_replicas(
+    counts: np.ndarray, home: np.ndarray, slots: int, k: int
+) -> list[tuple[int, int]]:
+    """`[(expert, device)]`: `replica_picks` for one layer's `counts[D, E]` and `home[E]`."""
+    return [(e, d) for _, e, d in replica_picks(counts[None], home[None], slots, k)]
+
+
 def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
-    """`plan` with each layer's replicas re-chosen from `counts[L, D, E]`, the counts of the step
-    just run (`layer_replicas`, as many as `plan` has in the layer at most); its homes, policy and
+    """`plan` with its replicas re-chosen from `counts[L, D, E]`, the counts of the step just run
+    (`replica_picks`, as many as `plan` has over all layers at most); its homes, policy and
     per-step splitting kept, its remote tokens split to level `counts` (`Assignment.balanced`),
     its transfers against `plan` (no home moves: replicas only). `plan` itself where it has no
     replicas, routes by groups (HybridEP), or the replicas come out the same."""
@@ -82,10 +115,8 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     copies = np.zeros_like(p.copies)
     L, E = p.home.shape
     copies[np.arange(L)[:, None], p.home, np.arange(E)[None, :]] = 1
-    for layer in range(L):
-        k = int(replicas[layer].sum())
-        for e, d in layer_replicas(counts[layer], p.home[layer], p.slots_per_device, k):
-            copies[layer, d, e] = 1
+    for layer, e, d in replica_picks(counts, p.home, p.slots_per_device, int(replicas.sum())):
+        copies[layer, d, e] = 1
     if np.array_equal(copies, p.copies):
         return plan
     placement = Placement(home=p.home.copy(), copies=copies, slots_per_device=p.slots_per_device)
@@ -99,4 +130,4 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     )
 
 
-__all__ = ["layer_replicas", "retargeted"]
+__all__ = ["layer_replicas", "replica_picks", "retargeted"]

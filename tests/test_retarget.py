@@ -1,0 +1,146 @@
+"""Replica retargeting (`poise.runtime.retarget`): the greedy by hand, its invariants on random
+layers, and the plan it makes."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.spec import ModelSpec
+from poise.runtime.retarget import layer_replicas, replica_picks, retargeted
+
+
+def _spec(E: int) -> ModelSpec:
+    return ModelSpec(
+        "toy", d_model=8, d_expert=16, experts=E, top_k=1, moe_layers=2, tokens_per_device=64
+    )
+
+
+def test_the_hot_expert_of_the_heavy_rank_gets_the_replica_by_hand() -> None:
+    # homes: experts 0, 1 on rank 0; 2, 3 on rank 1; 3 slots a rank (one spare)
+    counts = np.array([[60, 10, 5, 5], [20, 10, 5, 5]])  # T = 80, 20, 10, 10; loads 100, 20
+    home = np.array([0, 0, 1, 1])
+    assert layer_replicas(counts, home, slots=3, k=1) == [(0, 1)]
+    # the heavy side is rank 1 now: its hottest expert (3) goes to rank 0
+    counts = np.array([[1, 1, 5, 40], [1, 1, 5, 30]])
+    assert layer_replicas(counts, home, slots=3, k=1) == [(3, 0)]
+    # a balanced step keeps no replica; no spare slot, none either
+    assert layer_replicas(np.array([[5, 5, 5, 5], [5, 5, 5, 5]]), home, slots=3, k=1) == []
+    assert layer_replicas(counts, home, slots=2, k=1) == []
+
+
+def test_three_ranks_two_replicas_by_hand() -> None:
+    # homes: e0, e1 on rank 0; e2, e3 on rank 1; e4, e5 on rank 2; one spare slot a rank
+    home = np.array([0, 0, 1, 1, 2, 2])
+    counts = np.array([[50, 30, 5, 5, 0, 0], [10, 10, 0, 0, 0, 0], [0, 0, 0, 0, 5, 5]])
+    # totals 60, 40, 5, 5, 5, 5: loads 100, 10, 10. First: e0 (60 on rank 0) to rank 1 (the
+    # lowest of the tied least-loaded), 45 of it moved (half the gap, less than 60): loads
+    # 55, 55, 10. Second: the heaviest is rank 0 (the lowest of the tie), its largest share
+    # e1 (40 against e0's 15), to rank 2, the only one left with a free slot: 22.5 moved.
+    assert layer_replicas(counts, home, slots=3, k=2) == [(0, 1), (1, 2)]
+    assert layer_replicas(counts, home, slots=3, k=1) == [(0, 1)]
+
+
+def test_a_layer_balanced_last_step_lends_its_replica_to_one_that_was_not() -> None:
+    home = np.array([[0, 0, 1, 1, 2, 2]] * 2)
+    counts = np.zeros((2, 3, 6), dtype=np.int64)
+    counts[0] = 5  # layer 0: every rank computes 10 pairs of each of its two experts' 30
+    counts[1] = [[50, 30, 5, 5, 0, 0], [10, 10, 0, 0, 0, 0], [0, 0, 0, 0, 5, 5]]  # as above
+    # two replicas in all: both go to layer 1, in the order of the one-layer case
+    assert replica_picks(counts, home, slots=3, k=2) == [(1, 0, 1), (1, 1, 2)]
+    # with one, layer 1's first (45 pairs moved off rank 0)
+    assert replica_picks(counts, home, slots=3, k=1) == [(1, 0, 1)]
+    # layer 0 skewed so that its first pick sheds 25 pairs, more than layer 1's second (22.5)
+    # and less than its first (45): it takes the second replica
+    counts[0] = [[0, 0, 15, 10, 0, 0], [0, 0, 15, 10, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert replica_picks(counts, home, slots=3, k=2) == [(1, 0, 1), (0, 2, 0)]
+
+
+def _max_after(counts: np.ndarray, home: np.ndarray, reps: list[tuple[int, int]]) -> float:
+    """The least maximum device load `counts[D, E]` allows with homes `home` plus `reps`, each
+    expert's tokens split freely among its holders (a naive linear search over the level)."""
+    D, E = counts.shape
+    T = counts.sum(axis=0).astype(float)
+    holders = [{int(home[e])} | {d for x, d in reps if x == e} for e in range(E)]
+    lo, hi = T.sum() / D, T.sum()
+    for _ in range(60):  # bisection on the level: feasible if a flow fits every device under it
+        mid = (lo + hi) / 2
+        if _fits(T, holders, D, mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _fits(T: np.ndarray, holders: list[set[int]], D: int, level: float) -> bool:
+    """Whether every expert's tokens fit on its holders with no device above `level` (Hall's
+    condition over every set of devices: tokens that can only go there must fit there)."""
+    for size in range(1, D + 1):
+        for devices in itertools.combinations(range(D), size):
+            inside = sum(t for t, h in zip(T, holders, strict=True) if h <= set(devices))
+            if inside > level * size + 1e-9:
+                return False
+    return True
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    D=st.integers(2, 4),
+    per=st.integers(1, 3),
+    spare=st.integers(0, 2),
+    k=st.integers(0, 4),
+    seed=st.integers(0, 10_000),
+)
+def test_retargeting_respects_slots_and_never_raises_the_heaviest_rank(
+    D: int, per: int, spare: int, k: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    E = D * per
+    home = rng.permutation(np.repeat(np.arange(D), per))
+    counts = rng.integers(0, 50, size=(D, E)) * (rng.random(E) < 0.7)
+    reps = layer_replicas(counts, home, slots=per + spare, k=k)
+    assert len(reps) <= k
+    placed = np.bincount([d for _, d in reps], minlength=D)
+    assert (placed <= spare).all()  # only free slots
+    assert len(set(reps)) == len(reps)  # one copy of an expert per device
+    assert all(home[e] != d for e, d in reps)  # never on the expert's home
+    homes_alone = _max_after(counts, home, [])
+    assert _max_after(counts, home, reps) <= homes_alone + 1e-6
+    if k and spare and counts.sum() and homes_alone > counts.sum() / D + 1:
+        # an imbalanced layer with a free slot and a replica to give gets one
+        assert reps
+
+
+def _plan(E: int, D: int, slots: int, replicas: list[tuple[int, int, int]]) -> Plan:
+    home = np.tile(np.repeat(np.arange(D), E // D), (2, 1))
+    placement = Placement.from_homes(home, D, slots)
+    for layer, e, d in replicas:
+        placement.copies[layer, d, e] = 1
+    assignment = Assignment.even(placement).with_split(True)
+    return Plan("eplb", placement, assignment, transfers_between(None, placement, _spec(E)))
+
+
+def test_a_retargeted_plan_keeps_homes_and_split_and_follows_the_step() -> None:
+    E, D = 4, 2
+    plan = _plan(E, D, 3, [(0, 0, 1), (1, 0, 1)])  # both layers replicate expert 0 on rank 1
+    counts = np.zeros((2, D, E), dtype=np.int64)
+    counts[0] = [[60, 10, 5, 5], [20, 10, 5, 5]]  # layer 0: expert 0 still hot
+    counts[1] = [[1, 1, 5, 40], [1, 1, 5, 30]]  # layer 1: expert 3 hot now, on rank 1
+    new = retargeted(plan, counts, _spec(E))
+    assert np.array_equal(new.placement.home, plan.placement.home)
+    assert new.assignment.by_counts and new.policy == "eplb"
+    assert new.placement.copies[0, 1, 0] == 1  # kept
+    assert new.placement.copies[1, 1, 0] == 0 and new.placement.copies[1, 0, 3] == 1  # moved
+    moved = new.transfers
+    assert moved is not None and len(moved.migrations) == 0 and moved.migrate_bytes.sum() == 0
+    new.placement.validate()
+    new.assignment.validate(new.placement)
+    # the same counts again: nothing to change, the very plan back
+    assert retargeted(new, counts, _spec(E)) is new
+    # a plan without replicas is never given any
+    bare = _plan(E, D, 3, [])
+    assert retargeted(bare, counts, _spec(E)) is bare
