@@ -1,4 +1,4 @@
-"""Replica retargeting (`poise.runtime.retarget`): the greedy by hand, its invariants on random
+"""Replica retargeting (`poise.plan.retarget`): the greedy by hand, its invariants on random
 layers, and the plan it makes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.runtime.retarget import layer_replicas, replica_picks, retargeted
+from poise.plan.retarget import layer_replicas, replica_picks, retargeted
 
 
 def _spec(E: int) -> ModelSpec:
@@ -144,3 +144,41 @@ def test_a_retargeted_plan_keeps_homes_and_split_and_follows_the_step() -> None:
     # a plan without replicas is never given any
     bare = _plan(E, D, 3, [])
     assert retargeted(bare, counts, _spec(E)) is bare
+
+
+def _wandering_trace(S: int, D: int, E: int) -> np.ndarray:
+    """`[S, 2, D, E]`: every source sends 40 tokens to the step's hot expert, `(s // 3) % 4`
+    (one of device 0's homes for 4 experts a device), and 2 to each other expert."""
+    counts = np.full((S, 2, D, E), 2)
+    for s in range(S):
+        counts[s, :, :, (s // 3) % 4] = 40
+    return counts
+
+
+def test_the_simulator_prices_retargeted_replicas_as_the_runtime_runs_them() -> None:
+    from poise.sim.simulator import simulate
+    from tests.helpers import toy_cluster
+
+    S, D, E = 30, 2, 8
+    counts = _wandering_trace(S, D, E)
+    spec = ModelSpec(
+        "toy", d_model=64, d_expert=256, experts=E, top_k=1, moe_layers=2, tokens_per_device=54
+    )
+    cluster = toy_cluster(D, bw=1e12, flops=1e9)
+    runs = {
+        retarget: simulate(
+            counts, cluster, spec, ["eplb"], replan_every=6, split_tokens=True,
+            retarget=retarget, dense_params=0,
+        ).runs["eplb"]
+        for retarget in (False, True)
+    }  # fmt: skip
+    off, on = runs[False], runs[True]
+    # steps whose hot expert was the step before's, after the first plan (step 6) and off
+    # the steps plans take effect at (6, 12, ...): one replica of it levels each layer
+    follow = [s for s in range(7, S) if s // 3 == (s - 1) // 3 and s % 6]
+    assert all(on.max_over_mean[s] < 1.01 for s in follow), on.max_over_mean
+    assert on.max_over_mean[follow].mean() < off.max_over_mean[follow].mean() - 0.2
+    assert on.step_s[7:].sum() < off.step_s[7:].sum()
+    # where a plan takes effect it runs its own replicas, as the runtime does at a switch
+    for s in range(6, S, 6):
+        assert on.max_over_mean[s] == off.max_over_mean[s]

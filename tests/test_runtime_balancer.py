@@ -134,7 +134,8 @@ def _equivalence(rank: int, W: int) -> dict:
         )
         # the migrations' packed rows stay in buffers for the next switch (`transfers.Scratch`)
         result[f"{policy}.scratch"] = balancer.moves.scratch.nbytes
-        plan = balancer.plan
+        result[f"{policy}.retargeted"] = sum(s.retargeted for s in stats)
+        plan = balancer.routed  # what the layers run: the plan, its replicas retargeted
         fixed_routes = plan.assignment.with_split(False)
         result[f"{policy}.split"] = (
             plan.assignment.by_counts,
@@ -452,6 +453,9 @@ def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -
     # the split routed some step differently from the fixed shares (on 2 ranks, where a
     # replicated expert sits on both and no tokens are remote, only by shedding)
     assert sum(results[0][f"{p}.split"][3] for p in POLICIES if ":" not in p) > 0
+    # and replicas were retargeted in some run (`Balancer(retarget=)`, on by default): the
+    # equivalence above holds with them
+    assert sum(results[0][f"{p}.retargeted"] for p in POLICIES) > 0
 
 
 def _splits(placement, layer: int) -> bool:

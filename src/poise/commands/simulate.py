@@ -103,6 +103,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "counts, as the runtime's Balancer does by default (off: by the plans' fixed shares)",
     )
     p.add_argument(
+        "--retarget",
+        action="store_true",
+        help="re-choose a plan's replicas at each step from the step before's counts, homes "
+        "staying, as the runtime's Balancer does by default (poise.plan.retarget; off: the "
+        "plans' own replicas)",
+    )
+    p.add_argument(
         "--option", action="append", default=[], metavar="POLICY.KEY=VALUE", help=OPTION_HELP
     )
     p.add_argument(
@@ -200,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             background_planning=args.background_planning,
             dense_params=dense,
             split_tokens=args.split_tokens,
+            retarget=args.retarget,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     Console().print(_table(result))

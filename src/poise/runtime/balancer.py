@@ -87,6 +87,7 @@ from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.moe import find_moe_layers
 from poise.plan.predict import Predictor, parse_predictor
+from poise.plan.retarget import retargeted
 from poise.runtime import selfcal
 from poise.runtime.balancer_setup import check_settings, initial_plan, layer_slots
 from poise.runtime.compress import Compression
@@ -109,7 +110,6 @@ from poise.runtime.records import (
     STATIC,
     StepRecords,
 )
-from poise.runtime.retarget import retargeted
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
 from poise.runtime.transfer_group import transfer_group as own_transfer_group
@@ -184,13 +184,13 @@ class Balancer(PlanCycle):
       a whole period. Once a run (the first refusal: the run's first re-plan has no earlier
       candidate to backtest), and not where the refused decision came later than that point
       (a lag above half a period);
-    - `retarget` (default on): under a plan with replicas, each step boundary gives the plan's
-      replica slots in each layer to the experts the step just run shows hot, the homes and the
-      layer's replica count (at most) staying (`poise.runtime.retarget`): a replica's weights
-      travel every step anyway, so which expert it copies follows the router at no cost in
-      bytes, and the per-step split then levels each step as well as those replicas allow; the
-      layers run `routed`, the guard judges `plan`; off: the plan's own replicas until the next
-      plan;
+    - `retarget` (default on): under a plan with replicas, each step boundary (but a switch's
+      or a probe's) re-chooses the plan's replicas from the counts of the step just run, the
+      homes staying and the plan's number of replicas over all layers at most
+      (`poise.plan.retarget`): a replica's weights travel every step anyway, so which expert
+      it copies follows the router at no cost in bytes, and the per-step split then levels
+      each step as well as those replicas allow; the layers run `routed`, the guard judges
+      `plan`; off: the plan's own replicas until the next plan;
     - `probe_every` (default 5; 0: off; with the guard only) and `max_probes` (default 8): while
       a plan with replicas is in force, one step in `probe_every` runs on the plan's homes
       without its replicas (no Trans before it, no Agg in it; nothing moves), up to
@@ -311,7 +311,7 @@ class Balancer(PlanCycle):
         self.probes = ProbeSteps(int(probe_every) if guard else 0, int(max_probes))
         self.holdout = bool(holdout)  # the first re-plan may vouch by a holdout (PlanningJob)
         self.recheck = bool(recheck) and guard  # an `unsettled` refusal is asked again sooner
-        # the plan's replica slots follow each step's hot experts (`poise.runtime.retarget`)
+        # the plan's replica slots follow each step's hot experts (`poise.plan.retarget`)
         self.retarget_replicas = bool(retarget) and self.balancing
         # the planner takes CPU from the ranks where they compute on the cores
         self._planner_shares_cores = on_cpu
@@ -530,12 +530,13 @@ class Balancer(PlanCycle):
     def _refresh_replicas(self, stats: StepStats) -> None:
         """Launch the replicas' Trans for the next forward; first, with `retarget` (off a probe
         step), re-choose the plan's replicas from the counts of the step just run
-        (`poise.runtime.retarget`: homes stay, so only the routing changes; every rank derives
+        (`poise.plan.retarget`: homes stay, so only the routing changes; every rank derives
         the same from the same gathered counts)."""
         if self.retarget_replicas and self._layout == REPLICAS and self.probes.probing is None:
             new = retargeted(self.plan, self.window[-1], self.spec())
             changed = (new.placement.copies != self.routed.placement.copies).any(axis=(1, 2))
             if changed.any():
+                stats.retargeted = int(changed.sum())
                 self.moves.reroute(new, np.flatnonzero(changed).tolist(), stats)
                 self.routed = new
                 return

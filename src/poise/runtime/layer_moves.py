@@ -5,7 +5,7 @@ The Balancer decides *which* plan runs; this carries it out on the layers of one
 
 - `route(plan, layer_maps)`: every layer's placement, assignment and this rank's slot map;
 - `reroute(plan, layers, stats)`: `plan`'s routing on some layers whose homes stay (replicas
-  re-chosen, `poise.runtime.retarget`), then Trans;
+  re-chosen, `poise.plan.retarget`), then Trans;
 - `relay(plan, stats)`: make `plan` the layout now: migrate the homes whose slots change (with
   their optimizer state, `transfers.migrate`, through the host link's shared memory where there
   is one: one channel that every layer's migration takes in turn), route, and launch every

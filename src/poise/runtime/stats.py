@@ -88,7 +88,9 @@ class StepStats:
     the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
     `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
     > 0), when a plan other than the static layout was judged here; `probe`: this step was a
-    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`); `layout`:
+    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`); `retargeted`:
+    the layers whose replicas the boundary after this step re-chose (`Balancer(retarget=)`,
+    `poise.plan.retarget`); `layout`:
     what the step ran under (`records.LAYOUT_NAMES`: `static`, the static layout; `replicas`, a
     plan with replicas; `homes`, a plan that moved homes and holds none; `probe`, a probe step);
     `rank_seconds`: every rank's own seconds of the step, one list `[D]` per
@@ -116,6 +118,7 @@ class StepStats:
     fit: dict[str, Any] = field(default_factory=dict)
     verdict: dict[str, Any] = field(default_factory=dict)
     probe: bool = False
+    retargeted: int = 0
     layout: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     rank_seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -148,6 +151,7 @@ class StepStats:
             "migrate_bytes": self.migrate_bytes,
             "decision": self.decision,
             "probe": bool(self.probe),
+            "retargeted": self.retargeted,
             "layout": self.layout,
             "switched": bool(self.switched),
             "gain_s": self.gain_s,

@@ -63,6 +63,7 @@ from poise.plan.policies.auto import with_steps_left
 from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
 from poise.plan.policies.registry import get_policy, make_plan
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
+from poise.plan.retarget import retargeted
 from poise.sim.scaling import ScaledTrace
 from poise.trace.trace import Trace
 
@@ -221,6 +222,7 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
     dense_params: DenseParams = SPEC_DENSE,
     split_tokens: bool = False,
+    retarget: bool = False,
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
@@ -239,7 +241,11 @@ def simulate(
     outside them priced; so does a model whose count is 0).
     `split_tokens`: every plan splits each step's tokens of its replicated experts by that
     step's counts, as the live runtime does by default (`PlanContext.split_tokens`,
-    `Assignment.by_counts`); off by default, so the papers' systems run their own fixed splits."""
+    `Assignment.by_counts`); off by default, so the papers' systems run their own fixed splits.
+    `retarget`: each step that a plan with replicas runs, but the step it takes effect, runs it
+    with its replicas re-chosen from the step before's actual counts
+    (`poise.plan.retarget.retargeted`), as the live runtime does by default
+    (`Balancer(retarget=)`); off by default, as `split_tokens`."""
     counts, source = _as_counts(trace)
     _check(counts, cluster, spec, source)
     if replan_every < 1:
@@ -274,7 +280,7 @@ def simulate(
         )
         start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
     replays = [
-        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start, host)
+        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start, host, retarget)
         for name in names
     ]
     forecast = OnlineForecast(predictor)
@@ -401,9 +407,12 @@ class _PolicyReplay:
         count_planning: bool,
         start: Plan | None,
         host: OutsideTerms | None = None,
+        retarget: bool = False,
     ) -> None:
         self.name, self.run, self.cost, self.count_planning = name, run, cost, count_planning
         self.host = host
+        self.retarget = retarget
+        self.last_actual: np.ndarray | None = None  # the step before's loads `[L, D, E]`
         self.background = start is not None
         self.plan: Plan | None = None  # the last plan made (`previous` of the next)
         self.pending: Plan | None = None  # made in the background, not yet in force
@@ -449,6 +458,12 @@ class _PolicyReplay:
             run.skipped_replans.append(s)
         assert self.active is not None
         pricer, in_force = self.active
+        if self.retarget and migrations is None and self.last_actual is not None:
+            routed = retargeted(in_force, self.last_actual, self.cost.spec)
+            if routed is not in_force:  # its replicas re-chosen: price what runs
+                pricer = self.cost.pricer(routed.placement, routed.assignment)
+                in_force = routed
+        self.last_actual = step.actual
         priced = pricer.price(step.actual, migrations)
         layer_s, step_s = priced.layer_s, priced.step_s
         for k in PHASES:

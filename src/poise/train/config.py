@@ -42,7 +42,7 @@ backtest (`unsettled`) is asked again half a re-plan period later instead of a w
 the re-plans run on from there (`Balancer(recheck=...)`; once a run);
 `retarget` (default on): under a plan with replicas, each step boundary gives the plan's replica
 slots to the experts the step just run shows hot, the homes and the replica count staying
-(`Balancer(retarget=...)`, `poise.runtime.retarget`: a replica's weights travel every step
+(`Balancer(retarget=...)`, `poise.plan.retarget`: a replica's weights travel every step
 anyway, so which expert it copies can follow the router at no cost in bytes);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,

@@ -17,14 +17,14 @@ Layers `l`, `D` devices, `E` experts; `c[l, s, e]` the counts of the step just r
 ranks' gathered counts), `T[l, e] = sum_s c[l, s, e]`, `h(l, e)` the plan's home of e, `K` the
 plan's replicas over all layers, `free[l, d]` device d's slots in layer l less its homes. With
 `x[l, e, d]` the tokens of e device d computes in layer l (at first all of `T[l, e]` on its
-home) and `load[l, d] = sum_e x[l, e, d]`, each layer's next replica is
+home) and `load[l, d] = sum_e x[l, e, d]`, each layer's next replica is the one that moves the
+most tokens off its heaviest device `d_hi = argmax_d load[l, d]`:
 
-    d_hi = argmax_d load[l, d],   e* = argmax_e x[l, e, d_hi]
-    d_lo = argmin load[l, d] over devices with free[l, d] > 0 that hold no copy of e*
-    m_l  = min(x[l, e*, d_hi], (load[l, d_hi] - load[l, d_lo]) / 2)   (0 without such d_lo)
+    m_l = max over (e, d) of  min(x[l, e, d_hi], (load[l, d_hi] - load[l, d]) / 2)
+          over devices d with free[l, d] > 0 that hold no copy of e (0 where there is none)
 
-and up to `K` times the layer with the largest `m_l` takes its replica (e* on d_lo, `m_l` of
-e*'s tokens moved to it), stopping where every `m_l` is 0 (ties: the lowest index). Every
+and up to `K` times the layer with the largest `m_l` takes its replica (`m_l` of e's tokens
+moved to d), stopping where every `m_l` is 0 (ties: the lowest index: layer, expert, device). Every
 layer's experts have the same size, so a replica costs the same bytes in any layer: the plan's
 `K` replicas (what its cost check paid for) go where the step just run needed them, a layer
 balanced last step lending its replica to one that was not; never more than `K`, fewer where
@@ -56,16 +56,15 @@ class _Layer:
 
     def best(self) -> tuple[float, int, int, int]:
         """`(m, e, d_hi, d_lo)`: the next replica's tokens moved off the heaviest device, its
-        expert and devices; `m` 0 where no replica would lower the heaviest device."""
+        expert and devices (module docstring); `m` 0 where no replica would lower it."""
         load = self.x.sum(axis=0)
         d_hi = int(np.argmax(load))
-        e = int(np.argmax(self.x[:, d_hi]))
-        open_ = np.flatnonzero((self.free > 0) & ~self.held[e])
-        if not open_.size:
-            return 0.0, e, d_hi, -1
-        d_lo = int(open_[np.argmin(load[open_])])
-        m = min(float(self.x[e, d_hi]), float(load[d_hi] - load[d_lo]) / 2)
-        return max(m, 0.0), e, d_hi, d_lo
+        # [E, D]: what a replica of e on d would move off d_hi; only onto free slots of devices
+        # that do not hold e yet
+        gain = np.minimum(self.x[:, d_hi, None], (load[d_hi] - load)[None, :] / 2)
+        gain = np.where(self.held | (self.free <= 0)[None, :], 0.0, gain)
+        e, d_lo = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        return max(float(gain[e, d_lo]), 0.0), int(e), d_hi, int(d_lo)
 
     def add(self, m: float, e: int, d_hi: int, d_lo: int) -> None:
         self.x[e, d_hi] -= m
