@@ -460,6 +460,8 @@ def test_cli_simulate_charges_the_dense_allreduce_by_default(tmp_path) -> None:
         # --split-tokens splits each step's tokens of a replicated expert among its holders by
         # that step's counts (the runtime's default); without it, by the plans' fixed shares
         ("split_tokens", [([], False), (["--split-tokens"], True)]),
+        # --retarget re-chooses a plan's replicas each step (the runtime's default)
+        ("retarget", [([], False), (["--retarget"], True)]),
     ],
 )
 def test_cli_simulate_passes_its_switches(tmp_path, monkeypatch, keyword: str, runs: list) -> None:
