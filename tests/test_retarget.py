@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -182,3 +183,45 @@ def test_the_simulator_prices_retargeted_replicas_as_the_runtime_runs_them() -> 
     # where a plan takes effect it runs its own replicas, as the runtime does at a switch
     for s in range(6, S, 6):
         assert on.max_over_mean[s] == off.max_over_mean[s]
+
+
+def test_steps_are_priced_on_the_replicas_they_ran() -> None:
+    """A plan replicating e0 on d1 (homes e0, e1 on d0; e2, e3 on d1); every other step d1 is
+    the heavy side and retargeting ran a replica of e2 on d0 instead. `ran_plans` gives each
+    step the plan that ran, and the marginal compute fit on every rank's expert seconds (2 x the
+    model's forward on what ran, + 5 us) reads 2 from them, where pricing every step on the
+    plan's own replicas (what the fit did before retargeting) reads something else."""
+    from poise.core.placement import Assignment
+    from poise.cost.model import CostModel
+    from poise.plan.retarget import ran_plans
+    from poise.runtime import selfcal
+    from tests.helpers import toy_cluster, toy_spec
+
+    spec = toy_spec(experts=4)
+    cost = CostModel(toy_cluster(bw=1e9, flops=1e9), spec)
+    p = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
+    p.copies[0, 1, 0] = 1  # e0's replica on d1
+    plan = Plan("eplb", p, Assignment.even(p).with_split(True), transfers_between(None, p, spec))
+    counts = np.zeros((8, 1, 2, 4))
+    ran = []
+    for s in range(8):  # the replicated expert sheds 16 pairs; its neighbour keeps d0 or d1 ahead
+        hot = 0 if s % 2 else 2
+        counts[s, 0, :, :] = 5
+        counts[s, 0, :, hot] = 8
+        counts[s, 0, :, hot + 1] = 30 + s
+        ran.append(np.array([[0, 1, 0]]) if hot == 0 else np.array([[0, 0, 2]]))
+    per_step = ran_plans(plan, ran, counts)
+    assert isinstance(per_step, list) and len(per_step) == 8
+    assert all(per_step[s] is plan for s in range(1, 8, 2))  # the plan's own: itself
+    assert per_step[0].placement.copies[0, 0, 2] == 1 and per_step[0].placement.copies[0, 1, 0] == 0
+    assert np.array_equal(per_step[0].placement.home, plan.placement.home)
+    assert ran_plans(plan, [np.array([[0, 1, 0]])] * 8, counts) is plan
+    assert ran_plans(plan, None, counts) is plan
+
+    rank = 2.0 * selfcal.device_compute(cost, per_step, counts) + 5e-6
+    measured = np.zeros((8, len(selfcal.MEASURED)))
+    measured[:, selfcal.EXPERTS] = rank.max(axis=1)
+    _, fit = selfcal.fit_cluster(cost.cluster, cost, per_step, counts, measured, rank_experts=rank)
+    assert fit.k_compute == pytest.approx(2.0) and fit.expert_fixed_s == pytest.approx(5e-6)
+    _, blind = selfcal.fit_cluster(cost.cluster, cost, plan, counts, measured, rank_experts=rank)
+    assert abs(blind.k_compute - 2.0) > 0.3, blind.k_compute

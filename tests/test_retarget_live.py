@@ -51,6 +51,17 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
         model, opt, policy, replan_every=EVERY, cluster=toy_cluster(W, bw=1e12, flops=1e6),
         guard=False, calibrate=False, retarget=retarget,
     )  # fmt: skip
+    from tests.test_runtime_balancer import _spy_jobs
+
+    # what each planning job is told its fit steps ran: `(replicas a step, the plan's own)`
+    jobs = _spy_jobs(
+        balancer,
+        lambda job, at: (
+            at,
+            [r.tolist() for r in job.fit_ran or ()],
+            np.argwhere(job.current.placement.replicas()).tolist(),
+        ),
+    )
     gen = torch.Generator().manual_seed(7 + rank)
     losses = []
     for s in range(STEPS):
@@ -76,6 +87,8 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
         "max_over_mean": [float(np.max(s.max_over_mean)) for s in stats],
         "retargeted": [s.retargeted for s in stats],
         "switched": [s.step for s in stats if s.switched],
+        "ran": [r.tolist() for r in balancer.records.ran],
+        "jobs": jobs,
     }
 
 
@@ -108,6 +121,15 @@ def test_retargeted_replicas_follow_a_wandering_hot_expert(wandering: list[dict]
     assert all(on["max_over_mean"][t] < 1.03 for t in follow), on["max_over_mean"]
     assert max(off["max_over_mean"][t] for t in follow) > 1.3, off["max_over_mean"]
     assert sum(on["max_over_mean"][t] for t in later) < sum(off["max_over_mean"][t] for t in later)
+    # the records keep what each step ran: on a followed step, a replica of the hot expert of the
+    # step before (`(t - 1) // 3 % 4`) in every layer
+    for t in follow:
+        assert sorted(layer for layer, _, e in on["ran"][t] if e == (t - 1) // 3 % 4) == [0, 1]
+    # and the planning job under the first plan is told so: its fit steps ran retargeted
+    # replicas, not only the plan's own (`PlanningJob.fit_ran`, priced by `ran_plans`)
+    under = [(ran, own) for at, ran, own in on["jobs"] if at > first + 2 and own]
+    assert under and any(r != own for ran, own in under for r in ran)
+    assert all(r == own for at, ran, own in off["jobs"] for r in ran)
 
 
 @pytest.mark.dist

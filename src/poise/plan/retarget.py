@@ -2,16 +2,15 @@
 the experts the step just run shows hot, the plan's homes and its number of replicas staying.
 
 Why: a replica's weights travel every step anyway (Trans after each optimizer step, Agg of its
-gradient back), so *which* expert a replica slot copies can change from one step to the next
-at no cost in bytes; only homes carry weights and optimizer state that a move would migrate.
-In training from scratch the router's hot experts wander: `skewed`'s layer 2 changed its
+gradient back), so *which* expert a replica slot copies can change from one step to the next at no
+cost in bytes; only homes carry weights and optimizer state that a move would migrate. In training
+from scratch the router's hot experts wander: in `skewed-micro4`'s static run layer 2 changed its
 hottest expert every 3-6 steps over steps 15-60, so a replica chosen from a 10-step window's
-forecast served the expert that *had been* hot. Replaying the static runs' recorded counts
-with one replica a layer on the heavier rank's hottest expert, chosen from the window's mean
-every 10 steps, left 10.9% of the slowest ranks' excess pairs on `skewed` and 14.6% on
-`skewed-micro4`; chosen from the previous step, 2.8% and 3.6% (docs/benchmarks.md, "Replica
-retargeting"). The per-step token split (`poise.core.token_split`) then levels each step as
-well as the retargeted replica set allows.
+forecast served the expert that *had been* hot. Replaying the static runs' recorded counts with one
+replica a layer on the heavier rank's hottest expert, chosen from the window's mean every 10 steps,
+left 10.9% of the slowest ranks' excess pairs on `skewed` and 14.6% on `skewed-micro4`; chosen from
+the previous step, 2.8% and 3.6% (docs/benchmarks.md, "Replica retargeting"). The per-step token
+split (`poise.core.token_split`) then levels each step as well as the retargeted replica set allows.
 
 Layers `l`, `D` devices, `E` experts; `c[l, s, e]` the counts of the step just run (all
 ranks' gathered counts), `T[l, e] = sum_s c[l, s, e]`, `h(l, e)` the plan's home of e, `K` the
@@ -35,6 +34,7 @@ every rank: no agreement is needed beyond the gather every step already makes. N
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -129,4 +129,34 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     )
 
 
-__all__ = ["layer_replicas", "replica_picks", "retargeted"]
+def ran_plans(
+    plan: Plan, ran: Sequence[np.ndarray] | None, counts: np.ndarray
+) -> Plan | list[Plan]:
+    """What steps run under `plan` ran, to price them on it: `plan` itself where `ran` is None
+    or every step ran `plan`'s own replicas; else one plan per step of `counts[S, L, D, E]`,
+    `plan`'s homes with the step's replicas `ran[s]` (`[R, 3]` rows `(layer, device, expert)`,
+    as `StepRecords.ran` keeps them), its tokens split as the runtime's per-step split starts
+    from (`Assignment.balanced` on the step's counts, splitting by counts where `plan` does),
+    and `plan` itself on the steps that ran its own."""
+    own = np.argwhere(plan.placement.replicas())
+    if ran is None or all(np.array_equal(r, own) for r in ran):
+        return plan
+    p, out = plan.placement, []
+    L, E = p.home.shape
+    for rows, step_counts in zip(ran, counts, strict=True):
+        if np.array_equal(rows, own):
+            out.append(plan)
+            continue
+        copies = np.zeros_like(p.copies)
+        copies[np.arange(L)[:, None], p.home, np.arange(E)[None, :]] = 1
+        rows = np.asarray(rows, np.int64).reshape(-1, 3)
+        copies[rows[:, 0], rows[:, 1], rows[:, 2]] = 1
+        placement = Placement(p.home.copy(), copies, p.slots_per_device)
+        assignment = Assignment.balanced(placement, step_counts).with_split(
+            plan.assignment.by_counts
+        )
+        out.append(dataclasses.replace(plan, placement=placement, assignment=assignment, cost=None))
+    return out
+
+
+__all__ = ["layer_replicas", "ran_plans", "replica_picks", "retargeted"]

@@ -600,16 +600,17 @@ class Balancer(PlanCycle):
         self._current.rank_seconds = {
             name: g.rank_seconds[:, i].tolist() for i, name in enumerate(selfcal.MEASURED)
         }
+        running = self.probes.probing if self.probes.probing is not None else self.routed
         self.records.append(
             g.counts,
             np.concatenate([[self.steps_done], g.measured]),
             self._layout,
             self.steps_done > self._plan_since,
             g.rank_experts,
+            np.argwhere(running.placement.replicas()),
         )
         self._current.measured_period_s = float(g.measured[selfcal.PERIOD])
         self._current.layout = LAYOUT_NAMES[self._layout]
-        running = self.probes.probing if self.probes.probing is not None else self.routed
         planned = layer_loads(running.placement, running.assignment, g.counts)
         self._current.set_loads(planned.measured(g.computed))
 

@@ -213,6 +213,7 @@ class PlanCycle(ABC):
             guarded=self.guard.enabled,
             probes=self.probe_pairs(history, measured) if self.probes.every > 0 else None,
             fit_rank_experts=rank_experts,
+            fit_ran=self.records.ran_rows(len(measured), under),
             steps_left=self.steps_left(step),
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,

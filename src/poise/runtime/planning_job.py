@@ -48,6 +48,7 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.bounds import BOUNDS
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
+from poise.plan.retarget import ran_plans
 from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
@@ -139,11 +140,14 @@ class PlanningJob:
     and their neighbours for the paired clock test (None: the Balancer does not probe, and the
     clock compares with the static steps); `fit_rank_experts[n, D]`: every rank's own expert
     seconds on the `fit_rows` steps (the marginal compute fit, `selfcal.fit_compute`; None:
-    the slowest rank's alone); `steps_left`: the steps a plan decided for this job serves before
-    the run ends (None: not known), which caps every horizon the plan is priced and judged
-    over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the candidate of the last job and the
-    counts of the steps run since its loads were taken, where the static layout is in force
-    (None otherwise: `JobResult.backtest`); `homes_only`: the paired clock refuted replicas
+    the slowest rank's alone); `fit_ran`: the replicas each `fit_rows` step ran, `[R, 3]` rows
+    (`records.StepRecords.ran`: `current`'s own, or retargeted; None: `current`'s own on every
+    step), on which those steps are priced (`poise.plan.retarget.ran_plans`); `steps_left`: the
+    steps a plan decided for this job serves before the run ends (None: not known), which caps every
+    horizon the plan is priced and judged over; `backtest_plan`, `backtest_counts[B, L, D, E]`: the
+    candidate of the last job and the counts of the steps run since its loads were taken, where the
+    static layout is in force (None otherwise: `JobResult.backtest`); `homes_only`: the paired
+    clock refuted replicas
     (`SwitchGuard.trust` 0) or could not judge any adopted from this job before the run ends
     (`leader`, rule 4), so `auto` weighs only plans without them (`homes_only_options`);
     `held_before`: the steps the load pattern had held before `history`'s first step, carried
@@ -175,6 +179,7 @@ class PlanningJob:
     guarded: bool = True
     probes: Probes | None = None
     fit_rank_experts: np.ndarray | None = None
+    fit_ran: tuple[np.ndarray, ...] | None = None
     steps_left: int | None = None
     backtest_plan: Plan | None = None
     backtest_counts: np.ndarray | None = None
@@ -232,11 +237,12 @@ def run_job(job: PlanningJob) -> JobResult:
     """Run `job` (module docstring, steps 1-4)."""
     cluster, fit = job.prior, selfcal.Fit()
     rows = job.fit_rows[:, 1:]
+    ran = ran_plans(job.current, job.fit_ran, job.fit_counts)  # the fit steps priced on what ran
     if job.calibrate:
         cluster, fit = selfcal.fit_cluster(
             job.prior,
             CostModel(job.prior, job.spec),
-            job.current,
+            ran,
             job.fit_counts,
             rows,
             previous=job.previous,
@@ -252,8 +258,11 @@ def run_job(job: PlanningJob) -> JobResult:
         )
     if job.current.digest() != job.static.digest():
         after = job.settled
+        ran_after = (
+            ran if isinstance(ran, Plan) else [p for p, a in zip(ran, after, strict=True) if a]
+        )
         paid = verdict(
-            fitted, job.static, job.current, job.fit_counts[after], rows[after],
+            fitted, job.static, job.current, job.fit_counts[after], rows[after], ran=ran_after,
             static_counts=job.static_counts, static_measured=job.static_rows[:, 1:],
             balanced_counts=job.balanced_counts, balanced_measured=job.balanced_rows[:, 1:],
             probes=probes,

@@ -10,7 +10,10 @@ Per step, aligned (`StepRecords`, each a `deque` of the last `history` steps):
   `OTHER` (a plan without), `PROBE` (a probe step: the plan's homes without its replicas);
 - `settled`: it was not the step that carried a switch;
 - `rank_experts`: every rank's own expert seconds `[D]` (the self-calibration's marginal fit,
-  `selfcal.fit_compute`).
+  `selfcal.fit_compute`);
+- `ran`: the replicas the step ran, `[R, 3]` rows `(layer, device, expert)` (the plan's own, or
+  those retargeting chose, `poise.plan.retarget`; none on a probe step), so that the steps are
+  priced on what ran (`poise.plan.retarget.ran_plans`).
 
 From them come the samples the guard judges by (`poise.runtime.verdict`): the rows the
 self-calibration fits (`under_plan`), the static and balanced steps of the wall-clock test
@@ -42,6 +45,7 @@ class StepRecords:
         self.layout: deque[int] = deque(maxlen=history)
         self.settled: deque[bool] = deque(maxlen=history)
         self.rank_experts: deque[np.ndarray] = deque(maxlen=history)
+        self.ran: deque[np.ndarray] = deque(maxlen=history)
 
     def append(
         self,
@@ -50,9 +54,12 @@ class StepRecords:
         layout: int,
         settled: bool,
         rank_experts: np.ndarray | None = None,
+        ran: np.ndarray | None = None,
     ) -> None:
-        """One step: `rank_experts[D]` (None: not measured per rank, NaN in its place)."""
+        """One step: `rank_experts[D]` (None: not measured per rank, NaN in its place); `ran`:
+        its replicas `[R, 3]` (None: none)."""
         self.window.append(counts)
+        self.ran.append(np.zeros((0, 3), np.int64) if ran is None else np.asarray(ran, np.int64))
         self.measured.append(row)
         self.layout.append(layout)
         self.settled.append(settled)
@@ -66,6 +73,12 @@ class StepRecords:
         if not self.rank_experts:
             return np.zeros((0, 0))
         return np.stack(self.rank_experts)
+
+    def ran_rows(self, measured: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """What the measured rows `rows` (indices among the newest `measured` steps, as
+        `under_plan` gives them) ran: their `ran` entries."""
+        first = len(self.ran) - measured
+        return tuple(self.ran[first + int(i)] for i in rows)
 
     def measured_rows(self) -> np.ndarray:
         """`[n, 1 + N_MEASURED]` (a copy; empty when nothing was measured)."""

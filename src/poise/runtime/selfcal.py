@@ -56,15 +56,15 @@ The fit is NumPy only: it runs on the background planner's thread.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from poise.core.cluster import Cluster, PeakFlops
 from poise.core.errors import ConfigError
-from poise.core.placement import Plan
+from poise.core.placement import Assignment, Placement, Plan
 from poise.cost.host import busiest_sharing, dispatch_rows
 from poise.cost.model import CostModel
 from poise.cost.phases import PhaseTimes
@@ -80,6 +80,9 @@ MEASURED = ("period_s", "boundary_s", "gate_s", "a2a_s", "experts_s", "transfers
 PERIOD, BOUNDARY, GATE, A2A, EXPERTS, TRANSFERS, MIGRATE = range(len(MEASURED))
 WAITED = (BOUNDARY, A2A, TRANSFERS, MIGRATE)  # collectives: taken at the rank that waited least
 SCALE_LIMITS = (1e-3, 1e3)  # a fit outside these is a measurement gone wrong: clipped
+# what steps ran under: one plan for every step, or one per step (the plan in force with the
+# replicas each step ran, `poise.plan.retarget.ran_plans`)
+Ran: TypeAlias = Plan | Sequence[Plan]
 # The least relative standard error a previous fit's k_compute carries into the next window:
 # the machine's speed drifts 10-20% over tens of steps (docs/benchmarks.md, identical static
 # runs), so a figure fitted a window ago is not known better than that now.
@@ -125,7 +128,7 @@ class Fit:
         return cls(**{k: (int(v) if k == "rows" else float(v)) for k, v in values.items()})
 
 
-def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
+def predicted_phases(cost: CostModel, plan: Ran, counts: np.ndarray) -> np.ndarray:
     """Model figures per step `[S, 4]` of `plan` on `counts[S, L, D, E]`, summed over layers:
     expert forward seconds, dispatch + combine link seconds (forward), Trans + Agg seconds, and
     the rows that bound the dispatchers' host work (`cost.host.busiest_sharing` of
@@ -149,7 +152,7 @@ def predicted_phases(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndar
 
 
 def _per_step_layers(
-    cost: CostModel, plan: Plan, counts: np.ndarray
+    cost: CostModel, plan: Ran, counts: np.ndarray
 ) -> tuple[PhaseTimes, np.ndarray, np.ndarray]:
     """`plan` priced on every step of `counts[S, L, D, E]` in one call: the steps' layers laid
     end to end as `S * L` layers of the plan's own (a layer's phases depend on its own counts
@@ -160,13 +163,28 @@ def _per_step_layers(
     return phases, device_load, loads
 
 
-def _steps_as_layers(cost: CostModel, plan: Plan, counts: np.ndarray) -> tuple[Any, np.ndarray]:
+def _steps_as_layers(cost: CostModel, plan: Ran, counts: np.ndarray) -> tuple[Any, np.ndarray]:
     """A pricer of `plan` on every step of `counts[S, L, D, E]` at once, the steps' layers laid
-    end to end as `S * L` layers of the plan's own, and those loads `[S * L, D, E]`."""
+    end to end as `S * L` layers of the plan's own (of step s's plan, given one per step), and
+    those loads `[S * L, D, E]`."""
     S, L = counts.shape[:2]
-    layers = np.tile(np.arange(L), S)
-    pricer = cost.pricer(plan.placement.take_layers(layers), plan.assignment.take_layers(layers))
-    return pricer, counts.reshape(S * L, *counts.shape[2:]).astype(np.float64)
+    loads = counts.reshape(S * L, *counts.shape[2:]).astype(np.float64)
+    if isinstance(plan, Plan):
+        layers = np.tile(np.arange(L), S)
+        placement, assignment = (
+            plan.placement.take_layers(layers),
+            plan.assignment.take_layers(layers),
+        )
+    else:
+        if len(plan) != S:
+            raise ValueError(f"{len(plan)} plans for {S} steps")
+        placement = Placement(
+            np.concatenate([p.placement.home for p in plan]),
+            np.concatenate([p.placement.copies for p in plan]),
+            plan[0].placement.slots_per_device,
+        )
+        assignment = Assignment.from_layers([(p.assignment, i) for p in plan for i in range(L)])
+    return cost.pricer(placement, assignment), loads
 
 
 def across_ranks(per_rank: np.ndarray) -> np.ndarray:
@@ -183,7 +201,7 @@ def across_ranks(per_rank: np.ndarray) -> np.ndarray:
     return out
 
 
-def live_parts(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
+def live_parts(cost: CostModel, plan: Ran, counts: np.ndarray) -> np.ndarray:
     """Model seconds per step `[S, 2]` of `plan` on `counts[S, L, D, E]`, summed over layers:
     `busy` (expert forward and backward, dispatch and combine with their host work: what a
     placement changes on the critical path, slowest device per layer) and `transfers` (Trans +
@@ -258,7 +276,7 @@ def scaled_cluster(
     )
 
 
-def device_compute(cost: CostModel, plan: Plan, counts: np.ndarray) -> np.ndarray:
+def device_compute(cost: CostModel, plan: Ran, counts: np.ndarray) -> np.ndarray:
     """`[S, D]` the model's forward expert seconds of every device under `plan` on each step of
     `counts[S, L, D, E]`, summed over layers (`PlanPricer.device_compute_s`)."""
     pricer, loads = _steps_as_layers(cost, plan, counts)
@@ -304,7 +322,7 @@ def fit_marginal(
 
 
 def fit_compute(
-    cost: CostModel, plan: Plan, counts: np.ndarray, rank_experts: np.ndarray,
+    cost: CostModel, plan: Ran, counts: np.ndarray, rank_experts: np.ndarray,
     previous: Fit | None,
 ) -> tuple[float, float, float]:  # fmt: skip
     """`(k_compute, se, fixed)` from every rank's expert seconds `rank_experts[S, D]` on the
@@ -323,7 +341,7 @@ def fit_compute(
 def fit_cluster(
     prior: Cluster,
     cost: CostModel,
-    plan: Plan,
+    plan: Ran,
     counts: np.ndarray,
     measured: np.ndarray,
     prior_rows: float = 4.0,
@@ -348,7 +366,7 @@ def fit_cluster(
     else:
         k_c = fit_scale(measured[:, EXPERTS], base[:, 0], prior_rows)
     k_t = k_t0
-    if plan.placement.copies.sum() > plan.placement.home.size:  # replicas: Trans and Agg ran
+    if any(p.placement.replicas().any() for p in _plans(plan)):  # replicas: Trans and Agg ran
         steady = np.ones(len(counts), bool) if settled is None else np.asarray(settled, bool)
         exposed = exposed_transfers_s(measured)[steady]
         k_t = fit_scale(exposed, base[steady, 2], prior_rows, centre=k_t0)
@@ -361,6 +379,10 @@ def fit_cluster(
     fit = _fit_of(prior, cost, k_c, k_t, h, len(counts))
     fit = dataclasses.replace(fit, k_compute_se=k_se, expert_fixed_s=fixed)
     return scaled_cluster(prior, k_c, k_t, h), fit
+
+
+def _plans(plan: Ran) -> Sequence[Plan]:
+    return [plan] if isinstance(plan, Plan) else plan
 
 
 def cluster_of(prior: Cluster, fit: Fit) -> Cluster:

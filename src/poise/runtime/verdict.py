@@ -86,7 +86,7 @@ from poise.runtime.paired_clock import (
     residuals,
     robust_spread,
 )
-from poise.runtime.selfcal import exposed_transfers_s, live_parts
+from poise.runtime.selfcal import Ran, exposed_transfers_s, live_parts
 
 MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
 MIN_PROBES = 4  # probe steps, each paired with its neighbours, for the paired clock test
@@ -164,17 +164,20 @@ def verdict(
     balanced_counts: np.ndarray | None = None,
     balanced_measured: np.ndarray | None = None,
     probes: Probes | None = None,
+    ran: Ran | None = None,
 ) -> Verdict:
     """Whether `current` paid on the steps it ran: `counts[S, L, D, E]` and their
     `measured[S, len(selfcal.MEASURED)]`; with steps run under `static` (`static_counts[T, L,
     D, E]`, `static_measured[T, len(selfcal.MEASURED)]`), the wall clock's saving too (module
     docstring), on the steps balancing ran since it left static (`balanced_counts[B, ...]`,
     `balanced_measured[B, ...]`; default: `current`'s own). With `probes` (the Balancer
-    probes), the clock's saving comes from them alone (`paired_clock`). NumPy only."""
+    probes), the clock's saving comes from them alone (`paired_clock`); `ran`: what each step of
+    `counts` ran, where not `current` itself (its replicas retargeted, `ran_plans`): the model's
+    saving prices that. NumPy only."""
     if len(counts) == 0:
         return Verdict(0.0, 0.0, 0)
     static_busy = live_parts(cost, static, counts)[:, 0]
-    plan_busy = live_parts(cost, current, counts)[:, 0]
+    plan_busy = live_parts(cost, current if ran is None else ran, counts)[:, 0]
     cost_s = float(exposed_transfers_s(measured).sum())
     saving_s = float((static_busy - plan_busy).sum())
     if probes is not None:
