@@ -93,19 +93,22 @@ def tiny_train_config(root: str, name: str, **overrides: object):
 
 
 def train_residual_moe(
-    model, opt, rank: int, steps: int, tokens: int, d_model: int, balancer=None
+    model, opt, rank: int, steps: int, tokens: int, d_model: int, balancer=None, each_step=None
 ) -> list[float]:
     """This rank's loss per step of a residual stack of MoE layers (`model.blocks`) regressing
     random targets: inputs and targets drawn from a generator seeded by the rank, router
     gradients summed over the ranks before each optimizer step; with a `balancer`, its
-    `reduce_replicas()` before and `step()` after the optimizer step."""
+    `reduce_replicas()` before and `step()` after the optimizer step; `each_step(s)` called
+    before step s's forward (e.g. a replayed router's `set_step`)."""
     import torch
 
     from poise.nn import sync_router_grads
 
     gen = torch.Generator().manual_seed(7 + rank)
     losses = []
-    for _ in range(steps):
+    for s in range(steps):
+        if each_step is not None:
+            each_step(s)
         x = torch.randn(tokens, d_model, generator=gen) + 1.0
         target = torch.randn(tokens, d_model, generator=gen)
         y = x

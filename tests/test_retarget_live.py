@@ -28,9 +28,9 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from poise.nn import MoE, MoEConfig, ReplayRouter, apply_expert_parallel, sync_router_grads
+    from poise.nn import MoE, MoEConfig, ReplayRouter, apply_expert_parallel
     from poise.runtime.balancer import Balancer
-    from tests.helpers import toy_cluster
+    from tests.helpers import toy_cluster, train_residual_moe
 
     torch.manual_seed(0)
     trace = _trace(W)
@@ -62,24 +62,12 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
             np.argwhere(job.current.placement.replicas()).tolist(),
         ),
     )
-    gen = torch.Generator().manual_seed(7 + rank)
-    losses = []
-    for s in range(STEPS):
+
+    def replay_step(s: int) -> None:
         for block in model.blocks:
             block.router.set_step(s)
-        x = torch.randn(TOKENS, D_MODEL, generator=gen) + 1.0
-        target = torch.randn(TOKENS, D_MODEL, generator=gen)
-        y = x
-        for block in model.blocks:
-            y = y + block(y)
-        loss = ((y - target) ** 2).mean()
-        loss.backward()
-        sync_router_grads(model)
-        balancer.reduce_replicas()
-        opt.step()
-        balancer.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+
+    losses = train_residual_moe(model, opt, rank, STEPS, TOKENS, D_MODEL, balancer, replay_step)
     balancer.close()
     stats = list(balancer.stats)
     return {
