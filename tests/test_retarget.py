@@ -225,3 +225,67 @@ def test_steps_are_priced_on_the_replicas_they_ran() -> None:
     assert fit.k_compute == pytest.approx(2.0) and fit.expert_fixed_s == pytest.approx(5e-6)
     _, blind = selfcal.fit_cluster(cost.cluster, cost, plan, counts, measured, rank_experts=rank)
     assert abs(blind.k_compute - 2.0) > 0.3, blind.k_compute
+
+
+def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> None:
+    """The paired clock's modelled saving (`modelled_clock_parts`): where the probes'
+    neighbours ran retargeted replicas, the homes alone less what each neighbour ran, priced
+    one neighbour at a time on its own counts (the reference here), meaned; where they ran the
+    plan's own (or nothing says what they ran), on the probe steps' counts as before."""
+    from poise.core.placement import Assignment
+    from poise.cost.model import CostModel
+    from poise.plan.retarget import ran_plans
+    from poise.runtime.homes import homes_alone
+    from poise.runtime.paired_clock import Probes, modelled_clock_parts
+    from poise.runtime.selfcal import live_parts
+    from tests.helpers import toy_cluster, toy_spec
+
+    spec = toy_spec(experts=4)
+    cost = CostModel(toy_cluster(bw=1e9, flops=1e9), spec)
+    p = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
+    p.copies[0, 1, 0] = 1  # e0's replica on d1
+    plan = Plan("eplb", p, Assignment.even(p).with_split(True), transfers_between(None, p, spec))
+    probe = np.zeros((1, 1, 2, 4)) + 5
+    probe[0, 0, :, 0] = 20  # the probe step: e0 hot
+    pairs = np.zeros((2, 1, 2, 4)) + 5
+    pairs[:, 0, :, 3] = [[30, 30], [40, 36]]  # its neighbours: e3 hot, on d1
+    rows = np.zeros((1, 7))
+    ran = (np.array([[0, 0, 3]]), np.array([[0, 0, 3]]))  # they ran e3's replica on d0
+    probes = Probes(probe, rows, pairs, np.zeros((2, 7)), np.array([0, 0]), ran)
+    busy, transfers = modelled_clock_parts(cost, plan, probes)
+    alone = homes_alone(plan, spec)
+    each = [ran_plans(plan, ran, pairs)[q] for q in range(2)]
+    alone_busy = [live_parts(cost, alone, pairs[q : q + 1])[0, 0] for q in range(2)]
+    ran_parts = [live_parts(cost, each[q], pairs[q : q + 1])[0] for q in range(2)]
+    savings = [a - r[0] for a, r in zip(alone_busy, ran_parts, strict=True)]
+    assert busy == pytest.approx(np.mean(savings))
+    assert transfers == pytest.approx(np.mean([r[1] for r in ran_parts]))
+    assert busy > 0  # e3's replica sheds d1's excess; the plan's own (e0 on d1) would add to it
+    own = Probes(probe, rows, pairs, np.zeros((2, 7)), np.array([0, 0]))
+    old = (
+        live_parts(cost, alone, probe)[0, 0] - live_parts(cost, plan, probe)[0, 0],
+        live_parts(cost, plan, probe)[0, 1],
+    )
+    assert modelled_clock_parts(cost, plan, own) == pytest.approx(old)
+
+
+def test_the_records_hand_the_clock_what_each_probes_neighbours_ran() -> None:
+    """`StepRecords.probe_pairs` gives each neighbour's `ran` rows with it (`Probes.pair_ran`),
+    and a subset keeps them with their neighbours."""
+    from poise.runtime import selfcal
+    from poise.runtime.records import PROBE, REPLICAS, StepRecords
+
+    records = StepRecords(10)
+    layouts = [REPLICAS, PROBE, REPLICAS, REPLICAS, PROBE, REPLICAS]
+    for i, layout in enumerate(layouts):
+        ran = np.zeros((0, 3), np.int64) if layout == PROBE else np.array([[0, 1, i]])
+        row = np.zeros(1 + len(selfcal.MEASURED))
+        row[0] = i
+        records.append(np.full((1, 2, 8), float(i)), row, layout, True, None, ran)
+    probes = records.probe_pairs()
+    assert [int(c[0, 0, 0]) for c in probes.pair_counts] == [0, 2, 3, 5]
+    assert probes.pair_ran is not None
+    assert [r.tolist() for r in probes.pair_ran] == [[[0, 1, i]] for i in (0, 2, 3, 5)]
+    second = probes.subset(np.array([False, True]))
+    assert second.pair_ran is not None
+    assert [r.tolist() for r in second.pair_ran] == [[[0, 1, 3]], [[0, 1, 5]]]

@@ -34,6 +34,7 @@ import numpy as np
 
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
+from poise.plan.retarget import ran_plans
 from poise.runtime.homes import homes_alone
 from poise.runtime.selfcal import PERIOD, SCALE_LIMITS, live_parts
 
@@ -52,13 +53,15 @@ class Probes:
     `measured[P, len(selfcal.MEASURED)]` (seconds) of the probe steps (the plan's
     homes without its replicas); `pair_counts[Q, ...]`, `pair_measured[Q, ...]` the settled
     steps run under plans with replicas just before and after them, `pair_of[Q]` the probe
-    each belongs to (every probe has one or two)."""
+    each belongs to (every probe has one or two); `pair_ran`: the replicas each of those ran,
+    `[R, 3]` rows (`records.StepRecords.ran`; None: the plan's own)."""
 
     counts: np.ndarray
     measured: np.ndarray
     pair_counts: np.ndarray
     pair_measured: np.ndarray
     pair_of: np.ndarray
+    pair_ran: tuple[np.ndarray, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.counts.shape[0])
@@ -68,9 +71,12 @@ class Probes:
         keep = np.asarray(keep, dtype=bool)
         new_index = np.cumsum(keep) - 1
         pairs = keep[self.pair_of]
+        ran = None
+        if self.pair_ran is not None:
+            ran = tuple(r for r, k in zip(self.pair_ran, pairs, strict=True) if k)
         return Probes(
             self.counts[keep], self.measured[keep], self.pair_counts[pairs],
-            self.pair_measured[pairs], new_index[self.pair_of[pairs]],
+            self.pair_measured[pairs], new_index[self.pair_of[pairs]], ran,
         )  # fmt: skip
 
 
@@ -139,9 +145,17 @@ def modelled_clock_parts(cost: CostModel, current: Plan, probes: Probes) -> tupl
     """`(busy_saving, transfers)` per step, the parts of `modelled_clock`: on each probe step's
     counts, the busy seconds of `current`'s homes alone (`homes_alone`, the probe's layout)
     minus `current`'s, and `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
-    transfer rate); means over the probes."""
-    alone = live_parts(cost, homes_alone(current, cost.spec), probes.counts)
-    plan = live_parts(cost, current, probes.counts)
+    transfer rate); means over the probes. Where the neighbours ran other replicas than
+    `current`'s own (`probes.pair_ran`: retargeted, `poise.plan.retarget`), the same on each
+    neighbour's counts with what it ran (`ran_plans`), means over the neighbours."""
+    alone_plan = homes_alone(current, cost.spec)
+    ran = ran_plans(current, probes.pair_ran, probes.pair_counts)
+    if isinstance(ran, Plan):
+        alone = live_parts(cost, alone_plan, probes.counts)
+        plan = live_parts(cost, current, probes.counts)
+    else:
+        alone = live_parts(cost, alone_plan, probes.pair_counts)
+        plan = live_parts(cost, ran, probes.pair_counts)
     return float((alone[:, 0] - plan[:, 0]).mean()), float(plan[:, 1].mean())
 
 

@@ -142,9 +142,10 @@ class StepRecords:
                 pairs += near
                 pair_of += [len(kept)] * len(near)
                 kept.append(int(i))
+        ran = tuple(self.ran[j] for j in pairs) if len(self.ran) == len(layout) else None
         return Probes(
             aligned[kept], measured[kept, 1:], aligned[pairs], measured[pairs, 1:],
-            np.array(pair_of, dtype=np.int64),
+            np.array(pair_of, dtype=np.int64), ran,
         )  # fmt: skip
 
 
