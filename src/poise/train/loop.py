@@ -306,15 +306,16 @@ class _Trainer:
     ) -> ExpertLoad | None:
         """The step's expert load (`poise.train.expert_load`) from the world's counts
         `[L, D, E]` (the Balancer's newest window row without a layout), the plan in force and
-        `dropped [L]` (summed over the ranks); replicas are those of the plan in force from the
-        next step (after this step's boundary). None when no counts were gathered."""
+        `dropped [L]` (summed over the ranks); replicas are those the next step runs (after this
+        step's boundary: the plan in force, its replicas retargeted, `Balancer.routed`). None
+        when no counts were gathered."""
         counts = world_counts
         if counts is None and self.balancer.window:
             counts = self.balancer.window[-1]
         if counts is None:
             return None
         drops = np.rint(dropped.cpu().numpy()).astype(np.int64)
-        return expert_load(counts, self.balancer.plan.placement.copies, drops)
+        return expert_load(counts, self.balancer.routed.placement.copies, drops)
 
     def _sync_experts(self, step: int) -> np.ndarray | None:
         """In a layout with EDP replicas (after Agg): sum the expert gradients over the EDP
