@@ -352,6 +352,7 @@ class Balancer(PlanCycle):
         self.plan = initial_plan(self.layers, self.slots, self.rank, self.split_tokens, self.spec())
         self.static_plan = self.plan  # the layout to fall back to
         self.routed = self.plan  # what the layers run: `plan`, its replicas retargeted
+        self._shapes: ModelSpec | None = None  # the spec retargeting prices bytes with
         self._layout = STATIC  # what `plan` is, for `row_layout` (set where `plan` changes)
         self._plan_since = 0  # first step run under `plan`
         self._last_candidate: tuple[int, Plan] | None = None  # (requested at, plan): backtests
@@ -533,7 +534,9 @@ class Balancer(PlanCycle):
         (`poise.plan.retarget`: homes stay, so only the routing changes; every rank derives
         the same from the same gathered counts)."""
         if self.retarget_replicas and self._layout == REPLICAS and self.probes.probing is None:
-            new = retargeted(self.plan, self.window[-1], self.spec())
+            if self._shapes is None:  # the replicas' bytes depend on the shapes alone
+                self._shapes = self.spec()
+            new = retargeted(self.plan, self.window[-1], self._shapes)
             changed = (new.placement.copies != self.routed.placement.copies).any(axis=(1, 2))
             if changed.any():
                 stats.retargeted = int(changed.sum())
