@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.plan.retarget import layer_replicas, replica_picks, retargeted
+from poise.plan.retarget import replica_picks, retargeted
+
+
+def layer_replicas(counts: np.ndarray, home: np.ndarray, slots: int, k: int) -> list:
+    """`[(expert, device)]`: `replica_picks` on one layer's `counts[D, E]` and `home[E]`."""
+    return [(e, d) for _, e, d in replica_picks(counts[None], home[None], slots, k)]
 
 
 def _spec(E: int) -> ModelSpec:
@@ -225,6 +230,19 @@ def test_steps_are_priced_on_the_replicas_they_ran() -> None:
     assert fit.k_compute == pytest.approx(2.0) and fit.expert_fixed_s == pytest.approx(5e-6)
     _, blind = selfcal.fit_cluster(cost.cluster, cost, plan, counts, measured, rank_experts=rank)
     assert abs(blind.k_compute - 2.0) > 0.3, blind.k_compute
+    # the verdict's modelled saving: static's busy seconds less what ran, step by step
+    from poise.runtime.verdict import verdict
+
+    static = Plan("static", Placement.from_homes(p.home, 2, 3), Assignment.to_home(
+        Placement.from_homes(p.home, 2, 3)), transfers_between(None, p, spec))  # fmt: skip
+    judged = verdict(cost, static, plan, counts, measured, ran=per_step)
+    by_step = [
+        selfcal.live_parts(cost, static, counts[s : s + 1])[0, 0]
+        - selfcal.live_parts(cost, per_step[s], counts[s : s + 1])[0, 0]
+        for s in range(8)
+    ]
+    assert judged.saving_s == pytest.approx(sum(by_step))
+    assert verdict(cost, static, plan, counts, measured).saving_s < judged.saving_s
 
 
 def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> None:

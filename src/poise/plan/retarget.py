@@ -94,19 +94,13 @@ def replica_picks(
     return chosen
 
 
-def layer_replicas(
-    counts: np.ndarray, home: np.ndarray, slots: int, k: int
-) -> list[tuple[int, int]]:
-    """`[(expert, device)]`: `replica_picks` for one layer's `counts[D, E]` and `home[E]`."""
-    return [(e, d) for _, e, d in replica_picks(counts[None], home[None], slots, k)]
-
-
 def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     """`plan` with its replicas re-chosen from `counts[L, D, E]`, the counts of the step just run
     (`replica_picks`, as many as `plan` has over all layers at most); its homes, policy and
     per-step splitting kept, its remote tokens split to level `counts` (`Assignment.balanced`),
-    its transfers against `plan` (no home moves: replicas only). `plan` itself where it has no
-    replicas, routes by groups (HybridEP), or the replicas come out the same."""
+    its transfers against `plan` (no home moves: replicas only; `spec` gives their bytes, so
+    only its shapes matter). `plan` itself where it has no replicas, routes by groups
+    (HybridEP), or the replicas come out the same."""
     p = plan.placement
     replicas = p.replicas()
     if not replicas.any() or plan.assignment.grouped:
@@ -159,4 +153,4 @@ def ran_plans(
     return out
 
 
-__all__ = ["layer_replicas", "ran_plans", "replica_picks", "retargeted"]
+__all__ = ["ran_plans", "replica_picks", "retargeted"]
