@@ -307,3 +307,141 @@ def test_the_records_hand_the_clock_what_each_probes_neighbours_ran() -> None:
     second = probes.subset(np.array([False, True]))
     assert second.pair_ran is not None
     assert [r.tolist() for r in second.pair_ran] == [[[0, 1, 3]], [[0, 1, 5]]]
+
+
+def _three_step_wander(S: int) -> np.ndarray:
+    """`[S, 1, 2, 4]`: homes e0, e1 on d0 and e2, e3 on d1; each source sends 30 tokens to the
+    step's hot expert, e0 on steps 0-2, 6-8, ... and e2 on steps 3-5, 9-11, ..., and 4 to each
+    other expert."""
+    counts = np.full((S, 1, 2, 4), 4.0)
+    for s in range(S):
+        counts[s, 0, :, 0 if (s // 3) % 2 == 0 else 2] = 30
+    return counts
+
+
+def test_a_plan_as_run_follows_the_step_before_by_hand() -> None:
+    """`as_run`: the plan's own replica on step 0, then step s's where step s-1's counts put
+    it (the heavy device's hot expert onto the other device); a plan without replicas is
+    itself."""
+    from poise.plan.retarget import as_run
+
+    counts = _three_step_wander(8)
+    plan = _plan(4, 2, 3, [(0, 2, 0)])  # layer 0 replicates e2 on d0 (layer 1 has no counts)
+    plan = dataclasses_replace_layers(plan, 1)
+    ran = as_run(plan, counts, _spec(4))
+    assert isinstance(ran, list) and len(ran) == 8 and ran[0] is plan
+    for s, step_plan in enumerate(ran[1:], start=1):
+        hot = 0 if ((s - 1) // 3) % 2 == 0 else 2
+        other = 1 if hot == 0 else 0
+        reps = {(int(d), int(e)) for d, e in np.argwhere(step_plan.placement.replicas()[0])}
+        assert reps == {(other, hot)}, (s, reps)
+        assert np.array_equal(step_plan.placement.home, plan.placement.home)
+    bare = dataclasses_replace_layers(_plan(4, 2, 3, []), 1)
+    assert as_run(bare, counts, _spec(4)) is bare
+
+
+def dataclasses_replace_layers(plan: Plan, layers: int) -> Plan:
+    """`plan`'s first `layers` layers (`_plan` makes two)."""
+    import dataclasses
+
+    keep = np.arange(layers)
+    return dataclasses.replace(
+        plan,
+        placement=plan.placement.take_layers(keep),
+        assignment=plan.assignment.take_layers(keep),
+        transfers=None,
+    )
+
+
+def test_the_guard_prices_recent_steps_as_the_plans_would_run_them() -> None:
+    """`assess(retarget=True)`: two plans with the same homes and one replica each run the same
+    replicas once retargeted, so their recent steps differ on the first alone (each runs its
+    own replica there), where pricing each on its own replica credits the one whose replica sat
+    on the expert hot more often. Against the homes alone, the gain as run equals the per-step
+    reference: step 0 on the plan's own replica, each later step s with the replica of step
+    s-1's hot expert, built by hand."""
+    from poise.cost.model import CostModel
+    from poise.runtime.assessment import assess
+    from poise.runtime.homes import homes_alone
+    from poise.runtime.selfcal import live_parts
+    from tests.helpers import toy_cluster
+
+    spec = ModelSpec("toy", d_model=8, d_expert=16, experts=4, top_k=1, moe_layers=1)
+    cost = CostModel(toy_cluster(bw=1e9, flops=1e9), spec)
+    counts = _three_step_wander(12)
+    stale = dataclasses_replace_layers(_plan(4, 2, 3, [(0, 2, 0)]), 1)  # e2 on d0
+    fresh = dataclasses_replace_layers(_plan(4, 2, 3, [(0, 0, 1)]), 1)  # e0 on d1
+    loads = counts.mean(axis=0)
+    three = counts[:3]  # e0 hot on each
+    as_run = assess(cost, stale, fresh, loads, recent=three, retarget=True)
+    first = live_parts(cost, stale, three[:1])[0] - live_parts(cost, fresh, three[:1])[0]
+    assert first[0] > 0  # step 0: e0 hot, the fresh plan's own replica sheds it
+    assert as_run.recent_busy_gain_s == pytest.approx(first[0] / 3)
+    assert as_run.recent_transfers_gain_s == pytest.approx(first[1] / 3)
+    # on their own replicas, every one of the three steps credits the fresh plan so
+    own = assess(cost, stale, fresh, loads, recent=three)
+    assert own.recent_busy_gain_s == pytest.approx(first[0])
+
+    alone = homes_alone(stale, spec)
+    judged = assess(cost, alone, stale, loads, recent=counts, retarget=True)
+    by_step = [live_parts(cost, alone, counts[:1])[0] - live_parts(cost, stale, counts[:1])[0]]
+    for s in range(1, len(counts)):
+        hot = 0 if ((s - 1) // 3) % 2 == 0 else 2
+        p = Placement.from_homes(stale.placement.home, 2, 3)
+        p.copies[0, 1 if hot == 0 else 0, hot] = 1
+        ran = Plan("eplb", p, Assignment.balanced(p, counts[s - 1]).with_split(True), None)
+        by_step.append(
+            live_parts(cost, alone, counts[s : s + 1])[0]
+            - live_parts(cost, ran, counts[s : s + 1])[0]
+        )
+    assert judged.recent_busy_gain_s == pytest.approx(np.mean([b[0] for b in by_step]))
+    assert judged.recent_transfers_gain_s == pytest.approx(np.mean([b[1] for b in by_step]))
+    # on its own replica the stale plan sheds the hot expert on half the steps only
+    blind = assess(cost, alone, stale, loads, recent=counts)
+    assert judged.recent_busy_gain_s > blind.recent_busy_gain_s
+
+
+def test_planning_jobs_price_as_run_where_the_balancer_retargets() -> None:
+    """`PlanningJob.retarget` reaches the job's assessment (the candidate against the plan in
+    force, priced as `assess(retarget=)` prices it on the fitted cluster), and the Balancer
+    hands its `retarget` setting to every job."""
+    from dataclasses import replace
+
+    from poise.cost.model import CostModel
+    from poise.runtime.assessment import assess
+    from poise.runtime.planning_job import run_job
+    from tests.test_runtime_balancer import (
+        _one_rank_balancer,
+        _one_rank_steps,
+        _probes_reading,
+        _replica_case,
+        _replica_job,
+        _spy_jobs,
+    )
+
+    # e1 replicated on d0 in force, one step run under it; policy static: the candidate is static
+    job = _replica_job(_probes_reading(_replica_case()[3], np.zeros(1)))
+    hot = np.array([[[40.0, 20.0], [30.0, 10.0]]])  # e0 hot now, on d0: retargeting follows it
+    history = np.stack([hot] * 6)
+    job = replace(job, history=history, fit_counts=history[:1], fit_rows=job.fit_rows[:1])
+    job = replace(job, probes=None, calibrate=False)
+    results = {flag: run_job(replace(job, retarget=flag)) for flag in (False, True)}
+    for flag, result in results.items():
+        fitted = CostModel(result.cluster, job.spec)
+        prior = CostModel(job.prior, job.spec)
+        direct = assess(
+            fitted, job.current, result.plan, history[-1], switch_cost=prior, recent=history,
+            retarget=flag,
+        )  # fmt: skip
+        assert result.assessment == direct
+    # as run, the replica in force follows e0, so leaving it for the static layout loses more
+    assert (
+        results[True].assessment.recent_busy_gain_s < results[False].assessment.recent_busy_gain_s
+    )
+    for setting in (False, True):
+        model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
+        balancer.retarget_replicas = setting
+        seen = _spy_jobs(balancer, lambda job, _: job.retarget)
+        _one_rank_steps(model, opt, balancer, 4)
+        balancer.close()
+        assert seen and set(seen) == {setting}

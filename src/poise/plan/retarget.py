@@ -123,6 +123,19 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     )
 
 
+def as_run(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan | list[Plan]:
+    """What `plan` would run on each step of `counts[S, L, D, E]` had it been adopted before
+    the first with retargeting on: its own replicas on step 0 (a switch's step runs them), step
+    s's re-chosen from step s-1's counts (`retargeted`, as each later boundary does); `plan`
+    itself where it has no replicas (retargeting never acts) or routes by groups. How a plan
+    with replicas is priced on recent steps where the runtime retargets: on its own replicas
+    alone, a plan made from a window's forecast is priced as if its replicas stayed on the
+    experts that were hot, not on those each step ran."""
+    if not plan.placement.replicas().any() or plan.assignment.grouped:
+        return plan
+    return [plan] + [retargeted(plan, counts[s - 1], spec) for s in range(1, len(counts))]
+
+
 def ran_plans(
     plan: Plan, ran: Sequence[np.ndarray] | None, counts: np.ndarray
 ) -> Plan | list[Plan]:
@@ -153,4 +166,4 @@ def ran_plans(
     return out
 
 
-__all__ = ["ran_plans", "replica_picks", "retargeted"]
+__all__ = ["as_run", "ran_plans", "replica_picks", "retargeted"]

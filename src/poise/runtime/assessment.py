@@ -6,7 +6,10 @@ and, given the recent steps' counts, on each of those steps; the switch (homes m
 cost model the guard measures switches against. `Assessment` holds the figures and the
 per-step gain the guard credits (`live_gain_s`: the smaller of the forecast's and the recent
 steps' mean) with its standard error from the recent steps' spread (`recent_gain_se_s`).
-`poise.runtime.guard` decides on them (`SwitchGuard.decide`, `exit_choice`). NumPy only.
+`poise.runtime.guard` decides on them (`SwitchGuard.decide`, `exit_choice`). Where the runtime
+retargets replicas (`retarget`), the recent steps are priced as the plans would run them:
+their own replicas on the first, then re-chosen from the step before (`poise.plan.retarget.
+as_run`), not kept where the forecast put them. NumPy only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 
 from poise.core.placement import Plan
 from poise.cost.model import CostModel, PlanCost
+from poise.plan.retarget import as_run
 from poise.runtime.selfcal import busy_and_transfers, live_parts
 
 
@@ -70,12 +74,13 @@ def assess(
     loads: np.ndarray,
     switch_cost: CostModel | None = None,
     recent: np.ndarray | None = None,
+    retarget: bool = False,
 ) -> Assessment:
     """Price `candidate` (with its migrations from `current`) and `current` on `loads[L, D, E]`;
     the switch on `switch_cost` (default `cost`: the live Balancer passes the prior cluster's,
     so that `k_switch`, measured against it, keeps one meaning while the fit moves); with
-    `recent[S, L, D, E]`, both plans also on each of those steps' counts. NumPy only (runs on
-    the planner's thread)."""
+    `recent[S, L, D, E]`, both plans also on each of those steps' counts, with `retarget` as
+    they would run them (module docstring). NumPy only (runs on the planner's thread)."""
     if current.digest() == candidate.digest():
         return Assessment(same=True)
     cur_phases, cur_load = cost.phases(current.placement, current.assignment, loads)
@@ -92,7 +97,13 @@ def assess(
     recent_gain: tuple[float | None, float | None] = (None, None)
     cov: tuple[float, float, float] | None = None
     if recent is not None and len(recent):
-        steps = live_parts(cost, current, recent) - live_parts(cost, candidate, recent)  # [S, 2]
+        now_ran, new_ran = current, candidate
+        if retarget:
+            now_ran, new_ran = (
+                as_run(current, recent, cost.spec),
+                as_run(candidate, recent, cost.spec),
+            )
+        steps = live_parts(cost, now_ran, recent) - live_parts(cost, new_ran, recent)  # [S, 2]
         recent_gain = (float(steps[:, 0].mean()), float(steps[:, 1].mean()))
         if len(steps) > 1:
             c = np.cov(steps, rowvar=False) / len(steps)  # of the means

@@ -79,6 +79,7 @@ class PlanCycle(ABC):
     guard: SwitchGuard
     probes: ProbeSteps
     holdout: bool
+    retarget_replicas: bool
     switch_probe: tuple[float, float, float, int] | None
     planner: BackgroundPlanner
     records: StepRecords
@@ -218,6 +219,7 @@ class PlanCycle(ABC):
             backtest_plan=backtest_plan,
             backtest_counts=backtest_counts,
             holdout=self.holdout,
+            retarget=self.retarget_replicas,
             # homes only while the clock refutes replicas, where it could not judge any adopted
             # now, or where the ranks share their cores
             homes_only=self.guard.trust <= 0

@@ -153,7 +153,9 @@ class PlanningJob:
     `held_before`: the steps the load pattern had held before `history`'s first step, carried
     from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name);
     `holdout`: a job without a backtest may vouch for a homes-only candidate by a `holdout`
-    (off: the first adoption waits for a backtest, at the second re-plan at the earliest)."""
+    (off: the first adoption waits for a backtest, at the second re-plan at the earliest);
+    `retarget`: the runtime retargets replicas each step (`Balancer(retarget=)`), so every
+    assessment prices the recent steps as the plans would run them (`assess(retarget=)`)."""
 
     history: np.ndarray
     fit_counts: np.ndarray
@@ -186,6 +188,7 @@ class PlanningJob:
     homes_only: bool = False
     held_before: int = 0
     holdout: bool = True
+    retarget: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,11 +305,13 @@ def run_job(job: PlanningJob) -> JobResult:
         )  # fmt: skip
     recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
     prior = CostModel(job.prior, job.spec)
-    assessment = assess(fitted, job.current, plan, loads, switch_cost=prior, recent=recent)
+    assessment = assess(
+        fitted, job.current, plan, loads, switch_cost=prior, recent=recent, retarget=job.retarget
+    )
     exits: tuple[tuple[Plan, Assessment], ...] = ()
     if paid is not None and job.guarded and not plan_pays(paid):
         exits = tuple(
-            (target, assess(fitted, job.current, target, loads, switch_cost=prior, recent=recent))
+            (target, assess(fitted, job.current, target, loads, prior, recent, job.retarget))
             for target in exit_plans(job.current, job.static, job.spec)
         )
     horizon = plan_horizon(plan, job.horizon)
@@ -386,7 +391,7 @@ def backtest(fitted: CostModel, prior: CostModel, job: PlanningJob) -> Assessmen
     counts = job.backtest_counts
     return assess(
         fitted, job.static, job.backtest_plan, counts.mean(axis=0), switch_cost=prior,
-        recent=counts,
+        recent=counts, retarget=job.retarget,
     )  # fmt: skip
 
 
