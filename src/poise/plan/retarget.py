@@ -94,6 +94,16 @@ def replica_picks(
     return chosen
 
 
+def homes_with(p: Placement, picks: Sequence[tuple[int, int, int]]) -> Placement:
+    """`p`'s homes with the replicas `picks`, `(layer, expert, device)` each, and no other."""
+    copies = np.zeros_like(p.copies)
+    L, E = p.home.shape
+    copies[np.arange(L)[:, None], p.home, np.arange(E)[None, :]] = 1
+    for layer, e, d in picks:
+        copies[layer, d, e] = 1
+    return Placement(home=p.home.copy(), copies=copies, slots_per_device=p.slots_per_device)
+
+
 def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     """`plan` with its replicas re-chosen from `counts[L, D, E]`, the counts of the step just run
     (`replica_picks`, as many as `plan` has over all layers at most); its homes, policy and
@@ -105,14 +115,10 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     replicas = p.replicas()
     if not replicas.any() or plan.assignment.grouped:
         return plan
-    copies = np.zeros_like(p.copies)
-    L, E = p.home.shape
-    copies[np.arange(L)[:, None], p.home, np.arange(E)[None, :]] = 1
-    for layer, e, d in replica_picks(counts, p.home, p.slots_per_device, int(replicas.sum())):
-        copies[layer, d, e] = 1
-    if np.array_equal(copies, p.copies):
+    picks = replica_picks(counts, p.home, p.slots_per_device, int(replicas.sum()))
+    placement = homes_with(p, picks)
+    if np.array_equal(placement.copies, p.copies):
         return plan
-    placement = Placement(home=p.home.copy(), copies=copies, slots_per_device=p.slots_per_device)
     assignment = Assignment.balanced(placement, counts).with_split(plan.assignment.by_counts)
     return dataclasses.replace(
         plan,
@@ -148,17 +154,13 @@ def ran_plans(
     own = np.argwhere(plan.placement.replicas())
     if ran is None or all(np.array_equal(r, own) for r in ran):
         return plan
-    p, out = plan.placement, []
-    L, E = p.home.shape
+    out = []
     for rows, step_counts in zip(ran, counts, strict=True):
         if np.array_equal(rows, own):
             out.append(plan)
             continue
-        copies = np.zeros_like(p.copies)
-        copies[np.arange(L)[:, None], p.home, np.arange(E)[None, :]] = 1
         rows = np.asarray(rows, np.int64).reshape(-1, 3)
-        copies[rows[:, 0], rows[:, 1], rows[:, 2]] = 1
-        placement = Placement(p.home.copy(), copies, p.slots_per_device)
+        placement = homes_with(plan.placement, [(int(i), int(e), int(d)) for i, d, e in rows])
         assignment = Assignment.balanced(placement, step_counts).with_split(
             plan.assignment.by_counts
         )
@@ -166,4 +168,4 @@ def ran_plans(
     return out
 
 
-__all__ = ["as_run", "ran_plans", "replica_picks", "retargeted"]
+__all__ = ["as_run", "homes_with", "ran_plans", "replica_picks", "retargeted"]

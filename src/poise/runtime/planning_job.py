@@ -16,7 +16,9 @@ process while training goes on:
    calibration off, the prior's, so that the plan depends on the loads alone) and
    its horizon no longer than the steps the run has left (`auto.with_steps_left`), only its
    homes-only candidates while the clock's refutation of replicas holds (`homes_only_options`),
-   each expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`);
+   each expert's home re-chosen among its holders (`poise.runtime.homes.keep_homes`), and,
+   where the Balancer retargets replicas, `auto`'s number of replicas the one that prices
+   least as they would run the recent steps (`poise.runtime.replica_budget`);
 4. price the candidate against the plan in force (`poise.runtime.assessment.assess`), and, where
    the plan in force is not static and did not pay (`verdict.plan_pays`, with the guard on), the
    layouts a fallback could go to (`guard.exit_plans`), among which the leader then chooses
@@ -54,6 +56,7 @@ from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
 from poise.runtime.homes import keep_homes
 from poise.runtime.paired_clock import Probes, replica_scale, steady_probes
+from poise.runtime.replica_budget import replica_budget
 from poise.runtime.verdict import Verdict, clock_ceiling, plan_pays, verdict
 
 
@@ -296,6 +299,10 @@ def run_job(job: PlanningJob) -> JobResult:
         job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
         options, job.split_tokens,
     )  # fmt: skip
+    recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
+    budgeted = job.retarget and job.policy == "auto"  # replicas counted as they will run
+    if budgeted and not (job.homes_only or first):
+        plan = replica_budget(fitted, plan, recent, job.current.placement)
     backtest_next = None
     if first and not job.homes_only and job.policy == "auto":
         # what the next job backtests: the candidate this job would have made on a backtest
@@ -303,7 +310,8 @@ def run_job(job: PlanningJob) -> JobResult:
             job.policy, job.predictor, job.history, job.current, cluster, job.spec, job.slots,
             unrestricted, job.split_tokens,
         )  # fmt: skip
-    recent = job.history[len(job.history) - min(len(job.history), job.horizon) :]
+        if budgeted:
+            backtest_next = replica_budget(fitted, backtest_next, recent, job.current.placement)
     prior = CostModel(job.prior, job.spec)
     assessment = assess(
         fitted, job.current, plan, loads, switch_cost=prior, recent=recent, retarget=job.retarget
