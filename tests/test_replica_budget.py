@@ -124,7 +124,10 @@ def test_the_budget_takes_the_newest_steps_picks_first_then_older_ones_by_hand()
     balanced), then the older steps' where a slot is still free: the step before adds layer 1's
     e2 onto d0 (its layer 0 pick, e0 onto d1 again, is already taken), the oldest nothing new
     (layer 0's d1 slot is taken by e0, so its e3 cannot go there)."""
-    from poise.runtime.replica_budget import budget_picks
+    from poise.runtime.replica_budget import budget_picks, greedy_by_step
+
+    def picks(recent: np.ndarray, home: np.ndarray) -> list:
+        return budget_picks(greedy_by_step(recent, home, SLOTS), home, SLOTS, D)
 
     recent = np.full((3, 2, D, E), 4.0)
     recent[2, 0, :, 0] = 30  # newest: layer 0's e0 hot, layer 1 even
@@ -132,5 +135,39 @@ def test_the_budget_takes_the_newest_steps_picks_first_then_older_ones_by_hand()
     recent[1, 1, :, 2] = 30
     recent[0, 0, :, 1] = 30  # oldest: layer 0's e1 hot (d0 again: its replica would take d1)
     home = np.array([[0, 0, 1, 1]] * 2)
-    assert budget_picks(recent, home, SLOTS) == [(0, 0, 1), (1, 2, 0)]
-    assert budget_picks(recent[2:], home, SLOTS) == [(0, 0, 1)]
+    assert picks(recent, home) == [(0, 0, 1), (1, 2, 0)]
+    assert picks(recent[2:], home) == [(0, 0, 1)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_options_run_what_as_run_gives_and_are_priced_so(seed: int) -> None:
+    """`budget_options` builds each step's plan once for every `K` it serves; each option's runs
+    are what `as_run` gives its own plan (the same replicas, step by step), and `budget_prices`
+    prices them as `live_parts` on `as_run` does, one option at a time. Random skewed steps on
+    3 ranks, 2 layers, 6 experts, one or two spare slots."""
+    from poise.plan.retarget import as_run
+    from poise.runtime.replica_budget import budget_options, budget_prices
+
+    rng = np.random.default_rng(seed)
+    Dn, En, spare = 3, 6, 1 + seed % 2
+    spec = toy_spec(experts=En, layers=2, d_model=8, d_expert=16)
+    cost = CostModel(toy_cluster(Dn, bw=1e8, flops=1e9), spec)
+    recent = rng.poisson(5, size=(5, 2, Dn, En)).astype(float)
+    recent[:, :, :, rng.integers(En, size=5)] += 40
+    home = np.tile(np.repeat(np.arange(Dn), En // Dn), (2, 1))
+    p = Placement.from_homes(home, Dn, En // Dn + spare)
+    plan = Plan("auto", p, Assignment.even(p).with_split(True), transfers_between(None, p, spec))
+    options = budget_options(plan, recent, p, spec)
+    assert len(options) >= 2 and options[0][0].placement.replicas().sum() == 0
+    for k, (own, runs) in enumerate(options):
+        assert own.placement.replicas().sum() == k
+        ref = as_run(own, recent, spec)
+        ref = ref if isinstance(ref, list) else [ref] * len(recent)
+        assert [r.placement.copies.tolist() for r in runs] == [
+            r.placement.copies.tolist() for r in ref
+        ]
+        one = live_parts(cost, ref, recent).sum(axis=1).mean()
+        assert budget_prices(cost, [runs], recent)[0] == pytest.approx(one, rel=1e-12)
+    together = budget_prices(cost, [r for _, r in options], recent)
+    apart = [budget_prices(cost, [r], recent)[0] for _, r in options]
+    assert together == pytest.approx(apart, rel=1e-12)

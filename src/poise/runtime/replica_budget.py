@@ -18,9 +18,10 @@ modelled step part
 `k_transfer` and the paired clock's `k_replica`: what the guard prices a plan with). The plan
 with `K` replicas holds the first `K` of `budget_picks`: the greedy of
 `poise.plan.retarget.replica_picks` on the newest step (what the step after the switch would
-retarget from), then those of the older steps, newest first, that still find a free slot. So
-`K_max` is the most replicas any recent step would have used, not those of the window's summed
-counts (a hot expert that wandered evenly between two ranks sums to a balanced layer). Ties,
+retarget from), then those of the older steps, newest first, that still find a free slot;
+`K_max` is the most replicas any one recent step's greedy took (a larger `K` would change the
+switch's own step alone), not what the window's summed counts need (a hot expert that wandered
+evenly between two ranks sums to a balanced layer). Ties,
 within `TIE_REL` of the least, go to the fewest replicas; `auto`'s own plan competes as it is,
 and is kept unless another `K` is priced below it. Homes never move here, so no `K` costs a
 migration the others do not.
@@ -60,27 +61,78 @@ def with_replicas(
     )
 
 
-def budget_prices(cost: CostModel, plans: list[Plan], recent: np.ndarray) -> np.ndarray:
-    """`[len(plans)]` mean modelled `busy + transfers` per step of each plan as it would run
-    `recent[S, L, D, E]` with retargeting (module docstring)."""
-    return np.array(
-        [live_parts(cost, as_run(p, recent, cost.spec), recent).sum(axis=1).mean() for p in plans]
-    )
+def budget_prices(
+    cost: CostModel, options: list[Plan | list[Plan]], recent: np.ndarray
+) -> np.ndarray:
+    """`[len(options)]` the mean modelled `busy + transfers` per step of each option on
+    `recent[S, L, D, E]`: an option is one plan per step (what it runs each step) or one plan
+    for all; every option priced in one call, the steps laid end to end."""
+    S = len(recent)
+    steps = [q for o in options for q in (o if isinstance(o, list) else [o] * S)]
+    parts = live_parts(cost, steps, np.tile(recent, (len(options), 1, 1, 1)))  # [n * S, 2]
+    return parts.sum(axis=1).reshape(len(options), S).mean(axis=1)
 
 
-def budget_picks(recent: np.ndarray, home: np.ndarray, slots: int) -> list[tuple[int, int, int]]:
-    """`[(layer, expert, device)]` in the order the budget takes them (module docstring): the
-    greedy on the newest step of `recent[S, L, D, E]` (homes `home[L, E]`, `slots` a device and
-    layer), then each older step's, newest first, where its replica is new and its device still
-    has a free slot in that layer."""
+def greedy_by_step(
+    recent: np.ndarray, home: np.ndarray, slots: int
+) -> list[list[tuple[int, int, int]]]:
+    """Per step of `recent[S, L, D, E]`, the retargeting greedy's picks with no limit on their
+    number (`replica_picks`): with a limit `K`, the greedy takes the first `K` of them."""
     D = recent.shape[2]
-    free = slots - np.stack([np.bincount(h, minlength=D) for h in home])  # [L, D]
+    free = int((slots - np.stack([np.bincount(h, minlength=D) for h in home])).clip(min=0).sum())
+    return [replica_picks(counts, home, slots, free) for counts in recent]
+
+
+def budget_picks(
+    greedy: list[list[tuple[int, int, int]]], home: np.ndarray, slots: int, devices: int
+) -> list[tuple[int, int, int]]:
+    """`[(layer, expert, device)]` in the order the budget takes them (module docstring): the
+    newest step's greedy picks (`greedy_by_step`), then each older step's, newest first, where
+    its replica is new and its device still has a free slot in that layer (homes `home[L, E]`,
+    `slots` a device and layer)."""
+    free = slots - np.stack([np.bincount(h, minlength=devices) for h in home])  # [L, D]
     out: list[tuple[int, int, int]] = []
-    for counts in recent[::-1]:
-        for layer, e, d in replica_picks(counts, home, slots, int(free.clip(min=0).sum())):
+    for picks in greedy[::-1]:
+        for layer, e, d in picks:
             if free[layer, d] > 0 and (layer, e, d) not in out:
                 out.append((layer, e, d))
                 free[layer, d] -= 1
+    return out
+
+
+def budget_options(
+    plan: Plan, recent: np.ndarray, current: Placement, spec: ModelSpec
+) -> list[tuple[Plan, list[Plan]]]:
+    """`[(plan_K, runs_K)]` for `K = 0 .. K_max`: `plan`'s homes with the first `K` of
+    `budget_picks` (`with_replicas`), and what it runs on each step of `recent[S, L, D, E]`
+    with retargeting, as `poise.plan.retarget.as_run` gives it: itself on step 0, step s's
+    replicas the first `K` of step s-1's greedy (the same plans, each step's built once for
+    every `K` it serves). `K_max`: the most replicas any recent step's greedy took, at most
+    the picks there are (a larger `K` changes step 0 alone)."""
+    p = plan.placement
+    greedy = greedy_by_step(recent, p.home, p.slots_per_device)
+    picks = budget_picks(greedy, p.home, p.slots_per_device, p.devices)
+    top = min(len(picks), max((len(g) for g in greedy), default=0))
+    built: dict[tuple[int, int], Plan] = {}
+    out = []
+    for k in range(top + 1):
+        own = with_replicas(plan, picks[:k], recent[-1], current, spec)
+        runs = [own]
+        for s in range(1, len(recent)):
+            n = min(k, len(greedy[s - 1]))
+            placement = homes_with(p, greedy[s - 1][:n])
+            if np.array_equal(placement.copies, own.placement.copies):
+                runs.append(own)  # `retargeted` changes nothing
+                continue
+            if (s, n) not in built:
+                split = Assignment.balanced(placement, recent[s - 1]).with_split(
+                    plan.assignment.by_counts
+                )
+                built[s, n] = dataclasses.replace(
+                    own, placement=placement, assignment=split, transfers=None
+                )
+            runs.append(built[s, n])
+        out.append((own, runs))
     return out
 
 
@@ -90,18 +142,22 @@ def replica_budget(cost: CostModel, plan: Plan, recent: np.ndarray, current: Pla
     no recent steps, or no other number prices below it."""
     if len(recent) == 0 or plan.assignment.grouped:
         return plan
-    picks = budget_picks(recent, plan.placement.home, plan.placement.slots_per_device)
-    options = [plan] + [
-        with_replicas(plan, picks[:k], recent[-1], current, cost.spec)
-        for k in range(len(picks) + 1)
-    ]
-    prices = budget_prices(cost, options, recent)
+    options = budget_options(plan, recent, current, cost.spec)
+    runs: list[Plan | list[Plan]] = [as_run(plan, recent, cost.spec)]
+    prices = budget_prices(cost, runs + [r for _, r in options], recent)
     least = float(prices.min())
-    if prices[0] <= least + TIE_REL * abs(least):
+    tied = prices <= least + TIE_REL * abs(least)
+    if tied[0]:
         return plan
-    # the fewest replicas among those tied with the least (options[k + 1] holds k)
-    best = next(i for i in range(1, len(options)) if prices[i] <= least + TIE_REL * abs(least))
-    return options[best]
+    return options[int(np.argmax(tied[1:]))][0]  # the fewest replicas among the tied
 
 
-__all__ = ["TIE_REL", "budget_picks", "budget_prices", "replica_budget", "with_replicas"]
+__all__ = [
+    "TIE_REL",
+    "budget_options",
+    "budget_picks",
+    "budget_prices",
+    "greedy_by_step",
+    "replica_budget",
+    "with_replicas",
+]
