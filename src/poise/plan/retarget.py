@@ -116,15 +116,25 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     if not replicas.any() or plan.assignment.grouped:
         return plan
     picks = replica_picks(counts, p.home, p.slots_per_device, int(replicas.sum()))
-    placement = homes_with(p, picks)
-    if np.array_equal(placement.copies, p.copies):
+    if np.array_equal(homes_with(p, picks).copies, p.copies):
         return plan
+    return with_picks(plan, picks, counts, p, spec)
+
+
+def with_picks(
+    plan: Plan, picks: Sequence[tuple[int, int, int]], counts: np.ndarray, since: Placement,
+    spec: ModelSpec,
+) -> Plan:  # fmt: skip
+    """`plan`'s homes with the replicas `picks` (`homes_with`), its tokens split to level
+    `counts[L, D, E]` (`Assignment.balanced`, by counts where `plan` splits so), its transfers
+    from the placement `since` (`spec` gives their bytes)."""
+    placement = homes_with(plan.placement, picks)
     assignment = Assignment.balanced(placement, counts).with_split(plan.assignment.by_counts)
     return dataclasses.replace(
         plan,
         placement=placement,
         assignment=assignment,
-        transfers=transfers_between(p, placement, spec),
+        transfers=transfers_between(since, placement, spec),
         cost=None,
     )
 
@@ -168,4 +178,4 @@ def ran_plans(
     return out
 
 
-__all__ = ["as_run", "homes_with", "ran_plans", "replica_picks", "retargeted"]
+__all__ = ["as_run", "homes_with", "ran_plans", "replica_picks", "retargeted", "with_picks"]

@@ -34,10 +34,10 @@ import dataclasses
 
 import numpy as np
 
-from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.core.placement import Assignment, Placement, Plan
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
-from poise.plan.retarget import as_run, homes_with, replica_picks
+from poise.plan.retarget import as_run, homes_with, replica_picks, with_picks
 from poise.runtime.selfcal import live_parts
 
 TIE_REL = 1e-3  # budgets priced within this share of the least tie
@@ -48,17 +48,10 @@ def with_replicas(
     spec: ModelSpec,
 ) -> Plan:  # fmt: skip
     """`plan`'s homes with the replicas `picks` (`(layer, expert, device)`), its tokens split to
-    level `counts[L, D, E]` (by counts where `plan` splits so), its transfers from `current`."""
-    placement = homes_with(plan.placement, picks)
-    assignment = Assignment.balanced(placement, counts).with_split(plan.assignment.by_counts)
-    return dataclasses.replace(
-        plan,
-        placement=placement,
-        assignment=assignment,
-        transfers=transfers_between(current, placement, spec),
-        cost=None,
-        notes={**plan.notes, "replica_budget": len(picks)},
-    )
+    level `counts[L, D, E]` (by counts where `plan` splits so), its transfers from `current`;
+    its notes say how many (`replica_budget`)."""
+    out = with_picks(plan, picks, counts, current, spec)
+    return dataclasses.replace(out, notes={**plan.notes, "replica_budget": len(picks)})
 
 
 def budget_prices(
