@@ -161,6 +161,8 @@ def test_the_options_run_what_as_run_gives_and_are_priced_so(seed: int) -> None:
     assert len(options) >= 2 and options[0][0].placement.replicas().sum() == 0
     for k, (own, runs) in enumerate(options):
         assert own.placement.replicas().sum() == k
+        own.placement.validate()  # every replica on a free slot of its device
+        own.assignment.validate(own.placement)
         ref = as_run(own, recent, spec)
         ref = ref if isinstance(ref, list) else [ref] * len(recent)
         assert [r.placement.copies.tolist() for r in runs] == [
