@@ -94,6 +94,11 @@ def replica_picks(
     return chosen
 
 
+def free_slots(home: np.ndarray, slots: int, devices: int) -> np.ndarray:
+    """`[L, D]` each device's slots in each layer less the homes `home[L, E]` it holds."""
+    return slots - np.stack([np.bincount(h, minlength=devices) for h in home])
+
+
 def homes_with(p: Placement, picks: Sequence[tuple[int, int, int]]) -> Placement:
     """`p`'s homes with the replicas `picks`, `(layer, expert, device)` each, and no other."""
     copies = np.zeros_like(p.copies)
@@ -116,19 +121,18 @@ def retargeted(plan: Plan, counts: np.ndarray, spec: ModelSpec) -> Plan:
     if not replicas.any() or plan.assignment.grouped:
         return plan
     picks = replica_picks(counts, p.home, p.slots_per_device, int(replicas.sum()))
-    if np.array_equal(homes_with(p, picks).copies, p.copies):
+    placement = homes_with(p, picks)
+    if np.array_equal(placement.copies, p.copies):
         return plan
-    return with_picks(plan, picks, counts, p, spec)
+    return with_placement(plan, placement, counts, p, spec)
 
 
-def with_picks(
-    plan: Plan, picks: Sequence[tuple[int, int, int]], counts: np.ndarray, since: Placement,
-    spec: ModelSpec,
-) -> Plan:  # fmt: skip
-    """`plan`'s homes with the replicas `picks` (`homes_with`), its tokens split to level
-    `counts[L, D, E]` (`Assignment.balanced`, by counts where `plan` splits so), its transfers
-    from the placement `since` (`spec` gives their bytes)."""
-    placement = homes_with(plan.placement, picks)
+def with_placement(
+    plan: Plan, placement: Placement, counts: np.ndarray, since: Placement, spec: ModelSpec
+) -> Plan:
+    """`plan` on `placement` (its homes with other replicas, `homes_with`), its tokens split to
+    level `counts[L, D, E]` (`Assignment.balanced`, by counts where `plan` splits so), its
+    transfers from the placement `since` (`spec` gives their bytes)."""
     assignment = Assignment.balanced(placement, counts).with_split(plan.assignment.by_counts)
     return dataclasses.replace(
         plan,
@@ -178,4 +182,12 @@ def ran_plans(
     return out
 
 
-__all__ = ["as_run", "homes_with", "ran_plans", "replica_picks", "retargeted", "with_picks"]
+__all__ = [
+    "as_run",
+    "free_slots",
+    "homes_with",
+    "ran_plans",
+    "replica_picks",
+    "retargeted",
+    "with_placement",
+]

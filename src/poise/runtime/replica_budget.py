@@ -37,7 +37,7 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
-from poise.plan.retarget import as_run, homes_with, replica_picks, with_picks
+from poise.plan.retarget import as_run, free_slots, homes_with, replica_picks, with_placement
 from poise.runtime.selfcal import live_parts
 
 TIE_REL = 1e-3  # budgets priced within this share of the least tie
@@ -50,7 +50,7 @@ def with_replicas(
     """`plan`'s homes with the replicas `picks` (`(layer, expert, device)`), its tokens split to
     level `counts[L, D, E]` (by counts where `plan` splits so), its transfers from `current`;
     its notes say how many (`replica_budget`)."""
-    out = with_picks(plan, picks, counts, current, spec)
+    out = with_placement(plan, homes_with(plan.placement, picks), counts, current, spec)
     return dataclasses.replace(out, notes={**plan.notes, "replica_budget": len(picks)})
 
 
@@ -71,8 +71,7 @@ def greedy_by_step(
 ) -> list[list[tuple[int, int, int]]]:
     """Per step of `recent[S, L, D, E]`, the retargeting greedy's picks with no limit on their
     number (`replica_picks`): with a limit `K`, the greedy takes the first `K` of them."""
-    D = recent.shape[2]
-    free = int((slots - np.stack([np.bincount(h, minlength=D) for h in home])).clip(min=0).sum())
+    free = int(free_slots(home, slots, recent.shape[2]).clip(min=0).sum())
     return [replica_picks(counts, home, slots, free) for counts in recent]
 
 
@@ -83,7 +82,7 @@ def budget_picks(
     newest step's greedy picks (`greedy_by_step`), then each older step's, newest first, where
     its replica is new and its device still has a free slot in that layer (homes `home[L, E]`,
     `slots` a device and layer)."""
-    free = slots - np.stack([np.bincount(h, minlength=devices) for h in home])  # [L, D]
+    free = free_slots(home, slots, devices)  # [L, D]
     out: list[tuple[int, int, int]] = []
     for picks in greedy[::-1]:
         for layer, e, d in picks:
