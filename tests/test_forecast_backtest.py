@@ -338,3 +338,72 @@ def test_the_recheck_shifts_the_cadence_once_a_run() -> None:
         assert balancer.replan_phase == 0
     finally:
         balancer.close()
+
+
+def _two_hot_homes_job(retarget: bool):
+    """`tests/test_replica_budget.py`'s two layers (homes e0, e1 on d0; e2, e3 on d1; a spare
+    slot a device and layer) at the run's first re-plan, the static layout in force, no
+    holdout: both of d0's experts are hot on every step, so `auto` moves a home (e1 to d1)."""
+    from poise.core.placement import Assignment
+    from tests.helpers import toy_cluster, toy_spec
+    from tests.test_replica_budget import SLOTS, D, E, _plan
+    from tests.test_runtime_balancer import _probes_reading, _replica_case, _replica_job
+
+    spec = toy_spec(experts=E, layers=2, d_model=8, d_expert=16)
+    history = np.full((12, 2, D, E), 4.0)
+    history[:, :, :, :2] = 30.0
+    static = _plan([], spec)
+    static = replace(static, policy="static", assignment=Assignment.to_home(static.placement))
+    job = _replica_job(_probes_reading(_replica_case()[3], np.zeros(1)))
+    return replace(
+        job, history=history, fit_counts=history[:0], fit_rows=job.fit_rows[:0],
+        settled=np.zeros(0, dtype=bool), static_counts=history[:0], balanced_counts=history[:0],
+        probes=None, calibrate=False, policy="auto", current=static, static=static, spec=spec,
+        slots=SLOTS, split_tokens=True, holdout=False, prior=toy_cluster(D, bw=1e9, flops=1e9),
+        retarget=retarget,
+    )  # fmt: skip
+
+
+def test_a_replica_trial_from_the_static_layout_needs_no_forecast() -> None:
+    """Where the Balancer retargets, a candidate that keeps the homes in force rests on no
+    forecast (its replicas are re-chosen from the step before at every boundary, as its
+    assessment priced the recent steps), so the leader adopts it from the static layout without
+    a backtest. Where `auto`'s plan moves a home and no backtest vouches for it, the job offers
+    the homes in force with the replicas the budget prices least as run instead (a replica
+    trial), and names `auto`'s homes move for the next job to backtest. Without retargeting,
+    `auto`'s homes move waits (`unsettled`), as before."""
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.leader import leader_outcome
+    from poise.runtime.planning_job import follows_router, run_job
+
+    guard = SwitchGuard(horizon=10, margin=0.0)
+
+    def decided(result) -> str:
+        return leader_outcome(
+            guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=True,
+            period_s=0.2, plan_lag=1,
+        ).decision  # fmt: skip
+
+    plain = run_job(_two_hot_homes_job(retarget=False))
+    static_home = _two_hot_homes_job(False).static.placement.home
+    plain_home = plain.plan.placement.home
+    assert not np.array_equal(plain_home, static_home)  # auto moves a home
+    assert not plain.follows_router and plain.backtest is None
+    assert decided(plain) == "unsettled"
+
+    job = _two_hot_homes_job(retarget=True)
+    trial = run_job(job)
+    np.testing.assert_array_equal(trial.plan.placement.home, static_home)
+    assert trial.plan.placement.replicas().sum() > 0 and trial.follows_router
+    assert follows_router(job, trial.plan) and not follows_router(job, plain.plan)
+    np.testing.assert_array_equal(trial.next_backtest().placement.home, plain_home)
+    assert trial.assessment.live_gain_s() > 0
+    assert decided(trial) == "adopt"
+    # a backtest that vouches for the homes move: the job keeps `auto`'s plan
+    vouching = replace(job, backtest_plan=plain.plan, backtest_counts=job.history[-3:])
+    kept = run_job(vouching)
+    assert kept.backtest is not None and kept.backtest.live_gain_s() > 0
+    assert not np.array_equal(kept.plan.placement.home, static_home) and not kept.follows_router
+    assert decided(kept) == "adopt"
+    # with homes only asked for (the clock refuted replicas), no trial
+    assert not run_job(replace(job, homes_only=True)).plan.placement.replicas().any()

@@ -80,9 +80,10 @@ FULL = DemoSize(
     sim_steps=30,
     drift_steps=60,
 )
-# 30 steps: from the static layout a plan is adopted only where a forecast held
+# 30 steps: from the static layout a homes move is adopted only where a forecast held
 # (`poise.runtime.leader.forecast_held`), so at the second re-plan (step 7 at re-plans every 3
-# steps) at the earliest, training having no holdout at the first (`TrainConfig.holdout`); with
+# steps) at the earliest, training having no holdout at the first (`TrainConfig.holdout`), and
+# a replica trial on the homes in force (`poise.runtime.planning_job`, step 6) at the first; with
 # 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
 # nothing but noise (docs/benchmarks.md, "Main job"). A batch of 12 sequences, not 16: the 60
 # steps of the two runs are most of the quick demo's minute, and with 16 it took 60-62 s on the

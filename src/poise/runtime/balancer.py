@@ -172,10 +172,12 @@ class Balancer(PlanCycle):
     - `holdout` (default on; with the guard only): the run's first re-plan (and the first
       after a resume), which has no earlier candidate to backtest, may adopt a homes-only plan
       that a holdout vouched for (`planning_job.holdout`: made from the window's older half,
-      priced on its newer half); off, the first adoption waits for a backtest, at the second
-      re-plan at the earliest. On for loads that hold still from the first step (a replayed
-      trace: `benchmarks/ep_step.py`); `poise train` turns it off by default (the training
-      setting `holdout`: a router trained from scratch still moves in its first steps);
+      priced on its newer half); off, the first adoption of a homes move waits for a backtest,
+      at the second re-plan at the earliest (with `retarget`, a replica trial on the homes in
+      force needs none: `planning_job.run_job`, step 6). On for loads that hold still from the
+      first step (a replayed trace: `benchmarks/ep_step.py`); `poise train` turns it off by
+      default (the training setting `holdout`: a router trained from scratch still moves in
+      its first steps);
     - `recheck` (default on; with the guard only): a candidate refused as `unsettled` (from the
       static layout, with no backtest yet that its forecast held: `leader`, rule 3) is asked
       again half a period later: the re-plans shift so that the next request comes

@@ -32,6 +32,13 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    candidate's question (`SwitchGuard.decide`). Asked with the switch, it held `skewed` on the
    static layout until step 31 in both rounds, where the first plan (15 homes moved) had not repaid
    its migration in 10 steps yet the forecast it came from held.
+   A candidate that rests on no forecast needs no backtest (`JobResult.follows_router`): where
+   the Balancer retargets replicas and the candidate keeps the homes in force, each step runs
+   those homes with replicas re-chosen from the step before, which is how its assessment priced
+   the recent steps; where `auto`'s plan would move homes unvouched, the job offers such a
+   *replica trial* in its place (`planning_job.run_job`, step 6). On `train_speedup.py`'s
+   `skewed` (2-core machine) the first adoption came at step 11 instead of 16 in every round
+   (docs/benchmarks.md, "A replica trial at the first re-plan").
 4. a candidate with replicas is not adopted (`unjudged`, no backoff) while no plan with
    replicas has been timed by the paired clock in this run and the run ends before the clock
    could judge one adopted now (`trial_judgeable`: `MIN_PROBES` probe steps, one every
@@ -64,7 +71,7 @@ from poise.runtime.assessment import Assessment
 from poise.runtime.decision import Outcome
 from poise.runtime.guard import SwitchGuard
 from poise.runtime.planner import adoption_lag
-from poise.runtime.planning_job import JobResult
+from poise.runtime.planning_job import JobResult, vouched
 from poise.runtime.verdict import MIN_PROBES
 
 
@@ -103,7 +110,13 @@ def leader_outcome(
         assessment, wait_s, switch_prior=result.switch_prior, horizon=result.horizon
     )
     steps = result.horizon or guard.horizon  # what `decide` credited the gain over
-    if decision.adopt and on_static and guard.enabled and not forecast_held(result, assessment):
+    if (
+        decision.adopt
+        and on_static
+        and guard.enabled
+        and not result.follows_router
+        and not forecast_held(result, assessment)
+    ):
         decision = replace(decision, adopt=False, reason="unsettled")
         reason = decision.reason
     elif decision.adopt and guard.enabled and blind:
@@ -151,10 +164,8 @@ def forecast_held(result: JobResult, candidate: Assessment | None = None) -> boo
     docstring, 3). False without a backtest, where that candidate was the static layout itself
     (nothing to learn from), and where the backtest was a holdout (`result.held_out`) and
     `candidate` holds replicas."""
-    tested = result.backtest
-    if candidate is not None and result.held_out and candidate.candidate_transfers_s > 0:
-        return False
-    return tested is not None and not tested.same and tested.live_gain_s() > 0
+    transfers_s = 0.0 if candidate is None else candidate.candidate_transfers_s
+    return vouched(result.backtest, result.held_out, transfers_s)
 
 
 def exit_outcome(

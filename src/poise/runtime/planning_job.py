@@ -26,7 +26,14 @@ process while training goes on:
 5. where the static layout is in force, price the last job's candidate on the steps run since
    its loads were taken (`backtest`): whether that forecast held (`poise.runtime.leader`);
    without such a candidate (the run's first re-plan, the first after a resume), a candidate
-   made from the window's older half, priced on its newer half (`holdout`).
+   made from the window's older half, priced on its newer half (`holdout`);
+6. where the static layout is in force, the Balancer retargets replicas (`retarget`) and `auto`'s
+   plan moves homes that no backtest vouches for (`vouched`), offer a *replica trial* instead:
+   the homes in force with the replicas that price least as they would run the recent steps
+   (`replica_budget` on `on_homes_in_force`), and name `auto`'s homes move for the next job to
+   backtest (`JobResult.backtest_next`). A candidate that keeps the homes in force rests on no
+   forecast (`follows_router`): its replicas are re-chosen each step from the step before, as
+   `assess(retarget=True)` priced them, so the leader adopts it without a backtest.
 
 Everything here is NumPy and plain data (no torch): a job and its `JobResult` pickle, so the
 planner can run it in another process, where its Python holds no lock the training thread needs.
@@ -50,7 +57,7 @@ from poise.plan.policies.base import PlanContext
 from poise.plan.policies.bounds import BOUNDS
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
-from poise.plan.retarget import ran_plans
+from poise.plan.retarget import homes_with, ran_plans, with_placement
 from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
@@ -156,7 +163,8 @@ class PlanningJob:
     `held_before`: the steps the load pattern had held before `history`'s first step, carried
     from the last plan (`poise.plan.persistence.carried_age`; `auto`'s option of that name);
     `holdout`: a job without a backtest may vouch for a homes-only candidate by a `holdout`
-    (off: the first adoption waits for a backtest, at the second re-plan at the earliest);
+    (off: the first adoption of a homes move waits for a backtest, at the second re-plan at the
+    earliest; a replica trial does not, step 6);
     `retarget`: the runtime retargets replicas each step (`Balancer(retarget=)`), so every
     assessment prices the recent steps as the plans would run them (`assess(retarget=)`)."""
 
@@ -207,7 +215,9 @@ class JobResult:
     candidate against the window's newer half; `backtest_next`: see `next_backtest`;
     `k_switch`: the scale of a switch's modelled migration the job priced with (the job's
     `measured_switch` where calibrating, else `fit.k_transfer`), which the guard takes as its
-    prior until a switch is measured (None: `fit.k_transfer`)."""
+    prior until a switch is measured (None: `fit.k_transfer`); `follows_router`: nothing of
+    `plan` rests on the forecast (`follows_router`), so the leader adopts it from the static
+    layout without a backtest's word."""
 
     plan: Plan
     assessment: Assessment
@@ -220,6 +230,7 @@ class JobResult:
     held_out: bool = False
     backtest_next: Plan | None = None
     k_switch: float | None = None
+    follows_router: bool = False
 
     @property
     def switch_prior(self) -> float:
@@ -322,17 +333,73 @@ def run_job(job: PlanningJob) -> JobResult:
             (target, assess(fitted, job.current, target, loads, prior, recent, job.retarget))
             for target in exit_plans(job.current, job.static, job.spec)
         )
-    horizon = plan_horizon(plan, job.horizon)
-    if job.steps_left is not None:  # no step past the run's end pays anything back
-        horizon = max(1, min(horizon, job.steps_left))
     made = holdout(job, cluster, options)
     if made is not None:  # no earlier candidate to backtest: one of the window's older half
         job = dataclasses.replace(job, backtest_plan=made[0], backtest_counts=made[1])
     tested = backtest(fitted, prior, job)
+    follows = follows_router(job, plan)
+    if (
+        trial_allowed(job)
+        and not (first or follows)
+        and not vouched(tested, False, assessment.candidate_transfers_s)
+    ):
+        # a homes move the leader would leave `unsettled`: offer the homes in force with the
+        # replicas that price least as run instead, and backtest the homes move next time
+        base = on_homes_in_force(plan, job, recent)
+        trial = replica_budget(fitted, base, recent, job.current.placement)
+        if trial.placement.replicas().any():
+            backtest_next = plan if backtest_next is None else backtest_next
+            plan, follows = trial, True
+            assessment = assess(fitted, job.current, plan, loads, prior, recent, True)
+    horizon = plan_horizon(plan, job.horizon)
+    if job.steps_left is not None:  # no step past the run's end pays anything back
+        horizon = max(1, min(horizon, job.steps_left))
     return JobResult(
         plan, assessment, cluster, fit, paid, exits, horizon, tested,
         held_out=made is not None, backtest_next=backtest_next, k_switch=k_switch,
+        follows_router=follows,
     )  # fmt: skip
+
+
+def vouched(tested: Assessment | None, held_out: bool, candidate_transfers_s: float) -> bool:
+    """Whether a backtest vouches for a candidate from the static layout (module docstring,
+    5): the last job's candidate, `tested` against the static layout on the steps run since,
+    would have saved time a step net of its transfers (`Assessment.live_gain_s` above 0), and,
+    where `tested` was a `holdout`, the candidate holds no replicas
+    (`candidate_transfers_s` 0). False without a backtest, or where `tested` was the static
+    layout itself (nothing to learn from)."""
+    if held_out and candidate_transfers_s > 0:
+        return False
+    return tested is not None and not tested.same and tested.live_gain_s() > 0
+
+
+def follows_router(job: PlanningJob, plan: Plan) -> bool:
+    """Whether nothing of `plan` rests on the job's forecast (module docstring, 6): the
+    Balancer retargets replicas each step (`job.retarget`) and `plan` keeps the homes in force
+    (`job.current`'s), so what it runs each step is the homes in force with replicas re-chosen
+    from the step before, as the assessment priced it on the recent steps."""
+    return job.retarget and np.array_equal(plan.placement.home, job.current.placement.home)
+
+
+def trial_allowed(job: PlanningJob) -> bool:
+    """Whether `job` may offer a replica trial (module docstring, 6): `auto` with retargeting
+    and the guard, the static layout in force, replicas allowed (not `homes_only`)."""
+    return (
+        job.policy == "auto"
+        and job.retarget
+        and job.guarded
+        and not job.homes_only
+        and job.current.digest() == job.static.digest()
+    )
+
+
+def on_homes_in_force(plan: Plan, job: PlanningJob, recent: np.ndarray) -> Plan:
+    """`plan` (its policy, notes and per-step splitting) on the homes in force with no
+    replicas, its tokens split to level the newest of `recent[S, L, D, E]`: what
+    `replica_budget` adds replicas to for a replica trial."""
+    cur = job.current.placement
+    counts = recent[-1] if len(recent) else job.history[-1]
+    return with_placement(plan, homes_with(cur, []), counts, cur, job.spec)
 
 
 def holdout_due(job: PlanningJob) -> bool:

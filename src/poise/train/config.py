@@ -31,7 +31,9 @@ without its replicas, so that the guard's wall clock compares neighbouring steps
 `holdout` (default off): on, with the guard, the run's first re-plan may adopt a homes-only
 plan vouched for by a holdout (made from the window's older half, priced on its newer half;
 `Balancer(holdout=...)`, whose own default is on, for loads that hold still from the start);
-off, the first adoption waits for the second re-plan's backtest. Off for training: a run from
+off, the first adoption of a homes move waits for the second re-plan's backtest (a replica
+trial on the homes in force, with `retarget`, does not: `poise.runtime.planning_job`). Off for
+training: a run from
 scratch routes its first steps with a router that is still moving, and on
 `benchmarks/train_speedup.py`'s `skewed-micro4` the holdout's homes of step 11 fell back at
 step 21 in every round and held the static layout to step 41 (auto without the holdout, in
