@@ -341,7 +341,7 @@ def run_job(job: PlanningJob) -> JobResult:
     if (
         trial_allowed(job)
         and not (first or follows)
-        and not vouched(tested, False, assessment.candidate_transfers_s)
+        and not vouched(tested, made is not None, assessment.candidate_transfers_s)
     ):
         # a homes move the leader would leave `unsettled`: offer the homes in force with the
         # replicas that price least as run instead, and backtest the homes move next time
