@@ -180,6 +180,14 @@ def _probed(rank: int, W: int, cluster) -> dict:
         return submit(fn, *args, **kw)
 
     balancer.planner.submit = spy  # type: ignore[method-assign]
+    begin = balancer._begin_probe
+    since: list[tuple[int, int]] = []  # (boundary, the boundary its plan took force) per probe
+
+    def begin_probe() -> None:
+        since.append((balancer.steps_done, balancer._plan_since))
+        begin()
+
+    balancer._begin_probe = begin_probe  # type: ignore[method-assign]
     losses = _train(model, opt, rank, 14, balancer)
     balancer.close()
     stats = list(balancer.stats)
@@ -187,6 +195,7 @@ def _probed(rank: int, W: int, cluster) -> dict:
     return {
         "losses": losses,
         "probe_steps": [s.step for s in stats if s.probe],
+        "probe_since": since,
         # what the boundary before each probe step launched (Trans) and the probe step's Agg
         "probe_bytes": [
             (stats[i - 1].trans_bytes, s.agg_bytes) for i, s in enumerate(stats) if s.probe
@@ -2073,8 +2082,10 @@ def test_probe_steps_idle_the_replicas_and_keep_the_mathematics(two_ranks: list[
     steps = probed["probe_steps"]
     assert 1 <= len(steps) <= 2, probed
     # a step's stats carry the number of the boundary it ran after: probes start at
-    # boundaries s with s % 3 == 1 (3 // 2)
-    assert all(t % 3 == 1 for t in steps), steps
+    # boundaries s with (s - plan_since) % 3 == 1 (3 // 2), counted from the plan's switch
+    begun = [b for b, _ in probed["probe_since"]]  # one begun at the last boundary never ran
+    assert begun[: len(steps)] == steps and len(begun) - len(steps) <= 1, probed["probe_since"]
+    assert all((b - since) % 3 == 1 and b - since >= 2 for b, since in probed["probe_since"])
     assert all(b == (0, 0) for b in probed["probe_bytes"]), probed["probe_bytes"]
     assert any(b > 0 for b in probed["replica_steps_bytes"])  # replicas did work elsewhere
     layout = probed["row_layout"]
@@ -2340,6 +2351,10 @@ def test_probing_stops_once_the_paired_clock_has_spoken() -> None:
     balancer = Balancer(model, opt, "auto", cluster=default_cluster(1), probe_every=5)
     balancer._layout, balancer._plan_since = REPLICAS, 0  # as if a plan with replicas ran
     assert [s for s in range(2, 20) if balancer._probe_due(s)] == [2, 7, 12, 17]
+    # counted from the plan's switch: adopted at 11, 4 probes start before the re-plan at 31
+    balancer._plan_since = 11
+    assert [s for s in range(11, 40) if balancer._probe_due(s)] == [13, 18, 23, 28, 33, 38]
+    balancer._plan_since = 0
     balancer.note_verdict(v(1e-3, 1e-3))  # inconclusive: probing goes on
     assert balancer._probe_due(7)
     balancer.note_verdict(v(5e-3, 1e-3))

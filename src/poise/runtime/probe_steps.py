@@ -2,8 +2,13 @@
 guard's wall clock can compare it with its neighbours (`poise.runtime.verdict`, `paired_clock`).
 
 While a plan with replicas is in force (an *episode*), the step after boundary `s` is a probe
-when `s % every == every // 2` (away from the re-plan boundaries when `every` divides
-`replan_every`), the plan has run a settled step (`s - plan_since >= 2`), fewer than
+when `(s - plan_since) % every == every // 2`, counted from the boundary where the plan took
+force (`plan_since`): a plan adopted at a re-plan boundary then gets `MIN_PROBES` probes (with
+`every` 5 and `replan_every` 10: after boundaries 2, 7, 12 and 17 steps on) before the second
+re-plan after it, whose verdict can settle the clock, and no probe falls on a re-plan boundary
+(where the count from the run's start put the 4th probe after it: `skewed` adopted at 11,
+probed after 17, 22, 27, 32 and 37, and settled at the re-plan of 41 on 5), the plan has run a
+settled step (`s - plan_since >= 2`), fewer than
 `max_probes` probes were taken in the episode, and no verdict shared in it was conclusive on
 them (`verdict.clock_settled`: more probes would only confirm it, each at the price of the
 replicas' saving once). A probe step routes every token to its expert's home
@@ -39,7 +44,7 @@ class ProbeSteps:
             self.every > 0
             and replicas_in_force
             and step - plan_since >= 2
-            and step % self.every == self.every // 2
+            and (step - plan_since) % self.every == self.every // 2
             and self.episode < self.max_probes
             and not self.settled
         )
