@@ -407,3 +407,11 @@ def test_a_replica_trial_from_the_static_layout_needs_no_forecast() -> None:
     assert decided(kept) == "adopt"
     # with homes only asked for (the clock refuted replicas), no trial
     assert not run_job(replace(job, homes_only=True)).plan.placement.replicas().any()
+    # a plan that routes by groups (HybridEP's) keeps its replicas where they are: not forecast-free
+    a = trial.plan.assignment
+    grouped = replace(
+        trial.plan,
+        assignment=replace(a, group_weights=trial.plan.placement.copies.transpose(0, 2, 1) * 1.0,
+                           group_size=1),
+    )  # fmt: skip
+    assert grouped.assignment.grouped and not follows_router(job, grouped)

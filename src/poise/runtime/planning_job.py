@@ -340,7 +340,7 @@ def run_job(job: PlanningJob) -> JobResult:
     follows = follows_router(job, plan)
     if (
         trial_allowed(job)
-        and not (first or follows)
+        and not (first or follows or plan.assignment.grouped)
         and not vouched(tested, made is not None, assessment.candidate_transfers_s)
     ):
         # a homes move the leader would leave `unsettled`: offer the homes in force with the
@@ -377,8 +377,13 @@ def follows_router(job: PlanningJob, plan: Plan) -> bool:
     """Whether nothing of `plan` rests on the job's forecast (module docstring, 6): the
     Balancer retargets replicas each step (`job.retarget`) and `plan` keeps the homes in force
     (`job.current`'s), so what it runs each step is the homes in force with replicas re-chosen
-    from the step before, as the assessment priced it on the recent steps."""
-    return job.retarget and np.array_equal(plan.placement.home, job.current.placement.home)
+    from the step before, as the assessment priced it on the recent steps. Never a plan that
+    routes by groups (HybridEP's): retargeting leaves its replicas where they are."""
+    return (
+        job.retarget
+        and not plan.assignment.grouped
+        and np.array_equal(plan.placement.home, job.current.placement.home)
+    )
 
 
 def trial_allowed(job: PlanningJob) -> bool:
