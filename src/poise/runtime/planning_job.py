@@ -324,6 +324,24 @@ def run_job(job: PlanningJob) -> JobResult:
         if budgeted:
             backtest_next = replica_budget(fitted, backtest_next, recent, job.current.placement)
     prior = CostModel(job.prior, job.spec)
+    made = holdout(job, cluster, options)
+    if made is not None:  # no earlier candidate to backtest: one of the window's older half
+        job = dataclasses.replace(job, backtest_plan=made[0], backtest_counts=made[1])
+    tested = backtest(fitted, prior, job)
+    follows = follows_router(job, plan)
+    # a homes move the leader would leave `unsettled` (no holdout here: not `first`): offer the
+    # homes in force with the replicas that price least as run instead, and backtest the homes
+    # move next time
+    if (
+        trial_allowed(job)
+        and not (first or follows or plan.assignment.grouped)
+        and not vouched(tested, held_out=False, candidate_transfers_s=0.0)
+    ):
+        base = on_homes_in_force(plan, job, recent)
+        trial = replica_budget(fitted, base, recent, job.current.placement)
+        if trial.placement.replicas().any():
+            backtest_next = plan if backtest_next is None else backtest_next
+            plan, follows = trial, True
     assessment = assess(
         fitted, job.current, plan, loads, switch_cost=prior, recent=recent, retarget=job.retarget
     )
@@ -333,24 +351,6 @@ def run_job(job: PlanningJob) -> JobResult:
             (target, assess(fitted, job.current, target, loads, prior, recent, job.retarget))
             for target in exit_plans(job.current, job.static, job.spec)
         )
-    made = holdout(job, cluster, options)
-    if made is not None:  # no earlier candidate to backtest: one of the window's older half
-        job = dataclasses.replace(job, backtest_plan=made[0], backtest_counts=made[1])
-    tested = backtest(fitted, prior, job)
-    follows = follows_router(job, plan)
-    if (
-        trial_allowed(job)
-        and not (first or follows or plan.assignment.grouped)
-        and not vouched(tested, made is not None, assessment.candidate_transfers_s)
-    ):
-        # a homes move the leader would leave `unsettled`: offer the homes in force with the
-        # replicas that price least as run instead, and backtest the homes move next time
-        base = on_homes_in_force(plan, job, recent)
-        trial = replica_budget(fitted, base, recent, job.current.placement)
-        if trial.placement.replicas().any():
-            backtest_next = plan if backtest_next is None else backtest_next
-            plan, follows = trial, True
-            assessment = assess(fitted, job.current, plan, loads, prior, recent, True)
     horizon = plan_horizon(plan, job.horizon)
     if job.steps_left is not None:  # no step past the run's end pays anything back
         horizon = max(1, min(horizon, job.steps_left))
