@@ -29,7 +29,7 @@ def _gain(per_step_s: float, switch_s: float = 0.0):
 
 def _outcome(
     guard, candidate, backtest, on_static: bool = True, held_out: bool = False,
-    planning_s: float = 0.0,
+    planning_s: float = 0.0, paid=None,
 ) -> str:  # fmt: skip
     from poise.core.placement import Plan
     from poise.runtime.leader import leader_outcome
@@ -38,7 +38,7 @@ def _outcome(
 
     cost, _, replica, _ = _replica_case()
     plan = Plan("fresh", replica.placement, replica.assignment, replica.transfers)
-    result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, backtest=backtest,
+    result = JobResult(plan, candidate, cost.cluster, Fit(), paid, horizon=10, backtest=backtest,
                        held_out=held_out)  # fmt: skip
     return leader_outcome(
         guard, result, wait_s=0.0, plan_s=0.0, planning_s=planning_s, on_static=on_static,
@@ -94,6 +94,33 @@ def test_a_refusal_at_a_holdout_is_never_idle() -> None:
     small = _gain(1e-6, 50e-3)
     assert _outcome(guard, small, None, planning_s=0.02, held_out=True) == "no-gain"
     assert _outcome(guard, small, None, planning_s=0.02) == "idle"
+
+
+def test_re_plans_back_off_under_a_plan_the_clock_proved() -> None:
+    """Under a plan in force, a refused candidate (10 us a step for a 50 ms switch) that did not
+    cover its planning's 20 ms of CPU backs the re-plans off (`idle`) once the paired clock has
+    settled that the plan pays (4 probes, 30 +- 5 ms a step: beyond t(3) = 3.18 standard
+    errors), and only then: with 3 probes, or 30 +- 10 ms (inconclusive), the next re-plan
+    carries the verdict that may still take the plan back (`no-gain`); so it does where the
+    planning cost the step nothing (accelerators), and where the candidate's gain covered it.
+    The backoff then skips the next re-plan."""
+    from poise.runtime.guard import SwitchGuard
+    from poise.runtime.verdict import Verdict
+
+    def paid(probes: int, se_s: float) -> Verdict:
+        return Verdict(0.3, 0.0, 10, wall_saving_s=0.030, wall_se_s=se_s, probes=probes)
+
+    guard = SwitchGuard(horizon=10, margin=0.0)
+    small = _gain(1e-6, 50e-3)  # 10 us over the horizon against a 50 ms switch
+    proved = paid(4, 0.005)
+    assert _outcome(guard, small, None, False, planning_s=0.02, paid=proved) == "idle"
+    assert _outcome(guard, small, None, False, planning_s=0.02, paid=paid(3, 0.005)) == "no-gain"
+    assert _outcome(guard, small, None, False, planning_s=0.02, paid=paid(4, 0.010)) == "no-gain"
+    assert _outcome(guard, small, None, False, planning_s=0.0, paid=proved) == "no-gain"
+    covered = _gain(5e-3, 60e-3)  # 50 ms over the horizon: refused, yet worth its planning
+    assert _outcome(guard, covered, None, False, planning_s=0.02, paid=proved) == "no-gain"
+    guard.planning_idle()  # what the Balancer does with an `idle` outcome
+    assert guard.skip_replan() and not guard.skip_replan()
 
 
 def test_the_backtest_prices_the_last_candidate_on_the_steps_since_by_hand() -> None:

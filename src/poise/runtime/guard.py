@@ -91,10 +91,13 @@ costs more over the horizon than moving them back, now or at a later fallback.
 
 Planning itself (`SwitchGuard.planning_pays`). Where the planner thread shares the cores with
 the training ranks (CPU devices), its CPU seconds slow the step as surely as a transfer. While
-the static layout is in force, a re-plan whose best candidate was refused and would not have
-saved even those seconds over its horizon says there is nothing here worth planning for: the
-next re-plans are skipped with the same doubling backoff as after a fallback (reset when a plan
-is adopted). On accelerators the charge is 0 and planning never backs off for its own cost.
+the static layout is in force, or a plan the paired clock has settled pays
+(`verdict.clock_proved`), a re-plan whose best candidate was refused and would not have saved
+even those seconds over its horizon says there is nothing here worth planning for: the next
+re-plans are skipped with the same doubling backoff as after a fallback (reset when a plan is
+adopted). Under a plan whose clock has not spoken the re-plans run on: each carries the verdict
+that may still take the plan back. On accelerators the charge is 0 and planning never backs
+off for its own cost.
 
 Every input is identical on every rank (gathered measurements, the same plan from the same
 loads), and one rank, the leader, decides for all (`poise.runtime.decision`), so no rank's own

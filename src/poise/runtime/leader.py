@@ -10,9 +10,13 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
 2. otherwise the candidate is adopted if it pays for its switch (`SwitchGuard.decide`), or
    refused (`same`, `no-gain`; `idle` where the static layout is in force, or the clock has
    refuted the model outright (`SwitchGuard.trust` 0: no candidate with replicas can be
-   adopted, and `auto` plans homes only until the re-trial, `SwitchGuard.replan_due`), and
-   the candidate's credited gain did not cover the planning's CPU seconds: the re-plans back
-   off);
+   adopted, and `auto` plans homes only until the re-trial, `SwitchGuard.replan_due`), or the
+   clock has settled that the plan in force pays (`verdict.clock_proved`: no probe is due and
+   the plan keeps its layout), and the candidate's credited gain did not cover the planning's
+   CPU seconds: the re-plans back off. On `train_speedup.py`'s `skewed` (2-core machine) the
+   re-plans of steps 21-91 all kept the replica trial of step 11, and each step that carried
+   one ran 20-35 ms slower than its neighbours, the job's 37-45 ms of CPU taken from the
+   ranks' cores);
 3. from the static layout, a candidate the guard would adopt is adopted only where the last job's
    candidate, priced on the steps run since its loads were taken, would have saved time a step net
    of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's first re-plan,
@@ -72,7 +76,7 @@ from poise.runtime.decision import Outcome
 from poise.runtime.guard import SwitchGuard
 from poise.runtime.planner import adoption_lag
 from poise.runtime.planning_job import JobResult, vouched
-from poise.runtime.verdict import MIN_PROBES
+from poise.runtime.verdict import MIN_PROBES, clock_proved
 
 
 def median_period_s(rows: np.ndarray) -> float:
@@ -125,7 +129,7 @@ def leader_outcome(
     elif decision.adopt:
         reason = decision.reason
     elif (
-        (on_static or guard.trust <= 0)
+        (on_static or guard.trust <= 0 or clock_proved(result.paid))
         and not result.held_out  # its candidate was held to homes: no verdict on planning
         and not guard.planning_pays(decision, planning_s)
     ):

@@ -250,6 +250,12 @@ def clock_settled(v: Verdict | None) -> bool:
     )
 
 
+def clock_proved(v: Verdict | None) -> bool:
+    """The paired clock has settled (`clock_settled`) that the plan in force saves time a step:
+    the plan pays on the wall clock's word, and no probe is due in its episode."""
+    return clock_settled(v) and v is not None and (v.wall_saving_s or 0.0) > 0
+
+
 def prediction_refuted(v: Verdict | None) -> bool:
     """The paired clock measured the replicas' saving more than `Verdict.z` standard errors below
     what the fitted model predicted for the same comparison (`Verdict.modelled_clock_s`, from
@@ -314,6 +320,7 @@ __all__ = [
     "T_975",
     "Verdict",
     "clock_ceiling",
+    "clock_proved",
     "clock_says_slower",
     "clock_settled",
     "clock_z",
