@@ -14,9 +14,9 @@ boundary where a plan is due and turns it into the `Outcome` every rank acts on
    clock has settled that the plan in force pays (`verdict.clock_proved`: no probe is due and
    the plan keeps its layout), and the candidate's credited gain did not cover the planning's
    CPU seconds: the re-plans back off. On `train_speedup.py`'s `skewed` (2-core machine) the
-   re-plans of steps 21-91 all kept the replica trial of step 11, and each step that carried
-   one ran 20-35 ms slower than its neighbours, the job's 37-45 ms of CPU taken from the
-   ranks' cores);
+   re-plans of steps 21-91 all kept the replica trial of step 11, and the steps that carried
+   them ran a median 23-27 ms slower than their neighbours, each job's 30-50 ms of CPU taken
+   from the ranks' cores);
 3. from the static layout, a candidate the guard would adopt is adopted only where the last job's
    candidate, priced on the steps run since its loads were taken, would have saved time a step net
    of its transfers (`JobResult.backtest`, `planning_job.backtest`; at the run's first re-plan,
