@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/contended_exchange.py --worlds 2 --layouts ring pair single
 
 What a replica's bulk transfer costs a step where the ranks share the host's cores: the
-start-up probe (`poise.runtime.probe`) times the bytes on idle cores, while in training Trans is
+start-up probe (`poise.runtime.selfcal.probe`) times the bytes on idle cores, while in training
+Trans is
 launched at a step boundary and waited for in the forward, with the ranks computing meanwhile.
 Each rank holds one replica of an expert of the next rank (`--layouts ring`, the default; the
 stacked SwiGLU tensors of `train_speedup`'s `skewed` settings: d_model 128, d_expert 1024,
@@ -65,7 +66,7 @@ def _rank(rank: int, world: int, rounds: int, repeats: int, layout: str) -> dict
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
-    from poise.runtime import transfers as tr
+    from poise.runtime.moves import transfers as tr
 
     torch.set_num_threads(1)
     holders = replica_holders(layout, world)

@@ -31,8 +31,8 @@ def _rank(rank: int, world: int, rounds: int, calls: int) -> dict[str, Any]:
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
-    from poise.runtime import transfers as tr
-    from poise.runtime.host_link import HostLink
+    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.host_link import HostLink
 
     shapes = [(SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_EXPERT, D_MODEL)]
     params = [torch.randn(*s) for s in shapes]

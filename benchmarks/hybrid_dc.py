@@ -182,7 +182,7 @@ def sweep() -> None:
 def codec_figures(experts: list[list[Any]], label: str) -> None:
     """`experts[layer][tensor]`: `[E, ...]` weights of every expert. Bytes and error per ratio
     (error: all layers and tensors together, Frobenius; bytes per expert and layer)."""
-    from poise.runtime import compress as cz
+    from poise.runtime.hybridep import compress as cz
 
     rows = sum(t[0].shape[0] for t in experts)  # experts x layers
 
@@ -229,7 +229,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
     from poise.models.gpt import GPTMoE, model_config
     from poise.nn import apply_expert_parallel, find_moe_layers
     from poise.runtime.balancer import Balancer
-    from poise.runtime.domains import domain_cluster
+    from poise.runtime.hybridep.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
 
     torch.manual_seed(0)

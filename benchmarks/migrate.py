@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, rounds: int, homes: int) -> dict[str, Any]:
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
-    from poise.runtime import transfers as tr
+    from poise.runtime.moves import transfers as tr
 
     shapes = [(SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_MODEL, D_EXPERT), (SLOTS, D_EXPERT, D_MODEL)]
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
@@ -86,8 +86,8 @@ def _paths(params: list, opt: Any, home: np.ndarray, world: int, homes: int) -> 
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
-    from poise.runtime import transfers as tr
-    from poise.runtime.host_link import HostLink
+    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.host_link import HostLink
 
     per_rank = EXPERTS // world
     swapped = home.copy()

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/parm_step.py          # 4 gloo ranks, 1 thread each, ~1 min
 
 Four ranks on this machine's CPU (gloo, fp32), MP = ESP = 2: two "nodes" of two ranks, EP = 2
-across them (`poise.runtime.parallel_groups`). Each node runs its own batch of `--batch` x
+across them (`poise.runtime.parm.groups`). Each node runs its own batch of `--batch` x
 `--seq` tokens through a pre-norm block (model-parallel attention, `--heads` heads, then a
 `ParallelMoE`: `--experts` SwiGLU experts of width `--d-expert`, top-`--top-k`, dropless), with
 the same weights under every schedule:
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from poise.models.gpt import GPTConfig, rotary_tables
-    from poise.runtime.parallel import ParallelGroups, parallel_block
+    from poise.runtime.parm.layer import ParallelGroups, parallel_block
 
     cfg = GPTConfig(
         d_model=args.d_model,

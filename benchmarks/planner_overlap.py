@@ -48,10 +48,10 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.models.gpt import GPTMoE, model_config
 from poise.plan.predict import parse_predictor
-from poise.runtime import selfcal
 from poise.runtime.plan_inputs import default_cluster
-from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planner.background import BackgroundPlanner
 from poise.runtime.planning_job import PlanningJob, run_job
+from poise.runtime.selfcal import fit as selfcal
 
 L, D, E, TOP_K, SLOTS, WINDOW = 4, 2, 32, 2, 17, 20
 

@@ -31,7 +31,7 @@ from poise.cost.model import CostModel
 from poise.plan.retarget import as_run
 from poise.runtime.balancer import default_cluster
 from poise.runtime.replica_budget import budget_options, replica_budget
-from poise.runtime.selfcal import live_parts
+from poise.runtime.selfcal.fit import live_parts
 
 SHAPES = (("skewed", 2, 16), ("skewed-4", 4, 32))  # name, ranks, experts
 LAYERS, STEPS = 4, 10

@@ -11,7 +11,7 @@ Each step of a 2- or 4-rank run (gloo, 1 thread a rank) does two things:
    pair: a dispatch) and `--compute-ms` of GEMMs.
 
 The bulk transfers run either on the tokens' group (`shared`) or on a second group over the
-same ranks (`separate`, `poise.runtime.transfer_group`). The two kinds take turns step by
+same ranks (`separate`, `poise.runtime.moves.transfer_group`). The two kinds take turns step by
 step. Printed, one JSON line: the median latency of each layer's dispatch under each kind, in
 ms, and the ratio shared / separate for the first layer's dispatch, which is issued right
 after the bulk transfers. Gloo serves a group's collectives from one queue with 2 worker
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from poise.runtime.transfer_group import transfer_group
+    from poise.runtime.moves.transfer_group import transfer_group
 
     own = transfer_group(None)
     layers = args["layers"]

@@ -34,7 +34,7 @@ def _outcome(
     from poise.core.placement import Plan
     from poise.runtime.leader import leader_outcome
     from poise.runtime.planning_job import JobResult
-    from poise.runtime.selfcal import Fit
+    from poise.runtime.selfcal.fit import Fit
 
     cost, _, replica, _ = _replica_case()
     plan = Plan("fresh", replica.placement, replica.assignment, replica.transfers)
@@ -74,8 +74,8 @@ def test_the_leader_adopts_from_static_only_where_the_last_forecast_held() -> No
 
 def test_an_unsettled_refusal_does_not_back_off() -> None:
     """`unsettled` is no adoption, and the next re-plan runs as usual: no skipped re-plans."""
-    from poise.runtime.decision import ADOPTING
     from poise.runtime.guard import SwitchGuard
+    from poise.runtime.planner.broadcast import ADOPTING
 
     guard = SwitchGuard(horizon=10, margin=0.0)
     assert "unsettled" not in ADOPTING

@@ -19,7 +19,7 @@ import torch
 
 from poise.core.errors import ConfigError
 from poise.runtime.guard import LEARNED, SwitchGuard
-from poise.runtime.selfcal import Fit, cluster_of
+from poise.runtime.selfcal.fit import Fit, cluster_of
 from poise.runtime.verdict import Verdict
 from tests.test_forecast_backtest import _gain
 from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs

@@ -35,7 +35,7 @@ STEADY_US = np.array([0, 2, -1, 1, 0, -2, 1, 0, -1, 2], dtype=float)
 
 
 def _rows(periods_s: np.ndarray) -> np.ndarray:
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     out = np.zeros((len(periods_s), len(selfcal.MEASURED)))
     out[:, selfcal.PERIOD] = periods_s
@@ -95,8 +95,8 @@ def test_the_planning_job_judges_the_plan_on_the_steady_probes() -> None:
     of freedom), so the replica plan pays; the replicas are priced from that clock too (its
     ceiling, 10.75 us, is above what the model says they save, 4,160 - 512 ns: `k_replica` 1).
     Judged on all six probes the clock would read the stall: -23.25 us a step."""
-    from poise.runtime import selfcal
     from poise.runtime.planning_job import run_job
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import plan_pays
 
     _, _, _, counts = _replica_case()

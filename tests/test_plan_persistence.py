@@ -202,7 +202,7 @@ def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
     # the leader passes the job's horizon on
     from poise.runtime.leader import leader_outcome
     from poise.runtime.planning_job import JobResult
-    from poise.runtime.selfcal import Fit
+    from poise.runtime.selfcal.fit import Fit
 
     def outcome(horizon: int | None) -> str:
         # (the last candidate, the same plan, would have passed on the steps since as well)

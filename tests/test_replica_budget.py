@@ -10,7 +10,7 @@ import pytest
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.cost.model import CostModel
 from poise.runtime.replica_budget import replica_budget
-from poise.runtime.selfcal import live_parts
+from poise.runtime.selfcal.fit import live_parts
 from tests.helpers import toy_cluster, toy_spec
 
 E, D, SLOTS = 4, 2, 3  # homes e0, e1 on d0; e2, e3 on d1; one spare slot a device and layer

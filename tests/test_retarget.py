@@ -199,7 +199,7 @@ def test_steps_are_priced_on_the_replicas_they_ran() -> None:
     from poise.core.placement import Assignment
     from poise.cost.model import CostModel
     from poise.plan.retarget import ran_plans
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
     from tests.helpers import toy_cluster, toy_spec
 
     spec = toy_spec(experts=4)
@@ -253,9 +253,9 @@ def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> Non
     from poise.core.placement import Assignment
     from poise.cost.model import CostModel
     from poise.plan.retarget import ran_plans
-    from poise.runtime.homes import homes_alone
+    from poise.runtime.moves.homes import homes_alone
     from poise.runtime.paired_clock import Probes, modelled_clock_parts
-    from poise.runtime.selfcal import live_parts
+    from poise.runtime.selfcal.fit import live_parts
     from tests.helpers import toy_cluster, toy_spec
 
     spec = toy_spec(experts=4)
@@ -290,8 +290,8 @@ def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> Non
 def test_the_records_hand_the_clock_what_each_probes_neighbours_ran() -> None:
     """`StepRecords.probe_pairs` gives each neighbour's `ran` rows with it (`Probes.pair_ran`),
     and a subset keeps them with their neighbours."""
-    from poise.runtime import selfcal
     from poise.runtime.records import PROBE, REPLICAS, StepRecords
+    from poise.runtime.selfcal import fit as selfcal
 
     records = StepRecords(10)
     layouts = [REPLICAS, PROBE, REPLICAS, REPLICAS, PROBE, REPLICAS]
@@ -362,8 +362,8 @@ def test_the_guard_prices_recent_steps_as_the_plans_would_run_them() -> None:
     s-1's hot expert, built by hand."""
     from poise.cost.model import CostModel
     from poise.runtime.assessment import assess
-    from poise.runtime.homes import homes_alone
-    from poise.runtime.selfcal import live_parts
+    from poise.runtime.moves.homes import homes_alone
+    from poise.runtime.selfcal.fit import live_parts
     from tests.helpers import toy_cluster
 
     spec = ModelSpec("toy", d_model=8, d_expert=16, experts=4, top_k=1, moe_layers=1)

@@ -561,8 +561,8 @@ def test_guard_adopts_what_pays_and_refuses_what_does_not(two_ranks: list[dict])
     # a request of step 3 decided 2 steps later switches where one of step 4 decided 1 later
     # does, so only the requests are compared)
     # each switch was measured from its own row and the steady rows after it, on every rank
-    from poise.runtime import selfcal
     from poise.runtime.guard import migration_seconds, switch_seconds
+    from poise.runtime.selfcal import fit as selfcal
 
     assert pays["switch_records"], pays
     for measured_s, modelled_s, migrate_s, (step, modelled, wait), rows in pays["switch_records"]:
@@ -979,8 +979,8 @@ def test_a_switch_is_measured_beyond_the_plans_steady_steps() -> None:
     transfers (its new replicas' first Trans awaited in the next forward); the steps after it
     expose 0.02 + 0.03, 0.02 + 0.05 and 0.02 + 0.04 s (median 0.06 s); 0.05 s of the boundary
     was the planner's wait: 0.42 - 0.06 - 0.05 = 0.31 s."""
-    from poise.runtime import selfcal
     from poise.runtime.guard import switch_seconds
+    from poise.runtime.selfcal import fit as selfcal
 
     rows = np.zeros((5, 1 + len(selfcal.MEASURED)))
     rows[:, 0] = [3, 4, 5, 6, 7]
@@ -1216,8 +1216,8 @@ def test_a_refuted_model_is_trusted_again_after_a_wait_that_doubles() -> None:
 
 
 def test_guard_keeps_a_plan_only_while_its_saving_beats_its_measured_transfers() -> None:
-    from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import Verdict, verdict
 
     cost, static, replica, counts = _replica_case()
@@ -1243,8 +1243,8 @@ def test_guard_drops_a_plan_the_wall_clock_measured_slower_than_static() -> None
     1.2533 * 1.4826 us * sqrt(1/3 + 1/3) = 1.517 us, with min(3, 3) - 1 = 2 degrees of freedom:
     conclusive beyond t = 4.303 of them (6.53 us). The model's test passes throughout (no
     transfers measured), so only the clock decides."""
-    from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import MIN_WALL_STEPS, verdict
 
     cost, static, replica, counts = _replica_case()
@@ -1294,8 +1294,8 @@ def test_a_conclusive_wall_clock_overrules_the_model() -> None:
     per step `w`, with standard error 1.517 us (as in the test above), decides when it is
     conclusive: w - z se > 0 keeps the plan, w + z se < 0 drops it (z = `clock_z(2)` = 4.303:
     3 steps a side, 2 degrees of freedom; z se = 6.53 us), else the model's test holds."""
-    from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import verdict
 
     cost, static, replica, counts = _replica_case()
@@ -1434,12 +1434,12 @@ def test_the_leader_records_what_an_adopted_plan_promised() -> None:
     """`leader_outcome` carries the adopted candidate's credited gain a step (`decide`'s gain
     over the horizon it used), `exit_outcome` a replacement's at its credit (half here: 10 of
     20 ms a step delivered); the Balancer passes it to `SwitchGuard.promised`."""
-    from poise.runtime import selfcal
     from poise.runtime.assessment import Assessment
     from poise.runtime.guard import SwitchGuard
     from poise.runtime.leader import exit_outcome, leader_outcome
     from poise.runtime.plan_inputs import default_cluster
     from poise.runtime.planning_job import JobResult
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import Verdict
     from tests.helpers import toy_spec
 
@@ -1468,8 +1468,8 @@ def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:
     import dataclasses
 
     from poise.cost.host import dispatch_rows
-    from poise.runtime import selfcal
     from poise.runtime.plan_inputs import default_cluster
+    from poise.runtime.selfcal import fit as selfcal
     from tests.helpers import toy_spec
 
     base = default_cluster(4)
@@ -1500,7 +1500,7 @@ def test_per_step_pricing_matches_a_loop_over_the_steps() -> None:
 
 
 def test_self_calibration_fits_the_scales() -> None:
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     assert selfcal.fit_scale(np.array([2.0, 4.0]), np.array([1.0, 2.0]), 0.0) == 2.0
     pulled = selfcal.fit_scale(np.array([2.0, 4.0]), np.array([1.0, 2.0]), 4.0)
@@ -1537,8 +1537,8 @@ def test_self_calibration_fits_compute_transfers_and_dispatch_by_hand() -> None:
     prior the fit recovers exactly 2, 3 and 100 ns, and the fitted cluster prices the plan's
     transfers at 3 * 512 ns, its all-to-all at the link's 640 ns and its dispatcher at 100 ns
     per row."""
-    from poise.runtime import selfcal
-    from poise.runtime.selfcal import A2A, BOUNDARY, EXPERTS, TRANSFERS
+    from poise.runtime.selfcal.fit import A2A, BOUNDARY, EXPERTS, TRANSFERS
+    from poise.runtime.selfcal import fit as selfcal
 
     cost, static, replica, counts = _replica_case()
     steps = np.stack([counts, 2 * counts, 3 * counts])  # [S=3, L, D, E]
@@ -1576,7 +1576,7 @@ def test_device_compute_is_every_devices_expert_forward_by_hand() -> None:
     """`_replica_case`: 128 FLOP a token at 1e9 FLOP/s. Static: d0 computes 30 tokens (e0:
     10 + 20), d1 70 -> 3,840 and 8,960 ns; the replica plan: d0 60 (its 30 e1-tokens stay),
     d1 40 -> 7,680 and 5,120 ns; summed over the layers of each step, the steps' counts scaled."""
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     cost, static, replica, counts = _replica_case()
     steps = np.stack([counts, 2 * counts])
@@ -1596,7 +1596,7 @@ def test_marginal_compute_fit_ignores_per_call_seconds_and_drift() -> None:
     seconds over the model's) reads the fixed seconds as rows (k > 2). With noise the weight of
     each side follows its standard error: little spread between ranks leaves the centre nearly
     as it was; wide spread overrules it (inverse-variance weights, computed by hand here)."""
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     rng = np.random.default_rng(0)
     m = rng.uniform(1.0, 10.0, size=(12, 3))  # [S, D] model seconds
@@ -1630,7 +1630,7 @@ def test_fit_cluster_takes_the_marginal_compute_from_every_ranks_seconds() -> No
     a step: `k_compute` 2 and `expert_fixed_s` 5 us from the ranks' own seconds (the slowest
     rank's alone, through the origin, fitted more); the next fit starts from it, and on steps
     whose ranks computed alike (no spread: nothing to fit) keeps it."""
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     cost, static, _, counts = _replica_case()
     steps = np.stack([counts, 2 * counts, 3 * counts, 4 * counts])
@@ -1653,7 +1653,7 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     import threading
 
     from poise.core.errors import PoiseError
-    from poise.runtime.planner import BackgroundPlanner
+    from poise.runtime.planner.background import BackgroundPlanner
 
     planner = BackgroundPlanner(process=False)  # a thread: the job is a closure
     release = threading.Event()
@@ -1678,10 +1678,10 @@ def test_a_plan_is_decided_as_many_steps_after_its_request_as_planning_took() ->
 
     import torch
 
-    from poise.runtime import selfcal
     from poise.runtime.leader import median_period_s
-    from poise.runtime.planner import adoption_lag
+    from poise.runtime.planner.background import adoption_lag
     from poise.runtime.records import FIT_WINDOW
+    from poise.runtime.selfcal import fit as selfcal
 
     assert adoption_lag(0.25, 0.1, 1) == 3  # ready during the third step
     assert adoption_lag(0.05, 0.1, 1) == 1 and adoption_lag(0.3, 0.1, 1) == 3
@@ -1718,7 +1718,7 @@ def test_each_steps_period_holds_its_own_agg() -> None:
     predecessor's Agg as its own time and the clock credited the replicas with it."""
     import time
 
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     model, opt, balancer = _one_rank_balancer(replan_every=100, plan_lag=1, guard=False)
     finish = balancer.moves.finish_aggs
@@ -1801,7 +1801,7 @@ def test_the_planner_thread_runs_at_the_lowest_priority() -> None:
     import sys
     import threading
 
-    from poise.runtime.planner import BackgroundPlanner
+    from poise.runtime.planner.background import BackgroundPlanner
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread priority is Linux's")
@@ -1822,7 +1822,7 @@ def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> Non
     from functools import partial
 
     from poise.core.errors import PoiseError
-    from poise.runtime.planner import BackgroundPlanner
+    from poise.runtime.planner.background import BackgroundPlanner
 
     planner = BackgroundPlanner(preload=("poise.runtime.planning_job",))
     try:
@@ -1850,7 +1850,7 @@ def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> Non
         planner.close()
     import gc
 
-    from poise.runtime.planner import WorkerProcess
+    from poise.runtime.planner.background import WorkerProcess
 
     dropped = WorkerProcess()
     proc = dropped.proc
@@ -1879,7 +1879,7 @@ def test_the_planner_process_takes_the_priority_it_is_given() -> None:
     from functools import partial
 
     from poise.core.errors import PoiseError
-    from poise.runtime.planner import BackgroundPlanner
+    from poise.runtime.planner.background import BackgroundPlanner
 
     with pytest.raises(PoiseError, match="priority must be one of"):
         BackgroundPlanner(priority="realtime")
@@ -1904,7 +1904,7 @@ def test_a_plan_that_only_changes_replicas_moves_no_home() -> None:
     """`apply` re-lays rows (a collective over every weight and moment) only where home slots
     change: adding, swapping or dropping replicas keeps every rank's homes in their slots."""
     from poise.nn.slots import slot_maps
-    from poise.runtime.layer_state import same_homes
+    from poise.runtime.moves.layer_state import same_homes
 
     static = Placement.from_homes(np.array([[0, 0, 1, 1]]), 2, 3)
     replica = static.copy()
@@ -1932,8 +1932,8 @@ def _static_auto_job():
     (2 ranks, 5 slots each), 4 steps of the same counts measured, calibrating, not the first
     re-plan (a backtest plan is given: no holdout)."""
     from poise.plan.predict import Predictor
-    from poise.runtime import selfcal
     from poise.runtime.planning_job import PlanningJob
+    from poise.runtime.selfcal import fit as selfcal
     from tests.helpers import toy_cluster, toy_spec
 
     spec = toy_spec(experts=8, d_model=64, d_expert=256)
@@ -1984,8 +1984,8 @@ def test_the_planning_job_prices_the_exits_only_when_the_plan_in_force_did_not_p
     transfers a step it does not (`plan_pays`), and both exits of `exit_plans` come priced
     (here one: static). With the guard off, none is priced."""
     from poise.plan.predict import Predictor
-    from poise.runtime import selfcal
     from poise.runtime.planning_job import PlanningJob, run_job
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import plan_pays
     from tests.helpers import toy_spec
 
@@ -2044,7 +2044,7 @@ def test_every_rank_s_seconds_are_recorded_as_it_measured_them(two_ranks: list[d
     """`StepStats.rank_seconds`: on both ranks, per step, every `selfcal.MEASURED` column, and
     rank r's experts seconds are what rank r measured itself (to the nanosecond the gather
     rounds to); some rank's transfers column is non-zero (the run had replicas)."""
-    from poise.runtime import selfcal
+    from poise.runtime.selfcal import fit as selfcal
 
     runs = [r["probed"] for r in two_ranks]
     for run in runs:
@@ -2117,9 +2117,9 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
     The static steps of the run's start, at drift 0, would have judged the same plan on the
     drift instead (the clock's older test, without probes); with fewer than `MIN_PROBES`
     probes the clock is not taken."""
-    from poise.runtime import selfcal
     from poise.runtime.guard import SwitchGuard
     from poise.runtime.paired_clock import Probes, paired_clock
+    from poise.runtime.selfcal import fit as selfcal
     from poise.runtime.verdict import MIN_PROBES, verdict
 
     cost, static, replica, counts = _replica_case()
@@ -2173,8 +2173,8 @@ def test_the_paired_clock_sees_through_the_machines_drift() -> None:
 def _probes_reading(counts: np.ndarray, clocks_s: np.ndarray):
     """`Probes` on `_replica_case`'s counts whose probe i ran `clocks_s[i]` slower than its
     one neighbour (the paired clock's `d_i`)."""
-    from poise.runtime import selfcal
     from poise.runtime.paired_clock import Probes
+    from poise.runtime.selfcal import fit as selfcal
 
     n = len(clocks_s)
     steps = np.stack([counts] * n)
@@ -2189,8 +2189,8 @@ def _replica_job(probes):
     """A calibrating `PlanningJob` with `_replica_case`'s replica plan in force for as many
     steps as `probes` has, those steps' rows empty but their periods (1 ms)."""
     from poise.plan.predict import Predictor
-    from poise.runtime import selfcal
     from poise.runtime.planning_job import PlanningJob
+    from poise.runtime.selfcal import fit as selfcal
     from tests.helpers import toy_spec
 
     cost, static, replica, counts = _replica_case()

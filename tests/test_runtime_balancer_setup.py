@@ -12,7 +12,7 @@ from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
 from poise.nn import MoE, MoEConfig, apply_expert_parallel
 from poise.runtime.balancer_setup import initial_plan, layer_slots
-from poise.runtime.layer_state import LayerState
+from poise.runtime.moves.layer_state import LayerState
 
 SPEC = ModelSpec(name="t", d_model=16, d_expert=32, experts=8, top_k=2, moe_layers=2)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from poise.core.errors import ConfigError
-from poise.runtime import compress as cz
+from poise.runtime.hybridep import compress as cz
 from poise.runtime.launch import run_ranks
 
 
@@ -143,8 +143,8 @@ def _weights(rank: int) -> list[torch.Tensor]:
 
 
 def _compressed_trans(rank: int, W: int) -> dict:
-    from poise.runtime import transfers as tr
-    from poise.runtime.domains_trans import trans_compressed
+    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.compressed_trans import trans_compressed
 
     maps = _maps()
     out: dict = {"before": [w.numpy().copy() for w in _weights(rank)]}

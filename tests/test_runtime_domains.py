@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.runtime.domains import cross_domain_tokens, domain_cluster
+from poise.runtime.hybridep.domains import cross_domain_tokens, domain_cluster
 from poise.runtime.launch import run_ranks
 
 from .helpers import train_residual_moe
@@ -81,7 +81,7 @@ class _Traffic:
 
 def _run(rank: int, W: int) -> dict:
     from poise.runtime.balancer import Balancer
-    from poise.runtime.domains import DomainTraffic
+    from poise.runtime.hybridep.domains import DomainTraffic
 
     cluster = domain_cluster(2, 1, 2, wan_bw_Bps=1e6)
     model, opt = _build()

@@ -1,10 +1,10 @@
-"""`poise.runtime.homes`: homes re-chosen among an expert's holders (hand-worked cases)."""
+"""`poise.runtime.moves.homes`: homes re-chosen among an expert's holders (hand-worked cases)."""
 
 import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.runtime.homes import choose_homes, keep_homes
+from poise.runtime.moves.homes import choose_homes, keep_homes
 
 SPEC = ModelSpec("t", 8, 16, 6, 1, 1, dtype_bytes=4, optimizer_bytes_per_param=8.0)
 

@@ -1,4 +1,4 @@
-"""Shared-memory channels between the ranks of one host (`poise.runtime.host_link`).
+"""Shared-memory channels between the ranks of one host (`poise.runtime.moves.host_link`).
 
 Turns of random sizes (growing regions) and random data on 2 and 3 gloo ranks, with ranks that
 read late or start a turn before reading the last: every rank must receive exactly what each
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poise.runtime.host_link import ALIGN, half_bytes, segment_offsets
 from poise.runtime.launch import run_ranks
+from poise.runtime.moves.host_link import ALIGN, half_bytes, segment_offsets
 
 TURNS = 12
 
@@ -32,7 +32,7 @@ def _rank_turns(rank: int, W: int, seed: int) -> list[list[np.ndarray | None]]:
 
     import torch
 
-    from poise.runtime.host_link import HostLink
+    from poise.runtime.moves.host_link import HostLink
 
     link = HostLink.connect()
     assert link is not None
@@ -83,8 +83,8 @@ def _rank_no_room(rank: int, W: int) -> dict:
     through each channel."""
     import torch
 
-    from poise.runtime import transfers as tr
-    from poise.runtime.host_link import HostLink, shm_dir
+    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.host_link import HostLink, shm_dir
 
     link = HostLink.connect()
     assert link is not None

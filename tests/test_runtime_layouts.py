@@ -16,7 +16,7 @@ from poise.core.errors import ConfigError, PlanError
 from poise.layouts.pool import Layout
 from poise.nn import MoE, MoEConfig, apply_expert_parallel, sync_router_grads
 from poise.runtime.launch import run_ranks
-from poise.runtime.layouts import (
+from poise.runtime.smartmoe import (
     all_reduce_expert_grads,
     create_groups,
     expert_weights,

@@ -19,8 +19,8 @@ from poise.core.errors import ConfigError
 from poise.models.gpt import Block, GPTConfig, rotary_tables
 from poise.nn import MoE, MoEConfig, NonFiniteInputError
 from poise.runtime.launch import run_ranks
-from poise.runtime.parallel_choice import ParmChooser, ParmShape, local_cluster
-from poise.runtime.parallel_groups import ParallelGroups, check_degrees
+from poise.runtime.parm.choice import ParmChooser, ParmShape, local_cluster
+from poise.runtime.parm.groups import ParallelGroups, check_degrees
 
 TOL = 1e-5
 CFG = GPTConfig(d_model=32, heads=4, d_expert=48, num_experts=4, top_k=2, context=16)
@@ -65,7 +65,7 @@ def choose_s2(shape: ParmShape) -> str:
 
 
 def _rank(rank: int, world: int, ref: dict[str, Any]) -> dict[str, Any]:
-    from poise.runtime.parallel import (
+    from poise.runtime.parm.layer import (
         ParallelMoE,
         full_state,
         parallel_block,

@@ -1,4 +1,5 @@
-"""`poise.runtime.probe`: the start-up bulk-transfer probe and the switch probe priced by hand
+"""`poise.runtime.selfcal.probe`: the start-up bulk-transfer probe and the switch probe priced by
+hand
 and measured on real gloo ranks (every rank gets the same figures); the switch probe's scale is
 what the first switch is priced at, by `auto` and by the guard, until a switch is measured."""
 
@@ -11,7 +12,7 @@ import pytest
 
 from poise.core.spec import ModelSpec
 from poise.runtime.launch import run_ranks
-from poise.runtime.probe import (
+from poise.runtime.selfcal.probe import (
     measure_probe_s,
     modelled_probe_s,
     probe_switch_scale,
@@ -65,7 +66,7 @@ def test_the_switch_probe_moves_half_a_ranks_experts_within_its_byte_bound() -> 
     """8 experts on 2 ranks: 2 homes a rank (half of 4); on 8 ranks, 1 (never none); a bound of
     3 experts' bytes caps 32 experts on 2 ranks (half: 8) at 3. The moves by hand: 2 homes of
     589,824 bytes a rank on its 1 GB/s link, one latency."""
-    import poise.runtime.probe as probe
+    import poise.runtime.selfcal.probe as probe
 
     assert switch_probe_homes(SPEC, 2) == 2 and switch_probe_homes(SPEC, 8) == 1
     wide = dataclasses.replace(SPEC, experts=32)
@@ -86,7 +87,7 @@ def test_the_switch_probes_layer_holds_each_homes_migration_bytes() -> None:
     parameter at 4 bytes one); a bf16 spec with 12 bytes of state holds 6 moments."""
     import torch
 
-    from poise.runtime.probe import _synthetic_layer
+    from poise.runtime.selfcal.probe import _synthetic_layer
 
     for spec in (SPEC, dataclasses.replace(SPEC, dtype_bytes=2, optimizer_bytes_per_param=12.0)):
         params, opt = _synthetic_layer(spec, 3, torch.device("cpu"))
@@ -99,8 +100,8 @@ def test_the_switch_probes_layer_holds_each_homes_migration_bytes() -> None:
 def _switch_probe(rank: int, world: int) -> tuple:
     import torch.distributed as dist
 
-    from poise.runtime.host_link import HostLink
-    from poise.runtime.transfers import Scratch
+    from poise.runtime.moves.host_link import HostLink
+    from poise.runtime.moves.transfers import Scratch
 
     cluster = toy_cluster(world, bw=1e9, lat=1e-5)
     scratch = Scratch()
@@ -149,8 +150,8 @@ def test_the_balancer_probes_its_switches_own_path(host_link: bool) -> None:
     `LayerMoves`: through gloo it leaves the buffers its switches keep sized for the probe's
     homes (sent and received); with `host_link` it migrates through its link's channel (a turn
     a migration: the warm-up and 5 rounds) and those buffers stay empty."""
-    from poise.runtime.probe import ROUNDS
-    from poise.runtime.selfcal import SCALE_LIMITS
+    from poise.runtime.selfcal.fit import SCALE_LIMITS
+    from poise.runtime.selfcal.probe import ROUNDS
 
     results = run_ranks(_balancer_probes, 2, host_link)
     (k, measured, modelled, homes), kept, migration_bytes, turns = results[0]
@@ -203,7 +204,7 @@ def _leader_switch_s(guard, candidate, k_switch) -> float:
     from poise.core.placement import Plan
     from poise.runtime.leader import leader_outcome
     from poise.runtime.planning_job import JobResult
-    from poise.runtime.selfcal import Fit
+    from poise.runtime.selfcal.fit import Fit
     from tests.test_runtime_balancer import _replica_case
 
     cost, _, replica, _ = _replica_case()
@@ -221,7 +222,7 @@ def _timed(rank: int, world: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from poise.runtime.probe import timed_rounds
+    from poise.runtime.selfcal.probe import timed_rounds
 
     def round_(r: int) -> None:  # a slow warm-up round; rank 1 slower than rank 0 throughout
         time.sleep((0.3, 0.02, 0.08)[r] + 0.05 * rank)

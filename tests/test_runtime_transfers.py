@@ -14,7 +14,7 @@ from poise.core.placement import Placement, transfers_between
 from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
 from poise.runtime.launch import run_ranks
-from poise.runtime.transfers import (
+from poise.runtime.moves.transfers import (
     Routes,
     TransferError,
     agg_routes,
@@ -68,8 +68,8 @@ def make_case(seed: int, W: int) -> dict:
 def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> list[dict]:
     import torch
 
-    from poise.runtime import transfers as tr
-    from poise.runtime.host_link import HostLink
+    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.host_link import HostLink
 
     link = HostLink.connect() if shared else None
     assert (link is not None) == shared

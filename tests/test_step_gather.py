@@ -9,9 +9,9 @@ import torch
 
 from poise.nn import MoE, MoEConfig, apply_expert_parallel
 from poise.nn.moe import NonFiniteInputError
-from poise.runtime import selfcal
 from poise.runtime.launch import run_ranks
-from poise.runtime.layer_state import LayerState
+from poise.runtime.moves.layer_state import LayerState
+from poise.runtime.selfcal import fit as selfcal
 from poise.runtime.step_gather import gather_step
 
 E = 4  # experts

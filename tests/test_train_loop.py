@@ -266,7 +266,7 @@ def test_resume_four_ranks_onto_two(runs):
 
 
 def test_summary_records_the_transfer_probe(runs):
-    """A self-calibrating balancing run records its start-up probes (`poise.runtime.probe`:
+    """A self-calibrating balancing run records its start-up probes (`poise.runtime.selfcal.probe`:
     the exchange's and the switch's, 2 homes a rank of the 8 experts on 2 ranks); a run
     without self-calibration or balancing does not probe."""
     import json

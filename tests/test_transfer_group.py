@@ -1,4 +1,4 @@
-"""`poise.runtime.transfer_group`: the transfers' own process group, on real gloo ranks."""
+"""`poise.runtime.moves.transfer_group`: the transfers' own process group, on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def _groups(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from poise.runtime.transfer_group import spans_world, transfer_group
+    from poise.runtime.moves.transfer_group import spans_world, transfer_group
 
     sub = dist.new_group([0, 1])  # collective on every rank, in the same order
     own = transfer_group(None)  # the world: a new group over every rank
@@ -47,7 +47,7 @@ def test_transfers_get_a_group_of_their_own_over_the_same_ranks() -> None:
 
 
 def test_without_a_process_group_the_group_is_given_back() -> None:
-    from poise.runtime.transfer_group import transfer_group
+    from poise.runtime.moves.transfer_group import transfer_group
 
     marker = object()
     assert transfer_group(marker) is marker  # type: ignore[arg-type]

@@ -113,7 +113,7 @@ def _proc_state(pid: int) -> tuple[str, int]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_paused_planner_stops_and_its_plan_time_leaves_the_pause_out():
-    from poise.runtime.planner import BackgroundPlanner
+    from poise.runtime.planner.background import BackgroundPlanner
 
     planner = BackgroundPlanner(process=True)
     job = functools.partial(sum, range(80_000_000))  # about a second of one core

@@ -30,8 +30,8 @@ def test_the_leader_refuses_blind_replicas_only(monkeypatch) -> None:
     needed): with replicas (Trans and Agg priced) and `blind_replicas`, `unjudged`; without
     replicas, or not blind, or with the guard off, as before."""
     import poise.runtime.leader as leader
-    from poise.runtime.decision import ADOPTING
     from poise.runtime.guard import SwitchGuard
+    from poise.runtime.planner.broadcast import ADOPTING
 
     guard = SwitchGuard(horizon=10, margin=0.0)
     replicas = dataclasses.replace(_gain(10e-3, 50e-3), candidate_transfers_s=1e-3)

@@ -186,7 +186,7 @@ class HostCosts:
       all-reduce on the cluster's links (`poise.cost.collectives.hierarchical_allreduce_s`);
     - bulk expert transfers (Trans, Agg, migration) take `transfer_scale` times their link
       time: the packing and copying of expert rows beyond the wire, which on CPU ranks over
-      gloo dominates (the live Balancer fits it, `poise.runtime.selfcal`); the token
+      gloo dominates (the live Balancer fits it, `poise.runtime.selfcal.fit`); the token
       all-to-all's extra is `dispatch_*` instead;
     - `shared_cores` (0: off): the devices are processes that share this many cores' worth of
       compute (CPU ranks on one host, more ranks x threads than cores). A rank that waits then

@@ -7,7 +7,8 @@ model on the expected load distribution and keeps a small pool of the best; onli
 experts inside the layout in force (our `permute` policy) and picks the pool's best layout for
 the load it currently sees. This module is the layouts themselves (`Layout`, their
 enumeration and feasibility); `poise.layouts.price` prices and ranks them and re-places experts
-inside one; `poise.layouts.online` picks within the pool; `poise.runtime.layouts` starts training in
+inside one; `poise.layouts.online` picks within the pool; `poise.runtime.smartmoe` starts training
+in
 a layout. NumPy only.
 
 Glossary (one layout on D devices, E experts, L MoE layers):

@@ -21,7 +21,7 @@ import numpy as np
 from poise.core.placement import Plan
 from poise.cost.model import CostModel, PlanCost
 from poise.plan.retarget import as_run
-from poise.runtime.selfcal import busy_and_transfers, live_parts
+from poise.runtime.selfcal.fit import busy_and_transfers, live_parts
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ Each step:
   optimizer steps;
 - `reduce_replicas`: Agg (replica gradients summed into their homes, zeroed);
 - `step`: every `replan_every` steps the leader (rank 0 of the vote group) requests a plan from
-  its background planner (`poise.runtime.planner`, a worker process, running
-  `poise.runtime.planning_job`; `poise.runtime.decision`): it fits the cost
-  model's constants to the measured phases (`poise.runtime.selfcal`), forecasts `[L, D, E]`
+  its background planner (`poise.runtime.planner.background`, a worker process, running
+  `poise.runtime.planning_job`; `poise.runtime.planner.broadcast`): it fits the cost
+  model's constants to the measured phases (`poise.runtime.selfcal.fit`), forecasts `[L, D, E]`
   from the window and runs the policy (each expert's home then re-chosen among its holders:
-  `poise.runtime.homes`), while training goes on. The plan is decided `plan_lag`
+  `poise.runtime.moves.homes`), while training goes on. The plan is decided `plan_lag`
   steps later, at the same step boundary on every rank (the leader waits for its planner there
   if it must, the others for the leader's broadcast; `plan_lag=0` plans at once); later
   requests are decided as many steps later as the last job took (`planner.adoption_lag`, at
@@ -63,8 +63,9 @@ and parameters up to float summation order.
 
 Compressed migration (HybridEP's parameter-efficient migration, off by default): with
 `compression=ratio`, Trans and the replica fills of a migration send each replica as the
-layer's shared expert plus the top-`ratio` share of its residual (`poise.runtime.compress`,
-`poise.runtime.domains_trans`). Replicas then compute with approximate weights, so the losses
+layer's shared expert plus the top-`ratio` share of its residual (`poise.runtime.hybridep.compress`,
+`poise.runtime.moves.compressed_trans`). Replicas then compute with approximate weights, so the
+losses
 are no longer static EP's; homes, their optimizer state and Agg are unchanged.
 """
 
@@ -88,19 +89,18 @@ from poise.core.spec import ModelSpec
 from poise.nn.moe import find_moe_layers
 from poise.plan.predict import Predictor, parse_predictor
 from poise.plan.retarget import retargeted
-from poise.runtime import selfcal
 from poise.runtime.balancer_setup import check_settings, initial_plan, layer_slots
-from poise.runtime.compress import Compression
-from poise.runtime.decision import is_leader
 from poise.runtime.guard import SwitchGuard
-from poise.runtime.host_link import HostLink
-from poise.runtime.layer_moves import LayerMoves
-from poise.runtime.layer_state import LayerState, expert_params
+from poise.runtime.hybridep.compress import Compression
+from poise.runtime.moves.host_link import HostLink
+from poise.runtime.moves.layer_moves import LayerMoves
+from poise.runtime.moves.layer_state import LayerState, expert_params
+from poise.runtime.moves.transfer_group import transfer_group as own_transfer_group
 from poise.runtime.plan_cycle import PlanCycle, PlanMismatchError
 from poise.runtime.plan_inputs import default_cluster, prior_cluster, spec_from_layers
-from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planner.background import BackgroundPlanner
+from poise.runtime.planner.broadcast import is_leader
 from poise.runtime.planning_job import run_job
-from poise.runtime.probe import start_up_probes
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import (
     LAYOUT_NAMES,
@@ -110,9 +110,10 @@ from poise.runtime.records import (
     STATIC,
     StepRecords,
 )
+from poise.runtime.selfcal import fit as selfcal
+from poise.runtime.selfcal.probe import start_up_probes
 from poise.runtime.stats import StepStats, layer_loads
 from poise.runtime.step_gather import gather_step
-from poise.runtime.transfer_group import transfer_group as own_transfer_group
 from poise.runtime.untimed import UNTIMED, UntimedWindows, free_settings
 from poise.runtime.verdict import MIN_PROBES, Verdict
 
@@ -143,13 +144,14 @@ class Balancer(PlanCycle):
       `guard_margin`: the switch must be paid (1 + margin) times; `guard_horizon`: steps a plan
       is expected to serve (default `replan_every`; an `auto` plan's own horizon where longer);
     - `calibrate`: fit the cluster's compute, transfer and dispatch constants to this run's
-      measured phases (`poise.runtime.selfcal`) and plan with the fitted cluster;
+      measured phases (`poise.runtime.selfcal.fit`) and plan with the fitted cluster;
       `probe_transfers` (with `calibrate`, a balancing policy and more than one rank): time one
-      migration's worth of bulk traffic at start-up (`poise.runtime.probe`, collective) and
+      migration's worth of bulk traffic at start-up (`poise.runtime.selfcal.probe`, collective) and
       start `k_transfer` there instead of at the prior's 1, and time a synthetic switch's
       migration (`probe.probe_switch_scale`: half a rank's experts with their moments through
       `transfers.migrate`), the first switch's price until one is measured;
-    - `plan_process`: plan in a worker process (`poise.runtime.planner`: a planning thread
+    - `plan_process`: plan in a worker process (`poise.runtime.planner.background`: a planning
+    thread
       would hold the interpreter lock the training thread needs between its tensor operations);
       False: on a thread of this process;
     - `hooks`: legacy mode: run `reduce_replicas`/`step` from optimizer step hooks;
@@ -157,7 +159,7 @@ class Balancer(PlanCycle):
       (else both run at the step boundary);
     - `check_plans`: every rank plans too and compares its plan's hash with the leader's
       (`PlanMismatchError`): a determinism check that costs each rank the planning (off: only
-      the leader plans, `poise.runtime.decision`);
+      the leader plans, `poise.runtime.planner.broadcast`);
     - `vote_group`: the ranks that must take the same decisions (default the Balancer's group;
       the world when several EP groups must keep the same layout): its rank 0 is the leader,
       which plans and decides for all; measurements are then also reduced over it;
@@ -204,13 +206,13 @@ class Balancer(PlanCycle):
       saving once;
     - `host_link` (default off): where every rank of the group is a CPU process on this host
       (gloo), Trans, Agg and migrations move their rows through shared memory
-      (`poise.runtime.host_link`) instead of gloo's sockets (calls above
+      (`poise.runtime.moves.host_link`) instead of gloo's sockets (calls above
       `transfers.LINK_MAX_BYTES` a rank through the group). It halves a layer's Trans and Agg
       in isolation and takes a migration in a fifth to a third of gloo's time
       (`benchmarks/migrate.py`); off by default: in paired training runs it was ahead of gloo
       in 16 rounds of 25, not in every setting (docs/benchmarks.md);
     - `separate_transfers` (default on): Trans, Agg and migration run on a process group of
-      their own over the same ranks (`poise.runtime.transfer_group`; made here, collectively,
+      their own over the same ranks (`poise.runtime.moves.transfer_group`; made here, collectively,
       where `group` spans the world), so that they do not queue ahead of the tokens'
       all-to-alls in the group's order of operations; `transfer_group`: that group, given by
       a caller that made it (`LayoutGroups.ep_transfer`); off and none given: `group`;
@@ -289,7 +291,8 @@ class Balancer(PlanCycle):
         self.calibrate = calibrate
         self._spec = spec
         self.balancing = policy != "static"  # static EP never probes, plans or switches
-        # Trans, Agg and migration: their own queue of collectives (`poise.runtime.transfer_group`)
+        # Trans, Agg and migration: their own queue of collectives
+        # (`poise.runtime.moves.transfer_group`)
         self.transfers_pg = transfer_group
         if self.transfers_pg is None:
             separate = separate_transfers and self.balancing and self.world_size > 1
@@ -321,7 +324,7 @@ class Balancer(PlanCycle):
         self.link = (
             HostLink.connect(self.transfers_pg) if host_link and on_cpu and self.balancing else None
         )
-        # routing, Trans, Agg and migration on the layers (`poise.runtime.layer_moves`)
+        # routing, Trans, Agg and migration on the layers (`poise.runtime.moves.layer_moves`)
         self.moves = LayerMoves(
             self.layers, self.rank, self.slots, optimizer, self.transfers_pg,
             link=self.link, compression=self.compression, overlap=overlap,

@@ -13,7 +13,7 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.nn.slots import slot_maps
 from poise.plan.policies.registry import get_policy
-from poise.runtime.layer_state import LayerState
+from poise.runtime.moves.layer_state import LayerState
 
 
 def check_settings(

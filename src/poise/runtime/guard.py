@@ -100,7 +100,8 @@ that may still take the plan back. On accelerators the charge is 0 and planning 
 off for its own cost.
 
 Every input is identical on every rank (gathered measurements, the same plan from the same
-loads), and one rank, the leader, decides for all (`poise.runtime.decision`), so no rank's own
+loads), and one rank, the leader, decides for all (`poise.runtime.planner.broadcast`), so no rank's
+own
 planner timings can split the decision.
 
 What the guard learned in a run (`SwitchGuard.state`, the entries of `LEARNED`) goes into the
@@ -119,8 +120,8 @@ from poise.core.errors import ConfigError
 from poise.core.placement import Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.runtime.assessment import Assessment
-from poise.runtime.homes import homes_alone
-from poise.runtime.selfcal import MIGRATE, exposed_transfers_s
+from poise.runtime.moves.homes import homes_alone
+from poise.runtime.selfcal.fit import MIGRATE, exposed_transfers_s
 from poise.runtime.verdict import (
     CLOCK_Z,
     Verdict,
@@ -318,7 +319,8 @@ class SwitchGuard:
     def credit(self, a: Assessment) -> float:
         """The share of `a`'s predicted gain credited after a refutation: `trust` where the
         candidate holds replicas (its transfers are priced above 0), 1 where it holds none. The
-        paired clock times replicas against steps on their homes alone (`poise.runtime.probe`),
+        paired clock times replicas against steps on their homes alone
+        (`poise.runtime.selfcal.probe`),
         so its refutation is a fact about replicas; a homes-only plan's gain is the model's
         counterfactual alone, which the verdict tests separately."""
         return self.trust if a.candidate_transfers_s > 0 else 1.0

@@ -1,6 +1,7 @@
 """The leader's decision at a decision boundary: what the guard makes of its planner's result.
 
-The Balancer's leader (`poise.runtime.decision`) takes its planning job's `JobResult` at the
+The Balancer's leader (`poise.runtime.planner.broadcast`) takes its planning job's `JobResult` at
+the
 boundary where a plan is due and turns it into the `Outcome` every rank acts on
 (`leader_outcome`):
 
@@ -70,12 +71,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment
-from poise.runtime.decision import Outcome
 from poise.runtime.guard import SwitchGuard
-from poise.runtime.planner import adoption_lag
+from poise.runtime.planner.background import adoption_lag
+from poise.runtime.planner.broadcast import Outcome
 from poise.runtime.planning_job import JobResult, vouched
+from poise.runtime.selfcal import fit as selfcal
 from poise.runtime.verdict import MIN_PROBES, clock_proved
 
 

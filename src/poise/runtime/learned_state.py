@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from poise.core.errors import ConfigError
-from poise.runtime import selfcal
+from poise.runtime.selfcal import fit as selfcal
 
 KEYS = ("guard", "fit", "lag", "replicas_timed", "pattern", "replan_phase")
 OPTIONAL = ("replan_phase",)  # written since it was kept; older checkpoints lack it

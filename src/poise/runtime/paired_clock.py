@@ -35,8 +35,8 @@ import numpy as np
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
 from poise.plan.retarget import ran_plans
-from poise.runtime.homes import homes_alone
-from poise.runtime.selfcal import PERIOD, SCALE_LIMITS, live_parts
+from poise.runtime.moves.homes import homes_alone
+from poise.runtime.selfcal.fit import PERIOD, SCALE_LIMITS, live_parts
 
 # Iglewicz and Hoaglin, "How to Detect and Handle Outliers" (ASQC Basic References in Quality
 # Control 16, 1993): an observation whose modified z-score, 0.6745 (x - median) / MAD, exceeds

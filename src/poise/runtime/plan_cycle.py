@@ -9,9 +9,11 @@ step boundary and the moves, and calls into this half at its boundaries:
                                                                 judged by the guard
                                               _switch           apply the plan, measure the switch
 
-Only the leader plans (`poise.runtime.decision`; every rank with `check_plans`, which compares
+Only the leader plans (`poise.runtime.planner.broadcast`; every rank with `check_plans`, which
+compares
 the plans' digests and raises `PlanMismatchError` where they differ). The planning itself runs
-in the background planner (`poise.runtime.planner`) on snapshots (`poise.runtime.planning_job`);
+in the background planner (`poise.runtime.planner.background`) on snapshots
+(`poise.runtime.planning_job`);
 the decision is the guard's (`poise.runtime.guard`, `poise.runtime.leader`).
 
 The attributes annotated on `PlanCycle` are the Balancer state this half reads and writes; the
@@ -38,15 +40,15 @@ from poise.core.spec import ModelSpec
 from poise.nn.comm import comm_device
 from poise.plan.persistence import carried_age
 from poise.plan.predict import Predictor
-from poise.runtime import selfcal
-from poise.runtime.decision import Outcome, plans_agree, share_outcome
 from poise.runtime.guard import SwitchGuard, migration_seconds, switch_seconds
 from poise.runtime.leader import leader_outcome, median_period_s, trial_judgeable
 from poise.runtime.paired_clock import Probes
-from poise.runtime.planner import BackgroundPlanner
+from poise.runtime.planner.background import BackgroundPlanner
+from poise.runtime.planner.broadcast import Outcome, plans_agree, share_outcome
 from poise.runtime.planning_job import PlanningJob, live_plan, run_job
 from poise.runtime.probe_steps import ProbeSteps
 from poise.runtime.records import FIT_WINDOW, N_MEASURED, STATIC, StepRecords
+from poise.runtime.selfcal import fit as selfcal
 from poise.runtime.stats import StepStats
 
 
@@ -248,7 +250,8 @@ class PlanCycle(ABC):
             self._switch_check = None
 
     def _decide(self, stats: StepStats) -> bool:
-        """Take the leader's decision (`poise.runtime.decision`): the leader takes its planner's
+        """Take the leader's decision (`poise.runtime.planner.broadcast`): the leader takes its
+        planner's
         result and decides (guard), every rank receives the outcome and acts on it; with
         `check_plans` every rank's own plan is compared with the leader's. Returns whether a
         plan took effect."""

@@ -2,10 +2,12 @@
 
 The Balancer's leader takes `PlanningJob` at a re-plan boundary (copies of the window of
 gathered loads `[S, L, D, E]`, the measured phases, the plan in force, the prior cluster) and
-hands it to its background planner (`poise.runtime.planner`), which runs `run_job` in a worker
+hands it to its background planner (`poise.runtime.planner.background`), which runs `run_job` in a
+worker
 process while training goes on:
 
-1. fit the cluster's constants to the steps run under the plan in force (`poise.runtime.selfcal`);
+1. fit the cluster's constants to the steps run under the plan in force
+(`poise.runtime.selfcal.fit`);
 2. judge whether that plan paid on them (`poise.runtime.verdict.verdict`), where it is not static;
    where its paired clock has spoken, price replicas at what it measured them to cost beyond
    its noise (`paired_clock.replica_scale` at `verdict.clock_ceiling`, `Fit.k_replica`; kept
@@ -58,12 +60,12 @@ from poise.plan.policies.bounds import BOUNDS
 from poise.plan.policies.registry import make_plan
 from poise.plan.predict import Predictor
 from poise.plan.retarget import homes_with, ran_plans, with_placement
-from poise.runtime import selfcal
 from poise.runtime.assessment import Assessment, assess
 from poise.runtime.guard import exit_plans
-from poise.runtime.homes import keep_homes
+from poise.runtime.moves.homes import keep_homes
 from poise.runtime.paired_clock import Probes, replica_scale, steady_probes
 from poise.runtime.replica_budget import replica_budget
+from poise.runtime.selfcal import fit as selfcal
 from poise.runtime.verdict import Verdict, clock_ceiling, plan_pays, verdict
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
-from poise.runtime.homes import homes_alone
-from poise.runtime.layer_moves import LayerMoves
-from poise.runtime.layer_state import same_homes
+from poise.runtime.moves.homes import homes_alone
+from poise.runtime.moves.layer_moves import LayerMoves
+from poise.runtime.moves.layer_state import same_homes
 from poise.runtime.verdict import Verdict, clock_settled
 
 

@@ -26,8 +26,8 @@ from collections import deque
 
 import numpy as np
 
-from poise.runtime import selfcal
 from poise.runtime.paired_clock import Probes
+from poise.runtime.selfcal import fit as selfcal
 
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
 STATIC, REPLICAS, OTHER, PROBE = range(4)  # the layout a recorded step ran under

@@ -38,7 +38,7 @@ from poise.core.placement import Assignment, Placement, Plan
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
 from poise.plan.retarget import as_run, free_slots, homes_with, replica_picks, with_placement
-from poise.runtime.selfcal import live_parts
+from poise.runtime.selfcal.fit import live_parts
 
 TIE_REL = 1e-3  # budgets priced within this share of the least tie
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from poise.nn.comm import comm_device
 from poise.nn.moe import nonfinite_error
-from poise.runtime import selfcal
-from poise.runtime.layer_state import LayerState
+from poise.runtime.moves.layer_state import LayerState
+from poise.runtime.selfcal import fit as selfcal
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ from poise.runtime.paired_clock import (
     residuals,
     robust_spread,
 )
-from poise.runtime.selfcal import Ran, exposed_transfers_s, live_parts
+from poise.runtime.selfcal.fit import Ran, exposed_transfers_s, live_parts
 
 MIN_WALL_STEPS = 3  # settled steps on each side for the wall-clock test (module docstring)
 MIN_PROBES = 4  # probe steps, each paired with its neighbours, for the paired clock test

@@ -17,7 +17,7 @@
   charged; a re-plan due while the previous plan is still being made is skipped (the planner
   makes one plan at a time and training does not wait for it: a planner slower than
   `replan_every` steps stretches the interval, as the runtime's does,
-  `poise.runtime.planner`);
+  `poise.runtime.planner.background`);
 - a trace recorded on fewer ranks than the cluster has devices is scaled by resampling its
   source rows (`sim.scaling`), one step at a time, so memory stays O(L * D * E) per step;
 - a cluster with measured host costs (`Cluster.host`, from `poise calibrate`) is priced by the

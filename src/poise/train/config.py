@@ -14,7 +14,8 @@ sequences; `context` the sequence length (default: the preset's). `layout` (None
 parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
 `poise layouts` and `poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
 `compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
-expert plus this share (0, 1] of their residual's entries (`poise.runtime.compress`). It changes
+expert plus this share (0, 1] of their residual's entries (`poise.runtime.hybridep.compress`). It
+changes
 the mathematics (replicas compute with approximate weights), hence off by default.
 `split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
 by that step's counts, holders shedding some of their own where that levels the loads
@@ -48,15 +49,17 @@ slots to the experts the step just run shows hot, the homes and the replica coun
 anyway, so which expert it copies can follow the router at no cost in bytes);
 `host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
 and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
-`poise.runtime.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts whose
+`poise.runtime.moves.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts
+whose
 `/dev/shm` has no room, go through the group). Off by default: in runs taking turns with
 gloo's it was ahead in 16 paired rounds of 25, not in every setting, and `tiny` read 0.985 of
 static with it in one run (docs/benchmarks.md);
 `separate_transfers` (default on): Trans, Agg and migration run on a process group of their own
 over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
-(`Balancer(separate_transfers=...)`, `poise.runtime.transfer_group`);
+(`Balancer(separate_transfers=...)`, `poise.runtime.moves.transfer_group`);
 `self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
-constants fitted to this run's measured phases (`poise.runtime.selfcal`), `cluster` being the prior;
+constants fitted to this run's measured phases (`poise.runtime.selfcal.fit`), `cluster` being the
+prior;
 off: with the prior's, migrations included, so that the plans depend on the loads alone.
 `free_balancing` (default off; needs `balance_guard` off): a timing oracle for benchmarks: Agg,
 planning, migration and Trans run at the step boundary and are left out of the step's time

@@ -148,7 +148,7 @@ class FaultInjector:
     def _wrap_transfer(self, phase: str, function: str) -> None:
         """Inside `transfers.<function>` (when due): die right after its first `exchange` has
         been launched, so the peers are inside that collective."""
-        from poise.runtime import transfers
+        from poise.runtime.moves import transfers
 
         outer = getattr(transfers, function)
         exchange = transfers.exchange

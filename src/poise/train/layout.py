@@ -1,7 +1,7 @@
 """A training run in a SmartMoE layout: which layout, and the per-step pieces the loop adds.
 
     layout = resolve_layout(cfg, world)  # poise.train.config; None without `cfg.layout`
-    groups = create_groups(layout)                # poise.runtime.layouts: once, on every rank
+    groups = create_groups(layout)                # poise.runtime.smartmoe: once, on every rank
     model = GPTMoE(...)                           # compute only, every expert
     apply_expert_parallel(model, groups.ep, num_slots=E / ep [+ spare_slots when balancing])
     ...
@@ -13,7 +13,7 @@
 `poise layouts` command ranks them). On D ranks a layout of expert-parallel degree ep splits the
 ranks into edp = D / ep EP groups of ep contiguous ranks, each holding every expert (E / ep per
 rank) and routing only its own tokens; the ranks at one position of every group form an EDP group
-and sum their expert gradients each step (`poise.runtime.layouts`, which says why a SUM gives
+and sum their expert gradients each step (`poise.runtime.smartmoe`, which says why a SUM gives
 the gradient of the global batch). The dense part stays data parallel over all D ranks and each
 rank still reads its own share of the global batch, so the losses do not depend on the layout.
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from poise.layouts.pool import Layout
-    from poise.runtime.layouts import LayoutGroups
+    from poise.runtime.smartmoe import LayoutGroups
 
 # Layout.parse's grammar: "ep=4", "pp=2,ep=4", "pp1-ep4-edp2"; read here only to check the
 # pipeline degree and to size the world-independent check (Layout.parse does the rest).

@@ -182,7 +182,7 @@ class _Trainer:
         self.layout = resolve_layout(cfg, self.world)  # None: plain EP over the world
         self.groups = None
         if self.layout is not None and self.world > 1:
-            from poise.runtime.layouts import create_groups
+            from poise.runtime.smartmoe import create_groups
 
             # collective, once; the transfers' own groups only where experts will move
             moves = cfg.separate_transfers and cfg.policy != "static"
@@ -324,7 +324,7 @@ class _Trainer:
         Returns the world's counts `[L, D, E]` for the trace (None without replicas)."""
         if self.edp_group is None or self.groups is None:
             return None
-        from poise.runtime.layouts import all_reduce_expert_grads
+        from poise.runtime.smartmoe import all_reduce_expert_grads
 
         # slot maps only change when a balancing policy re-plans: check them then (and once)
         all_reduce_expert_grads(
@@ -561,7 +561,7 @@ class _Trainer:
             if self.turns is not None:
                 self.turns.finish(cfg.steps)
             if self.edp_group is not None:
-                from poise.runtime.layouts import replicas_agree
+                from poise.runtime.smartmoe import replicas_agree
 
                 res.replicas_agree = replicas_agree(self.model, self.edp_group)
         except BaseException:

@@ -8,7 +8,8 @@
         done.value, done.plan_s, done.wait_s, done.cpu_s
 
 A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its job
-finished early or late: the rank that plans (the Balancer's leader, `poise.runtime.decision`)
+finished early or late: the rank that plans (the Balancer's leader,
+`poise.runtime.planner.broadcast`)
 waits for its planner at that boundary if it must. The Balancer sets each request's `lag` from
 the last job's wall time (`adoption_lag`): the steps it took, so that a plan is adopted about
 when it is ready, rather than a boundary waiting for it (steps much shorter than planning:
@@ -19,7 +20,7 @@ deterministic, so any rank that plans gets the same plan at the same step (`chec
 verifies it).
 
 Where the job runs:
-- `process=True` (the default): in a worker process (`poise.runtime.plan_worker`, started once,
+- `process=True` (the default): in a worker process (`poise.runtime.planner.worker`, started once,
   at `start()` or the first job) at the lowest CPU priority (`priority`: `nice` for nice 19,
   the default, or `idle` for Linux's SCHED_IDLE; `plan_worker.lowest_priority`), the job
   pickled to it and its result back. A thread of the training process would hold the
@@ -98,7 +99,7 @@ class BackgroundPlanner:
     def __init__(
         self, process: bool = True, preload: tuple[str, ...] = (), priority: str = "nice"
     ) -> None:
-        from poise.runtime.plan_worker import PRIORITIES
+        from poise.runtime.planner.worker import PRIORITIES
 
         if priority not in PRIORITIES:
             raise PoiseError(
@@ -214,7 +215,7 @@ LAZY_IMPORTS = ("numpy.ma",)
 
 
 class WorkerProcess:
-    """`python -m poise.runtime.plan_worker` with pipes to it (its protocol: that module), at
+    """`python -m poise.runtime.planner.worker` with pipes to it (its protocol: that module), at
     `priority` (`plan_worker.lowest_priority`)."""
 
     def __init__(self, preload: tuple[str, ...] = (), priority: str = "nice") -> None:
@@ -227,7 +228,7 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "poise.runtime.plan_worker",
+                "poise.runtime.planner.worker",
                 f"--priority={priority}",
                 *dict.fromkeys([*LAZY_IMPORTS, *preload]),
             ],
@@ -241,7 +242,7 @@ class WorkerProcess:
     def call(self, payload: bytes) -> tuple[Any, float, float]:
         """Send one pickled job, wait for its reply: `(value, wall_s, cpu_s)`; the job's
         exception re-raises here; a worker that died is a `PoiseError`."""
-        from poise.runtime.plan_worker import read_frame, write_frame
+        from poise.runtime.planner.worker import read_frame, write_frame
 
         assert self.proc.stdin is not None and self.proc.stdout is not None
         with contextlib.suppress(OSError):  # a dead worker: the read below reports it

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from poise.core.errors import PoiseError
 from poise.nn.slots import SlotMap
-from poise.runtime.host_link import Channel, half_bytes
+from poise.runtime.moves.host_link import Channel, half_bytes
 
 Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]
 """Receives rows: `sink(dst_slots[n], rows)` with one `[n, ...]` tensor per stream tensor."""
@@ -545,7 +545,8 @@ def migrate(
     are written once (not cleared first), the others (replica and empty slots) are cleared.
 
     `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
-    fills them another way (the compressed Trans, `poise.runtime.domains_trans`). `link`: the
+    fills them another way (the compressed Trans, `poise.runtime.moves.compressed_trans`). `link`:
+    the
     rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
     packed straight into the region and placed from it, about two copies of the bytes where
     gloo's all-to-all adds a socket round trip of them; one larger than `link_max_bytes`

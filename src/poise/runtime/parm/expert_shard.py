@@ -32,8 +32,12 @@ import torch
 from poise.core.errors import ConfigError
 from poise.nn.dispatch import gather_index, inverse
 from poise.nn.experts import Experts
-from poise.runtime.parallel_groups import ParallelGroups
-from poise.runtime.tensor_parallel import all_gather_rows, all_gather_stack, reduce_scatter_rows
+from poise.runtime.parm.groups import ParallelGroups
+from poise.runtime.parm.tensor_parallel import (
+    all_gather_rows,
+    all_gather_stack,
+    reduce_scatter_rows,
+)
 
 EXPERT_KEYS: tuple[str, ...] = ("w_in", "w_gate", "w_out")
 
@@ -116,7 +120,7 @@ class EspExpertFn:
        over the M shards.
 
     `dup=True` is DeepSpeed-MoE's schedule, where the M ranks hold the same rows (see
-    `poise.runtime.tensor_parallel`). Every rank of the MP group calls it the same number of
+    `poise.runtime.parm.tensor_parallel`). Every rank of the MP group calls it the same number of
     times in the same order (the dispatchers of one node run the same number of chunks)."""
 
     def __init__(self, experts: Experts, groups: ParallelGroups, dup: bool) -> None:

@@ -1,6 +1,6 @@
 """A start-up probe of the bulk-transfer rate: the self-calibration's first `k_transfer`.
 
-The self-calibration (`poise.runtime.selfcal`) fits `k_transfer`, the measured seconds of
+The self-calibration (`poise.runtime.selfcal.fit`) fits `k_transfer`, the measured seconds of
 Trans, Agg and migration over the cost model's, from steps that ran replicas. Before any did,
 the first plans were priced on the prior cluster's links as they are (k = 1): on CPU gloo ranks
 a migration then cost 8-11 times what it was priced (`docs/benchmarks.md`, `many-experts`: 33
@@ -10,7 +10,7 @@ that later plans had to move back.
 The probe measures one migration's worth of bulk traffic on the Balancer's process group before
 training starts: every rank sends `ModelSpec.migration_bytes` (one expert's weights and
 optimizer moments) to the next rank and receives as much from the previous one, packed and
-unpacked as `poise.runtime.transfers` does (one copy into a flat buffer, one
+unpacked as `poise.runtime.moves.transfers` does (one copy into a flat buffer, one
 `all_to_all_single`, one copy out). The cost model prices the same moves on the prior cluster
 (`poise.cost.traffic.migration_traffic`, `poise.cost.model.link_time`, times
 `HostCosts.transfer_scale`):
@@ -65,9 +65,9 @@ from poise.cost.model import link_time
 from poise.cost.traffic import migration_traffic
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
-from poise.runtime.host_link import Channel
-from poise.runtime.selfcal import SCALE_LIMITS
-from poise.runtime.transfers import Scratch, migrate
+from poise.runtime.moves.host_link import Channel
+from poise.runtime.moves.transfers import Scratch, migrate
+from poise.runtime.selfcal.fit import SCALE_LIMITS
 
 ROUNDS = 5  # timed rounds after the warm-up one
 SWITCH_PROBE_BYTES = 64 * 2**20  # the most one rank's synthetic homes hold (weights + moments)

@@ -1,7 +1,7 @@
 """Starting training in a SmartMoE layout: expert-parallel groups, expert-data-parallel replicas.
 
     from poise.layouts.pool import Layout
-    from poise.runtime.layouts import all_reduce_expert_grads, create_groups
+    from poise.runtime.smartmoe import all_reduce_expert_grads, create_groups
 
     layout = Layout(devices=world, experts=E, layers=L, ep=2)      # or from `poise layouts`
     groups = create_groups(layout)                                  # once, on every rank
@@ -55,7 +55,7 @@ class LayoutGroups:
     """This rank's process groups in `layout`: `ep` (its EP group; the default group when ep is
     the world) and `edp` (its EDP group; None when edp = 1), with their global ranks;
     `ep_transfer`: a second group over the EP group's ranks, for the Balancer's Trans, Agg and
-    migration (`poise.runtime.transfer_group`; None where ep is 1)."""
+    migration (`poise.runtime.moves.transfer_group`; None where ep is 1)."""
 
     layout: Layout
     rank: int

@@ -36,7 +36,7 @@ a least-squares fit through the origin over a window of steps, pulled towards it
    migration); the fitted cluster's bulk transfers (Trans, Agg, migration:
    `HostCosts.transfer_scale`) take k_transfer times as long, so they are priced at the rate
    this run moves them, while the token all-to-all stays on the prior's links. Centre: the previous
-   fit's value (before any, the start-up probe's, `poise.runtime.probe`, or 1 without it),
+   fit's value (before any, the start-up probe's, `poise.runtime.selfcal.probe`, or 1 without it),
    which is also kept when no replica ran in the window.
 3. `dispatch_s_per_row`: the token all-to-all's measured seconds beyond its link time on the
    prior's links, per row the busiest device's dispatcher handles (sent + received, summed over

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from poise.nn.slots import SlotMap
-from poise.runtime import compress as cz
-from poise.runtime.transfers import Pending, Routes, Stream, exchange, trans_routes
+from poise.runtime.hybridep import compress as cz
+from poise.runtime.moves.transfers import Pending, Routes, Stream, exchange, trans_routes
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from poise.core.cluster import Cluster
 from poise.core.placement import Plan
 from poise.nn.comm import comm_device
-from poise.runtime.selfcal import Fit
+from poise.runtime.selfcal.fit import Fit
 from poise.runtime.verdict import Verdict
 
 # decisions that apply the leader's plan (`fallback` applies it too: the exit chosen)

@@ -39,7 +39,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Attention, apply_rotary
-from poise.runtime.parallel_groups import ParallelGroups
+from poise.runtime.parm.groups import ParallelGroups
 
 
 # ----------------------------------------------------------------------------- buffers

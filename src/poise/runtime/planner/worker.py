@@ -1,4 +1,4 @@
-"""The planner's worker process: `python -m poise.runtime.plan_worker [--priority P] [MODULE
+"""The planner's worker process: `python -m poise.runtime.planner.worker [--priority P] [MODULE
 ...]`, started by `poise.runtime.planner.BackgroundPlanner` (process mode), one per planning
 rank.
 

@@ -24,7 +24,7 @@ its gradient, taken at those weights, is still summed into the exact home by Agg
 the runtime leaves it off unless asked (`Balancer(..., compression=ratio)`).
 
 Pure tensor functions: no process group here (the collective part is
-`poise.runtime.domains_trans`).
+`poise.runtime.moves.compressed_trans`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import nn
 
 from poise.nn.moe import MoE
 from poise.nn.slots import SlotMap
-from poise.runtime import transfers as tr
+from poise.runtime.moves import transfers as tr
 
 
 def expert_params(layer: MoE) -> list[nn.Parameter]:

@@ -13,8 +13,8 @@ The Balancer decides *which* plan runs; this carries it out on the layers of one
 - Trans (`start_trans`, `launch_trans`, `wait`): each replica slot gets its home's weights,
   launched at the step boundary and waited for in the layer's forward (`overlap`); plain
   (`transfers.trans_async`, through the host link's shared memory where there is one,
-  `poise.runtime.host_link`) or compressed (`compression`: HybridEP's shared expert plus a
-  share of each residual, `poise.runtime.domains_trans`);
+  `poise.runtime.moves.host_link`) or compressed (`compression`: HybridEP's shared expert plus a
+  share of each residual, `poise.runtime.moves.compressed_trans`);
 - Agg (`launch_agg`, `finish_aggs`): each home's gradient gains its replicas', launched from the
   gradient hooks and finished before anything reads gradients.
 
@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from poise.core.placement import Plan
 from poise.nn.slots import SlotMap, slot_maps
-from poise.runtime import transfers as tr
-from poise.runtime.compress import Compression
-from poise.runtime.host_link import Channel, HostLink
-from poise.runtime.layer_state import LayerState, grad_of, same_homes
+from poise.runtime.hybridep.compress import Compression
+from poise.runtime.moves import transfers as tr
+from poise.runtime.moves.host_link import Channel, HostLink
+from poise.runtime.moves.layer_state import LayerState, grad_of, same_homes
 from poise.runtime.stats import StepStats
 
 TRANSFERS_IN_COMPUTE = "transfers_in_compute"  # the transfers' seconds inside forward/backward
@@ -146,7 +146,7 @@ class LayerMoves:
                 state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes,
                 link=self._channel("trans", state),
             )  # fmt: skip
-        from poise.runtime.domains_trans import trans_compressed_async
+        from poise.runtime.moves.compressed_trans import trans_compressed_async
 
         shared = None if refresh else self._shared.get(state.index)
         pending = trans_compressed_async(

@@ -2,7 +2,7 @@
 
 Parm (Pan et al., "Parm: Efficient Training of Large Sparsely-Activated Models with Dedicated
 Schedules", INFOCOM 2024, arXiv 2407.00599) speeds up DeepSpeed-MoE's MP + EP + ESP by
-re-placing the MoE layer's collectives. Groups are those of `poise.runtime.parallel_groups`
+re-placing the MoE layer's collectives. Groups are those of `poise.runtime.parm.groups`
 (MP group = a node of M ranks = the ESP group; EP groups across nodes). One MoE layer, `T`
 tokens per node (duplicated on its M ranks after model-parallel attention), operations in order
 (the group of each collective in brackets; Order = sort tokens by expert, I-Order = bring them
@@ -64,7 +64,8 @@ from poise.nn.dispatch import Dispatcher, RankRouting
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.moe import expert_generator
 from poise.nn.router import Router, Score
-from poise.runtime.expert_shard import (
+from poise.runtime.parm.choice import ParmChooser, ParmShape, ScheduleChooser
+from poise.runtime.parm.expert_shard import (
     EXPERT_KEYS,
     EspExpertFn,
     check_full_experts,
@@ -73,9 +74,13 @@ from poise.runtime.expert_shard import (
     shard_experts,
     virtual_experts,
 )
-from poise.runtime.parallel_choice import ParmChooser, ParmShape, ScheduleChooser
-from poise.runtime.parallel_groups import ParallelGroups
-from poise.runtime.tensor_parallel import ParallelAttention, even_sizes, gather_rows, split_rows
+from poise.runtime.parm.groups import ParallelGroups
+from poise.runtime.parm.tensor_parallel import (
+    ParallelAttention,
+    even_sizes,
+    gather_rows,
+    split_rows,
+)
 from poise.util.digest import digest
 
 Schedule = Literal["baseline", "s1", "s2"]
