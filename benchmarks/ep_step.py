@@ -172,12 +172,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def first_adoption_warmup(replan_every: int) -> int:
-    """Untimed steps that hold the Balancer's first adoption: from the static layout it adopts
-    where a forecast held (`poise.runtime.leader.forecast_held`): at the first re-plan a plan
-    without replicas, where one from the window's older half paid on its newer half
-    (`planning_job.holdout`), else at the second at the earliest (its candidate backtested on
-    the steps since the first), decided
-    one step after its request (the planner's lag), so `2 * replan_every + 1`."""
+    """Untimed steps that hold the Balancer's first adoptions: at the first re-plan a homes move
+    is adopted only as far as a plan from the window's older half held on its newer half (the
+    forecast's miss, `poise.runtime.control.job.forecast_miss`), at the second as far as the
+    first one's held on the steps since; each decided one step after its request (the planner's
+    lag), so `2 * replan_every + 1`."""
     return 2 * replan_every + 1
 
 
@@ -399,7 +398,7 @@ class _Runner:
     def __init__(self, args: argparse.Namespace, trace: Any, rank: int, policy: str | None):
         import torch
 
-        from poise.runtime.balancer import Balancer
+        from poise.runtime.balancer import Balancer, BalancerConfig
         from poise.runtime.home_optimizer import HomeRowsAdamW, home_rows
 
         self.model = _model(args, trace, rank)
@@ -409,9 +408,8 @@ class _Runner:
                 self.model,
                 self.opt,
                 policy,
-                replan_every=args.replan_every,
-                probe_every=args.probe_every,
-                host_link=args.host_link,
+                args.replan_every,
+                BalancerConfig(probe_every=args.probe_every, host_link=args.host_link),
             )
             if policy
             else None

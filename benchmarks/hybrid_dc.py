@@ -228,7 +228,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
 
     from poise.models.gpt import GPTMoE, model_config
     from poise.nn import apply_expert_parallel, find_moe_layers
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, BalancerConfig
     from poise.runtime.hybridep.domains import domain_cluster
     from poise.train.data import Sampler, build_corpus, shard_rows
 
@@ -252,7 +252,7 @@ def _train_rank(rank: int, world: int, steps: int, ratios: list[float]) -> dict[
         dense = [p for _, p in model.dense_named_parameters()]
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
         balancer = (
-            Balancer(model, opt, "hybrid", replan_every=10, cluster=cluster, compression=ratio)
+            Balancer(model, opt, "hybrid", 10, BalancerConfig(cluster=cluster, compression=ratio))
             if balanced
             else None
         )

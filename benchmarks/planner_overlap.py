@@ -9,7 +9,7 @@ experts (32 experts top-2, d_expert 512; batch 8 x 128 tokens, 1 thread), the sa
 tensor operations and Python a rank runs: one process (`--ranks 1`, the default), or `--ranks`
 gloo ranks on this host, each with a few small all-reduces a step where a rank waits for the
 others as at the all-to-alls (4 ranks on 2 cores: `skewed-4`'s shared cores). The planning
-side, beside rank 0, is `poise.runtime.planning_job.run_job`, the Balancer's own job, `auto` on
+side, beside rank 0, is `poise.runtime.control.job.run_job`, the Balancer's own job, `auto` on
 the live cost model, for 4 MoE layers of 32 experts on 2 ranks (the `cpu-2` cluster), from a
 20-step window of Zipf loads, submitted again as soon as it returns, for as long as the
 training loop runs:
@@ -48,9 +48,9 @@ from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.models.gpt import GPTMoE, model_config
 from poise.plan.predict import parse_predictor
+from poise.runtime.control.job import PlanningJob, run_job
 from poise.runtime.plan_inputs import default_cluster
 from poise.runtime.planner.background import BackgroundPlanner
-from poise.runtime.planning_job import PlanningJob, run_job
 from poise.runtime.selfcal import fit as selfcal
 
 L, D, E, TOP_K, SLOTS, WINDOW = 4, 2, 32, 2, 17, 20
@@ -85,12 +85,10 @@ def planning_job(seed: int = 0) -> PlanningJob:
     rows[:, 0] = np.arange(WINDOW)
     return PlanningJob(
         history=history, fit_counts=history, fit_rows=rows, settled=np.ones(WINDOW, bool),
-        static_counts=history[:0], static_rows=rows[:0],
-        balanced_counts=history[:0], balanced_rows=rows[:0],
         current=static, static=static, prior=default_cluster(D), spec=spec,
         previous=selfcal.Fit(), policy="auto", predictor=parse_predictor("ema"),
         options={"auto": {"horizon": 10}}, slots=SLOTS, calibrate=False, split_tokens=True,
-        horizon=10, measured_switch=None,
+        horizon=10,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/replica_budget.py       # ~10 s
 
 Where the live Balancer retargets replicas, each planning job of `auto` prices every number of
-replicas `K` as it would run the recent steps (`poise.runtime.replica_budget`) on the planner's
+replicas `K` as it would run the recent steps (`poise.plan.replica_budget`) on the planner's
 process, beside training. Per shape (`train_speedup.py`'s `skewed` and `skewed-4` models: 4
 layers, d_model 128, d_expert 1024, top-1; `E` experts on `D` ranks, one spare slot a rank and
 layer; a window of `S` steps of seeded skewed counts, each layer's hot expert drawn afresh every
@@ -28,9 +28,9 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
+from poise.plan.replica_budget import budget_options, replica_budget
 from poise.plan.retarget import as_run
-from poise.runtime.balancer import default_cluster
-from poise.runtime.replica_budget import budget_options, replica_budget
+from poise.runtime.plan_inputs import default_cluster
 from poise.runtime.selfcal.fit import live_parts
 
 SHAPES = (("skewed", 2, 16), ("skewed-4", 4, 32))  # name, ranks, experts

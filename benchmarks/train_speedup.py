@@ -26,7 +26,7 @@ balances nearly perfectly and pays the replicas' transfers, so it also measures 
 nets on this machine once those are paid. `--peers auto-link` runs `auto` with the host link
 (`host_link: true`: Trans, Agg and migrations through shared memory) as the third run, so
 `auto_over_peer` compares the two paths of the same policy in the same turns. `--peers free`
-runs the ideal for real (`Balancer(free_balancing=True)`, `poise.runtime.untimed`): EPLB's plans
+runs the ideal for real (`free_balancing: true`, `poise.train.instruments`): EPLB's plans
 from the latest loads at every step, with its Agg, planning, migration and Trans done at the
 step boundary and left out of the step's time, so it balances as well as the spare slots and
 the per-step split allow with every transfer free, and pays what balance itself costs (the
@@ -34,10 +34,7 @@ busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); i
 `auto_gain_share` is auto's gain fraction against that measured ideal. Its parts:
 `--peers free-paced` (EPLB re-planned every `--replan-every` steps, free) and `auto-free`
 (auto's own plans, every one adopted, free) show what re-planning less often and auto's choice
-of replicas cost apart from the transfers' seconds. `--peers auto-holdout` runs `auto`
-with `holdout: true` (its first re-plan may adopt a homes-only plan on a holdout's word) beside
-the default one, which waits for a backtest; `--peers auto-late` runs `auto` with `recheck:
-false` (that backtest a whole re-plan period after the first request, not half).
+of replicas cost apart from the transfers' seconds.
 `--peers static-again` runs static a second time in the same turns: its `speedup` is the
 comparison's own spread in the rounds auto was measured in (A/A), the floor under which an
 auto/static figure near 1 says nothing, and its `auto_over_peer` auto against that second
@@ -166,16 +163,12 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "auto-link": ("auto", {"host_link": True}),
     # the ideal, measured: EPLB's plans from the latest loads at every step, with Agg, planning,
     # migration and Trans at the step boundary and left out of the step's time
-    # (`poise.runtime.untimed`)
+    # (`poise.train.instruments.FreeBalancing`)
     "free": ("eplb", {"balance_guard": False, "free_balancing": True, "replan_every": 1}),
     # ... its parts: EPLB at the runs' own re-plan period, and auto's own plans (every one
     # adopted), with free transfers
     "free-paced": ("eplb", {"balance_guard": False, "free_balancing": True}),
     "auto-free": ("auto", {"balance_guard": False, "free_balancing": True}),
-    # auto whose first re-plan may adopt homes on a holdout's word (training's default is off)
-    "auto-holdout": ("auto", {"holdout": True}),
-    # auto whose `unsettled` first candidate waits a whole re-plan period for its backtest
-    "auto-late": ("auto", {"recheck": False}),
     # auto whose replica slots stay on the experts the plan chose (no per-step retargeting)
     "auto-fixed": ("auto", {"retarget": False}),
     # static again, in the same turns: the comparison's own spread beside auto's (A/A)
@@ -689,16 +682,16 @@ def accounting_medians(accounts: list[dict[str, Any]]) -> dict[str, float | None
 def paired_clock_ms(run: Any) -> list[float] | None:
     """`[saving, standard error, probes]` of an auto run's last verdict with probe steps (ms a
     step; `poise.runtime.paired_clock.paired_clock`), None when it never had one."""
-    v = getattr(run, "last_verdict", {}) or {}
-    if not v.get("probes") or v.get("wall_saving_s") is None:
+    v = getattr(run, "last_evidence", {}) or {}
+    if not v.get("probes") or v.get("clock_s") is None:
         return None
-    return [round(v["wall_saving_s"] * 1e3, 1), round(v["wall_se_s"] * 1e3, 1), int(v["probes"])]
+    return [round(v["clock_s"] * 1e3, 1), round(v["clock_se_s"] * 1e3, 1), int(v["probes"])]
 
 
 def modelled_clock_ms(run: Any) -> float | None:
     """The model's prediction of the same last verdict's paired clock (ms a step;
     `poise.runtime.paired_clock.modelled_clock`), None when the run never probed."""
-    v = getattr(run, "last_verdict", {}) or {}
+    v = getattr(run, "last_evidence", {}) or {}
     if not v.get("probes") or v.get("modelled_clock_s") is None:
         return None
     return round(v["modelled_clock_s"] * 1e3, 1)

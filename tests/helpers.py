@@ -157,3 +157,126 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def replica_case():
+    """tests/test_cost.py's hand-computed case: 2 devices, experts homed on d0, d1; counts
+    [[10, 30], [20, 40]]; the candidate replicates e1 on d0 (d0's 30 e1-tokens stay home).
+    toy_spec: token 16 B, expert 256 B, 128 FLOP per token forward; 1e9 B/s, 1e9 FLOP/s.
+    Static: d1 computes 70 tokens, d0 sends 30 -> busy = 3 * 70 * 128 + 2 * 30 * 16 = 27,840 ns.
+    Replica: loads [60, 40], d0 sends 20 -> busy = 3 * 60 * 128 + 2 * 20 * 16 = 23,680 ns;
+    Trans + Agg = 2 * 256 = 512 ns. Returns `(cost, static, replica, counts[L, D, E])`."""
+    import numpy as np
+
+    from poise.core.placement import Assignment, Placement, Plan, transfers_between
+    from poise.cost.model import CostModel
+
+    spec = toy_spec(experts=2)
+    cost = CostModel(toy_cluster(bw=1e9, flops=1e9), spec)
+    p = Placement.from_homes(np.array([[0, 1]]), 2, 2)
+    static = Plan("static", p, Assignment.to_home(p), transfers_between(None, p, spec))
+    r = p.copy()
+    r.copies[0, 0, 1] = 1
+    replica = Plan("r", r, Assignment.to_home(r), transfers_between(p, r, spec))
+    counts = np.array([[[10, 30], [20, 40]]], dtype=float)
+    return cost, static, replica, counts
+
+
+def measured_rows(periods_s, ids: bool = False):
+    """`[n, len(MEASURED)]` measurement rows (`[n, 1 + len(MEASURED)]` with step ids 1..n
+    first where `ids`) that are all zero but their periods."""
+    import numpy as np
+
+    from poise.runtime.selfcal.fit import MEASURED, PERIOD
+
+    periods_s = np.asarray(periods_s, dtype=float)
+    out = np.zeros((len(periods_s), len(MEASURED)))
+    out[:, PERIOD] = periods_s
+    if ids:
+        out = np.concatenate([np.arange(1, len(out) + 1)[:, None].astype(float), out], axis=1)
+    return out
+
+
+def probes_reading(counts, clocks_s):
+    """`Probes` on `counts[L, D, E]` whose probe i ran `clocks_s[i]` slower than its one
+    neighbour (the paired clock's `d_i`), every period about 1 ms."""
+    import numpy as np
+
+    from poise.runtime.control.clock import Probes
+
+    n = len(clocks_s)
+    steps = np.stack([counts] * n)
+    return Probes(
+        steps, measured_rows(1e-3 + np.asarray(clocks_s)), steps, measured_rows(np.full(n, 1e-3)),
+        np.arange(n),
+    )  # fmt: skip
+
+
+def replica_job(probes=None, steps: int = 4, **changes):
+    """A calibrating `PlanningJob` with `replica_case`'s replica plan in force for `steps` steps
+    (as many as `probes` has, where given) of the same counts, their rows empty but their
+    periods (1 ms), policy `static`, forecast `last`; `changes` replace any field."""
+    import dataclasses
+
+    import numpy as np
+
+    from poise.plan.predict import Predictor
+    from poise.runtime.control.job import PlanningJob
+    from poise.runtime.selfcal.fit import Fit
+
+    cost, static, replica, counts = replica_case()
+    n = len(probes) if probes is not None else steps
+    history = np.stack([counts] * n)
+    job = PlanningJob(
+        history=history, fit_counts=history, fit_rows=measured_rows(np.full(n, 1e-3), ids=True),
+        settled=np.ones(n, dtype=bool), current=replica, static=static, prior=cost.cluster,
+        spec=toy_spec(experts=2), previous=Fit(), policy="static", predictor=Predictor("last"),
+        options={}, slots=2, horizon=10, split_tokens=False, probes=probes,
+    )  # fmt: skip
+    return dataclasses.replace(job, **changes)
+
+
+def one_rank_balancer(replan_every: int, plan_lag: int, policy: str = "auto", **config):
+    """A one-layer MoE (8 wide, 4 experts top-2) on one rank with a spare slot, its AdamW and a
+    Balancer re-planning every `replan_every` steps on one modelled CPU device; `config`:
+    further `BalancerConfig` fields. Returns `(model, optimizer, balancer)`."""
+    import torch
+
+    from poise.nn import MoE, MoEConfig, apply_expert_parallel
+    from poise.runtime.balancer import Balancer, BalancerConfig
+    from poise.runtime.plan_inputs import default_cluster
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
+    apply_expert_parallel(model, None, num_slots=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = BalancerConfig(cluster=default_cluster(1), plan_lag=plan_lag, **config)
+    return model, opt, Balancer(model, opt, policy, replan_every, cfg)
+
+
+def one_rank_steps(model, opt, balancer, steps: int) -> None:
+    """`steps` training steps of a one-rank model taking `[16, 8]` inputs, as the loop runs
+    them (the Balancer's `reduce_replicas` before the optimizer, `step` after it)."""
+    import torch
+
+    for _ in range(steps):
+        model(torch.randn(16, 8)).square().mean().backward()
+        balancer.reduce_replicas()
+        opt.step()
+        balancer.step()
+        opt.zero_grad()
+
+
+def spy_jobs(balancer, what=lambda job, requested_at: requested_at) -> list:
+    """`what(job, requested at)` of every planning job `balancer` submits from now on (default
+    the step it was requested at), in a list that fills as the steps run."""
+    planner = balancer.planning.planner
+    submit = planner.submit
+    seen: list = []
+
+    def spy(fn, requested_at, adopt_at):
+        seen.append(what(fn.args[0], requested_at))
+        return submit(fn, requested_at=requested_at, adopt_at=adopt_at)
+
+    planner.submit = spy
+    return seen

@@ -468,7 +468,7 @@ def test_measured_summary_counts_by_hand_and_says_the_runs_took_turns(tmp_path) 
         return sum(r["tokens"] for r in kept) / sum(r["step_s"] for r in kept)
 
     c_s = 20e-6
-    runs["auto"].last_verdict = {"wall_saving_s": 0.02, "wall_se_s": 0.005, "probes": 4}
+    runs["auto"].last_evidence = {"clock_s": 0.02, "clock_se_s": 0.005, "probes": 4}
     one = measured_summary(runs, 5, c_s)
     assert one.static_tok_s == pytest.approx(by_hand(runs["static"]), rel=1e-9)
     assert one.auto_tok_s == pytest.approx(by_hand(runs["auto"]), rel=1e-9)
@@ -512,24 +512,24 @@ def test_the_accounting_in_words() -> None:
     assert "probe steps" not in quiet and "to imbalance its plans left" in quiet
 
 
-def test_a_run_keeps_its_last_verdict_with_probe_steps(tmp_path) -> None:
-    """`MeasuredRun.last_verdict`: the last logged verdict whose clock came from probe steps;
-    later verdicts without probes, and steps without a verdict, do not replace it."""
+def test_a_run_keeps_its_last_evidence_with_probe_steps(tmp_path) -> None:
+    """`MeasuredRun.last_evidence`: the last logged evidence with a paired clock's reading;
+    later evidence without probes, and steps without evidence, do not replace it."""
     folder = _fake_run(tmp_path, "auto", np.linspace(5.0, 4.0, 6), 1)
-    assert MeasuredRun.load(folder).last_verdict == {}
+    assert MeasuredRun.load(folder).last_evidence == {}
     verdicts = [
         {},
-        {"wall_saving_s": 0.01, "wall_se_s": 0.002, "probes": 4},
+        {"clock_s": 0.01, "clock_se_s": 0.002, "probes": 4},
         {},
-        {"wall_saving_s": 0.02, "wall_se_s": 0.003, "probes": 5},
-        {"wall_saving_s": None, "wall_se_s": 0.0, "probes": 0},
+        {"clock_s": 0.02, "clock_se_s": 0.003, "probes": 5},
+        {"clock_s": None, "clock_se_s": 0.0, "probes": 0},
         {},
     ]
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     for r, v in zip(rows, verdicts, strict=True):
-        r["verdict"] = v
+        r["evidence"] = v
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert MeasuredRun.load(folder).last_verdict == verdicts[3]
+    assert MeasuredRun.load(folder).last_evidence == verdicts[3]
 
 
 def test_a_run_lists_its_decisions_in_order(tmp_path) -> None:
@@ -538,13 +538,14 @@ def test_a_run_lists_its_decisions_in_order(tmp_path) -> None:
     folder = _fake_run(tmp_path, "auto", np.linspace(5.0, 4.0, 6), 1)
     assert MeasuredRun.load(folder).decisions == []
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    rows[1] |= {"decision": "adopt", "replicas": [0, 3, 0, 2], "moved_homes": 0}
-    rows[4] |= {"decision": "fallback", "replicas": [0, 0, 0, 0], "moved_homes": 7}
+    rows[1] |= {"decision": "adopt", "reason": "adopt: saves", "replicas": [0, 3, 0, 2],
+                "moved_homes": 0}  # fmt: skip
+    rows[4] |= {"decision": "revert", "replicas": [0, 0, 0, 0], "moved_homes": 7}
     rows[5] |= {"decision": None, "replicas": [1, 1, 1, 1]}
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert MeasuredRun.load(folder).decisions == [
-        {"step": 2, "decision": "adopt", "replicas": 5, "moved_homes": 0},
-        {"step": 5, "decision": "fallback", "replicas": 0, "moved_homes": 7},
+        {"step": 2, "decision": "adopt", "reason": "adopt: saves", "replicas": 5, "moved_homes": 0},
+        {"step": 5, "decision": "revert", "reason": "", "replicas": 0, "moved_homes": 7},
     ]
 
 
@@ -569,16 +570,16 @@ def test_the_measured_summary_says_the_auto_run_s_paired_clock() -> None:
     from poise.commands.demo_report import paired_clock_sentence
 
     assert paired_clock_sentence({}) == ""
-    assert paired_clock_sentence({"wall_saving_s": None, "wall_se_s": 0.0, "probes": 0}) == ""
-    text = paired_clock_sentence({"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6})
+    assert paired_clock_sentence({"clock_s": None, "clock_se_s": 0.0, "probes": 0}) == ""
+    text = paired_clock_sentence({"clock_s": 0.0213, "clock_se_s": 0.007, "probes": 6})
     assert "6 probe steps" in text and "saved 21.3 ms" in text and "7.0 ms" in text
     assert "beyond 2.571 standard errors" in text  # 21.3 / 7.0 = 3.04
-    text = paired_clock_sentence({"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 4})
+    text = paired_clock_sentence({"clock_s": 0.0213, "clock_se_s": 0.007, "probes": 4})
     assert "within 3.182 standard errors, so not conclusive" in text  # 3 degrees of freedom
-    text = paired_clock_sentence({"wall_saving_s": -0.009, "wall_se_s": 0.005, "probes": 8})
+    text = paired_clock_sentence({"clock_s": -0.009, "clock_se_s": 0.005, "probes": 8})
     assert "cost 9.0 ms" in text and "not conclusive" in text and "predicted" not in text
     text = paired_clock_sentence(
-        {"wall_saving_s": 0.0213, "wall_se_s": 0.007, "probes": 6, "modelled_clock_s": 0.0456}
+        {"clock_s": 0.0213, "clock_se_s": 0.007, "probes": 6, "modelled_clock_s": 0.0456}
     )
     assert "predicted +45.6 ms a step" in text
 

@@ -313,13 +313,14 @@ def test_forward_does_not_synchronise_with_the_host(monkeypatch):
     value, the finiteness check included. One process, so there is no counts exchange; the
     one conversion allowed is its equivalent: the grouped GEMM's sizes per slot (one
     `tolist`). Infinity in the input still raises, at the step boundary."""
-    from poise.runtime.balancer import Balancer, default_cluster
+    from poise.runtime.balancer import Balancer, BalancerConfig
+    from poise.runtime.plan_inputs import default_cluster
 
     torch.manual_seed(0)
     moe = MoE(MoEConfig(16, 32, 4, 2))
     apply_expert_parallel(moe, None, num_slots=5)
-    balancer = Balancer(moe, torch.optim.AdamW(moe.parameters()), "auto", 2,
-                        cluster=default_cluster(1))  # fmt: skip
+    config = BalancerConfig(cluster=default_cluster(1))
+    balancer = Balancer(moe, torch.optim.AdamW(moe.parameters()), "auto", 2, config)
     x = torch.randn(24, 16)
     x[3, 1] = float("inf")
     moe(x)  # warm-up (lazy initialisation may convert)

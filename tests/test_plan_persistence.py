@@ -181,35 +181,22 @@ def test_the_simulator_carries_a_patterns_age_past_its_window():
 
 
 def test_the_guard_credits_a_plan_over_the_horizon_it_was_made_for():
-    """`plan_horizon` takes an `auto` plan's own horizon where it is longer than the guard's,
-    and `SwitchGuard.decide` credits the saving over it: a switch that 5 steps of saving do not
-    pay, 30 do."""
-    from poise.runtime.assessment import Assessment
-    from poise.runtime.guard import SwitchGuard
-    from poise.runtime.planning_job import plan_horizon
+    """`plan_horizon` takes an `auto` plan's own horizon where it is longer than the job's, and
+    the controller credits the saving over it: a switch that 5 steps of saving do not pay, 30
+    do."""
+    from dataclasses import replace
+
+    from poise.runtime.control.controller import Adopt, Controller, Keep
+    from poise.runtime.control.job import plan_horizon
+    from poise.runtime.control.pricing import Priced
+    from tests.helpers import replica_job
 
     grown, static = _auto({"auto": {"base_horizon": 5, "migration_scale": 3.0}})
-    assert plan_horizon(grown, 5) == 30 and plan_horizon(grown, 40) == 40
-    assert plan_horizon(static, 5) == 5  # no note: the guard's own
-    a = Assessment(
-        False, current_s=0.2, candidate_s=0.19, switch_s=0.1,
-        current_busy_s=0.2, candidate_busy_s=0.19,
-    )  # fmt: skip
-    guard = SwitchGuard(horizon=5, margin=0.0)
-    assert not guard.decide(a).adopt  # 5 * 10 ms < 100 ms
-    assert guard.decide(a, horizon=30).adopt  # 30 * 10 ms > 100 ms
-    assert guard.decide(a, horizon=30).gain_s == pytest.approx(0.3)
-    # the leader passes the job's horizon on
-    from poise.runtime.leader import leader_outcome
-    from poise.runtime.planning_job import JobResult
-    from poise.runtime.selfcal.fit import Fit
-
-    def outcome(horizon: int | None) -> str:
-        # (the last candidate, the same plan, would have passed on the steps since as well)
-        result = JobResult(grown, a, _zipf_case()[2], Fit(), None, horizon=horizon, backtest=a)
-        return leader_outcome(
-            guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=True,
-            period_s=0.2, plan_lag=1,
-        ).decision  # fmt: skip
-
-    assert outcome(None) == "no-gain" and outcome(30) == "adopt"
+    job = replica_job(horizon=5)
+    assert plan_horizon(grown, job) == 30 and plan_horizon(grown, replace(job, horizon=40)) == 40
+    assert plan_horizon(static, job) == 5  # no note: the job's own
+    assert plan_horizon(grown, replace(job, steps_left=12)) == 12  # never past the run's end
+    c = Priced(grown, forecast_gain_s=0.01, switch_s=0.1, forecast_free=True, horizon=5)
+    assert isinstance(Controller(margin=0.0).decide([c], None, None), Keep)  # 5 x 10 ms < 100
+    over = Controller(margin=0.0).decide([replace(c, horizon=30)], None, None)
+    assert isinstance(over, Adopt) and over.gain_s == pytest.approx(0.3)  # 30 x 10 ms

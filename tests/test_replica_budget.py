@@ -1,5 +1,5 @@
 """`auto`'s number of replicas priced as they run under retargeting
-(`poise.runtime.replica_budget`): by hand against per-step plans built here, its extremes, and
+(`poise.plan.replica_budget`): by hand against per-step plans built here, its extremes, and
 the planning job that applies it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.cost.model import CostModel
-from poise.runtime.replica_budget import replica_budget
-from poise.runtime.selfcal.fit import live_parts
+from poise.cost.per_step import live_parts
+from poise.plan.replica_budget import replica_budget
 from tests.helpers import toy_cluster, toy_spec
 
 E, D, SLOTS = 4, 2, 3  # homes e0, e1 on d0; e2, e3 on d1; one spare slot a device and layer
@@ -96,27 +96,27 @@ def test_the_planning_job_budgets_autos_replicas_where_the_balancer_retargets() 
     (busy + transfers, exposed), none pays."""
     from dataclasses import replace
 
-    from poise.runtime.planning_job import run_job
-    from tests.test_runtime_balancer import _probes_reading, _replica_case, _replica_job
+    from poise.runtime.control.job import run_job
+    from tests.helpers import replica_job
 
     spec = toy_spec(experts=E, layers=2, d_model=8, d_expert=16)
     history = _wander(13)
     static = _plan([], spec)
     static = replace(static, policy="static", assignment=Assignment.to_home(static.placement))
-    job = _replica_job(_probes_reading(_replica_case()[3], np.zeros(1)))
+    job = replica_job(steps=1)
     job = replace(
         job, history=history, fit_counts=history[:0], fit_rows=job.fit_rows[:0],
-        settled=np.zeros(0, dtype=bool), static_counts=history[:0], balanced_counts=history[:0],
-        probes=None, calibrate=False, policy="auto", current=static, static=static, spec=spec,
-        slots=SLOTS, split_tokens=True, holdout=False, prior=toy_cluster(D, bw=1e7, flops=1e9),
+        settled=np.zeros(0, dtype=bool), calibrate=False, policy="auto", current=static,
+        static=static, spec=spec, slots=SLOTS, split_tokens=True,
+        prior=toy_cluster(D, bw=1e7, flops=1e9),
     )  # fmt: skip
     plain, budgeted = run_job(job), run_job(replace(job, retarget=True))
     fitted = CostModel(budgeted.cluster, job.spec)
     recent = history[-job.horizon :]
-    want = replica_budget(fitted, plain.plan, recent, job.current.placement)
-    assert budgeted.plan.digest() == want.digest()
-    assert budgeted.plan.digest() != plain.plan.digest()
-    assert budgeted.plan.placement.replicas().sum() < plain.plan.placement.replicas().sum()
+    want = replica_budget(fitted, plain.forecast, recent, job.current.placement)
+    assert budgeted.forecast.digest() == want.digest()
+    assert budgeted.forecast.digest() != plain.forecast.digest()
+    assert budgeted.forecast.placement.replicas().sum() < plain.forecast.placement.replicas().sum()
 
 
 def test_the_budget_takes_the_newest_steps_picks_first_then_older_ones_by_hand() -> None:
@@ -124,7 +124,7 @@ def test_the_budget_takes_the_newest_steps_picks_first_then_older_ones_by_hand()
     balanced), then the older steps' where a slot is still free: the step before adds layer 1's
     e2 onto d0 (its layer 0 pick, e0 onto d1 again, is already taken), the oldest nothing new
     (layer 0's d1 slot is taken by e0, so its e3 cannot go there)."""
-    from poise.runtime.replica_budget import budget_picks, greedy_by_step
+    from poise.plan.replica_budget import budget_picks, greedy_by_step
 
     def picks(recent: np.ndarray, home: np.ndarray) -> list:
         return budget_picks(greedy_by_step(recent, home, SLOTS), home, SLOTS, D)
@@ -145,8 +145,8 @@ def test_the_options_run_what_as_run_gives_and_are_priced_so(seed: int) -> None:
     are what `as_run` gives its own plan (the same replicas, step by step), and `budget_prices`
     prices them as `live_parts` on `as_run` does, one option at a time. Random skewed steps on
     3 ranks, 2 layers, 6 experts, one or two spare slots."""
+    from poise.plan.replica_budget import budget_options, budget_prices
     from poise.plan.retarget import as_run
-    from poise.runtime.replica_budget import budget_options, budget_prices
 
     rng = np.random.default_rng(seed)
     Dn, En, spare = 3, 6, 1 + seed % 2

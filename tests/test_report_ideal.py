@@ -144,7 +144,7 @@ def _three_to_one(policy: str, steps: int, step_s: float) -> SimpleNamespace:
         moe_phases={"experts": np.full(steps, 0.1)},
         max_over_mean=1.5 if static else 1.0,
         moe_phase_mean=lambda k: 0.0,
-        last_verdict={},
+        last_evidence={},
         plan_changes=0 if static else 3,
         steps=np.arange(1, steps + 1),
         probe_steps=np.zeros(steps, dtype=bool),
@@ -254,7 +254,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
     auto_tokens = np.full((steps, 4, 2), 2000.0)
 
     # auto's paired clock, and what its model predicted for it
-    clock = {"wall_saving_s": 0.0123, "wall_se_s": 0.004, "probes": 4, "modelled_clock_s": 0.031}
+    clock = {"clock_s": 0.0123, "clock_se_s": 0.004, "probes": 4, "modelled_clock_s": 0.031}
 
     def fake_train(cfg, world: int):
         assert world == 2
@@ -268,7 +268,7 @@ def test_train_speedup_json_judges_gain_fraction(monkeypatch, tmp_path) -> None:
             moe_phases={"experts": np.full(n, 0.1)},
             max_over_mean=1.5 if static else 1.0,
             moe_phase_mean=lambda k: 0.0,
-            last_verdict={} if static else clock,
+            last_evidence={} if static else clock,
             decisions=[] if static else [
                 {"step": 11, "decision": "adopt", "replicas": 5, "moved_homes": 0},
                 {"step": 31, "decision": "fallback", "replicas": 0, "moved_homes": 7},
@@ -390,7 +390,7 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
             moe_phases={"experts": np.full(n, 0.1)},
             max_over_mean=1.0,
             moe_phase_mean=lambda k: 0.0,
-            last_verdict={},
+            last_evidence={},
             steps=np.arange(1, n + 1),
             probe_steps=np.zeros(n, dtype=bool),
             switches=[],

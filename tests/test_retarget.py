@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
+from poise.cost.per_step import device_compute, live_parts
 from poise.plan.retarget import replica_picks, retargeted
 
 
@@ -223,26 +224,26 @@ def test_steps_are_priced_on_the_replicas_they_ran() -> None:
     assert ran_plans(plan, [np.array([[0, 1, 0]])] * 8, counts) is plan
     assert ran_plans(plan, None, counts) is plan
 
-    rank = 2.0 * selfcal.device_compute(cost, per_step, counts) + 5e-6
+    rank = 2.0 * device_compute(cost, per_step, counts) + 5e-6
     measured = np.zeros((8, len(selfcal.MEASURED)))
     measured[:, selfcal.EXPERTS] = rank.max(axis=1)
     _, fit = selfcal.fit_cluster(cost.cluster, cost, per_step, counts, measured, rank_experts=rank)
     assert fit.k_compute == pytest.approx(2.0) and fit.expert_fixed_s == pytest.approx(5e-6)
     _, blind = selfcal.fit_cluster(cost.cluster, cost, plan, counts, measured, rank_experts=rank)
     assert abs(blind.k_compute - 2.0) > 0.3, blind.k_compute
-    # the verdict's modelled saving: static's busy seconds less what ran, step by step
-    from poise.runtime.verdict import verdict
+    # the model's evidence: static's busy seconds less what ran, step by step
+    from poise.runtime.control.evidence import model_evidence
 
     static = Plan("static", Placement.from_homes(p.home, 2, 3), Assignment.to_home(
         Placement.from_homes(p.home, 2, 3)), transfers_between(None, p, spec))  # fmt: skip
-    judged = verdict(cost, static, plan, counts, measured, ran=per_step)
+    judged = model_evidence(cost, static, per_step, counts, measured)
     by_step = [
-        selfcal.live_parts(cost, static, counts[s : s + 1])[0, 0]
-        - selfcal.live_parts(cost, per_step[s], counts[s : s + 1])[0, 0]
+        live_parts(cost, static, counts[s : s + 1])[0, 0]
+        - live_parts(cost, per_step[s], counts[s : s + 1])[0, 0]
         for s in range(8)
     ]
-    assert judged.saving_s == pytest.approx(sum(by_step))
-    assert verdict(cost, static, plan, counts, measured).saving_s < judged.saving_s
+    assert judged.saving_s == pytest.approx(np.mean(by_step))
+    assert model_evidence(cost, static, plan, counts, measured).saving_s < judged.saving_s
 
 
 def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> None:
@@ -252,10 +253,10 @@ def test_the_paired_clocks_model_prices_the_replicas_the_neighbours_ran() -> Non
     plan's own (or nothing says what they ran), on the probe steps' counts as before."""
     from poise.core.placement import Assignment
     from poise.cost.model import CostModel
+    from poise.cost.per_step import live_parts
     from poise.plan.retarget import ran_plans
+    from poise.runtime.control.clock import Probes, modelled_clock_parts
     from poise.runtime.moves.homes import homes_alone
-    from poise.runtime.paired_clock import Probes, modelled_clock_parts
-    from poise.runtime.selfcal.fit import live_parts
     from tests.helpers import toy_cluster, toy_spec
 
     spec = toy_spec(experts=4)
@@ -354,16 +355,16 @@ def dataclasses_replace_layers(plan: Plan, layers: int) -> Plan:
 
 
 def test_the_guard_prices_recent_steps_as_the_plans_would_run_them() -> None:
-    """`assess(retarget=True)`: two plans with the same homes and one replica each run the same
+    """`price(retarget=True)`: two plans with the same homes and one replica each run the same
     replicas once retargeted, so their recent steps differ on the first alone (each runs its
     own replica there), where pricing each on its own replica credits the one whose replica sat
     on the expert hot more often. Against the homes alone, the gain as run equals the per-step
     reference: step 0 on the plan's own replica, each later step s with the replica of step
     s-1's hot expert, built by hand."""
     from poise.cost.model import CostModel
-    from poise.runtime.assessment import assess
+    from poise.cost.per_step import live_parts
+    from poise.runtime.control.pricing import price
     from poise.runtime.moves.homes import homes_alone
-    from poise.runtime.selfcal.fit import live_parts
     from tests.helpers import toy_cluster
 
     spec = ModelSpec("toy", d_model=8, d_expert=16, experts=4, top_k=1, moe_layers=1)
@@ -373,17 +374,16 @@ def test_the_guard_prices_recent_steps_as_the_plans_would_run_them() -> None:
     fresh = dataclasses_replace_layers(_plan(4, 2, 3, [(0, 0, 1)]), 1)  # e0 on d1
     loads = counts.mean(axis=0)
     three = counts[:3]  # e0 hot on each
-    as_run = assess(cost, stale, fresh, loads, recent=three, retarget=True)
+    as_run = price(cost, stale, fresh, loads, recent=three, retarget=True)
     first = live_parts(cost, stale, three[:1])[0] - live_parts(cost, fresh, three[:1])[0]
     assert first[0] > 0  # step 0: e0 hot, the fresh plan's own replica sheds it
-    assert as_run.recent_busy_gain_s == pytest.approx(first[0] / 3)
-    assert as_run.recent_transfers_gain_s == pytest.approx(first[1] / 3)
+    assert as_run.recent_gain_s == pytest.approx(first.sum() / 3)
     # on their own replicas, every one of the three steps credits the fresh plan so
-    own = assess(cost, stale, fresh, loads, recent=three)
-    assert own.recent_busy_gain_s == pytest.approx(first[0])
+    own = price(cost, stale, fresh, loads, recent=three)
+    assert own.recent_gain_s == pytest.approx(first.sum())
 
     alone = homes_alone(stale, spec)
-    judged = assess(cost, alone, stale, loads, recent=counts, retarget=True)
+    judged = price(cost, alone, stale, loads, recent=counts, retarget=True)
     by_step = [live_parts(cost, alone, counts[:1])[0] - live_parts(cost, stale, counts[:1])[0]]
     for s in range(1, len(counts)):
         hot = 0 if ((s - 1) // 3) % 2 == 0 else 2
@@ -394,54 +394,43 @@ def test_the_guard_prices_recent_steps_as_the_plans_would_run_them() -> None:
             live_parts(cost, alone, counts[s : s + 1])[0]
             - live_parts(cost, ran, counts[s : s + 1])[0]
         )
-    assert judged.recent_busy_gain_s == pytest.approx(np.mean([b[0] for b in by_step]))
-    assert judged.recent_transfers_gain_s == pytest.approx(np.mean([b[1] for b in by_step]))
+    assert judged.recent_gain_s == pytest.approx(np.mean([b.sum() for b in by_step]))
     # on its own replica the stale plan sheds the hot expert on half the steps only
-    blind = assess(cost, alone, stale, loads, recent=counts)
-    assert judged.recent_busy_gain_s > blind.recent_busy_gain_s
+    blind = price(cost, alone, stale, loads, recent=counts)
+    assert judged.recent_gain_s > blind.recent_gain_s
 
 
 def test_planning_jobs_price_as_run_where_the_balancer_retargets() -> None:
-    """`PlanningJob.retarget` reaches the job's assessment (the candidate against the plan in
-    force, priced as `assess(retarget=)` prices it on the fitted cluster), and the Balancer
+    """`PlanningJob.retarget` reaches the job's pricing (each candidate against the plan in
+    force, priced as `price(retarget=)` prices it on the fitted cluster), and the Balancer
     hands its `retarget` setting to every job."""
     from dataclasses import replace
 
     from poise.cost.model import CostModel
-    from poise.runtime.assessment import assess
-    from poise.runtime.planning_job import run_job
-    from tests.test_runtime_balancer import (
-        _one_rank_balancer,
-        _one_rank_steps,
-        _probes_reading,
-        _replica_case,
-        _replica_job,
-        _spy_jobs,
-    )
+    from poise.runtime.control.job import run_job
+    from poise.runtime.control.pricing import price
+    from tests.helpers import one_rank_balancer, one_rank_steps, replica_job, spy_jobs
 
     # e1 replicated on d0 in force, one step run under it; policy static: the candidate is static
-    job = _replica_job(_probes_reading(_replica_case()[3], np.zeros(1)))
     hot = np.array([[[40.0, 20.0], [30.0, 10.0]]])  # e0 hot now, on d0: retargeting follows it
     history = np.stack([hot] * 6)
-    job = replace(job, history=history, fit_counts=history[:1], fit_rows=job.fit_rows[:1])
-    job = replace(job, probes=None, calibrate=False)
+    job = replica_job(steps=1, calibrate=False)
+    job = replace(job, history=history, fit_counts=history[:1])
     results = {flag: run_job(replace(job, retarget=flag)) for flag in (False, True)}
     for flag, result in results.items():
         fitted = CostModel(result.cluster, job.spec)
         prior = CostModel(job.prior, job.spec)
-        direct = assess(
-            fitted, job.current, result.plan, history[-1], switch_cost=prior, recent=history,
-            retarget=flag,
+        got = result.candidates[0]
+        direct = price(
+            fitted, job.current, got.plan, history[-1], switch_cost=prior, recent=history,
+            retarget=flag, horizon=got.horizon, forecast_free=got.forecast_free,
         )  # fmt: skip
-        assert result.assessment == direct
+        assert got == direct
     # as run, the replica in force follows e0, so leaving it for the static layout loses more
-    assert (
-        results[True].assessment.recent_busy_gain_s < results[False].assessment.recent_busy_gain_s
-    )
+    assert results[True].candidates[0].recent_gain_s < results[False].candidates[0].recent_gain_s
     for setting in (False, True):
-        model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
-        balancer.retarget_replicas = setting
-        seen = _spy_jobs(balancer, lambda job, _: job.retarget)
-        _one_rank_steps(model, opt, balancer, 4)
+        model, opt, balancer = one_rank_balancer(replan_every=2, plan_lag=0, retarget=setting)
+        seen = spy_jobs(balancer, lambda job, _: job.retarget)
+        one_rank_steps(model, opt, balancer, 4)
         balancer.close()
         assert seen and set(seen) == {setting}

@@ -1,4 +1,4 @@
-"""Replica retargeting in a live run (`Balancer(retarget=)`, `poise.plan.retarget`): on 2 gloo
+"""Replica retargeting in a live run (`BalancerConfig(retarget=)`, `poise.plan.retarget`): on 2 gloo
 ranks whose router's hot expert wanders every 3 steps, the replicas follow it, the ranks' loads
 come out more even than with the plan's own replicas, and training ends where static EP does."""
 
@@ -29,7 +29,7 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
     import torch.distributed as dist
 
     from poise.nn import MoE, MoEConfig, ReplayRouter, apply_expert_parallel
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, BalancerConfig
     from tests.helpers import toy_cluster, train_residual_moe
 
     torch.manual_seed(0)
@@ -47,14 +47,15 @@ def _run(rank: int, W: int, policy: str, retarget: bool) -> dict:
     apply_expert_parallel(model, dist.group.WORLD, num_slots=E // W + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     # fast links, slow GEMMs: replicas pay; every plan adopted (guard off)
-    balancer = Balancer(
-        model, opt, policy, replan_every=EVERY, cluster=toy_cluster(W, bw=1e12, flops=1e6),
-        guard=False, calibrate=False, retarget=retarget,
+    config = BalancerConfig(
+        cluster=toy_cluster(W, bw=1e12, flops=1e6), guard=False, calibrate=False,
+        retarget=retarget,
     )  # fmt: skip
-    from tests.test_runtime_balancer import _spy_jobs
+    balancer = Balancer(model, opt, policy, EVERY, config)
+    from tests.helpers import spy_jobs
 
     # what each planning job is told its fit steps ran: `(replicas a step, the plan's own)`
-    jobs = _spy_jobs(
+    jobs = spy_jobs(
         balancer,
         lambda job, at: (
             at,

@@ -108,18 +108,18 @@ def test_settings_are_checked() -> None:
 
 
 def test_balancer_leaves_compression_off_by_default() -> None:
-    import inspect
 
     from poise.nn import MoE, MoEConfig
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, BalancerConfig
 
-    assert inspect.signature(Balancer).parameters["compression"].default is None
+    assert BalancerConfig().compression is None
     model = torch.nn.Sequential(MoE(MoEConfig(8, 16, 4, 2)))
     balancer = Balancer(model, torch.optim.AdamW(model.parameters()), "static")
-    assert balancer.compression is None
+    assert balancer.moves.compression is None
     balancer.close()
     with pytest.raises(ConfigError, match=r"compression\.ratio"):
-        Balancer(model, torch.optim.AdamW(model.parameters()), "static", compression=2.0)
+        Balancer(model, torch.optim.AdamW(model.parameters()), "static", 10,
+                 BalancerConfig(compression=2.0))  # fmt: skip
 
 
 # ----------------------------------------------------------------- compressed Trans, 2 ranks

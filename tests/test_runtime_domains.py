@@ -80,7 +80,7 @@ class _Traffic:
 
 
 def _run(rank: int, W: int) -> dict:
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, BalancerConfig
     from poise.runtime.hybridep.domains import DomainTraffic
 
     cluster = domain_cluster(2, 1, 2, wan_bw_Bps=1e6)
@@ -90,18 +90,15 @@ def _run(rank: int, W: int) -> dict:
     traffic.close()
     for name, ratio in VARIANTS.items():
         model, opt = _build()
-        balancer = Balancer(
-            model,
-            opt,
-            "hybrid",
-            replan_every=EVERY,
+        config = BalancerConfig(
             cluster=cluster,
             compression=ratio,
-            hooks=True,
+            optimizer_hooks=True,
             plan_lag=0,
             guard=False,
             calibrate=False,
-        )  # fmt: skip  (the legacy optimizer-hook mode, planning at the boundary it is asked)
+        )  # the optimizer-hook mode, planning at the boundary it is asked
+        balancer = Balancer(model, opt, "hybrid", EVERY, config)
         traffic = _Traffic(model)
         recorder = DomainTraffic(model, SIZE)
         replicas: list[int] = []  # replicas of both layers in force after each step

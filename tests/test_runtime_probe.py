@@ -129,15 +129,16 @@ def test_switch_probe_on_gloo_ranks() -> None:
 
 
 def _balancer_probes(rank: int, world: int, host_link: bool) -> tuple:
-    from poise.runtime.balancer import Balancer
+    from poise.runtime.balancer import Balancer, BalancerConfig
     from poise.runtime.plan_inputs import spec_from_layers
     from tests.test_runtime_balancer import _build
 
     model, opt = _build(world)
-    balancer = Balancer(model, opt, "auto", replan_every=5, cluster=toy_cluster(world),
-                        host_link=host_link)  # fmt: skip
+    config = BalancerConfig(cluster=toy_cluster(world), host_link=host_link)
+    balancer = Balancer(model, opt, "auto", 5, config)
     spec = spec_from_layers(list(model.blocks))
-    turns = balancer.link.channels["migrate"].turns if balancer.link is not None else 0
+    link = balancer.moves.link
+    turns = link.channels["migrate"].turns if link is not None else 0
     out = (balancer.switch_probe, balancer.moves.scratch.nbytes, spec.migration_bytes, turns)
     balancer.close()
     return out
@@ -165,55 +166,22 @@ def test_the_balancer_probes_its_switches_own_path(host_link: bool) -> None:
 
 
 def test_the_first_switch_is_priced_at_the_switch_probes_scale_until_one_is_measured() -> None:
-    """A Balancer whose switch probe read 7: its jobs carry 7 as the switches' measured scale
-    (`PlanningJob.measured_switch`) until the guard measured a switch (then the guard's
-    `k_switch`, the scale the next job takes); without a probe, none."""
-    from tests.test_runtime_balancer import _one_rank_balancer, _one_rank_steps, _spy_jobs
+    """A Balancer whose switch probe read 7 prices switches at 7 (`SwitchPrice.prior`) and hands
+    it to its jobs as `auto`'s migration scale, until a switch is measured; then that one's."""
+    from poise.runtime.control.pricing import SwitchPrice
+    from tests.helpers import one_rank_balancer, one_rank_steps, spy_jobs
 
-    model, opt, balancer = _one_rank_balancer(replan_every=2, plan_lag=0)
-    jobs = _spy_jobs(balancer, lambda job, _: job.measured_switch)
-    _one_rank_steps(model, opt, balancer, 2)
-    balancer.switch_probe = (7.0, 0.07, 0.01, 2)
-    _one_rank_steps(model, opt, balancer, 2)
-    assert jobs == [None, 7.0]
-    balancer.guard.record_switch(0.03, 0.01, migrate_s=0.03)  # measured: 3 times its model
-    assert balancer._switch_scale() == pytest.approx(3.0)
-
-
-def test_the_job_and_the_guard_price_the_first_switch_alike() -> None:
-    """`run_job` prices migrations at the job's measured scale where calibrating
-    (`JobResult.k_switch`), at the fit's `k_transfer` where not; the leader's guard takes the
-    result's scale as its prior: a 10 ms modelled switch costs 70 ms at a probe's 7, 10 ms
-    without one (`Fit()`'s k_transfer 1)."""
-    from poise.runtime.guard import SwitchGuard
-    from poise.runtime.planning_job import run_job
-    from tests.test_forecast_backtest import _gain
-    from tests.test_runtime_balancer import _static_auto_job
-
-    job = _static_auto_job()
-    assert run_job(dataclasses.replace(job, measured_switch=7.0)).k_switch == 7.0
-    assert run_job(dataclasses.replace(job, measured_switch=None)).switch_prior == 1.0
-    uncalibrated = dataclasses.replace(job, measured_switch=7.0, calibrate=False)
-    assert run_job(uncalibrated).switch_prior == 1.0
-    guard = SwitchGuard(horizon=10, margin=0.0)
-    for k, switch_s in ((7.0, 70e-3), (None, 10e-3)):
-        assert _leader_switch_s(guard, _gain(1e-3, 10e-3), k) == pytest.approx(switch_s)
-
-
-def _leader_switch_s(guard, candidate, k_switch) -> float:
-    from poise.core.placement import Plan
-    from poise.runtime.leader import leader_outcome
-    from poise.runtime.planning_job import JobResult
-    from poise.runtime.selfcal.fit import Fit
-    from tests.test_runtime_balancer import _replica_case
-
-    cost, _, replica, _ = _replica_case()
-    plan = Plan("fresh", replica.placement, replica.assignment, replica.transfers)
-    result = JobResult(plan, candidate, cost.cluster, Fit(), None, horizon=10, k_switch=k_switch)
-    return leader_outcome(
-        guard, result, wait_s=0.0, plan_s=0.0, planning_s=0.0, on_static=False, period_s=0.2,
-        plan_lag=1,
-    ).switch_s  # fmt: skip
+    model, opt, balancer = one_rank_balancer(replan_every=2, plan_lag=0)
+    jobs = spy_jobs(balancer, lambda job, _: job.switch_scale)
+    one_rank_steps(model, opt, balancer, 2)
+    balancer.planning.switch_price = SwitchPrice(prior=7.0)  # as the probe would set it
+    one_rank_steps(model, opt, balancer, 2)
+    assert jobs == [1.0, 7.0]  # one rank: no probe, the prior 1
+    assert balancer.planning.switch_price.cost(0.010) == pytest.approx(0.070)
+    balancer.planning.switch_price.record(0.03, 0.01, 0.03)  # measured: 3 times its model
+    one_rank_steps(model, opt, balancer, 2)
+    assert jobs[-1] == pytest.approx(3.0)
+    balancer.close()
 
 
 def _timed(rank: int, world: int) -> float:

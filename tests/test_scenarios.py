@@ -35,7 +35,7 @@ TOL = 1e-9  # auto "never slower": equal plans price equal up to float summation
 # The 200-step full forms (19-39 re-planning windows): auto may trail the best rival by forecast
 # error alone; with links as capacities the largest gap measured was 8.7e-7 of the step
 # (pro-prophet, 8 GPUs, GPT-DM, k=1, sync, against vexpert). A gap beyond FULL_TOL must be
-# forecast error by the measure `poise scenarios` reports: within `clock_z` standard errors of
+# forecast error by the measure `poise scenarios` reports: within `t_critical` standard errors of
 # the paired gap over re-planning windows (`Check.gap_in_se`), and under QUICK_TOL. On HybridEP's
 # 2-datacentre cases (drift at rate 0.05, re-planned every 5 steps) auto keeps some layers'
 # placement where `hybrid` re-places them every window; it trails `hybrid` by 0.6-2.3e-4 of the
@@ -126,10 +126,10 @@ def test_each_scenario_quick_form(name: str) -> None:
 def test_each_scenario_full_form_auto_is_never_slower(name: str) -> None:
     """The issue's line on the full forms (200-step replays; `poise scenarios` runs them in
     about 2.5 minutes): `auto` is not slower than any other policy in any run beyond forecast
-    error: one part in 100,000 (`FULL_TOL`), or, where more, within `clock_z` standard errors
+    error: one part in 100,000 (`FULL_TOL`), or, where more, within `t_critical` standard errors
     of the paired gap over re-planning windows (in the figures' column, as `poise scenarios`
     reports it) and under `QUICK_TOL` (the comment at `FULL_TOL`)."""
-    from poise.runtime.verdict import clock_z
+    from poise.runtime.control.evidence import t_critical as clock_z
 
     scenario = SCENARIOS[name]
     res = run_scenario(scenario)

@@ -186,7 +186,7 @@ def test_micro_batches_give_the_losses_of_one_batch_of_their_sum(runs):
 
 
 def test_free_balancing_takes_its_boundary_out_of_the_step(runs):
-    """Under free balancing (`poise.runtime.untimed`) a step's recorded time leaves out what
+    """Under free balancing (`poise.train.instruments`) a step's recorded time leaves out what
     its Balancer did at the boundary: `step_s` is still the sum of the phases, and the `balance`
     phase no longer holds `step` itself (`moe_s.boundary`: the plan, its migration, the Trans),
     which it does in any other run. The losses stay static EP's."""
@@ -359,8 +359,9 @@ def test_the_trainer_tells_the_balancer_where_the_run_ends(tmp_path):
     cfg = _cfg(str(tmp_path), "ends", steps=7, policy="auto", threads=1)
     trainer = _Trainer(cfg, None, quiet=True)
     try:
-        assert trainer.balancer.total_steps == 7
-        assert trainer.balancer.steps_left(6) == 0 < trainer.balancer.steps_left(5)
+        assert trainer.balancer.config.total_steps == 7
+        steps_left = trainer.balancer.planning.steps_left
+        assert steps_left(6) == 0 < steps_left(5)
     finally:
         trainer.balancer.close()
         trainer.log.close()

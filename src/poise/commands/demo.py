@@ -80,17 +80,9 @@ FULL = DemoSize(
     sim_steps=30,
     drift_steps=60,
 )
-# 30 steps: from the static layout a homes move is adopted only where a forecast held
-# (`poise.runtime.leader.forecast_held`), so at the second re-plan (step 7 at re-plans every 3
-# steps) at the earliest, training having no holdout at the first (`TrainConfig.holdout`), and
-# a replica trial on the homes in force (`poise.runtime.planning_job`, step 6) at the first; with
-# 12 steps (as until f61cefd) auto ran the static layout throughout and `--quick` measured
-# nothing but noise (docs/benchmarks.md, "Main job"). A batch of 12 sequences, not 16: the 60
-# steps of the two runs are most of the quick demo's minute, and with 16 it took 60-62 s on the
-# 2-core machine's slow days (52-57 s with 12). The smaller batch saves less per step than the
-# larger (static 2,590-2,850 tokens/s against 3,060), so its first re-plan did not pay for its
-# planning (`4 idle`) and its plan came at step 20, not 7: still a plan at work for 10 of the 25
-# measured steps, which is what the smoke test shows
+# 30 steps: enough re-plans (every 3 steps) for a plan to take effect and be measured under
+# the controller's rule; a batch of 12 sequences keeps both runs' 60 steps within the quick
+# demo's minute on a 2-core machine
 QUICK = DemoSize(
     steps=30,
     batch=12,

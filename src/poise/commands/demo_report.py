@@ -154,7 +154,7 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
     accounting = gain_accounting(static, auto, c_s, skip, cores=cores) if same_steps else None
     if accounting is not None and verdict["judged_gain"]:
         text += accounting_sentence(accounting)
-    text += paired_clock_sentence(getattr(auto, "last_verdict", {}) or {})
+    text += paired_clock_sentence(getattr(auto, "last_evidence", {}) or {})
     if steps < 30:
         text += (
             f" {steps} steps are too few to measure a speedup on a shared machine: run the "
@@ -200,18 +200,18 @@ def accounting_sentence(account: dict[str, Any]) -> str:
     )
 
 
-def paired_clock_sentence(verdict: dict[str, Any]) -> str:
-    """The auto run's own paired clock in words (`poise.runtime.paired_clock`: its probe steps,
+def paired_clock_sentence(evidence: dict[str, Any]) -> str:
+    """The auto run's own paired clock in words (`poise.runtime.control.clock`: its probe steps,
     the plan's homes without the replicas, against their neighbours), or nothing when the run
     never probed."""
-    probes = int(verdict.get("probes") or 0)
-    saving = verdict.get("wall_saving_s")
+    probes = int(evidence.get("probes") or 0)
+    saving = evidence.get("clock_s")
     if probes == 0 or saving is None:
         return ""
-    from poise.runtime.verdict import clock_z
+    from poise.runtime.control.evidence import t_critical
 
-    se = float(verdict.get("wall_se_s") or 0.0)
-    z = clock_z(int(verdict.get("dof") or probes - 1))  # Student's t for its probes
+    se = float(evidence.get("clock_se_s") or 0.0)
+    z = t_critical(probes - 1)  # Student's t for its probes
     call = (
         f"beyond {z:g} standard errors"
         if abs(saving) > z * se
@@ -224,7 +224,7 @@ def paired_clock_sentence(verdict: dict[str, Any]) -> str:
         f"measured that the replicas {way} {abs(saving) * 1e3:.1f} ms a step (standard error "
         f"{se * 1e3:.1f} ms; {call})."
     )
-    modelled = verdict.get("modelled_clock_s")
+    modelled = evidence.get("modelled_clock_s")
     if modelled is not None:
         text += (
             f" The run's fitted cost model had predicted {float(modelled) * 1e3:+.1f} ms a step "

@@ -28,23 +28,25 @@ LOSS_AGREEMENT_TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------ measured runs
-def _last_probed_verdict(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The last logged guard verdict whose wall clock came from probe steps (empty if none)."""
+def _last_probed_evidence(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last logged evidence on the plan in force with a paired clock's reading from probe
+    steps (`Evidence.as_dict`; empty if none)."""
     for r in reversed(records):
-        verdict = r.get("verdict") or {}
-        if (verdict.get("probes") or 0) > 0:
-            return dict(verdict)
+        evidence = r.get("evidence") or {}
+        if (evidence.get("probes") or 0) > 0:
+            return dict(evidence)
     return {}
 
 
 def _decisions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Balancer's decisions as logged (one per re-plan that was decided): `step`,
-    `decision` (`guard`'s word: adopt, no-gain, replace, fallback, idle, ...), the replica
-    slots in force after it (`replicas`, summed over layers) and the homes it moved."""
+    `decision` (the controller's: adopt, keep, revert) and its `reason`, the replica slots in
+    force after it (`replicas`, summed over layers) and the homes it moved."""
     return [
         {
             "step": int(r["step"]),
             "decision": str(r["decision"]),
+            "reason": str(r.get("reason", "")),
             "replicas": int(sum(r.get("replicas") or [])),
             "moved_homes": int(r.get("moved_homes") or 0),
         }
@@ -68,11 +70,11 @@ class MeasuredRun:
     grad_sync, balance, clip, optimizer); `moe_phases[name][S]`: rank 0's seconds inside the MoE
     layers and the balancer (gate, dispatch, experts, combine: forward only; transfers, plan);
     `bytes_moved[S]`: Trans + Agg + migration bytes (all ranks) at each step boundary;
-    `last_verdict`: the guard's last verdict with probe steps behind it (`verdict.Verdict.as_dict`:
-    the paired clock's `wall_saving_s`, `wall_se_s`, `probes`), empty if none; `decisions`:
+    `last_evidence`: the last logged evidence with a paired clock's reading (`Evidence.as_dict`:
+    `clock_s`, `clock_se_s`, `probes`, `modelled_clock_s`), empty if none; `decisions`:
     the Balancer's decisions in order (`_decisions`), empty for static; `switches`: the steps
     after whose loss another plan took effect (`_switch_steps`), empty for static;
-    `probe_steps[S]`: whether the step was one of the guard's probe steps (all False for
+    `probe_steps[S]`: whether the step was a probe step (all False for
     static); `layouts[S]`: what each step ran under (`poise.runtime.records.LAYOUT_NAMES`;
     "" where the run did not log it)."""
 
@@ -92,7 +94,7 @@ class MeasuredRun:
     config: dict[str, Any]
     world_size: int
     trace_path: Path | None
-    last_verdict: dict[str, Any] = field(default_factory=dict)
+    last_evidence: dict[str, Any] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
     probe_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
@@ -144,7 +146,7 @@ class MeasuredRun:
             config=config,
             world_size=int(summary.get("world_size", 1)),
             trace_path=trace if trace.is_file() else None,
-            last_verdict=_last_probed_verdict(records),
+            last_evidence=_last_probed_evidence(records),
             decisions=_decisions(records),
             switches=_switch_steps(records),
             probe_steps=np.array([bool(r.get("probe")) for r in records], dtype=bool),

@@ -1,28 +1,19 @@
-"""Live balancing on torch.distributed: launching ranks, transfers, the Balancer.
+"""Live balancing on torch.distributed: the Balancer and what it runs on, laid out by idea.
 
-    from poise.runtime import Balancer
+    from poise.runtime import Balancer, BalancerConfig
     apply_expert_parallel(model, group, num_slots=E // D + 1)        # poise.nn, on every rank
-    balancer = Balancer(model, optimizer, policy="auto", replan_every=10)  # then train as usual
+    balancer = Balancer(model, optimizer, "auto", replan_every=10)   # then train as usual
 
-- `launch`: `run_ranks(fn, world_size, *args)` on gloo ranks forked from a fork server that
-  imported torch once (tests, benchmarks);
-- `transfers`: Trans, Agg and migration of one layer's expert slots (`trans`, `agg`,
-  `migrate`, their async variants and byte counts); `host_link`: `HostLink`, shared-memory
-  channels for them between the CPU ranks of one host;
-- `balancer`: `Balancer`, which records loads, plans and applies plans between steps (with
-  `plan_inputs`: the modelled cluster, model spec and planning context it plans from; `guard`
-  (a candidate priced against the plan in force: `assessment`),
-  `selfcal`, `planner`: its adoption rule, self-calibration and background thread; `records`:
-  the steps it ran, and the samples the guard judges by; `layer_moves`: routing, Trans, Agg
-  and migration on its layers under the plan in force; `probe_steps`: the guard's probe
-  steps; `paired_clock`: what the probe steps measure the replicas to save, and what the model
-  predicted for it);
-- `home_optimizer`: `HomeRowsAdamW`, AdamW stepping only the home rows of expert slots (spare
-  slots cost no optimizer work);
-- `stats`: `StepStats`, what the Balancer records per step;
-- `parallel` (+ `parallel_groups`, `tensor_parallel`, `expert_shard`, `parallel_choice`): Parm's
-  MP + EP + ESP MoE layer with its schedules `baseline`, `s1`, `s2` and `auto`;
-- `layouts`: SmartMoE layouts at run time (EP groups, expert-data-parallel replicas).
+- `balancer`: the facade (layer hooks, `no_sync`, `reduce_replicas`, `step`, `apply`);
+  `config`: `BalancerConfig`, every setting once; `planning`: its planning half;
+- `loads`: each step's one-collective gather; `records`: the window of steps it ran; `stats`:
+  `StepStats`, what it records per step; `plan_inputs`: the prior cluster and model shape;
+- `control/`: the decision, pure NumPy (`controller`, `pricing`, `evidence`, `clock`, `job`);
+- `selfcal/`: constants fitted to the run, from one start-up probe; `planner/`: the background
+  worker and the leader's broadcast; `probe_steps`: the paired clock's probe steps;
+- `moves/`: Trans, Agg, migration, layer moves, host link, transfer group, homes;
+- `hybridep/`, `parm/`, `smartmoe`: HybridEP's domains, Parm's MP + EP + ESP layer, SmartMoE's
+  layouts at run time; `home_optimizer`: AdamW on home rows; `launch`: local gloo ranks.
 
 Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
 """
@@ -33,7 +24,8 @@ from poise.util.lazy import lazy_getattr
 
 _EXPORTS = {
     "Balancer": "balancer",
-    "PlanMismatchError": "plan_cycle",
+    "BalancerConfig": "config",
+    "PlanMismatchError": "planning",
     "default_cluster": "balancer",
     "spec_from_layers": "balancer",
     "HomeRowsAdamW": "home_optimizer",

@@ -1,6 +1,6 @@
-"""What the live Balancer plans for: the modelled cluster of local ranks (the prior of the
-self-calibration, with the host's shared cores) and the `ModelSpec` read from the MoE layers.
-The planning itself, with the `PlanContext` a plan is made in, is `poise.runtime.planning_job`."""
+"""What the live Balancer plans from: the modelled cluster of local ranks (the prior of the
+self-calibration, with the host's shared cores), the `ModelSpec` read from the MoE layers, their
+slot count and the plan they run now. Each check raises one `ConfigError` naming the field."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
+from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec
 from poise.nn.moe import MoE
+from poise.nn.slots import slot_maps
+from poise.runtime.moves.layer_state import LayerState
 
 
 def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluster:
@@ -31,12 +35,8 @@ def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluste
     all-to-all) are priced on one link all of them share (`Link.shared_by` = `world_size`):
     processes of one host move their bytes with the same cores and memory, so bytes that cross
     in opposite directions add up, where a device's own full-duplex link (the preset's) would
-    carry them at once. Measured (`benchmarks/contended_exchange.py --worlds 2 --layouts single
-    ring pair`, docs/benchmarks.md): one replica's Trans and Agg between 2 gloo ranks took
-    4.8 ms one way, 6.8-7.0 ms for two replicas one way, and 7.2-7.6 ms for one replica each
-    way, as for two one way; a full-duplex model prices that last as one replica. Under it a
-    second replica in a layer with one each way (a hot expert's and a cold one's) cost nothing,
-    and `auto` kept such replicas, moving twice the bytes the split needed."""
+    carry them at once (`benchmarks/contended_exchange.py`: one replica each way takes as long
+    as two one way)."""
     base = PRESETS["cpu-2"]
     if world_size != base.num_devices:
         base = dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
@@ -128,8 +128,55 @@ def spec_from_layers(layers: Sequence[MoE], tokens_per_device: int = 1) -> Model
 _COMPUTE_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
+def layer_slots(layers: Sequence[LayerState]) -> int:
+    """The expert slots each MoE layer holds on this rank (the first dimension of its expert
+    tensors), the same in every layer."""
+    slots = {int(s.params[0].shape[0]) for s in layers}
+    if len(slots) != 1:
+        raise ConfigError(f"MoE layers have different slot counts {sorted(slots)}", field="slots")
+    return slots.pop()
+
+
+def initial_plan(
+    layers: Sequence[LayerState], slots: int, rank: int, split_tokens: bool, spec: ModelSpec
+) -> Plan:
+    """The plan `layers` run now (their `routing`: static EP's for fresh layers), `slots` a
+    rank, as rank `rank` sees it; its assignment splits replicated experts' tokens by each
+    step's counts where `split_tokens`.
+
+    A routing's weights are this rank's source shares, so this assumes plain (not group-local)
+    routing, which is all a layer's own default routing uses."""
+    routings = [s.layer.routing for s in layers]
+    if len({x.num_experts for x in routings}) != 1:
+        raise ConfigError("MoE layers have different expert counts", field="num_experts")
+    placement = Placement(
+        home=np.stack([x.home for x in routings]).astype(np.int64),
+        copies=np.stack([x.copies for x in routings]).astype(np.int32),
+        slots_per_device=slots,
+    )
+    placement.validate()
+    assignment = Assignment(np.stack([x.weights for x in routings]).astype(np.float64))
+    assignment = assignment.with_split(split_tokens)
+    for state, routing in zip(layers, routings, strict=True):
+        mine = slot_maps(placement, state.index, slots)[rank]
+        if not np.array_equal(mine.expert, routing.slots.expert):
+            raise ConfigError(
+                f"MoE layer {state.index}'s slots are not in the order slot_maps derives "
+                "from its placement (homes, then replicas, then empty)",
+                field="routing.slots",
+            )
+    return Plan(
+        policy="initial",
+        placement=placement,
+        assignment=assignment,
+        transfers=transfers_between(None, placement, spec),
+    )
+
+
 __all__ = [
     "default_cluster",
+    "initial_plan",
+    "layer_slots",
     "prior_cluster",
     "ranks_on_host",
     "shared_cores",

@@ -1,23 +1,14 @@
 """The Balancer's record of the steps it ran: what they routed and measured, and under what.
 
-Per step, aligned (`StepRecords`, each a `deque` of the last `history` steps):
-
-- `window`: all ranks' counts `[L, D, E]` (what the predictor and the policies read; a
-  restored run may hold older rows that were not measured);
-- `measured`: `[1 + len(selfcal.MEASURED)]`: the step's id, then its seconds
-  (`selfcal.across_ranks`);
-- `layout`: the layout the step ran under: `STATIC`, `REPLICAS` (a plan with replicas),
-  `OTHER` (a plan without), `PROBE` (a probe step: the plan's homes without its replicas);
-- `settled`: it was not the step that carried a switch;
-- `rank_experts`: every rank's own expert seconds `[D]` (the self-calibration's marginal fit,
-  `selfcal.fit_compute`);
-- `ran`: the replicas the step ran, `[R, 3]` rows `(layer, device, expert)` (the plan's own, or
-  those retargeting chose, `poise.plan.retarget`; none on a probe step), so that the steps are
-  priced on what ran (`poise.plan.retarget.ran_plans`).
-
-From them come the samples the guard judges by (`poise.runtime.verdict`): the rows the
-self-calibration fits (`under_plan`), the static and balanced steps of the wall-clock test
-(`wall_reference`), and the probe steps with their neighbours (`probe_pairs`). NumPy only.
+Per step, aligned (each a `deque` of the last `history` steps): `window`, all ranks' counts
+`[L, D, E]` (what the predictor and the policies read; a resumed run may hold older rows that
+were not measured); `measured`, the step's id then its `MEASURED` seconds; `layout`: `STATIC`,
+`REPLICAS` (a plan with replicas), `OTHER` (a plan without) or `PROBE` (a probe step: the plan's
+homes without its replicas); `settled`: not the step that carried a switch; `rank_experts`,
+every rank's expert seconds `[D]`; `ran`, the replicas the step ran as `[R, 3]` rows `(layer,
+device, expert)` (retargeted ones included, none on a probe step), so that each step is priced on
+what ran. From them come the rows the planning job fits and judges (`under_plan`) and the probe
+steps with their neighbours (`probe_pairs`). NumPy only.
 """
 
 from __future__ import annotations
@@ -26,13 +17,13 @@ from collections import deque
 
 import numpy as np
 
-from poise.runtime.paired_clock import Probes
-from poise.runtime.selfcal import fit as selfcal
+from poise.runtime.control.clock import Probes
+from poise.runtime.selfcal.fit import MEASURED
 
 FIT_WINDOW = 20  # steps under the plan in force that the self-calibration fits
 STATIC, REPLICAS, OTHER, PROBE = range(4)  # the layout a recorded step ran under
 LAYOUT_NAMES = ("static", "replicas", "homes", "probe")  # as `metrics.jsonl` names them
-N_MEASURED = len(selfcal.MEASURED)
+N_MEASURED = len(MEASURED)
 
 
 class StepRecords:
@@ -103,29 +94,13 @@ class StepRecords:
         step `since`, probe steps left out (they ran another layout)."""
         return np.flatnonzero((measured[:, 0] >= since) & self.not_probe())[-FIT_WINDOW:]
 
-    def wall_reference(
-        self, history: np.ndarray | None = None, measured: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The guard's wall-clock samples (`verdict.verdict`), from `history` (default the window)
-        and `measured` (default the measured rows): `(static_counts[T, L, D, E], static_rows[T,
-        1 + len(MEASURED)], balanced_counts[B, ...], balanced_rows[B, ...])`, the newest
-        `FIT_WINDOW` settled steps run under the static layout, and every settled step run
-        under plans with replicas since the static layout last ran (balancing judged as a
-        whole since it left static, so the sample grows with each plan it adopts)."""
-        aligned, measured, layout, settled = self._inputs(history, measured)
-        static = np.flatnonzero(settled & (layout == STATIC))[-FIT_WINDOW:]
-        ran_static = np.flatnonzero(layout == STATIC)
-        since = int(ran_static[-1]) + 1 if ran_static.size else 0
-        balanced = since + np.flatnonzero(settled[since:] & (layout[since:] == REPLICAS))
-        return aligned[static], measured[static], aligned[balanced], measured[balanced]
-
     def probe_pairs(
         self, history: np.ndarray | None = None, measured: np.ndarray | None = None
     ) -> Probes:
         """The probe steps since plans with replicas took over, each with its settled
         neighbours run under them (the rows just before and after it), from `history` and
-        `measured` (defaults: the window and the measured rows): the paired clock test's
-        samples (`poise.runtime.paired_clock`). A probe with no such neighbour is left out."""
+        `measured` (defaults: the window and the measured rows): the paired clock's samples
+        (`poise.runtime.control.clock`). A probe with no such neighbour is left out."""
         aligned, measured, layout, settled = self._inputs(history, measured)
         off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
         since = int(off[-1]) + 1 if off.size else 0

@@ -1,17 +1,6 @@
-"""What the Balancer records per step, for logs and for checking the simulator.
-
-- Loads under the plan in force: from the gathered routing counts `counts[L, D, E]` (tokens each
-  source rank routed to each expert) and the plan's `Placement`/`Assignment`, the tokens each
-  rank computes per layer, `[L, D]`, their max/mean per layer, and the tokens the dispatcher
-  moves to another rank.
-- Bytes moved at the step boundary: Trans (weights to replicas), Agg (replica gradients to
-  homes), migration (weights and optimizer state of experts whose home changed); all ranks
-  together.
-- Seconds this rank spent per phase: the layer's own phases where it reports them (gate,
-  dispatch, experts, combine), transfers (launching and waiting for Trans/Agg/migration),
-  planning (on the planner's thread, and what of it delayed the step boundary).
-- What the guard decided at a re-plan and on which figures (`poise.runtime.guard`).
-"""
+"""What the Balancer records per step, for `metrics.jsonl` and for checking the simulator:
+the loads under the plan that ran (`layer_loads`), the bytes moved, the seconds by phase, and
+what the controller decided and why (`StepStats`)."""
 
 from __future__ import annotations
 
@@ -62,40 +51,24 @@ def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray
 class StepStats:
     """One training step as the Balancer saw it (this rank's view of the timings).
 
-    `max_over_mean[L]`, `device_tokens[L][D]`, `tokens_moved[L]`: loads under the plan in force
-    (see `LayerLoads`); `trans_bytes`, `agg_bytes`, `migrate_bytes`: all ranks together, moved
-    at this step's boundary; `seconds`: this rank's time per phase (`gate`, `dispatch`,
-    `experts`, `combine` when the layers report them; `transfers`; `plan`: the planner thread's
-    seconds for the plan decided here, `plan_wait`: how much of it this boundary waited,
-    `plan_cpu`: its CPU seconds charged to the step (CPU devices; 0 on accelerators);
-    `boundary`: the whole `Balancer.step`).
+    Loads under the plan that ran (`LayerLoads`): `max_over_mean[L]`, `device_tokens[L][D]`,
+    `tokens_moved[L]`. Bytes moved at this step's boundary, all ranks together: `trans_bytes`,
+    `agg_bytes`, `migrate_bytes`; `moved_homes` experts changing rank and `relaid_rows` slots
+    rewritten on this rank by a switch. `seconds`: this rank's time per phase (`gate`,
+    `dispatch`, `experts`, `combine`; `transfers`; `plan`, the planner's wall seconds for the
+    plan decided here, `plan_wait` what the boundary waited of it, `plan_cpu` its CPU seconds
+    charged where the ranks share cores; `boundary`: the whole `Balancer.step`); `rank_seconds`:
+    every rank's seconds of the step per `MEASURED` name; `measured_period_s`: the step's period
+    at the slowest rank.
 
-    Decisions: `replanned`: a plan was decided after this step; `decision`: what the guard
-    decided (`adopt`, `same`, `no-gain`, `off`; the plan in force did not pay and `replace`:
-    the fresh candidate replaced it, `fallback`: an exit did (`guard.exit_plans`); `idle`:
-    refused, and the candidate's gain did not cover the planning, so re-plans back off;
-    `unsettled`: refused on the static layout, the last candidate would not have paid on the
-    steps since (`poise.runtime.leader`); empty: nothing decided);
-    `switched`: a new plan took effect after this step, with `moved_homes` experts changing
-    rank and `relaid_rows` expert slots rewritten in place on this rank (weights and moments);
-    `gain_s`, `switch_cost_s`, `doubt_s`: the guard's predicted saving over the horizon, the
-    switch's cost and what the recent steps' spread took off the saving (`guard.Decision`);
-    `predicted_step_s`: the fitted cost model's step seconds of the plan kept;
-    `measured_period_s`: the slowest rank's wall seconds from the previous step's Agg landing
-    to this step's (the boundary before this step, its forward, backward and Agg); `fit`:
-    the self-calibration's figures (`selfcal.Fit.as_dict`) when planned;
-    `verdict`: the guard's figures on whether the plan in force paid (`verdict.Verdict.as_dict`:
-    the model's `saving_s` against the measured `cost_s` over `steps`, the wall clock's
-    `wall_saving_s` per step and its standard error `wall_se_s`, from `probes` probe steps when
-    > 0), when a plan other than the static layout was judged here; `probe`: this step was a
-    probe step (the plan's homes without its replicas, `Balancer(probe_every=)`); `retargeted`:
-    the layers whose replicas the boundary after this step re-chose (`Balancer(retarget=)`,
-    `poise.plan.retarget`); `layout`:
-    what the step ran under (`records.LAYOUT_NAMES`: `static`, the static layout; `replicas`, a
-    plan with replicas; `homes`, a plan that moved homes and holds none; `probe`, a probe step);
-    `rank_seconds`: every rank's own seconds of the step, one list `[D]` per
-    `selfcal.MEASURED` name (period, boundary, gate, all-to-all, experts, transfers), as the
-    Balancer gathers them (the phases above are this rank's alone)."""
+    At a decision (`replanned`): `decision` (`adopt`, `keep`, `revert`) and its `reason` in
+    words (`poise.runtime.control.controller`), `gain_s` the candidate's credited saving over
+    its horizon, `switch_cost_s` its switch's price, `doubt_s` what its noise took off the gain,
+    `predicted_step_s` the fitted model's step of the candidate weighed, `fit` the
+    self-calibration (`Fit.as_dict`), `evidence` on the plan in force (`Evidence.as_dict`);
+    `switched`: a plan took effect after this step. `probe`: this step ran the plan's homes
+    alone; `retargeted`: layers whose replicas the boundary after it re-chose; `layout`: what
+    it ran (`static`, `replicas`, `homes`, `probe`)."""
 
     step: int
     policy: str
@@ -109,6 +82,7 @@ class StepStats:
     relaid_rows: int = 0
     replanned: bool = False
     decision: str = ""
+    reason: str = ""
     switched: bool = False
     gain_s: float = 0.0
     switch_cost_s: float = 0.0
@@ -116,7 +90,7 @@ class StepStats:
     predicted_step_s: float = 0.0
     measured_period_s: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict)
-    verdict: dict[str, Any] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
     probe: bool = False
     retargeted: int = 0
     layout: str = ""
@@ -150,6 +124,7 @@ class StepStats:
             "agg_bytes": self.agg_bytes,
             "migrate_bytes": self.migrate_bytes,
             "decision": self.decision,
+            "reason": self.reason,
             "probe": bool(self.probe),
             "retargeted": self.retargeted,
             "layout": self.layout,
@@ -160,7 +135,7 @@ class StepStats:
             "predicted_step_s": self.predicted_step_s,
             "measured_period_s": self.measured_period_s,
             "fit": dict(self.fit),
-            "verdict": dict(self.verdict),
+            "evidence": dict(self.evidence),
             "moe_s": dict(self.seconds),
             "rank_s": dict(self.rank_seconds),
         }

@@ -16,9 +16,9 @@ A checkpoint is a folder `<out>/checkpoints/step-<step, 8 digits>/` holding
   `version`, `step` (optimizer steps done), `data_position` (samples consumed, see
   `poise.train.data`), `plan` (the placement and assignment in force: home `[L, E]`, copies
   `[L, D, E]`, weights; with `auto`, its rivals' trails), `balancer` (its step counter, load
-  window `[S, L, D, E]`, its `learned` state, `poise.runtime.learned_state`: the guard's, the
-  fit, and its `last_candidate`, the plan its next job backtests; so a resumed run re-plans
-  from what the interrupted one knew), `rng`
+  window `[S, L, D, E]`, its `learned` state, `Planning.learned_state`: the controller's, the
+  switches' price and the fit, and its `last_candidate`, the plan its next job backtests; so a
+  resumed run re-plans from what the interrupted one knew), `rng`
   (every rank's torch, CUDA, NumPy and Python random states), `world_size`, `ep_size` (ranks of
   an expert-parallel group: the world, or a layout's ep), `config`, `extra`.
 
@@ -58,7 +58,6 @@ from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
-from poise.runtime.learned_state import learned_state, restore_learned
 from poise.train.ckpt_state import (
     expert_param_names,
     expert_weights,
@@ -367,8 +366,8 @@ def plan_from_payload(p: dict[str, Any], previous: Placement | None, spec: Any) 
 
 
 def _candidate_payload(candidate: tuple[int, Plan] | None) -> dict[str, Any] | None:
-    """The balancer's last candidate `(requested at, plan)`, which its next job from the static
-    layout backtests on the window's steps since, as checkpoint values."""
+    """The balancer's last forecast `(requested at, plan)`, which its next job backtests on the
+    window's steps since, as checkpoint values."""
     if candidate is None:
         return None
     return {"requested_at": int(candidate[0]), "plan": plan_to_payload(candidate[1])}
@@ -414,8 +413,8 @@ def snapshot(
         payload["balancer"] = {
             "step": int(balancer.steps_done),
             "window": None if window is None else torch.from_numpy(window.astype(np.int64)),
-            "learned": learned_state(balancer),
-            "last_candidate": _candidate_payload(balancer._last_candidate),
+            "learned": balancer.planning.learned_state(),
+            "last_candidate": _candidate_payload(balancer.planning.last_forecast),
         }
     return payload
 
@@ -625,8 +624,8 @@ def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) -> bool:
     """Re-apply the saved placement, load window and what the balancer learned
-    (`poise.runtime.learned_state`: the guard's state, the fit) when the world size (`world`,
-    default the balancer's), the expert-parallel group size and the slots match (collective
+    (`Planning.learned_state`) when the world size (`world`, default the balancer's), the
+    expert-parallel group size and the slots match (collective
     over the balancer's group); returns whether it did. Always restores the balancer's step
     counter. A malformed learned state is one `CheckpointError` naming `poise.pt` and the
     entry, before anything is applied."""
@@ -644,24 +643,24 @@ def restore_plan(balancer: Any, ckpt: dict[str, Any], world: int | None = None) 
         or int(plan["slots_per_device"]) != balancer.slots
     ):
         return False
-    learned = saved.get("learned")  # absent from checkpoints before it was saved
-    if learned is not None:  # checked before anything changes
+    learned = saved.get("learned")  # absent, or of an older format: the run re-learns it
+    if learned is not None and learned.get("version") == 2:  # checked before anything changes
         source = str(Path(ckpt.get("path", "checkpoint")) / META)
         try:
-            restore_learned(balancer, learned, source=source)
+            balancer.planning.restore_learned(learned, source=source)
         except PoiseError as exc:
             raise CheckpointError(exc.message, source=source, field=exc.field) from None
     balancer.window.clear()
     if saved["window"] is not None:
         for row in saved["window"].numpy():
             balancer.window.append(row)
-    candidate = saved.get("last_candidate")  # the next backtest's plan (`plan_cycle`)
+    candidate = saved.get("last_candidate")  # the plan the next job backtests
     if candidate is not None:
         last = plan_from_payload(candidate["plan"], None, balancer.spec())
-        balancer._last_candidate = (int(candidate["requested_at"]), last)
+        balancer.planning.last_forecast = (int(candidate["requested_at"]), last)
     restored = plan_from_payload(plan, balancer.plan.placement, balancer.spec())
     # this run's splitting setting, whatever the saved run's was
-    restored.assignment = restored.assignment.with_split(balancer.split_tokens)
+    restored.assignment = restored.assignment.with_split(balancer.config.split_tokens)
     balancer.apply(restored)
     return True
 

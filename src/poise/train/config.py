@@ -8,67 +8,23 @@ A YAML file holds any subset of the fields below (the rest keep their defaults);
 preset of `poise.models.gpt.MODEL_PRESETS` and `model_args` overrides its shapes
 (`{d_model: 256, num_experts: 16}`). `batch` is the global batch in sequences (split evenly over
 the ranks) of one micro-batch, `micro_batches` (default 1) the micro-batches whose gradients one
-optimizer step sums (gradient accumulation: DeepSpeed's `gradient_accumulation_steps`,
-Megatron-Core's micro-batches per global batch), so a step trains on `batch * micro_batches`
+optimizer step sums (gradient accumulation), so a step trains on `batch * micro_batches`
 sequences; `context` the sequence length (default: the preset's). `layout` (None: expert
-parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"` (see
-`poise layouts` and `poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
-`compression` (None: off) is HybridEP's compressed migration: replicas get the layer's shared
-expert plus this share (0, 1] of their residual's entries (`poise.runtime.hybridep.compress`). It
-changes
-the mathematics (replicas compute with approximate weights), hence off by default.
-`split_tokens` (default on) splits each step's tokens of a replicated expert among its holders
-by that step's counts, holders shedding some of their own where that levels the loads
-(`Balancer(split_tokens=...)`, `poise.core.token_split`); off: by the plan's fixed shares;
-`plan_lag` (default 1; at most `replan_every`): a plan requested at step s is decided at step
-s + lag, where lag starts at `plan_lag` and then follows the last planning job's wall time
-(`Balancer(plan_lag=...)`); 0 plans at once on the critical path, every decision at its
-request's step, so that which steps switch does not depend on the machine's speed;
-`balance_guard` (default on): the Balancer adopts a plan only when its predicted saving pays for
-the switch, and falls back to the static layout when it does not (`poise.runtime.guard`);
-`probe_every` (default 5; 0: off): with the guard, one step in that many runs the plan's homes
-without its replicas, so that the guard's wall clock compares neighbouring steps
-(`Balancer(probe_every=...)`; 1 is refused);
-`holdout` (default off): on, with the guard, the run's first re-plan may adopt a homes-only
-plan vouched for by a holdout (made from the window's older half, priced on its newer half;
-`Balancer(holdout=...)`, whose own default is on, for loads that hold still from the start);
-off, the first adoption of a homes move waits for the second re-plan's backtest (a replica
-trial on the homes in force, with `retarget`, does not: `poise.runtime.planning_job`). Off for
-training: a run from
-scratch routes its first steps with a router that is still moving, and on
-`benchmarks/train_speedup.py`'s `skewed-micro4` the holdout's homes of step 11 fell back at
-step 21 in every round and held the static layout to step 41 (auto without the holdout, in
-the same turns, 1.000-1.037 times as fast over six rounds, and never slower elsewhere beyond
-the comparison's spread; docs/benchmarks.md);
-`recheck` (default on): with the guard, the run's first candidate refused for want of a
-backtest (`unsettled`) is asked again half a re-plan period later instead of a whole one, and
-the re-plans run on from there (`Balancer(recheck=...)`; once a run);
-`retarget` (default on): under a plan with replicas, each step boundary gives the plan's replica
-slots to the experts the step just run shows hot, the homes and the replica count staying
-(`Balancer(retarget=...)`, `poise.plan.retarget`: a replica's weights travel every step
-anyway, so which expert it copies can follow the router at no cost in bytes);
-`host_link` (default off): ranks that are CPU processes of one host move Trans and Agg rows,
-and migrations, through shared memory instead of gloo's sockets (`Balancer(host_link=...)`,
-`poise.runtime.moves.host_link`; calls larger than `transfers.LINK_MAX_BYTES` a rank, and hosts
-whose
-`/dev/shm` has no room, go through the group). Off by default: in runs taking turns with
-gloo's it was ahead in 16 paired rounds of 25, not in every setting, and `tiny` read 0.985 of
-static with it in one run (docs/benchmarks.md);
-`separate_transfers` (default on): Trans, Agg and migration run on a process group of their own
-over the EP group's ranks, so that they never queue ahead of the tokens' all-to-alls
-(`Balancer(separate_transfers=...)`, `poise.runtime.moves.transfer_group`);
-`self_calibrate` (default on): plans are priced with the cluster's compute, transfer and dispatch
-constants fitted to this run's measured phases (`poise.runtime.selfcal.fit`), `cluster` being the
-prior;
-off: with the prior's, migrations included, so that the plans depend on the loads alone.
-`free_balancing` (default off; needs `balance_guard` off): a timing oracle for benchmarks: Agg,
-planning, migration and Trans run at the step boundary and are left out of the step's time
-(`Balancer(free_balancing=...)`, `poise.runtime.untimed`), so the run measures what its
-policy's balance is worth with free transfers (`benchmarks/train_speedup.py --peers free`).
-`turns` (default None: off) is a counter file shared with other runs on this host that take
-their steps in turns with this one, step k of run `turns_slot` of `turns_of` right after step k
-of the runs before it (`poise.train.turns`: a paired comparison of whole runs, as
-`benchmarks/train_speedup.py` makes it); every run of a set must use a fresh file.
+parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"`
+(`poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
+
+Balancing settings are the Balancer's, with its defaults (`poise.runtime.config.BalancerConfig`):
+`plan_lag`, `predictor`, `probe_every`, `split_tokens`, `retarget`, `host_link`,
+`separate_transfers`, `compression` (HybridEP's compressed migration; it changes the
+mathematics), `balance_guard` (its `guard`) and `self_calibrate` (its `calibrate`); `cluster`
+names the prior the Balancer plans on (None: this host's CPU ranks).
+
+Instruments for benchmarks (`poise.train.instruments`): `free_balancing` (needs `balance_guard`
+off) leaves the Balancer's transfers and planning out of each step's time, so the run measures
+what its policy's balance is worth with free transfers; `turns` (None: off) is a counter file
+shared with other runs on this host that take their steps in turns with this one, step k of run
+`turns_slot` of `turns_of` right after step k of the runs before it (`poise.train.turns`); every
+set of runs uses a fresh file.
 """
 
 from __future__ import annotations
@@ -84,12 +40,14 @@ import yaml
 
 from poise.core.errors import ConfigError
 from poise.core.fields import read_mapping_file
+from poise.runtime.config import BalancerConfig
 from poise.train.layout import check_layout_text, parse_layout
 from poise.util.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from poise.layouts.pool import Layout
 
+_BALANCER = BalancerConfig()  # the balancing defaults, kept in one place
 POLICIES = ("static", "shadow", "prophet", "vexpert", "permute", "eplb", "hybrid", "auto")
 
 
@@ -125,21 +83,19 @@ class TrainConfig:
     # balancing
     policy: str = "auto"
     replan_every: int = 10
-    plan_lag: int = 1
+    plan_lag: int = _BALANCER.plan_lag
     spare_slots: int = 1
-    predictor: str = "ema"
+    predictor: str = _BALANCER.predictor
     cluster: str | None = None
-    compression: float | None = None
-    split_tokens: bool = True
-    balance_guard: bool = True
-    probe_every: int = 5
-    holdout: bool = False
-    recheck: bool = True
-    retarget: bool = True
-    host_link: bool = False
-    separate_transfers: bool = True
-    self_calibrate: bool = True
-    free_balancing: bool = False  # a timing oracle for benchmarks (`poise.runtime.untimed`)
+    compression: float | None = _BALANCER.compression
+    split_tokens: bool = _BALANCER.split_tokens
+    balance_guard: bool = _BALANCER.guard
+    probe_every: int = _BALANCER.probe_every
+    retarget: bool = _BALANCER.retarget
+    host_link: bool = _BALANCER.host_link
+    separate_transfers: bool = _BALANCER.separate_transfers
+    self_calibrate: bool = _BALANCER.calibrate
+    free_balancing: bool = False  # an instrument (`poise.train.instruments`)
     # parallelism
     layout: str | None = None
     # run
@@ -250,8 +206,6 @@ def _rules() -> dict[str, _Rule]:
         "split_tokens": _Rule(_BOOL),
         "balance_guard": _Rule(_BOOL),
         "probe_every": _Rule(_INT, low=0),
-        "holdout": _Rule(_BOOL),
-        "recheck": _Rule(_BOOL),
         "retarget": _Rule(_BOOL),
         "host_link": _Rule(_BOOL),
         "free_balancing": _Rule(_BOOL),

@@ -98,6 +98,7 @@ from poise.train.data import Sampler, shard_rows
 from poise.train.expert_load import ExpertLoad, expert_load
 from poise.train.faults import Fault, FaultInjector
 from poise.train.grad_sync import clip_global_norm, sync_dense
+from poise.train.instruments import make_instruments
 from poise.train.layout import edp_counts, install_edp_bias_sum
 from poise.train.router_trace import StepRouterTrace
 from poise.train.run_files import closing_lines, previous_trace, routing_trace, write_summary
@@ -114,7 +115,6 @@ from poise.train.setup import (
     seed_everything,
     shared_cores_note,
 )
-from poise.train.turns import StepTurns
 
 PHASES = ("data", "forward", "backward", "grad_sync", "balance", "clip", "optimizer")
 
@@ -255,12 +255,8 @@ class _Trainer:
             else None
         )
         self.trace_counts, self.trace_steps = self._previous_trace()
-        self.turns = (
-            StepTurns.open(cfg.turns, cfg.turns_slot, cfg.turns_of, self.rank,
-                           timeout_s=cfg.collective_timeout_s)
-            if cfg.turns is not None
-            else None
-        )  # fmt: skip
+        # benchmark instruments (free balancing, steps in turns): none in a normal run
+        self.instruments = make_instruments(cfg, self.balancer, self.rank)
         self.plan_changes = int(self.ckpt["extra"].get("plan_changes", 0)) if self.ckpt else 0
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -275,24 +271,6 @@ class _Trainer:
             return [], []
         shape = (len(find_moe_layers(self.model)), self.world, self.mcfg.num_experts)
         return previous_trace(self.ckpt["path"], self.start, shape)
-
-    def _take_turn(self, step: int) -> dict[str, float] | None:
-        """With `turns`: wait until the runs before this one have done step `step`, then let
-        the Balancer's background work go on; what the metrics record of it (`waited_s`, and
-        `began`, the wall clock's seconds since the epoch when this step began)."""
-        if self.turns is None:
-            return None
-        waited = self.turns.wait(step)
-        self.balancer.resume()
-        return {"waited_s": waited, "began": time.time()}
-
-    def _pass_turn(self, step: int) -> None:
-        """With `turns`: stop the Balancer's background work and pass the turn on once every
-        rank has done step `step`."""
-        if self.turns is None:
-            return
-        self.balancer.pause()
-        self.turns.hand_over(step)
 
     def _step_scalars(self, ce: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """`[2 + L]` float64: the step's cross-entropy sum, auxiliary loss and each MoE layer's
@@ -438,11 +416,9 @@ class _Trainer:
         self.balancer.step()  # decide a due plan, request the next, or launch Trans
         self.optimizer.zero_grad(set_to_none=True)
         t = _lap(ph, "balance", t)
-        # free balancing (a timing oracle, `poise.runtime.untimed`): its transfers and planning
-        # ran inside the balance phases and are left out of the step's time
-        free = self.balancer.untimed_s
-        ph["balance"] -= free
-        return _Stepped(lr, summed, norm, world_counts, ph, t - t_start - free)
+        untimed = sum(i.untimed_s for i in self.instruments)  # an instrument's, in `balance`
+        ph["balance"] -= untimed
+        return _Stepped(lr, summed, norm, world_counts, ph, t - t_start - untimed)
 
     def _record(self, step: int, stepped: _Stepped) -> dict[str, Any]:
         """The step's `metrics.jsonl` line (plan changes counted, the routing trace extended)."""
@@ -527,19 +503,19 @@ class _Trainer:
         self.model.train()
         self.faults.install()
         try:
-            if self.turns is not None:
-                self.turns.arrive()
+            for instrument in self.instruments:
+                instrument.start()
             for step in range(self.start, cfg.steps):
-                turn = self._take_turn(step)
+                extra: dict[str, Any] = {}
+                for instrument in self.instruments:
+                    extra.update(instrument.before_step(step) or {})
                 self.faults.at(step + 1, "step")
                 done = step + 1
                 stepped = self._compute(step)
                 if self.megatron is not None:
                     self.megatron.write(step)
                 self.position += cfg.batch * cfg.micro_batches
-                record = self._record(step, stepped)
-                if turn is not None:
-                    record["turn"] = turn
+                record = {**self._record(step, stepped), **extra}
                 stats, ph, loss_value = self.balancer.last_stats, stepped.phases, record["loss"]
                 for k, v in ph.items():
                     totals[k] += v
@@ -557,21 +533,22 @@ class _Trainer:
                 self.log.step(record)
                 if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                     res.checkpoint = self.checkpoint(done)
-                self._pass_turn(step)
-            if self.turns is not None:
-                self.turns.finish(cfg.steps)
+                for instrument in self.instruments:
+                    instrument.after_step(step)
+            for instrument in self.instruments:
+                instrument.finish(cfg.steps)
             if self.edp_group is not None:
                 from poise.runtime.smartmoe import replicas_agree
 
                 res.replicas_agree = replicas_agree(self.model, self.edp_group)
         except BaseException:
-            if self.turns is not None:
-                self.turns.abandon()
+            for instrument in self.instruments:
+                instrument.abandon()
             raise
         finally:
             self.faults.uninstall()
-            if self.turns is not None:
-                self.turns.close()
+            for instrument in self.instruments:
+                instrument.close()
             self.log.close()
             self.balancer.close()
             if self.megatron is not None:

@@ -91,6 +91,8 @@ class RunLog:
             if "val_loss" in record:
                 line += f"  val {record['val_loss']:.4f}"
             self.print(line)
+        if record.get("switched") or record.get("decision") == "revert":
+            self.print(f"step {s}: {record['reason']}")  # why the layout changed here
 
     def close(self) -> None:
         if self.progress is not None:

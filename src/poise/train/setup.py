@@ -193,9 +193,9 @@ def make_cluster(cfg: TrainConfig, world: int, ep: int | None = None):
 
 def shared_cores_note(balancer) -> str | None:
     """The start-up line saying that a guarded, balancing `balancer`'s ranks share their cores
-    and that it plans homes only there (`PlanCycle.cores_shared`), so that a run that never
-    places a replica says why; None elsewhere."""
-    if not (balancer.balancing and balancer.guard.enabled and balancer.cores_shared()):
+    and that it plans homes only there (the controller's `ratio["replicas"]` starts at 0), so
+    that a run that never places a replica says why; None elsewhere."""
+    if not (balancer.balancing and balancer.config.guard and balancer.cores_shared()):
         return None
     cores = balancer.cluster.host.shared_cores
     return (
@@ -203,6 +203,29 @@ def shared_cores_note(balancer) -> str | None:
         "the guard plans homes only: a replica's Trans and Agg would be copies on the cores "
         "the experts compute on (balance_guard: false lifts it)"
     )
+
+
+def balancer_config(cfg: TrainConfig, world: int, ep: int):
+    """The `BalancerConfig` of a run of `cfg` (`poise.runtime.config`), over `ep` of `world`
+    ranks; free balancing's settings where that instrument is on (`poise.train.instruments`)."""
+    from poise.runtime.config import BalancerConfig
+    from poise.train.instruments import FreeBalancing
+
+    config = BalancerConfig(
+        plan_lag=cfg.plan_lag,
+        predictor=cfg.predictor,
+        total_steps=cfg.steps,
+        cluster=make_cluster(cfg, world, ep),
+        guard=cfg.balance_guard,
+        probe_every=cfg.probe_every,
+        split_tokens=cfg.split_tokens,
+        retarget=cfg.retarget,
+        host_link=cfg.host_link,
+        separate_transfers=cfg.separate_transfers,
+        compression=cfg.compression,
+        calibrate=cfg.self_calibrate,
+    )
+    return FreeBalancing.settings(config) if cfg.free_balancing else config
 
 
 def make_balancer(
@@ -215,33 +238,19 @@ def make_balancer(
     groups=None,
 ):
     """The run's `poise.runtime.balancer.Balancer` from `cfg`: over `model`'s MoE layers on the
-    EP `group` (None: one rank), planned on `make_cluster(cfg, world, ep)`; with a hybrid
-    layout's `groups` (`poise.runtime.layouts.create_groups`), the world votes on plans and the
-    transfers take the EP transfer group where `cfg.separate_transfers`."""
+    EP `group` (None: one rank); with a hybrid layout's `groups` (`poise.runtime.smartmoe.
+    create_groups`), the world votes on plans and the transfers take the EP transfer group
+    where `cfg.separate_transfers`."""
     from poise.runtime.balancer import Balancer
 
     moves = groups.ep_transfer if groups is not None and cfg.separate_transfers else None
     return Balancer(
         model,
         optimizer,
-        policy=cfg.policy,
-        replan_every=cfg.replan_every,
-        plan_lag=cfg.plan_lag,
-        cluster=make_cluster(cfg, world, ep),
-        predictor=cfg.predictor,
+        cfg.policy,
+        cfg.replan_every,
+        balancer_config(cfg, world, ep),
         group=group,
         vote_group=dist.group.WORLD if groups is not None else None,
-        guard=cfg.balance_guard,
-        probe_every=cfg.probe_every,
-        holdout=cfg.holdout,
-        recheck=cfg.recheck,
-        retarget=cfg.retarget,
-        host_link=cfg.host_link,
-        separate_transfers=cfg.separate_transfers,
         transfer_group=moves,
-        calibrate=cfg.self_calibrate,
-        compression=cfg.compression,
-        split_tokens=cfg.split_tokens,
-        total_steps=cfg.steps,
-        free_balancing=cfg.free_balancing,
     )

@@ -3,38 +3,23 @@
     planner = BackgroundPlanner()                           # process=True: a worker process
     planner.submit(partial(run_job, job), requested_at=s, adopt_at=s + lag)  # at step s
     ...                                                     # training goes on
-    if planner.due(step):                                   # at step s + lag, every rank
-        done = planner.take()                               # waits if the job is not done
-        done.value, done.plan_s, done.wait_s, done.cpu_s
+    done = planner.take()                                   # at step s + lag; waits if need be
+    done.value, done.plan_s, done.wait_s, done.cpu_s
 
-A plan requested at step `s` is adopted at the boundary of step `s + lag`, whether its job
-finished early or late: the rank that plans (the Balancer's leader,
-`poise.runtime.planner.broadcast`)
-waits for its planner at that boundary if it must. The Balancer sets each request's `lag` from
-the last job's wall time (`adoption_lag`): the steps it took, so that a plan is adopted about
-when it is ready, rather than a boundary waiting for it (steps much shorter than planning:
-accelerators). Where that is longer than the re-plan interval, the re-plans due while the job
-runs are skipped: the interval stretches to the planner's time. The job's inputs are snapshots
-taken at step `s` (the gathered loads, identical on every rank) and the policy is
-deterministic, so any rank that plans gets the same plan at the same step (`check_plans`
-verifies it).
+A plan requested at step `s` is decided at the boundary of step `s + lag`, whether its job
+finished early or late; the Balancer sets `lag` from the last job's wall time (`adoption_lag`).
+The job's inputs are snapshots taken at step `s` and the policy is deterministic, so any rank
+that plans gets the same plan.
 
-Where the job runs:
-- `process=True` (the default): in a worker process (`poise.runtime.planner.worker`, started once,
-  at `start()` or the first job) at the lowest CPU priority (`priority`: `nice` for nice 19,
-  the default, or `idle` for Linux's SCHED_IDLE; `plan_worker.lowest_priority`), the job
-  pickled to it and its result back. A thread of the training process would hold the
+- `process=True` (the default): in a worker process (`poise.runtime.planner.worker`, started
+  once) at the lowest CPU priority (`nice` 19, or Linux's SCHED_IDLE with `priority="idle"`),
+  the job pickled to it and its result back. A thread of the training process would hold the
   interpreter lock whenever the planner's Python runs, and the training thread needs that lock
-  between every two tensor operations: `benchmarks/planner_gil.py` measures a training-like
-  loop of small operations hundreds of times slower beside a Python-bound thread, whatever its
-  nice value, and unchanged beside the same work in a worker process. The job must pickle (a
-  module-level function, or a `functools.partial` of one, on picklable data).
-- `process=False`: on one thread of this process at nice 19 (where the OS allows it per thread,
-  as Linux does), for jobs that do not pickle; fine for NumPy-bound jobs, which release the lock.
+  between every two tensor operations. The job must pickle.
+- `process=False`: on one thread of this process at nice 19, for jobs that do not pickle.
 
-`plan_s` is the job's wall time where it ran; `cpu_s` the CPU seconds it used (what it took
-from the training ranks where they share the cores: CPU devices); `wait_s` how long the
-boundary that took it waited (the part of planning that delayed a step outright).
+`plan_s` is the job's wall time, `cpu_s` the CPU seconds it used, `wait_s` how long the boundary
+that took it waited.
 """
 
 from __future__ import annotations
@@ -207,10 +192,9 @@ class BackgroundPlanner:
             self._worker = None
 
 
-# modules that library calls in the jobs import lazily, each worker imports them at start-up:
-# NumPy 2's `np.unique` imports `numpy.ma` at its first call (`np.ma.is_masked`): 6-9 ms of CPU
-# with the files cached, 0.1 s from a cold file cache, which the first planning job paid in the
-# middle of training (docs/benchmarks.md, "Planning beside training")
+# modules that library calls in the jobs import lazily, imported by each worker at start-up, so
+# that no job pays for them mid-training (NumPy 2's `np.unique` imports `numpy.ma` at its first
+# call)
 LAZY_IMPORTS = ("numpy.ma",)
 
 

@@ -10,7 +10,7 @@ worker runs with one BLAS thread at the lowest CPU priority (`lowest_priority`),
 MODULEs before its first request (the jobs' code), and exits at the end of its input (its
 parent closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at the terminal reaches its whole
 process group, and the training rank that owns the worker answers it (and ends the worker by
-ending its input), where the worker used to print a `KeyboardInterrupt` traceback of its own.
+ending its input), so the worker prints no `KeyboardInterrupt` traceback of its own.
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ def lowest_priority(kind: str = "nice") -> str:
     """Put this process at the lowest CPU priority and say which it got: `nice` (nice 19: a
     small share of a busy core), or `idle` (Linux's SCHED_IDLE: it runs only on a core no
     other task wants, and a rank that wakes takes the core from it at once; nice 19 where the
-    OS has no SCHED_IDLE), or `none` (the OS refused both).
-
-    Why nice: beside 4 gloo ranks sharing 2 cores, one planning job cost the ranks' steps about
-    the same either way (3.7-5 ms of training a job, a third of the job's CPU), and at
-    SCHED_IDLE a job finishes later, so the default stays nice 19
-    (`benchmarks/planner_overlap.py --ranks 4`, docs/benchmarks.md, "Planning beside training").
+    OS has no SCHED_IDLE), or `none` (the OS refused both). Nice is the default: beside ranks
+    that share the cores a job costs their steps about as much either way, and finishes sooner.
     """
     if kind not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {kind!r}")

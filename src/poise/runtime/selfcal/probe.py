@@ -1,52 +1,25 @@
-"""A start-up probe of the bulk-transfer rate: the self-calibration's first `k_transfer`.
+"""Start-up probes: the self-calibration's first `k_transfer` and the first switch's price.
 
-The self-calibration (`poise.runtime.selfcal.fit`) fits `k_transfer`, the measured seconds of
-Trans, Agg and migration over the cost model's, from steps that ran replicas. Before any did,
-the first plans were priced on the prior cluster's links as they are (k = 1): on CPU gloo ranks
-a migration then cost 8-11 times what it was priced (`docs/benchmarks.md`, `many-experts`: 33
-homes moved at step 11 for 240 ms of boundary, priced at 11 ms), so the first plan moved homes
-that later plans had to move back.
+Before any replica ran, the fit has no transfers to measure, so the first plans would be priced
+on the prior cluster's links as they are. Two collective probes on the Balancer's process group,
+before training, give the first scales (`poise.runtime.selfcal.fit`):
 
-The probe measures one migration's worth of bulk traffic on the Balancer's process group before
-training starts: every rank sends `ModelSpec.migration_bytes` (one expert's weights and
-optimizer moments) to the next rank and receives as much from the previous one, packed and
-unpacked as `poise.runtime.moves.transfers` does (one copy into a flat buffer, one
-`all_to_all_single`, one copy out). The cost model prices the same moves on the prior cluster
-(`poise.cost.traffic.migration_traffic`, `poise.cost.model.link_time`, times
-`HostCosts.transfer_scale`):
+- *the exchange*: every rank sends `ModelSpec.migration_bytes` (one expert's weights and
+  moments) to the next rank, packed and unpacked as `poise.runtime.moves.transfers` does;
+- *the switch*: `transfers.migrate` itself on a synthetic layer shaped as the model's experts,
+  each rank's `homes = max(1, min(E // D // 2, SWITCH_PROBE_BYTES // M_e))` homes (half a rank's
+  experts) moving to the next rank and back, through the run's own channel and kept buffers, so
+  that the packing, clearing and placing a migration does beyond its bytes is priced too.
 
-    modelled = max over links (bytes on the link / bandwidth) + latency    (`poise.cost.network`)
-    k_probe  = median over rounds of (min over ranks of the round's seconds) / modelled
+Each is priced by the cost model on the prior cluster (`poise.cost.traffic.migration_traffic`,
+`poise.cost.model.link_time`, times `HostCosts.transfer_scale`) and timed as
 
-Each round is timed on every rank after a barrier; the rank that waited least gives the
-exchange's time (as `selfcal.across_ranks` takes collectives); the first round, which pays the
-backend's set-up, is left out. `k_probe` is the centre `selfcal.fit_cluster` starts from and the
-guard's price of the first switch; the fits from the run's own steps take over as they come.
+    k = median over rounds of (min over ranks of the round's seconds) / modelled
 
-*The switch probe* (`probe_switch_scale`) prices the first switch on its own. A switch's
-migration is more than its bytes at the exchange's rate: `transfers.migrate` packs the rows of
-every weight and moment tensor, clears the rows no arrival fills, and places the arrivals,
-each a pass over the bytes, per tensor and row. On `many-experts` (`benchmarks/train_speedup.py`,
-2 gloo ranks) the first switch moved 66 homes (155.7 MB) in 107-114 ms of `migrate_s` where
-the exchange probe's scale priced 41-47 ms (docs/benchmarks.md). So the switch probe runs
-`transfers.migrate` itself on a synthetic layer shaped as the model's experts, with as many
-moment tensors as `ModelSpec.optimizer_bytes_per_param` holds: every rank's `homes` homes move
-to the next rank (and back, round by round), with
-
-    homes    = max(1, min(E // D // 2, SWITCH_PROBE_BYTES // M_e))    (half a rank's experts)
-    modelled = the cost model's migration of those moves as one layer (as above)
-    k_switch = median over rounds of (min over ranks of the round's seconds) / modelled
-
-Half a rank's experts is the size of the first switches measured (`many-experts` moved 8 of
-each rank's 16 homes a layer, `ep_step` 5-7 of 16); `SWITCH_PROBE_BYTES` bounds what the probe
-allocates on a large model. The Balancer probes on its switches' own path: through its
-shared-memory channel where it migrates through one (`host_link`), and in the buffers its
-migrations keep (`transfers.Scratch`), which the probe's left-out warm-up round sizes and
-touches first, so that a first switch of up to that size a layer finds them ready, as the
-probe's timed rounds did.
-`k_switch` is the guard's `k_switch` until the run's first switch is measured
-(`SwitchGuard.record_switch`) and the scale `auto` prices migrations at meanwhile
-(`planning_job.run_job`).
+after a left-out warm-up round (the backend's set-up; the buffers' first touch), each round
+from a barrier, at the rank that waited least (as `selfcal.fit.across_ranks` takes
+collectives). The exchange's `k` is the fit's first centre; the switch's is the price of a
+switch until the run measures one (`poise.runtime.control.pricing.SwitchPrice`).
 """
 
 from __future__ import annotations
@@ -106,7 +79,7 @@ def timed_rounds(
 
 
 def scale_of(measured_s: float, modelled_s: float) -> float:
-    """`measured_s / modelled_s` clipped to `selfcal.SCALE_LIMITS`, 1 where nothing was
+    """`measured_s / modelled_s` clipped to `SCALE_LIMITS`, 1 where nothing was
     modelled."""
     return float(np.clip(measured_s / modelled_s, *SCALE_LIMITS)) if modelled_s > 0 else 1.0
 
@@ -218,7 +191,7 @@ def probe_switch_scale(
     scratch: Scratch | None = None,
 ) -> tuple[float, float, float, int]:
     """`(k_switch, measured_s, modelled_s, homes)` of the switch probe (module docstring),
-    `k_switch` clipped to `selfcal.SCALE_LIMITS`; `link`, `scratch` as for
+    `k_switch` clipped to `SCALE_LIMITS`; `link`, `scratch` as for
     `measure_switch_probe_s`. Collective over `group`, whose size is `cluster.num_devices`."""
     homes = switch_probe_homes(spec, cluster.num_devices)
     modelled = modelled_probe_s(cluster, spec, homes)

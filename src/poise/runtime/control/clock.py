@@ -1,29 +1,18 @@
-"""The paired clock: what a plan's replicas save on this machine's clock, measured and predicted.
+"""The paired clock: what a plan's replicas save on this machine's clock, measured and modelled.
 
-While a plan with replicas is in force, the Balancer runs a step now and then on the plan's
-homes without its replicas (`Balancer(probe_every=)`, `poise.runtime.probe_steps`). Each such
-probe step against its neighbours (one step away: the same machine speed) measures what the
-replicas save, with the machine's drift cancelled (`paired_clock`); the fitted cost model
-predicts the same comparison (`modelled_clock`), and the gap between the two prices the
-replicas of the next plans (`replica_scale`). The do-no-harm guard (`poise.runtime.guard`)
-judges the plan in force by them. NumPy only.
+While a plan with replicas is in force, a step now and then runs on the plan's homes without
+its replicas (a *probe step*, `poise.runtime.probe_steps`). With `r = period - busy_static(counts)`
+on every step (what the static layout's model does not explain), each probe against its
+neighbours one step away, `d_i = r(probe i) - mean(r(neighbours))`, measures what the replicas
+save with the machine's drift cancelled (`paired_clock`: mean and standard error of `d`). The
+fitted model predicts the same comparison (`modelled_clock`), and the gap prices the replicas
+of the next plans (`replica_scale`).
 
-Each step's period (`selfcal.PERIOD`) runs from the previous step's Agg landing to its own, so a
-replica step's carries its own Trans (launched at the boundary before it, waited in its forward)
-and its own Agg, and a probe's neither. Ended where the Agg began instead, a probe's period held
-its predecessor's Agg and the step after it lacked one: the clock read the replicas' saving
-about one and a half Aggs too high.
-
-The pairing assumes the machine's speed is the same over a probe and its two neighbours. A
-shared host breaks that now and then: another process takes the cores for a few steps. On
-`skewed` (2 gloo ranks, 2026-11-28) one such stall lengthened steps 29-32 by 80-420 ms, in the
-static run beside auto as well; two of the four probes had a stalled neighbour, their pairs read
-the replicas about -34 and -30 ms a step (by the step periods alone) where the clean two read
-about +9 and +30, and the clock (-7.4 +-
-12.0 ms against 53.6 modelled) sent the run back to the static layout for good. `steady_probes`
-therefore leaves out a probe whose two neighbours disagree by more than noise: their
-difference is an outlier among the step-to-step differences of the steps run under the plans
-(the modified z-score beyond `OUTLIER_Z`).
+A step's period runs from the previous step's Agg landing to its own, so a replica step's holds
+its Trans and Agg and a probe's neither. A neighbour that straddles a stall of the shared host
+(another process taking the cores for a few steps) measures the stall, not the replicas, so
+`steady_probes` leaves out a probe whose two neighbours differ by an outlier among the
+step-to-step differences (modified z-score beyond `OUTLIER_Z`). NumPy only.
 """
 
 from __future__ import annotations
@@ -34,9 +23,10 @@ import numpy as np
 
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
+from poise.cost.per_step import live_parts
 from poise.plan.retarget import ran_plans
 from poise.runtime.moves.homes import homes_alone
-from poise.runtime.selfcal.fit import PERIOD, SCALE_LIMITS, live_parts
+from poise.runtime.selfcal.fit import PERIOD, SCALE_LIMITS
 
 # Iglewicz and Hoaglin, "How to Detect and Handle Outliers" (ASQC Basic References in Quality
 # Control 16, 1993): an observation whose modified z-score, 0.6745 (x - median) / MAD, exceeds
@@ -54,7 +44,7 @@ class Probes:
     homes without its replicas); `pair_counts[Q, ...]`, `pair_measured[Q, ...]` the settled
     steps run under plans with replicas just before and after them, `pair_of[Q]` the probe
     each belongs to (every probe has one or two); `pair_ran`: the replicas each of those ran,
-    `[R, 3]` rows (`records.StepRecords.ran`; None: the plan's own)."""
+    `[R, 3]` rows (`StepRecords.ran`; None: the plan's own)."""
 
     counts: np.ndarray
     measured: np.ndarray
@@ -83,7 +73,7 @@ class Probes:
 def residuals(cost: CostModel, static: Plan, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """`r[S]`, each step's measured period less the static layout's busy seconds on its counts
     (`counts[S, L, D, E]`, `rows[S, len(selfcal.MEASURED)]`): what the static model does not
-    explain (`poise.runtime.verdict`, test 2)."""
+    explain."""
     return rows[:, PERIOD] - live_parts(cost, static, counts)[:, 0]
 
 
@@ -128,10 +118,8 @@ def steady_probes(
 
 def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, float]:
     """`(saving, se)` per step of the replicas over the same homes without them, from probe
-    steps paired with their neighbours (`poise.runtime.verdict`, test 2): with `r = period -
-    busy_static(counts)` on every step, `d_i = r(probe i) - mean(r(its neighbours))`; the saving
-    is `mean(d)` and its standard error `std(d) / sqrt(P)`. Neighbours one step away share the
-    machine's speed, so its drift, which a reference taken once cannot follow, cancels."""
+    steps paired with their neighbours (module docstring): the mean of `d` and its standard
+    error `std(d) / sqrt(P)` (inf with one probe)."""
     r_probe = residuals(cost, static, probes.counts, probes.measured)
     r_pair = residuals(cost, static, probes.pair_counts, probes.pair_measured)
     n = len(probes)
@@ -166,27 +154,19 @@ def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
     return busy_saving - transfers
 
 
-def replica_scale(cost: CostModel, current: Plan, probes: Probes, wall_saving_s: float) -> float:
+def replica_scale(cost: CostModel, current: Plan, probes: Probes, clock_s: float) -> float:
     """How much dearer the paired clock found `current`'s replicas than their modelled Trans +
-    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C` (`wall_saving_s`, as
-    the caller reads it: the planning job passes `verdict.clock_ceiling`, so that the clock's
-    noise alone does not make replicas dearer), the replicas' step
-    cost as measured is `B - C` (what the busy model says they save, less what they saved),
-    and the factor is `(B - C) / T`, at least 1 (a clock above `B - T` is the busy model's
-    error, not the transfers': it does not make them cheaper than they measured) and within
-    `selfcal.SCALE_LIMITS`. 1 where `current` has no Trans (no replicas to price).
-
-    What it stands for: a replica costs a step more than the bytes of its Trans and Agg (the
-    holder's extra slot in forward and backward, the counts it adds to the dispatcher's work,
-    the launches inside the autograd hooks; measured per phase on `skewed`, docs/benchmarks.md),
-    and every replica moves the same bytes (one expert's weights, then its gradients), so a
-    per-replica cost scales like its transfers. The live planner prices replicas with it
-    (`planning_job.run_job`): plans keep only the replicas whose saving exceeds what replicas
-    measured to cost in this run."""
+    Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C` (`clock_s`; the
+    planning job passes the clock's upper bound, so that its noise alone does not make replicas
+    dearer), the replicas cost `B - C` a step as measured, and the factor is `(B - C) / T`, at
+    least 1 (a clock above `B - T` is the busy model's error, not the transfers') and within
+    `SCALE_LIMITS`; 1 where `current` has no Trans. A replica costs a step more than its bytes
+    (the holder's extra slot, the dispatcher's extra counts, the hooks' launches), and every
+    replica moves the same bytes, so the extra scales like its transfers."""
     busy_saving, transfers = modelled_clock_parts(cost, current, probes)
     if not transfers > 0:
         return 1.0
-    return float(np.clip((busy_saving - wall_saving_s) / transfers, 1.0, SCALE_LIMITS[1]))
+    return float(np.clip((busy_saving - clock_s) / transfers, 1.0, SCALE_LIMITS[1]))
 
 
 __all__ = [

@@ -14,8 +14,7 @@ modelled step part
 
     live(K) = 1/S * sum_s (busy[K, s] + transfers[K, s])
 
-(`poise.runtime.selfcal.live_parts` on the fitted cluster, whose transfers carry the fitted
-`k_transfer` and the paired clock's `k_replica`: what the guard prices a plan with). The plan
+(`poise.cost.per_step.live_parts`, on the cluster the live runtime fitted to the run). The plan
 with `K` replicas holds the first `K` of `budget_picks`: the greedy of
 `poise.plan.retarget.replica_picks` on the newest step (what the step after the switch would
 retarget from), then those of the older steps, newest first, that still find a free slot;
@@ -25,7 +24,7 @@ evenly between two ranks sums to a balanced layer). Ties,
 within `TIE_REL` of the least, go to the fewest replicas; `auto`'s own plan competes as it is,
 and is kept unless another `K` is priced below it. Homes never move here, so no `K` costs a
 migration the others do not.
-NumPy only (runs in the planning job).
+NumPy only.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ import numpy as np
 from poise.core.placement import Assignment, Placement, Plan
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel
+from poise.cost.per_step import live_parts
 from poise.plan.retarget import as_run, free_slots, homes_with, replica_picks, with_placement
-from poise.runtime.selfcal.fit import live_parts
 
 TIE_REL = 1e-3  # budgets priced within this share of the least tie
 

@@ -1,4 +1,4 @@
-"""`poise.runtime.step_gather`: one step's counts, rows, flags and seconds from every rank, by
+"""`poise.runtime.loads`: one step's counts, rows, flags and seconds from every rank, by
 hand on one process and on two gloo ranks (each rank's figures known, so the table is too)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from poise.nn import MoE, MoEConfig, apply_expert_parallel
 from poise.nn.moe import NonFiniteInputError
 from poise.runtime.launch import run_ranks
+from poise.runtime.loads import gather_step
 from poise.runtime.moves.layer_state import LayerState
 from poise.runtime.selfcal import fit as selfcal
-from poise.runtime.step_gather import gather_step
 
 E = 4  # experts
 

@@ -1,14 +1,14 @@
-"""One step's gather: what every rank of the Balancer's group saw in the step, in one collective.
+"""Each step's loads: what every rank of the Balancer's group saw in the step, in one collective.
 
 At `Balancer.reduce_replicas`, each rank packs one int64 row
 
     [counts of every layer [L * E], non-finite flag [1], rows computed [L], seconds [M] as ns]
 
 (its layers' `last_counts` summed over the step's forwards, whether any layer saw NaN or
-infinity, the rows its expert slots computed, and its seconds per `selfcal.MEASURED` column),
+infinity, the rows its expert slots computed, and its seconds per `MEASURED` column),
 and one `all_gather` over the group gives every rank the same table `[D, L * E + 1 + L + M]`.
 A non-finite flag on any rank raises `NonFiniteInputError` on every rank, before the optimizer
-steps. The seconds are reduced across ranks as `selfcal.across_ranks` takes them and, with a
+steps. The seconds are reduced across ranks as `across_ranks` takes them and, with a
 vote group (several EP groups that must decide alike), to their maximum over it, so that every
 group's planner sees the same figures.
 """
@@ -25,15 +25,15 @@ import torch.distributed as dist
 from poise.nn.comm import comm_device
 from poise.nn.moe import nonfinite_error
 from poise.runtime.moves.layer_state import LayerState
-from poise.runtime.selfcal import fit as selfcal
+from poise.runtime.selfcal.fit import EXPERTS, across_ranks
 
 
 @dataclass(frozen=True)
 class GatheredStep:
     """The gathered table, unpacked: `counts[L, D, E]` (tokens each rank routed to each
     expert), `computed[L, D]` (rows each rank's expert slots computed), `rank_seconds[D, M]`
-    (every rank's own seconds per `selfcal.MEASURED` column), `measured[M]` (across ranks,
-    `selfcal.across_ranks`) and `rank_experts[D]` (every rank's expert seconds); the last two
+    (every rank's own seconds per `MEASURED` column), `measured[M]` (across ranks,
+    `across_ranks`) and `rank_experts[D]` (every rank's expert seconds); the last two
     at their maximum over the vote group where there is one."""
 
     counts: np.ndarray
@@ -53,7 +53,7 @@ def gather_step(
     vote_group: dist.ProcessGroup | None = None,
 ) -> GatheredStep:
     """Gather the step (module docstring; collective over `group`, and over `vote_group` where
-    given). `seconds`: this rank's figures in `selfcal.MEASURED` order; `step`: the step's
+    given). `seconds`: this rank's figures in `MEASURED` order; `step`: the step's
     number, for the error a non-finite flag raises. Resets each layer's step counts and rows,
     and takes its non-finite flag (`MoE.take_nonfinite`)."""
     L, E, D = len(layers), num_experts, world_size
@@ -85,8 +85,8 @@ def gather_step(
     gathered = table[:, : L * E].reshape(D, L, E).transpose(1, 0, 2)  # [L, D, E]
     computed = table[:, L * E + 1 : L * E + 1 + L].T.astype(np.float64)  # [L, D]
     per_rank = table[:, L * E + 1 + L :].astype(np.float64) / 1e9  # [D, MEASURED]
-    measured = selfcal.across_ranks(per_rank)
-    rank_experts = per_rank[:, selfcal.EXPERTS]
+    measured = across_ranks(per_rank)
+    rank_experts = per_rank[:, EXPERTS]
     if vote_group is not None and D > 1:
         both = max_over_group(np.concatenate([measured, rank_experts]), vote_group)
         measured, rank_experts = both[: len(measured)], both[len(measured) :]

@@ -1,4 +1,4 @@
-"""What the Balancer reads from its layers before its first step (`poise.runtime.balancer_setup`):
+"""What the Balancer reads from its layers before its first step (`poise.runtime.plan_inputs`):
 the layers' slot count and the plan they run now, each refusal one `ConfigError` naming the
 field. Real `poise.nn.MoE` layers in one process."""
 
@@ -11,8 +11,8 @@ import torch
 from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
 from poise.nn import MoE, MoEConfig, apply_expert_parallel
-from poise.runtime.balancer_setup import initial_plan, layer_slots
 from poise.runtime.moves.layer_state import LayerState
+from poise.runtime.plan_inputs import initial_plan, layer_slots
 
 SPEC = ModelSpec(name="t", d_model=16, d_expert=32, experts=8, top_k=2, moe_layers=2)
 
