@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from poise.nn.slots import SlotMap
 from poise.runtime.hybridep import compress as cz
-from poise.runtime.moves.transfers import Pending, Routes, Stream, exchange, trans_routes
+from poise.runtime.moves.exchange import Pending, Routes, Stream, exchange, trans_routes
 
 
 @dataclass
