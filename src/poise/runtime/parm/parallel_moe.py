@@ -14,23 +14,19 @@ expert; I-Order: back to token order, weighted by the router):
     "s2":       MP-Split - Gate(T/M) - Order - AlltoAll[EP x ESP] - Expert
                 - AlltoAll[EP x ESP] - I-Order (sums the M shards) - MP-AllGather[MP]
 
-- `"baseline"` (DeepSpeed-MoE): every rank of a node gates, sends and computes the node's
-  duplicated tokens, so the EP all-to-alls carry M copies of each token.
-- The Parm schedules pause MP (rank `local` keeps its `T / M` tokens, gathered back after the
-  combine), so no duplicated token is gated, sent or computed. `"s1"` runs the inter-node EP
-  all-to-all and the intra-node ESP collectives in turn (with `overlap_degree` n > 1, chunk
-  c+1's all-to-all is in flight during chunk c's ESP collectives and experts). `"s2"` replaces
-  both by one all-to-all over the world that sends each token to its expert's M shards and
-  sums their partial outputs in the combine.
-- `"auto"`: `chooser(ParmShape) -> "s1" | "s2"` at the first forward, for the largest token
-  count of any node, kept until `rechoose()`; default `ParmChooser()` (`poise.layouts.parm`'s
-  analytic choice on M-rank nodes with `cpu-2`'s links). Every rank must choose alike (checked).
+"baseline" (DeepSpeed-MoE) gates, sends and computes each duplicated token on all M ranks. The
+Parm schedules pause MP (rank `local` keeps `T / M` tokens), so no duplicate is gated, sent or
+computed. "s1" runs the inter-node EP all-to-all and the intra-node ESP collectives in turn
+(`overlap_degree` n > 1: chunk c+1's all-to-all in flight during chunk c's ESP and experts);
+"s2" replaces both by one world all-to-all to the expert's M shards, summed in the combine.
+"auto" asks `chooser(ParmShape)` (default `ParmChooser()`) at the first forward, for the
+largest token count of any node, and keeps the answer until `rechoose()`; every rank must
+choose alike (checked).
 
 S1 and S2 are read as `poise.layouts.parm`'s cost model reads them (from the paper's abstract
 and third-party summaries), so the runtime runs what the model prices. Every schedule computes
-the single-process `poise.nn.MoE`'s function (dropless; with a capacity factor, capacity
-applies to the tokens each rank gates, so the Parm schedules drop differently from the
-baseline). `aux_loss` is that of the tokens this rank gates.
+the single-process `poise.nn.MoE`'s function (dropless; a capacity applies to the tokens each
+rank gates, so Parm's schedules drop differently). `aux_loss` is that of this rank's tokens.
 """
 
 from __future__ import annotations
