@@ -1,28 +1,21 @@
 """AdamW that steps only the expert rows a rank owns: its home slots.
 
-A balancing run gives each rank spare expert slots (`TrainConfig.spare_slots`) for replicas.
-Replica rows are refreshed from their home by Trans before they are read, and empty rows are
-never read, so an optimizer step over them is wasted work that static EP does not do: with
-`S = E/D + 1` slots, `torch.optim.AdamW` over the stacked `[S, ...]` expert tensors costs
-`S / (E/D)` times static's expert update, every step, whether the plan in force replicates
-anything or not.
+Spare expert slots (`TrainConfig.spare_slots`) hold replicas, refreshed from their home by
+Trans before they are read, or nothing; stepping them is work static EP does not do (with
+`S = E/D + 1` slots, `S / (E/D)` times static's expert update, every step).
 
-`HomeRowsAdamW` is `torch.optim.AdamW` (same state: `step`, `exp_avg`, `exp_avg_sq`, shaped
-like the parameter, so checkpoints and home migration are unchanged) whose step updates, for
-each stacked expert tensor, only its first `n` rows, the home slots (`poise.nn.slots`: homes
-come first). Each row's update is AdamW's element-wise mathematics on that row, so losses equal
-static EP's. The per-tensor `step` count advances every step on every rank (also where a rank
-owns no row of a layer), so bias corrections stay identical when a home's moments migrate.
+`HomeRowsAdamW` is `torch.optim.AdamW` (same state: `step`, `exp_avg`, `exp_avg_sq` shaped like
+the parameter, so checkpoints and home migration are unchanged) whose step updates only the
+first `n` rows of each stacked expert tensor, the home slots (`poise.nn.slots`: homes first).
+Each row's update is AdamW's element-wise mathematics, so losses equal static EP's. Every
+tensor's `step` advances every step on every rank (also with no home row), so bias corrections
+stay identical when a home's moments migrate.
 
-The step runs PyTorch's fused AdamW kernel wherever it supports the parameters (`fused=None`,
-the default: every parameter a float tensor on a device with the kernel, CPU and CUDA among
-them), else the per-tensor loop (`fused=False` forces it). On the CPU the loop is about 4 times
-slower, and slower still on rows whose moments are zero (an expert no token has reached yet,
-under a skewed router): `sqrt` of zeros takes a slow path there, so the loop charges static
-EP's idle experts optimizer time that balancing cannot win back (`benchmarks/adamw_kernels.py`,
-28 M parameters on one thread: the loop 156 ms with no idle slot and 249 with 13 of 18, the
-fused kernel 40-43 either way). Fused and loop agree to float rounding, not bit for bit; each
-matches `torch.optim.AdamW` with the same `fused` flag bit for bit.
+It runs PyTorch's fused AdamW kernel wherever it supports the parameters (`fused=None`: float
+tensors on a device with the kernel, CPU and CUDA among them), else the per-tensor loop
+(`fused=False`), which on the CPU is slower still on rows with zero moments (`sqrt` of zeros
+takes a slow path), charging idle experts optimizer time. Fused and loop agree to float
+rounding; each matches `torch.optim.AdamW` with the same `fused` flag bit for bit.
 """
 
 from __future__ import annotations
@@ -51,8 +44,8 @@ def fused_supported(params: Iterable[torch.Tensor]) -> bool:
 
 
 def home_rows(model: nn.Module) -> dict[int, RowsOf]:
-    """For each stacked expert parameter of `model` (by `id`), a function giving how many of
-    its leading rows are this rank's home slots now (read from the layer's routing in force)."""
+    """Per stacked expert parameter of `model` (by `id`), a function giving how many leading
+    rows are this rank's home slots under the routing in force."""
     out: dict[int, RowsOf] = {}
     for moe in find_moe_layers(model):
 
@@ -70,12 +63,10 @@ def home_rows(model: nn.Module) -> dict[int, RowsOf]:
 
 
 class HomeRowsAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` stepping only the home rows of stacked expert tensors.
-
-    `rows_of` maps `id(param)` to a function giving the number of leading rows to step (from
-    `home_rows(model)`); other parameters are stepped whole. `fused`: PyTorch's fused kernel
-    (None: wherever `fused_supported`; module docstring). AMSGrad, capturable, differentiable
-    and maximize modes are not supported (ValueError)."""
+    """`torch.optim.AdamW` stepping only the home rows of stacked expert tensors. `rows_of`:
+    `id(param)` -> leading rows to step (`home_rows(model)`); other parameters step whole.
+    `fused`: PyTorch's fused kernel (None: wherever `fused_supported`). AMSGrad, capturable,
+    differentiable and maximize are refused (ValueError)."""
 
     def __init__(
         self,

@@ -1,30 +1,21 @@
 """Run a function on D local gloo ranks in fresh processes and collect what each returns; start
 one process from the same fork server (`start_forked`: `poise train --nproc`'s ranks).
 
-Used by the multi-rank tests, the benchmarks and `poise calibrate`: every rank gets a gloo
-process group on 127.0.0.1 (with a collective timeout, so a disagreeing rank is an error, not a
-hang), one intra-op thread by default, and its return value is pickled back to the parent. A rank
-that raises fails the whole run with that rank's traceback; a run past `timeout_s` is ended.
+Every rank gets a gloo process group on 127.0.0.1 with a collective timeout (a disagreeing rank
+is an error, not a hang), one intra-op thread by default; its return value is pickled back. A
+rank that raises fails the run with its traceback; a run past `timeout_s` is ended.
 
-The ranks are forked from a fork server (`multiprocessing`'s `forkserver` start method) that
-imported torch, `torch.distributed` and `torch._dynamo` once (`FORKSERVER_PRELOAD`): a spawned
-rank imports them itself, 3-4 s on 2 cores, and `torch.optim`'s first step imports
-`torch._dynamo` (2.5-2.8 s more), while a forked one starts in a fraction of a second (2 ranks:
-0.4 s against 3.6-7.3 s). A forked rank is otherwise what a spawned one is: a process with no
-process group and no CUDA, the caller's `sys.path` and working directory (sent with each rank),
-and the caller's environment as it is at the call (`_take_environment`; the server's own is
-the one it started with).
+Ranks are forked from a fork server (`multiprocessing`'s `forkserver`) that imported torch,
+`torch.distributed` and `torch._dynamo` once (`FORKSERVER_PRELOAD`), so a rank starts in a
+fraction of a second instead of importing them itself (`torch.optim`'s first step imports
+`torch._dynamo`). Otherwise a forked rank is a spawned one: no process group, no CUDA, the
+caller's `sys.path`, working directory and environment at the call (`_take_environment`).
 
-A forked process lives no longer than the process that started it (`exit_with`): the fork server
-outlives a launcher that is killed (SIGKILL, a closed terminal), and so would its ranks, waiting
-for turns or peers that never come; each checks every second that its launcher is alive and
-ends itself, and the fork server, when it is not.
-
-`start_forked(target, *args)` starts one such process running `target(*args)` and exits with
-the int it returns; besides the caller's environment it takes the caller's standard output and
-error as they are at the call (file descriptors 1 and 2, passed to it through the server as
-`multiprocessing` passes a pipe: the server's own are those of when it started, which may be
-gone, a test's captured output for one).
+A forked process lives no longer than its launcher (`exit_with`): the fork server outlives a
+killed launcher, and so would its ranks, waiting for peers that never come; each checks every
+second and ends itself, and the fork server, once the launcher is gone. `start_forked` also
+passes the caller's current standard output and error (fds 1 and 2, through the server as
+`multiprocessing` passes a pipe): the server's own may be gone, a test's captured output.
 """
 
 from __future__ import annotations
@@ -57,14 +48,10 @@ class RankFailedError(PoiseError):
 
 
 def destroy_process_group() -> None:
-    """`torch.distributed.destroy_process_group()`, after collecting cyclic garbage.
-
-    Collective handles (`dist.Work`) and the tensors they hold can sit in reference cycles
-    (autograd contexts, hooks) after the work that made them has returned. Freed only at
-    interpreter shutdown, after the process group is gone, such a handle can abort the rank
-    ("terminate called without an active exception", SIGABRT), as PyTorch's discussion of
-    process-group teardown describes; we saw it twice on 2026-11-22, in a 4-rank test and a
-    training rank. Collecting first frees them while the group and the interpreter are alive."""
+    """`torch.distributed.destroy_process_group()`, after collecting cyclic garbage: collective
+    handles (`dist.Work`) in reference cycles (autograd contexts, hooks), freed only at
+    interpreter shutdown after the group is gone, can abort the rank ("terminate called without
+    an active exception", SIGABRT); collecting first frees them while the group is alive."""
     import gc
 
     import torch.distributed as dist
@@ -132,9 +119,8 @@ def run_ranks(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Call `fn(rank, world_size, *args)` on `world_size` gloo ranks forked from the fork server
-    (module docstring); return the results in rank order. `fn` and `args` must be picklable (a
-    module-level function)."""
+    """Call `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; the results in rank
+    order. `fn` and `args` must be picklable (a module-level function)."""
     import torch.multiprocessing as mp
 
     _preload_forkserver()
@@ -175,11 +161,10 @@ def start_forked(
     name: str | None = None,
     environ: dict[str, str] | None = None,
 ) -> BaseProcess:
-    """Start `target(*args)` in a process forked from the fork server (module docstring): the
-    environment `environ` (default: the caller's as it is now), the caller's standard output
-    and error as they are now; the process exits with the int `target` returns (`exitcode`; an
-    exception: 1, its traceback on standard error; a signal N: -N). `target` and `args` must be
-    picklable."""
+    """Start picklable `target(*args)` in a process forked from the fork server, with
+    `environ` (default: the caller's now) and the caller's current standard output and error.
+    Its `exitcode`: the int `target` returns; 1 on an exception (traceback on standard error);
+    -N on signal N."""
     _preload_forkserver()
     ctx = multiprocessing.get_context("forkserver")
     streams = (_PassedFd(1), _PassedFd(2))
@@ -226,9 +211,8 @@ def _forked_main(
 
 
 def exit_with(launcher: int, every_s: float = 1.0) -> threading.Thread:
-    """In a forked process: end this process (SIGTERM) and the fork server it came from once
-    the process `launcher` is gone (module docstring), checked every `every_s` seconds on a
-    daemon thread; returns the thread."""
+    """In a forked process: end this process (SIGTERM) and its fork server once the process
+    `launcher` is gone, checked every `every_s` seconds on a daemon thread (returned)."""
 
     server = os.getppid()  # the fork server, alive now
 
@@ -246,8 +230,8 @@ def exit_with(launcher: int, every_s: float = 1.0) -> threading.Thread:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (Linux: its `/proc` state; elsewhere
-    whether it can be signalled)."""
+    """Whether process `pid` exists and is not a zombie (its `/proc` state, else whether it
+    can be signalled)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -259,8 +243,8 @@ def _alive(pid: int) -> bool:
 
 
 def proc_stat(pid: int) -> list[str] | None:
-    """The fields of `/proc/PID/stat` after the command's name (state, then the parent's pid,
-    ...), None where it cannot be read (no such process, or no `/proc`)."""
+    """The fields of `/proc/PID/stat` after the command's name (state, parent's pid, ...);
+    None where it cannot be read."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -269,9 +253,8 @@ def proc_stat(pid: int) -> list[str] | None:
 
 
 def warm_fork_server() -> threading.Thread:
-    """Start the fork server (its imports, several seconds) in a thread now, so that the
-    caller's own work until its first `start_forked` or `run_ranks` overlaps them; returns the
-    thread (a daemon). A process started meanwhile waits for the server."""
+    """Start the fork server (its imports take seconds) on a daemon thread, returned, so the
+    caller's work until its first `start_forked` or `run_ranks` overlaps them."""
     from multiprocessing import forkserver
 
     _preload_forkserver()

@@ -14,24 +14,20 @@
     optimizer.step()
 
 A `poise.layouts.pool.Layout` with pipeline degree 1 splits the D ranks into D / ep contiguous EP
-groups of ep ranks (ranks [g ep, (g+1) ep)); each group holds every expert, E / ep per rank, and
-runs `poise.nn.MoE`'s expert parallelism on its own tokens. The ranks at the same position of
-every EP group (ranks {i, i + ep, i + 2 ep, ...}) form an EDP group: they hold the same experts
-in the same slots and all-reduce those experts' gradients before the optimizer step.
+groups (ranks [g ep, (g+1) ep)), each holding every expert, E / ep per rank, and running
+`poise.nn.MoE`'s expert parallelism on its own tokens. Ranks at the same position of every EP
+group ({i, i + ep, ...}) form an EDP group: the same experts in the same slots, their gradients
+all-reduced before the optimizer step.
 
-Why SUM (not mean). `poise.nn.MoE`'s backward already sums, into each slot, the gradient
-contributions of every rank of the EP group (the dispatcher returns them); the routers' and the
-dense parameters' gradients are summed over the ranks (`sync_router_grads`, the training loop's
-dense all-reduce) with each rank's loss normalised by the *global* token count. Summing the EDP
-copies therefore gives every copy the gradient of the sum of all D ranks' losses: what one
-process computing the whole global batch gets (tests/test_runtime_layouts.py checks it to
-1e-5). A mean would divide the expert gradients by edp and no others. Every copy then takes the
-same optimizer step from the same state, so the replicas stay identical without any weight
-broadcast.
+SUM, not mean: each slot's gradient already sums its EP group's contributions (the dispatcher
+returns them), and routers and dense parameters are summed over the ranks with each loss
+normalised by the *global* token count; summing the EDP copies gives every copy the gradient of
+all D ranks' losses, that of one process computing the global batch (a mean would divide only
+the expert gradients by edp). Every copy then takes the same step from the same state, so the
+replicas stay identical without a broadcast.
 
-Groups are created once (`dist.new_group` is collective: every rank creates every group, in the
-same order); nothing here creates groups per step. Pipeline layouts (pp > 1) are refused: Poise
-has no pipeline executor.
+Groups are created once (`dist.new_group` is collective: every rank, every group, same order).
+Pipeline layouts (pp > 1) are refused: Poise has no pipeline executor.
 """
 
 from __future__ import annotations
@@ -52,10 +48,9 @@ from poise.nn.moe import MoE, find_moe_layers
 
 @dataclass(frozen=True)
 class LayoutGroups:
-    """This rank's process groups in `layout`: `ep` (its EP group; the default group when ep is
-    the world) and `edp` (its EDP group; None when edp = 1), with their global ranks;
-    `ep_transfer`: a second group over the EP group's ranks, for the Balancer's Trans, Agg and
-    migration (`poise.runtime.moves.transfer_group`; None where ep is 1)."""
+    """This rank's groups in `layout` with their global ranks: `ep` (the default group when ep
+    is the world), `edp` (None when edp = 1), `ep_transfer` (a second group over the EP ranks
+    for the Balancer's transfers, `poise.runtime.moves.transfer_group`; None where ep is 1)."""
 
     layout: Layout
     rank: int
@@ -82,11 +77,9 @@ class LayoutGroups:
 
 
 def create_groups(layout: Layout, *, transfers: bool = True) -> LayoutGroups:
-    """Create every EP and EDP group of `layout` (collective: call it on every rank, once) and
-    return this rank's; with `transfers`, a second group per EP group for the Balancer's
-    transfers (`LayoutGroups.ep_transfer`; static EP moves no expert and needs none). Raises
-    `ConfigError` without an initialised process group, when the layout is for another world
-    size, or for a pipeline layout."""
+    """Create every EP and EDP group of `layout` (collective: every rank, once) and return this
+    rank's; `transfers`: also `LayoutGroups.ep_transfer` (static EP needs none). `ConfigError`
+    without a process group, for another world size, or for a pipeline layout."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "needs an initialised torch.distributed process group", field="layout", source="runtime"
@@ -118,9 +111,9 @@ def create_groups(layout: Layout, *, transfers: bool = True) -> LayoutGroups:
 def _create_all(
     groups: list[list[int]], rank: int, world: int, *, reuse_world: bool = True
 ) -> tuple[Any, tuple[int, ...]]:
-    """Create every group in `groups` (in order, on every rank) and return this rank's group
-    and its ranks. A group of the whole world is the default group (`reuse_world`; else a new
-    one). Groups of one rank are created too (None would mean no process group at all)."""
+    """Create every group in `groups` (in order, on every rank); this rank's and its ranks. A
+    world group is the default group (`reuse_world`; else new); one-rank groups are created
+    too (None would mean no process group at all)."""
     mine: Any = None
     mine_ranks: tuple[int, ...] = ()
     for ranks in groups:
@@ -138,14 +131,10 @@ def expert_weights(model: nn.Module) -> list[nn.Parameter]:
 
 
 def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = True) -> None:
-    """Sum the expert gradients of every `poise.nn.MoE` in `model` over `edp_group` (one
-    all-reduce of one flat buffer); see the module docstring for why SUM. Weights without a
-    gradient (no token reached this rank's slots) contribute zeros and get the sum. A no-op
-    for `edp_group` None or of one rank.
-
-    `check`: first compare the slot maps (which expert each slot holds, per layer) across the
-    group (a small all-reduce) and raise `PlanError` when they differ: the sum is slot by slot,
-    so every replica must keep its experts in the same slots."""
+    """Sum the expert gradients of every `poise.nn.MoE` in `model` over `edp_group` (one flat
+    all-reduce; a no-op for None or one rank). Weights without a gradient contribute zeros.
+    `check`: first compare the slot maps across the group (small all-reduces) and raise
+    `PlanError` when they differ: the sum is slot by slot."""
     if edp_group is None or dist.get_world_size(edp_group) == 1:
         return
     layers = find_moe_layers(model)

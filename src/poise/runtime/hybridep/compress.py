@@ -1,30 +1,25 @@
 """HybridEP's parameter-efficient migration: expert rows sent as a shared expert plus a sparse
 residual (Yang et al., arXiv 2510.19470, §IV-B "SR-based expert compression").
 
-Every rank keeps the *shared expert* of a layer, the mean of its E experts (`shared_expert`),
-in sync. A replica row is then sent as the top-k entries (by magnitude) of the expert's
-*residual* `expert - shared`, in value-index form, and rebuilt as `shared + residual` with the
-other entries of the residual taken as zero. `ratio` is the fraction of a row's residual
-entries kept (HybridEP's compression ratio CR is `1 / ratio`; its Fig. 14 keeps the loss at
-CR = 50, `ratio = 0.02`).
+Every rank keeps a layer's *shared expert*, the mean of its E experts (`shared_expert`), in
+sync. A replica row is sent as the top-k entries (by magnitude) of the *residual*
+`expert - shared` in value-index form and rebuilt as `shared + residual`, other entries zero.
+`ratio` is the fraction of residual entries kept (HybridEP's compression ratio CR = `1 / ratio`;
+its Fig. 14 keeps the loss at CR = 50, `ratio = 0.02`).
 
-Wire format of one row of `n` entries (one tensor of one expert, e.g. `w_in [D, H]`), values in
-the parameters' dtype (`b_v` bytes) and indices int32 (`b_i` = 4; int64 for 8-byte values):
+One row of `n` entries (one tensor of one expert, e.g. `w_in [D, H]`), values of `b_v` bytes
+(the parameters' dtype), indices int32 (`b_i` = 4; int64 beside 8-byte values):
 
     k = clamp(ceil(ratio * n), 1, n)                 (entries kept)
     bytes = min(k (b_v + b_i), n b_v)                (sparse, or dense when that is smaller)
 
-Dense rows (`k (b_v + b_i) >= n b_v`, e.g. `ratio >= 0.5` for fp32, `ratio >= 1/3` for bf16, and
-always at `ratio = 1`) carry the expert itself and decode exactly: above that break-even a sparse
-residual would cost more bytes than the row. Sparse rows carry the residual's kept entries (its
-values, not the expert's) at sorted flat indices.
+Dense rows (`ratio >= 0.5` for fp32, `>= 1/3` for bf16, always at 1) carry the expert itself
+and decode exactly; sparse rows carry the residual's kept values at sorted flat indices.
 
-Compression changes the mathematics of training (a replica computes with approximate weights;
-its gradient, taken at those weights, is still summed into the exact home by Agg), which is why
-the runtime leaves it off unless asked (`Balancer(..., compression=ratio)`).
-
-Pure tensor functions: no process group here (the collective part is
-`poise.runtime.moves.compressed_trans`).
+Compression changes training's mathematics (a replica computes with approximate weights; its
+gradient is still summed into the exact home by Agg), so it is off unless asked
+(`Balancer(..., compression=ratio)`). Pure tensor functions; the collective part is
+`poise.runtime.moves.compressed_trans`.
 """
 
 from __future__ import annotations
@@ -63,8 +58,7 @@ def kept(numel: int, ratio: float) -> int:
 
 
 def index_dtype(value_dtype: torch.dtype) -> torch.dtype:
-    """Indices travel as int32 (int64 beside 8-byte values, so every row packs to whole
-    values)."""
+    """int32 indices (int64 beside 8-byte values, so every row packs to whole values)."""
     return torch.int64 if _itemsize(value_dtype) == 8 else torch.int32
 
 
@@ -84,9 +78,9 @@ def row_wire_bytes(numel: int, ratio: float, dtype: torch.dtype) -> int:
 
 @dataclass
 class Encoded:
-    """Rows of one tensor in value-index form. `values [n, k]` (the residual's kept entries;
-    for dense rows `[n, numel]`, the rows themselves), `indices [n, k]` sorted flat positions
-    (None for dense rows), `shape` one row's shape."""
+    """Rows of one tensor in value-index form: `values [n, k]` (the residual's kept entries;
+    dense rows: `[n, numel]`, the rows), `indices [n, k]` sorted flat positions (None when
+    dense), `shape` one row's."""
 
     values: torch.Tensor
     indices: torch.Tensor | None
@@ -110,10 +104,9 @@ def shared_expert(rows: torch.Tensor) -> torch.Tensor:
 
 
 def encode(rows: torch.Tensor, shared: torch.Tensor, ratio: float) -> Encoded:
-    """`rows [n, *shape]`, `shared [*shape]` (or `[n, *shape]`) -> the rows' top-k residuals.
-
-    `k = kept(numel, ratio)` entries per row, chosen by |rows - shared| (sorted by position);
-    dense rows (`is_dense`) are the rows themselves."""
+    """`rows [n, *shape]`, `shared [*shape]` (or `[n, *shape]`) -> the rows' top-k residuals:
+    `kept(numel, ratio)` entries per row by |rows - shared|, sorted by position (dense rows:
+    the rows themselves)."""
     shape = tuple(rows.shape[1:])
     numel = math.prod(shape)
     if is_dense(numel, ratio, rows.dtype):

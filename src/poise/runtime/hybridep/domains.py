@@ -1,18 +1,16 @@
-"""Expert domains in the live runtime (HybridEP, arXiv 2510.19470 §IV-A): clusters whose ranks
-are cut into domains, and what the dispatcher really sends across them.
+"""Expert domains in the live runtime (HybridEP, arXiv 2510.19470 §IV-A): clusters cut into
+domains, and what the dispatcher really sends across them.
 
-With `Balancer(..., policy="hybrid", cluster=domain_cluster(...))` the `hybrid` policy copies
-experts into domains (one replica per domain and expert it chooses, filled by Trans from the
-home, possibly in another domain) and routes group-locally (`Assignment.group_local`): a
-source whose domain holds a copy of e sends e's tokens to that copy, inside the domain; every
-other token goes to e's home by the all-to-all, across domains. Nothing here changes that
-machinery; it builds the clusters and measures the traffic:
+Under `Balancer(..., policy="hybrid", cluster=domain_cluster(...))` the policy copies experts
+into domains (filled by Trans from the home) and routes group-locally
+(`Assignment.group_local`): a source whose domain holds a copy of e sends e's tokens there,
+every other token goes to e's home across domains. This module builds the clusters and
+measures the traffic:
 
-- `domain_cluster`: a `Cluster` of `domains x nodes_per_domain x devices_per_node` ranks with
-  the `cpu-2` preset's device and link rates inside a domain and a slower link between domains
-  (what the planner prices: the rates of this machine do not matter for where tokens go);
-- `cross_domain_tokens`: from a layer's integer routes `[E, D]` (`RankRouting.routes`, the very
-  split the dispatcher sends), the tokens one rank sends to ranks of other domains, per expert;
+- `domain_cluster`: `domains x nodes_per_domain x devices_per_node` ranks, `cpu-2`'s rates
+  inside a domain and a slower link between domains (what the planner prices);
+- `cross_domain_tokens`: from a layer's integer routes `[E, D]` (`RankRouting.routes`, the
+  split the dispatcher sends), the tokens one rank sends to other domains, per expert;
 - `DomainTraffic`: forward hooks that record it for every MoE layer and forward.
 """
 
@@ -64,11 +62,10 @@ def cross_domain_tokens(routes: np.ndarray, rank: int, size: int) -> np.ndarray:
 
 
 class DomainTraffic:
-    """Records, at every training forward of each `MoE` layer of `model`, the tokens this rank
-    sends across domains per expert: `cross[i]` is `[L, E]` for forward i (layers in module
-    order). Reads the layer's `last_counts` and `routing`: the routes the dispatcher just used
-    (exactly, when the router drops nothing: `last_counts` are counted before capacity drops).
-    `close()` removes the hooks."""
+    """At every training forward of each `MoE` layer of `model`, the tokens this rank sends
+    across domains per expert: `cross[i]` is `[L, E]` for forward i (layers in module order),
+    from the layer's `last_counts` and `routing` (exact when the router drops nothing: counts
+    precede capacity drops). `close()` removes the hooks."""
 
     def __init__(self, model: nn.Module, size: int) -> None:
         self.layers: list[MoE] = find_moe_layers(model)

@@ -1,20 +1,16 @@
 """Compressed Trans: replicas filled with the shared expert plus each expert's top-k residual
 (HybridEP's parameter-efficient migration, arXiv 2510.19470 §IV-B), on the ranks of one layer.
 
-- `shared_experts`: every rank sums its home rows of each expert tensor, one `all_reduce` (SUM)
-  adds the ranks' sums, and the total is divided by E: every rank holds the same shared expert
-  `[*row]` per tensor, the mean of the layer's experts at their homes' current weights (an
-  all-reduce hands every rank the same bits; data parallelism relies on that too). Bytes, all
-  ranks together, counted as a ring all-reduce moves them: `2 (D - 1) sum_t numel(row_t) b_v`.
-- `trans_compressed_async`: one `all_to_all_single` (`transfers.exchange`) of each replica's
-  packed row (`compress.pack`: the residual's top-k values and indices, or the dense row above
-  the break-even); the receiver writes `shared + residual` into the replica slot. Sender and
-  receiver must use the same shared expert: pass the one a previous call returned
-  (`CompressedPending.shared`), or none to compute it afresh (a collective).
+- `shared_experts`: each rank sums its home rows of each expert tensor, one `all_reduce` (SUM)
+  adds the ranks' sums, divided by E: every rank holds the same bits of the shared expert
+  `[*row]` per tensor. Bytes (all ranks, ring all-reduce): `2 (D - 1) sum_t numel(row_t) b_v`.
+- `trans_compressed_async`: one `exchange` of each replica's packed row (`compress.pack`); the
+  receiver writes `shared + residual` into the replica slot. Sender and receiver must use the
+  same shared expert: pass the one a previous call returned (`CompressedPending.shared`), or
+  none to compute it afresh (a collective).
 
-HybridEP synchronises its shared expert every iteration, hidden under the backward pass. The
-Balancer refreshes it whenever a plan is applied (every `every` steps) and reuses it for the
-Trans in between, so the all-reduce is paid once per plan, not once per step.
+HybridEP synchronises its shared expert every iteration; the Balancer refreshes it whenever a
+plan is applied and reuses it for the Trans in between (one all-reduce per plan).
 """
 
 from __future__ import annotations
@@ -28,16 +24,15 @@ import torch.distributed as dist
 
 from poise.nn.slots import SlotMap
 from poise.runtime.hybridep import compress as cz
-from poise.runtime.moves.transfers import Pending, Routes, Stream, exchange, trans_routes
+from poise.runtime.moves.exchange import Pending, Routes, Stream, exchange, trans_routes
 
 
 @dataclass
 class CompressedPending(Pending):
-    """A compressed Trans in flight. Besides `Pending`'s counts (`total_bytes`: all ranks
-    together, shared-expert all-reduce included): `payload_bytes` (packed rows),
-    `shared_bytes` (the all-reduce, 0 when a shared expert was passed in), `dense_bytes` (what
-    the same rows cost uncompressed), `shared` (the shared expert used, one `[*row]` per
-    tensor)."""
+    """A compressed Trans in flight. `total_bytes` includes the shared-expert all-reduce;
+    `payload_bytes`: packed rows; `shared_bytes`: the all-reduce (0 when a shared expert was
+    passed in); `dense_bytes`: the same rows uncompressed; `shared`: the shared expert used
+    (one `[*row]` per tensor)."""
 
     payload_bytes: int = 0
     shared_bytes: int = 0
@@ -52,9 +47,9 @@ def shared_experts(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """`([shared [*row] per tensor], bytes)`: the mean over the layer's experts of their home
-    rows of `params` (each `[S, *row]`), the same on every rank; `bytes` moved by the
-    all-reduce (all ranks together, ring). Collective when `len(maps) > 1`."""
+    """`([shared [*row] per tensor], bytes)`: the mean of the layer's experts' home rows of
+    `params` (each `[S, *row]`), the same on every rank, and the all-reduce's bytes (all ranks,
+    ring). Collective when `len(maps) > 1`."""
     m = maps[rank]
     experts = sum(int(np.count_nonzero(x.home & (x.expert >= 0))) for x in maps)
     home = torch.as_tensor(np.flatnonzero(m.home & (m.expert >= 0)), device=params[0].device)
@@ -85,10 +80,9 @@ def trans_compressed_async(
     routes: Routes | None = None,
 ) -> CompressedPending:
     """Start a compressed Trans of `params` (each `[S, *row]`): every replica slot receives
-    `shared + top-k residual` of its home's current row (`compress.encode`, `ratio` of each
-    row's entries). `shared`: the layer's shared expert, the same on every rank (None: computed
-    now by `shared_experts`). Replica rows are written at `wait()`. Collective (all ranks, same
-    maps, all passing a shared expert or none)."""
+    `shared + top-k residual` of its home's row (`compress.encode`), written at `wait()`.
+    `shared`: the layer's shared expert (None: `shared_experts` now). Collective: all ranks,
+    same maps, all passing a shared expert or none."""
     routes = routes if routes is not None else trans_routes(maps)
     params = list(params)
     world = len(maps)

@@ -1,34 +1,28 @@
 """Expert rows between the ranks of one host through shared memory, not the process group.
 
-Gloo moves every byte through TCP sockets, even between two processes of one machine: on a
-2-core host one layer's Trans or Agg of a 1.6 MB expert took 3.2 ms through `exchange`'s
-`all_to_all_single` (launch and wait) where copying the rows takes 0.1-0.2 ms
-(`benchmarks/host_link.py`). NCCL moves the rows of ranks on one node through shared memory or
-NVLink peer access for the same reason; this is that path for CPU ranks on gloo.
+Gloo sends every byte through TCP sockets, even between processes of one machine, far slower
+than copying the rows; as NCCL uses shared memory or NVLink within a node, this is that path
+for CPU ranks on gloo.
 
     link = HostLink.connect(group)             # collective; None where the ranks span hosts
     channel = link.channel("trans-3")           # one per call site (a layer's Trans, its Agg)
     sent = channel.start(numel, write, dtype)   # numel [W, W] elements between every two ranks
     received = sent.wait()                      # [W] views of what each rank sent this one
 
-Each rank owns one shared-memory region per channel (a file under `/dev/shm`, mapped by every
-rank of the group, unlinked once mapped: nothing is left behind), cut in two halves used by
-turns. `start` writes this rank's outgoing rows into its half of the turn, `numel[src, dst]`
-elements for each destination at offsets every rank computes from `numel` alone (each
-destination's segment aligned to 64 bytes), then launches a one-element all-reduce on the group
-as the barrier; `wait` waits for it and returns views into the senders' halves (no copy: the
-caller's sinks read them).
+Each rank owns one region per channel (a file under `/dev/shm`, mapped by every rank, unlinked
+once mapped), cut in two halves used by turns. `start` writes this rank's rows into its half,
+`numel[src, dst]` elements per destination at offsets every rank computes from `numel` alone
+(segments aligned to 64 bytes), then launches a one-element all-reduce as the barrier; `wait`
+waits for it and returns views into the senders' halves (no copy).
 
-Why two halves are enough: a rank writes turn `n + 2` into the half of turn `n` only after the
-barrier of turn `n + 1`, which every rank reaches by starting turn `n + 1`; and a rank starts a
-turn only once it has read the one before (`wait`), or copied it out (`start` does, for a turn
-still unread), so every rank is done with turn `n` by then. The barrier's collective is also
-what orders the writes before the reads (a socket round trip on every rank in between). A
-region grows when a turn needs more than it holds (collective: every rank computes the same
-`numel`, so all grow at the same turn), to the next power of two; it never shrinks. Regions are
-reserved when made (`posix_fallocate`); where some rank cannot reserve or map one (a small
-`/dev/shm`), every rank turns the channel off together and `start` returns None from then on:
-`transfers.exchange` then moves those rows through the group as before.
+Two halves suffice: a rank writes turn `n + 2` into turn `n`'s half only after turn `n + 1`'s
+barrier, which every rank reaches by starting turn `n + 1`, and a rank starts a turn only once
+it has read (`wait`) or copied out (`start` does) the one before. The barrier also orders the
+writes before the reads. A region grows, collectively (every rank has the same `numel`), to the
+next power of two when a turn needs more; it never shrinks. Regions are reserved when made
+(`posix_fallocate`); where some rank cannot reserve or map one (a small `/dev/shm`), every rank
+turns the channel off together and `start` returns None from then on: `exchange` then moves
+those rows through the group.
 """
 
 from __future__ import annotations
@@ -60,9 +54,9 @@ def shm_dir() -> Path:
 
 
 def _map(path: Path, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
-    """Map `size` bytes of the file at `path` as a uint8 tensor that shares the mapping. When
-    `create`, the file is made and its blocks reserved (`posix_fallocate`, where the OS has it:
-    a full `/dev/shm` fails here with `OSError`, not later with SIGBUS on a write)."""
+    """Map `size` bytes of the file at `path` as a uint8 tensor sharing the mapping. `create`:
+    make the file and reserve its blocks (`posix_fallocate` where the OS has it), so a full
+    `/dev/shm` fails here with `OSError`, not later with SIGBUS on a write."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
@@ -105,8 +99,8 @@ class HostTransfer:
         return self.views
 
     def keep(self) -> None:
-        """Copy the views out of the senders' regions (a turn started before this one is
-        read): the regions' half is then free for the turn after next."""
+        """Copy the views out of the senders' regions, freeing their half for the turn after
+        next (a turn started before this one is read)."""
         self._barrier()
         self.views = [None if v is None else v.clone() for v in self.views]
 
@@ -133,10 +127,9 @@ class Channel:
 
     def start(self, numel: np.ndarray, write: Writer, dtype: torch.dtype) -> HostTransfer | None:
         """Write this rank's rows for every destination d (`write(d, out)` fills the flat
-        `out` of `numel[rank, d]` elements of `dtype`) and launch the turn's barrier.
-        `numel [W, W]` must be the same on every rank. None (nothing written, on every rank)
-        when the channel is off: some rank could not reserve its region (`disabled`); the
-        caller then moves the rows another way."""
+        `out` of `numel[rank, d]` elements of `dtype`; `numel [W, W]` the same on every rank)
+        and launch the turn's barrier. None, on every rank, when the channel is off
+        (`disabled`): the caller moves the rows another way."""
         if self.disabled:
             return None
         if self._last is not None and not self._last.read:
@@ -172,8 +165,8 @@ class Channel:
 
     def _grow(self, need: int) -> bool:
         """Replace this channel's regions by ones of `2 * half` bytes, `half` the next power of
-        two >= `need`; False, and the channel `disabled` on every rank, when some rank could not
-        reserve or map them (a small `/dev/shm`: containers often give 64 MiB). Collective."""
+        two >= `need`. Collective; False, and the channel `disabled` on every rank, when some
+        rank could not reserve or map them (containers often give `/dev/shm` 64 MiB)."""
         link = self.link
         half = 1 << max(12, (need - 1).bit_length())
         name = f"{link.prefix}-{self.key}-{half}"
@@ -222,9 +215,9 @@ class HostLink:
 
     @classmethod
     def connect(cls, group: dist.ProcessGroup | None = None) -> HostLink | None:
-        """Collective over `group`: a link when every rank of it maps the same shared memory as
-        its rank 0 (checked by reading a file rank 0 writes, not by host names, which
-        containers repeat), else None. Only for gloo groups of CPU tensors."""
+        """Collective over a gloo `group`: a link when every rank maps the same shared memory
+        as its rank 0 (checked by reading a file rank 0 writes, not by host names, which
+        containers repeat), else None."""
         if not dist.is_initialized() or dist.get_backend(group) != "gloo":
             return None
         rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -1,398 +1,50 @@
 """Trans, Agg and migration: moving expert rows between the slots of the ranks of one layer.
 
-Every rank holds the layer's experts as stacked tensors with one row per slot (`w_in [S, D, H]`,
-`w_gate [S, D, H]`, `w_out [S, H, D]`); which expert a slot holds is the layer's `SlotMap` on
-that rank (`poise.nn.slots`). All ranks derive the same maps from the same plan, so each rank
-works out, without talking to the others, which rows it sends where and which it receives.
-
 - Trans (`trans`, `trans_async`): each replica slot gets its home's current weights.
-- Agg (`agg`, `agg_async`): each home slot's gradient gains the sum of its replicas' gradients
-  (added in ascending rank of the replica holder, so the sum is deterministic); replica gradients
-  become zero, so the optimizer leaves the owner's mathematics exactly that of static EP.
+- Agg (`agg`, `agg_async`): each home slot's gradient gains the sum of its replicas' gradients,
+  added in ascending rank of the replica holder (a deterministic sum); replica gradients become
+  zero, so the optimizer's mathematics on the owner is exactly that of static EP.
 - Migration (`migrate`): a new placement takes effect. Each new home slot gets the old home's
   weights and optimizer moments (every state tensor shaped like the parameter: AdamW's
-  `exp_avg`, `exp_avg_sq`); each replica slot gets the old home's weights and zero moments;
-  empty slots become zero. Per-tensor step counts are untouched (every rank steps every tensor).
+  `exp_avg`, `exp_avg_sq`); each replica slot gets the weights and zero moments; empty slots
+  become zero. Per-tensor step counts are untouched (every rank steps every tensor).
 
-Each is one `all_to_all_single` per layer with variable split sizes on the existing process
-group: the rows of all tensors (weights, moments) for one peer are packed into one flat buffer.
-Rows that stay on a rank are copied locally; a layer with nothing to send issues no collective
-(all ranks agree on that, since they share the maps). The `*_async` variants return a `Pending`
-whose `wait()` finishes the transfer, so Trans of layer l+1 can run under layer l's forward and
-Agg under the backward of earlier layers.
+Each is one `exchange` per layer (`poise.runtime.moves.exchange`: routes from the slot maps,
+one packed all-to-all; its names are re-exported here). The `*_async` variants return a
+`Pending` whose `wait()` finishes the transfer, so Trans of layer l+1 can run under layer l's
+forward and Agg under the backward of earlier layers.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from poise.core.errors import PoiseError
 from poise.nn.slots import SlotMap
-from poise.runtime.moves.host_link import Channel, half_bytes
 
-Sink = Callable[[torch.Tensor, list[torch.Tensor]], None]
-"""Receives rows: `sink(dst_slots[n], rows)` with one `[n, ...]` tensor per stream tensor."""
-
-
-class TransferError(PoiseError):
-    """Slot maps or tensors that a transfer cannot work with (no home, shapes that disagree)."""
-
-
-# ------------------------------------------------------------------------------------ routes
-@dataclass(frozen=True)
-class Routes:
-    """Rows that move between slots: row i goes from slot `src_slot[i]` of rank `src_rank[i]` to
-    slot `dst_slot[i]` of rank `dst_rank[i]` (all `[N]` int64). Sorted by (src_rank, dst_rank,
-    dst_slot), so sender and receiver list the rows of one pair of ranks in the same order."""
-
-    src_rank: np.ndarray
-    src_slot: np.ndarray
-    dst_rank: np.ndarray
-    dst_slot: np.ndarray
-
-    @classmethod
-    def build(cls, rows: list[tuple[int, int, int, int]]) -> Routes:
-        """From `(src_rank, src_slot, dst_rank, dst_slot)` tuples in any order."""
-        a = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        order = np.lexsort((a[:, 3], a[:, 2], a[:, 0]))
-        a = a[order]
-        return cls(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
-
-    def __len__(self) -> int:
-        return int(self.src_rank.shape[0])
-
-    def between(self, src: int, dst: int) -> np.ndarray:
-        """`[n]` indices of the rows going from rank `src` to rank `dst`, in route order."""
-        return np.nonzero((self.src_rank == src) & (self.dst_rank == dst))[0]
-
-    def remote_rows(self) -> int:
-        """Rows that cross between two different ranks (all ranks together)."""
-        return int(np.count_nonzero(self.src_rank != self.dst_rank))
-
-    def swapped(self) -> Routes:
-        """The same rows travelling the other way."""
-        return Routes.build(
-            list(zip(self.dst_rank, self.dst_slot, self.src_rank, self.src_slot, strict=True))
-        )
-
-    def select(self, mask: np.ndarray) -> Routes:
-        return Routes(
-            self.src_rank[mask], self.src_slot[mask], self.dst_rank[mask], self.dst_slot[mask]
-        )
-
-
-def home_slots(maps: Sequence[SlotMap]) -> dict[int, tuple[int, int]]:
-    """`{expert: (rank, slot)}` of each held expert's home copy. Raises `TransferError` when an
-    expert held somewhere has no home, or two."""
-    homes: dict[int, tuple[int, int]] = {}
-    held: set[int] = set()
-    for rank, m in enumerate(maps):
-        for slot, (expert, is_home) in enumerate(zip(m.expert, m.home, strict=True)):
-            if expert < 0:
-                continue
-            held.add(int(expert))
-            if is_home:
-                if int(expert) in homes:
-                    raise TransferError(f"expert {expert} has two homes", field="slots.home")
-                homes[int(expert)] = (rank, slot)
-    missing = sorted(held - homes.keys())
-    if missing:
-        raise TransferError(f"experts {missing} are held but have no home", field="slots.home")
-    return homes
-
-
-def trans_routes(maps: Sequence[SlotMap]) -> Routes:
-    """Home slot -> every replica slot of the same expert."""
-    homes = home_slots(maps)
-    rows = []
-    for rank, m in enumerate(maps):
-        for slot in np.nonzero((m.expert >= 0) & ~m.home)[0]:
-            src_rank, src_slot = homes[int(m.expert[slot])]
-            rows.append((src_rank, src_slot, rank, int(slot)))
-    return Routes.build(rows)
-
-
-def agg_routes(maps: Sequence[SlotMap]) -> Routes:
-    """Replica slot -> its expert's home slot (Trans travelling back)."""
-    return trans_routes(maps).swapped()
-
-
-def migration_routes(
-    old_maps: Sequence[SlotMap], new_maps: Sequence[SlotMap]
-) -> tuple[Routes, Routes]:
-    """`(homes, replicas)`: every slot of `new_maps` filled from the expert's home in
-    `old_maps`; `homes` are the rows that become homes (they carry optimizer state)."""
-    if len(old_maps) != len(new_maps):
-        raise TransferError(
-            f"{len(old_maps)} old slot maps but {len(new_maps)} new", field="slots.ranks"
-        )
-    old_homes = home_slots(old_maps)
-    home_slots(new_maps)  # the new maps must be consistent too
-    homes, replicas = [], []
-    for rank, m in enumerate(new_maps):
-        for slot in np.nonzero(m.expert >= 0)[0]:
-            expert = int(m.expert[slot])
-            if expert not in old_homes:
-                raise TransferError(
-                    f"expert {expert} has no home in the old placement", field="slots.home"
-                )
-            src_rank, src_slot = old_homes[expert]
-            (homes if m.home[slot] else replicas).append((src_rank, src_slot, rank, int(slot)))
-    return Routes.build(homes), Routes.build(replicas)
-
-
-# ---------------------------------------------------------------------------------- exchange
-@dataclass
-class Stream:
-    """Rows of `sources` (each `[S, ...]`) moving along `routes`; `sink` places received rows."""
-
-    routes: Routes
-    sources: list[torch.Tensor]
-    sink: Sink
-
-    def row_numel(self) -> int:
-        return sum(_row_numel(t) for t in self.sources)
-
-    def row_bytes(self) -> int:
-        return sum(_row_numel(t) * t.element_size() for t in self.sources)
-
-
-def _row_numel(t: torch.Tensor) -> int:
-    return math.prod(t.shape[1:])
-
-
-@dataclass
-class Pending:
-    """A transfer in flight. `wait()` completes it (idempotent). `sent_bytes`/`received_bytes`:
-    this rank's traffic to and from other ranks; `total_bytes`: all ranks' traffic together."""
-
-    sent_bytes: int
-    received_bytes: int
-    total_bytes: int
-    _finish: Callable[[], None] | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._finish is None
-
-    def wait(self) -> None:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-
-
-# The most one rank sends in one call through shared memory (a channel's half; its region is
-# twice that and is kept for the run): 128 MiB holds every Trans, Agg and migration of
-# `train_speedup` and `ep_step` (at most about 40 MB a rank and layer) with room; a larger one
-# (a migration of a model whose home with its moments is 150 MB) goes through the group.
-LINK_MAX_BYTES = 128 * 2**20
-
-
-def exchange(
-    streams: Sequence[Stream],
-    rank: int,
-    world_size: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    link: Channel | None = None,
-    link_max_bytes: int | None = None,
-    scratch: Scratch | None = None,
-) -> Pending:
-    """Move the rows of every stream with one `all_to_all_single` (none if no row crosses ranks),
-    or through shared memory where `link` (a `HostLink` channel of the same ranks) is given and
-    the largest sender's rows fit in `link_max_bytes` (default `LINK_MAX_BYTES`): a channel's
-    region never shrinks, so a larger call goes through the group (every rank computes that
-    from the routes alone, so all take the same path).
-
-    Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
-    time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
-    fixed order. Every rank must call this with streams built from the same routes. `scratch`:
-    the packed rows go through its buffers instead of fresh ones, where the rows are on the CPU
-    and the call is synchronous (`Scratch`)."""
-    _check_streams(streams)
-    remote = any(s.routes.remote_rows() for s in streams)
-    dtype = _buffer_dtype(streams)
-    numel = pair_numel(streams, world_size) if link is not None else None
-    if numel is not None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        cap = LINK_MAX_BYTES if link_max_bytes is None else link_max_bytes
-        if half_bytes(numel, itemsize) > cap:
-            link = None  # its region would stay that large for the rest of the run
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(world_size)]
-    local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
-    recv_numel = [0] * world_size
-    sent = received = total = 0
-    for stream in streams:
-        r = stream.routes
-        total += stream.row_bytes() * r.remote_rows()
-        for peer in range(world_size):
-            out = r.between(rank, peer)
-            if out.size:
-                if peer == rank:
-                    rows = [_take(t, r.src_slot[out]) for t in stream.sources]
-                    local.append((stream, _index(r.dst_slot[out], rows[0]), rows))
-                else:
-                    idx = _index(r.src_slot[out], stream.sources[0])
-                    parts[peer].extend((t.detach(), idx) for t in stream.sources)
-                    sent += stream.row_bytes() * out.size
-            if peer != rank:
-                n_in = r.between(peer, rank).size
-                recv_numel[peer] += n_in * stream.row_numel()
-                received += stream.row_bytes() * n_in
-
-    def place(chunks: Sequence[torch.Tensor | None]) -> None:
-        """Run the sinks: `chunks[peer]` what `peer` sent this rank (flat), in rank order."""
-        for peer in range(world_size):
-            if peer == rank:
-                for stream, dst, rows in local:
-                    stream.sink(dst, rows)
-            elif chunks[peer] is not None:
-                _unpack(streams, chunks[peer], peer, rank)
-
-    if not remote:
-        return Pending(0, 0, 0, lambda: place([None] * world_size))
-    turn = (
-        link.start(numel, lambda dst, out: gather_rows(parts[dst], out), dtype)
-        if link is not None and numel is not None
-        else None
-    )
-    if turn is not None:
-        return Pending(sent, received, total, lambda: place(turn.wait()))
-    device = streams[0].sources[0].device
-    send_numel = [sum(_row_numel(t) * len(i) for t, i in p) for p in parts]
-    reuse = scratch if not async_op and device.type == "cpu" else None
-    send = _buffer(reuse, "send", sum(send_numel), dtype, device)
-    starts = np.concatenate([[0], np.cumsum(send_numel)])
-    for peer, items in enumerate(parts):
-        if items:
-            gather_rows(items, send[starts[peer] : starts[peer + 1]])
-    recv = _buffer(reuse, "recv", sum(recv_numel), dtype, device)
-    work = dist.all_to_all_single(
-        recv, send, recv_numel, send_numel, group=group, async_op=async_op
-    )
-    offsets = np.concatenate([[0], np.cumsum(recv_numel)])
-    chunks = [
-        recv[offsets[p] : offsets[p + 1]] if p != rank and recv_numel[p] else None
-        for p in range(world_size)
-    ]
-
-    def finish() -> None:
-        if work is not None:
-            work.wait()
-        place(chunks)
-
-    return Pending(sent, received, total, finish)
-
-
-class Scratch:
-    """Grow-only CPU buffers for the packed rows of synchronous exchanges (migrations), kept
-    between calls. A fresh buffer above glibc's mmap threshold (at most 32 MiB) is mapped anew
-    and page-faulted on first touch at every call: on 2 gloo ranks an exchange of 35 MB a rank
-    through fresh buffers took 53 ms against 24-26 through reused ones, and `ep_step`'s first
-    switch (58 homes) 193-210 ms against 145-151 (docs/benchmarks.md). The buffers stay as large
-    as the largest call (send and receive: the most one layer's migration moves through a rank);
-    CUDA's caching allocator already reuses its blocks, so only CPU rows use them."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A `[numel]` view of buffer `name`, grown (reallocated) where smaller or of another
-        dtype; its contents are whatever the last call left."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype)
-            self._buffers[name] = buffer
-        return buffer[:numel]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _buffer(
-    scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`[numel]` elements for packed rows: `scratch`'s buffer `name`, else a fresh one."""
-    if scratch is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return scratch.take(name, numel, dtype)
-
-
-def gather_rows(items: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
-    """Write the rows `index` of each `(tensor [S, ...], index [n])` one after another into the
-    flat `out` (as many elements as those rows hold): one copy, no staging buffer."""
-    at = 0
-    for t, index in items:
-        n = len(index) * _row_numel(t)
-        dst = out[at : at + n].view(len(index), *t.shape[1:])
-        if dst.dtype == t.dtype:
-            torch.index_select(t, 0, index, out=dst)
-        else:
-            dst.copy_(t.index_select(0, index))
-        at += n
-
-
-def pair_numel(streams: Sequence[Stream], world_size: int) -> np.ndarray:
-    """`[W, W]` elements every rank sends every other (zero on the diagonal), from the routes
-    alone: the same on every rank."""
-    numel = np.zeros((world_size, world_size), dtype=np.int64)
-    for stream in streams:
-        r = stream.routes
-        np.add.at(numel, (r.src_rank, r.dst_rank), stream.row_numel())
-    np.fill_diagonal(numel, 0)
-    return numel
-
-
-def _unpack(streams: Sequence[Stream], chunk: torch.Tensor, src: int, rank: int) -> None:
-    """Hand the rows one peer sent to each stream's sink, in the order they were packed."""
-    at = 0
-    for stream in streams:
-        r = stream.routes
-        idx = r.between(src, rank)
-        if not idx.size:
-            continue
-        rows = []
-        for t in stream.sources:
-            n = idx.size * _row_numel(t)
-            rows.append(chunk[at : at + n].reshape(idx.size, *t.shape[1:]).to(t.dtype))
-            at += n
-        stream.sink(_index(r.dst_slot[idx], chunk), rows)
-
-
-def _take(t: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
-    return t.detach().index_select(0, _index(slots, t))
-
-
-def _index(slots: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(slots, dtype=torch.long, device=like.device)
-
-
-def _buffer_dtype(streams: Sequence[Stream]) -> torch.dtype:
-    dtype: torch.dtype | None = None
-    for s in streams:
-        for t in s.sources:
-            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
-    return dtype or torch.float32
-
-
-def _check_streams(streams: Sequence[Stream]) -> None:
-    for s in streams:
-        if not s.sources:
-            raise TransferError("a stream needs at least one tensor", field="tensors")
-        slots = {int(t.shape[0]) for t in s.sources}
-        if len(slots) != 1:
-            raise TransferError(
-                f"tensors disagree on the slot count: {sorted(slots)}", field="tensors"
-            )
+# `exchange` is called through this module's globals: `poise.train.faults` patches it here
+from poise.runtime.moves.exchange import (
+    LINK_MAX_BYTES,
+    Pending,
+    Routes,
+    Scratch,
+    Sink,
+    Stream,
+    TransferError,
+    _index,
+    agg_routes,
+    exchange,
+    gather_rows,
+    home_slots,
+    migration_routes,
+    pair_numel,
+    trans_routes,
+)
+from poise.runtime.moves.host_link import Channel
 
 
 # --------------------------------------------------------------------------------- Trans/Agg
@@ -405,9 +57,9 @@ def trans_async(
     routes: Routes | None = None,
     link: Channel | None = None,
 ) -> Pending:
-    """Start Trans: every replica slot of `params` (each `[S, ...]`) receives its home's rows.
-    The replica rows are written at `wait()`. `routes` (from `trans_routes(maps)`) may be passed
-    to skip recomputing them each step; `link`: through shared memory (`exchange`)."""
+    """Start Trans: every replica slot of `params` (each `[S, ...]`) receives its home's rows,
+    written at `wait()`. `routes`: `trans_routes(maps)`, passed to skip recomputing them each
+    step; `link`: through shared memory (`exchange`)."""
     routes = routes if routes is not None else trans_routes(maps)
     targets = list(params)
 
@@ -443,12 +95,10 @@ def agg_async(
     routes: Routes | None = None,
     link: Channel | None = None,
 ) -> Pending:
-    """Start Agg on gradients `grads` (each `[S, ...]`, same layout as the parameters).
-
-    Replica rows are packed and zeroed now, so gradients accumulated into them after this call
-    (a further micro-batch) are not lost; at `wait()` each home row gains its replicas' rows,
-    in ascending rank of the sender. `routes` defaults to `agg_routes(maps)`; `link`: through
-    shared memory (`exchange`)."""
+    """Start Agg on gradients `grads` (each `[S, ...]`, laid out as the parameters). Replica
+    rows are packed and zeroed now, so gradients accumulated into them later (a further
+    micro-batch) are not lost; at `wait()` each home row gains its replicas' rows in ascending
+    rank of the sender. `routes` defaults to `agg_routes(maps)`; `link` as in `trans_async`."""
     routes = routes if routes is not None else agg_routes(maps)
     targets = list(grads)
 
@@ -488,8 +138,7 @@ class Migration:
     """What `migrate` moved. `home_*`: rows that became homes elsewhere (weights and optimizer
     state); `replica_*`: replica fills (weights). `*_bytes`: this rank's outgoing traffic;
     `*_total_bytes`: all ranks' together; `moved_homes`: experts whose home changed rank;
-    `relaid_rows`/`relaid_bytes`: this rank's slots rewritten in place (weights and moments:
-    the memory traffic of the re-lay)."""
+    `relaid_rows`/`relaid_bytes`: this rank's slots rewritten in place (weights and moments)."""
 
     home_bytes: int
     replica_bytes: int
@@ -504,7 +153,7 @@ def state_tensors(
     optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]
 ) -> list[list[torch.Tensor]]:
     """Per parameter, its optimizer state tensors shaped like it (AdamW: `exp_avg`,
-    `exp_avg_sq`), in key order. Scalars such as `step` are not included."""
+    `exp_avg_sq`), in key order; scalars such as `step` are left out."""
     out: list[list[torch.Tensor]] = []
     for p in params:
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
@@ -532,26 +181,18 @@ def migrate(
     scratch: Scratch | None = None,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
-    `new_maps` (one collective, plus a tiny one that checks every rank has the same state).
+    `new_maps`: one collective, plus a tiny one that checks every rank has the same state.
 
     Afterwards every held slot has its expert's current weights (replicas too: no Trans is
-    needed), home slots have the old home's moments, other slots zero moments, empty slots zero
-    weights. Parameters and state tensors are updated in place (the optimizer keeps its
-    references). Works when homes change rank and when slots are reordered on one rank.
+    needed), home slots the old home's moments, other slots zero moments, empty slots zero
+    weights. Tensors are updated in place (the optimizer keeps its references). Only rows that
+    change are touched: a home that keeps its rank and slot is neither copied nor rewritten;
+    an arriving home's row is written once, other rewritten rows (replica, empty) are cleared.
 
-    Only the rows that change are touched: a home that keeps its rank and slot is neither
-    copied nor rewritten, so the memory traffic is `relaid_rows` x (weights + moments) per row,
-    not the whole layer (`Migration.relaid_bytes`); of those, the rows an arriving home fills
-    are written once (not cleared first), the others (replica and empty slots) are cleared.
-
-    `fill_replicas=False` moves homes only and leaves replica slots zero, for a caller that
-    fills them another way (the compressed Trans, `poise.runtime.moves.compressed_trans`). `link`:
-    the
-    rows through shared memory instead (`exchange`; a `HostLink` channel of the same ranks):
-    packed straight into the region and placed from it, about two copies of the bytes where
-    gloo's all-to-all adds a socket round trip of them; one larger than `link_max_bytes`
-    goes through `group` (`exchange`). `scratch`: reused buffers for the packed rows
-    (`Scratch`; the caller keeps it between switches)."""
+    `fill_replicas=False`: homes only, replica slots left zero (the compressed Trans fills
+    them, `poise.runtime.moves.compressed_trans`). `link`, `link_max_bytes`: through shared
+    memory as in `exchange`. `scratch`: reused buffers for the packed rows (`Scratch`; the
+    caller keeps it between switches)."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -619,3 +260,28 @@ def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGrou
             f"rank {n}): step every rank's optimizer before migrating",
             field="optimizer.state",
         )
+
+
+__all__ = [
+    "LINK_MAX_BYTES",
+    "Migration",
+    "Pending",
+    "Routes",
+    "Scratch",
+    "Sink",
+    "Stream",
+    "TransferError",
+    "agg",
+    "agg_async",
+    "agg_routes",
+    "exchange",
+    "gather_rows",
+    "home_slots",
+    "migrate",
+    "migration_routes",
+    "pair_numel",
+    "state_tensors",
+    "trans",
+    "trans_async",
+    "trans_routes",
+]

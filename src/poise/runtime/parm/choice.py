@@ -1,9 +1,8 @@
-"""Which Parm schedule a `ParallelMoE` runs under `schedule="auto"`.
-
-The integration point is one callable: `chooser(ParmShape) -> "s1" | "s2"` (or "baseline"),
-asked once per token count. The default, `ParmChooser`, is Parm's analytic choice
-(`poise.layouts.parm.choose_schedule(ParmLayer, costs)`: S2 when its unified all-to-alls cost less
-under the alpha-beta model than S1's EP all-to-alls plus ESP all-gather and reduce-scatter).
+"""Which Parm schedule a `ParallelMoE` runs under `schedule="auto"`: a callable
+`chooser(ParmShape) -> "s1" | "s2"` (or "baseline"), asked once per token count. The default,
+`ParmChooser`, is Parm's analytic choice (`poise.layouts.parm.choose_schedule`: S2 when its
+unified all-to-alls cost less under the alpha-beta model than S1's EP all-to-alls plus ESP
+all-gather and reduce-scatter).
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from poise.layouts.parm import ParmLayer, choose_schedule
 
 @dataclass(frozen=True)
 class ParmShape:
-    """One MoE layer in one step, as a schedule chooser sees it.
-
-    `tokens`: tokens per MP group (node) and step (`B * S`, duplicated on its M ranks);
-    `capacity_factor`: None when dropless; `mp`, `esp`, `ep`: degrees (`world = ep * mp`);
-    `heads`: attention heads (None: unknown); `dtype_bytes`: bytes per activation element."""
+    """One MoE layer in one step, as a chooser sees it. `tokens`: per MP group (node) and step
+    (`B * S`, duplicated on its M ranks); `capacity_factor`: None when dropless; `mp`, `esp`,
+    `ep`: degrees (`world = ep * mp`); `heads`: None when unknown; `dtype_bytes`: per
+    activation element."""
 
     tokens: int
     d_model: int
@@ -41,8 +39,8 @@ ScheduleChooser = Callable[[ParmShape], str]
 
 
 def local_cluster(shape: ParmShape) -> Any:
-    """The modelled cluster of this run when none is given: the `cpu-2` preset's rates with
-    one node per MP group (`mp` devices per node, `ep` nodes)."""
+    """The modelled cluster when none is given: `cpu-2`'s rates, one node of `mp` devices per
+    MP group, `ep` nodes."""
     from poise.core.presets import PRESETS
 
     return dataclasses.replace(
@@ -55,12 +53,10 @@ def local_cluster(shape: ParmShape) -> Any:
 
 
 class ParmChooser:
-    """Parm's automatic choice as a `ScheduleChooser`.
-
-    `costs`: a `poise.core.cluster.Cluster` or a measured `poise.cost.collectives.CollectiveFit`
-    (from `poise calibrate`); None: `local_cluster`. A dropless layer is priced at capacity factor 1
-    (the volume of balanced dropless routing); the token count is rounded down to a multiple
-    of `mp` (the model's MP-Split cuts evenly)."""
+    """Parm's automatic choice as a `ScheduleChooser`. `costs`: a `poise.core.cluster.Cluster`
+    or a measured `poise.cost.collectives.CollectiveFit` (`poise calibrate`); None:
+    `local_cluster`. A dropless layer is priced at capacity factor 1 (balanced dropless
+    volume); tokens are rounded down to a multiple of `mp` (the model's MP-Split cuts evenly)."""
 
     def __init__(self, costs: Any = None) -> None:
         self.costs = costs

@@ -1,24 +1,17 @@
 """Expert-sharding parallelism (ESP): every expert's hidden dimension split over the MP group.
 
-Expert e (`E_loc = E / EP` experts per node) lives on node `e // E_loc`, slot `e % E_loc` of
-each of the node's `M` ranks; rank `local` of the node holds hidden units
-`[local H / M, (local + 1) H / M)` of it (`H = d_expert`):
+Expert e (`E_loc = E / EP` per node) lives on node `e // E_loc`, slot `e % E_loc` of each of the
+node's `M` ranks; rank `local` holds hidden units `[local H / M, (local + 1) H / M)` of it
+(`H = d_expert`): `w_in`, `w_gate [E_loc, D, H / M]` (columns of W1), `w_out [E_loc, H / M, D]`
+(rows of W2). Then `y_e(x) = sum_j y_e^(j)(x)` over the M shards' partial outputs (GELU and
+SwiGLU act on each hidden unit alone). A token reaches all M shards of its expert by:
 
-    w_in [E_loc, D, H / M], w_gate [E_loc, D, H / M]  (columns of W1)
-    w_out [E_loc, H / M, D]                           (rows of W2)
-
-so that `y_e(x) = sum_j y_e^(j)(x)`, the partial outputs of the M shards (GELU and SwiGLU act on
-each hidden unit alone). Two ways to bring a token to all M shards of its expert:
-
-- `EspExpertFn` (schedules "baseline" and "s1"): the EP all-to-all delivers each token to one
-  rank of the expert's node; `ESP-AllGather` over the MP group gives every rank the node's
-  tokens, each rank runs its shard, `ESP-ReduceScatter` sums the partial outputs and hands each
-  rank back the rows it received.
-- `virtual_experts` (schedule "s2"): shard j of expert e is a virtual expert
-  `v = (node(e) M + j) E_loc + e % E_loc` held by rank `node(e) M + j`; a token choosing e
-  chooses its M virtual experts with the same weight, so one all-to-all over the world sends
-  it to every shard (intra- and inter-node parts in one collective) and the combine sums the
-  partial outputs.
+- `EspExpertFn` ("baseline", "s1"): the EP all-to-all delivers it to one rank of the node;
+  ESP-AllGather gives every rank the node's tokens, each runs its shard, ESP-ReduceScatter sums
+  the partial outputs and hands each rank back its rows.
+- `virtual_experts` ("s2"): shard j of expert e is virtual expert `(node(e) M + j) E_loc +
+  e % E_loc` on rank `node(e) M + j`; choosing e chooses its M virtual experts with the same
+  weight, so one all-to-all over the world reaches every shard and the combine sums them.
 """
 
 from __future__ import annotations
@@ -64,9 +57,8 @@ def shard_experts(
 def gather_experts(
     experts: Experts, groups: ParallelGroups, grads: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full stacked weights (or gradients; None reads as zero) `[E, ...]` from every rank's
-    shard: all-gather over the MP group (hidden slices), then over the EP group (experts). A
-    collective over both groups."""
+    """Full stacked weights (or gradients; None reads as zero) `[E, ...]`: all-gather over the
+    MP group (hidden slices), then over the EP group (experts)."""
     out = {}
     for name in EXPERT_KEYS:
         p = getattr(experts, name)
@@ -110,18 +102,12 @@ class _Permute(torch.autograd.Function):
 
 
 class EspExpertFn:
-    """The expert function of the EP dispatcher under ESP: `(rows [R, D] grouped by slot,
-    tokens_per_slot [S]) -> [R, D]`.
-
-    1. all-gather the `[S]` token counts of the M ranks of the MP group (`[M, S]`);
-    2. ESP-AllGather of the rows (`[sum R_i, D]`, blocks (rank, slot)), regrouped to (slot, rank);
-    3. this rank's shard of every slot (`experts`, hidden width H / M);
-    4. back to (rank, slot) order and ESP-ReduceScatter: each rank gets its own rows, summed
-       over the M shards.
-
-    `dup=True` is DeepSpeed-MoE's schedule, where the M ranks hold the same rows (see
-    `poise.runtime.parm.tensor_parallel`). Every rank of the MP group calls it the same number of
-    times in the same order (the dispatchers of one node run the same number of chunks)."""
+    """The EP dispatcher's expert function under ESP: `(rows [R, D] grouped by slot,
+    tokens_per_slot [S]) -> [R, D]`. All-gathers the MP group's `[M, S]` counts and its rows
+    (blocks (rank, slot), regrouped to (slot, rank)), runs this rank's shards, then back to
+    (rank, slot) and ESP-ReduceScatter: each rank gets its rows summed over the M shards.
+    `dup=True`: DeepSpeed-MoE's schedule, the M ranks hold the same rows (`tensor_parallel`).
+    Every rank of the MP group calls it equally often, in the same order."""
 
     def __init__(self, experts: Experts, groups: ParallelGroups, dup: bool) -> None:
         self.experts = experts

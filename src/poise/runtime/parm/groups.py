@@ -1,23 +1,18 @@
 """Process groups of MP + EP + ESP (Parm, Pan et al., INFOCOM 2024, arXiv 2407.00599).
 
-A world of `D` ranks is cut into `D / M` model-parallel (MP) groups of `M` consecutive ranks
-(one node each, like DeepSpeed-MoE's tensor-parallel groups):
+`D` ranks form `D / M` model-parallel (MP) groups of `M` consecutive ranks, one node each (as
+DeepSpeed-MoE's tensor-parallel groups): `rank r = node * M + local`, `node = r // M`.
 
-    rank r = node * M + local        node = r // M  (its MP group)   local = r % M
+- MP group of node n: ranks `[n M, (n + 1) M)`; attention heads are split across it, so
+  tokens leave attention duplicated on its M ranks.
+- ESP group = the MP group: each expert's hidden dimension is split across it (DeepSpeed-MoE's
+  expert tensor parallelism, Parm's expert-sharding parallelism), so ESP degree = MP degree.
+- EP groups: `M` groups of `EP = D / M` ranks `{local, local + M, ...}`. Expert e lives on node
+  `e // (E / EP)`, sharded over its M ranks; node n is EP rank n of every EP group. They are
+  also the data-parallel groups of every non-expert parameter (each node runs its own batch).
 
-- MP group of node n: ranks `[n M, (n + 1) M)`. Attention heads are split across it
-  (Megatron column/row parallel), so tokens leave attention duplicated on its M ranks.
-- ESP group: each expert's hidden dimension (`d_expert`) is split across the ranks of one MP
-  group (DeepSpeed-MoE's expert tensor parallelism, which Parm calls expert-sharding
-  parallelism): ESP degree = MP degree and the ESP group *is* the MP group.
-- EP groups: `M` groups of `EP = D / M` ranks, one per local index: `{local, local + M, ...}`.
-  Expert e lives on node `e // (E / EP)`, sharded over that node's M ranks; node n is the EP
-  rank n of every EP group. EP groups also are the data-parallel groups of everything that is
-  not an expert (attention shards, norms, routers): each node runs its own batch.
-
-`ParallelGroups.build(mp)` creates every group once (a collective over the world: every rank
-calls it, in the same order as any other group creation); nothing creates groups per step.
-`check_degrees` refuses degrees that do not fit with one `ConfigError` naming the field.
+`ParallelGroups.build(mp)` creates every group once (collective over the world, in the same
+order on every rank); `check_degrees` refuses degrees that do not fit (`ConfigError`).
 """
 
 from __future__ import annotations
@@ -71,11 +66,9 @@ def check_degrees(
     source: str | None = None,
 ) -> ParallelDegrees:
     """Validate MP / ESP degrees for `world` ranks (and the model's heads, expert width and
-    expert count when given); `esp` defaults to `mp`. Raises `ConfigError` naming the field:
-
-    - `mp`: must divide the world and the attention heads;
-    - `esp`: must equal `mp` (Parm shards every expert over its MP group), divide `d_expert`;
-    - `num_experts`: the experts must split evenly over the `EP = world / mp` nodes."""
+    expert count when given; `esp` defaults to `mp`). `ConfigError` naming the field: `mp` must
+    divide the world and the heads; `esp` must equal `mp` and divide `d_expert`; `num_experts`
+    must split evenly over the `EP = world / mp` nodes."""
     world = _positive_int(world, "world_size", source)
     mp = _positive_int(mp, "mp", source)
     esp = mp if esp is None else _positive_int(esp, "esp", source)
@@ -166,8 +159,8 @@ class ParallelGroups:
         d_expert: int | None = None,
         num_experts: int | None = None,
     ) -> ParallelGroups:
-        """Create the MP and EP groups of the default (initialised) process group. Every rank
-        must call it with the same arguments; degrees are checked before any group exists."""
+        """Create the MP and EP groups of the default process group (every rank, same
+        arguments); degrees are checked before any group exists."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "MP + EP + ESP needs an initialised torch.distributed process group",

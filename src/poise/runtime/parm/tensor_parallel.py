@@ -1,8 +1,8 @@
 """Collectives with autograd for MP + EP + ESP, and model-parallel attention (Megatron style).
 
-Tokens that leave attention are *duplicated* on the M ranks of an MP group: every rank holds the
-same tensor and, in backward, the same (full) gradient. The functions below keep that
-convention (Megatron-LM's conjugate pairs, Shoeybi et al. 2019):
+Tokens that leave attention are *duplicated* on the M ranks of an MP group (same tensor, and in
+backward the same full gradient, on every rank); these keep that convention (Megatron-LM's
+conjugate pairs, Shoeybi et al. 2019):
 
 | function | forward | backward | used for |
 | --- | --- | --- | --- |
@@ -13,18 +13,15 @@ convention (Megatron-LM's conjugate pairs, Shoeybi et al. 2019):
 | `all_gather_rows` | all-gather | reduce-scatter | ESP-AllGather before the experts |
 | `reduce_scatter_rows` | reduce-scatter | all-gather | ESP-ReduceScatter after them |
 
-The first four map duplicated tensors to duplicated gradients. The last two are exact adjoints
-for distinct rows; with `dup=True` (DeepSpeed-MoE's schedule, where the M gathered copies of a
-row are the same row) the all-gather's backward is scaled by M and the reduce-scatter's by 1/M,
-so each copy carries 1/M of the row's gradient: the expert weights get the gradient of the row
-once, the duplicated input its full gradient.
-
-Row counts may differ between ranks (`sizes`, one per rank of the group, known on every rank):
-buffers are padded to the largest and cut back after the collective.
+The first four map duplicated tensors to duplicated gradients; the last two are exact adjoints
+for distinct rows. With `dup=True` (DeepSpeed-MoE's schedule: the M gathered copies of a row are
+the same row) the all-gather's backward is scaled by M and the reduce-scatter's by 1/M, so the
+expert weights get the row's gradient once and the duplicated input its full gradient. Row
+counts may differ between ranks (`sizes`, one per rank, known on every rank): buffers are padded
+to the largest and cut back.
 
 `ParallelAttention` is `poise.models.gpt.Attention` with its heads split over the MP group:
-`qkv` column-parallel (this rank's heads' rows of q, k and v), `proj` row-parallel (their
-columns), f before and g after, so its output is duplicated on the MP group again.
+`qkv` column-parallel, `proj` row-parallel, f before and g after (output duplicated again).
 """
 
 from __future__ import annotations
@@ -245,12 +242,10 @@ def all_gather_stack(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- attention
 class ParallelAttention(nn.Module):
-    """Causal self-attention with `heads / M` heads on each rank of the MP group:
-    `x [B, T, D]` (duplicated) -> `[B, T, D]` (duplicated).
-
-    Parameters: `qkv.weight [3 D / M, D]` (rows of this rank's heads in q, then k, then v),
-    `proj.weight [D, D / M]` (their columns). `load_full_state_dict` / `full_state_dict` read and
-    write the full `Attention` keys (`qkv.weight [3 D, D]`, `proj.weight [D, D]`)."""
+    """Causal self-attention with `heads / M` heads per rank of the MP group: `x [B, T, D]`
+    (duplicated) -> `[B, T, D]` (duplicated). Parameters: `qkv.weight [3 D / M, D]` (this
+    rank's heads' rows of q, then k, then v), `proj.weight [D, D / M]` (their columns);
+    `load_full_state_dict` / `full_state_dict` use the full `Attention` keys."""
 
     def __init__(self, d_model: int, heads: int, groups: ParallelGroups) -> None:
         super().__init__()
@@ -290,8 +285,8 @@ class ParallelAttention(nn.Module):
         self.proj.weight.copy_(proj[:, lo : lo + w])
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The full `Attention` weights (or their gradients) gathered from the MP group (a
-        collective over it); gradients that are None read as zero."""
+        """The full `Attention` weights (or gradients; None reads as zero): a collective over
+        the MP group."""
         D, w, M = self.d_model, self.local_heads * self.head_dim, self.groups.mp
 
         def local(p: nn.Parameter) -> torch.Tensor:
