@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from poise.commands.demo_report import compare_traces, demo_json, measured_summary, sim_note
+from poise.commands.demo_report import (
+    compare_traces,
+    demo_json,
+    measured_summary,
+    sim_line,
+    sim_note,
+)
 from poise.core.errors import ConfigError, PoiseError
 from poise.util.argparsing import int_in
 
@@ -407,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     from poise.commands.expert_clock import expert_seconds_in_turns
     from poise.report.figure_workers import FigureWorkers
     from poise.report.html import DemoData, draw_measured_figures, write_demo_report
-    from poise.report.runs import MeasuredRun, agreement_sentence, loss_agreement
+    from poise.report.runs import MeasuredRun, loss_agreement
     from poise.report.tables import (
         MEASURED_COLUMNS,
         SIM_COLUMNS,
@@ -544,9 +550,14 @@ def run(args: argparse.Namespace) -> int:
     for row in measured_rows(runs):
         table.add_row(*(row[i] for i in shown))
     console.print(table)
-    console.print(summary.text)
+    for line in summary.lines:
+        console.print(line)
     agreement = loss_agreement(runs["static"], runs["auto"])
-    console.print(agreement_sentence(agreement, "static", "auto"))
+    if agreement.judged:  # one line: agreed, or the warning that they did not
+        agrees = "agree to float rounding" if agreement.agrees else "DIFFER beyond rounding"
+        console.print(
+            f"losses {agrees} up to the first plan change ({agreement.judged_max:.1e} nats/byte)"
+        )
     for sec in sims:
         t = Table(
             title=f"{sec.title}: {sec.result.cluster.num_devices:,} devices, "
@@ -557,6 +568,9 @@ def run(args: argparse.Namespace) -> int:
         for row in sim_rows(sec.result):
             t.add_row(*row)
         console.print(t)
+        line = sim_line(sec.result)
+        if line:
+            console.print(line)
     if sims:
         sec = sims[-1]
         fastest = sec.result.summary_rows()[0]["policy"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from poise.report.gain_accounting import CAUSES, gain_accounting
+from poise.report.gain_accounting import gain_accounting
 
 if TYPE_CHECKING:
     from poise.report.html import MeasuredSummary
@@ -103,63 +103,55 @@ def compare_traces(a, b) -> str:
 def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> MeasuredSummary:
     """Static and auto tokens/s over the steps after `skip`, the ideal of the static run with
     `c_s` seconds per routed token of expert work (its ranks sharing `cores` cores' worth of
-    compute, 0: none, `poise.report.ideal`), the verdict, and what it means in words. Where
-    the runs took their steps in turns (`turns` in their configs), the text says so."""
+    compute, 0: none, `poise.report.ideal`) and where its gain went; `lines` for the console
+    (at most 3), `paragraphs` for the report."""
     from poise.report.html import MeasuredSummary
     from poise.report.ideal import ideal_of, judge, measured_steps, tokens_per_s
 
     static, auto = runs["static"], runs["auto"]
     st, au = tokens_per_s(static, skip), tokens_per_s(auto, skip)
     ideal = ideal_of(static, c_s, skip, cores=cores)
-    speedup = au / st
-    ideal_speedup = ideal["ideal_speedup"]
+    speedup, ideal_speedup = au / st, ideal["ideal_speedup"]
     verdict = judge(speedup, ideal_speedup)
     steps = len(static.step_s[measured_steps(static.step_s, skip)])
     in_turns = bool(static.config.get("turns")) and bool(auto.config.get("turns"))
-    against = f"static's {st:,.0f}" + (
-        " (the two runs took their steps in turns, each step of one right after the same step "
-        "of the other, so the machine's drift falls on both alike)"
-        if in_turns
-        else ""
-    )
-    text = (
-        f"Over the {steps} steps after the warm-up (re-planning and migration steps included), "
-        f"auto trained at {au:,.0f} tokens/s against {against}: {speedup:.3f}x. "
-        f"The ideal, {ideal_speedup:.3f}x, is the static run with its experts perfectly "
-        f"balanced for free: in each MoE layer the slowest rank computed "
-        f"{ideal['max_over_mean']:.2f}x the mean rank's token-expert pairs, "
-        f"{ideal['slowest_expert_ms']:.0f} ms of expert work per step where balance would take "
-        f"{ideal['balanced_expert_ms']:.0f} ms (at {c_s * 1e6:.2f} us per routed token of "
-        f"forward and backward, measured here), beside {ideal['non_expert_ms']:.0f} ms of "
-        "everything else, which balance cannot shorten. "
-    )
-    gain = verdict["gain_fraction"]
-    if not verdict["judged_gain"]:
-        text += (
-            f"With an ideal below {1.10:.2f}x there is little to gain here, so only 'do no "
-            f"harm' is judged: auto/static >= 0.99 ({'met' if verdict['no_harm'] else 'not met'})."
-        )
-    else:
-        text += (
-            f"auto earned {gain:.0%} of the possible gain "
-            f"({'met' if verdict['target_met'] else 'not met'}: {verdict['rule']})."
-        )
-    if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
-        text += (
-            " A speedup outside what balance can explain means other processes took CPU from "
-            "one run's steps more than from the other's: compare benchmarks/train_speedup.py, "
-            "which repeats the pair and takes the median."
-        )
     same_steps = len(static.step_s) == len(auto.step_s)
     accounting = gain_accounting(static, auto, c_s, skip, cores=cores) if same_steps else None
-    if accounting is not None and verdict["judged_gain"]:
-        text += accounting_sentence(accounting)
-    text += paired_clock_sentence(getattr(auto, "last_evidence", {}) or {})
-    if steps < 30:
-        text += (
-            f" {steps} steps are too few to measure a speedup on a shared machine: run the "
-            "full demo (no --quick) or benchmarks/train_speedup.py for a figure."
+    share = verdict["gain_fraction"] if ideal_speedup > 1.0 else None
+    lines = [f"auto {speedup:.2f}x static over {steps} steps; the ideal (balance for free) "
+             f"{ideal_speedup:.2f}x"]  # fmt: skip
+    if share is not None:
+        lines.append(
+            f"auto kept {share:.0%} of the possible gain; the report says where the rest went"
         )
+    clock = paired_clock_sentence(getattr(auto, "last_evidence", {}) or {}).strip()
+    paragraphs = [
+        f"Over the {steps} steps after the warm-up (re-planning and switch steps included) auto "
+        f"trained at {au:,.0f} tokens/s against static's {st:,.0f}: {speedup:.3f}x."
+        + (
+            " The two runs took their steps in turns, so the machine's drift fell on both alike."
+            if in_turns
+            else ""
+        ),
+        f"The ideal, {ideal_speedup:.3f}x, is the static run with its experts perfectly balanced "
+        f"for free: the slowest rank computed {ideal['max_over_mean']:.2f}x the mean rank's "
+        f"token-expert pairs, {ideal['slowest_expert_ms']:.0f} ms of expert work a step where "
+        f"balance would take {ideal['balanced_expert_ms']:.0f} ms (at {c_s * 1e6:.2f} us per "
+        f"routed token, measured in the runs' turns), beside {ideal['non_expert_ms']:.0f} ms of "
+        "everything else.",
+    ]
+    if clock:
+        paragraphs.append(clock)
+    if speedup > 1.02 * ideal_speedup or speedup < 0.98 / ideal_speedup:
+        paragraphs.append(
+            "A speedup outside what balance can explain means other processes took CPU from one "
+            "run's steps more than from the other's: benchmarks/train_speedup.py repeats the "
+            "pair and takes the median."
+        )
+    if steps < 30:
+        note = f"{steps} steps are too few to measure a speedup on a shared machine"
+        paragraphs.append(note + ": run the full demo (no --quick) for a figure.")
+        lines.append(note + ": run the full demo for a figure")
     return MeasuredSummary(
         static_tok_s=st,
         auto_tok_s=au,
@@ -168,35 +160,9 @@ def measured_summary(runs: dict, skip: int, c_s: float, cores: float = 0.0) -> M
         verdict=verdict,
         measured_steps=steps,
         expert_us_per_token=c_s * 1e6,
-        text=text,
+        text="\n\n".join(paragraphs),
         gain_accounting=accounting,
-    )
-
-
-def accounting_sentence(account: dict[str, Any]) -> str:
-    """Where the ideal's gain went, step by step (`poise.report.gain_accounting`), in words:
-    the causes that took at least half a per cent of it; nothing where the ideal gained
-    nothing."""
-    lost, steps = account["lost"], account["steps"]
-    if account["achieved"] is None:
-        return ""
-    shares = [lost[k] for k in CAUSES]
-    parts = [
-        f"{lost['static_layout']:.0%} on the static layout ({steps['static_layout']} steps: "
-        "before a plan was due or trusted, or after a fallback)",
-        f"{lost['probe_steps']:.0%} on its {steps['probe_steps']} probe steps (the plan's homes "
-        "without its replicas, which time the replicas' saving)",
-        f"{lost['switch_steps']:.0%} on its {steps['switch_steps']} switch steps",
-        f"{lost['residual_imbalance']:.0%} to imbalance its plans left",
-        f"{lost['transfers']:.0%} to the replicas' Trans and Agg",
-        f"{lost['other']:.0%} to what shedding pairs costs here beyond those (the neighbour "
-        "rank now busy, the split's dispatch, more tokens crossing ranks) and the machine's "
-        "noise",
-    ]
-    parts = [part for part, share in zip(parts, shares, strict=True) if abs(share) >= 0.005]
-    return (
-        f" Step by step, of the ideal's {account['ideal_gain_ms']:.0f} ms a step auto kept "
-        f"{account['achieved']:.0%}; the rest went " + "; ".join(parts) + "."
+        lines=lines[:3],
     )
 
 
@@ -271,4 +237,26 @@ def demo_json(summary: MeasuredSummary, sims: list, missing: list[str]) -> dict:
     }
 
 
-__all__ = ["compare_traces", "demo_json", "measured_summary", "plan_delay_note", "sim_note"]
+def sim_line(result) -> str:
+    """A simulated table in one line: auto against static, and the fastest where not auto."""
+    rows = result.summary_rows()
+    if "static" not in result.runs or "auto" not in result.runs or not rows:
+        return ""
+    static_s = result.runs["static"].mean_step_s
+    auto_s = result.runs["auto"].mean_step_s
+    best = rows[0]["policy"]
+    text = f"auto {static_s / auto_s:.2f}x static"
+    if best != "auto":
+        best_s = result.runs[best].mean_step_s
+        text += f"; fastest {best} {static_s / best_s:.2f}x (the report says why)"
+    return text
+
+
+__all__ = [
+    "compare_traces",
+    "demo_json",
+    "measured_summary",
+    "plan_delay_note",
+    "sim_line",
+    "sim_note",
+]

@@ -111,4 +111,25 @@ def gain_accounting(
     }
 
 
-__all__ = ["CAUSES", "gain_accounting"]
+def accounting_rows(account: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Where the ideal's gain went (`poise.report.gain_accounting`) as table rows `(where,
+    share of the ideal's gain, steps)`: what auto kept, then each cause."""
+    lost, steps = account["lost"], account["steps"]
+    names = {
+        "static_layout": ("lost on the static layout", steps.get("static_layout")),
+        "probe_steps": ("lost on probe steps (the homes without the replicas)",
+                        steps.get("probe_steps")),
+        "switch_steps": ("lost on switch steps", steps.get("switch_steps")),
+        "residual_imbalance": ("lost to imbalance the plans left", steps.get("under_plans")),
+        "transfers": ("lost to the replicas' Trans and Agg", steps.get("under_plans")),
+        "other": ("lost to what shedding pairs costs beyond those, and noise",
+                  steps.get("under_plans")),
+    }  # fmt: skip
+    rows = [("kept by auto", f"{account['achieved']:.0%}", "")]
+    for key in CAUSES:
+        label, n = names[key]
+        rows.append((label, f"{lost[key]:.0%}", "" if n is None else str(n)))
+    return rows
+
+
+__all__ = ["CAUSES", "accounting_rows", "gain_accounting"]
