@@ -1,93 +1,29 @@
-"""Expert-parallel training step time, static EP against the Balancer, on skewed routing.
+"""Expert-parallel step time, static EP against the Balancer, on recorded and skewed routing.
 
-    .venv/bin/python benchmarks/ep_step.py            # 2 gloo ranks, 1 thread each, ~3.5 min
+    .venv/bin/python benchmarks/ep_step.py            # 2 gloo ranks, 1 thread each, ~4 min
 
-Two ranks, one intra-op thread each, fp32. Each rank runs a residual stack of `--layers` MoE
-layers (SwiGLU experts, d_model 128, d_expert 1024, 32 experts, top-2, 1,024 tokens per rank
-and step, 16 + 2 slots per rank) whose routers are `ReplayRouter`s: each layer's per-expert counts
-follow a recorded trace, scaled to the batch. A step is forward, `s * (y * g).sum()` backward
-(`s` = +1 and -1 in turn: the linear loss has no minimum, and with one sign throughout the
-weights grew until the activations overflowed at step 128; alternating, the steps cancel and the
-weights stay bounded over runs of any length, with the same computation each step), router
-gradients summed over ranks, AdamW step (`HomeRowsAdamW`, as `poise train` steps it: the fused
-kernel, on the home slots; the peers below step `torch.optim.AdamW(fused=True)`). The fused
-kernel matters here: the per-tensor AdamW loop takes a slow path on the zero moments of experts
-no token has reached, so under it static EP's idle experts cost optimizer time that uniform
-routing (the ideal) does not pay and balancing cannot win back (200-235 ms a step for the loop
-in static and balanced against 142-165 for the ideal; about 40 for all three with the fused
-kernel; `benchmarks/adamw_kernels.py`).
+Two ranks each run a residual stack of `--layers` MoE layers (SwiGLU experts, d_model 128,
+d_expert 1024, 32 experts top-2, 1,024 tokens a rank and step, 16 + 2 slots a rank) whose
+routers replay a trace's per-expert counts (`ReplayRouter`), then a linear loss's backward (its
+sign alternating, so the weights stay bounded), the routers' gradient sum and `HomeRowsAdamW`.
+Traces: `smartmoe-5001` (the SmartMoE-AE sample, iteration 5001, layers 0, 8, 15, 23, reduced
+to 2 source ranks) and `zipf-1.2` (generated). Models stepped in rotation, one step each a round:
 
-Traces (one JSON line each):
+- `static`: plain EP; `balanced`: the same under `Balancer(--policy, --replan-every)` (default
+  `auto` every 5 steps; probe steps off, `--probe-every 0`: a 40-step window is too short for
+  them), its time including Trans, Agg, planning and migration;
+- `ideal`: static EP with each layer's loads re-dealt so that every rank's homes hold an even
+  share (`poise.report.ideal_homes`); `uniform`: every expert at the mean load;
+- peers where the `bench` extra is installed: DeepSpeed-MoE (dropless and capacity 1.25) and
+  torchtitan's MoE, on the same tokens and expert choices; `--compare POLICY ...`: more
+  Balancer policies in the same rotation.
 
-- `smartmoe-5001`: the SmartMoE-AE sample (`../shared/data/smartmoe-ae-sample`, 16 ranks,
-  24 layers, 32 experts, top-2), iteration 5001, reduced to 2 source ranks as the simulator does
-  (`sim.scaling.ScaledTrace`: a seeded sample of the observed rows), layers 0, 8, 15 and 23
-  (evenly spaced) for a 4-layer stack;
-- `zipf-1.2`: `trace_generate.zipf` with s = 1.2 (expert popularity by a random permutation per
-  layer, the same on both ranks).
-
-Four models are stepped in rotation, one step each per round (the first to go rotating too), so
-machine noise hits all alike:
-
-- `static`: plain static EP (no Balancer);
-- `balanced`: the same model under `Balancer(policy, replan_every)`, default `auto` every 5 steps,
-  priced on the `cpu-2` modelled cluster; its time includes Trans, Agg, planning and migration.
-  The guard's probe steps (`Balancer(probe_every=)`, steps run without the replicas to time
-  them) are off by default (`--probe-every 0`): at one every 5 steps the window would hold up
-  to 8 of them, a fifth of its steps, where a training run takes at most 8 per episode of
-  hundreds of steps (`train_speedup` times them in whole runs).
-  `probe_steps` counts those among the timed steps, and `switches_timed` lists the plan
-  switches among them (the step, 1-based, whose boundary switched; homes moved; migration MB
-  and ms on rank 0): one-off work that a short window charges in full;
-- `ideal`: static EP on the same trace with each layer's expert loads re-dealt so that every
-  rank's homes hold an even share (`ideal_trace`, `poise.report.ideal_homes`; max/mean 1.0004 on
-  smartmoe-5001, 1.0000 on zipf-1.2): the trace's own GEMMs, balanced, with nothing to transfer;
-- `uniform`: static EP on uniform routing (every expert the mean load), the ideal of earlier
-  versions, reported beside it (`uniform_speedup`). No placement of the trace reaches it: it
-  changes the GEMMs, not only the balance (`benchmarks/expert_shapes.py`: the slowest rank's
-  experts take 12% longer on zipf-1.2's loads balanced than on as many rows in equal GEMMs,
-  and 6% less on smartmoe-5001's), and which tokens cross ranks.
-
-Peers, where the `bench` extra is installed (each guarded: a JSON line that says why it was
-skipped otherwise), step in the same rotation on the same per-rank tokens, the same per-layer
-expert choices (those the `ReplayRouter`s make, fed to the peer's own top-k gate as routing
-features `y + f_l`, where `f_l` marks a token's first and second expert, and checked on the first
-step) and the same residual stack, loss, gate all-reduce and AdamW:
-
-- `deepspeed-nodrop` and `deepspeed-drop`: `deepspeed.moe.layer.MoE` with SwiGLU experts,
-  expert-parallel over both ranks (`ep_size` 2, 16 experts per rank, DeepSpeed's all-to-all on
-  the gloo group), dropless (every expert padded to the largest load over the ranks) and with
-  capacity factor `--capacity-factor` (default 1.25, assignments past it dropped);
-- `torchtitan`: torchtitan 0.3's MoE layer (`torchtitan.models.common.moe.MoE`, SwiGLU grouped
-  experts, local token dispatcher) without expert parallelism: every rank holds all 32 experts
-  and computes its own tokens (no all-to-all, no device imbalance; only the gate's gradient is
-  summed over the ranks, as for the others).
-
-Each peer's line gives its median step and `ratio_vs_static` / `ratio_vs_balanced`, medians over
-rounds of its step over Poise's static and balanced steps of the same round (lower is faster).
-
-`--compare POLICY ...` steps more balanced models in the same rotation, one Balancer policy
-each (e.g. `permute`, SmartMoE's homes alone; `eplb`), and gives each a line like Poise's
-`--policy` line, against the same rounds' static, ideal and uniform steps; only `--policy`'s line
-is judged (`judged`).
-
-Each rank times its own steps from a common start (a barrier); a step's time is the slowest
-rank's. `*_ms` are medians over the timed steps, after a warm-up that includes the first
-adoption (`first_adoption_warmup`: 11 steps at the default re-plan interval);
-`speedup` and `ideal_speedup` are medians over rounds of static / balanced and static / ideal
-(steps of one round run back to back, so they share the machine's load); `fraction_of_ideal =
-speedup / ideal_speedup`; `gain_fraction = (speedup - 1) / (ideal_speedup - 1)` is the share of
-the possible gain achieved, and `gain_fraction_90` the central 90% of it over 2,000 bootstrap
-resamples of the rounds (`gain_fraction_interval`): how far the machine's noise alone moves it
-with this many timed steps.
-
-Judged (`target_verdict`, on `--policy`'s line only): `target_met` is `gain_fraction >=
-GAIN_TARGET` (0.85, issue 18) and `target_met_90` whether the interval's lower end clears it
-too, i.e. whether the machine's noise could not have carried the figure over. Each round is
-one step of each model, so the timed steps set the interval's width: with 10 (the default
-before 40) the 90% interval spanned 0.29-1.45 and 0.83-1.71 in two runs minutes apart, and one
-trace's figure moved by 0.72 between them (docs/benchmarks.md), so a single line judged
-nothing; with 40 it spans about 0.2 (0.85-1.05 and 0.79-0.99 in the run recorded there).
+One JSON line per trace and model. A step's time is the slowest rank's; `*_ms` are medians over
+the `--steps` (40) timed steps after `--warmup` (default `2 x replan_every + 1`: the first
+adoptions); `speedup`, `ideal_speedup` are medians over rounds of static / model;
+`gain_fraction = (speedup - 1) / (ideal_speedup - 1)`, `gain_fraction_90` its central 90% over
+2,000 bootstrap resamples of the rounds (how far the machine's noise moves it); `target_met`:
+`gain_fraction >= GAIN_TARGET`, `target_met_90`: the interval's lower end too.
 """
 
 from __future__ import annotations
@@ -143,12 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--probe-every",
         type=int,
         default=0,
-        help="the guard's probe steps (default 0: off; the module docstring says why)",
-    )
-    p.add_argument(
-        "--host-link",
-        action="store_true",
-        help="the Balancers move Trans, Agg and migrations through shared memory",
+        help="the probe steps (default 0: off; the module docstring says why)",
     )
     p.add_argument(
         "--warmup",
@@ -409,7 +340,7 @@ class _Runner:
                 self.opt,
                 policy,
                 args.replan_every,
-                BalancerConfig(probe_every=args.probe_every, host_link=args.host_link),
+                BalancerConfig(probe_every=args.probe_every),
             )
             if policy
             else None

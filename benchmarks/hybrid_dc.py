@@ -4,40 +4,25 @@ expert migration measured on live ranks.
     .venv/bin/python benchmarks/hybrid_dc.py              # simulator cases + codec, < 2 min
     .venv/bin/python benchmarks/hybrid_dc.py --train 60   # + the live 2-rank training runs
 
-One JSON line per case; keys `bench` ("hybrid_dc"), `case`, then the figures.
+One JSON line per case (`bench` "hybrid_dc", `case`, then the figures):
 
-- `table-v` (HybridEP, arXiv 2510.19470, Table V): 2 and 4 datacentres of 8 A800 (`a800-eth10`,
-  `a800-eth10:4`: 128 Gb/s inside, 10 Gb/s between), 32 experts, 12 layers, top-2, expert
-  0.36 MB, 6-192 MB of data per GPU and layer (`papers.hybridep_spec`); the scenario's drifting
-  trace (20 steps, seed 41), re-planning every 5 steps, the first 6 steps left out. Plain EP is
-  `static`, priced without overlap (`ep_s`, `sync`) and with Tutel's 4-chunk pipeline
-  (`tutel_s`, `pipelined(4)`); `hybrid_s` is `hybrid` under the `hybrid` schedule. Two slot
-  budgets: `default` (one spare slot per GPU, what the scenario uses) and `allgather` (enough
-  spare slots for every domain to hold a copy of every expert homed elsewhere: HybridEP's
-  p = 0). Beside ours: the published Tutel and HybridEP seconds and their ratio, and the
-  published "avg. speedup" over Tutel, FasterMoE and SmartMoE.
-- `sweep` (HybridEP §V-G, Fig. 17): 2 to 1,000 datacentres of one 8-H100 node
-  (`cross-dc-1000`'s devices and node links), inter-domain links of 1, 10 and 100 Gb/s (20 ms,
-  one link per 8 GPUs), GPT-Medium widths (`papers.cross_dc_spec`), a 64-row drifting trace
-  resampled onto the devices (6 steps, seed 51), re-planning every 2 steps, the first 3 left
-  out. Published at 1,000 DCs: 1.05-1.45x over EP with the domain size fixed, 1.31-3.76x with p
-  fixed (bandwidths only in the figure).
+- `table-v` (HybridEP, arXiv 2510.19470, Table V): 2 and 4 datacentres of 8 A800 (`a800-eth10`),
+  32 experts top-2, 12 layers, 6-192 MB of data a GPU and layer, a drifting trace re-planned
+  every 5 steps. Plain EP `static` without overlap (`ep_s`) and with Tutel's 4-chunk pipeline
+  (`tutel_s`); `hybrid_s` under the `hybrid` schedule; slot budgets `default` (one spare a GPU)
+  and `allgather` (room for a copy of every expert in every domain: p = 0); beside the
+  published seconds and speedups.
+- `sweep` (HybridEP Fig. 17): 2 to 1,000 datacentres of one 8-H100 node, inter-domain links of
+  1, 10 and 100 Gb/s, GPT-Medium widths.
 - `codec`: the compressed migration's wire bytes and relative weight error per ratio on the
-  `tiny` model's experts as initialised (each expert drawn independently: the worst case for a
-  shared expert); with `--train`, also on the experts after training (`codec-trained`).
-- `train` (with `--train STEPS`): the `tiny` GPT-MoE on the standard-library corpus, 2 gloo
-  ranks as 2 datacentres (`runtime.domains.domain_cluster(2)`, 1 Gb/s between), 2 spare slots
-  per rank, global batch 16 x 128 tokens, AdamW lr 2e-3 with eps 1e-6, same seed for every
-  run: plain EP (no Balancer), `hybrid` re-planning every 10 steps, and `hybrid` with compressed
-  migration at each ratio of `--ratios`. Per run: losses, bytes of Trans, and the relative error
-  of the replicas' weights against their homes at the end. (With AdamW's default eps 1e-8, the
-  float-order noise of summing replica gradients in another order is turned into full steps on
-  near-zero expert gradients, and exact `hybrid` drifts from plain EP by up to 0.19 in loss
-  within 60 steps; with 1e-6 the two agree within 2e-6, so the compressed runs' differences are
-  the compression's.)
+  `tiny` model's experts (`codec-trained` after `--train`).
+- `train` (with `--train STEPS`): the `tiny` GPT-MoE on 2 gloo ranks as 2 datacentres
+  (`runtime.hybridep.domains.domain_cluster(2)`, 1 Gb/s between), plain EP, `hybrid`, and
+  `hybrid` with compressed migration at each of `--ratios`: losses, Trans bytes, the replicas'
+  weight error at the end (AdamW eps 1e-6, so that summation order on near-zero gradients does
+  not turn into full steps).
 
-Simulator figures are the cost model's step times (planning not charged, so they do not depend
-on this machine's load).
+Simulator figures are the cost model's step times (planning not charged).
 """
 
 from __future__ import annotations

@@ -4,31 +4,20 @@ nice 19, and one at SCHED_IDLE.
     .venv/bin/python benchmarks/planner_overlap.py            # ~1 min on 2 cores
     .venv/bin/python benchmarks/planner_overlap.py --ranks 4 --rounds 6   # ~1.5 min
 
-The training side is a loop of forward + backward of the `tiny` GPT-MoE with `many-experts`'
-experts (32 experts top-2, d_expert 512; batch 8 x 128 tokens, 1 thread), the same mix of small
-tensor operations and Python a rank runs: one process (`--ranks 1`, the default), or `--ranks`
-gloo ranks on this host, each with a few small all-reduces a step where a rank waits for the
-others as at the all-to-alls (4 ranks on 2 cores: `skewed-4`'s shared cores). The planning
-side, beside rank 0, is `poise.runtime.control.job.run_job`, the Balancer's own job, `auto` on
-the live cost model, for 4 MoE layers of 32 experts on 2 ranks (the `cpu-2` cluster), from a
-20-step window of Zipf loads, submitted again as soon as it returns, for as long as the
-training loop runs:
+The training side is a forward + backward loop of the `tiny` GPT-MoE with 32 experts top-2
+(d_expert 512, batch 8 x 128 tokens, 1 thread): one process, or `--ranks` gloo ranks with small
+all-reduces where a rank waits as at the all-to-alls. The planning side, beside rank 0, runs the
+Balancer's own job (`poise.runtime.control.job.run_job`, `auto`, 4 layers of 32 experts on 2
+ranks, a 20-step window of Zipf loads) again and again while training runs:
 
-- `alone`: no planning;
-- `thread`: on a thread of rank 0's process at nice 19 (`BackgroundPlanner(process=False)`;
-  `--ranks 1` only);
-- `process`: in the planner's worker process at nice 19 (`BackgroundPlanner()`, the default);
-- `process-idle`: in the worker process at Linux's SCHED_IDLE
-  (`BackgroundPlanner(priority="idle")`).
+- `alone`: no planning; `thread`: on a thread of rank 0's process at nice 19 (`--ranks 1`);
+- `process`: in the planner's worker process at nice 19 (the default);
+- `process-idle`: in the worker process at Linux's SCHED_IDLE.
 
-Modes rotate over `--rounds` rounds; one JSON line per mode with the median ms per training
-iteration (rank 0's), `ratio_vs_alone` (median over rounds of the mode's ms over `alone`'s in
-the same round), the planning jobs finished per second, and `training_ms_per_job`: the
-training's extra milliseconds (rank 0's, over `alone`'s in the same round) per finished job, the
-figure that says what one re-plan costs the ranks (the Balancer plans once per re-plan, so a
-mode that finishes fewer jobs in the same time is not cheaper per job). The thread mode holds the
-interpreter lock whenever the planner's Python runs, and the training thread needs it between
-its operations.
+Modes rotate over `--rounds` rounds; one JSON line per mode: the median ms per training
+iteration, `ratio_vs_alone` (median over rounds against `alone` in the same round), the jobs
+finished per second, and `training_ms_per_job`, the training's extra milliseconds per finished
+job: what one re-plan costs the ranks.
 """
 
 from __future__ import annotations

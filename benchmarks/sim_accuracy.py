@@ -2,69 +2,23 @@
 
     .venv/bin/python benchmarks/sim_accuracy.py          # ~3 min on 2 cores (3 runs per policy)
 
-1. `poise calibrate --d-model 128 --d-expert 256 --threads 1 --model tiny`: this machine's
-   collectives between 2 local gloo ranks (the all-to-all is the cluster's link) and, on the 2
-   ranks at once as training runs them, the tiny model's own experts (the GEMM curve), its
-   non-MoE block (attention, norms, router and the head's share: a FLOP rate curve), the token
-   dispatcher's host work per routed row, AdamW and clipping per parameter over a rank's
-   tensors, and the all-reduce after compute (`poise.calibrate.host`), written as a 2-device
-   cluster YAML with `HostCosts`. With `--calibrate-every round` (the default) this is
-   repeated before each round of runs: the machine's speed changes by about 1.6x within
-   minutes when other jobs share its host, and a calibration stands for the machine only
-   while its speed lasts.
-2. Real training, 2 local gloo ranks (`poise train --nproc 2`'s launcher), the `tiny` GPT-MoE
-   without aux loss, `--steps` steps under `static` and under `auto` (re-planning every
-   `--replan-every` steps, priced on the round's calibrated cluster), each recording its
-   routing trace.
-3. The simulator (`poise.sim.simulator.simulate`) replays each run's trace under its own policy
-   on the round's calibrated cluster with a `ModelSpec` of the tiny model, the same slots,
-   re-planning interval and predictor, synchronous schedule, planning time charged, and the
-   model's replicated parameters (`dense_params`, counted on the model), so each step also pays
-   the work outside the layers (`poise.cost.step_overheads`).
+1. `poise calibrate` measures this machine as a 2-device cluster (`HostCosts` included): the
+   collectives between 2 gloo ranks, the tiny model's experts and non-MoE block at their rates,
+   the dispatcher's host work per row, AdamW and clipping, the all-reduce after compute; before
+   each round (`--calibrate-every round`), since a shared host's speed moves within minutes.
+2. Real training on 2 gloo ranks, the `tiny` GPT-MoE without aux loss, `--steps` steps under
+   `static` and `auto` (re-planning every `--replan-every`), recording the routing traces.
+3. The simulator replays each run's trace under its own policy on the round's calibration, with
+   the same slots, interval and predictor, the synchronous schedule, planning charged and the
+   work outside the layers priced (`poise.cost.step_overheads`).
 
-What the simulator prices per step (every term measured by `poise calibrate`; formulas in
-`poise.cost.model`, `poise.cost.host` and `poise.cost.step_overheads`): per MoE layer the expert
-GEMMs of
-the slowest device on the model's experts' rate curve (forward and twice for backward), the
-token all-to-alls on the measured link (4 per layer), the non-MoE compute at its measured rate
-(FNEC, BNEC), the dispatcher's host work a + b (rows sent + received) of the slowest device
-(forward and backward), Trans, Agg, migration; per step the dense gradients' all-reduce, the
-gather of the routing counts, clipping and the AdamW step, and planning.
-
-`--ablation` also replays every run with the simulator's terms added one at a time on the
-round's calibration (`ablation_ms`, `ablation_abs_error` per policy): the expert FFN's GEMM curve
-and the links only (the cost model before host costs), then the model's own experts' curve,
-the non-MoE rate, the dispatcher's host work, and the work outside the layers (= the full
-prediction).
-
-Each policy runs `--repeats` times (static and auto alternating, so load from other work on the
-machine falls on both). Per run: the mean step time over the steps after the first
-`replan_every + 2` (rank 0's wall time per step, everything included) and the simulator's mean
-over the same steps on that run's calibration; the run's error is |predicted - measured| /
-measured. Per policy, `abs_error` is the median of its runs' errors (`abs_error_runs`; each run
-is compared with the calibration made just before it, so a round the machine spent at another
-speed than its calibration is one outlier, not a shift of both medians), `measured_ms` and
-`predicted_ms` the medians over the runs (`abs_error_of_medians` compares those two), and
-`busy_before_run` the share of the cores other work kept busy just before each run. The last
-line has `mean_abs_error` over the policies (target: <= 0.15) and each calibration's figures
-with `busy_before` it.
-
-The tiny model's `ModelSpec`: d_model 128, d_expert 256, SwiGLU, 8 experts top-2, 4 MoE layers,
-fp32 (4 bytes), AdamW state 8 bytes per parameter, 1,024 tokens per rank and step (8 sequences
-of 128), and non-MoE forward FLOPs per token and block from
-`poise.cost.host.gpt_non_moe_flops_per_token`: attention projections 8 d^2, causal attention
-2 d (T + 1), router 2 d E, and the tied embedding head's 2 V d shared over the layers.
-
-Each policy's JSON line also carries `phases_ms`: [measured (rank 0), predicted] ms per step for
-the parts both sides name: the forward pass, its non-MoE part (measured: forward minus the MoE
-layers' dispatch, experts and combine time) and its MoE part, the expert forward compute
-(measured: rank 0's own; predicted: the slowest device's), the forward dispatch and combine
-(measured: the dispatcher's, which include waiting for the slower rank's experts; predicted:
-links and host work), the backward pass, the dense gradient sync, the balancer's phase before
-the optimizer (predicted: the routing counts' gather; for `auto` it also waits for Agg), clipping,
-the optimizer step (measured for `auto`: with the balancer's planning and Trans launch),
-transfers and planning; and `not_modelled_ms`, measured phases the simulator does not price
-(data loading).
+Per run the error is |predicted - measured| / measured of the mean step over the steps after
+`replan_every + 2`; per policy, `abs_error` is the median over its `--repeats` runs (static and
+auto alternating), `measured_ms` and `predicted_ms` the medians, `busy_before_run` the share of
+the cores other work kept busy before each run, and `phases_ms` measured against predicted ms a
+step for the phases both sides name (`not_modelled_ms`: measured phases the simulator does not
+price). The last line has `mean_abs_error` over the policies (target: <= 0.15). `--ablation`
+also replays every run with the simulator's terms added one at a time (`ablation_ms`).
 """
 
 from __future__ import annotations

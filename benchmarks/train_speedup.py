@@ -1,132 +1,33 @@
-"""Training throughput of `auto` balancing over static expert parallelism, against the ideal.
+r"""Training throughput of `auto` over static expert parallelism, beside the ideal.
 
-    .venv/bin/python benchmarks/train_speedup.py                      # tiny, ~4 min on 2 cores
-    .venv/bin/python benchmarks/train_speedup.py --settings all       # every setting, ~50 min
-    .venv/bin/python benchmarks/train_speedup.py --settings skewed --steps 60 --repeats 1
+    .venv/bin/python benchmarks/train_speedup.py                 # tiny, ~5 min on 2 cores
+    .venv/bin/python benchmarks/train_speedup.py --settings all --repeats 2 \
+        --peers free static-again                                # ~55 min on 2 cores
 
-Each run is real training: `python -m poise.train` on the setting's local gloo ranks (2 or 4,
-1 thread each), started by `poise train --nproc N`'s launcher, the `tiny` GPT-MoE (with the
-setting's expert shapes) on the Python standard library, no auxiliary loss, seed 0, `--steps`
-steps. A round runs static and auto at once, taking their steps in turns (`poise.train.turns`:
-static's step k, then auto's step k, then static's step k + 1, ...; each run's ranks sleep
-while the other's step runs, auto's planner is stopped then and its Trans has landed), so the
-machine's drift falls on both within a second; the order of the runs changes from round to
-round (`round_order`: static, auto[, peer], then reversed, then the next rotation and its
-reverse): with two runs each takes each slot over every pair of rounds, with a peer over six
-rounds (`slots_balanced` in the line; a note on stderr where the rounds do not balance them).
-`--sequential` runs them one after the other instead, as before: on the shared 2-core machine
-identical static runs made one after the other differ by 10-15% in tokens/s, and identical runs
-in turns by about 1%
-(docs/benchmarks.md).
-`--peers eplb` runs DeepSeek's EPLB in the same turns as a third run of every round (the
-runtime's `eplb` policy, re-planned every `--replan-every` steps and adopted without a cost
-check, as published: `balance_guard` off); its line under `peers` gives its speedup over static,
-its gain fraction against the same ideal, and `auto_over_peer`, auto / EPLB per round. EPLB
-balances nearly perfectly and pays the replicas' transfers, so it also measures what balance
-nets on this machine once those are paid. `--peers auto-link` runs `auto` with the host link
-(`host_link: true`: Trans, Agg and migrations through shared memory) as the third run, so
-`auto_over_peer` compares the two paths of the same policy in the same turns. `--peers free`
-runs the ideal for real (`free_balancing: true`, `poise.train.instruments`): EPLB's plans
-from the latest loads at every step, with its Agg, planning, migration and Trans done at the
-step boundary and left out of the step's time, so it balances as well as the spare slots and
-the per-step split allow with every transfer free, and pays what balance itself costs (the
-busy neighbours, the smaller GEMMs, the all-to-all's other routes, the split); its
-`auto_gain_share` is auto's gain fraction against that measured ideal. Its parts:
-`--peers free-paced` (EPLB re-planned every `--replan-every` steps, free) and `auto-free`
-(auto's own plans, every one adopted, free) show what re-planning less often and auto's choice
-of replicas cost apart from the transfers' seconds.
-`--peers static-again` runs static a second time in the same turns: its `speedup` is the
-comparison's own spread in the rounds auto was measured in (A/A), the floor under which an
-auto/static figure near 1 says nothing, and its `auto_over_peer` auto against that second
-static run. `--identical`
-runs static on both sides (the "auto" fields then describe the second static run): the spread
-of the comparison itself.
-`--auto-set KEY=VALUE` (repeatable) changes a training setting of the auto side only, e.g.
-`probe_every=0` to see what the guard's probe steps cost; the line lists them under
-`auto_settings`.
+Each run is real training (`poise train --nproc N` on local gloo ranks, 1 thread each, the
+`tiny` GPT-MoE with the setting's experts, no auxiliary loss, seed 0). A round runs static, auto
+and the `--peers` at once, taking their steps in turns (`poise.train.turns`), so the machine's
+drift falls on all alike; the order rotates from round to round. The first `replan_every + 2`
+steps are warm-up. One JSON line per setting; its fields:
 
-Per run, the first `replan_every + 2` steps are warm-up; over the rest,
-`tok_s = tokens per step * steps / seconds` (the steps where auto re-plans and migrates count
-with their full cost; a step's seconds leave out the turns it waited). A round is one static
-and one auto run; the machine's speed drifts between rounds by more than balance changes a
-step (other processes, frequency), so the speedup is paired: per round auto_tok_s /
-static_tok_s of the same round (`speedup_rounds`), and going first costs a run a few per cent
-on shared cores (static against static on `skewed-4`: 1.023 and 0.964 by order), so `speedup`
-is `poise.report.ideal.position_balanced` of them: the geometric mean of the median ratio of
-the rounds where auto ran second (`auto_second_rounds`) and of those where it ran first (the
-median of all rounds with `--repeats 1`); a peer's speedup alike. `speedup_median` is the plain
-median over rounds (the judged figure before this), `static_tok_s`, `auto_tok_s` the medians
-over the rounds, and `speedup_of_medians` their ratio, for comparison.
-With more `--steps` than `--window` (default 100), `windows` also gives the speedup, ideal and
-gain fraction of each window of that many steps (`window_figures`): a run from scratch spends
-its first tens of steps in the router's warm-up, where loads move faster than plans follow,
-and later windows show what balancing nets past it (`skewed` over 300 steps: gain fraction
-0.32-0.33 over steps 13-100, 0.43-0.61 a window after; docs/benchmarks.md). The judged
-figures stay the whole run's.
+- `speedup`: auto / static tokens/s, per round (`speedup_rounds`), balanced over who went first
+  (`poise.report.ideal.position_balanced`); `no_harm`: it is at least 0.99;
+- `ideal_speedup`: the static run with its experts balanced for free, `c x` the pairs the
+  slowest ranks shed, `c` the expert seconds per token timed in the rounds' own turns
+  (`poise.report.ideal`); `gain_fraction`: `(speedup - 1) / (ideal_speedup - 1)`;
+- `peers.<name>.speedup` and `auto_gain_share`, auto's gain as a share of the peer's: `free`
+  is the ideal measured (EPLB every step, its transfers and planning left out of the step's
+  time, `poise.train.instruments`), `free-paced` and `auto-free` its parts (EPLB every
+  `--replan-every` steps, auto's own plans, both free), `eplb` DeepSeek's EPLB as published,
+  `static-again` static a second time: the comparison's own spread (A/A);
+- `auto_decisions`: each auto run's decisions ("11 adopt r4 m0": at step 11 adopted, 4 replica
+  slots in force, no home moved); `auto_paired_clock_ms`: its last paired clock `[saving, se,
+  probes]`, `auto_modelled_clock_ms` the model's figure for it;
+- `gain_accounting`: where the ideal's gain went, step by step (`poise.report.gain_accounting`);
+  `shed_pairs_premise`: whether a pair the slowest ranks shed saved `c` (1: as the ideal assumes).
 
-The ideal (`poise.report.ideal`) comes from the static runs' recorded loads: each MoE layer
-costs its slowest rank's expert compute, perfectly balanced experts the mean rank's. With
-`n[s, l, r]` the token-expert pairs rank r computes in layer l at step s and `c` the seconds per
-routed token of one expert's forward and backward: the setting's `poise.nn.Experts` at 1
-thread, forward + backward at 1,024 and 4,096 rows, the slope of a least-squares line, timed
-*in the round's own turns* (`poise.commands.expert_clock`: a third or fourth participant of the
-counter file that times one sweep every 5th measured step while the runs wait, so its samples
-meet the machine the steps meet, within seconds of them; each round's ideal uses its own `c`).
-Timed alone before the first round and after the last instead, as before, `c` read 15-32 us
-within one day for the same experts and moved the ideal by about 30%; both of those timings are
-still in the JSON line (`expert_us_per_token_before_after`), and with `--sequential` (no turns)
-the smaller of them is used:
-
-    excess[s]   = c * sum_l (max_r n[s, l, r] - mean_r n[s, l, r])
-    ideal[s]    = step_static[s] - excess[s]          (the non-expert part as measured)
-    ideal_speedup = sum_s step_static[s] / sum_s ideal[s]       (per static run; median)
-
-The ideal is balance for free: no Trans, Agg, migration or planning. Its premise, that each
-pair the slowest ranks shed saves `c`, is tested per round (`shed_pairs_rounds`, median
-`shed_pairs_premise`; `poise.report.ideal.shed_pairs_worth`): over the later half of the steps,
-the ms auto saved plus what it paid to shed pairs (its transfers inside forward and backward,
-and its extra `balance`, which holds the boundary's), over the shed pairs at `c`; 1 where the
-premise holds. `gain_accounting` charges the ideal's gain step by step
-(`poise.report.gain_accounting`): the shares auto achieved and lost on the static layout, on
-probe and switch steps, and under its plans to the imbalance left, its transfers and the rest
-(medians over the rounds; `gain_accounting_rounds` per round). With more ranks than
-cores (4 ranks on 2 cores) a rank waiting at an all-to-all sleeps and leaves its core to the
-others, so a layer's expert work takes max(slowest rank, total / C), C the cores' worth the
-ranks get (`poise.runtime.plan_inputs.shared_cores`), balanced or not: the ideal then uses
-max(max_r n, sum_r n / C) and max(mean_r n, sum_r n / C) (`poise.report.ideal`), as the cost
-model does (`HostCosts.shared_cores`); `shared_cores` in the JSON line gives C (0: none).
-
-Judged (`poise.report.ideal.judge`): `gain_fraction = (speedup - 1) / (ideal_speedup - 1)`, the
-share of the possible gain achieved, must be >= 0.75 where `ideal_speedup >= 1.10`; in every
-setting `speedup >= 0.99` (do no harm). `target_met` is both. `fraction_of_ideal = speedup /
-ideal_speedup` is printed but not judged: it rewards doing nothing when the ideal is small.
-The JSON line also gives the measured parts: non-expert ms per step, slowest-rank expert ms per
-step, the mean slowest/mean rank load, and auto's extra ms per step by phase over static; and
-`auto_paired_clock_ms`, per auto run, the guard's last paired clock (`[saving ms a step,
-standard error, probes]`: probe steps against their neighbours within the run, which the
-machine's drift between runs does not reach; None where the run never probed) and
-`auto_modelled_clock_ms`, what the run's fitted cost model predicted that clock would measure
-(`poise.runtime.paired_clock.modelled_clock`; None where the run never probed);
-`auto_decisions`, per auto run, its Balancer's decisions in order ("11 adopt r5 m0": at step
-11 it adopted a plan with 5 replica slots, moving no home).
-
-Settings (one JSON line each; `--settings all` runs every one):
-
-- `tiny`, 2 ranks: the preset (8 experts top-2, d_expert 256): little imbalance, experts about
-  a third of the step; only "do no harm" is judged when its ideal is below 1.10;
-- `skewed`, 2 ranks: 16 experts top-1, d_expert 1024: fewer, larger expert choices per token,
-  so the router's skew weighs more in the step;
-- `many-experts`, 2 ranks: 32 experts top-2, d_expert 512: 16 experts per rank, so a plan can
-  move load in small pieces;
-- `skewed-4`, 4 ranks: 32 experts top-1, d_expert 1024 (8 per rank): the slowest of 4 ranks
-  sets each layer;
-- `skewed-micro4`, 2 ranks: `skewed` with 4 micro-batches of 16 sequences a step (gradient
-  accumulation, `micro_batches: 4`): the replicas' Trans and Agg run once a step for four
-  micro-batches of compute, as where a step holds many micro-batches (pipeline schedules,
-  large global batches). Its ideal is taken from the step's counts, summed over the
-  micro-batches, so it leaves out the imbalance that cancels between them: on `skewed`'s static
-  runs, groups of 4 consecutive steps summed lose 2.1% of the steps' own excess
-  (docs/benchmarks.md), an upper bound for 4 micro-batches of one step.
+Settings: `tiny` (8 experts top-2), `skewed` (16 top-1, d_expert 1024), `many-experts` (32 top-2),
+`skewed-4` (4 ranks on 2 cores), `skewed-micro4` (`skewed` with 4 micro-batches a step).
 """
 
 from __future__ import annotations
@@ -160,7 +61,6 @@ SETTINGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
 # peer -> (its policy, the training settings it changes)
 PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "eplb": ("eplb", {"balance_guard": False}),
-    "auto-link": ("auto", {"host_link": True}),
     # the ideal, measured: EPLB's plans from the latest loads at every step, with Agg, planning,
     # migration and Trans at the step boundary and left out of the step's time
     # (`poise.train.instruments.FreeBalancing`)
@@ -170,7 +70,6 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
     "free-paced": ("eplb", {"balance_guard": False, "free_balancing": True}),
     "auto-free": ("auto", {"balance_guard": False, "free_balancing": True}),
     # auto whose replica slots stay on the experts the plan chose (no per-step retargeting)
-    "auto-fixed": ("auto", {"retarget": False}),
     # static again, in the same turns: the comparison's own spread beside auto's (A/A)
     "static-again": ("static", {}),
 }
@@ -197,62 +96,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
     p.add_argument(
-        "--identical",
-        action="store_true",
-        help="run static on both sides (A/A): the spread of the comparison itself",
-    )
-    p.add_argument(
         "--peers",
         nargs="*",
         default=[],
         choices=sorted(PEERS),
-        help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; auto-link: auto "
-        "with the host link; free: the ideal measured, EPLB every step with free transfers; "
+        help="peer runs in turns beside static and auto (eplb: DeepSeek's EPLB; "
+        "free: the ideal measured, EPLB every step with free transfers; "
         "free-paced, auto-free: EPLB at the re-plan period and auto, free; static-again: "
         "static a second time, the comparison's own spread)",
     )
-    p.add_argument(
-        "--sequential",
-        action="store_true",
-        help="run a round's static and auto one after the other, not step by step in turns",
-    )
-    p.add_argument(
-        "--auto-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a training setting for the auto side only, its value as YAML (e.g. probe_every=0);"
-        " repeatable",
-    )
     args = p.parse_args(argv)
-    args.auto_settings = auto_settings(p, args.auto_set)
     if "all" in args.settings:
         args.settings = list(SETTINGS)
     args.settings = list(dict.fromkeys(args.settings))
     return args
-
-
-def auto_settings(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
-    """`["probe_every=0", ...]` -> `{"probe_every": 0}` (values read as YAML); a pair without
-    `=`, or a key that is no `TrainConfig` field, is a usage error. The values themselves are
-    checked by `TrainConfig`."""
-    import dataclasses
-
-    import yaml
-
-    from poise.train.config import TrainConfig
-
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            parser.error(f"--auto-set expects KEY=VALUE, got {pair!r}")
-        if key not in known:
-            parser.error(f"--auto-set: {key!r} is not a training setting (poise.train.config)")
-        out[key] = yaml.safe_load(value)
-    return out
 
 
 # ------------------------------------------------------------------------------- training runs
@@ -431,9 +288,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     sides = ["static", "auto", *args.peers]
     runs: dict[str, list[Any]] = {side: [] for side in sides}
     clocked: list[dict[str, Any]] = []  # the expert clock's result per round (in turns)
-    # the side called "auto" runs `static` too with --identical: the instrument's own spread
     policy_of = {side: PEERS[side][0] if side in PEERS else side for side in sides}
-    policy_of["auto"] = "static" if args.identical else "auto"
     orders: list[tuple[str, ...]] = []  # per round, the sides in the order they ran
     for r in range(args.repeats):
         order = round_order(sides, r)
@@ -445,21 +300,17 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
                     "replan_every": args.replan_every,
                     **setting,
                     **PEERS.get(side, ("", {}))[1],
-                    **(args.auto_settings if side == "auto" else {}),
                 },
             )
             for side in order
         }  # fmt: skip
         t0 = time.perf_counter()
-        if args.sequential:
-            done = {policy: train(cfgs[policy], world) for policy in order}
-        else:
-            clock = expert_clock(mcfg, world, args.steps, skip)
-            trained, timed = train_in_turns(
-                [cfgs[p] for p in order], world, root / f"{name}-{r}.turns", clock
-            )
-            done = dict(zip(order, trained, strict=True))
-            clocked.append(timed)
+        clock = expert_clock(mcfg, world, args.steps, skip)
+        trained, timed = train_in_turns(
+            [cfgs[p] for p in order], world, root / f"{name}-{r}.turns", clock
+        )
+        done = dict(zip(order, trained, strict=True))
+        clocked.append(timed)
         for policy in order:
             runs[policy].append(done[policy])
         print(
@@ -470,7 +321,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
             file=sys.stderr,
         )
     balanced = slots_balanced(orders)
-    if not balanced and not args.sequential:
+    if not balanced:
         print(
             f"{name}: the runs did not take every slot of the turns equally often "
             f"({args.repeats} rounds of {len(sides)} runs); the slot's cost is not cancelled",
@@ -478,8 +329,7 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         )
     c_after = expert_seconds_per_token(*shape)["c_s"]
     c_alone = min(c_before, c_after)  # a timing is only ever slowed by the machine's other work
-    # each round's ideal prices its static run at the c timed in its own turns (in turns), or
-    # at the smaller of the timings alone before and after (--sequential)
+    # each round's ideal prices its static run at the c timed in its own turns
     c_rounds = [t["c_s"] for t in clocked] if clocked else [c_alone] * args.repeats
     c = statistics.median(c_rounds)
     cores = shared_cores(world, world, threads=1)  # each rank runs 1 thread
@@ -523,8 +373,6 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     return {
         "bench": "train_speedup",
         "setting": name,
-        "compared": "static against static (--identical)" if args.identical else "auto/static",
-        "in_turns": not args.sequential,
         "static_tok_s": round(static_tok_s, 1),
         "auto_tok_s": round(auto_tok_s, 1),
         "speedup": round(speedup, 4),
@@ -556,7 +404,6 @@ def bench_setting(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         ),
         "repeats": args.repeats,
         "replan_every": args.replan_every,
-        "auto_settings": args.auto_settings,
         "static_tok_s_runs": [round(x, 1) for x in static_tok],
         "auto_tok_s_runs": [round(x, 1) for x in auto_tok],
         "ideal_speedup_runs": [round(i["ideal_speedup"], 4) for i in ideals],

@@ -350,9 +350,8 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": next(timed)})
     monkeypatch.setattr(plan_inputs, "shared_cores", lambda world, on_host, threads=None: 2.0)
-    args = bench.parse_args(
-        ["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3", "--sequential"]
-    )
+    _fake_clock(monkeypatch, bench, [25e-6] * 3)  # c timed in each round's turns
+    args = bench.parse_args(["--settings", "skewed-4", "--steps", str(steps), "--repeats", "3"])
     line = bench.bench_setting("skewed-4", args, tmp_path)
     assert seen == {"static": 3, "auto": 3}
     assert line["speedup_rounds"] == pytest.approx([1 / 0.9, 1.0, 1.1 / 1.15], abs=1e-4)
@@ -368,12 +367,9 @@ def test_train_speedup_pairs_the_rounds(monkeypatch, tmp_path) -> None:
     assert line["expert_us_per_token_before_after"] == [25.0, 40.0]
 
 
-def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
-    monkeypatch, tmp_path
-) -> None:
+def test_train_speedup_runs_a_round_in_turns(monkeypatch, tmp_path) -> None:
     """A round's two runs share one fresh turn file, one slot each, static first in even rounds
-    and second in odd ones; `--identical` trains static on both sides; `--sequential` names no
-    turn file."""
+    and second in odd ones."""
     import poise.calibrate.experts as experts
 
     bench = _bench()
@@ -400,8 +396,7 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
     monkeypatch.setattr(experts, "expert_seconds_per_token", lambda *a, **k: {"c_s": 25e-6})
     clocks = _fake_clock(monkeypatch, bench, [25e-6] * 4)
     common = ["--settings", "skewed", "--steps", "16", "--repeats", "2"]
-    line = bench.bench_setting("skewed", bench.parse_args(common), tmp_path)
-    assert line["in_turns"] is True and line["compared"] == "auto/static"
+    bench.bench_setting("skewed", bench.parse_args(common), tmp_path)
     by_round = [sorted(seen[:2], key=lambda x: x[2]), sorted(seen[2:], key=lambda x: x[2])]
     assert [p for p, *_ in by_round[0]] == ["static", "auto"]  # slot 0 first
     assert [p for p, *_ in by_round[1]] == ["auto", "static"]
@@ -412,12 +407,6 @@ def test_train_speedup_runs_a_round_in_turns_and_identical_runs_static_twice(
     assert by_round[0][0][1] != by_round[1][0][1]  # a fresh file per round
     # the expert clock takes the third slot of each round's file
     assert clocks == [(pair[0][1], 2, 3) for pair in by_round]
-    seen.clear()
-    line = bench.bench_setting("skewed", bench.parse_args([*common, "--identical"]), tmp_path)
-    assert {p for p, *_ in seen} == {"static"} and "identical" in line["compared"]
-    seen.clear()
-    bench.bench_setting("skewed", bench.parse_args([*common, "--sequential"]), tmp_path)
-    assert {f for _, f, _, _ in seen} == {None}
 
 
 def test_train_speedup_runs_a_peer_in_the_same_turns(monkeypatch, tmp_path) -> None:
@@ -476,32 +465,6 @@ def test_train_speedup_balances_a_peers_order(monkeypatch, tmp_path) -> None:
     peer = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)["peers"]["eplb"]
     assert peer["speedup_rounds"] == pytest.approx([1 / 0.9, 1 / 0.945, 1 / 0.945], abs=1e-4)
     assert peer["speedup"] == pytest.approx((1 / (0.9 * 0.945)) ** 0.5, abs=1e-4)
-
-
-def test_train_speedup_runs_auto_with_the_link_as_a_peer(monkeypatch, tmp_path) -> None:
-    """`--peers auto-link`: the third run trains `auto` with the host link (the guard on); its
-    figures sit under `peers`, auto's own are the run without the link. Auto 0.95 s a step
-    without the link and 0.92 s with it: auto / auto-link 0.92/0.95 per round."""
-
-    bench = _bench()
-    steps = 20
-    seen: list[tuple[str, bool, bool]] = []
-
-    def fake_train(cfg, world: int):
-        seen.append((cfg.policy, cfg.host_link, cfg.balance_guard))
-        step_s = 1.0 if cfg.policy == "static" else (0.92 if cfg.host_link else 0.95)
-        return _three_to_one(cfg.policy, steps, step_s)
-
-    line = _peer_line(monkeypatch, bench, fake_train, tmp_path, "auto-link", steps)
-    assert sorted(set(seen)) == [
-        ("auto", False, True),
-        ("auto", True, True),
-        ("static", False, True),
-    ]
-    peer = line["peers"]["auto-link"]
-    assert peer["speedup"] == pytest.approx(1 / 0.92, abs=1e-4)
-    assert peer["auto_over_peer_rounds"] == pytest.approx([0.92 / 0.95] * 2, abs=1e-4)
-    assert line["speedup"] == pytest.approx(1 / 0.95, abs=1e-4)
 
 
 def test_train_speedup_measures_the_ideal_as_a_peer(monkeypatch, tmp_path) -> None:
@@ -597,35 +560,6 @@ def test_train_speedup_prices_each_round_at_its_own_clock(monkeypatch, tmp_path)
     assert line["expert_us_per_token_rounds"] == [20.0, 30.0, 40.0]
     assert line["expert_us_per_token"] == 30.0 and line["expert_us_per_token_timed"] == "in turns"
     assert line["expert_us_per_token_before_after"] == [99.0, 99.0]
-
-
-def test_train_speedup_auto_set_reaches_the_auto_side_only(monkeypatch, tmp_path) -> None:
-    """`--auto-set probe_every=0 --auto-set predictor=last`: auto's config carries both (values
-    read as YAML), static's the defaults; the line lists them; a pair without `=` or with an
-    unknown key is a usage error, and a bad value is `TrainConfig`'s own error, naming the
-    field."""
-    from poise.core.errors import ConfigError
-
-    bench = _bench()
-    seen: dict[str, tuple[int, str]] = {}
-
-    def fake_train(cfg, world: int):
-        seen[cfg.policy] = (cfg.probe_every, cfg.predictor)
-        return _three_to_one(cfg.policy, 20, 1.0 if cfg.policy == "static" else 0.95)
-
-    _fake_machine(monkeypatch, bench, fake_train, [25e-6])
-    argv = ["--settings", "skewed", "--steps", "20", "--repeats", "1",
-            "--auto-set", "probe_every=0", "--auto-set", "predictor=last"]  # fmt: skip
-    line = bench.bench_setting("skewed", bench.parse_args(argv), tmp_path)
-    assert seen == {"static": (5, "ema"), "auto": (0, "last")}
-    assert line["auto_settings"] == {"probe_every": 0, "predictor": "last"}
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--auto-set", "probe_every"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--auto-set", "probe_evry=0"])  # no such setting
-    bad = bench.parse_args(["--settings", "skewed", "--auto-set", "probe_every=1"])
-    with pytest.raises(ConfigError, match="probe_every"):
-        bench.bench_setting("skewed", bad, tmp_path / "bad")
 
 
 def test_train_speedup_reports_each_window_by_hand() -> None:
