@@ -100,7 +100,7 @@ LAT_NVLINK = 3e-6
 def _presets() -> dict[str, Cluster]:
     return {
         # Two local processes on this kind of machine. These round figures are not a
-        # measurement: `poise calibrate` on 2026-11-22, idle, gave 206.2 GFLOP/s (fp32, half rows
+        # measurement: `poise calibrate` on an idle machine gave 206.2 GFLOP/s (fp32, half rows
         # 39.6) and an all-to-all of 1.68 GB/s, 145 us (docs/benchmarks.md, "Calibration"). They
         # are kept because the 2-rank training tests (tests/test_train_faults.py) need plans with
         # replicas on the tiny model, which the measured figures no longer give; priced at one

@@ -174,7 +174,7 @@ def lpwnv_cluster() -> Cluster:
     """Pro-Prophet's LPWNV: "same as HPWNV except GPU type": 2 nodes of 4 RTX 2080 Ti (11 GiB),
     links, efficiency and small-GEMM curve as the RTX 3090 preset's. fp32 peak 13.45 TFLOP/s,
     derived: 2 FLOPs x 4,352 CUDA cores x 1,545 MHz boost (the 2080 Ti's core count and boost
-    clock as reported from NVIDIA's Turing editor's day, wccftech, 2018-08-22). Its tensor-core
+    clock as reported from NVIDIA's Turing editor's day, wccftech, August 2018). Its tensor-core
     rates were not found in our sources: left out (the fp32 rate applies); the scenario trains
     in fp32."""
     base = get_cluster("rtx3090-ib100:2")
