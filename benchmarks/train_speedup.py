@@ -528,7 +528,7 @@ def accounting_medians(accounts: list[dict[str, Any]]) -> dict[str, float | None
 
 def paired_clock_ms(run: Any) -> list[float] | None:
     """`[saving, standard error, probes]` of an auto run's last verdict with probe steps (ms a
-    step; `poise.runtime.paired_clock.paired_clock`), None when it never had one."""
+    step; `poise.runtime.control.clock.paired_clock`), None when it never had one."""
     v = getattr(run, "last_evidence", {}) or {}
     if not v.get("probes") or v.get("clock_s") is None:
         return None
@@ -537,7 +537,7 @@ def paired_clock_ms(run: Any) -> list[float] | None:
 
 def modelled_clock_ms(run: Any) -> float | None:
     """The model's prediction of the same last verdict's paired clock (ms a step;
-    `poise.runtime.paired_clock.modelled_clock`), None when the run never probed."""
+    `poise.runtime.control.clock.modelled_clock`), None when the run never probed."""
     v = getattr(run, "last_evidence", {}) or {}
     if not v.get("probes") or v.get("modelled_clock_s") is None:
         return None
