@@ -1,18 +1,23 @@
 """Fidelity: every published figure the scenarios reproduce, beside Poise's, one JSON line each.
 
 Runs every scenario of `poise scenarios` (`--quick`: their reduced forms) and prints, per
-published row, `scenario`, `paper`, `comparison`, `cases`, `source` (table / figure), `published`,
-`poise`, `ratio` (poise / published), `direction_ok`, `within` (a factor 1.5) and `explained`
-(the modelling reason recorded in `poise.sim.scenarios.fidelity.EXPLANATIONS` for a row outside
-the factor or pointing the other way, or null); then one summary line:
-`{"summary": true, "rows": N, "within_1_5": n, "median_abs_log2_ratio": x, "wrong_direction": k,
-"wrong_direction_unexplained": k2}`.
+published row, `scenario`, `paper`, `comparison`, `cases`, `source`, `published`, `poise`, `ratio`
+(poise / the published figure or its range's nearest end), `within` (a factor 1.5),
+`direction_ok` (the same side of 1.0), `matches` (both), `setup` ("paper" or "assumed", with
+`assumed`: what) and `reason` (recorded in `poise.sim.scenarios.fidelity.REASONS` for that row,
+where it does not match); then one summary line, the rows on the paper's set-ups apart from the
+assumed ones: `{"summary": true, "paper": {"rows", "match", "match_share",
+"median_abs_log2_ratio", "wrong_direction", "unexplained"}, "assumed": {...}, "stale_reasons":
+[...]}` (reasons recorded for rows that now match).
 
 `--write-doc docs/scenarios.md` replaces the parts of that file between the markers
 `<!-- fidelity:start -->` and `<!-- fidelity:end -->` (the row-by-row table) and
 `<!-- results:start -->` and `<!-- results:end -->` (what `poise scenarios` prints: the
 comparison table, `auto` against every other policy per run, the setups) with those of this
 run, so that both come from one run of one model.
+
+`--zipf-s S`: the generated traces' Zipf skew (default 1, `DRIFT`), for a sweep of the rows built
+on generated traces (`with_zipf_s`); the summary line names it.
 
 Run from the repository root: .venv/bin/python benchmarks/fidelity.py [--quick] [--only NAME ...]
 """
@@ -25,7 +30,8 @@ import sys
 from pathlib import Path
 
 from poise.sim.scenarios import SCENARIOS, get_scenario, run_scenario
-from poise.sim.scenarios.fidelity import fidelity_rows, markdown, summarise
+from poise.sim.scenarios.core import DRIFT, with_zipf_s
+from poise.sim.scenarios.fidelity import fidelity_rows, markdown, stale_reasons, summarise
 from poise.sim.scenarios.report import markdown_table
 from poise.util.atomic import atomic_write_text
 
@@ -39,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", metavar="NAME", help=f"known: {', '.join(SCENARIOS)}")
     p.add_argument("--data", default=None, help="folder with smartmoe-ae-sample/")
     p.add_argument("--write-doc", metavar="PATH", help="regenerate the marked part of this file")
+    p.add_argument("--zipf-s", type=float, default=None, help="generated traces' Zipf skew")
     return p.parse_args(argv)
 
 
@@ -60,13 +67,20 @@ def write_doc(path: Path, fidelity_table: str, results_text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_doc and args.zipf_s is not None:
+        sys.exit("fidelity: --write-doc takes the default skew only")
     names = args.only or list(SCENARIOS)
-    results = [run_scenario(get_scenario(n), quick=args.quick, data=args.data) for n in names]
+    scenarios = [get_scenario(n) for n in names]
+    if args.zipf_s is not None:
+        scenarios = [with_zipf_s(s, args.zipf_s) for s in scenarios]
+    results = [run_scenario(s, quick=args.quick, data=args.data) for s in scenarios]
     rows = fidelity_rows(results)
     for row in rows:
         print(json.dumps({"bench": "fidelity", **row.as_dict()}), flush=True)
     summary = summarise(rows)
-    print(json.dumps({**summary, "quick": args.quick}), flush=True)
+    stale = [list(k) for k in stale_reasons(rows)]
+    extra = {"stale_reasons": stale, "quick": args.quick, "zipf_s": args.zipf_s or DRIFT["s"]}
+    print(json.dumps({**summary, **extra}), flush=True)
     if args.write_doc:
         write_doc(Path(args.write_doc), markdown(rows, summary), markdown_table(results))
     return 0

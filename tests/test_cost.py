@@ -132,8 +132,9 @@ def test_schedules_by_hand() -> None:
     assert prophet == pytest.approx(4 * a + 3 * c + max(0, t - c) + max(0, t - 2 * c))
     n = 4
     piped = parse_schedule(f"pipelined({n})").layer_time(phases)[0]
-    fwd = (a + c + a) / n + (n - 1) / n * max(a, c)
-    bwd = (a + 2 * c + a) / n + (n - 1) / n * max(a, 2 * c)
+    # dispatch and combine share the links: the pipeline's slower resource is max(2a, c)
+    fwd = (a + c + a) / n + (n - 1) / n * max(2 * a, c)
+    bwd = (a + 2 * c + a) / n + (n - 1) / n * max(2 * a, 2 * c)
     assert piped == pytest.approx(fwd + bwd + 2 * t)
     assert piped <= sync
 

@@ -7,20 +7,22 @@ import math
 
 import pytest
 
+from poise.sim.scenarios import fidelity
 from poise.sim.scenarios.core import Row
 from poise.sim.scenarios.fidelity import (
     FACTOR,
-    explanation,
     fidelity_row,
     markdown,
-    outside_range,
-    published_range,
-    same_direction,
+    nearest_end,
+    published_bounds,
+    same_side,
+    side,
+    stale_reasons,
     summarise,
 )
 
 
-def _row(comparison: str, ours: float, published: float | None) -> Row:
+def _row(comparison: str, ours: float, published: float | None, text: str = "") -> Row:
     return Row(
         scenario="fastermoe",
         setup="",
@@ -28,27 +30,54 @@ def _row(comparison: str, ours: float, published: float | None) -> Row:
         ours=ours,
         auto=ours,
         published=published,
-        published_text=f"{published}x",
+        published_text=text or f"{published}x",
         source="Fig. 13",
         cases=["MoE-GPT-S"],
     )
 
 
+def test_no_gain_never_matches_a_published_gain() -> None:
+    """1.00x against "1.05-1.45x": within a factor 1.5 of either end, but no gain where the paper
+    shows one, so it does not match (scored against the upper end, 1.00 / 1.45 = 0.69, it did)."""
+    row = fidelity_row("cross-dc-1000", "H", _row("S_ED fixed", 1.0007, 1.45, "1.05-1.45×"))
+    assert row is not None and row.ratio == pytest.approx(1.0007 / 1.05)
+    assert row.within and not row.direction_ok and not row.matches
+    # The same holds for a single published number: 1.00 against 1.03.
+    single = fidelity_row("hybridep", "H", _row("x", 1.003, 1.03))
+    assert single is not None and single.within and not single.matches
+
+
+def test_a_range_is_scored_against_its_nearest_end() -> None:
+    assert published_bounds(1.45, "1.05-1.45×") == (1.05, 1.45)
+    assert published_bounds(3.76, "1.31–3.76×") == (1.31, 3.76)
+    assert published_bounds(1.88, "up to 1.88×") == (1.88, 1.88)
+    assert nearest_end(1.2, 1.05, 1.45) == 1.2 and nearest_end(2.0, 1.05, 1.45) == 1.45
+    inside = fidelity_row("x", "P", _row("r", 1.2, 1.45, "1.05-1.45×"))
+    assert inside is not None and inside.ratio == 1.0 and inside.matches
+    # 2.3 against 1.05-1.45: 2.3 / 1.45 = 1.59, outside the factor.
+    above = fidelity_row("x", "P", _row("r", 2.3, 1.45, "1.05-1.45×"))
+    assert above is not None and above.ratio == pytest.approx(2.3 / 1.45)
+    assert not above.within and above.direction_ok and not above.matches
+
+
 def test_ratio_band_and_direction_by_hand() -> None:
-    # 1.2 / 1.6 = 0.75: inside [1/1.5, 1.5], both speed-ups.
-    near = fidelity_row("fastermoe", "FasterMoE", _row("smart scheduling alone", 1.2, 1.6))
+    # 1.2 / 1.6 = 0.75: inside [1/1.5, 1.5], both gains.
+    near = fidelity_row("fastermoe", "FasterMoE", _row("smart", 1.2, 1.6))
     assert near is not None and near.ratio == pytest.approx(0.75)
-    assert near.within and near.direction_ok and near.explained is None
-    # 0.5 against 1.95: a slow-down where the paper measured a speed-up, ratio 0.256.
-    off = fidelity_row(
-        "fastermoe", "FasterMoE", _row("dynamic shadowing alone vs FastMoE", 0.5, 1.95)
-    )
-    assert off is not None and off.ratio == pytest.approx(0.5 / 1.95)
-    assert not off.within and not off.direction_ok
-    assert off.explained is not None and "MoE layers alone" in off.explained
+    assert near.within and near.direction_ok and near.matches and near.reason is None
+    # 1.15 against 0.96: a gain where the paper measured a loss.
+    wrong = fidelity_row("pro-prophet", "P", _row("FasterMoE", 1.15, 0.96))
+    assert wrong is not None and wrong.within and not wrong.direction_ok and not wrong.matches
     # The band's edges belong to it.
     edge = fidelity_row("fastermoe", "FasterMoE", _row("x", 1.5 * FACTOR, 1.5))
     assert edge is not None and edge.within
+
+
+def test_sides_of_one() -> None:
+    assert side(1.004) == 0 and side(0.996) == 0 and side(1.02) == 1 and side(0.96) == -1
+    assert same_side(1.4, 1.4, 2.0) and same_side(0.9, 0.9, 0.5) and same_side(1.0, 1.0, 1.003)
+    assert not same_side(1.4, 1.4, 0.9) and not same_side(1.3, 1.3, 1.0)
+    assert not same_side(0.9, 1.2, 1.1)  # a range across 1.0 names no side
 
 
 def test_rows_without_a_published_number_are_left_out() -> None:
@@ -56,60 +85,39 @@ def test_rows_without_a_published_number_are_left_out() -> None:
     assert fidelity_row("fastermoe", "FasterMoE", _row("x", math.nan, 1.2)) is None
 
 
-def test_same_direction_counts_one_as_neutral() -> None:
-    assert same_direction(1.4, 2.0) and same_direction(0.9, 0.5)
-    assert not same_direction(1.4, 0.9) and not same_direction(0.9, 1.4)
-    assert same_direction(1.0, 0.7) and same_direction(1.3, 1.0)
-
-
-def test_explanation_takes_the_longest_matching_prefix() -> None:
-    assert explanation("flexmoe", "FlexMoE vs FasterMoE") != explanation(
-        "flexmoe", "FlexMoE vs DeepSpeed-MoE"
+def test_a_reason_belongs_to_its_own_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reason is found by the row's scenario, comparison and cases exactly: a row of the same
+    comparison on other cases does not inherit it, and a reason outliving its row's mismatch is
+    stale."""
+    monkeypatch.setattr(fidelity, "REASONS", {("fastermoe", "smart", "MoE-GPT-S"): "because"})
+    off = fidelity_row("fastermoe", "F", _row("smart", 3.0, 1.4))
+    other = fidelity_row(
+        "fastermoe", "F", dataclasses.replace(_row("smart", 3.0, 1.4), cases=["MoE-GPT-L"])
     )
-    assert explanation("cross-dc-1000", "anything") is not None  # the empty prefix
-    assert explanation("no-such-scenario", "x") is None
+    good = fidelity_row("fastermoe", "F", _row("smart", 1.4, 1.4))
+    assert off is not None and off.reason == "because"
+    assert other is not None and other.reason is None
+    assert good is not None and good.reason is None
+    assert stale_reasons([off, good]) == [("fastermoe", "smart", "MoE-GPT-S")]
 
 
-def test_summary_by_hand() -> None:
+def test_summary_counts_paper_and_assumed_set_ups_apart() -> None:
     rows = [
-        fidelity_row("fastermoe", "F", _row("smart scheduling alone", 2.0, 1.0)),  # log2 1
-        fidelity_row("fastermoe", "F", _row("smart scheduling alone", 1.0, 1.0)),  # log2 0
-        fidelity_row("fastermoe", "F", _row("dynamic shadowing alone", 0.5, 2.0)),  # 2, wrong
-        fidelity_row("smartmoe", "S", _row("unexplained", 0.8, 1.6)),  # log2 1, wrong
+        fidelity_row("a", "P", _row("r1", 2.0, 1.0)),  # log2 1, no match (1.0: no side)
+        fidelity_row("a", "P", _row("r2", 1.2, 1.2)),  # log2 0, match
+        fidelity_row("a", "P", _row("r3", 0.5, 2.0)),  # log2 2, other side
+        fidelity_row("b", "S", _row("r4", 1.6, 1.6), "assumed", "the cluster"),  # match
     ]
     got = summarise([r for r in rows if r is not None])
-    assert got == {
-        "summary": True,
-        "rows": 4,
-        "within_1_5": 1,
+    assert got["paper"] == {
+        "rows": 3,
+        "match": 1,
+        "match_share": pytest.approx(1 / 3, abs=1e-4),
         "median_abs_log2_ratio": 1.0,
         "wrong_direction": 2,
-        "wrong_direction_unexplained": 1,
+        "unexplained": 2,
     }
+    assert got["assumed"]["rows"] == 1 and got["assumed"]["match"] == 1
     table = markdown([r for r in rows if r is not None], got)
-    assert "**opposite**" in table and "1 of 4 rows within a factor 1.5" in table
-
-
-def test_a_row_below_its_published_range_carries_its_reason() -> None:
-    """HybridEP's 1,000-DC "S_ED fixed" row: 1.00x against "1.05-1.45×" is inside the factor 1.5
-    of 1.45 (0.69) but below the range: the row carries its recorded reason, and the table
-    says so."""
-    assert published_range("1.05-1.45×") == (1.05, 1.45)
-    assert published_range("1.31–3.76×") == (1.31, 3.76)
-    assert published_range("up to 1.88×") is None and published_range("1.45×") is None
-    assert outside_range("1.05-1.45×", 1.0007) and outside_range("1.05-1.45×", 1.5)
-    assert not outside_range("1.05-1.45×", 1.2) and not outside_range("1.05-1.45×", 1.046)
-    assert not outside_range("1.45×", 1.0)
-    row = dataclasses.replace(
-        _row("HybridEP vs EP (S_ED fixed)", 1.0007, 1.45),
-        scenario="cross-dc-1000",
-        published_text="1.05-1.45×",
-    )
-    f = fidelity_row("cross-dc-1000", "HybridEP", row)
-    assert f is not None and f.within and f.direction_ok
-    assert f.explained == explanation("cross-dc-1000", "HybridEP vs EP (S_ED fixed)")
-    assert "S_ED" in f.explained
-    table = markdown([f], summarise([f]))
-    assert "(outside the published range)" in table and "S_ED is not given" in table
-    inside = fidelity_row("cross-dc-1000", "HybridEP", dataclasses.replace(row, ours=1.3))
-    assert inside is not None and inside.explained is None
+    assert "1 of 3 rows whose set-up follows the paper match it" in table
+    assert "1 of 1 rows on assumed set-ups" in table and "**b**: the cluster" in table

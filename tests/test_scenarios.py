@@ -113,10 +113,15 @@ def test_each_scenario_quick_form(name: str) -> None:
     res = run_scenario(SCENARIOS[name], quick=True)
     check_result(res)
     assert not auto_slower(res, QUICK_TOL)
-    # Every published row is within the factor band and points the paper's way, or carries the
-    # modelling reason it does not (benchmarks/fidelity.py prints the same rows).
+    # Every published row that the quick form computes as the full form does (the same cases)
+    # matches its paper, or carries the reason recorded for it (benchmarks/fidelity.py prints
+    # the full rows).
+    labels = [c.label for c in res.scenario.cases]
+    full = {f.label: ", ".join(c for c in labels if not f.cases or c in f.cases)
+            for f in res.scenario.figures}  # fmt: skip
     for row in fidelity_rows([res]):
-        assert (row.within and row.direction_ok) or row.explained, row
+        if row.cases == full.get(row.comparison):
+            assert row.matches or row.reason, row
     assert len(res.checks) == len(res.scenario.cases_for(True)) * len(res.scenario.runs)
     assert res.wall_s < 20
 
@@ -331,3 +336,24 @@ def test_cli_scenarios_plan_in_the_background_unless_inline(tmp_path, monkeypatc
             main(["scenarios", "--only", "smartmoe", "--quick", "--out", str(tmp_path), *extra])
     assert [b for b, _ in seen] == [True, False]
     assert "critical path" in seen[1][1]
+
+
+def test_smart_scheduling_stays_under_fastermoes_ideal() -> None:
+    """FasterMoE §5.5 (Fig. 12): the smart schedule's ideal is up to 1.71x per layer. Priced with
+    dispatch and combine on the same links, Poise's smart scheduling alone stays under it; as
+    independent stages (max(a, c, b)) it came out above (1.73x)."""
+    res = run_scenario(SCENARIOS["fastermoe"], quick=True)
+    (smart,) = [r for r in res.rows if r.comparison.startswith("smart scheduling alone")]
+    assert 1.0 < smart.ours <= 1.71
+
+
+def test_the_skew_sweep_sets_every_generated_trace() -> None:
+    from poise.sim.scenarios.core import with_zipf_s
+
+    swept = with_zipf_s(SCENARIOS["hybridep"], 1.5)
+    assert all(dict(c.trace.params)["s"] == 1.5 for c in swept.cases)
+    assert all(dict(c.trace.params)["s"] == 1.0 for c in SCENARIOS["hybridep"].cases)
+    smart = SCENARIOS["smartmoe"]
+    assert with_zipf_s(smart, 2.0).cases == smart.cases  # recorded routing: untouched
+    with pytest.raises(ConfigError, match="must be > 0"):
+        with_zipf_s(smart, 0.0)

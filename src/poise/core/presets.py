@@ -71,13 +71,13 @@ V100_EFF = 0.90
 # A100 SXM, bf16: stas00/ml-engineering, compute/accelerator/README.md, maximum achievable matmul
 # FLOPS table: 271.2 of 312 TFLOP/s (best shape 1024x10240x5120, torch 2.6.0+cu126).
 A100_EFF = 271.2 / 312.0
-# H100 SXM, bf16: the same table: 794.5 of 989 TFLOP/s (best shape 2048x2048x13312, torch 2.7.0).
-# Measured against it (`benchmarks/gpu_experts.py`, one H100 80GB HBM3, torch 2.11): Poise's own
-# grouped experts, forward and backward, add 543-596 TFLOP/s (0.55-0.60) at 4,096-8,192 rows a
-# slot, and cost a floor of 0.8-1.0 ms a call (the host issuing eager kernels) that this curve
-# lacks (docs/benchmarks.md, "Expert compute on a GPU"). Kept at the published figure until a
-# GPU calibration fits both on the machine.
-H100_EFF = 794.5 / 989.0
+# H100 SXM, bf16: measured, Poise's own grouped experts on one H100 80GB HBM3 (torch 2.11,
+# `benchmarks/gpu_experts.py`, docs/benchmarks.md "Expert compute on an H100"): forward and
+# backward add 543-596 TFLOP/s at 4,096 -> 8,192 rows a slot over five expert shapes (8 slots),
+# median 565 of 989.4. The best dense matmul reaches 794.5 (stas00/ml-engineering's maximum
+# achievable matmul FLOPS table, torch 2.7.0); grouped experts do not. The measured floor of
+# 0.8-1.0 ms a call (the host issuing eager kernels) is not priced.
+H100_EFF = 565.0 / 989.4
 # RTX 3090: no published fraction found. Assumed FasterMoE's 90% for V100 fp32 GEMMs, since
 # Pro-Prophet trains in fp32 on FasterMoE's code (its own planner assumes 100%: Comp_tp =
 # 35.7e12 in king0722/Pro-Prophet load-balancing/search_algorithm.py).
@@ -88,6 +88,16 @@ RTX3090_EFF = 0.90
 # fill), the values this project has used throughout; `poise calibrate` fits it on this machine.
 HALF_ROWS = 256.0
 HALF_ROWS_H100 = 512.0
+
+# One rate per link type, the same everywhere: measured where a source measured that link type,
+# else nominal. PCIe 3.0 x16: 11 GB/s per direction, the rate FasterMoE's artifact measured and
+# its predictor uses (fastermoe-ae toposim/devices.py bw_pcie = 88e9/8; nominal 15.75 GB/s).
+# InfiniBand EDR (100 Gb/s nominal): 62 Gb/s, measured by the same artifact's predictor
+# (bw_net = 62e9/8). PCIe 4.0 x16, NVLink and InfiniBand NDR: nominal (no measurement found).
+PCIE3_X16 = 88 * GBIT
+PCIE4_X16 = 31.5 * 1e9
+IB_EDR = 62 * GBIT
+IB_NDR = 400 * GBIT
 
 # Link latencies: none of the papers gives one. Assumed: 10 us per message over PCIe and
 # Ethernet within a datacentre, 5 us over InfiniBand, 3 us over NVLink, and 20 ms between
@@ -118,9 +128,7 @@ def _presets() -> dict[str, Cluster]:
             Link(4e9, 30e-6),
         ),
         # FasterMoE "johnny" (§5.1): 2 nodes x 8 V100-PCIe (32 GB, the larger of the data
-        # sheet's two sizes: the paper does not say which). Intra-node PCIe 3.0: 11 GB/s per
-        # direction, the rate FasterMoE's artifact measured and its predictor uses (fastermoe-ae
-        # toposim/devices.py bw_pcie = 88e9/8; the x16 theoretical is 15.75 GB/s). One IB EDR
+        # sheet's two sizes: the paper does not say which). Intra-node PCIe 3.0 x16. One IB EDR
         # NIC per node, run at only 50 Gb/s for lack of a x16 slot (§5.1; also the default
         # FMOE_FASTER_GLBPLC_NETBW of fastmoe's shadow_policy.py), shared by the node's 8 GPUs.
         "v100-ib50": _uniform(
@@ -132,17 +140,16 @@ def _presets() -> dict[str, Cluster]:
             V100_EFF,
             HALF_ROWS,
             32 * GIB,
-            Link(88 * GBIT, LAT_PCIE),
+            Link(PCIE3_X16, LAT_PCIE),
             Link(50 * GBIT, LAT_IB, shared_by=8),
         ),
         # FasterMoE "trevor" (§5.1): 16 nodes x 4 V100-SXM2 (memory assumed 32 GB as above) in an
-        # NVLink ring, half the edges double links; one IB EDR NIC per node at 100 Gb/s (the
-        # artifact's predictor measured 62 Gb/s: bw_net = 62e9/8), shared by 4 GPUs. The link
-        # model has one intra-node rate per device; derived from the artifact's measured pair
-        # rates (toposim/devices.py create_nvlink_cluster: single link 171, double 317, other
-        # pairs 88 Gb/s): in an all-to-all a GPU sends a third of its bytes to each of its 3
-        # peers at once and the slowest pair (88 Gb/s, 11 GB/s: the diagonal, no NVLink)
-        # bounds it, so 3 x 11 = 33 GB/s per device.
+        # NVLink ring, half the edges double links; one IB EDR NIC per node, shared by 4 GPUs.
+        # The link model has one intra-node rate per device; derived from the artifact's
+        # measured pair rates (toposim/devices.py create_nvlink_cluster: single link 171, double
+        # 317, other pairs 88 Gb/s): in an all-to-all a GPU sends a third of its bytes to each
+        # of its 3 peers at once and the slowest pair (88 Gb/s, 11 GB/s: the diagonal, no
+        # NVLink) bounds it, so 3 x 11 = 33 GB/s per device.
         "v100-nvlink-ib100": _uniform(
             "v100-nvlink-ib100",
             4,
@@ -153,12 +160,11 @@ def _presets() -> dict[str, Cluster]:
             HALF_ROWS,
             32 * GIB,
             Link(3 * 88 * GBIT, LAT_NVLINK),
-            Link(100 * GBIT, LAT_IB, shared_by=4),
+            Link(IB_EDR, LAT_IB, shared_by=4),
         ),
         # Pro-Prophet (arXiv 2411.10003 §VI Testbed) HPWNV/HPNV: nodes of 4 RTX 3090 24 GB on
-        # PCIe 3.0 (each CPU attached to 2 GPUs), 100 Gb/s InfiniBand; 4 nodes (also :8). One NIC
-        # per node is assumed (the count is not stated). Intra-node: the PCIe 3.0 rate measured
-        # on FasterMoE's johnny (11 GB/s, above), assumed the same here. Table IV's HPNV nodes
+        # PCIe 3.0 (each CPU attached to 2 GPUs), 100 Gb/s (EDR) InfiniBand; 4 nodes (also :8).
+        # One NIC per node is assumed (the count is not stated). Table IV's HPNV nodes
         # also join GPU pairs by an NVLink bridge (GA102: 56.25 GB/s per direction); the link
         # model has one intra-node rate per device, so the pairs are not modelled: all
         # intra-node traffic is priced at the PCIe rate (2 of each GPU's 3 peers are on PCIe).
@@ -171,11 +177,11 @@ def _presets() -> dict[str, Cluster]:
             RTX3090_EFF,
             HALF_ROWS,
             24 * GIB,
-            Link(88 * GBIT, LAT_PCIE),
-            Link(100 * GBIT, LAT_IB, shared_by=4),
+            Link(PCIE3_X16, LAT_PCIE),
+            Link(IB_EDR, LAT_IB, shared_by=4),
         ),
         # HybridEP (arXiv 2510.19470 §V-A): nodes of 8 A800 (80 GB assumed: the variant is not
-        # stated), PCIe 3.0 x16 inside at 128 Gb/s as the paper quotes it, 10 Gb/s Ethernet
+        # stated), PCIe 3.0 x16 inside (the paper quotes 128 Gb/s, its nominal), 10 Gb/s Ethernet
         # between; one node stands in for one datacentre, so each node is a domain (the
         # low-bandwidth boundary HybridEP partitions on); 2 nodes (also :4). One Ethernet link
         # per node, shared by its 8 GPUs, and 100 us per message between them: assumed.
@@ -188,8 +194,8 @@ def _presets() -> dict[str, Cluster]:
             A100_EFF,
             HALF_ROWS,
             80 * GIB,
-            Link(128 * GBIT, LAT_PCIE),
-            Link(128 * GBIT, LAT_PCIE),
+            Link(PCIE3_X16, LAT_PCIE),
+            Link(PCIE3_X16, LAT_PCIE),
             Link(10 * GBIT, 100e-6, shared_by=8),
         ),
         # DGX H100: 8 H100 SXM 80 GB on NVLink 4 (900 GB/s bidirectional, 450 per direction: H100
@@ -205,7 +211,7 @@ def _presets() -> dict[str, Cluster]:
             HALF_ROWS_H100,
             80 * GIB,
             Link(450 * GB, LAT_NVLINK),
-            Link(400 * GBIT, LAT_IB),
+            Link(IB_NDR, LAT_IB),
         ),
         # HybridEP's large-scale setting (§V-G): 1,000 datacentres simulated with SimAI. The
         # GPUs, the wide-area bandwidths (only in Fig. 17) and latency are not in the paper's
@@ -222,8 +228,38 @@ def _presets() -> dict[str, Cluster]:
             HALF_ROWS_H100,
             80 * GIB,
             Link(450 * GB, LAT_NVLINK),
-            Link(400 * GBIT, LAT_IB),
+            Link(IB_NDR, LAT_IB),
             Link(10 * GBIT, 20e-3, shared_by=8),
+        ),
+        # Parm's testbeds (INFOCOM 2024): their hardware table could not be read; the GPUs are
+        # those of the same group's FSMoE testbeds (ASPLOS 2025, Table 3). One server of 8 RTX
+        # A6000 (NVIDIA RTX A6000 data sheet: 154.8 TFLOP/s fp16 tensor, dense, the rate used
+        # for every dtype: the layers are fp16) on PCIe 4.0 x16.
+        "parm-8gpu": _uniform(
+            "parm-8gpu",
+            8,
+            1,
+            1,
+            PeakFlops.uniform(154.8 * TFLOPS),
+            RTX3090_EFF,
+            HALF_ROWS,
+            48 * GIB,
+            Link(PCIE4_X16, LAT_PCIE),
+            Link(PCIE4_X16, LAT_PCIE),
+        ),
+        # 8 nodes of 4 RTX 2080 Ti (Turing whitepaper: 53.8 TFLOP/s fp16 tensor with fp32
+        # accumulate) on PCIe 3.0 x16, one IB EDR NIC per node (the count assumed, as above).
+        "parm-32gpu": _uniform(
+            "parm-32gpu",
+            4,
+            8,
+            1,
+            PeakFlops.uniform(53.8 * TFLOPS),
+            RTX3090_EFF,
+            HALF_ROWS,
+            11 * GIB,
+            Link(PCIE3_X16, LAT_PCIE),
+            Link(IB_EDR, LAT_IB, shared_by=4),
         ),
     }
 

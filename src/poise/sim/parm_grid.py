@@ -18,22 +18,17 @@ truth(schedule);
 the choice's speedup is that of the schedule it picks; it is accurate on a configuration when it
 picks the faster of S1 and S2 under the truth (ties count as accurate).
 
-Clusters (`PARM_CLUSTERS`; our presets, since the paper's hardware table could not be read; we
-take the hardware of the same group's FSMoE testbeds, ASPLOS 2025 Table 3):
-
-- `parm-8gpu`: one server of 8 RTX A6000 (154.8 TFLOP/s fp16 tensor peak, x0.7 as the other
-  presets) on PCIe 4.0 x16 (16 GB/s sustained per device assumed for peer traffic, 10 us);
-- `parm-32gpu`: 8 nodes of 4 RTX 2080 Ti (53.8 TFLOP/s fp16 with fp32 accumulate, x0.7) on
-  PCIe 3.0 x16 (10 GB/s, 10 us), one 100 Gb/s InfiniBand NIC per node (5 us).
-
-`EXTRA_CLUSTERS` (not Parm's): `parm-32gpu-nic-per-gpu`, the same 32 GPUs with one 100 Gb/s NIC
-per GPU, so that a device's inter-node bandwidth (12.5 GB/s) exceeds its PCIe 3.0 bandwidth:
-the regime where S2's unified all-to-all (N_ESP times S1's inter-node bytes, but intra-node and
-inter-node transfers at once) can beat S1, and where the choice has something to decide.
+Clusters (`PARM_CLUSTERS`): the `parm-8gpu` and `parm-32gpu` presets (`poise.core.presets`,
+with the efficiencies and link rates every preset uses). `EXTRA_CLUSTERS` (not Parm's):
+`parm-32gpu-nic-per-gpu`, the same 32 GPUs with one InfiniBand NDR NIC per GPU, so that a
+device's inter-node bandwidth exceeds its PCIe 3.0 bandwidth: the regime where S2's unified
+all-to-all (N_ESP times S1's inter-node bytes, but intra-node and inter-node transfers at once)
+can beat S1, and where the choice has something to decide.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from poise.core.cluster import GBIT, GIB, Cluster, Link
+from poise.core.cluster import Cluster, Link
+from poise.core.presets import IB_NDR, PRESETS
 from poise.layouts.parm import SCHEDULES, ParmLayer, choose_schedule
 from poise.sim.parm_events import event_layer_time
 
@@ -72,25 +68,16 @@ QUICK_AXES: dict[str, tuple[float, ...]] = {
 }
 
 
-def _a6000_server() -> Cluster:
-    pcie4 = Link(16e9, 10e-6)
-    return Cluster("parm-8gpu", 8, 1, 1, 154.8e12 * 0.7, 48 * GIB, pcie4, pcie4, pcie4, 256.0)
+def _nic_per_gpu() -> Cluster:
+    base = PRESETS["parm-32gpu"]
+    nic = Link(IB_NDR, base.inter_node.lat_s)
+    return dataclasses.replace(
+        base, name="parm-32gpu-nic-per-gpu", inter_node=nic, inter_domain=nic
+    )
 
 
-def _rtx2080ti_cluster() -> Cluster:
-    pcie3 = Link(10e9, 10e-6)
-    ib = Link(100 * GBIT, 5e-6, shared_by=4)
-    return Cluster("parm-32gpu", 4, 8, 1, 53.8e12 * 0.7, 11 * GIB, pcie3, ib, ib, 256.0)
-
-
-def _rtx2080ti_nic_per_gpu() -> Cluster:
-    pcie3 = Link(10e9, 10e-6)
-    ib = Link(100 * GBIT, 5e-6)
-    return Cluster("parm-32gpu-nic-per-gpu", 4, 8, 1, 53.8e12 * 0.7, 11 * GIB, pcie3, ib, ib, 256.0)
-
-
-PARM_CLUSTERS: dict[str, Cluster] = {c.name: c for c in (_a6000_server(), _rtx2080ti_cluster())}
-EXTRA_CLUSTERS: dict[str, Cluster] = {c.name: c for c in (_rtx2080ti_nic_per_gpu(),)}
+PARM_CLUSTERS: dict[str, Cluster] = {n: PRESETS[n] for n in ("parm-8gpu", "parm-32gpu")}
+EXTRA_CLUSTERS: dict[str, Cluster] = {c.name: c for c in (_nic_per_gpu(),)}
 
 
 def grid_layers(world: int, quick: bool = False) -> Iterator[ParmLayer]:

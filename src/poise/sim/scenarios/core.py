@@ -108,6 +108,7 @@ class Figure:
     source: str
     cases: tuple[str, ...] = ()
     aggregate: str = "one"
+    assumed: str = ""  # what this figure's set-up assumes beyond its scenario's ("": nothing)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class Scenario:
     timed: str = "step"
     quick_cases: tuple[str, ...] = ()  # cases kept by --quick (empty: all)
     notes: tuple[str, ...] = ()
+    # What the set-up assumes where its paper does not say ("": it follows the paper); the
+    # fidelity score counts the rows of assumed set-ups apart (`fidelity.summarise`).
+    assumed: str = ""
     # A scenario that is not a plain trace replay (Parm's schedule grid, SmartMoE's layouts)
     # computes its own result: `runner(quick, data)` replaces the replay loop of
     # `run_scenario` (`data`: the folder holding `smartmoe-ae-sample/`, or None).
@@ -438,6 +442,21 @@ def paired_gap_se(a: np.ndarray, b: np.ndarray, warmup: int, window: int) -> flo
     if len(blocks) < 2:
         return None
     return float(np.std(blocks, ddof=1) / np.sqrt(len(blocks)))
+
+
+def with_zipf_s(scenario: Scenario, s: float) -> Scenario:
+    """`scenario` with every generated trace's Zipf skew set to `s` (the skew sweep: rows built
+    on generated traces move with it; replays of recorded routing do not)."""
+    if not s > 0:
+        raise ConfigError(f"must be > 0, got {s}", source=scenario.name, field="zipf_s")
+
+    def skewed(case: Case) -> Case:
+        if case.trace.kind != "generate":
+            return case
+        params = tuple((k, s if k == "s" else v) for k, v in case.trace.params)
+        return dataclasses.replace(case, trace=dataclasses.replace(case.trace, params=params))
+
+    return dataclasses.replace(scenario, cases=tuple(skewed(c) for c in scenario.cases))
 
 
 def run_scenario(

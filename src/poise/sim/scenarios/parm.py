@@ -39,6 +39,10 @@ def parm_scenario() -> Scenario:
         **runner,  # type: ignore[arg-type]
         name="parm",
         paper="Parm: dedicated schedules for MP+EP+ESP (INFOCOM 2024, arXiv 2407.00599)",
+        assumed=(
+            "the grid's value sets and both testbeds' hardware: the paper's tables and testbed "
+            "details could not be read (abstract only)"
+        ),
         summary="1,296 MoE layers per testbed (B, L, M, H/M, E, k, f, N_MP = N_ESP; "
         "`poise.sim.parm_grid`) on `parm-8gpu` (one server of 8 GPUs on PCIe) and `parm-32gpu` "
         "(8 nodes of 4 GPUs, one 100 Gb/s NIC per node); each layer priced under DeepSpeed-MoE's "

@@ -261,6 +261,10 @@ def smartmoe_scenario() -> Scenario:
     return Scenario(
         name="smartmoe",
         paper="SmartMoE (Zhai et al., USENIX ATC 2023)",
+        assumed=(
+            "inky's hardware: the paper does not state it; V100 nodes of 8 with one 50 Gb/s NIC "
+            "each stand in"
+        ),
         summary="Fig. 8's inky naive-gate bars as layout comparisons: GPT-L16-H2560 (16 MoE "
         "layers, expert hidden 5,120, top-2, fp16; 16 experts on 16 GPUs, 32 on 32; 16,384 "
         "tokens per GPU) on V100 nodes of 8 with one 50 Gb/s NIC each (`v100-ib50`, "
