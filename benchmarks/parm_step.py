@@ -62,7 +62,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from poise.models.gpt import GPTConfig, rotary_tables
-    from poise.runtime.parm.layer import ParallelGroups, parallel_block
+    from poise.runtime.parm.groups import ParallelGroups
+    from poise.runtime.parm.layer import parallel_block
 
     cfg = GPTConfig(
         d_model=args.d_model,

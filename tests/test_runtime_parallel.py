@@ -65,12 +65,8 @@ def choose_s2(shape: ParmShape) -> str:
 
 
 def _rank(rank: int, world: int, ref: dict[str, Any]) -> dict[str, Any]:
-    from poise.runtime.parm.layer import (
-        ParallelMoE,
-        full_state,
-        parallel_block,
-        sync_parallel_grads,
-    )
+    from poise.runtime.parm.layer import full_state, parallel_block, sync_parallel_grads
+    from poise.runtime.parm.parallel_moe import ParallelMoE
 
     out: dict[str, Any] = {}
     try:

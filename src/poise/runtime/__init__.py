@@ -47,7 +47,7 @@ _EXPORTS = {
     "run_ranks": "launch",
     "ParallelGroups": "parm.groups",
     "check_degrees": "parm.groups",
-    "ParallelMoE": "parm.layer",
+    "ParallelMoE": "parm.parallel_moe",
     "parallel_block": "parm.layer",
     "load_full_state": "parm.layer",
     "full_state": "parm.layer",

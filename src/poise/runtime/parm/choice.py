@@ -83,6 +83,3 @@ class ParmChooser:
     def __call__(self, shape: ParmShape) -> str:
         costs = self.costs if self.costs is not None else local_cluster(shape)
         return str(choose_schedule(self.layer(shape), costs))
-
-
-__all__ = ["ParmChooser", "ParmShape", "ScheduleChooser", "local_cluster"]

@@ -16,20 +16,21 @@ SwiGLU act on each hidden unit alone). A token reaches all M shards of its exper
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from poise.core.errors import ConfigError
-from poise.nn.dispatch import gather_index, inverse
+from poise.nn.dispatch import _PermuteRows, gather_index, inverse
 from poise.nn.experts import Experts
 from poise.runtime.parm.groups import ParallelGroups
 from poise.runtime.parm.tensor_parallel import (
+    all_gather_cat,
     all_gather_rows,
     all_gather_stack,
     reduce_scatter_rows,
+    value_or_grad,
 )
 
 EXPERT_KEYS: tuple[str, ...] = ("w_in", "w_gate", "w_out")
@@ -41,12 +42,11 @@ def hidden_dim(name: str) -> int:
 
 
 def shard_experts(
-    full: Mapping[str, torch.Tensor], groups: ParallelGroups, names: Sequence[str] = EXPERT_KEYS
+    full: Mapping[str, torch.Tensor], groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
     """This rank's rows and hidden slice of full stacked weights `full[name] [E, ...]`."""
     out = {}
-    for name in names:
-        w = full[name]
+    for name, w in full.items():
         E, H = w.shape[0], w.shape[hidden_dim(name)]
         e_loc, h_loc = E // groups.ep, H // groups.esp
         rows = w[groups.node * e_loc : (groups.node + 1) * e_loc]
@@ -64,12 +64,8 @@ def gather_experts(
         p = getattr(experts, name)
         if p is None:
             continue
-        t = p.detach() if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-        hid = hidden_dim(name)
-        slices = all_gather_stack(t, groups.mp_group)  # [M, E_loc, ...]
-        node = torch.cat(slices.unbind(0), dim=hid)  # [E_loc, ...full hidden]
-        every = all_gather_stack(node, groups.ep_group)  # [EP, E_loc, ...]
-        out[name] = every.reshape(-1, *node.shape[1:])
+        node = all_gather_cat(value_or_grad(p, grads), groups.mp_group, hidden_dim(name))
+        out[name] = all_gather_cat(node, groups.ep_group, 0)  # [E_loc, full H, ...] -> [E, ...]
     return out
 
 
@@ -85,20 +81,6 @@ def check_full_experts(
             raise ConfigError("missing from the full expert weights", field=name)
         if tuple(full[name].shape) != shape:
             raise ConfigError(f"must be {list(shape)}, got {list(full[name].shape)}", field=name)
-
-
-class _Permute(torch.autograd.Function):
-    """`x[perm]`, backward `grad[inv]`: a bijection of rows both ways (gathers, no scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inv)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (inv,) = ctx.saved_tensors
-        return grad.index_select(0, inv), None, None
 
 
 class EspExpertFn:
@@ -130,10 +112,10 @@ class EspExpertFn:
         if not identity:
             p = torch.from_numpy(perm).to(rows.device)
             inv = torch.from_numpy(inverse(perm)).to(rows.device)
-            x = _Permute.apply(x, p, inv)
+            x = _PermuteRows.apply(x, p, inv)
         out = self.experts(x, every.sum(axis=0).tolist())
         if not identity:
-            out = _Permute.apply(out, inv, p)
+            out = _PermuteRows.apply(out, inv, p)
         return reduce_scatter_rows(out, sizes, group, dup=self.dup)
 
 
@@ -145,14 +127,3 @@ def virtual_experts(experts: torch.Tensor, experts_per_node: int, mp: int) -> to
     base = node * (mp * experts_per_node) + slot  # [T, k]
     shards = torch.arange(mp, device=experts.device) * experts_per_node  # [M]
     return (base.unsqueeze(-1) + shards).reshape(experts.shape[0], -1)
-
-
-__all__ = [
-    "EXPERT_KEYS",
-    "EspExpertFn",
-    "check_full_experts",
-    "gather_experts",
-    "hidden_dim",
-    "shard_experts",
-    "virtual_experts",
-]

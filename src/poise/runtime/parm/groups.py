@@ -10,9 +10,6 @@ DeepSpeed-MoE's tensor-parallel groups): `rank r = node * M + local`, `node = r 
 - EP groups: `M` groups of `EP = D / M` ranks `{local, local + M, ...}`. Expert e lives on node
   `e // (E / EP)`, sharded over its M ranks; node n is EP rank n of every EP group. They are
   also the data-parallel groups of every non-expert parameter (each node runs its own batch).
-
-`ParallelGroups.build(mp)` creates every group once (collective over the world, in the same
-order on every rank); `check_degrees` refuses degrees that do not fit (`ConfigError`).
 """
 
 from __future__ import annotations
@@ -33,14 +30,6 @@ class ParallelDegrees:
     mp: int
     esp: int
     ep: int
-
-    def node_of(self, rank: int) -> int:
-        """The MP group (node) of global rank `rank`."""
-        return rank // self.mp
-
-    def local_of(self, rank: int) -> int:
-        """Rank `rank`'s index inside its MP group (= its ESP shard, = its EP group)."""
-        return rank % self.mp
 
     def mp_ranks(self, node: int) -> list[int]:
         return list(range(node * self.mp, (node + 1) * self.mp))
@@ -65,118 +54,77 @@ def check_degrees(
     num_experts: int | None = None,
     source: str | None = None,
 ) -> ParallelDegrees:
-    """Validate MP / ESP degrees for `world` ranks (and the model's heads, expert width and
-    expert count when given; `esp` defaults to `mp`). `ConfigError` naming the field: `mp` must
-    divide the world and the heads; `esp` must equal `mp` and divide `d_expert`; `num_experts`
-    must split evenly over the `EP = world / mp` nodes."""
+    """Validate MP / ESP degrees for `world` ranks and, when given, the model's heads, expert
+    width and expert count (`esp` defaults to `mp`); `ConfigError` names the field."""
     world = _positive_int(world, "world_size", source)
     mp = _positive_int(mp, "mp", source)
     esp = mp if esp is None else _positive_int(esp, "esp", source)
-    if world % mp:
-        raise ConfigError(
-            f"MP degree {mp} does not divide the world of {world} ranks", source=source, field="mp"
-        )
-    if world % esp:
-        raise ConfigError(
-            f"ESP degree {esp} does not divide the world of {world} ranks",
-            source=source,
-            field="esp",
-        )
-    if esp != mp:
-        raise ConfigError(
-            f"ESP degree {esp} differs from the MP degree {mp}: Parm (as DeepSpeed-MoE) shards "
-            "each expert across the ranks of its MP group, so ESP = MP",
-            source=source,
-            field="esp",
-        )
-    if heads is not None and _positive_int(heads, "heads", source) % mp:
-        raise ConfigError(
-            f"MP degree {mp} does not divide the {heads} attention heads",
-            source=source,
-            field="mp",
-        )
-    if d_expert is not None and _positive_int(d_expert, "d_expert", source) % esp:
-        raise ConfigError(
-            f"ESP degree {esp} does not divide the expert width d_expert={d_expert}",
-            source=source,
-            field="esp",
-        )
     ep = world // mp
-    if num_experts is not None and _positive_int(num_experts, "num_experts", source) % ep:
-        raise ConfigError(
-            f"{num_experts} experts do not split evenly over EP = {world} / {mp} = {ep} "
-            "expert-parallel ranks",
-            source=source,
-            field="num_experts",
-        )
+
+    def need(ok: bool, field: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(message, source=source, field=field)
+
+    need(world % mp == 0, "mp", f"MP degree {mp} does not divide the world of {world} ranks")
+    need(world % esp == 0, "esp", f"ESP degree {esp} does not divide the world of {world} ranks")
+    need(
+        esp == mp,
+        "esp",
+        f"ESP degree {esp} differs from the MP degree {mp}: Parm (as DeepSpeed-MoE) shards each "
+        "expert across the ranks of its MP group, so ESP = MP",
+    )
+    if heads is not None:
+        heads = _positive_int(heads, "heads", source)
+        need(heads % mp == 0, "mp", f"MP degree {mp} does not divide the {heads} attention heads")
+    if d_expert is not None:
+        d_expert = _positive_int(d_expert, "d_expert", source)
+        msg = f"ESP degree {esp} does not divide the expert width d_expert={d_expert}"
+        need(d_expert % esp == 0, "esp", msg)
+    if num_experts is not None:
+        num_experts = _positive_int(num_experts, "num_experts", source)
+        msg = f"{num_experts} experts do not split evenly over EP = {world} / {mp} = {ep}"
+        need(num_experts % ep == 0, "num_experts", f"{msg} expert-parallel ranks")
     return ParallelDegrees(world=world, mp=mp, esp=esp, ep=ep)
 
 
 @dataclass(frozen=True, eq=False)
 class ParallelGroups:
-    """This rank's groups. `mp_group` (= ESP group), `ep_group` (= data-parallel group of the
-    non-expert parameters), `world_group` (None: the default group)."""
+    """This rank's degrees (as `ParallelDegrees`) and groups: `mp_group` (= ESP group),
+    `ep_group` (= data-parallel group of the non-expert parameters), `world_group` (None: the
+    default group)."""
 
-    degrees: ParallelDegrees
+    world: int
+    mp: int
+    esp: int
+    ep: int
     rank: int
     mp_group: Any
     ep_group: Any
     world_group: Any = None
 
     @property
-    def mp(self) -> int:
-        return self.degrees.mp
-
-    @property
-    def esp(self) -> int:
-        return self.degrees.esp
-
-    @property
-    def ep(self) -> int:
-        return self.degrees.ep
-
-    @property
-    def world(self) -> int:
-        return self.degrees.world
-
-    @property
     def node(self) -> int:
         """This rank's MP group, also its rank inside its EP group."""
-        return self.degrees.node_of(self.rank)
+        return self.rank // self.mp
 
     @property
     def local(self) -> int:
         """This rank's index in its MP group: its heads, its ESP shard and its EP group."""
-        return self.degrees.local_of(self.rank)
+        return self.rank % self.mp
 
     @classmethod
-    def build(
-        cls,
-        mp: int,
-        esp: int | None = None,
-        *,
-        heads: int | None = None,
-        d_expert: int | None = None,
-        num_experts: int | None = None,
-    ) -> ParallelGroups:
-        """Create the MP and EP groups of the default process group (every rank, same
-        arguments); degrees are checked before any group exists."""
+    def build(cls, mp: int) -> ParallelGroups:
+        """Create every MP and EP group once: a collective over the default process group, in
+        the same order on every rank (same `mp`); degrees are checked before any group exists."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "MP + EP + ESP needs an initialised torch.distributed process group",
                 field="world_size",
             )
-        world, rank = dist.get_world_size(), dist.get_rank()
-        degrees = check_degrees(
-            world, mp, esp, heads=heads, d_expert=d_expert, num_experts=num_experts
-        )
-        mp_group, _ = dist.new_subgroups_by_enumeration(
-            [degrees.mp_ranks(n) for n in range(degrees.ep)]
-        )
-        ep_group, _ = dist.new_subgroups_by_enumeration(
-            [degrees.ep_ranks(m) for m in range(degrees.mp)]
-        )
-        return cls(degrees=degrees, rank=rank, mp_group=mp_group, ep_group=ep_group)
+        rank, d = dist.get_rank(), check_degrees(dist.get_world_size(), mp)
+        mp_group, _ = dist.new_subgroups_by_enumeration([d.mp_ranks(n) for n in range(d.ep)])
+        ep_group, _ = dist.new_subgroups_by_enumeration([d.ep_ranks(m) for m in range(d.mp)])
+        return cls(d.world, d.mp, d.esp, d.ep, rank, mp_group, ep_group)
 
     def check_model(
         self,
@@ -189,6 +137,3 @@ class ParallelGroups:
         check_degrees(
             self.world, self.mp, self.esp, heads=heads, d_expert=d_expert, num_experts=num_experts
         )
-
-
-__all__ = ["ParallelDegrees", "ParallelGroups", "check_degrees"]

@@ -1,11 +1,9 @@
 """An attention + MoE block under MP + EP + ESP (Parm, arXiv 2407.00599), and its state.
 
-`parallel_block` is `poise.models.gpt.Block` with `ParallelAttention` (heads split over the MP
-group) and `ParallelMoE` (`poise.runtime.parm.parallel_moe`, re-exported here with its schedule
-names). `load_full_state(block, sd)` shards the single-process block's state dict onto this
-rank; `full_state(block, grads=...)` gathers it back (a collective). After backward,
-`sync_parallel_grads(model, groups)` sums gradients over the data-parallel replicas (the EP
-group; the world for routers that gated split tokens).
+`parallel_block` is `poise.models.gpt.Block` with `ParallelAttention` and `ParallelMoE`;
+`load_full_state` shards the single-process block's state dict onto this rank, `full_state`
+gathers it back; after backward, `sync_parallel_grads` sums gradients over the data-parallel
+replicas.
 """
 
 from __future__ import annotations
@@ -19,17 +17,10 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Block, GPTConfig
-from poise.runtime.parm.choice import ParmChooser, ParmShape, ScheduleChooser
+from poise.runtime.parm.choice import ScheduleChooser
 from poise.runtime.parm.groups import ParallelGroups
-from poise.runtime.parm.parallel_moe import (
-    PAUSE_MP,
-    SCHEDULES,
-    ParallelMoE,
-    Schedule,
-    ScheduleChoice,
-    check_schedule,
-)
-from poise.runtime.parm.tensor_parallel import ParallelAttention
+from poise.runtime.parm.parallel_moe import PAUSE_MP, ParallelMoE, ScheduleChoice
+from poise.runtime.parm.tensor_parallel import ParallelAttention, value_or_grad
 
 
 def parallel_block(
@@ -107,13 +98,8 @@ def full_state(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]
             out[prefix + k] = v
     params = dict(model.named_parameters())
     for name, t in _plain_items(model, list(sharded)).items():
-        if grads:
-            if name not in params:
-                continue
-            g = params[name].grad
-            out[name] = g.clone() if g is not None else torch.zeros_like(t)
-        else:
-            out[name] = t.detach().clone()
+        if not grads or name in params:  # buffers have no gradient
+            out[name] = value_or_grad(t, grads).clone()
     return out
 
 
@@ -133,39 +119,15 @@ def sync_parallel_grads(model: nn.Module, groups: ParallelGroups) -> None:
         if p.grad is None or id(p) in experts:
             continue
         (world if id(p) in routers else ep).append(p)
-    if groups.world > 1:
-        _all_reduce_grads(world, groups.world_group)
-    if groups.ep > 1:
-        _all_reduce_grads(ep, groups.ep_group)
+    _all_reduce_grads(world, groups.world_group)
+    _all_reduce_grads(ep, groups.ep_group)
 
 
 def _all_reduce_grads(params: list[nn.Parameter], group: Any) -> None:
-    if not params:
+    if not params or dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+    grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        n = g.numel()  # type: ignore[union-attr]
-        g.copy_(flat[offset : offset + n].view_as(g))  # type: ignore[union-attr]
-        offset += n
-
-
-__all__ = [
-    "PAUSE_MP",
-    "SCHEDULES",
-    "ParallelAttention",
-    "ParallelGroups",
-    "ParallelMoE",
-    "ParmChooser",
-    "ParmShape",
-    "Schedule",
-    "ScheduleChoice",
-    "ScheduleChooser",
-    "check_schedule",
-    "full_state",
-    "load_full_state",
-    "parallel_block",
-    "sync_parallel_grads",
-]
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))

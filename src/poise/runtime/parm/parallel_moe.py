@@ -32,13 +32,14 @@ rank gates, so Parm's schedules drop differently). `aux_loss` is that of this ra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from poise.core.errors import ConfigError
+from poise.layouts.parm import SCHEDULES, Schedule
 from poise.nn.dispatch import Dispatcher, RankRouting
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.moe import expert_generator
@@ -54,12 +55,10 @@ from poise.runtime.parm.expert_shard import (
     virtual_experts,
 )
 from poise.runtime.parm.groups import ParallelGroups
-from poise.runtime.parm.tensor_parallel import even_sizes, gather_rows, split_rows
+from poise.runtime.parm.tensor_parallel import even_sizes, gather_rows, split_rows, value_or_grad
 from poise.util.digest import digest
 
-Schedule = Literal["baseline", "s1", "s2"]
 ScheduleChoice = Literal["baseline", "s1", "s2", "auto"]
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
 PAUSE_MP: frozenset[str] = frozenset({"s1", "s2"})
 
 
@@ -145,20 +144,9 @@ class ParallelMoE(nn.Module):
         self.aux_loss = self.balance_loss = self.z_loss = torch.zeros(())
         self.reset_experts()
 
-    # ------------------------------------------------------------------ properties
     @property
     def d_model(self) -> int:
         return self.experts.d_model
-
-    @property
-    def overlap_degree(self) -> int:
-        return self.ep_dispatcher.overlap_degree
-
-    @overlap_degree.setter
-    def overlap_degree(self, n: int) -> None:
-        if int(n) < 1:
-            raise ConfigError(f"must be >= 1, got {n}", field="overlap_degree")
-        self.ep_dispatcher.overlap_degree = self.world_dispatcher.overlap_degree = int(n)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -176,10 +164,6 @@ class ParallelMoE(nn.Module):
                     part = w[0].narrow(hidden_dim(name) - 1, lo, width)
                     getattr(self.experts, name)[slot].copy_(part)
 
-    def _shard(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = [n for n in EXPERT_KEYS if getattr(self.experts, n) is not None]
-        return shard_experts(full, self.groups, names)
-
     @torch.no_grad()
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Shard the state dict of a single-process `poise.nn.MoE` (static layout, all `E`
@@ -187,21 +171,16 @@ class ParallelMoE(nn.Module):
         self.router.weight.copy_(sd["router.weight"])
         if self.router.expert_bias is not None and "router.expert_bias" in sd:
             self.router.expert_bias.copy_(sd["router.expert_bias"])
-        full = {n: sd[f"experts.{n}"] for n in EXPERT_KEYS if f"experts.{n}" in sd}
-        check_full_experts(
-            full, self.num_experts, self.d_model, self.d_expert, self.experts.w_gate is not None
-        )
-        for name, w in self._shard(full).items():
+        names = [n for n in EXPERT_KEYS if getattr(self.experts, n) is not None]
+        full = {n: sd[f"experts.{n}"] for n in names if f"experts.{n}" in sd}
+        check_full_experts(full, self.num_experts, self.d_model, self.d_expert, "w_gate" in names)
+        for name, w in shard_experts(full, self.groups).items():
             getattr(self.experts, name).copy_(w)
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The single-process layer's state dict (or gradients) in full shape: a collective
         over the MP and EP groups."""
-        w = self.router.weight
-        router = (
-            w.detach() if not grads else (w.grad if w.grad is not None else torch.zeros_like(w))
-        )
-        out = {"router.weight": router.clone()}
+        out = {"router.weight": value_or_grad(self.router.weight, grads).clone()}
         for name, t in gather_experts(self.experts, self.groups, grads).items():
             out[f"experts.{name}"] = t
         return out
@@ -229,20 +208,13 @@ class ParallelMoE(nn.Module):
         collective: all ranks must agree on the layer and router weights and, under "auto", on
         the choice for the largest token count of any node (`ConfigError` otherwise)."""
         if self._choice is None:
-            mine = self.config_digest()
-            t = torch.tensor([mine, -mine, int(tokens)], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world_group)
-            if int(t[0]) != mine or int(-t[1]) != mine:
-                raise ConfigError(
-                    "ranks disagree on the MoE configuration or router weights (build and seed "
-                    "every rank alike)",
-                    field="moe",
-                )
+            group = self.groups.world_group
+            what = "MoE configuration or router weights"
+            largest = _check_same(self.config_digest(), what, group, int(tokens))
             if self.schedule == "auto":
-                chooser = self.chooser or ParmChooser()
-                choice = chooser(self.shape(int(t[2]), dtype))
+                choice = (self.chooser or ParmChooser())(self.shape(largest, dtype))
                 check_schedule(choice, allow_auto=False)
-                _check_same(SCHEDULES.index(choice), "schedule choice", self.groups.world_group)
+                _check_same(SCHEDULES.index(choice), "schedule choice", group)
                 self._choice = choice  # type: ignore[assignment]
             else:
                 self._choice = self.schedule  # type: ignore[assignment]
@@ -282,24 +254,20 @@ class ParallelMoE(nn.Module):
     def _gate(self, tokens: torch.Tensor) -> Any:
         routing = self.router(tokens)
         self.last_counts = routing.counts.detach()
-        self.aux_loss, self.balance_loss, self.z_loss = (
-            routing.aux_loss,
-            routing.balance_loss,
-            routing.z_loss,
-        )
+        self.aux_loss = routing.aux_loss
+        self.balance_loss = routing.balance_loss
+        self.z_loss = routing.z_loss
         return routing
 
     def _ep(self, tokens: torch.Tensor, nonfinite: bool, dup: bool) -> torch.Tensor:
-        """Gate - AlltoAll[EP] - ESP-AllGather - Expert - ESP-ReduceScatter - AlltoAll[EP] -
-        I-Order (the ESP collectives run inside the dispatcher's expert function)."""
+        """Schedules baseline and s1 from the gate on (ESP collectives in `self._esp[dup]`)."""
         r = self._gate(tokens)
         return self.ep_dispatcher(
             tokens, r.experts, r.weights, r.keep, self.ep_routing, self._esp[dup], nonfinite
         )
 
     def _s2(self, tokens: torch.Tensor, nonfinite: bool) -> torch.Tensor:
-        """Gate - AlltoAll[world] to the M shards of each chosen expert - Expert - AlltoAll
-        back - I-Order with the router weight repeated over the shards (sums them)."""
+        """Schedule s2 from the gate on: each choice's router weight repeated over its M shards."""
         r = self._gate(tokens)
         M = self.groups.mp
         experts = virtual_experts(r.experts, self.experts_per_node, M)
@@ -314,7 +282,7 @@ class ParallelMoE(nn.Module):
         r, e = self.router, self.experts
         return digest(
             e.d_model, self.d_expert, self.num_experts, self.top_k, e.activation, r.score,
-            r.renormalize, r.capacity_factor, self.schedule, self.overlap_degree,
+            r.renormalize, r.capacity_factor, self.schedule, self.ep_dispatcher.overlap_degree,
             str(e.w_in.dtype), self.groups.mp, self.groups.ep, r.weight,
         )  # fmt: skip
 
@@ -323,21 +291,13 @@ class ParallelMoE(nn.Module):
         return f"schedule={self.schedule!r}, mp={g.mp}, esp={g.esp}, ep={g.ep}"
 
 
-def _check_same(value: int, what: str, group: Any) -> None:
-    """Raise `ConfigError` on every rank when ranks of `group` hold different `value`s."""
-    t = torch.tensor([value, -value], dtype=torch.int64)
+def _check_same(value: int, what: str, group: Any, tokens: int = 0) -> int:
+    """Raise `ConfigError` on every rank when ranks of `group` hold different `value`s; else
+    the largest `tokens` of any rank (the same all-reduce)."""
+    t = torch.tensor([value, -value, tokens], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != value or int(-t[1]) != value:
         raise ConfigError(
             f"ranks disagree on the {what} (build and seed every rank alike)", field="moe"
         )
-
-
-__all__ = [
-    "PAUSE_MP",
-    "SCHEDULES",
-    "ParallelMoE",
-    "Schedule",
-    "ScheduleChoice",
-    "check_schedule",
-]
+    return int(t[2])

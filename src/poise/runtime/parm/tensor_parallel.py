@@ -27,7 +27,7 @@ to the largest and cut back.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,6 @@ from poise.runtime.parm.groups import ParallelGroups
 
 
 # ----------------------------------------------------------------------------- buffers
-def _group_size(group: Any) -> int:
-    return dist.get_world_size(group)
-
-
 def _pad_blocks(x: torch.Tensor, sizes: Sequence[int], width: int) -> torch.Tensor:
     """`x [sum(sizes), ...]` -> `[len(sizes), width, ...]`: block i the rows of rank i, padded."""
     if all(n == width for n in sizes):
@@ -87,157 +83,112 @@ def _reduce_scatter(x: torch.Tensor, sizes: Sequence[int], rank: int, group: Any
     return out[: sizes[rank]]
 
 
-def _my_rows(x: torch.Tensor, sizes: Sequence[int], rank: int) -> torch.Tensor:
-    start = sum(sizes[:rank])
-    return x[start : start + sizes[rank]]
-
-
 def even_sizes(rows: int, parts: int) -> list[int]:
     """`rows` cut into `parts` near-equal counts, earlier parts taking the remainder."""
     return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
+def value_or_grad(p: torch.Tensor, grads: bool) -> torch.Tensor:
+    """`p` detached, or (`grads`) its gradient, None read as zero."""
+    if not grads:
+        return p.detach()
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
 # ----------------------------------------------------------------------------- autograd ops
-class _CopyToGroup(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+_Op = Literal["identity", "all_reduce", "keep", "all_gather", "reduce_scatter"]
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+
+def _run(op: _Op, x: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> torch.Tensor:
+    """`op` on the rows of `x` over `group` (`keep`: this rank's `sizes[rank]` rows)."""
+    if op == "identity":
         return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    if op == "all_reduce":
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
         return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SplitRows(torch.autograd.Function):
-    """MP-Split: keep this rank's rows of a duplicated `[sum(sizes), ...]`; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: Any) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _my_rows(x, sizes, rank).clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """MP-AllGather: every rank's rows, duplicated; backward keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: Any) -> torch.Tensor:
-        ctx.sizes, ctx.rank = sizes, rank
+    if op == "keep":
+        start = sum(sizes[:rank])
+        return x[start : start + sizes[rank]].clone()
+    if op == "all_gather":
         return _all_gather(x.contiguous(), sizes, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _my_rows(grad, ctx.sizes, ctx.rank).clone(), None, None, None
+    return _reduce_scatter(x, sizes, rank, group)
 
 
-class _AllGatherRows(torch.autograd.Function):
-    """ESP-AllGather: forward all-gather, backward reduce-scatter (times `grad_scale`)."""
+class _Collective(torch.autograd.Function):
+    """A row of the module docstring's table: `fwd` forward, `bwd` backward (times `scale`)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: Any, grad_scale: float
+        ctx: Any, x: torch.Tensor, sizes: list[int], group: Any, fwd: _Op, bwd: _Op, scale: float
     ) -> torch.Tensor:
-        ctx.sizes, ctx.rank, ctx.group, ctx.scale = sizes, rank, group, grad_scale
-        return _all_gather(x.contiguous(), sizes, group)
+        rank = dist.get_rank(group)
+        ctx.bwd, ctx.sizes, ctx.rank, ctx.group, ctx.scale = bwd, sizes, rank, group, scale
+        return _run(fwd, x, sizes, rank, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = _reduce_scatter(grad, ctx.sizes, ctx.rank, ctx.group)
-        return (out * ctx.scale if ctx.scale != 1.0 else out), None, None, None, None
+        out = _run(ctx.bwd, grad, ctx.sizes, ctx.rank, ctx.group)
+        return (out * ctx.scale if ctx.scale != 1.0 else out), None, None, None, None, None
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    """ESP-ReduceScatter: forward reduce-scatter, backward all-gather (times `grad_scale`)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group: Any, grad_scale: float
-    ) -> torch.Tensor:
-        ctx.sizes, ctx.group, ctx.scale = sizes, group, grad_scale
-        return _reduce_scatter(x, sizes, rank, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = _all_gather(grad.contiguous(), ctx.sizes, ctx.group)
-        return (out * ctx.scale if ctx.scale != 1.0 else out), None, None, None, None
+def _collective(
+    x: torch.Tensor, sizes: list[int], group: Any, fwd: _Op, bwd: _Op, scale: float = 1.0
+) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    return _Collective.apply(x, sizes, group, fwd, bwd, scale)
 
 
 def copy_to_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Megatron's f: `x` as is; its gradient is summed over `group`."""
-    return _CopyToGroup.apply(x, group) if _group_size(group) > 1 else x
+    return _collective(x, [], group, "identity", "all_reduce")
 
 
 def reduce_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Megatron's g: `x` summed over `group`; its gradient as is."""
-    return _ReduceFromGroup.apply(x, group) if _group_size(group) > 1 else x
+    return _collective(x, [], group, "all_reduce", "identity")
 
 
 def split_rows(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
     """Parm's MP-Split of duplicated `x [sum(sizes), ...]`: rank i keeps `sizes[i]` rows."""
-    if _group_size(group) == 1:
-        return x
-    return _SplitRows.apply(x, sizes, dist.get_rank(group), group)
+    return _collective(x, sizes, group, "keep", "all_gather")
 
 
 def gather_rows(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
     """Parm's MP-AllGather: `x [sizes[i], ...]` of every rank -> duplicated `[sum(sizes), ...]`."""
-    if _group_size(group) == 1:
-        return x
-    return _GatherRows.apply(x, sizes, dist.get_rank(group), group)
+    return _collective(x, sizes, group, "all_gather", "keep")
 
 
 def all_gather_rows(
     x: torch.Tensor, sizes: list[int], group: Any, dup: bool = False
 ) -> torch.Tensor:
-    """ESP-AllGather: `[sizes[i], ...]` of every rank -> `[sum(sizes), ...]` on each (see the
-    module docstring for `dup`)."""
-    if _group_size(group) == 1:
-        return x
+    """ESP-AllGather: `[sizes[i], ...]` of every rank -> `[sum(sizes), ...]` on each."""
     scale = float(len(sizes)) if dup else 1.0
-    return _AllGatherRows.apply(x, sizes, dist.get_rank(group), group, scale)
+    return _collective(x, sizes, group, "all_gather", "reduce_scatter", scale)
 
 
 def reduce_scatter_rows(
     x: torch.Tensor, sizes: list[int], group: Any, dup: bool = False
 ) -> torch.Tensor:
     """ESP-ReduceScatter: `[sum(sizes), ...]` summed over the group, rank i keeps block i."""
-    if _group_size(group) == 1:
-        return x
     scale = 1.0 / len(sizes) if dup else 1.0
-    return _ReduceScatterRows.apply(x, sizes, dist.get_rank(group), group, scale)
+    return _collective(x, sizes, group, "reduce_scatter", "all_gather", scale)
 
 
 def all_gather_stack(t: torch.Tensor, group: Any) -> torch.Tensor:
     """`[G, *t.shape]`: `t` of every rank of `group` (same shape everywhere), no autograd."""
-    g = _group_size(group)
+    g = dist.get_world_size(group)
     if g == 1:
         return t.detach().unsqueeze(0).clone()
     buf = t.new_empty(g * t.numel())
     dist.all_gather_single(buf, t.detach().contiguous().view(-1), group=group)
     return buf.view(g, *t.shape)
+
+
+def all_gather_cat(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """`t` of every rank of `group` (same shape everywhere) concatenated along `dim`."""
+    return torch.cat(all_gather_stack(t, group).unbind(0), dim=dim)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -287,19 +238,10 @@ class ParallelAttention(nn.Module):
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The full `Attention` weights (or gradients; None reads as zero): a collective over
         the MP group."""
-        D, w, M = self.d_model, self.local_heads * self.head_dim, self.groups.mp
-
-        def local(p: nn.Parameter) -> torch.Tensor:
-            if not grads:
-                return p.detach()
-            return p.grad if p.grad is not None else torch.zeros_like(p)
-
-        qkv = all_gather_stack(local(self.qkv.weight).view(3, w, D), self.groups.mp_group)
-        proj = all_gather_stack(local(self.proj.weight), self.groups.mp_group)  # [M, D, w]
-        return {
-            "qkv.weight": qkv.permute(1, 0, 2, 3).reshape(3 * D, D),
-            "proj.weight": proj.permute(1, 0, 2).reshape(D, M * w),
-        }
+        D, w, group = self.d_model, self.local_heads * self.head_dim, self.groups.mp_group
+        qkv = all_gather_cat(value_or_grad(self.qkv.weight, grads).view(3, w, D), group, 1)
+        proj = all_gather_cat(value_or_grad(self.proj.weight, grads), group, 1)
+        return {"qkv.weight": qkv.reshape(3 * D, D), "proj.weight": proj}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -313,16 +255,3 @@ class ParallelAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.local_heads}/{self.heads}, mp={self.groups.mp}"
-
-
-__all__ = [
-    "ParallelAttention",
-    "all_gather_rows",
-    "all_gather_stack",
-    "copy_to_group",
-    "even_sizes",
-    "gather_rows",
-    "reduce_from_group",
-    "reduce_scatter_rows",
-    "split_rows",
-]
