@@ -302,7 +302,7 @@ class _GatherTokens(torch.autograd.Function):
         return _sum_by_token(grad.contiguous(), ctx.index), None
 
 
-class _PermuteRows(torch.autograd.Function):
+class PermuteRows(torch.autograd.Function):
     """`x[perm]`; backward `grad[inv_perm]` (a bijection both ways)."""
 
     @staticmethod
@@ -487,12 +487,12 @@ class Dispatcher:
             t1 = time.perf_counter()
             rows = wait_all_to_all(st)
             if plan.regroup is not None:
-                rows = _PermuteRows.apply(rows, plan.regroup, plan.ungroup)
+                rows = PermuteRows.apply(rows, plan.regroup, plan.ungroup)
             t2 = time.perf_counter()
             out = expert_fn(rows, plan.tokens_per_slot)
             t3 = time.perf_counter()
             if plan.regroup is not None:
-                out = _PermuteRows.apply(out, plan.ungroup, plan.regroup)
+                out = PermuteRows.apply(out, plan.ungroup, plan.regroup)
             back.append(start_all_to_all(out, plan.in_splits, plan.out_splits, self.group))
             t_dispatch += t2 - t1
             t_experts += t3 - t2
@@ -603,6 +603,7 @@ def world_and_rank(group: Any = None) -> tuple[int, int]:
 __all__ = [
     "Dispatcher",
     "NonFiniteInputError",
+    "PermuteRows",
     "RankRouting",
     "RoutingMismatchError",
     "gather_index",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from poise.core.errors import ConfigError
-from poise.nn.dispatch import _PermuteRows, gather_index, inverse
+from poise.nn.dispatch import PermuteRows, gather_index, inverse
 from poise.nn.experts import Experts
 from poise.runtime.parm.groups import ParallelGroups
 from poise.runtime.parm.tensor_parallel import (
@@ -112,10 +112,10 @@ class EspExpertFn:
         if not identity:
             p = torch.from_numpy(perm).to(rows.device)
             inv = torch.from_numpy(inverse(perm)).to(rows.device)
-            x = _PermuteRows.apply(x, p, inv)
+            x = PermuteRows.apply(x, p, inv)
         out = self.experts(x, every.sum(axis=0).tolist())
         if not identity:
-            out = _PermuteRows.apply(out, inv, p)
+            out = PermuteRows.apply(out, inv, p)
         return reduce_scatter_rows(out, sizes, group, dup=self.dup)
 
 
