@@ -537,7 +537,7 @@ def paired_clock_ms(run: Any) -> list[float] | None:
 
 def modelled_clock_ms(run: Any) -> float | None:
     """The model's prediction of the same last verdict's paired clock (ms a step;
-    `poise.runtime.control.clock.modelled_clock`), None when the run never probed."""
+    `poise.runtime.control.clock.modelled_clock_parts`), None when the run never probed."""
     v = getattr(run, "last_evidence", {}) or {}
     if not v.get("probes") or v.get("modelled_clock_s") is None:
         return None

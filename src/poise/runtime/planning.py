@@ -4,11 +4,9 @@
     boundary s >= due_at                ->  decide(stats, ...)  the leader's controller decides,
                                                                  every rank takes its Outcome
 
-Only the leader plans (every rank with `check_plans`, which compares the plans' digests). The
-job runs in the background planner (`poise.runtime.planner.background`) on snapshots of the
-Balancer's records, and is decided `lag` steps after its request: as many as the last job took
-(`adoption_lag`), so that a boundary seldom waits. A re-plan due while a job is in flight, or
-backed off by the controller, is skipped.
+Only the leader plans (every rank with `check_plans`). The job runs in the background planner
+on snapshots of the records and is decided `lag` steps after its request, as many as the last
+job took (`adoption_lag`). A re-plan due while a job is in flight, or backed off, is skipped.
 """
 
 from __future__ import annotations
@@ -249,6 +247,3 @@ class Planning:
 
 def _kind(plan: Plan) -> str:
     return "replicas" if plan.placement.replicas().any() else "homes"
-
-
-__all__ = ["PlanMismatchError", "Planning"]

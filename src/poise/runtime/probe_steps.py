@@ -1,11 +1,7 @@
-"""Probe steps: now and then, a step on the plan's homes without its replicas, for the paired
-clock (`poise.runtime.control.clock`).
-
-While plans with replicas are in force (an *episode*), the step after a boundary is a probe on
-the cadence of `control.evidence.probe_due`. It routes every token to its expert's home
-(`moves.homes.homes_alone`): the homes keep their slots, the replica slots idle, no Trans before
-it and no Agg in it; nothing moves, so the mathematics is the plan's. Every rank takes the same
-probe steps (the same boundaries, plans and shared evidence).
+"""Probe steps for the paired clock (`control.clock`): now and then, while plans with replicas
+are in force (an *episode*), the step after a boundary routes every token to its expert's home
+(`moves.homes.homes_alone`) on the cadence of `control.evidence.probe_due`. Nothing moves, so
+the mathematics is the plan's; every rank takes the same probe steps.
 """
 
 from __future__ import annotations
@@ -66,6 +62,3 @@ class ProbeSteps:
         moves.route(plan, self._maps_before)
         self.probing = None
         self._maps_before = []
-
-
-__all__ = ["ProbeSteps"]

@@ -27,8 +27,7 @@ N_MEASURED = len(MEASURED)
 
 
 class StepRecords:
-    """The last `history` steps' counts, measured seconds, layouts and settled flags (module
-    docstring)."""
+    """The last `history` steps' records (module docstring)."""
 
     def __init__(self, history: int) -> None:
         self.window: deque[np.ndarray] = deque(maxlen=history)  # [L, D, E] per step
@@ -79,16 +78,6 @@ class StepRecords:
         """`[n]` bool: the measured rows that were not probe steps."""
         return np.array(self.layout, dtype=np.int64) != PROBE
 
-    def _inputs(
-        self, history: np.ndarray | None, measured: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """`(aligned counts, measured, layout, settled)`: the window's rows that were measured."""
-        history = np.stack(self.window) if history is None else history
-        measured = self.measured_rows() if measured is None else measured
-        layout = np.array(self.layout, dtype=np.int64)
-        settled = np.array(self.settled, dtype=bool)
-        return history[len(history) - len(measured) :], measured, layout, settled
-
     def under_plan(self, measured: np.ndarray, since: int) -> np.ndarray:
         """Indices of the newest `FIT_WINDOW` measured rows run under the plan in force since
         step `since`, probe steps left out (they ran another layout)."""
@@ -101,7 +90,11 @@ class StepRecords:
         neighbours run under them (the rows just before and after it), from `history` and
         `measured` (defaults: the window and the measured rows): the paired clock's samples
         (`poise.runtime.control.clock`). A probe with no such neighbour is left out."""
-        aligned, measured, layout, settled = self._inputs(history, measured)
+        history = np.stack(self.window) if history is None else history
+        measured = self.measured_rows() if measured is None else measured
+        aligned = history[len(history) - len(measured) :]
+        layout = np.array(self.layout, dtype=np.int64)
+        settled = np.array(self.settled, dtype=bool)
         off = np.flatnonzero((layout != REPLICAS) & (layout != PROBE))
         since = int(off[-1]) + 1 if off.size else 0
         kept: list[int] = []
@@ -122,14 +115,3 @@ class StepRecords:
             aligned[kept], measured[kept, 1:], aligned[pairs], measured[pairs, 1:],
             np.array(pair_of, dtype=np.int64), ran,
         )  # fmt: skip
-
-
-__all__ = [
-    "FIT_WINDOW",
-    "N_MEASURED",
-    "OTHER",
-    "PROBE",
-    "REPLICAS",
-    "STATIC",
-    "StepRecords",
-]

@@ -1,17 +1,12 @@
 """The paired clock: what a plan's replicas save on this machine's clock, measured and modelled.
 
-While a plan with replicas is in force, a step now and then runs on the plan's homes without
-its replicas (a *probe step*, `poise.runtime.probe_steps`). With `r = period - busy_static(counts)`
-on every step (what the static layout's model does not explain), each probe against its
-neighbours one step away, `d_i = r(probe i) - mean(r(neighbours))`, measures what the replicas
-save with the machine's drift cancelled (`paired_clock`: mean and standard error of `d`). The
-fitted model predicts the same comparison (`modelled_clock`), and the gap prices the replicas
-of the next plans (`replica_scale`).
-
-A step's period runs from the previous step's Agg landing to its own, so a replica step's holds
-its Trans and Agg and a probe's neither. A neighbour that straddles a stall of the shared host
-(another process taking the cores for a few steps) measures the stall, not the replicas, so
-`steady_probes` leaves out a probe whose two neighbours differ by an outlier among the
+Now and then a step runs on the plan's homes without its replicas (a *probe step*,
+`runtime.probe_steps`). With `r = period - busy_static(counts)` on every step, each probe
+against its neighbours, `d_i = r(probe i) - mean(r(neighbours))`, measures what the replicas save
+with the machine's drift cancelled (`paired_clock`: mean and standard error of `d`). The fitted
+model's figure for it (`modelled_clock_parts`) and the gap price the next plans' replicas
+(`replica_scale`). A neighbour that straddles a stall of the host measures the stall, so
+`steady_probes` leaves out a probe whose neighbours differ by an outlier among the
 step-to-step differences (modified z-score beyond `OUTLIER_Z`). NumPy only.
 """
 
@@ -130,7 +125,8 @@ def paired_clock(cost: CostModel, static: Plan, probes: Probes) -> tuple[float, 
 
 
 def modelled_clock_parts(cost: CostModel, current: Plan, probes: Probes) -> tuple[float, float]:
-    """`(busy_saving, transfers)` per step, the parts of `modelled_clock`: on each probe step's
+    """`(busy_saving, transfers)` per step, the model's figure for `paired_clock` being
+    `busy_saving - transfers`: on each probe step's
     counts, the busy seconds of `current`'s homes alone (`homes_alone`, the probe's layout)
     minus `current`'s, and `current`'s Trans + Agg (`selfcal.live_parts`, at `cost`'s fitted
     transfer rate); means over the probes. Where the neighbours ran other replicas than
@@ -147,13 +143,6 @@ def modelled_clock_parts(cost: CostModel, current: Plan, probes: Probes) -> tupl
     return float((alone[:, 0] - plan[:, 0]).mean()), float(plan[:, 1].mean())
 
 
-def modelled_clock(cost: CostModel, current: Plan, probes: Probes) -> float:
-    """The cost model's figure for what `paired_clock` measures, per step: the busy seconds
-    the replicas save less their Trans + Agg (`modelled_clock_parts`)."""
-    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
-    return busy_saving - transfers
-
-
 def replica_scale(cost: CostModel, current: Plan, probes: Probes, clock_s: float) -> float:
     """How much dearer the paired clock found `current`'s replicas than their modelled Trans +
     Agg: with `B`, `T` = `modelled_clock_parts` and the clock's saving `C` (`clock_s`; the
@@ -167,17 +156,3 @@ def replica_scale(cost: CostModel, current: Plan, probes: Probes, clock_s: float
     if not transfers > 0:
         return 1.0
     return float(np.clip((busy_saving - clock_s) / transfers, 1.0, SCALE_LIMITS[1]))
-
-
-__all__ = [
-    "MAD_SIGMA",
-    "OUTLIER_Z",
-    "Probes",
-    "modelled_clock",
-    "modelled_clock_parts",
-    "paired_clock",
-    "replica_scale",
-    "residuals",
-    "robust_spread",
-    "steady_probes",
-]

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from poise.core.errors import ConfigError
+from poise.core.fields import get_int, get_number
 from poise.core.placement import Plan
 from poise.runtime.control.evidence import Evidence, t_critical
 from poise.runtime.control.pricing import Priced
@@ -207,20 +208,17 @@ class Controller:
         ratio = state["ratio"]
         if not isinstance(ratio, Mapping) or set(ratio) != set(KINDS):
             raise ConfigError(f"not a ratio per kind: {ratio!r}", source=source, field="ratio")
-        for kind, v in ratio.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        ratios = {k: get_number(ratio, k, source, prefix="ratio.") for k in KINDS}
+        for kind, v in ratios.items():
+            if not 0 <= v <= 1:
                 raise ConfigError(f"not in [0, 1]: {v!r}", source=source, field=f"ratio.{kind}")
-        for name in ("skip", "next_backoff"):
-            v = state[name]
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BACKOFF:
-                raise ConfigError(f"not a re-plan count: {v!r}", source=source, field=name)
-        promised = state["promised_s"]
-        number = isinstance(promised, (int, float)) and not isinstance(promised, bool)
-        if promised is not None and not number:
-            raise ConfigError(f"not a number: {promised!r}", source=source, field="promised_s")
-        self.ratio = {k: float(v) for k, v in ratio.items()}
-        self.promised_s = None if promised is None else float(promised)
-        self.skip, self.next_backoff = int(state["skip"]), int(state["next_backoff"])
+        counts = [
+            get_int(state, k, source, minimum=0, maximum=MAX_BACKOFF)
+            for k in ("skip", "next_backoff")
+        ]
+        promised = None if state["promised_s"] is None else get_number(state, "promised_s", source)
+        self.ratio, self.promised_s = ratios, promised
+        self.skip, self.next_backoff = counts
 
 
 def _named(c: Priced) -> str:
@@ -230,6 +228,3 @@ def _named(c: Priced) -> str:
     replicas = int(c.plan.placement.replicas().sum())
     moved = 0 if c.plan.transfers is None else len(c.plan.transfers.migrations)
     return f"{c.plan.policy} ({replicas} replicas, {moved} homes moved)"
-
-
-__all__ = ["KINDS", "MAX_BACKOFF", "Action", "Adopt", "Controller", "Keep", "Revert"]

@@ -8,9 +8,8 @@ settled step `i` run under the plan,
     saving_i = busy_static(counts_i) - busy_plan(counts_i) - exposed_transfers_i
 
 priced on the counts the step routed, its transfers as measured; mean and `std / sqrt(n)`.
-Either is conclusive beyond `t_critical(dof)` standard errors, Student's t's two-sided 95% value
-(the clock's comes from as few as 3 or 4 pairs, where a fixed 2 would call about 14% of
-differences of nothing conclusive). The plan is refuted (`Evidence.refutes`) when it is
+Either is conclusive beyond `t_critical(dof)` standard errors (Student's t, two-sided 95%: the
+clock's rests on as few as 3 or 4 pairs). The plan is refuted (`Evidence.refutes`) when it is
 conclusively slower than what it replaced. NumPy only.
 """
 
@@ -23,7 +22,7 @@ import numpy as np
 from poise.core.placement import Plan
 from poise.cost.model import CostModel
 from poise.cost.per_step import Ran, live_parts
-from poise.runtime.control.clock import Probes, modelled_clock, paired_clock
+from poise.runtime.control.clock import Probes, modelled_clock_parts, paired_clock
 from poise.runtime.selfcal.fit import exposed_transfers_s
 
 MIN_PROBES = 4  # probe steps, each paired with its neighbours, before the clock speaks
@@ -116,7 +115,8 @@ def clock_evidence(
     if probes is None or len(probes) < MIN_PROBES or not current.placement.replicas().any():
         return None
     saving, se = paired_clock(cost, static, probes)
-    predicted = modelled_clock(cost, current, probes)
+    busy_saving, transfers = modelled_clock_parts(cost, current, probes)
+    predicted = busy_saving - transfers
     P = len(probes)
     return Evidence("clock", saving, se, P - 1, P, predicted, P, saving, se, predicted, stalled)
 
@@ -160,17 +160,3 @@ def probe_due(step: int, plan_since: int, every: int, taken: int, settled: bool)
         and taken < MAX_PROBES
         and not settled
     )
-
-
-__all__ = [
-    "CLOCK_Z",
-    "MAX_PROBES",
-    "MIN_PROBES",
-    "T_975",
-    "Evidence",
-    "clock_evidence",
-    "judge",
-    "model_evidence",
-    "probe_due",
-    "t_critical",
-]

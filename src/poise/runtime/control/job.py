@@ -1,23 +1,18 @@
-"""One planning job of the live Balancer: fit, judge, forecast, plan and price, from snapshots.
-
-The leader hands a `PlanningJob` (copies of the window `[S, L, D, E]`, the measured steps, the
-plan in force, the prior cluster) to its background planner, which runs `run_job` in a worker
-process while training goes on:
+"""One planning job of the live Balancer, run from snapshots in a worker process while training
+goes on (`run_job`):
 
 1. fit the cluster's constants to the steps run under the plan in force (`selfcal.fit`);
 2. judge that plan (`evidence.judge`); where its paired clock read, price replicas at what it
    measured them to cost beyond its noise (`clock.replica_scale`, `Fit.k_replica`);
-3. forecast `[L, D, E]` and make the policy's plan on the fitted cluster (`planning_options`:
-   `auto`'s migrations at the switches' measured price, its horizon within the run, homes only
-   where replicas cannot pay), each home re-chosen among its holders (`moves.homes`), and for
-   `auto` under retargeting its number of replicas priced as they would run
-   (`poise.plan.replica_budget`);
-4. price the candidates against the plan in force (`pricing.price`): that plan, for `auto` under
-   retargeting the homes in force with the replicas that price least as run (it rests on no
-   forecast), and, where the evidence refutes the plan in force, its exits (`exits`);
+3. forecast `[L, D, E]` and make the policy's plan on the fitted cluster (`planning_options`),
+   each home re-chosen among its holders (`moves.homes`), `auto`'s replicas under retargeting
+   counted as they would run (`poise.plan.replica_budget`);
+4. price the candidates against the plan in force (`pricing.price`): that plan, for `auto`
+   under retargeting the homes in force with budgeted replicas (no forecast in it), and where
+   the evidence refutes the plan in force its exits (`exits`);
 5. measure how far the last forecast missed (`forecast_miss`).
 
-NumPy and plain data only: a job and its `JobResult` pickle to and from the worker process.
+NumPy and plain data only: a job and its `JobResult` pickle to and from the worker.
 """
 
 from __future__ import annotations
@@ -264,15 +259,3 @@ def run_job(job: PlanningJob) -> JobResult:
         candidates += [priced(p, exit=name) for name, p in exits(job.current, job.static, job.spec)]
     miss = forecast_miss(job, fitted, cluster, options) if job.guarded else 0.0
     return JobResult(tuple(candidates), evidence, cluster, fit, plan, miss)
-
-
-__all__ = [
-    "JobResult",
-    "PlanningJob",
-    "exits",
-    "forecast_miss",
-    "keeps_homes",
-    "live_plan",
-    "planning_options",
-    "run_job",
-]

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from poise.core.errors import ConfigError
+from poise.core.fields import get_number
 from poise.core.placement import Plan
 from poise.cost.model import CostModel, PlanCost
 from poise.cost.per_step import busy_and_transfers, live_parts
@@ -192,10 +193,5 @@ class SwitchPrice:
         if set(state) != set(self.FIELDS):
             raise ConfigError(f"expected {list(self.FIELDS)}", source=source, field="switch")
         for name in self.FIELDS:
-            v = state[name]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-                raise ConfigError(f"not a number: {v!r}", source=source, field=f"switch.{name}")
+            v = get_number(state, name, source, prefix="switch.")
             setattr(self, name, type(getattr(self, name))(v))
-
-
-__all__ = ["Priced", "SwitchPrice", "migration_seconds", "price", "switch_seconds"]

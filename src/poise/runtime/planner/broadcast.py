@@ -78,6 +78,3 @@ def plans_agree(digest: int | None, leader_digest: int, group: dist.ProcessGroup
     t = torch.tensor([int(differs)], dtype=torch.long, device=comm_device(group, "cpu"))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return not bool(t[0])
-
-
-__all__ = ["Outcome", "is_leader", "plans_agree", "share_outcome"]

@@ -259,25 +259,3 @@ def cluster_of(prior: Cluster, fit: Fit) -> Cluster:
 def _fit_of(prior: Cluster, cost: CostModel, k_c: float, k_t: float, h: float, rows: int) -> Fit:
     flops = prior.gemm_flops(cost.spec.gemm_dtype) / k_c
     return Fit(k_c, k_t, h, rows, flops, prior.intra_node.bw_Bps / k_t)
-
-
-__all__ = [
-    "A2A",
-    "BOUNDARY",
-    "EXPERTS",
-    "GATE",
-    "MEASURED",
-    "MIGRATE",
-    "PERIOD",
-    "TRANSFERS",
-    "Fit",
-    "across_ranks",
-    "cluster_of",
-    "exposed_transfers_s",
-    "fit_cluster",
-    "fit_compute",
-    "fit_marginal",
-    "fit_scale",
-    "fit_slope",
-    "scaled_cluster",
-]

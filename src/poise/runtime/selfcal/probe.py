@@ -1,25 +1,22 @@
 """Start-up probes: the self-calibration's first `k_transfer` and the first switch's price.
 
-Before any replica ran, the fit has no transfers to measure, so the first plans would be priced
-on the prior cluster's links as they are. Two collective probes on the Balancer's process group,
-before training, give the first scales (`poise.runtime.selfcal.fit`):
+Before any replica ran, the fit has no transfers to measure. Two collective probes on the
+Balancer's process group, before training, give the first scales (`selfcal.fit`):
 
 - *the exchange*: every rank sends `ModelSpec.migration_bytes` (one expert's weights and
-  moments) to the next rank, packed and unpacked as `poise.runtime.moves.transfers` does;
+  moments) to the next rank, packed and unpacked as `moves.transfers` does;
 - *the switch*: `transfers.migrate` itself on a synthetic layer shaped as the model's experts,
-  each rank's `homes = max(1, min(E // D // 2, SWITCH_PROBE_BYTES // M_e))` homes (half a rank's
-  experts) moving to the next rank and back, through the run's own channel and kept buffers, so
-  that the packing, clearing and placing a migration does beyond its bytes is priced too.
+  `switch_probe_homes` homes a rank moving to the next rank and back, through the run's own
+  channel and kept buffers, so that what a migration does beyond its bytes is priced too.
 
-Each is priced by the cost model on the prior cluster (`poise.cost.traffic.migration_traffic`,
-`poise.cost.model.link_time`, times `HostCosts.transfer_scale`) and timed as
+Each is priced by the cost model on the prior cluster (`cost.traffic.migration_traffic`,
+`cost.model.link_time`, times `HostCosts.transfer_scale`) and timed as
 
     k = median over rounds of (min over ranks of the round's seconds) / modelled
 
-after a left-out warm-up round (the backend's set-up; the buffers' first touch), each round
-from a barrier, at the rank that waited least (as `selfcal.fit.across_ranks` takes
-collectives). The exchange's `k` is the fit's first centre; the switch's is the price of a
-switch until the run measures one (`poise.runtime.control.pricing.SwitchPrice`).
+after a left-out warm-up round, each round from a barrier (the rank that waited least, as
+`selfcal.fit.across_ranks` takes collectives). The exchange's `k` is the fit's first centre;
+the switch's prices a switch until the run measures one (`control.pricing.SwitchPrice`).
 """
 
 from __future__ import annotations
@@ -217,18 +214,3 @@ def start_up_probes(
     exchange = probe_transfer_scale(cluster, spec, group, device)
     switch = probe_switch_scale(cluster, spec, group, device, link=link, scratch=scratch)
     return exchange, switch
-
-
-__all__ = [
-    "ROUNDS",
-    "SWITCH_PROBE_BYTES",
-    "measure_probe_s",
-    "measure_switch_probe_s",
-    "modelled_probe_s",
-    "probe_switch_scale",
-    "probe_transfer_scale",
-    "scale_of",
-    "start_up_probes",
-    "switch_probe_homes",
-    "timed_rounds",
-]
