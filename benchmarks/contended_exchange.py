@@ -66,6 +66,7 @@ def _rank(rank: int, world: int, rounds: int, repeats: int, layout: str) -> dict
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
+    from poise.runtime.moves import exchange as ex
     from poise.runtime.moves import transfers as tr
 
     torch.set_num_threads(1)
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, rounds: int, repeats: int, layout: str) -> dict
     for holder, expert in holders:
         placement.copies[0, holder, expert] = 1
     maps = slot_maps(placement, 0, slots)
-    trans_routes, agg_routes = tr.trans_routes(maps), tr.agg_routes(maps)
+    trans_routes, agg_routes = ex.trans_routes(maps), ex.agg_routes(maps)
     x = torch.randn(ROWS, D_MODEL)
     w_in, w_gate, w_out = (p[0] for p in params)
 

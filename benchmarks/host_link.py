@@ -31,6 +31,7 @@ def _rank(rank: int, world: int, rounds: int, calls: int) -> dict[str, Any]:
 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
+    from poise.runtime.moves import exchange as ex
     from poise.runtime.moves import transfers as tr
     from poise.runtime.moves.host_link import HostLink
 
@@ -42,7 +43,7 @@ def _rank(rank: int, world: int, rounds: int, calls: int) -> dict[str, Any]:
     for r in range(world):  # each rank replicates the first expert of the next rank
         placement.copies[0, r, ((r + 1) % world) * (EXPERTS // world)] = 1
     maps = slot_maps(placement, 0, SLOTS)
-    trans_routes, agg_routes = tr.trans_routes(maps), tr.agg_routes(maps)
+    trans_routes, agg_routes = ex.trans_routes(maps), ex.agg_routes(maps)
     link = HostLink.connect()
     assert link is not None, "the ranks do not share memory"
     links = {"gloo": (None, None), "shared-memory": (link.channel("t"), link.channel("a"))}

@@ -87,6 +87,7 @@ def _paths(params: list, opt: Any, home: np.ndarray, world: int, homes: int) -> 
     from poise.core.placement import Placement
     from poise.nn.slots import slot_maps
     from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.exchange import Scratch
     from poise.runtime.moves.host_link import HostLink
 
     per_rank = EXPERTS // world
@@ -97,7 +98,7 @@ def _paths(params: list, opt: Any, home: np.ndarray, world: int, homes: int) -> 
     link = HostLink.connect()
     assert link is not None, "the ranks do not share memory"
     channels = {"gloo": None, "gloo-reused": None, "shared-memory": link.channel("migrate")}
-    scratch = {"gloo-reused": tr.Scratch()}
+    scratch = {"gloo-reused": Scratch()}
     times: dict[str, list[float]] = {p: [] for p in channels}
     moved = 0
     maps = slot_maps(layouts[0], 0, SLOTS)

@@ -83,7 +83,7 @@ def _rank_no_room(rank: int, W: int) -> dict:
     through each channel."""
     import torch
 
-    from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves import exchange as ex
     from poise.runtime.moves.host_link import HostLink, shm_dir
 
     link = HostLink.connect()
@@ -108,14 +108,14 @@ def _rank_no_room(rank: int, W: int) -> dict:
     turns.append(taken.start(small, write, torch.float32))
     squat.unlink(missing_ok=True)
     rows = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 10 * rank  # [slots, 2]
-    routes = tr.Routes.build([(r, 0, (r + 1) % W, 2) for r in range(W)])  # slot 0 -> next slot 2
+    routes = ex.Routes.build([(r, 0, (r + 1) % W, 2) for r in range(W)])  # slot 0 -> next slot 2
     got: list[list[float]] = []
 
     def sink(dst: torch.Tensor, received: list[torch.Tensor]) -> None:
         got.append(received[0].reshape(-1).tolist())
 
     for channel in (huge, taken):
-        tr.exchange([tr.Stream(routes, [rows], sink)], rank, W, link=channel).wait()
+        ex.exchange([ex.Stream(routes, [rows], sink)], rank, W, link=channel).wait()
     return {
         "turns": [t is None for t in turns],
         "disabled": [huge.disabled, taken.disabled],

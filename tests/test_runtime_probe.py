@@ -100,8 +100,8 @@ def test_the_switch_probes_layer_holds_each_homes_migration_bytes() -> None:
 def _switch_probe(rank: int, world: int) -> tuple:
     import torch.distributed as dist
 
+    from poise.runtime.moves.exchange import Scratch
     from poise.runtime.moves.host_link import HostLink
-    from poise.runtime.moves.transfers import Scratch
 
     cluster = toy_cluster(world, bw=1e9, lat=1e-5)
     scratch = Scratch()

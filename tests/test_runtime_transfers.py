@@ -14,7 +14,7 @@ from poise.core.placement import Placement, transfers_between
 from poise.core.spec import ModelSpec
 from poise.nn.slots import SlotMap, slot_maps
 from poise.runtime.launch import run_ranks
-from poise.runtime.moves.transfers import (
+from poise.runtime.moves.exchange import (
     Routes,
     TransferError,
     agg_routes,
@@ -69,6 +69,7 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
     import torch
 
     from poise.runtime.moves import transfers as tr
+    from poise.runtime.moves.exchange import Scratch
     from poise.runtime.moves.host_link import HostLink
 
     link = HostLink.connect() if shared else None
@@ -77,7 +78,7 @@ def _rank_cases(rank: int, W: int, seeds: list[int], shared: bool = False) -> li
     def channel(key: str):
         return None if link is None else link.channel(key)
 
-    scratch = tr.Scratch()  # one for every case: reused at other sizes, stale rows left in it
+    scratch = Scratch()  # one for every case: reused at other sizes, stale rows left in it
     out = []
     for seed in seeds:
         case = make_case(seed, W)

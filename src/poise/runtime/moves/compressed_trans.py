@@ -1,20 +1,16 @@
 """Compressed Trans: replicas filled with the shared expert plus each expert's top-k residual
 (HybridEP's parameter-efficient migration, arXiv 2510.19470 §IV-B), on the ranks of one layer.
 
-- `shared_experts`: each rank sums its home rows of each expert tensor, one `all_reduce` (SUM)
-  adds the ranks' sums, divided by E: every rank holds the same bits of the shared expert
-  `[*row]` per tensor. Bytes (all ranks, ring all-reduce): `2 (D - 1) sum_t numel(row_t) b_v`.
-- `trans_compressed_async`: one `exchange` of each replica's packed row (`compress.pack`); the
-  receiver writes `shared + residual` into the replica slot. Sender and receiver must use the
-  same shared expert: pass the one a previous call returned (`CompressedPending.shared`), or
-  none to compute it afresh (a collective).
-
-HybridEP synchronises its shared expert every iteration; the Balancer refreshes it whenever a
-plan is applied and reuses it for the Trans in between (one all-reduce per plan).
+The shared expert (`shared_experts`, `[*row]` per tensor) is the mean of the E experts' home
+rows: each rank sums its own, one `all_reduce` (SUM) adds the ranks' sums, so every rank holds
+the same bits; bytes (all ranks, ring): `2 (D - 1) sum_t numel(row_t) b_v`. HybridEP
+synchronises it every iteration; the Balancer refreshes it whenever a plan is applied and
+reuses it for the Trans in between (one all-reduce per plan).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +20,7 @@ import torch.distributed as dist
 
 from poise.nn.slots import SlotMap
 from poise.runtime.hybridep import compress as cz
-from poise.runtime.moves.exchange import Pending, Routes, Stream, exchange, trans_routes
+from poise.runtime.moves.exchange import Pending, Routes, Stream, completed, exchange, trans_routes
 
 
 @dataclass
@@ -61,12 +57,8 @@ def shared_experts(
         dist.all_reduce(total, group=group)
         moved = 2 * (world - 1) * total.numel() * total.element_size()
     total /= max(experts, 1)
-    out, at = [], 0
-    for p in params:
-        n = int(np.prod(p.shape[1:], dtype=np.int64))
-        out.append(total[at : at + n].view(p.shape[1:]))
-        at += n
-    return out, moved
+    sizes = [math.prod(p.shape[1:]) for p in params]
+    return [x.view(p.shape[1:]) for x, p in zip(total.split(sizes), params, strict=True)], moved
 
 
 def trans_compressed_async(
@@ -79,13 +71,13 @@ def trans_compressed_async(
     group: dist.ProcessGroup | None = None,
     routes: Routes | None = None,
 ) -> CompressedPending:
-    """Start a compressed Trans of `params` (each `[S, *row]`): every replica slot receives
-    `shared + top-k residual` of its home's row (`compress.encode`), written at `wait()`.
-    `shared`: the layer's shared expert (None: `shared_experts` now). Collective: all ranks,
-    same maps, all passing a shared expert or none."""
+    """Start a compressed Trans of `params` (each `[S, *row]`): one `exchange` of each
+    replica's packed row (`compress.encode`, `compress.pack`); at `wait()` the receiver writes
+    `shared + residual` into the replica slot. `shared`: the layer's shared expert, the same on
+    sender and receiver: a previous call's `CompressedPending.shared`, or None to compute it now
+    (`shared_experts`). Collective: all ranks, same maps, all passing a shared expert or none."""
     routes = routes if routes is not None else trans_routes(maps)
     params = list(params)
-    world = len(maps)
     shared_bytes = 0
     if shared is None:
         shared, shared_bytes = shared_experts(params, maps, rank, group=group)
@@ -110,11 +102,9 @@ def trans_compressed_async(
                 enc = cz.unpack(buf[:, offsets[i] : offsets[i + 1]], shapes[i], ratio, p.dtype)
                 p.index_copy_(0, dst, cz.decode(enc, s))
 
+    world = len(maps)
     pending = exchange([Stream(routes, [payload], sink)], rank, world, group=group, async_op=True)
-    dense_row = sum(
-        int(np.prod(s, dtype=np.int64)) * p.element_size()
-        for s, p in zip(shapes, params, strict=True)
-    )
+    dense_row = sum(math.prod(s) * p.element_size() for s, p in zip(shapes, params, strict=True))
     return CompressedPending(
         sent_bytes=pending.sent_bytes,
         received_bytes=pending.received_bytes,
@@ -127,22 +117,7 @@ def trans_compressed_async(
     )
 
 
-def trans_compressed(
-    params: Sequence[torch.Tensor],
-    maps: Sequence[SlotMap],
-    rank: int,
-    ratio: float,
-    *,
-    shared: Sequence[torch.Tensor] | None = None,
-    group: dist.ProcessGroup | None = None,
-    routes: Routes | None = None,
-) -> CompressedPending:
-    """`trans_compressed_async`, completed before returning."""
-    pending = trans_compressed_async(
-        params, maps, rank, ratio, shared=shared, group=group, routes=routes
-    )
-    pending.wait()
-    return pending
+trans_compressed = completed(trans_compressed_async)
 
 
 __all__ = ["CompressedPending", "shared_experts", "trans_compressed", "trans_compressed_async"]

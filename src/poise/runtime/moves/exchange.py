@@ -3,20 +3,17 @@
 Every rank holds a layer's experts as stacked tensors, one row per slot (`w_in [S, D, H]`,
 `w_gate [S, D, H]`, `w_out [S, H, D]`); the layer's `SlotMap` on that rank says which expert a
 slot holds (`poise.nn.slots`). All ranks derive the same maps from the same plan, so each rank
-works out alone which rows it sends where and which it receives (`Routes`).
-
-`exchange` moves the rows of several `Stream`s (weights, moments) with one `all_to_all_single`
-with variable split sizes: the rows for one peer are packed into one flat buffer, rows that stay
-on a rank are copied locally, and a call where no row crosses ranks issues no collective (all
-ranks agree on that, since they share the maps). Trans, Agg and migration
-(`poise.runtime.moves.transfers`) are built on it.
+works out alone which rows it sends where and which it receives (`Routes`); `exchange` moves
+them. Trans, Agg and migration (`poise.runtime.moves.transfers`) are built on it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -50,8 +47,7 @@ class Routes:
     def build(cls, rows: list[tuple[int, int, int, int]]) -> Routes:
         """From `(src_rank, src_slot, dst_rank, dst_slot)` tuples in any order."""
         a = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        order = np.lexsort((a[:, 3], a[:, 2], a[:, 0]))
-        a = a[order]
+        a = a[np.lexsort((a[:, 3], a[:, 2], a[:, 0]))]
         return cls(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
 
     def __len__(self) -> int:
@@ -83,14 +79,12 @@ def home_slots(maps: Sequence[SlotMap]) -> dict[int, tuple[int, int]]:
     homes: dict[int, tuple[int, int]] = {}
     held: set[int] = set()
     for rank, m in enumerate(maps):
-        for slot, (expert, is_home) in enumerate(zip(m.expert, m.home, strict=True)):
-            if expert < 0:
-                continue
-            held.add(int(expert))
-            if is_home:
-                if int(expert) in homes:
-                    raise TransferError(f"expert {expert} has two homes", field="slots.home")
-                homes[int(expert)] = (rank, slot)
+        held.update(int(e) for e in m.expert[m.expert >= 0])
+        for slot in np.flatnonzero(m.home & (m.expert >= 0)):
+            expert = int(m.expert[slot])
+            if expert in homes:
+                raise TransferError(f"expert {expert} has two homes", field="slots.home")
+            homes[expert] = (rank, int(slot))
     missing = sorted(held - homes.keys())
     if missing:
         raise TransferError(f"experts {missing} are held but have no home", field="slots.home")
@@ -167,14 +161,26 @@ class Pending:
     total_bytes: int
     _finish: Callable[[], None] | None = None
 
-    @property
-    def done(self) -> bool:
-        return self._finish is None
-
     def wait(self) -> None:
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
+
+
+P = ParamSpec("P")
+T = TypeVar("T", bound=Pending)
+
+
+def completed(start: Callable[P, T]) -> Callable[P, T]:
+    """The `*_async` transfer `start` as one that finishes before returning its `Pending`."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        """The transfer, completed before returning (its `Pending` carries the byte counts)."""
+        pending = start(*args, **kwargs)
+        pending.wait()
+        return pending
+
+    return run
 
 
 # The most one rank sends in one call through shared memory: a channel's region is twice that
@@ -193,47 +199,35 @@ def exchange(
     link_max_bytes: int | None = None,
     scratch: Scratch | None = None,
 ) -> Pending:
-    """Move the rows of every stream with one `all_to_all_single` on `group` (none if no row
-    crosses ranks). Every rank must call it with streams built from the same routes.
-
-    `link`: through shared memory instead (a `HostLink` channel of the same ranks) where the
-    largest sender's rows fit in `link_max_bytes` (default `LINK_MAX_BYTES`); every rank decides
-    that from the routes alone, so all take the same path. `scratch`: pack into its reused
-    buffers where the rows are on the CPU and the call is synchronous.
-
-    Rows are read (copied) from the sources now; sinks run at `wait()`, one source rank at a
-    time in ascending order (the local rows at this rank's turn), so additive sinks sum in a
-    fixed order."""
+    """Move the rows of every stream (weights, moments) with one `all_to_all_single` on `group`
+    with variable splits (each peer's rows packed into one flat buffer, rows that stay on a rank
+    copied locally, no collective where no row crosses ranks). Every rank must call it with
+    streams built from the same routes. `link`: through shared memory instead (a `HostLink`
+    channel of the same ranks) where the largest sender's rows fit in `link_max_bytes` (default
+    `LINK_MAX_BYTES`), which every rank decides from the routes alone. `scratch`: pack into its
+    reused buffers where the rows are on the CPU and the call is synchronous. Rows are read
+    (copied) from the sources now; sinks run at `wait()`, one source rank at a time in ascending
+    order (the local rows at this rank's turn), so additive sinks sum in a fixed order."""
     _check_streams(streams)
-    remote = any(s.routes.remote_rows() for s in streams)
     dtype = _buffer_dtype(streams)
-    numel = pair_numel(streams, world_size) if link is not None else None
-    if numel is not None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        cap = LINK_MAX_BYTES if link_max_bytes is None else link_max_bytes
-        if half_bytes(numel, itemsize) > cap:
-            link = None  # its region would stay that large for the rest of the run
+    numel = pair_numel(streams, world_size)
+    nbytes = pair_numel(streams, world_size, in_bytes=True)
+    sent, received, total = int(nbytes[rank].sum()), int(nbytes[:, rank].sum()), int(nbytes.sum())
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(world_size)]
     local: list[tuple[Stream, torch.Tensor, list[torch.Tensor]]] = []
-    recv_numel = [0] * world_size
-    sent = received = total = 0
     for stream in streams:
         r = stream.routes
-        total += stream.row_bytes() * r.remote_rows()
         for peer in range(world_size):
             out = r.between(rank, peer)
-            if out.size:
-                if peer == rank:
-                    rows = [_take(t, r.src_slot[out]) for t in stream.sources]
-                    local.append((stream, _index(r.dst_slot[out], rows[0]), rows))
-                else:
-                    idx = _index(r.src_slot[out], stream.sources[0])
-                    parts[peer].extend((t.detach(), idx) for t in stream.sources)
-                    sent += stream.row_bytes() * out.size
-            if peer != rank:
-                n_in = r.between(peer, rank).size
-                recv_numel[peer] += n_in * stream.row_numel()
-                received += stream.row_bytes() * n_in
+            if not out.size:
+                continue
+            src = r.src_slot[out]
+            if peer == rank:
+                rows = [t.detach().index_select(0, _index(src, t)) for t in stream.sources]
+                local.append((stream, _index(r.dst_slot[out], rows[0]), rows))
+            else:
+                idx = _index(src, stream.sources[0])
+                parts[peer].extend((t.detach(), idx) for t in stream.sources)
 
     def place(chunks: Sequence[torch.Tensor | None]) -> None:
         """Run the sinks: `chunks[peer]` what `peer` sent this rank (flat), in rank order."""
@@ -244,32 +238,28 @@ def exchange(
             elif chunks[peer] is not None:
                 _unpack(streams, chunks[peer], peer, rank)
 
-    if not remote:
+    if not any(s.routes.remote_rows() for s in streams):
         return Pending(0, 0, 0, lambda: place([None] * world_size))
-    turn = (
-        link.start(numel, lambda dst, out: gather_rows(parts[dst], out), dtype)
-        if link is not None and numel is not None
-        else None
-    )
-    if turn is not None:
-        return Pending(sent, received, total, lambda: place(turn.wait()))
+    if link is not None:
+        cap = LINK_MAX_BYTES if link_max_bytes is None else link_max_bytes
+        # above the cap, the link's region would stay that large for the rest of the run
+        if half_bytes(numel, torch.empty((), dtype=dtype).element_size()) <= cap:
+            turn = link.start(numel, lambda dst, out: gather_rows(parts[dst], out), dtype)
+            if turn is not None:
+                return Pending(sent, received, total, lambda: place(turn.wait()))
     device = streams[0].sources[0].device
-    send_numel = [sum(_row_numel(t) * len(i) for t, i in p) for p in parts]
-    reuse = scratch if not async_op and device.type == "cpu" else None
-    send = _buffer(reuse, "send", sum(send_numel), dtype, device)
-    starts = np.concatenate([[0], np.cumsum(send_numel)])
-    for peer, items in enumerate(parts):
+    send_numel, recv_numel = numel[rank].tolist(), numel[:, rank].tolist()
+    # a fresh `Scratch` where there is none to reuse: its buffers are new
+    reuse = scratch if scratch is not None and not async_op and device.type == "cpu" else Scratch()
+    send = reuse.take("send", sum(send_numel), dtype, device)
+    for items, buf in zip(parts, send.split(send_numel), strict=True):
         if items:
-            gather_rows(items, send[starts[peer] : starts[peer + 1]])
-    recv = _buffer(reuse, "recv", sum(recv_numel), dtype, device)
+            gather_rows(items, buf)
+    recv = reuse.take("recv", sum(recv_numel), dtype, device)
     work = dist.all_to_all_single(
         recv, send, recv_numel, send_numel, group=group, async_op=async_op
     )
-    offsets = np.concatenate([[0], np.cumsum(recv_numel)])
-    chunks = [
-        recv[offsets[p] : offsets[p + 1]] if p != rank and recv_numel[p] else None
-        for p in range(world_size)
-    ]
+    chunks = [c if p != rank and c.numel() else None for p, c in enumerate(recv.split(recv_numel))]
 
     def finish() -> None:
         if work is not None:
@@ -288,12 +278,16 @@ class Scratch:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A `[numel]` view of buffer `name`, reallocated where smaller or of another dtype;
-        its contents are whatever the last call left."""
+    def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A `[numel]` view of buffer `name`, reallocated where smaller or of another dtype or
+        device; its contents are whatever the last call left."""
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype)
+        if (
+            buffer is None
+            or (buffer.dtype, buffer.device) != (dtype, device)
+            or buffer.numel() < numel
+        ):
+            buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[name] = buffer
         return buffer[:numel]
 
@@ -301,15 +295,6 @@ class Scratch:
     def nbytes(self) -> int:
         """Bytes the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _buffer(
-    scratch: Scratch | None, name: str, numel: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`[numel]` elements for packed rows: `scratch`'s buffer `name`, else a fresh one."""
-    if scratch is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return scratch.take(name, numel, dtype)
 
 
 def gather_rows(items: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
@@ -326,13 +311,14 @@ def gather_rows(items: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.T
         at += n
 
 
-def pair_numel(streams: Sequence[Stream], world_size: int) -> np.ndarray:
-    """`[W, W]` elements every rank sends every other (zero diagonal), from the routes alone:
-    the same on every rank."""
+def pair_numel(streams: Sequence[Stream], world_size: int, in_bytes: bool = False) -> np.ndarray:
+    """`[W, W]` elements (`in_bytes`: bytes) every rank sends every other (zero diagonal), from
+    the routes alone: the same on every rank."""
     numel = np.zeros((world_size, world_size), dtype=np.int64)
     for stream in streams:
         r = stream.routes
-        np.add.at(numel, (r.src_rank, r.dst_rank), stream.row_numel())
+        row = stream.row_bytes() if in_bytes else stream.row_numel()
+        np.add.at(numel, (r.src_rank, r.dst_rank), row)
     np.fill_diagonal(numel, 0)
     return numel
 
@@ -353,20 +339,13 @@ def _unpack(streams: Sequence[Stream], chunk: torch.Tensor, src: int, rank: int)
         stream.sink(_index(r.dst_slot[idx], chunk), rows)
 
 
-def _take(t: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
-    return t.detach().index_select(0, _index(slots, t))
-
-
 def _index(slots: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(slots, dtype=torch.long, device=like.device)
 
 
 def _buffer_dtype(streams: Sequence[Stream]) -> torch.dtype:
-    dtype: torch.dtype | None = None
-    for s in streams:
-        for t in s.sources:
-            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
-    return dtype or torch.float32
+    dtypes = [t.dtype for s in streams for t in s.sources]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
 
 def _check_streams(streams: Sequence[Stream]) -> None:

@@ -13,8 +13,6 @@ live Balancer re-chooses them among the same holders before pricing a plan:
 2. an expert whose home in force still holds a copy keeps it (nothing migrates);
 3. any other goes to its holder with the fewest homes so far (ties: the lowest device), the
    experts with fewer holders first.
-
-NumPy only.
 """
 
 from __future__ import annotations
@@ -56,12 +54,8 @@ def keep_homes(plan: Plan, previous: Placement, spec: ModelSpec) -> Plan:
     if np.array_equal(home, p.home):
         return plan
     placement = Placement(home=home, copies=p.copies.copy(), slots_per_device=p.slots_per_device)
-    return dataclasses.replace(
-        plan,
-        placement=placement,
-        transfers=transfers_between(previous, placement, spec),
-        cost=None,
-    )
+    transfers = transfers_between(previous, placement, spec)
+    return dataclasses.replace(plan, placement=placement, transfers=transfers, cost=None)
 
 
 def homes_alone(current: Plan, spec: ModelSpec) -> Plan:

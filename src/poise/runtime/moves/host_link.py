@@ -1,8 +1,6 @@
-"""Expert rows between the ranks of one host through shared memory, not the process group.
-
-Gloo sends every byte through TCP sockets, even between processes of one machine, far slower
-than copying the rows; as NCCL uses shared memory or NVLink within a node, this is that path
-for CPU ranks on gloo.
+"""Expert rows between the ranks of one host through shared memory, not the process group:
+gloo sends every byte through TCP sockets, even between processes of one machine, far slower
+than copying the rows (as NCCL uses shared memory or NVLink within a node, this is that path).
 
     link = HostLink.connect(group)             # collective; None where the ranks span hosts
     channel = link.channel("trans-3")           # one per call site (a layer's Trans, its Agg)
@@ -10,10 +8,10 @@ for CPU ranks on gloo.
     received = sent.wait()                      # [W] views of what each rank sent this one
 
 Each rank owns one region per channel (a file under `/dev/shm`, mapped by every rank, unlinked
-once mapped), cut in two halves used by turns. `start` writes this rank's rows into its half,
-`numel[src, dst]` elements per destination at offsets every rank computes from `numel` alone
-(segments aligned to 64 bytes), then launches a one-element all-reduce as the barrier; `wait`
-waits for it and returns views into the senders' halves (no copy).
+once mapped), cut in two halves used by turns. `start` writes this rank's rows into its half
+at offsets every rank computes from `numel` alone (`segment_offsets`), then launches a
+one-element all-reduce as the barrier; `wait` waits for it and returns views into the senders'
+halves (no copy).
 
 Two halves suffice: a rank writes turn `n + 2` into turn `n`'s half only after turn `n + 1`'s
 barrier, which every rank reaches by starting turn `n + 1`, and a rank starts a turn only once
@@ -45,12 +43,10 @@ Writer = Callable[[int, torch.Tensor], None]
 """`write(dst, out)`: fill the flat `out` with the rows for rank `dst`."""
 
 
-SHM = Path("/dev/shm")  # memory-backed and local to the host (a network file system is neither)
-
-
 def shm_dir() -> Path:
-    """Where the regions' files live: `/dev/shm`."""
-    return SHM
+    """Where the regions' files live: `/dev/shm`, memory-backed and local to the host (a network
+    file system is neither)."""
+    return Path("/dev/shm")
 
 
 def _map(path: Path, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
@@ -119,17 +115,15 @@ class Channel:
     key: str
     half: int = 0  # bytes per half
     turns: int = 0
-    mine: torch.Tensor | None = None
     peers: list[torch.Tensor] = field(default_factory=list)  # [W] each rank's region
     _maps: list[mmap.mmap] = field(default_factory=list)
     _last: HostTransfer | None = None
     disabled: bool = False  # some rank could not reserve a region: rows go another way
 
     def start(self, numel: np.ndarray, write: Writer, dtype: torch.dtype) -> HostTransfer | None:
-        """Write this rank's rows for every destination d (`write(d, out)` fills the flat
-        `out` of `numel[rank, d]` elements of `dtype`; `numel [W, W]` the same on every rank)
-        and launch the turn's barrier. None, on every rank, when the channel is off
-        (`disabled`): the caller moves the rows another way."""
+        """Write this rank's `numel[rank, d]` elements of `dtype` for every destination d
+        (`write`; `numel [W, W]` the same on every rank) and launch the turn's barrier. None, on
+        every rank, when the channel is off (`disabled`): the caller moves the rows another way."""
         if self.disabled:
             return None
         if self._last is not None and not self._last.read:
@@ -143,23 +137,21 @@ class Channel:
         base = (self.turns % 2) * self.half
         self.turns += 1
         offsets = segment_offsets(numel, itemsize)
-        assert self.mine is not None
+
+        def segment(src: int, dst: int) -> torch.Tensor | None:
+            """What `src` sends `dst`, in `src`'s half (None to itself, or when nothing)."""
+            n = int(numel[src, dst])
+            if src == dst or n == 0:
+                return None
+            at = base + int(offsets[src, dst])
+            return self.peers[src][at : at + n * itemsize].view(dtype)
+
         for dst in range(link.world):
-            n = int(numel[rank, dst])
-            if dst == rank or n == 0:
-                continue
-            at = base + int(offsets[rank, dst])
-            write(dst, self.mine[at : at + n * itemsize].view(dtype))
+            if (out := segment(rank, dst)) is not None:
+                write(dst, out)
         flag = torch.zeros(1)  # one per turn: turns of several channels are in flight at once
         work = dist.all_reduce(flag, group=link.group, async_op=True)
-        views: list[torch.Tensor | None] = []
-        for src in range(link.world):
-            n = int(numel[src, rank])
-            if src == rank or n == 0:
-                views.append(None)
-                continue
-            at = base + int(offsets[src, rank])
-            views.append(self.peers[src][at : at + n * itemsize].view(dtype))
+        views = [segment(src, rank) for src in range(link.world)]
         self._last = HostTransfer(work, views, flag)
         return self._last
 
@@ -171,34 +163,25 @@ class Channel:
         half = 1 << max(12, (need - 1).bit_length())
         name = f"{link.prefix}-{self.key}-{half}"
         path = shm_dir() / f"{name}-{link.rank}"
-        maps: list[mmap.mmap] = []
-        peers: list[torch.Tensor] = []
+        mine = None
         try:
-            try:
-                mm, mine = _map(path, 2 * half, create=True)
-            except OSError:
-                mm = None
-            if not link.agree(mm is not None):  # every rank's file exists
+            with contextlib.suppress(OSError):
+                mine = _map(path, 2 * half, create=True)
+            if not link.agree(mine is not None):  # every rank's file exists
                 self.disabled = True
                 return False
-            try:
+            regions: list[tuple[mmap.mmap, torch.Tensor]] = []
+            with contextlib.suppress(OSError):
                 for r in range(link.world):
-                    if r == link.rank:
-                        maps.append(mm)
-                        peers.append(mine)
-                    else:
-                        m, t = _map(shm_dir() / f"{name}-{r}", 2 * half, create=False)
-                        maps.append(m)
-                        peers.append(t)
-                mapped = True
-            except OSError:
-                mapped = False
-            if not link.agree(mapped):  # every rank has mapped every file
+                    peer = shm_dir() / f"{name}-{r}"
+                    regions.append(mine if r == link.rank else _map(peer, 2 * half, create=False))
+            if not link.agree(len(regions) == link.world):  # every rank has mapped every file
                 self.disabled = True
                 return False
         finally:
             path.unlink(missing_ok=True)
-        self.half, self.mine, self.peers, self._maps = half, mine, peers, maps
+        self.half = half
+        self._maps, self.peers = [m for m, _ in regions], [t for _, t in regions]
         return True
 
 
@@ -234,15 +217,14 @@ class HostLink:
             with contextlib.suppress(OSError):  # no /dev/shm, or unwritable: no rank reads it
                 probe.write_text(prefix)
         dist.barrier(group=group)
-        try:
+        ok = False
+        with contextlib.suppress(OSError):
             ok = probe.read_text() == prefix
-        except OSError:
-            ok = False
-        seen = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+        link = cls(group, rank, world, prefix)
+        seen = link.agree(ok)  # every rank read it
         if rank == 0:
             probe.unlink(missing_ok=True)
-        return cls(group, rank, world, prefix) if int(seen) == 1 else None
+        return link if seen else None
 
     def agree(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank of the group (collective)."""

@@ -1,33 +1,19 @@
-"""What moves between the ranks' expert slots under the Balancer's plan: each layer's routing,
-its replicas' Trans and Agg, and a new plan's migration (`LayerMoves`).
-
-The Balancer decides *which* plan runs; this carries it out on the layers of one rank:
-
-- `route(plan, layer_maps)`: every layer's placement, assignment and this rank's slot map;
-- `reroute(plan, layers, stats)`: `plan`'s routing on some layers whose homes stay (replicas
-  re-chosen, `poise.plan.retarget`), then Trans;
-- `relay(plan, stats)`: make `plan` the layout now: migrate the homes whose slots change (with
-  their optimizer state, `transfers.migrate`, through the host link's shared memory where there
-  is one: one channel that every layer's migration takes in turn), route, and launch every
-  layer's Trans (the replicas' fill);
-- Trans (`start_trans`, `launch_trans`, `wait`): each replica slot gets its home's weights,
-  launched at the step boundary and waited for in the layer's forward (`overlap`); plain
-  (`transfers.trans_async`, through the host link's shared memory where there is one,
-  `poise.runtime.moves.host_link`) or compressed (`compression`: HybridEP's shared expert plus a
-  share of each residual, `poise.runtime.moves.compressed_trans`);
-- Agg (`launch_agg`, `finish_aggs`): each home's gradient gains its replicas', launched from the
-  gradient hooks and finished before anything reads gradients.
+"""The Balancer's plan carried out on the layers of one rank (`LayerMoves`; the Balancer decides
+*which* plan runs): routing, a new plan's migration, Trans (plain, or compressed: HybridEP's
+shared expert plus a share of each residual) launched at the step boundary and waited for in
+the layer's forward, and Agg launched from the gradient hooks and finished before anything
+reads gradients.
 
 Seconds spent here go to the step's `transfers` phase, bytes to its `trans_bytes`,
-`agg_bytes`, `migrate_bytes`. The part spent inside the step's forward and backward (Trans
-waits in the forward pre-hooks, Agg launches from the gradient hooks) also goes to
-`transfers_in_compute` (`TRANSFERS_IN_COMPUTE`); the rest falls in the training loop's
-`balance` phase. Every rank calls the same methods in the same order (the transfers are
-collective over `group`)."""
+`agg_bytes`, `migrate_bytes`; the part spent inside the step's forward and backward (Trans
+waits in the forward pre-hooks, Agg launches from the gradient hooks) also to
+`TRANSFERS_IN_COMPUTE`, the rest to the training loop's `balance` phase. Every rank calls the
+same methods in the same order (the transfers are collective over `group`)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +22,8 @@ from poise.core.placement import Plan
 from poise.nn.slots import SlotMap, slot_maps
 from poise.runtime.hybridep.compress import Compression
 from poise.runtime.moves import transfers as tr
+from poise.runtime.moves.compressed_trans import trans_compressed_async
+from poise.runtime.moves.exchange import Pending, Scratch
 from poise.runtime.moves.host_link import Channel, HostLink
 from poise.runtime.moves.layer_state import LayerState, grad_of, same_homes
 from poise.runtime.stats import StepStats
@@ -43,62 +31,49 @@ from poise.runtime.stats import StepStats
 TRANSFERS_IN_COMPUTE = "transfers_in_compute"  # the transfers' seconds inside forward/backward
 
 
+@dataclass(eq=False)
 class LayerMoves:
     """Routing, Trans, Agg and migration on this rank's layers (module docstring).
 
     `layers`: the Balancer's `LayerState`s; `slots`: slots per rank; `optimizer`: whose state
     migrates with the homes; `link`: shared-memory channels among the ranks of `group` (None:
-    through the group); `compression`: None (exact replicas) or a `Compression`."""
+    through the group); `compression`: None (exact replicas) or a `Compression`; `overlap`:
+    Trans runs under the forward (else it is waited for at once)."""
 
-    def __init__(
-        self,
-        layers: list[LayerState],
-        rank: int,
-        slots: int,
-        optimizer: torch.optim.Optimizer,
-        group: dist.ProcessGroup | None,
-        link: HostLink | None = None,
-        compression: Compression | None = None,
-        overlap: bool = True,
-    ) -> None:
-        self.layers = layers
-        self.rank = rank
-        self.slots = slots
-        self.optimizer = optimizer
-        self.group = group
-        self.link = link
-        self.compression = compression
-        self.overlap = overlap
-        self._shared: dict[int, list[torch.Tensor]] = {}  # layer -> shared expert (compression)
-        # the migrations' packed rows, reused from layer to layer and switch to switch
-        self.scratch = tr.Scratch()
+    layers: list[LayerState]
+    rank: int
+    slots: int
+    optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup | None
+    link: HostLink | None = None
+    compression: Compression | None = None
+    overlap: bool = True
+    # layer -> shared expert (compression)
+    _shared: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False)
+    # the migrations' packed rows, reused from layer to layer and switch to switch
+    scratch: Scratch = field(default_factory=Scratch, init=False)
 
     # ---------------------------------------------------------------------------- routing
     def route(self, plan: Plan, layer_maps: list[list[SlotMap]] | None = None) -> None:
         """Tell each layer its placement, assignment and this rank's slot map (`layer_maps`
         `[L][D]`; default: `slot_maps`'s canonical order)."""
-        for i, state in enumerate(self.layers):
-            maps = (
-                slot_maps(plan.placement, state.index, self.slots)
-                if layer_maps is None
-                else layer_maps[i]
-            )
-            state.set_maps(maps)
-            state.layer.set_routing(
-                plan.placement, plan.assignment, maps[self.rank], layer=state.index
-            )
+        if layer_maps is None:
+            layer_maps = [slot_maps(plan.placement, s.index, self.slots) for s in self.layers]
+        for state, maps in zip(self.layers, layer_maps, strict=True):
+            self._set_routing(state, plan, maps)
+
+    def _set_routing(self, state: LayerState, plan: Plan, maps: list[SlotMap]) -> None:
+        state.set_maps(maps)
+        state.layer.set_routing(plan.placement, plan.assignment, maps[self.rank], layer=state.index)
 
     def relay(self, plan: Plan, stats: StepStats) -> None:
-        """Make `plan` the routing of every layer now: migrate homes with their optimizer state
-        where the home slots change (homes that stay keep their slots, `slot_maps(previous=)`,
-        and only rewritten rows cost memory traffic: `stats.relaid_rows`; the packed rows go
-        through buffers kept from layer to layer and switch to switch, `transfers.Scratch`;
-        a layer whose plan
-        only adds, drops or swaps replicas moves nothing: replica rows are overwritten by its
-        Trans; rows no slot holds keep stale values no forward reads), then launch every
-        layer's Trans under the new maps (the replicas' fill) as a step boundary does: it runs
-        under the next forward, which waits for each layer's before using it (or at once
-        without `overlap`). Collective."""
+        """Make `plan` the routing of every layer now: migrate the homes whose slots change with
+        their optimizer state (`transfers.migrate`, through one shared-memory channel and
+        buffers every layer's migration takes in turn), then launch every layer's Trans under
+        the new maps (`launch_trans`). Homes that stay keep their slots (`slot_maps(previous=)`),
+        so only rewritten rows cost memory traffic; a layer whose plan only adds, drops or swaps
+        replicas moves nothing (its Trans overwrites the replica rows; rows no slot holds keep
+        stale values no forward reads). Collective."""
         t0 = time.perf_counter()
         layer_maps = []
         for state in self.layers:
@@ -121,24 +96,21 @@ class LayerMoves:
         self.launch_trans(stats, refresh=True)
 
     def reroute(self, plan: Plan, layers: list[int], stats: StepStats) -> None:
-        """`plan`'s routing on `layers` (indices into `self.layers`), whose homes stay where
-        they are (replicas only: nothing migrates; `relay` for a plan that moves homes), then
-        every replicated layer's Trans launched as a step boundary does. Collective."""
+        """`plan`'s routing on `layers` (indices into `self.layers`) whose homes stay, replicas
+        re-chosen (`poise.plan.retarget`; nothing migrates: `relay` moves homes), then every
+        replicated layer's Trans. Collective."""
         t0 = time.perf_counter()
         for i in layers:
             state = self.layers[i]
             self.wait(state)
             maps = slot_maps(plan.placement, state.index, self.slots, previous=state.maps)
             assert same_homes(state.maps, maps), "reroute moves no home"
-            state.set_maps(maps)
-            state.layer.set_routing(
-                plan.placement, plan.assignment, maps[self.rank], layer=state.index
-            )
+            self._set_routing(state, plan, maps)
         stats.add_seconds("transfers", time.perf_counter() - t0)
         self.launch_trans(stats)
 
     # ------------------------------------------------------------------------------ Trans
-    def start_trans(self, state: LayerState, refresh: bool = False) -> tr.Pending:
+    def start_trans(self, state: LayerState, refresh: bool = False) -> Pending:
         """Launch one layer's Trans under its current maps (compressed when `compression`;
         `refresh`: recompute the layer's shared expert first)."""
         if self.compression is None:
@@ -146,8 +118,6 @@ class LayerMoves:
                 state.params, state.maps, self.rank, group=self.group, routes=state.trans_routes,
                 link=self._channel("trans", state),
             )  # fmt: skip
-        from poise.runtime.moves.compressed_trans import trans_compressed_async
-
         shared = None if refresh else self._shared.get(state.index)
         pending = trans_compressed_async(
             state.params, state.maps, self.rank, self.compression.ratio,
@@ -157,7 +127,8 @@ class LayerMoves:
         return pending
 
     def launch_trans(self, stats: StepStats, refresh: bool = False) -> None:
-        """Launch every replicated layer's Trans (after waiting for any still in flight); at
+        """Launch every replicated layer's Trans (after waiting for any still in flight): it runs
+        under the next forward, which waits for each layer's before using it (`wait`), or at
         once without `overlap`."""
         t0 = time.perf_counter()
         for state in self.layers:
@@ -172,9 +143,8 @@ class LayerMoves:
     def wait(
         self, state: LayerState, stats: StepStats | None = None, in_compute: bool = False
     ) -> None:
-        """The layer's Trans must have landed before it runs (its forward pre-hook); the wait
-        goes to `stats`' transfers where given, and also to `TRANSFERS_IN_COMPUTE` when
-        `in_compute` (from the forward pre-hook: inside the step's forward)."""
+        """Wait for the layer's Trans (before it runs); the wait goes to `stats`' transfers
+        where given, and also to `TRANSFERS_IN_COMPUTE` when `in_compute` (the forward pre-hook)."""
         if state.trans is not None:
             t0 = time.perf_counter()
             state.trans.wait()
@@ -190,9 +160,8 @@ class LayerMoves:
     def launch_agg(
         self, state: LayerState, stats: StepStats, timed: bool = True, in_compute: bool = False
     ) -> None:
-        """Launch the layer's Agg on its gradients as they stand (its launch seconds to
-        `stats`' transfers when `timed`, and to `TRANSFERS_IN_COMPUTE` too when `in_compute`:
-        from a gradient hook, inside the step's backward)."""
+        """Launch the layer's Agg on its gradients as they stand; its launch seconds go as in
+        `wait` when `timed` (`in_compute`: from a gradient hook, inside the step's backward)."""
         t0 = time.perf_counter()
         grads = [grad_of(p) for p in state.params]
         pending = tr.agg_async(
@@ -212,8 +181,7 @@ class LayerMoves:
         t0 = time.perf_counter()
         for state in self.layers:
             for p in state.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                grad_of(p)
             if state.has_replicas and not state.aggs:
                 self.launch_agg(state, stats, timed=False)
             for pending in state.aggs:
@@ -227,8 +195,8 @@ class LayerMoves:
         return None if self.link is None else self.link.channel(f"{kind}-{state.index}")
 
     def migrate_channel(self) -> Channel | None:
-        """The shared-memory channel every layer's migration takes in turn (one region, sized by
-        the largest layer's move, not one per layer), None without a link."""
+        """The channel every layer's migration takes in turn (one region, sized by the largest
+        layer's move), None without a link."""
         return None if self.link is None else self.link.channel("migrate")
 
 

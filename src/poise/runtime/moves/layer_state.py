@@ -1,6 +1,5 @@
-"""What the Balancer keeps per MoE layer (`LayerState`: slot maps of every rank, Trans/Agg
-routes, transfers in flight, the step's counts), and the small helpers on a layer's stacked
-expert tensors it shares with its transfers."""
+"""What the Balancer keeps per MoE layer (`LayerState`), and the small helpers on a layer's
+stacked expert tensors it shares with its transfers."""
 
 from __future__ import annotations
 
@@ -10,15 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from poise.nn.moe import MoE
 from poise.nn.slots import SlotMap
-from poise.runtime.moves import transfers as tr
-
-
-def expert_params(layer: MoE) -> list[nn.Parameter]:
-    """The layer's stacked per-slot expert tensors, each `[P, ...]`: `w_in [P, M, H]`,
-    `w_gate [P, M, H]` (SwiGLU only), `w_out [P, H, M]`."""
-    return list(layer.experts.weights())
+from poise.runtime.moves.exchange import Pending, Routes, trans_routes
 
 
 def same_homes(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
@@ -32,18 +24,19 @@ def same_homes(a: Sequence[SlotMap], b: Sequence[SlotMap]) -> bool:
 
 
 class LayerState:
-    """What the Balancer keeps per layer: slot maps of every rank, cached routes, transfers in
-    flight, the step's counts and the layer's expert tensors."""
+    """One layer's slot maps of every rank, cached Trans/Agg routes, transfers in flight, the
+    step's counts and its stacked per-slot expert tensors `params`, each `[P, ...]`:
+    `w_in [P, M, H]`, `w_gate [P, M, H]` (SwiGLU only), `w_out [P, H, M]`."""
 
     def __init__(self, layer: nn.Module, index: int) -> None:
         self.layer = layer
         self.index = index
-        self.params = expert_params(layer)
+        self.params: list[nn.Parameter] = list(layer.experts.weights())
         self.maps: list[SlotMap] = []
-        self.trans_routes = tr.Routes.build([])
-        self.agg_routes = tr.Routes.build([])
-        self.trans: tr.Pending | None = None
-        self.aggs: list[tr.Pending] = []
+        self.trans_routes = Routes.build([])
+        self.agg_routes = Routes.build([])
+        self.trans: Pending | None = None
+        self.aggs: list[Pending] = []
         self.counts = torch.zeros(0, dtype=torch.long)
         self.rows = 0  # token-expert rows this rank computed in the layer this step
         self.grads_ready: set[int] = set()
@@ -54,7 +47,7 @@ class LayerState:
 
     def set_maps(self, maps: list[SlotMap]) -> None:
         self.maps = maps
-        self.trans_routes = tr.trans_routes(maps)
+        self.trans_routes = trans_routes(maps)
         self.agg_routes = self.trans_routes.swapped()
 
 
@@ -65,4 +58,4 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-__all__ = ["LayerState", "expert_params", "grad_of", "same_homes"]
+__all__ = ["LayerState", "grad_of", "same_homes"]

@@ -28,6 +28,5 @@ def transfer_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     `poise.runtime.smartmoe.create_groups` does, `LayoutGroups.ep_transfer`)."""
     if not (dist.is_available() and dist.is_initialized()) or not spans_world(group):
         return group
-    if dist.get_world_size() == 1:
-        return group
-    return dist.new_group(list(range(dist.get_world_size())))
+    world = dist.get_world_size()
+    return group if world == 1 else dist.new_group(list(range(world)))

@@ -1,7 +1,7 @@
 """Trans, Agg and migration: moving expert rows between the slots of the ranks of one layer.
 
 - Trans (`trans`, `trans_async`): each replica slot gets its home's current weights.
-- Agg (`agg`, `agg_async`): each home slot's gradient gains the sum of its replicas' gradients,
+- Agg (`agg_async`): each home slot's gradient gains the sum of its replicas' gradients,
   added in ascending rank of the replica holder (a deterministic sum); replica gradients become
   zero, so the optimizer's mathematics on the owner is exactly that of static EP.
 - Migration (`migrate`): a new placement takes effect. Each new home slot gets the old home's
@@ -9,10 +9,9 @@
   `exp_avg`, `exp_avg_sq`); each replica slot gets the weights and zero moments; empty slots
   become zero. Per-tensor step counts are untouched (every rank steps every tensor).
 
-Each is one `exchange` per layer (`poise.runtime.moves.exchange`: routes from the slot maps,
-one packed all-to-all; its names are re-exported here). The `*_async` variants return a
-`Pending` whose `wait()` finishes the transfer, so Trans of layer l+1 can run under layer l's
-forward and Agg under the backward of earlier layers.
+Each is one `exchange` per layer (`poise.runtime.moves.exchange`). The `*_async` variants
+return a `Pending` whose `wait()` finishes the transfer, so Trans of layer l+1 can run under
+layer l's forward and Agg under the backward of earlier layers.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from poise.nn.slots import SlotMap
 
 # `exchange` is called through this module's globals: `poise.train.faults` patches it here
 from poise.runtime.moves.exchange import (
-    LINK_MAX_BYTES,
     Pending,
     Routes,
     Scratch,
@@ -37,14 +35,23 @@ from poise.runtime.moves.exchange import (
     TransferError,
     _index,
     agg_routes,
+    completed,
     exchange,
-    gather_rows,
-    home_slots,
     migration_routes,
-    pair_numel,
     trans_routes,
 )
 from poise.runtime.moves.host_link import Channel
+
+
+def _sink(targets: list[torch.Tensor], add: bool = False) -> Sink:
+    """Copies (`add`: adds) the received rows into their slots of `targets`."""
+
+    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, x in zip(targets, rows, strict=True):
+                (t.index_add_ if add else t.index_copy_)(0, dst, x)
+
+    return sink
 
 
 # --------------------------------------------------------------------------------- Trans/Agg
@@ -62,28 +69,11 @@ def trans_async(
     step; `link`: through shared memory (`exchange`)."""
     routes = routes if routes is not None else trans_routes(maps)
     targets = list(params)
-
-    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for t, x in zip(targets, rows, strict=True):
-                t.index_copy_(0, dst, x)
-
-    stream = Stream(routes, targets, sink)
+    stream = Stream(routes, targets, _sink(targets))
     return exchange([stream], rank, len(maps), group=group, async_op=True, link=link)
 
 
-def trans(
-    params: Sequence[torch.Tensor],
-    maps: Sequence[SlotMap],
-    rank: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    routes: Routes | None = None,
-) -> Pending:
-    """Trans, completed before returning (the returned `Pending` carries the byte counts)."""
-    pending = trans_async(params, maps, rank, group=group, routes=routes)
-    pending.wait()
-    return pending
+trans = completed(trans_async)
 
 
 def agg_async(
@@ -97,19 +87,12 @@ def agg_async(
 ) -> Pending:
     """Start Agg on gradients `grads` (each `[S, ...]`, laid out as the parameters). Replica
     rows are packed and zeroed now, so gradients accumulated into them later (a further
-    micro-batch) are not lost; at `wait()` each home row gains its replicas' rows in ascending
-    rank of the sender. `routes` defaults to `agg_routes(maps)`; `link` as in `trans_async`."""
+    micro-batch) are not lost; they are added into their home rows at `wait()`. `routes`
+    defaults to `agg_routes(maps)`; `link` as in `trans_async`."""
     routes = routes if routes is not None else agg_routes(maps)
     targets = list(grads)
-
-    def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for t, x in zip(targets, rows, strict=True):
-                t.index_add_(0, dst, x)
-
-    pending = exchange(
-        [Stream(routes, targets, sink)], rank, len(maps), group=group, async_op=True, link=link
-    )
+    stream = Stream(routes, targets, _sink(targets, add=True))
+    pending = exchange([stream], rank, len(maps), group=group, async_op=True, link=link)
     mine = routes.src_slot[routes.src_rank == rank]
     if mine.size:
         with torch.no_grad():
@@ -118,32 +101,16 @@ def agg_async(
     return pending
 
 
-def agg(
-    grads: Sequence[torch.Tensor],
-    maps: Sequence[SlotMap],
-    rank: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    routes: Routes | None = None,
-) -> Pending:
-    """Agg, completed before returning."""
-    pending = agg_async(grads, maps, rank, group=group, routes=routes)
-    pending.wait()
-    return pending
-
-
 # --------------------------------------------------------------------------------- migration
 @dataclass(frozen=True)
 class Migration:
-    """What `migrate` moved. `home_*`: rows that became homes elsewhere (weights and optimizer
-    state); `replica_*`: replica fills (weights). `*_bytes`: this rank's outgoing traffic;
-    `*_total_bytes`: all ranks' together; `moved_homes`: experts whose home changed rank;
-    `relaid_rows`/`relaid_bytes`: this rank's slots rewritten in place (weights and moments)."""
+    """What `migrate` moved. `home_bytes`: this rank's outgoing home rows (weights and
+    optimizer state); `home_total_bytes`: all ranks' together; `moved_homes`: experts whose
+    home changed rank; `relaid_rows`/`relaid_bytes`: this rank's slots rewritten in place
+    (weights and moments)."""
 
     home_bytes: int
-    replica_bytes: int
     home_total_bytes: int
-    replica_total_bytes: int
     moved_homes: int
     relaid_rows: int = 0
     relaid_bytes: int = 0
@@ -157,13 +124,8 @@ def state_tensors(
     out: list[list[torch.Tensor]] = []
     for p in params:
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        out.append(
-            [
-                state[k]
-                for k in sorted(state, key=str)
-                if isinstance(state[k], torch.Tensor) and state[k].shape == p.shape
-            ]
-        )
+        values = [state[k] for k in sorted(state, key=str)]
+        out.append([v for v in values if isinstance(v, torch.Tensor) and v.shape == p.shape])
     return out
 
 
@@ -181,18 +143,13 @@ def migrate(
     scratch: Scratch | None = None,
 ) -> Migration:
     """Re-lay `params` (each `[S, ...]`) and their optimizer moments from `old_maps` to
-    `new_maps`: one collective, plus a tiny one that checks every rank has the same state.
-
-    Afterwards every held slot has its expert's current weights (replicas too: no Trans is
-    needed), home slots the old home's moments, other slots zero moments, empty slots zero
-    weights. Tensors are updated in place (the optimizer keeps its references). Only rows that
-    change are touched: a home that keeps its rank and slot is neither copied nor rewritten;
-    an arriving home's row is written once, other rewritten rows (replica, empty) are cleared.
-
+    `new_maps` (module docstring) in place, the optimizer keeping its references: one
+    collective, plus a tiny one that checks every rank has the same state. Only rows that
+    change are touched: a home that keeps its rank and slot is neither copied nor rewritten; an
+    arriving home's row is written once, other rewritten rows (replica, empty) are cleared.
     `fill_replicas=False`: homes only, replica slots left zero (the compressed Trans fills
-    them, `poise.runtime.moves.compressed_trans`). `link`, `link_max_bytes`: through shared
-    memory as in `exchange`. `scratch`: reused buffers for the packed rows (`Scratch`; the
-    caller keeps it between switches)."""
+    them). `link`, `link_max_bytes`, `scratch` (kept by the caller between switches): as in
+    `exchange`."""
     params = list(params)
     moments = state_tensors(optimizer, params)
     _check_same_state(moments, group)
@@ -206,18 +163,9 @@ def migrate(
     rewritten = np.setdiff1d(np.arange(slots), kept)
     # an arriving home's row is written whole (weights and moments): not cleared first
     cleared = np.setdiff1d(rewritten, moving.dst_slot[moving.dst_rank == rank])
-    flat_moments = [m for ms in moments for m in ms]
-    every = [*params, *flat_moments]
-
-    def write(targets: list[torch.Tensor]) -> Sink:
-        def sink(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
-            for t, x in zip(targets, rows, strict=True):
-                t.index_copy_(0, dst, x)
-
-        return sink
-
+    every = [*params, *(m for ms in moments for m in ms)]
     with torch.no_grad():
-        streams = [Stream(moving, every, write(every)), Stream(replicas, params, write(params))]
+        streams = [Stream(moving, every, _sink(every)), Stream(replicas, params, _sink(params))]
         pending = exchange(
             streams, rank, len(new_maps), group=group, link=link, link_max_bytes=link_max_bytes,
             scratch=scratch,
@@ -228,20 +176,14 @@ def migrate(
                 t.index_fill_(0, clear.to(t.device), 0.0)
         pending.wait()
     home_row = streams[0].row_bytes()
-    replica_row = streams[1].row_bytes()
+    leaving = (homes.src_rank == rank) & (homes.dst_rank != rank)
     return Migration(
-        home_bytes=home_row * int(np.count_nonzero(_leaving(homes, rank))),
-        replica_bytes=replica_row * int(np.count_nonzero(_leaving(replicas, rank))),
+        home_bytes=home_row * int(np.count_nonzero(leaving)),
         home_total_bytes=home_row * homes.remote_rows(),
-        replica_total_bytes=replica_row * replicas.remote_rows(),
         moved_homes=homes.remote_rows(),
         relaid_rows=int(rewritten.size),
         relaid_bytes=home_row * int(rewritten.size),
     )
-
-
-def _leaving(routes: Routes, rank: int) -> np.ndarray:
-    return (routes.src_rank == rank) & (routes.dst_rank != rank)
 
 
 def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGroup | None) -> None:
@@ -262,26 +204,4 @@ def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGrou
         )
 
 
-__all__ = [
-    "LINK_MAX_BYTES",
-    "Migration",
-    "Pending",
-    "Routes",
-    "Scratch",
-    "Sink",
-    "Stream",
-    "TransferError",
-    "agg",
-    "agg_async",
-    "agg_routes",
-    "exchange",
-    "gather_rows",
-    "home_slots",
-    "migrate",
-    "migration_routes",
-    "pair_numel",
-    "state_tensors",
-    "trans",
-    "trans_async",
-    "trans_routes",
-]
+__all__ = ["Migration", "agg_async", "migrate", "state_tensors", "trans", "trans_async"]

@@ -35,8 +35,9 @@ from poise.cost.model import link_time
 from poise.cost.traffic import migration_traffic
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
+from poise.runtime.moves.exchange import Scratch
 from poise.runtime.moves.host_link import Channel
-from poise.runtime.moves.transfers import Scratch, migrate
+from poise.runtime.moves.transfers import migrate
 from poise.runtime.selfcal.fit import SCALE_LIMITS
 
 ROUNDS = 5  # timed rounds after the warm-up one
