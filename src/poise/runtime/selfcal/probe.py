@@ -131,9 +131,8 @@ def switch_probe_homes(spec: ModelSpec, world: int) -> int:
 def _synthetic_layer(
     spec: ModelSpec, homes: int, device: torch.device
 ) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
-    """`homes` slots of the spec's expert tensors (`[homes, d_model, d_expert]` for the inputs,
-    `[homes, d_expert, d_model]` for the output) and an optimizer holding as many moment tensors
-    of each as `optimizer_bytes_per_param` bytes per parameter make (AdamW's two)."""
+    """`homes` slots of the expert tensors (`[homes, d_model, d_expert]` in, `[homes, d_expert,
+    d_model]` out) and an optimizer with `optimizer_bytes_per_param` bytes of moments each."""
     dtype = {2: torch.bfloat16, 8: torch.float64}.get(int(spec.dtype_bytes), torch.float32)
     M, H = spec.d_model, spec.d_expert
     shapes = [(homes, M, H)] * (spec.expert_matrices - 1) + [(homes, H, M)]
