@@ -93,6 +93,3 @@ class BalancerConfig:
                 f"must be in [0, replan_every = {replan_every}], got {self.plan_lag}",
                 field="plan_lag",
             )
-
-
-__all__ = ["BalancerConfig"]

@@ -266,13 +266,3 @@ def _first_error(out_dir: str, world_size: int) -> str | None:
             if status == "error":
                 return f"rank {rank}: {value}"
     return None
-
-
-__all__ = [
-    "RankFailedError",
-    "exit_with",
-    "free_port",
-    "run_ranks",
-    "start_forked",
-    "warm_fork_server",
-]

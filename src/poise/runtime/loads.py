@@ -92,6 +92,3 @@ def max_over_group(seconds: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
     ns = ns.to(comm_device(group, "cpu"))
     dist.all_reduce(ns, op=dist.ReduceOp.MAX, group=group)
     return ns.cpu().numpy().astype(np.float64) / 1e9
-
-
-__all__ = ["GatheredStep", "gather_step", "max_over_group"]

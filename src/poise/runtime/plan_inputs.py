@@ -161,14 +161,3 @@ def initial_plan(
             )
     transfers = transfers_between(None, placement, spec)
     return Plan(policy="initial", placement=placement, assignment=assignment, transfers=transfers)
-
-
-__all__ = [
-    "default_cluster",
-    "initial_plan",
-    "layer_slots",
-    "prior_cluster",
-    "ranks_on_host",
-    "shared_cores",
-    "spec_from_layers",
-]

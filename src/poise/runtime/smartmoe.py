@@ -165,12 +165,3 @@ def replicas_agree(model: nn.Module, edp_group: Any, atol: float = 0.0) -> bool:
         return True
     flat = torch.cat([p.detach().reshape(-1).float() for p in params])
     return bool(_spread(flat, edp_group).abs().max() <= atol)
-
-
-__all__ = [
-    "LayoutGroups",
-    "all_reduce_expert_grads",
-    "create_groups",
-    "expert_weights",
-    "replicas_agree",
-]

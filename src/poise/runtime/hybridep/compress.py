@@ -144,21 +144,3 @@ def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
     a = original.detach().double()
     norm = float(a.norm())
     return float((a - approx.detach().double()).norm()) / norm if norm > 0 else 0.0
-
-
-__all__ = [
-    "Compression",
-    "Encoded",
-    "decode",
-    "encode",
-    "index_dtype",
-    "is_dense",
-    "kept",
-    "pack",
-    "packed_bytes",
-    "relative_error",
-    "roundtrip",
-    "row_wire_bytes",
-    "shared_expert",
-    "unpack",
-]

@@ -85,6 +85,3 @@ class DomainTraffic:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-__all__ = ["DomainTraffic", "cross_domain_tokens", "domain_cluster"]

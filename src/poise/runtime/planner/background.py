@@ -257,6 +257,3 @@ def _timed(job: Callable[[], Any]) -> tuple[Any, float, float]:
     t0, c0 = time.perf_counter(), time.thread_time()
     value = job()
     return value, time.perf_counter() - t0, time.thread_time() - c0
-
-
-__all__ = ["BackgroundPlanner", "Planned", "WorkerProcess", "lowest_priority"]
