@@ -24,7 +24,6 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     planner = BackgroundPlanner(process=False)  # a thread: the job is a closure
     release = threading.Event()
     planner.submit(lambda: release.wait(5) and "plan", requested_at=4, adopt_at=5)
-    assert planner.busy and not planner.due(4) and planner.due(5)
     with pytest.raises(PoiseError, match="in flight"):
         planner.submit(lambda: None, 5, 6)
     threading.Timer(0.05, release.set).start()
@@ -32,7 +31,7 @@ def test_background_planner_hands_results_over_at_the_adoption_step() -> None:
     # take() waited for the release, 0.05 s after the timer started (the job's own clock may
     # start late on a loaded machine, so only its sign is certain)
     assert done.value == "plan" and done.wait_s > 0.02 and done.plan_s > 0
-    assert (done.requested_at, done.adopt_at) == (4, 5) and not planner.busy
+    assert (done.requested_at, done.adopt_at) == (4, 5)
     planner.close()
 
 
@@ -83,7 +82,6 @@ def test_the_planner_process_runs_jobs_elsewhere_at_the_lowest_priority() -> Non
             planner.take()
         with pytest.raises(PoiseError, match="must pickle"):
             planner.submit(lambda: None, 3, 3)
-        assert not planner.busy
         planner.submit(partial(os._exit, 3), 4, 4)
         with pytest.raises(PoiseError, match="exited with status 3"):
             planner.take()

@@ -635,7 +635,7 @@ def test_one_process_balancer_records_and_plans() -> None:
     assert balancer.records.measured_rows()[:, 0].tolist() == [0, 1, 2, 3]
     assert stats[-1].device_tokens[0] == [32.0]  # 16 tokens x top-2, one rank
     assert {"gate", "dispatch", "experts", "combine"} <= stats[-1].seconds.keys()
-    assert stats[-1].as_dict()["step"] == 3
+    assert stats[-1].step == 3
     spec = spec_from_layers([model[0], model[1]], 16)
     assert (spec.d_model, spec.d_expert, spec.experts, spec.moe_layers) == (8, 16, 4, 2)
     assert spec.activation == "swiglu" and spec.dtype_bytes == 4

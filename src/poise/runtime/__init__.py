@@ -15,49 +15,15 @@
 - `hybridep/`, `parm/`, `smartmoe`: HybridEP's domains, Parm's MP + EP + ESP layer, SmartMoE's
   layouts at run time; `home_optimizer`: AdamW on home rows; `launch`: local gloo ranks.
 
-Names are imported lazily, so `poise.runtime.launch` stays cheap to import.
+The package exports `Balancer` and `BalancerConfig`, imported lazily so that
+`poise.runtime.launch` stays cheap to import; everything else comes from its module.
 """
 
 from __future__ import annotations
 
 from poise.util.lazy import lazy_getattr
 
-_EXPORTS = {
-    "Balancer": "balancer",
-    "BalancerConfig": "config",
-    "PlanMismatchError": "planning",
-    "default_cluster": "balancer",
-    "spec_from_layers": "balancer",
-    "HomeRowsAdamW": "home_optimizer",
-    "home_rows": "home_optimizer",
-    "LayerLoads": "stats",
-    "StepStats": "stats",
-    "layer_loads": "stats",
-    "Migration": "moves.transfers",
-    "Pending": "moves.exchange",
-    "Routes": "moves.exchange",
-    "TransferError": "moves.exchange",
-    "HostLink": "moves.host_link",
-    "agg_async": "moves.transfers",
-    "migrate": "moves.transfers",
-    "trans": "moves.transfers",
-    "trans_async": "moves.transfers",
-    "RankFailedError": "launch",
-    "run_ranks": "launch",
-    "ParallelGroups": "parm.groups",
-    "check_degrees": "parm.groups",
-    "ParallelMoE": "parm.parallel_moe",
-    "parallel_block": "parm.layer",
-    "load_full_state": "parm.layer",
-    "full_state": "parm.layer",
-    "sync_parallel_grads": "parm.layer",
-    "ParmChooser": "parm.choice",
-    "ParmShape": "parm.choice",
-    "LayoutGroups": "smartmoe",
-    "create_groups": "smartmoe",
-    "all_reduce_expert_grads": "smartmoe",
-}
-
+_EXPORTS = {"Balancer": "balancer", "BalancerConfig": "config"}
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
 

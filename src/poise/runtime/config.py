@@ -71,17 +71,14 @@ class BalancerConfig:
     probe_transfers: bool = True
 
     def __post_init__(self) -> None:
+        probe = self.probe_every
         checks = (
             ("plan_lag", self.plan_lag >= 0, "must be >= 0"),
             ("history", self.history >= 1, "must be >= 1"),
             ("horizon", self.horizon is None or self.horizon >= 1, "must be >= 1"),
             ("total_steps", self.total_steps is None or self.total_steps >= 0, "must be >= 0"),
             ("margin", self.margin >= 0, "must be >= 0"),
-            (
-                "probe_every",
-                self.probe_every == 0 or self.probe_every >= 2,
-                "must be 0 (off) or >= 2",
-            ),
+            ("probe_every", probe == 0 or probe >= 2, "must be 0 (off) or >= 2"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -96,6 +93,3 @@ class BalancerConfig:
                 f"must be in [0, replan_every = {replan_every}], got {self.plan_lag}",
                 field="plan_lag",
             )
-
-
-__all__ = ["BalancerConfig"]

@@ -11,10 +11,9 @@ Each row's update is AdamW's element-wise mathematics, so losses equal static EP
 tensor's `step` advances every step on every rank (also with no home row), so bias corrections
 stay identical when a home's moments migrate.
 
-It runs PyTorch's fused AdamW kernel wherever it supports the parameters (`fused=None`: float
-tensors on a device with the kernel, CPU and CUDA among them), else the per-tensor loop
-(`fused=False`), which on the CPU is slower still on rows with zero moments (`sqrt` of zeros
-takes a slow path), charging idle experts optimizer time. Fused and loop agree to float
+It runs PyTorch's fused AdamW kernel wherever it supports the parameters (`fused_supported`),
+else the per-tensor loop, which on the CPU is slower still on rows with zero moments (`sqrt` of
+zeros takes a slow path), charging idle experts optimizer time. Fused and loop agree to float
 rounding; each matches `torch.optim.AdamW` with the same `fused` flag bit for bit.
 """
 
@@ -82,8 +81,7 @@ class HomeRowsAdamW(torch.optim.AdamW):
             raise ValueError("HomeRowsAdamW takes fused or foreach, not both")
         super().__init__(params, **kwargs)  # torch's checks of fused=True would not apply here
         self.rows_of = dict(rows_of or {})
-        every = [p for g in self.param_groups for p in g["params"]]
-        supported = fused_supported(every)
+        supported = fused_supported(p for g in self.param_groups for p in g["params"])
         if fused and not supported:
             raise ValueError(
                 "fused=True needs float parameters on a device with PyTorch's fused AdamW kernel"

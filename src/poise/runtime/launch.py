@@ -1,21 +1,15 @@
-"""Run a function on D local gloo ranks in fresh processes and collect what each returns; start
-one process from the same fork server (`start_forked`: `poise train --nproc`'s ranks).
+"""Run a function on D local gloo ranks in fresh processes and collect what each returns
+(`run_ranks`), or start one process (`start_forked`: `poise train --nproc`'s ranks).
 
-Every rank gets a gloo process group on 127.0.0.1 with a collective timeout (a disagreeing rank
-is an error, not a hang), one intra-op thread by default; its return value is pickled back. A
-rank that raises fails the run with its traceback; a run past `timeout_s` is ended.
+Each rank joins a gloo group on 127.0.0.1 with a collective timeout (a disagreeing rank is an
+error, not a hang); one that raises fails the run with its traceback.
 
-Ranks are forked from a fork server (`multiprocessing`'s `forkserver`) that imported torch,
-`torch.distributed` and `torch._dynamo` once (`FORKSERVER_PRELOAD`), so a rank starts in a
-fraction of a second instead of importing them itself (`torch.optim`'s first step imports
-`torch._dynamo`). Otherwise a forked rank is a spawned one: no process group, no CUDA, the
-caller's `sys.path`, working directory and environment at the call (`_take_environment`).
-
-A forked process lives no longer than its launcher (`exit_with`): the fork server outlives a
-killed launcher, and so would its ranks, waiting for peers that never come; each checks every
-second and ends itself, and the fork server, once the launcher is gone. `start_forked` also
-passes the caller's current standard output and error (fds 1 and 2, through the server as
-`multiprocessing` passes a pipe): the server's own may be gone, a test's captured output.
+Processes fork from a `forkserver` that imported torch, `torch.distributed` and `torch._dynamo`
+once (`FORKSERVER_PRELOAD`; `torch.optim`'s first step imports `torch._dynamo`), so one starts
+in a fraction of a second; otherwise it is a spawned one (no process group, no CUDA, the
+caller's `sys.path`, working directory and environment at the call). A forked process ends
+itself once its launcher is gone (`exit_with`): the server outlives a killed launcher, and so
+would its ranks, waiting for peers that never come.
 """
 
 from __future__ import annotations
@@ -67,12 +61,10 @@ def join_local_gloo(rank: int, world_size: int, port: int, threads: int, timeout
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    url = f"tcp://127.0.0.1:{port}"
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        "gloo", init_method=url, rank=rank, world_size=world_size, timeout=timeout
     )
 
 
@@ -106,9 +98,9 @@ def _rank_main(
             destroy_process_group()
     except BaseException as exc:
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        result_path.write_bytes(pickle.dumps(payload))
         raise
-    result_path.write_bytes(pickle.dumps(payload))
+    finally:
+        result_path.write_bytes(pickle.dumps(payload))
 
 
 def run_ranks(
@@ -119,28 +111,23 @@ def run_ranks(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Call `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; the results in rank
-    order. `fn` and `args` must be picklable (a module-level function)."""
+    """Call `fn(rank, world_size, *args)` on `world_size` forked gloo ranks of `threads`
+    intra-op threads each; the results in rank order (`fn`, `args`: picklable, module-level)."""
     import torch.multiprocessing as mp
 
     _preload_forkserver()
     with tempfile.TemporaryDirectory(prefix="poise-ranks-") as out_dir:
         rank_args = (fn, world_size, free_port(), out_dir, threads, collective_timeout_s, args)
+        rank_args += (dict(os.environ), os.getpid())  # the caller's environment, the launcher
         procs = mp.start_processes(
-            _rank_main,
-            args=(*rank_args, dict(os.environ), os.getpid()),
-            nprocs=world_size,
-            join=False,
-            start_method="forkserver",
+            _rank_main, args=rank_args, nprocs=world_size, join=False, start_method="forkserver"
         )
         deadline = time.monotonic() + timeout_s
         try:
             while not procs.join(timeout=0.1):
                 if time.monotonic() > deadline:
                     raise RankFailedError(f"ranks did not finish within {timeout_s:.0f} s")
-        except mp.ProcessRaisedException as exc:
-            raise RankFailedError(_first_error(out_dir, world_size) or str(exc)) from None
-        except mp.ProcessExitedException as exc:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             raise RankFailedError(_first_error(out_dir, world_size) or str(exc)) from None
         finally:
             for proc in procs.processes:
@@ -162,14 +149,13 @@ def start_forked(
     environ: dict[str, str] | None = None,
 ) -> BaseProcess:
     """Start picklable `target(*args)` in a process forked from the fork server, with
-    `environ` (default: the caller's now) and the caller's current standard output and error.
-    Its `exitcode`: the int `target` returns; 1 on an exception (traceback on standard error);
-    -N on signal N."""
+    `environ` (default: the caller's now) and the caller's current standard output and error
+    (the server's own may be gone: a test's captured output). Its `exitcode`: the int `target`
+    returns; 1 on an exception (traceback on standard error); -N on signal N."""
     _preload_forkserver()
-    ctx = multiprocessing.get_context("forkserver")
     streams = (_PassedFd(1), _PassedFd(2))
-    env = dict(os.environ) if environ is None else dict(environ)
-    proc = ctx.Process(
+    env = dict(os.environ if environ is None else environ)
+    proc = multiprocessing.get_context("forkserver").Process(
         target=_forked_main, args=(target, args, env, streams, os.getpid()), name=name
     )
     proc.start()
@@ -210,10 +196,9 @@ def _forked_main(
     sys.exit(target(*args))
 
 
-def exit_with(launcher: int, every_s: float = 1.0) -> threading.Thread:
+def exit_with(launcher: int, every_s: float = 1.0) -> None:
     """In a forked process: end this process (SIGTERM) and its fork server once the process
-    `launcher` is gone, checked every `every_s` seconds on a daemon thread (returned)."""
-
+    `launcher` is gone, checked every `every_s` seconds on a daemon thread."""
     server = os.getppid()  # the fork server, alive now
 
     def watch() -> None:
@@ -224,9 +209,7 @@ def exit_with(launcher: int, every_s: float = 1.0) -> threading.Thread:
                 os.kill(server, signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    thread = threading.Thread(target=watch, name="poise-exit-with-launcher", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="poise-exit-with-launcher", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
@@ -252,17 +235,15 @@ def proc_stat(pid: int) -> list[str] | None:
     return stat.rsplit(")", 1)[-1].split()
 
 
-def warm_fork_server() -> threading.Thread:
-    """Start the fork server (its imports take seconds) on a daemon thread, returned, so the
+def warm_fork_server() -> None:
+    """Start the fork server (its imports take seconds) on a daemon thread, so that the
     caller's work until its first `start_forked` or `run_ranks` overlaps them."""
     from multiprocessing import forkserver
 
     _preload_forkserver()
-    thread = threading.Thread(
+    threading.Thread(
         target=forkserver.ensure_running, name="poise-fork-server", daemon=True
-    )
-    thread.start()
-    return thread
+    ).start()
 
 
 def _preload_forkserver() -> None:
@@ -285,13 +266,3 @@ def _first_error(out_dir: str, world_size: int) -> str | None:
             if status == "error":
                 return f"rank {rank}: {value}"
     return None
-
-
-__all__ = [
-    "RankFailedError",
-    "exit_with",
-    "free_port",
-    "run_ranks",
-    "start_forked",
-    "warm_fork_server",
-]

@@ -30,11 +30,9 @@ from poise.runtime.selfcal.fit import EXPERTS, across_ranks
 
 @dataclass(frozen=True)
 class GatheredStep:
-    """The gathered table, unpacked: `counts[L, D, E]` (tokens each rank routed to each
-    expert), `computed[L, D]` (rows each rank's expert slots computed), `rank_seconds[D, M]`
-    (every rank's own seconds per `MEASURED` column), `measured[M]` (across ranks,
-    `across_ranks`) and `rank_experts[D]` (every rank's expert seconds); the last two
-    at their maximum over the vote group where there is one."""
+    """The gathered table, unpacked: `counts[L, D, E]` (tokens each rank routed to each expert),
+    `computed[L, D]`, `rank_seconds[D, M]` (every rank's own), `measured[M]` (across ranks; over
+    the vote group too) and `rank_experts[D]` (every rank's expert seconds; likewise)."""
 
     counts: np.ndarray
     computed: np.ndarray
@@ -53,25 +51,20 @@ def gather_step(
     vote_group: dist.ProcessGroup | None = None,
 ) -> GatheredStep:
     """Gather the step (module docstring; collective over `group`, and over `vote_group` where
-    given). `seconds`: this rank's figures in `MEASURED` order; `step`: the step's
-    number, for the error a non-finite flag raises. Resets each layer's step counts and rows,
-    and takes its non-finite flag (`MoE.take_nonfinite`)."""
+    given). `seconds`: this rank's figures in `MEASURED` order; `step`: the step's number, for
+    the error a non-finite flag raises. Resets each layer's step counts and rows, and takes its
+    non-finite flag (`MoE.take_nonfinite`)."""
     L, E, D = len(layers), num_experts, world_size
     device = layers[0].params[0].device
-    counts = torch.stack(
-        [
-            s.counts.to(device) if s.counts.numel() else torch.zeros(E, dtype=torch.long,
-                                                                      device=device)
-            for s in layers
-        ]
-    ).reshape(-1)  # [L * E]  # fmt: skip
+    zeros = torch.zeros(E, dtype=torch.long, device=device)  # a layer that saw no forward
+    counts = torch.stack([s.counts.to(device) if s.counts.numel() else zeros for s in layers])
     rows = torch.tensor([s.rows for s in layers], dtype=torch.long, device=device)
     for s in layers:
         s.counts = torch.zeros(0, dtype=torch.long)
         s.rows = 0
     flag = torch.stack([s.layer.take_nonfinite().to(device) for s in layers]).any()
     ns = torch.tensor([round(x * 1e9) for x in seconds], dtype=torch.long, device=device)
-    local = torch.cat([counts.long(), flag.long().reshape(1), rows, ns])
+    local = torch.cat([counts.long().reshape(-1), flag.long().reshape(1), rows, ns])
     if D > 1:
         local = local.to(comm_device(group, local.device))
         parts = [torch.empty_like(local) for _ in range(D)]
@@ -99,6 +92,3 @@ def max_over_group(seconds: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
     ns = ns.to(comm_device(group, "cpu"))
     dist.all_reduce(ns, op=dist.ReduceOp.MAX, group=group)
     return ns.cpu().numpy().astype(np.float64) / 1e9
-
-
-__all__ = ["GatheredStep", "gather_step", "max_over_group"]

@@ -25,18 +25,14 @@ from poise.runtime.moves.layer_state import LayerState
 def default_cluster(world_size: int, ranks_on_host: int | None = None) -> Cluster:
     """A modelled cluster of `world_size` local CPU ranks: the `cpu-2` preset's rates, one node.
 
-    `ranks_on_host` (None: not known, the devices are modelled as independent): the processes
-    running on this host (this group's ranks and any others), each with `torch.get_num_threads()`
-    threads. Where they want more cores than the host gives them (`os.sched_getaffinity`), the
-    cluster's devices share `shared_cores` = cores / threads x world_size / ranks_on_host cores'
-    worth of compute (`HostCosts.shared_cores`): a waiting rank lends its core to the others.
-
-    Where the host is known, its ranks' bulk transfers (Trans, Agg, migration, and the token
-    all-to-all) are priced on one link all of them share (`Link.shared_by` = `world_size`):
-    processes of one host move their bytes with the same cores and memory, so bytes that cross
-    in opposite directions add up, where a device's own full-duplex link (the preset's) would
-    carry them at once (`benchmarks/contended_exchange.py`: one replica each way takes as long
-    as two one way)."""
+    `ranks_on_host` (None: not known, the devices modelled as independent): the processes on
+    this host (this group's ranks and any others). Where they want more cores than it gives
+    them, the devices share `shared_cores` (`HostCosts.shared_cores`): a waiting rank lends its
+    core to the others. Their bulk transfers (Trans, Agg, migration, the token all-to-all) are
+    priced on one link all of them share (`Link.shared_by` = `world_size`): processes of one
+    host move bytes with the same cores and memory, so bytes crossing in opposite directions add
+    up, where the preset's full-duplex link would carry them at once
+    (`benchmarks/contended_exchange.py`: one replica each way takes as long as two one way)."""
     base = PRESETS["cpu-2"]
     if world_size != base.num_devices:
         base = dataclasses.replace(base, name=f"cpu-{world_size}", devices_per_node=world_size)
@@ -57,9 +53,8 @@ def prior_cluster(cluster: Cluster | str | None, world_size: int, on_cpu: bool) 
     of one host sharing its cores); a cluster of another size than the run is a `ConfigError`."""
     if isinstance(cluster, str):
         cluster = get_cluster(cluster)
-    local = None  # CPU processes on this host share its cores
-    if on_cpu and dist.is_initialized():
-        local = ranks_on_host(dist.get_world_size())
+    # CPU processes on this host share its cores
+    local = ranks_on_host(dist.get_world_size()) if on_cpu and dist.is_initialized() else None
     prior = cluster or default_cluster(world_size, ranks_on_host=local)
     if prior.num_devices != world_size:
         raise ConfigError(
@@ -91,7 +86,8 @@ def ranks_on_host(world_size: int) -> int:
 
 def shared_cores(world_size: int, ranks_on_host: int, threads: int | None = None) -> float:
     """The cores' worth of compute `world_size` ranks get when `ranks_on_host` processes of
-    `threads` threads each (default `torch.get_num_threads()`) share this host's usable cores;
+    `threads` threads each (default `torch.get_num_threads()`) share this host's usable cores
+    (`os.sched_getaffinity`): cores / threads x world_size / max(ranks_on_host, world_size);
     0.0 when every rank gets its threads' cores (no sharing to model)."""
     threads = max(1, int(torch.get_num_threads() if threads is None else threads))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -149,11 +145,9 @@ def initial_plan(
     routings = [s.layer.routing for s in layers]
     if len({x.num_experts for x in routings}) != 1:
         raise ConfigError("MoE layers have different expert counts", field="num_experts")
-    placement = Placement(
-        home=np.stack([x.home for x in routings]).astype(np.int64),
-        copies=np.stack([x.copies for x in routings]).astype(np.int32),
-        slots_per_device=slots,
-    )
+    home = np.stack([x.home for x in routings]).astype(np.int64)
+    copies = np.stack([x.copies for x in routings]).astype(np.int32)
+    placement = Placement(home=home, copies=copies, slots_per_device=slots)
     placement.validate()
     assignment = Assignment(np.stack([x.weights for x in routings]).astype(np.float64))
     assignment = assignment.with_split(split_tokens)
@@ -165,20 +159,5 @@ def initial_plan(
                 "from its placement (homes, then replicas, then empty)",
                 field="routing.slots",
             )
-    return Plan(
-        policy="initial",
-        placement=placement,
-        assignment=assignment,
-        transfers=transfers_between(None, placement, spec),
-    )
-
-
-__all__ = [
-    "default_cluster",
-    "initial_plan",
-    "layer_slots",
-    "prior_cluster",
-    "ranks_on_host",
-    "shared_cores",
-    "spec_from_layers",
-]
+    transfers = transfers_between(None, placement, spec)
+    return Plan(policy="initial", placement=placement, assignment=assignment, transfers=transfers)

@@ -25,14 +25,10 @@ normalised by the *global* token count; summing the EDP copies gives every copy 
 all D ranks' losses, that of one process computing the global batch (a mean would divide only
 the expert gradients by edp). Every copy then takes the same step from the same state, so the
 replicas stay identical without a broadcast.
-
-Groups are created once (`dist.new_group` is collective: every rank, every group, same order).
-Pipeline layouts (pp > 1) are refused: Poise has no pipeline executor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +39,7 @@ from torch import nn
 from poise.core.errors import ConfigError, PlanError
 from poise.layouts.pool import Layout
 from poise.nn.comm import comm_device
-from poise.nn.moe import MoE, find_moe_layers
+from poise.nn.moe import find_moe_layers
 
 
 @dataclass(frozen=True)
@@ -53,33 +49,22 @@ class LayoutGroups:
     for the Balancer's transfers, `poise.runtime.moves.transfer_group`; None where ep is 1)."""
 
     layout: Layout
-    rank: int
     ep: Any
     edp: Any
     ep_ranks: tuple[int, ...]
     edp_ranks: tuple[int, ...]
     ep_transfer: Any = None
 
-    @property
-    def ep_rank(self) -> int:
-        """Position in the EP group (= the rank inside `ep`)."""
-        return self.ep_ranks.index(self.rank)
-
-    @property
-    def edp_rank(self) -> int:
-        """Which replica of the expert set this rank belongs to (= its EP group's index)."""
-        return self.edp_ranks.index(self.rank)
-
     def expert_parallel_kwargs(self) -> dict[str, Any]:
-        """`group` and `num_slots` for `poise.nn.apply_expert_parallel` (E / ep experts per
-        rank)."""
+        """`group` and `num_slots` (E / ep experts a rank) for `poise.nn.apply_expert_parallel`."""
         return {"group": self.ep, "num_slots": self.layout.experts_per_device}
 
 
 def create_groups(layout: Layout, *, transfers: bool = True) -> LayoutGroups:
-    """Create every EP and EDP group of `layout` (collective: every rank, once) and return this
-    rank's; `transfers`: also `LayoutGroups.ep_transfer` (static EP needs none). `ConfigError`
-    without a process group, for another world size, or for a pipeline layout."""
+    """Create every EP and EDP group of `layout` (collective: every rank, once, every group in
+    the same order) and return this rank's; `transfers`: also `LayoutGroups.ep_transfer` (static
+    EP needs none). `ConfigError` without a process group, for another world size, or for a
+    pipeline layout (Poise has no pipeline executor)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "needs an initialised torch.distributed process group", field="layout", source="runtime"
@@ -105,7 +90,7 @@ def create_groups(layout: Layout, *, transfers: bool = True) -> LayoutGroups:
     ep_transfer = None
     if transfers and layout.ep > 1:  # the transfers' own groups, after the others, every rank
         ep_transfer, _ = _create_all(layout.ep_groups(), rank, world, reuse_world=False)
-    return LayoutGroups(layout, rank, ep_group, edp_group, ep_ranks, edp_ranks, ep_transfer)
+    return LayoutGroups(layout, ep_group, edp_group, ep_ranks, edp_ranks, ep_transfer)
 
 
 def _create_all(
@@ -138,44 +123,35 @@ def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = T
     if edp_group is None or dist.get_world_size(edp_group) == 1:
         return
     layers = find_moe_layers(model)
-    if check:
-        _check_slots_agree(layers, edp_group)
+    if check and layers:
+        maps = [torch.as_tensor(m.routing.slots.expert, dtype=torch.int64) for m in layers]
+        if _spread(torch.cat(maps), edp_group).any():
+            raise PlanError(
+                "the ranks of an expert-data-parallel group hold different experts in their "
+                "slots; their gradients cannot be summed slot by slot (plan every EP group alike)",
+                field="routing.slots",
+            )
     params = expert_weights(model)
     if not params:
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _all_reduce_flat([p.grad for p in params if p.grad is not None], edp_group)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    buf = flat.to(comm_device(edp_group, flat.device))
+    dist.all_reduce(buf, group=edp_group)
+    for g, summed in zip(grads, buf.to(flat.device).split([g.numel() for g in grads]), strict=True):
+        g.copy_(summed.view_as(g))
 
 
-def _all_reduce_flat(tensors: Iterable[torch.Tensor], group: Any) -> None:
-    tensors = list(tensors)
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    buf = flat.to(comm_device(group, flat.device))
-    dist.all_reduce(buf, group=group)
-    flat = buf.to(flat.device)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
-
-
-def _check_slots_agree(layers: list[MoE], group: Any) -> None:
-    if not layers:
-        return
-    maps = torch.cat([torch.as_tensor(m.routing.slots.expert, dtype=torch.int64) for m in layers])
-    device = comm_device(group, torch.device("cpu"))
-    lo, hi = maps.to(device), maps.clone().to(device)
+def _spread(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Element-wise max minus min of `t` over `group` (two all-reduces; collective)."""
+    device = comm_device(group, t.device)
+    lo, hi = t.to(device), t.clone().to(device)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(lo, hi):
-        raise PlanError(
-            "the ranks of an expert-data-parallel group hold different experts in their slots; "
-            "their gradients cannot be summed slot by slot (plan every EP group alike)",
-            field="routing.slots",
-        )
+    return hi - lo
 
 
 @torch.no_grad()
@@ -188,17 +164,4 @@ def replicas_agree(model: nn.Module, edp_group: Any, atol: float = 0.0) -> bool:
     if not params:
         return True
     flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    device = comm_device(edp_group, flat.device)
-    lo, hi = flat.to(device), flat.clone().to(device)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=edp_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=edp_group)
-    return bool((hi - lo).abs().max() <= atol)
-
-
-__all__ = [
-    "LayoutGroups",
-    "all_reduce_expert_grads",
-    "create_groups",
-    "expert_weights",
-    "replicas_agree",
-]
+    return bool(_spread(flat, edp_group).abs().max() <= atol)

@@ -40,11 +40,9 @@ def layer_loads(placement: Placement, assignment: Assignment, counts: np.ndarray
     the dispatcher sends them)."""
     routes = assignment.split(placement, counts)  # [L, W_src, E, W_dst]
     device = routes.sum(axis=(1, 2)).astype(np.float64)  # [L, D]
-    ratio = max_over_mean(device)
-    D = counts.shape[1]
-    off_rank = ~np.eye(D, dtype=bool)[None, :, None, :]
+    off_rank = ~np.eye(counts.shape[1], dtype=bool)[None, :, None, :]  # source != destination
     moved = np.where(off_rank, routes, 0).sum(axis=(1, 2, 3))
-    return LayerLoads(device, ratio, moved.astype(np.int64))
+    return LayerLoads(device, max_over_mean(device), moved.astype(np.int64))
 
 
 @dataclass
@@ -72,17 +70,21 @@ class StepStats:
 
     step: int
     policy: str
+    # the fields below in the order of `as_record`, the metrics line's
     max_over_mean: list[float] = field(default_factory=list)
     device_tokens: list[list[float]] = field(default_factory=list)
     tokens_moved: list[int] = field(default_factory=list)
+    replanned: bool = False
+    moved_homes: int = 0
+    relaid_rows: int = 0
     trans_bytes: int = 0
     agg_bytes: int = 0
     migrate_bytes: int = 0
-    moved_homes: int = 0
-    relaid_rows: int = 0
-    replanned: bool = False
     decision: str = ""
     reason: str = ""
+    probe: bool = False
+    retargeted: int = 0
+    layout: str = ""
     switched: bool = False
     gain_s: float = 0.0
     switch_cost_s: float = 0.0
@@ -91,9 +93,6 @@ class StepStats:
     measured_period_s: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict)
     evidence: dict[str, Any] = field(default_factory=dict)
-    probe: bool = False
-    retargeted: int = 0
-    layout: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     rank_seconds: dict[str, list[float]] = field(default_factory=dict)
 
@@ -105,37 +104,12 @@ class StepStats:
         self.device_tokens = loads.device_tokens.tolist()
         self.tokens_moved = [int(x) for x in loads.tokens_moved]
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready values (for a log line)."""
-        return asdict(self)
-
     def as_record(self) -> dict[str, Any]:
         """The fields of a training run's `metrics.jsonl` line that come from the Balancer
         (`poise.train.loop`; `poise.report.runs.MeasuredRun` reads them): the dataclass's,
         `seconds` as `moe_s` and `rank_seconds` as `rank_s`, without `step` and `policy`."""
-        return {
-            "max_over_mean": list(self.max_over_mean),
-            "device_tokens": self.device_tokens,
-            "tokens_moved": self.tokens_moved,
-            "replanned": bool(self.replanned),
-            "moved_homes": self.moved_homes,
-            "relaid_rows": self.relaid_rows,
-            "trans_bytes": self.trans_bytes,
-            "agg_bytes": self.agg_bytes,
-            "migrate_bytes": self.migrate_bytes,
-            "decision": self.decision,
-            "reason": self.reason,
-            "probe": bool(self.probe),
-            "retargeted": self.retargeted,
-            "layout": self.layout,
-            "switched": bool(self.switched),
-            "gain_s": self.gain_s,
-            "switch_cost_s": self.switch_cost_s,
-            "doubt_s": self.doubt_s,
-            "predicted_step_s": self.predicted_step_s,
-            "measured_period_s": self.measured_period_s,
-            "fit": dict(self.fit),
-            "evidence": dict(self.evidence),
-            "moe_s": dict(self.seconds),
-            "rank_s": dict(self.rank_seconds),
-        }
+        record = asdict(self)
+        del record["step"], record["policy"]
+        record["moe_s"] = record.pop("seconds")
+        record["rank_s"] = record.pop("rank_seconds")
+        return record

@@ -13,8 +13,7 @@ One row of `n` entries (one tensor of one expert, e.g. `w_in [D, H]`), values of
     k = clamp(ceil(ratio * n), 1, n)                 (entries kept)
     bytes = min(k (b_v + b_i), n b_v)                (sparse, or dense when that is smaller)
 
-Dense rows (`ratio >= 0.5` for fp32, `>= 1/3` for bf16, always at 1) carry the expert itself
-and decode exactly; sparse rows carry the residual's kept values at sorted flat indices.
+Dense rows (`ratio >= 0.5` for fp32, `>= 1/3` for bf16, always at 1) carry the expert: exact.
 
 Compression changes training's mathematics (a replica computes with approximate weights; its
 gradient is still summed into the exact home by Agg), so it is off unless asked
@@ -47,9 +46,7 @@ class Compression:
     @classmethod
     def parse(cls, value: Compression | float | None) -> Compression | None:
         """`None` (off), a ratio, or a `Compression`."""
-        if value is None or isinstance(value, Compression):
-            return value
-        return cls(value)
+        return value if value is None or isinstance(value, Compression) else cls(value)
 
 
 def kept(numel: int, ratio: float) -> int:
@@ -59,21 +56,18 @@ def kept(numel: int, ratio: float) -> int:
 
 def index_dtype(value_dtype: torch.dtype) -> torch.dtype:
     """int32 indices (int64 beside 8-byte values, so every row packs to whole values)."""
-    return torch.int64 if _itemsize(value_dtype) == 8 else torch.int32
-
-
-def is_dense(numel: int, ratio: float, dtype: torch.dtype) -> bool:
-    """Whether a row is cheaper sent whole: `k (b_v + b_i) >= n b_v`."""
-    vb = _itemsize(dtype)
-    return kept(numel, ratio) * (vb + _itemsize(index_dtype(dtype))) >= numel * vb
+    return torch.int64 if value_dtype.itemsize == 8 else torch.int32
 
 
 def row_wire_bytes(numel: int, ratio: float, dtype: torch.dtype) -> int:
     """Bytes one row of `numel` entries takes on the wire: `min(k (b_v + b_i), n b_v)`."""
-    vb = _itemsize(dtype)
-    if is_dense(numel, ratio, dtype):
-        return int(numel) * vb
-    return kept(numel, ratio) * (vb + _itemsize(index_dtype(dtype)))
+    sparse = kept(numel, ratio) * (dtype.itemsize + index_dtype(dtype).itemsize)
+    return min(sparse, int(numel) * dtype.itemsize)
+
+
+def is_dense(numel: int, ratio: float, dtype: torch.dtype) -> bool:
+    """Whether a row is cheaper sent whole: `k (b_v + b_i) >= n b_v`."""
+    return row_wire_bytes(numel, ratio, dtype) == numel * dtype.itemsize
 
 
 @dataclass
@@ -85,17 +79,6 @@ class Encoded:
     values: torch.Tensor
     indices: torch.Tensor | None
     shape: tuple[int, ...]
-
-    @property
-    def dense(self) -> bool:
-        return self.indices is None
-
-    def nbytes(self) -> int:
-        """Bytes on the wire for all rows."""
-        n = self.values.numel() * self.values.element_size()
-        if self.indices is not None:
-            n += self.indices.numel() * self.indices.element_size()
-        return n
 
 
 def shared_expert(rows: torch.Tensor) -> torch.Tensor:
@@ -112,10 +95,8 @@ def encode(rows: torch.Tensor, shared: torch.Tensor, ratio: float) -> Encoded:
     if is_dense(numel, ratio, rows.dtype):
         return Encoded(rows.detach().reshape(rows.shape[0], numel).clone(), None, shape)
     residual = (rows.detach() - shared).reshape(rows.shape[0], numel)
-    k = kept(numel, ratio)
-    idx = residual.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-    values = residual.gather(1, idx)
-    return Encoded(values, idx.to(index_dtype(rows.dtype)), shape)
+    idx = residual.abs().topk(kept(numel, ratio), dim=1, sorted=False).indices.sort(dim=1).values
+    return Encoded(residual.gather(1, idx), idx.to(index_dtype(rows.dtype)), shape)
 
 
 def decode(enc: Encoded, shared: torch.Tensor) -> torch.Tensor:
@@ -137,10 +118,8 @@ def packed_bytes(shape: tuple[int, ...], ratio: float, dtype: torch.dtype) -> in
 def pack(enc: Encoded) -> torch.Tensor:
     """`Encoded` -> `uint8 [n, packed_bytes]`: each row's values, then its indices, as bytes."""
     n = enc.values.shape[0]
-    parts = [enc.values.contiguous().view(torch.uint8).reshape(n, -1)]
-    if enc.indices is not None:
-        parts.append(enc.indices.contiguous().view(torch.uint8).reshape(n, -1))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    parts = [t for t in (enc.values, enc.indices) if t is not None]
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(n, -1) for t in parts], dim=1)
 
 
 def unpack(buf: torch.Tensor, shape: tuple[int, ...], ratio: float, dtype: torch.dtype) -> Encoded:
@@ -149,8 +128,7 @@ def unpack(buf: torch.Tensor, shape: tuple[int, ...], ratio: float, dtype: torch
     n = buf.shape[0]
     if is_dense(numel, ratio, dtype):
         return Encoded(buf.contiguous().view(dtype).reshape(n, numel), None, tuple(shape))
-    k = kept(numel, ratio)
-    split = k * _itemsize(dtype)
+    split = kept(numel, ratio) * dtype.itemsize
     values = buf[:, :split].contiguous().view(dtype)
     indices = buf[:, split:].contiguous().view(index_dtype(dtype))
     return Encoded(values, indices, tuple(shape))
@@ -166,25 +144,3 @@ def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
     a = original.detach().double()
     norm = float(a.norm())
     return float((a - approx.detach().double()).norm()) / norm if norm > 0 else 0.0
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-__all__ = [
-    "Compression",
-    "Encoded",
-    "decode",
-    "encode",
-    "index_dtype",
-    "is_dense",
-    "kept",
-    "pack",
-    "packed_bytes",
-    "relative_error",
-    "roundtrip",
-    "row_wire_bytes",
-    "shared_expert",
-    "unpack",
-]

@@ -1,17 +1,11 @@
 """Expert domains in the live runtime (HybridEP, arXiv 2510.19470 §IV-A): clusters cut into
-domains, and what the dispatcher really sends across them.
+domains (`domain_cluster`, what the planner prices), and what the dispatcher really sends
+across them (`cross_domain_tokens`, recorded at every forward by `DomainTraffic`).
 
 Under `Balancer(..., policy="hybrid", cluster=domain_cluster(...))` the policy copies experts
 into domains (filled by Trans from the home) and routes group-locally
 (`Assignment.group_local`): a source whose domain holds a copy of e sends e's tokens there,
-every other token goes to e's home across domains. This module builds the clusters and
-measures the traffic:
-
-- `domain_cluster`: `domains x nodes_per_domain x devices_per_node` ranks, `cpu-2`'s rates
-  inside a domain and a slower link between domains (what the planner prices);
-- `cross_domain_tokens`: from a layer's integer routes `[E, D]` (`RankRouting.routes`, the
-  split the dispatcher sends), the tokens one rank sends to other domains, per expert;
-- `DomainTraffic`: forward hooks that record it for every MoE layer and forward.
+every other token goes to e's home across domains.
 """
 
 from __future__ import annotations
@@ -34,18 +28,14 @@ def domain_cluster(
     *,
     wan_bw_Bps: float = 1.25e8,
     wan_lat_s: float = 1e-3,
-    name: str | None = None,
 ) -> Cluster:
     """`domains x nodes_per_domain x devices_per_node` local ranks: `cpu-2`'s device and
     intra/inter-node links, `wan_bw_Bps` (default 1 Gb/s) and `wan_lat_s` between domains."""
-    base = PRESETS["cpu-2"]
     if wan_bw_Bps <= 0 or wan_lat_s < 0:
-        raise ConfigError(
-            "wan_bw_Bps must be > 0 and wan_lat_s >= 0", source=name, field="inter_domain"
-        )
+        raise ConfigError("wan_bw_Bps must be > 0 and wan_lat_s >= 0", field="inter_domain")
     return dataclasses.replace(
-        base,
-        name=name or f"cpu-{domains}x{nodes_per_domain}x{devices_per_node}",
+        PRESETS["cpu-2"],
+        name=f"cpu-{domains}x{nodes_per_domain}x{devices_per_node}",
         devices_per_node=devices_per_node,
         nodes_per_domain=nodes_per_domain,
         domains=domains,
@@ -55,9 +45,9 @@ def domain_cluster(
 
 def cross_domain_tokens(routes: np.ndarray, rank: int, size: int) -> np.ndarray:
     """`[E]` tokens rank `rank` sends to ranks outside its domain (`size` ranks per domain),
-    from its integer routes `routes[E, D]`."""
-    D = routes.shape[1]
-    other = np.arange(D) // size != rank // size
+    from its integer routes `routes[E, D]` (`RankRouting.routes`, the split the dispatcher
+    sends)."""
+    other = np.arange(routes.shape[1]) // size != rank // size  # [D]
     return routes[:, other].sum(axis=1)
 
 
@@ -85,8 +75,7 @@ class DomainTraffic:
         assert isinstance(layer, MoE)
         if not layer.training:
             return
-        counts = layer.last_counts.detach().cpu().numpy()
-        routes = layer.routing.routes(counts)
+        routes = layer.routing.routes(layer.last_counts.detach().cpu().numpy())
         self._row.append(cross_domain_tokens(routes, layer.rank, self.size))
         if index == len(self.layers) - 1:
             self.cross.append(np.stack(self._row))
@@ -96,6 +85,3 @@ class DomainTraffic:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-__all__ = ["DomainTraffic", "cross_domain_tokens", "domain_cluster"]

@@ -11,15 +11,11 @@ finished early or late; the Balancer sets `lag` from the last job's wall time (`
 The job's inputs are snapshots taken at step `s` and the policy is deterministic, so any rank
 that plans gets the same plan.
 
-- `process=True` (the default): in a worker process (`poise.runtime.planner.worker`, started
-  once) at the lowest CPU priority (`nice` 19, or Linux's SCHED_IDLE with `priority="idle"`),
-  the job pickled to it and its result back. A thread of the training process would hold the
-  interpreter lock whenever the planner's Python runs, and the training thread needs that lock
-  between every two tensor operations. The job must pickle.
-- `process=False`: on one thread of this process at nice 19, for jobs that do not pickle.
-
-`plan_s` is the job's wall time, `cpu_s` the CPU seconds it used, `wait_s` how long the boundary
-that took it waited.
+The job runs in a worker process (`poise.runtime.planner.worker`, started once; the job pickled
+to it) at the lowest CPU priority (`nice` 19, or Linux's SCHED_IDLE with `priority="idle"`): a
+thread of the training process would hold the interpreter lock whenever the planner's Python
+runs, and training needs that lock between every two tensor operations. `process=False` plans
+on one thread of this process at nice 19 instead, for jobs that do not pickle.
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from poise.core.errors import PoiseError
+from poise.runtime.planner.worker import PRIORITIES, read_frame, write_frame
 
 
 def adoption_lag(plan_s: float, period_s: float, least: int) -> int:
@@ -57,8 +54,9 @@ def adoption_lag(plan_s: float, period_s: float, least: int) -> int:
 
 @dataclass(frozen=True)
 class Planned:
-    """A finished job: its `value`, the thread's seconds `plan_s`, the boundary's wait `wait_s`,
-    the steps it was requested at and adopted at, the thread's CPU seconds `cpu_s`."""
+    """A finished job: its `value`, its wall seconds `plan_s` (less any the worker was paused),
+    the seconds the boundary that took it waited `wait_s`, the steps it was requested at and
+    adopted at, and the CPU seconds it used `cpu_s`."""
 
     value: Any
     plan_s: float
@@ -78,14 +76,12 @@ class _Job:
 
 class BackgroundPlanner:
     """One planning job at a time, in a worker process (`process=True`, which imports the
-    `preload` modules when it starts and runs at `priority`, `plan_worker.PRIORITIES`) or on
+    `preload` modules when it starts and runs at `priority`, `worker.PRIORITIES`) or on
     one thread."""
 
     def __init__(
         self, process: bool = True, preload: tuple[str, ...] = (), priority: str = "nice"
     ) -> None:
-        from poise.runtime.planner.worker import PRIORITIES
-
         if priority not in PRIORITIES:
             raise PoiseError(
                 f"the planner's priority must be one of {PRIORITIES}, got {priority!r}",
@@ -98,11 +94,6 @@ class BackgroundPlanner:
         self._worker: WorkerProcess | None = None
         self._job: _Job | None = None
         self._paused_at: float | None = None
-
-    @property
-    def busy(self) -> bool:
-        """A job was submitted and not yet taken."""
-        return self._job is not None
 
     def start(self) -> None:
         """Start the thread (and the worker process) now rather than at the first job, so that
@@ -139,10 +130,6 @@ class BackgroundPlanner:
             future = self._pool.submit(_timed, job)
         self._job = _Job(future, requested_at, adopt_at)
 
-    def due(self, step: int) -> bool:
-        """A job is in flight and step `step` is (at or past) its adoption step."""
-        return self._job is not None and step >= self._job.adopt_at
-
     def take(self) -> Planned:
         """The job's result, waiting for it if needed (a job's exception re-raises)."""
         if self._job is None:
@@ -154,10 +141,6 @@ class BackgroundPlanner:
         wait_s = time.perf_counter() - t0
         plan_s = max(plan_s - job.paused_s, 0.0)
         return Planned(value, plan_s, wait_s, job.requested_at, job.adopt_at, cpu_s)
-
-    @property
-    def paused(self) -> bool:
-        return self._paused_at is not None
 
     def pause(self) -> None:
         """Stop the worker process where it stands (SIGSTOP) until `resume`: while this run
@@ -200,7 +183,7 @@ LAZY_IMPORTS = ("numpy.ma",)
 
 class WorkerProcess:
     """`python -m poise.runtime.planner.worker` with pipes to it (its protocol: that module), at
-    `priority` (`plan_worker.lowest_priority`)."""
+    `priority` (`worker.lowest_priority`)."""
 
     def __init__(self, preload: tuple[str, ...] = (), priority: str = "nice") -> None:
         package_root = str(Path(__file__).resolve().parents[2])  # the folder holding `poise`
@@ -208,26 +191,15 @@ class WorkerProcess:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[name] = "1"  # one core's worth at most, at the lowest priority
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "poise.runtime.planner.worker",
-                f"--priority={priority}",
-                *dict.fromkeys([*LAZY_IMPORTS, *preload]),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
+        argv = [sys.executable, "-m", "poise.runtime.planner.worker", f"--priority={priority}"]
+        argv += dict.fromkeys([*LAZY_IMPORTS, *preload])  # the modules, each once
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         # a planner dropped without `close()` still ends its worker (end of its input)
         self._finalizer = weakref.finalize(self, _end_input, self.proc)
 
     def call(self, payload: bytes) -> tuple[Any, float, float]:
         """Send one pickled job, wait for its reply: `(value, wall_s, cpu_s)`; the job's
         exception re-raises here; a worker that died is a `PoiseError`."""
-        from poise.runtime.planner.worker import read_frame, write_frame
-
         assert self.proc.stdin is not None and self.proc.stdout is not None
         with contextlib.suppress(OSError):  # a dead worker: the read below reports it
             write_frame(self.proc.stdin, payload)
@@ -285,6 +257,3 @@ def _timed(job: Callable[[], Any]) -> tuple[Any, float, float]:
     t0, c0 = time.perf_counter(), time.thread_time()
     value = job()
     return value, time.perf_counter() - t0, time.thread_time() - c0
-
-
-__all__ = ["BackgroundPlanner", "Planned", "WorkerProcess", "lowest_priority"]

@@ -1,20 +1,21 @@
 """The planner's worker process: `python -m poise.runtime.planner.worker [--priority P] [MODULE
-...]`, started by `poise.runtime.planner.BackgroundPlanner` (process mode), one per planning
-rank.
+...]`, started by `background.BackgroundPlanner` (process mode), one per planning rank.
 
 Protocol on its standard input and output (binary, nothing else is written there: the worker's
 own prints go to standard error): each request is an 8-byte little-endian length and a pickled
 callable taking no argument (`functools.partial(run_job, job)`); each reply is the same framing
 around a pickled `("ok", value, wall_s, cpu_s)` or `("error", exception, traceback_text)`. The
 worker runs with one BLAS thread at the lowest CPU priority (`lowest_priority`), imports the
-MODULEs before its first request (the jobs' code), and exits at the end of its input (its
-parent closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at the terminal reaches its whole
-process group, and the training rank that owns the worker answers it (and ends the worker by
-ending its input), so the worker prints no `KeyboardInterrupt` traceback of its own.
+MODULEs (the jobs' code) before its first request, so that no job pays for them, and exits at
+the end of its input (its parent closed the pipe, or exited). It ignores SIGINT: a Ctrl-C at
+the terminal reaches its whole process group, and the training rank that owns the worker
+answers it (and ends the worker by ending its input), so the worker prints no
+`KeyboardInterrupt` traceback of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -38,11 +39,9 @@ def lowest_priority(kind: str = "nice") -> str:
     if kind not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {kind!r}")
     if kind == "idle" and hasattr(os, "SCHED_IDLE"):
-        try:
+        with contextlib.suppress(OSError):  # refused: nice 19 below
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             return "idle"
-        except OSError:
-            pass
     try:
         os.nice(19 - os.nice(0))
     except (AttributeError, OSError):
@@ -57,9 +56,7 @@ def read_frame(stream: IO[bytes]) -> bytes | None:
         return None
     size = int.from_bytes(header, "little")
     payload = stream.read(size)
-    if len(payload) < size:
-        return None
-    return payload
+    return payload if len(payload) == size else None
 
 
 def write_frame(stream: IO[bytes], payload: bytes) -> None:
@@ -87,9 +84,8 @@ def serve(requests: IO[bytes], replies: IO[bytes]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Serve requests at the lowest priority (`--priority idle|nice`, `lowest_priority`); the
-    modules named in `argv` are imported first (the jobs' code, so that the first job does not
-    pay for the imports)."""
+    """Serve requests at the lowest priority (`--priority idle|nice`), importing the modules
+    named in `argv` first (module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
     kind = "nice"
     if args and args[0].startswith("--priority="):
