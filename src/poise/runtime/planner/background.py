@@ -186,7 +186,7 @@ class WorkerProcess:
     `priority` (`worker.lowest_priority`)."""
 
     def __init__(self, preload: tuple[str, ...] = (), priority: str = "nice") -> None:
-        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding `poise`
+        package_root = str(Path(__file__).resolve().parents[3])  # the folder holding `poise`
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
