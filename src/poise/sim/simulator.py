@@ -60,8 +60,8 @@ from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
 from poise.cost.traffic import padded_counts
 from poise.plan.persistence import carried_age, pattern_age
 from poise.plan.policies.auto import with_steps_left
-from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
-from poise.plan.policies.registry import get_policy, make_plan
+from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext, PlanMemo
+from poise.plan.policies.registry import get_policy, make_plan, make_plan_reusing
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
 from poise.plan.retarget import retargeted
 from poise.sim.scaling import ScaledTrace
@@ -318,6 +318,7 @@ def simulate(
                     history=seen,
                     options=step_opts,
                     split_tokens=split_tokens,
+                    memo=PlanMemo(loads),  # the policies plan on one forecast: share plans
                 )
                 if seen is not None and "auto" in names:
                     recent = int(step_opts["auto"]["base_horizon"])
@@ -445,8 +446,9 @@ class _PolicyReplay:
         if step.loads is not None and step.ctx is not None and self.pending is None:
             replans = True
             t0 = time.thread_time()
-            plan = make_plan(self.name, step.loads, self.plan, step.ctx)
+            plan, reused_cpu_s = make_plan_reusing(self.name, step.loads, self.plan, step.ctx)
             wall = time.thread_time() - t0 + float(plan.notes.get(HELPER_CPU_NOTE, 0.0))
+            wall += reused_cpu_s  # a plan another replay made on this forecast took it that long
             self.plan = plan
             run.plan_wall_s[s] = wall
             run.plan_ms.append(wall * 1e3 / step.loads.shape[0])

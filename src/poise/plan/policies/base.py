@@ -14,6 +14,7 @@ It never knows whether the live runtime or the simulator called it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
 from poise.cost.model import CostModel, PlanCost
+from poise.util.digest import digest
 
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
 
@@ -63,7 +65,10 @@ class PlanContext:
     `options[policy][key]`: per-policy settings (thresholds, windows);
     `split_tokens`: the executor splits each step's tokens of replicated experts by that step's
     counts (`Assignment.by_counts`, `poise.core.token_split`): every plan's assignment is
-    marked so (`finish_plan`) and priced as the executor runs it."""
+    marked so (`finish_plan`) and priced as the executor runs it;
+    `memo`: plans already made on these loads in this context, shared by the callers that plan
+    on the same forecast (`PlanMemo`; the simulator's replays of one re-planning step), or None
+    (every call plans afresh)."""
 
     cluster: Cluster
     spec: ModelSpec
@@ -72,6 +77,7 @@ class PlanContext:
     history: np.ndarray | None = None
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     split_tokens: bool = False
+    memo: PlanMemo | None = None
 
     @classmethod
     def create(
@@ -119,6 +125,66 @@ class PlanContext:
 # `Plan.notes` key: CPU seconds a policy spent in helper threads (`auto` on large problems), to
 # be added to the planning thread's own CPU time when planning is charged.
 HELPER_CPU_NOTE = "helper_cpu_s"
+
+
+@dataclass
+class PlanMemo:
+    """The plans made on one forecast `loads[L, D, E]` in one `PlanContext`, for the callers
+    that plan on it: the simulator's replays of one re-planning step, and `auto`'s candidates
+    within them.
+
+    A policy is a pure function of the loads, the context and, of `previous`, only what it
+    builds on (`BUILDS_ON`: the placement or its homes; the homes price the migrations of
+    every policy, `transfers_between`), so a call that agrees with an earlier one on those gets
+    the earlier call's plan. Each entry keeps the CPU seconds its making took, which a call
+    that reuses it reports (`PlanMemo.plan`), so each caller's planning time is what it would
+    spend planning alone."""
+
+    loads: np.ndarray
+    entries: dict[tuple[str, int | None], tuple[Plan, float]] = field(default_factory=dict)
+
+    def plan(
+        self, name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
+    ) -> tuple[Plan, float]:
+        """`REGISTRY[name](loads, previous, ctx)` and the CPU seconds of its making that this
+        call did not spend (0 where this call made it; its maker thread's CPU seconds where it
+        reused an earlier call's plan, whose notes keep any helper threads' seconds,
+        `HELPER_CPU_NOTE`). Loads other than the memo's are planned afresh."""
+        fn = REGISTRY[name]
+        if loads is not self.loads and not np.array_equal(loads, self.loads):
+            return fn(loads, previous, ctx), 0.0
+        key = (name, previous_key(name, previous))
+        found = self.entries.get(key)
+        if found is not None:
+            return found
+        t0 = time.thread_time()
+        plan = fn(loads, previous, ctx)
+        cpu = time.thread_time() - t0
+        self.entries.setdefault(key, (plan, cpu))  # (threads may race: their plans are equal)
+        return plan, 0.0
+
+
+def previous_key(name: str, previous: Plan | None) -> int | None:
+    """A digest of what policy `name`'s plan depends on of the plan in force (`PlanMemo`):
+    its homes (the migrations' price, and what `homes` policies build on), its devices and
+    slots, and its copies for a policy that builds on the whole placement; None without one."""
+    if previous is None:
+        return None
+    p = previous.placement
+    parts: list[Any] = [p.home, p.devices, p.slots_per_device]
+    if BUILDS_ON.get(name) == "placement":
+        parts.append(p.copies)
+    return digest(*parts)
+
+
+def run_policy(
+    name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
+) -> tuple[Plan, float]:
+    """`REGISTRY[name](loads, previous, ctx)`, through `ctx.memo` where it is set, and the CPU
+    seconds of a reused plan's making (`PlanMemo.plan`; 0 without a memo)."""
+    if ctx.memo is None:
+        return REGISTRY[name](loads, previous, ctx), 0.0
+    return ctx.memo.plan(name, loads, previous, ctx)
 
 
 def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
