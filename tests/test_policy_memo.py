@@ -59,15 +59,38 @@ def test_what_a_policy_builds_on_keys_the_memo() -> None:
     assert previous_key("static", None) is None
 
 
+@pytest.mark.parametrize("name", ["static", "eplb"])
+def test_a_policy_of_the_loads_alone_is_finished_from_each_plan_in_force(name: str) -> None:
+    """`static` and `eplb` build on nothing of the plan in force: from another one, the memo
+    finishes the first call's placement from it, as the policy itself would."""
+    loads = _loads()
+    ctx = _ctx(loads)
+    start = make_plan("static", loads, None, ctx)
+    moved = Placement.from_homes(np.roll(start.placement.home, 1, axis=1), 4, 3)
+    other = Plan("other", moved, start.assignment, start.transfers)
+    first, _ = make_plan_reusing(name, loads, start, ctx)
+    second, reused = make_plan_reusing(name, loads, other, ctx)
+    assert reused == ctx.memo.entries[(name, policies_base.LOADS_ONLY)][1]
+    fresh = policies_base.REGISTRY[name](loads, other, _ctx(loads))
+    assert len(second.transfers.migrations) == len(fresh.transfers.migrations) > 0
+    for a, b in ((second, fresh), (first, policies_base.REGISTRY[name](loads, start, ctx))):
+        np.testing.assert_array_equal(a.placement.copies, b.placement.copies)
+        np.testing.assert_array_equal(a.assignment.weights, b.assignment.weights)
+        np.testing.assert_array_equal(a.transfers.migrations, b.transfers.migrations)
+        np.testing.assert_array_equal(a.cost.layer_s, b.cost.layer_s)
+        np.testing.assert_array_equal(a.cost.phases.migrate_s, b.cost.phases.migrate_s)
+
+
 def test_other_loads_are_planned_afresh() -> None:
     loads = _loads()
     ctx = _ctx(loads)
     make_plan("eplb", loads, None, ctx)
+    kept = set(ctx.memo.entries)
     other = _loads(1)
     plan = make_plan("eplb", other, None, ctx)
     fresh = make_plan("eplb", other, None, _ctx(other))
     np.testing.assert_array_equal(plan.placement.copies, fresh.placement.copies)
-    assert len(ctx.memo.entries) == 1
+    assert set(ctx.memo.entries) == kept
 
 
 def test_the_simulator_prices_the_same_with_and_without_the_memo(

@@ -25,8 +25,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.cost.model import CostModel, PlanCost
-from poise.util.digest import digest
+from poise.cost.model import CostModel, PlanCost, array_key
 
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
 
@@ -141,7 +140,7 @@ class PlanMemo:
     spend planning alone."""
 
     loads: np.ndarray
-    entries: dict[tuple[str, int | None], tuple[Plan, float]] = field(default_factory=dict)
+    entries: dict[tuple[str, Any], tuple[Plan, float]] = field(default_factory=dict)
 
     def plan(
         self, name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
@@ -149,7 +148,13 @@ class PlanMemo:
         """`REGISTRY[name](loads, previous, ctx)` and the CPU seconds of its making that this
         call did not spend (0 where this call made it; its maker thread's CPU seconds where it
         reused an earlier call's plan, whose notes keep any helper threads' seconds,
-        `HELPER_CPU_NOTE`). Loads other than the memo's are planned afresh."""
+        `HELPER_CPU_NOTE`). Loads other than the memo's are planned afresh.
+
+        A policy that builds on nothing of `previous` (not in `BUILDS_ON`: it plans from the
+        loads alone) makes the same placement and assignment from any plan in force: from
+        another one than an earlier call's, its plan is the earlier one's finished from this
+        `previous` (`finish_plan`: the transfers and the price of the migrations from it),
+        reported as taking the earlier one's making (a finishing more than it took)."""
         fn = REGISTRY[name]
         if loads is not self.loads and not np.array_equal(loads, self.loads):
             return fn(loads, previous, ctx), 0.0
@@ -157,24 +162,35 @@ class PlanMemo:
         found = self.entries.get(key)
         if found is not None:
             return found
+        alone = self.entries.get((name, LOADS_ONLY))
+        if alone is not None:
+            made, cpu = alone
+            plan = finish_plan(
+                name, made.placement, made.assignment, loads, previous, ctx, dict(made.notes)
+            )
+            self.entries.setdefault(key, (plan, cpu))
+            return plan, cpu
         t0 = time.thread_time()
         plan = fn(loads, previous, ctx)
         cpu = time.thread_time() - t0
         self.entries.setdefault(key, (plan, cpu))  # (threads may race: their plans are equal)
+        if name not in BUILDS_ON:
+            self.entries.setdefault((name, LOADS_ONLY), (plan, cpu))
         return plan, 0.0
 
 
-def previous_key(name: str, previous: Plan | None) -> int | None:
-    """A digest of what policy `name`'s plan depends on of the plan in force (`PlanMemo`):
+LOADS_ONLY = "loads only"  # `PlanMemo` key of the first plan of a policy that builds on nothing
+
+
+def previous_key(name: str, previous: Plan | None) -> tuple[Any, ...] | None:
+    """An exact key of what policy `name`'s plan depends on of the plan in force (`PlanMemo`):
     its homes (the migrations' price, and what `homes` policies build on), its devices and
     slots, and its copies for a policy that builds on the whole placement; None without one."""
     if previous is None:
         return None
     p = previous.placement
-    parts: list[Any] = [p.home, p.devices, p.slots_per_device]
-    if BUILDS_ON.get(name) == "placement":
-        parts.append(p.copies)
-    return digest(*parts)
+    copies = array_key(p.copies) if BUILDS_ON.get(name) == "placement" else None
+    return (array_key(p.home), p.devices, p.slots_per_device, copies)
 
 
 def run_policy(
