@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal, TypeAlias
 
@@ -288,7 +289,7 @@ def simulate(
     pattern: tuple[int, int] | None = None  # (newest step seen, its pattern's age), as live
     done, total = 0, S * len(names)
     threads = min(workers if workers is not None else (os.cpu_count() or 1), len(names))
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads) if threads > 1 else nullcontext() as pool:
         for s in range(S):
             actual = scaled.step(s)  # [L, D, E]
             if schedule.pads:  # DeepSpeed's dispatcher: what it moves is what planners see
@@ -324,8 +325,10 @@ def simulate(
                     recent = int(step_opts["auto"]["base_horizon"])
                     pattern = (s - 1, pattern_age(seen, loads.sum(axis=1), recent, held))
             step = _Step(s, actual, loads, ctx)
-            # Policies share nothing they write: several replay at once (NumPy frees the GIL).
-            for _ in pool.map(lambda r, step=step: r.advance(step), replays):
+            # Policies share nothing they write: several replay at once (NumPy frees the GIL),
+            # or one thread replays them in turn.
+            each = map if pool is None else pool.map
+            for _ in each(lambda r, step=step: r.advance(step), replays):
                 done += 1
                 if progress is not None:
                     progress(done, total)

@@ -459,14 +459,17 @@ def run_scenario(
     trace_notes: dict[str, str] = {}
     replays: dict[tuple[int, int], RunReplay] = {}  # by (case, run) index
     total = len(cases) * len(scenario.runs)
-    # The cases are independent, and a replay is mostly Python holding the GIL: the cases in
-    # one worker process per CPU (a lone case here, where its large arrays' NumPy work runs
-    # in `simulate`'s threads).
+    # The replays are independent, and mostly Python holding the GIL: one worker process per
+    # CPU, one job per case (its trace built once), or per case and run with fewer cases.
+    workers = available_cpus()
     runs = tuple(range(len(scenario.runs)))
     jobs = [(scenario, c, runs, quick, data_dir) for c in range(len(cases))]
-    for case, (note, made) in map_in_processes(replay_case, jobs, available_cpus()):
+    if len(cases) < workers:
+        jobs = [(scenario, c, (r,), quick, data_dir) for c in range(len(cases)) for r in runs]
+    for i, (note, made) in map_in_processes(replay_case, jobs, workers):
+        case = jobs[i][1]
         trace_notes[cases[case].label] = note
-        for r, replay in zip(runs, made, strict=True):
+        for r, replay in zip(jobs[i][2], made, strict=True):
             replays[case, r] = replay
             if progress is not None:
                 what = f"{scenario.name}: {cases[case].label}, {scenario.runs[r].name}"
@@ -529,6 +532,7 @@ def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunRep
         background_planning=scenario.background_planning,
         dense_params=timed_dense_params(scenario, case.spec),
         options={k: dict(v) for k, v in run.options.items()},
+        workers=1,  # the replays take the CPUs (`run_scenario`); threads would take turns
     )
     warmup = scenario.warmup_steps
     charged, priced = {}, {}
