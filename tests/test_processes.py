@@ -34,3 +34,15 @@ def test_a_jobs_error_is_raised_here() -> None:
 
 def test_available_cpus_is_positive() -> None:
     assert available_cpus() >= 1
+
+
+def test_the_workers_are_kept_for_the_next_call() -> None:
+    import os
+
+    from poise.util import processes
+
+    first = {pid for _, pid in map_in_processes(os.getpid, [(), (), ()], 2)}
+    pool = processes._POOLS[2]
+    second = {pid for _, pid in map_in_processes(os.getpid, [(), (), ()], 2)}
+    assert processes._POOLS[2] is pool
+    assert os.getpid() not in first | second
