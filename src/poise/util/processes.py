@@ -5,9 +5,10 @@
 
 For work that is Python holding the GIL (threads would take turns): `fn` and the jobs'
 arguments must pickle (a module-level function). The workers are spawned, so they inherit no
-threads and no state of the caller; they stay for the next call (starting one and its imports
-takes about a second of CPU) and end with this process. With fewer than two workers (or one
-job) the jobs run here, one after the other, in order.
+threads and no state of the caller (and a script that calls this must do its work under
+`if __name__ == "__main__":`, as a spawned worker imports it); they stay for the next call
+(starting one and its imports takes about a second of CPU) and end with this process. With
+fewer than two workers (or one job) the jobs run here, one after the other, in order.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def map_in_processes(
     try:
         for future in as_completed(futures):
             yield futures[future], future.result()
-    except BrokenProcessPool:
+    except BrokenProcessPool as error:
         _drop(workers, pool)
-        raise
+        raise BrokenProcessPool(
+            "a worker process ended abruptly; a script that starts worker processes must run "
+            'its work under `if __name__ == "__main__":` (spawned workers import the script)'
+        ) from error
     finally:  # a job's error, or a caller that stops early: drop what has not started
         for future in futures:
             future.cancel()
