@@ -7,7 +7,7 @@ import pytest
 
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement, transfers_between
-from poise.cost.model import CostModel
+from poise.cost.model import CostModel, PlanPricer
 from poise.cost.schedule import Schedule, parse_schedule
 from poise.cost.traffic import level_traffic
 
@@ -181,3 +181,29 @@ def test_pricing_layers_in_chunks_gives_the_same_cost(monkeypatch) -> None:
         np.testing.assert_array_equal(got.layer_s, ref.layer_s)
         np.testing.assert_array_equal(got.device_load, ref.device_load)
         assert got.phases.migrate_s.sum() == ref.phases.migrate_s.sum()
+
+
+def test_a_cost_model_reuses_the_pricer_of_a_plan_of_the_same_content() -> None:
+    """`CostModel.pricer` keeps its pricers by plan content (`PricerCache`): an equal plan in
+    other arrays gets the same pricer, built on copies (what the caller then does with its own
+    arrays does not reach it); a pickled cost model starts with an empty cache."""
+    import pickle
+
+    cluster = toy_cluster(2, 2, 1, 1e9, 2e8, 1e7)
+    spec = toy_spec(experts=8, layers=3, d_model=64, d_expert=128, tokens=1000, non_moe=1e5)
+    cost = CostModel(cluster, spec)
+    placement = Placement.from_homes(np.tile(np.arange(8) % 4, (3, 1)), 4, 3)
+    assignment = Assignment.to_home(placement)
+    loads = np.random.default_rng(0).integers(0, 50, size=(3, 4, 8)).astype(float)
+    pricer = cost.pricer(placement, assignment)
+    same = cost.pricer(placement.copy(), Assignment(assignment.weights.copy()))
+    assert same is pricer
+    before = pricer.price(loads).layer_s
+    placement.copies[0, 1, 0] = 1  # the caller's own arrays change: a new plan, a new pricer
+    assert cost.pricer(placement, Assignment.even(placement)) is not pricer
+    np.testing.assert_array_equal(pricer.price(loads).layer_s, before)
+    fresh = PlanPricer(CostModel(cluster, spec), placement, Assignment.even(placement))
+    np.testing.assert_array_equal(
+        cost.price(placement, Assignment.even(placement), loads).layer_s, fresh.price(loads).layer_s
+    )
+    assert not pickle.loads(pickle.dumps(cost)).pricers._pricers

@@ -423,3 +423,69 @@ def test_expert_domain_option_is_checked() -> None:
     assert check_option("hybrid", "expert_domain", 4) == 4
     with pytest.raises(ConfigError, match=r"hybrid\.expert_domain"):
         check_option("hybrid", "expert_domain", 0)
+
+
+def _fill_domains_one_by_one(
+    placement: Placement, loads: np.ndarray, size: int, expert_domain: int | None = None
+) -> list[list[list[tuple[int, int]]]]:
+    """`hybrid._fill_domains` as it was written, domain by domain and expert by expert: the
+    reference of the vectorised one."""
+    L, D, E = loads.shape
+    G = D // size
+    copies = placement.copies
+    block = G if expert_domain is None else min(expert_domain, G)
+    added: list[list[list[tuple[int, int]]]] = []
+    for layer in range(L):
+        free = placement.slots_per_device - copies[layer].sum(axis=1)  # [D]
+        by_group = copies[layer].reshape(G, size, E).sum(axis=1) > 0  # [G, E] before adding
+        per_layer = []
+        for g in range(G):
+            devs = np.arange(g * size, (g + 1) * size)
+            held = copies[layer, devs].sum(axis=0) > 0  # [E]
+            lo = g // block * block
+            reachable = by_group[lo : lo + block].any(axis=0)  # [E] held in g's expert domain
+            demand = loads[layer, devs].sum(axis=0)  # [E]
+            missing = [
+                e
+                for e in np.argsort(-demand, kind="stable").tolist()
+                if reachable[e] and not held[e]
+            ]
+            got = []
+            for e in missing:
+                d = int(devs[np.argmax(free[devs])])
+                if free[d] <= 0:
+                    break
+                copies[layer, d, e] += 1
+                free[d] -= 1
+                got.append((e, d))
+            per_layer.append(got)
+        added.append(per_layer)
+    return added
+
+
+@pytest.mark.parametrize("expert_domain", [None, 1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_filling_every_domain_at_once_is_filling_them_one_by_one(
+    seed: int, expert_domain: int | None
+) -> None:
+    """`_fill_domains` fills all domains of a layer in rounds: the same copies and the same
+    (expert, device) lists as the domain-by-domain loop, ties (integer loads) included."""
+    from poise.plan.policies.hybrid import _fill_domains
+
+    rng = np.random.default_rng(seed)
+    L, G, size, E, slots = 3, 7, 4, 5, 3
+    D = G * size
+    loads = rng.integers(0, 4, size=(L, D, E)).astype(float)
+    home = rng.integers(0, D, size=(L, E))
+    start = Placement.from_homes(home, D, slots)
+    extra = rng.random((L, D, E)) < 0.1
+    start.copies += (extra & (start.copies.sum(axis=2, keepdims=True) < slots - 1)).astype(
+        start.copies.dtype
+    )
+    a, b = start.copy(), start.copy()
+    added = _fill_domains(a, loads, size, expert_domain)
+    expected = _fill_domains_one_by_one(b, loads, size, expert_domain)
+    assert added == expected
+    np.testing.assert_array_equal(a.copies, b.copies)
+    # (a domain's own block holds only what it holds: with blocks of one, nothing is missing)
+    assert any(any(per_group) for per_group in added) == (expert_domain != 1)

@@ -81,7 +81,7 @@ def test_replicate_experts_equals_the_loop() -> None:
     rng = np.random.default_rng(5)
     for trial in range(300):
         rows, experts = int(rng.integers(1, 5)), int(rng.integers(1, 40))
-        slots = experts + int(rng.choice([0, 1, 3, experts, 3 * experts]))
+        slots = experts + int(rng.choice([0, 1, 3, experts, 3 * experts, 40 * experts + 7]))
         w = _weights(rng, trial % 6, (rows, experts))
         phy2log, rank, logcnt = replicate_experts(w, slots)
         # The loop: each extra slot to argmax w / count, lowest expert on ties.

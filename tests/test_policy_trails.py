@@ -176,14 +176,14 @@ def test_auto_trails_replay_each_policy_alone() -> None:
     plans: dict[str, list[Plan]] = {n: [] for n in [*rivals, "auto"]}
     import poise.sim.simulator as sim
 
-    real = sim.make_plan
+    real = sim.make_plan_reusing
 
     def record(name, loads, previous, ctx):
-        plan = real(name, loads, previous, ctx)
+        plan, reused_cpu_s = real(name, loads, previous, ctx)
         plans.setdefault(name, []).append(plan)
-        return plan
+        return plan, reused_cpu_s
 
-    sim.make_plan = record
+    sim.make_plan_reusing = record
     try:
         simulate(
             trace,
@@ -198,7 +198,7 @@ def test_auto_trails_replay_each_policy_alone() -> None:
             workers=1,
         )
     finally:
-        sim.make_plan = real
+        sim.make_plan_reusing = real
     assert len(plans["auto"]) == 4
     alone_seen = False
     for step, made in enumerate(plans["auto"]):

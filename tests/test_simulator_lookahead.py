@@ -36,15 +36,15 @@ def replay(
     """One policy re-planning every step with the `last` predictor; the plans it made, in step
     order (one policy, one plan per step)."""
     made: list[Plan] = []
-    real = simulator.make_plan
+    real = simulator.make_plan_reusing
 
     def spy(name, loads, previous, ctx):  # type: ignore[no-untyped-def]
-        plan = real(name, loads, previous, ctx)
-        if name == policy:  # not the static start of background planning
+        plan, reused_cpu_s = real(name, loads, previous, ctx)
+        if name == policy:
             made.append(plan)
-        return plan
+        return plan, reused_cpu_s
 
-    monkeypatch.setattr(simulator, "make_plan", spy)
+    monkeypatch.setattr(simulator, "make_plan_reusing", spy)
     cluster = toy_cluster(D, bw=1e9, lat=1e-6, flops=1e10)
     spec = toy_spec(experts=E, layers=1, d_model=64, d_expert=256, tokens=480)
     result = simulate(

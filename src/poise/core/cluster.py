@@ -234,7 +234,7 @@ class HostCosts:
     @property
     def is_default(self) -> bool:
         """True when nothing beyond the GEMM and link model is priced."""
-        return self == HostCosts()
+        return self == NO_HOST_COSTS
 
     def to_dict(self) -> dict[str, float]:
         """The fields that are set (None left out)."""
@@ -260,6 +260,9 @@ class HostCosts:
             return cls(**kwargs)
         except ConfigError as exc:
             raise ConfigError(exc.message, source=source, field=exc.field) from None
+
+
+NO_HOST_COSTS = HostCosts()  # a cluster without measured host costs (`is_default`)
 
 
 @dataclass(frozen=True)

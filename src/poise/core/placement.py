@@ -307,6 +307,17 @@ class Assignment:
             weights[layer, expert] = balanced_weights(local, remote, copies_m)
         return cls(weights)
 
+    def copy(self) -> Assignment:
+        """This assignment with copies of its arrays, each in the same memory layout."""
+
+        def own(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a.copy(order="K")
+
+        return Assignment(
+            own(self.weights), own(self.group_weights), self.group_size, self.by_counts,
+            own(self.shed),
+        )  # fmt: skip
+
     def take_layers(self, layers: np.ndarray | list[int]) -> Assignment:
         idx = np.asarray(layers)
         gw = None if self.group_weights is None else self.group_weights[idx]

@@ -50,6 +50,8 @@ The schedule (`schedule.py`) turns these phases into step time (overlap or not).
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +139,9 @@ class CostModel:
     cluster: Cluster
     spec: ModelSpec
     schedule: Schedule = field(default_factory=Schedule)
+    pricers: PricerCache = field(
+        default_factory=lambda: PricerCache(), init=False, repr=False, compare=False
+    )
 
     def check_loads(self, counts: np.ndarray, source: str = "loads") -> np.ndarray:
         counts = np.asarray(counts, dtype=np.float64)
@@ -238,8 +243,10 @@ class CostModel:
         return small
 
     def pricer(self, placement: Placement, assignment: Assignment) -> PlanPricer:
-        """A pricer of this plan for many load matrices (see `PlanPricer`)."""
-        return PlanPricer(self, placement, assignment)
+        """A pricer of this plan for many load matrices (see `PlanPricer`): the one this cost
+        model made last for a plan of the same content, if it still keeps it
+        (`PricerCache`)."""
+        return self.pricers.get(self, placement, assignment)
 
     def phases(
         self,
@@ -259,6 +266,69 @@ class CostModel:
         migrations: np.ndarray | None = None,
     ) -> PlanCost:
         return self.pricer(placement, assignment).price(counts, migrations)
+
+
+def array_key(a: np.ndarray | None) -> tuple[Any, ...] | None:
+    """An exact dictionary key of an array's content and the order of its axes in memory
+    (which sets NumPy's summation order; None for None)."""
+    if a is None:
+        return None
+    return (a.dtype.str, a.shape, tuple(np.argsort(a.strides, kind="stable")), a.tobytes())
+
+
+def plan_key(placement: Placement, assignment: Assignment) -> tuple[Any, ...]:
+    """An exact dictionary key of what `PlanPricer` prices of a plan: the placement's homes and
+    copies and the assignment's weights, group weights, group size, per-step splitting and
+    shed shares."""
+    a = assignment
+    return (
+        array_key(placement.home),
+        array_key(placement.copies),
+        array_key(a.weights),
+        array_key(a.group_weights),
+        a.group_size,
+        a.by_counts,
+        array_key(a.shed),
+    )
+
+
+PRICER_CACHE_CELLS = 2**22  # layer x device x expert cells of the pricers a cost model keeps
+PRICER_CACHE_PLANS = 64  # and at most this many
+
+
+class PricerCache:
+    """The pricers a `CostModel` made last, by plan content (`plan_key`), so a plan priced
+    again (the simulator putting in force the plan a policy priced; a policy's placement that
+    stays; `auto`'s candidates that are a rival's plan) reuses its `PlanPricer`, whose results
+    are the same as a new one's. Each pricer is built on copies of the plan's arrays, so what
+    the caller does with its own after does not reach it. Shared by threads (a lock guards the
+    table); not pickled (an unpickled cost model starts with an empty cache)."""
+
+    def __init__(self) -> None:
+        self._pricers: OrderedDict[tuple[Any, ...], PlanPricer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def get(self, cost: CostModel, placement: Placement, assignment: Assignment) -> PlanPricer:
+        """`cost`'s pricer of this plan: a kept one of the same content, or a new one."""
+        key = plan_key(placement, assignment)
+        with self._lock:
+            pricer = self._pricers.get(key)
+            if pricer is not None:
+                self._pricers.move_to_end(key)
+                return pricer
+        pricer = PlanPricer(cost, placement.copy(), assignment.copy())
+        keep = min(PRICER_CACHE_PLANS, max(2, PRICER_CACHE_CELLS // max(1, placement.copies.size)))
+        with self._lock:
+            self._pricers[key] = pricer
+            while len(self._pricers) > keep:
+                self._pricers.popitem(last=False)
+        return pricer
 
 
 class PlanPricer:

@@ -87,10 +87,16 @@ class Routing:
     def take_layers(self, start: int, stop: int) -> Routing:
         """The routing of layers `start:stop` (views of this one's arrays)."""
         part = Routing.__new__(Routing)
-        layers = list(range(start, stop))
         part.cluster, part.groups = self.cluster, self.groups
-        part.placement = self.placement.take_layers(layers)
-        part.assignment = self.assignment.take_layers(layers)
+        p, a = self.placement, self.assignment
+        part.placement = Placement(p.home[start:stop], p.copies[start:stop], p.slots_per_device)
+        part.assignment = Assignment(
+            a.weights[start:stop],
+            None if a.group_weights is None else a.group_weights[start:stop],
+            a.group_size,
+            a.by_counts,
+            None if a.shed is None else a.shed[start:stop],
+        )
         part.held, part.w = self.held[start:stop], self.w[start:stop]
         part.shed = None if self.shed is None else self.shed[start:stop]
         part.w_group = [wg[start:stop] for wg in self.w_group]

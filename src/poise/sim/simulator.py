@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal, TypeAlias
 
@@ -60,8 +61,8 @@ from poise.cost.step_overheads import OVERHEADS, StepWork, step_overheads
 from poise.cost.traffic import padded_counts
 from poise.plan.persistence import carried_age, pattern_age
 from poise.plan.policies.auto import with_steps_left
-from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext
-from poise.plan.policies.registry import get_policy, make_plan
+from poise.plan.policies.base import HELPER_CPU_NOTE, PlanContext, PlanMemo
+from poise.plan.policies.registry import get_policy, make_plan, make_plan_reusing
 from poise.plan.predict import OnlineForecast, Predictor, parse_predictor
 from poise.plan.retarget import retargeted
 from poise.sim.scaling import ScaledTrace
@@ -288,7 +289,7 @@ def simulate(
     pattern: tuple[int, int] | None = None  # (newest step seen, its pattern's age), as live
     done, total = 0, S * len(names)
     threads = min(workers if workers is not None else (os.cpu_count() or 1), len(names))
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads) if threads > 1 else nullcontext() as pool:
         for s in range(S):
             actual = scaled.step(s)  # [L, D, E]
             if schedule.pads:  # DeepSpeed's dispatcher: what it moves is what planners see
@@ -318,13 +319,16 @@ def simulate(
                     history=seen,
                     options=step_opts,
                     split_tokens=split_tokens,
+                    memo=PlanMemo(loads),  # the policies plan on one forecast: share plans
                 )
                 if seen is not None and "auto" in names:
                     recent = int(step_opts["auto"]["base_horizon"])
                     pattern = (s - 1, pattern_age(seen, loads.sum(axis=1), recent, held))
             step = _Step(s, actual, loads, ctx)
-            # Policies share nothing they write: several replay at once (NumPy frees the GIL).
-            for _ in pool.map(lambda r, step=step: r.advance(step), replays):
+            # Policies share nothing they write: several replay at once (NumPy frees the GIL),
+            # or one thread replays them in turn.
+            each = map if pool is None else pool.map
+            for _ in each(lambda r, step=step: r.advance(step), replays):
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -445,8 +449,9 @@ class _PolicyReplay:
         if step.loads is not None and step.ctx is not None and self.pending is None:
             replans = True
             t0 = time.thread_time()
-            plan = make_plan(self.name, step.loads, self.plan, step.ctx)
+            plan, reused_cpu_s = make_plan_reusing(self.name, step.loads, self.plan, step.ctx)
             wall = time.thread_time() - t0 + float(plan.notes.get(HELPER_CPU_NOTE, 0.0))
+            wall += reused_cpu_s  # a plan another replay made on this forecast took it that long
             self.plan = plan
             run.plan_wall_s[s] = wall
             run.plan_ms.append(wall * 1e3 / step.loads.shape[0])

@@ -74,6 +74,7 @@ from poise.plan.policies.base import (
     PlanContext,
     finish_plan,
     register,
+    run_policy,
 )
 from poise.plan.policies.bounds import BOUNDS
 
@@ -97,19 +98,21 @@ Job = tuple[str, "Plan | None"]  # a candidate policy and the plan in force it p
 def run_candidates(
     jobs: list[Job], loads: np.ndarray, ctx: PlanContext
 ) -> tuple[list[Plan], float]:
-    """Each job's plan (`REGISTRY[name](loads, previous, ctx)`), in `jobs` order, and the CPU
-    seconds spent in helper threads. Policies are pure, so on large problems (at least
-    `PARALLEL_CELLS` load cells, where NumPy's array work releases the GIL) they run in
-    threads, one per CPU; small ones run one after the other in the caller's thread (threads
-    would only contend)."""
+    """Each job's plan (`REGISTRY[name](loads, previous, ctx)`, through `ctx.memo` where set:
+    `base.run_policy`), in `jobs` order, and the CPU seconds spent in helper threads (with
+    those of the plans reused from the memo, as their making took them). Policies are pure,
+    so on large problems (at least `PARALLEL_CELLS` load cells, where NumPy's array work
+    releases the GIL) they run in threads, one per CPU; small ones run one after the other in
+    the caller's thread (threads would only contend)."""
     threads = min(len(jobs), os.cpu_count() or 1)
     if loads.size < PARALLEL_CELLS or threads < 2:
-        return [REGISTRY[n](loads, prev, ctx) for n, prev in jobs], 0.0
+        made = [run_policy(n, loads, prev, ctx) for n, prev in jobs]
+        return [p for p, _ in made], sum(cpu for _, cpu in made)
 
     def one(job: Job) -> tuple[Plan, float]:
         t0 = time.thread_time()
-        plan = REGISTRY[job[0]](loads, job[1], ctx)
-        return plan, time.thread_time() - t0
+        plan, reused_cpu_s = run_policy(job[0], loads, job[1], ctx)
+        return plan, time.thread_time() - t0 + reused_cpu_s
 
     with ThreadPoolExecutor(threads) as pool:
         done = list(pool.map(one, jobs))

@@ -14,6 +14,7 @@ It never knows whether the live runtime or the simulator called it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
-from poise.cost.model import CostModel, PlanCost
+from poise.cost.model import CostModel, PlanCost, array_key
 
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
 
@@ -63,7 +64,10 @@ class PlanContext:
     `options[policy][key]`: per-policy settings (thresholds, windows);
     `split_tokens`: the executor splits each step's tokens of replicated experts by that step's
     counts (`Assignment.by_counts`, `poise.core.token_split`): every plan's assignment is
-    marked so (`finish_plan`) and priced as the executor runs it."""
+    marked so (`finish_plan`) and priced as the executor runs it;
+    `memo`: plans already made on these loads in this context, shared by the callers that plan
+    on the same forecast (`PlanMemo`; the simulator's replays of one re-planning step), or None
+    (every call plans afresh)."""
 
     cluster: Cluster
     spec: ModelSpec
@@ -72,6 +76,7 @@ class PlanContext:
     history: np.ndarray | None = None
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     split_tokens: bool = False
+    memo: PlanMemo | None = None
 
     @classmethod
     def create(
@@ -119,6 +124,83 @@ class PlanContext:
 # `Plan.notes` key: CPU seconds a policy spent in helper threads (`auto` on large problems), to
 # be added to the planning thread's own CPU time when planning is charged.
 HELPER_CPU_NOTE = "helper_cpu_s"
+
+
+@dataclass
+class PlanMemo:
+    """The plans made on one forecast `loads[L, D, E]` in one `PlanContext`, for the callers
+    that plan on it: the simulator's replays of one re-planning step, and `auto`'s candidates
+    within them.
+
+    A policy is a pure function of the loads, the context and, of `previous`, only what it
+    builds on (`BUILDS_ON`: the placement or its homes; the homes price the migrations of
+    every policy, `transfers_between`), so a call that agrees with an earlier one on those gets
+    the earlier call's plan. Each entry keeps the CPU seconds its making took, which a call
+    that reuses it reports (`PlanMemo.plan`), so each caller's planning time is what it would
+    spend planning alone."""
+
+    loads: np.ndarray
+    entries: dict[tuple[str, Any], tuple[Plan, float]] = field(default_factory=dict)
+
+    def plan(
+        self, name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
+    ) -> tuple[Plan, float]:
+        """`REGISTRY[name](loads, previous, ctx)` and the CPU seconds of its making that this
+        call did not spend (0 where this call made it; its maker thread's CPU seconds where it
+        reused an earlier call's plan, whose notes keep any helper threads' seconds,
+        `HELPER_CPU_NOTE`). Loads other than the memo's are planned afresh.
+
+        A policy that builds on nothing of `previous` (not in `BUILDS_ON`: it plans from the
+        loads alone) makes the same placement and assignment from any plan in force: from
+        another one than an earlier call's, its plan is the earlier one's finished from this
+        `previous` (`finish_plan`: the transfers and the price of the migrations from it),
+        reported as taking the earlier one's making (a finishing more than it took)."""
+        fn = REGISTRY[name]
+        if loads is not self.loads and not np.array_equal(loads, self.loads):
+            return fn(loads, previous, ctx), 0.0
+        key = (name, previous_key(name, previous))
+        found = self.entries.get(key)
+        if found is not None:
+            return found
+        alone = self.entries.get((name, LOADS_ONLY))
+        if alone is not None:
+            made, cpu = alone
+            plan = finish_plan(
+                name, made.placement, made.assignment, loads, previous, ctx, dict(made.notes)
+            )
+            self.entries.setdefault(key, (plan, cpu))
+            return plan, cpu
+        t0 = time.thread_time()
+        plan = fn(loads, previous, ctx)
+        cpu = time.thread_time() - t0
+        self.entries.setdefault(key, (plan, cpu))  # (threads may race: their plans are equal)
+        if name not in BUILDS_ON:
+            self.entries.setdefault((name, LOADS_ONLY), (plan, cpu))
+        return plan, 0.0
+
+
+LOADS_ONLY = "loads only"  # `PlanMemo` key of the first plan of a policy that builds on nothing
+
+
+def previous_key(name: str, previous: Plan | None) -> tuple[Any, ...] | None:
+    """An exact key of what policy `name`'s plan depends on of the plan in force (`PlanMemo`):
+    its homes (the migrations' price, and what `homes` policies build on), its devices and
+    slots, and its copies for a policy that builds on the whole placement; None without one."""
+    if previous is None:
+        return None
+    p = previous.placement
+    copies = array_key(p.copies) if BUILDS_ON.get(name) == "placement" else None
+    return (array_key(p.home), p.devices, p.slots_per_device, copies)
+
+
+def run_policy(
+    name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
+) -> tuple[Plan, float]:
+    """`REGISTRY[name](loads, previous, ctx)`, through `ctx.memo` where it is set, and the CPU
+    seconds of a reused plan's making (`PlanMemo.plan`; 0 without a memo)."""
+    if ctx.memo is None:
+        return REGISTRY[name](loads, previous, ctx), 0.0
+    return ctx.memo.plan(name, loads, previous, ctx)
 
 
 def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:

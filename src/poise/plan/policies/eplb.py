@@ -198,23 +198,28 @@ def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.
 
 def _largest_quotients(w: np.ndarray, picks: int) -> tuple[np.ndarray, np.ndarray] | None:
     """`replicate_experts`' picks without its loop: `(expert[X, picks], copy[X, picks])`, or
-    None where this shortcut does not apply (fewer positive weights than picks).
+    None where this shortcut does not apply (a zero weight among those that could be picked).
 
     Each pick takes the largest `w[e] / cnt[e]` (lowest e on ties) and raises cnt[e]; as an
     expert's quotients w / 1 > w / 2 > ... fall, the picks are the `picks` largest quotients
     w[e] / c over all (e, c >= 1), in order of value (ties: lower e, then lower c), each
-    expert's c-th pick being its copy number c (D'Hondt's method). The `picks`-th largest weight
-    t bounds them from below (the largest weights are quotients with c = 1, at least `picks` of
-    them >= t), so only experts with w[e] >= t and c <= w[e] / t (+1 for rounding) need
-    sorting."""
+    expert's c-th pick being its copy number c (D'Hondt's method). A bound t from below on
+    them limits the sort to the experts with w[e] >= t and c <= w[e] / t (+1 for rounding):
+    with at most E picks, the `picks`-th largest weight (the largest weights are quotients with
+    c = 1, at least `picks` of them >= t); with more, t = sum(w) / (picks + E + 1), under which
+    sum_e floor(w[e] / t) > sum_e w[e] / t - E = picks + 1 quotients lie (every weight
+    positive)."""
     X, E = w.shape
     if picks == 0:
         return np.zeros((X, 0), dtype=np.int64), np.zeros((X, 0), dtype=np.int64)
-    if picks > E:
-        return None
-    floor = np.partition(w, E - picks, axis=1)[:, E - picks]  # the picks-th largest weight
-    if not np.all(floor > 0):
-        return None
+    if picks <= E:
+        floor = np.partition(w, E - picks, axis=1)[:, E - picks]  # the picks-th largest weight
+        if not np.all(floor > 0):
+            return None
+    else:
+        if not np.all(w > 0):
+            return None
+        floor = w.sum(axis=1) / (picks + E + 1)
     row, expert = np.nonzero(w >= floor[:, None])  # by row, then expert
     weight = w[row, expert]
     count = np.minimum(np.floor(weight / floor[row]).astype(np.int64) + 1, picks)

@@ -433,37 +433,49 @@ def _fill_domains(
     slots last; `placement.copies` is updated in place. `expert_domain` (S_ED, in domains;
     None: all): a domain gathers only experts held in its block of `expert_domain` consecutive
     domains before this call. Returns `[L][G]` lists of (expert, device) added."""
-    L, D, E = loads.shape
+    L, D, _ = loads.shape
     G = D // size
-    copies = placement.copies
     block = G if expert_domain is None else min(expert_domain, G)
-    added: list[list[list[tuple[int, int]]]] = []
-    for layer in range(L):
-        free = placement.slots_per_device - copies[layer].sum(axis=1)  # [D]
-        by_group = copies[layer].reshape(G, size, E).sum(axis=1) > 0  # [G, E] before adding
-        per_layer = []
-        for g in range(G):
-            devs = np.arange(g * size, (g + 1) * size)
-            held = copies[layer, devs].sum(axis=0) > 0  # [E]
-            lo = g // block * block
-            reachable = by_group[lo : lo + block].any(axis=0)  # [E] held in g's expert domain
-            demand = loads[layer, devs].sum(axis=0)  # [E]
-            missing = [
-                e
-                for e in np.argsort(-demand, kind="stable").tolist()
-                if reachable[e] and not held[e]
-            ]
-            got = []
-            for e in missing:
-                d = int(devs[np.argmax(free[devs])])
-                if free[d] <= 0:
-                    break
-                copies[layer, d, e] += 1
-                free[d] -= 1
-                got.append((e, d))
-            per_layer.append(got)
-        added.append(per_layer)
-    return added
+    return [
+        _fill_layer(placement.copies[layer], placement.slots_per_device, loads[layer], G, block)
+        for layer in range(L)
+    ]
+
+
+def _fill_layer(
+    copies: np.ndarray, slots: int, loads: np.ndarray, G: int, block: int
+) -> list[list[tuple[int, int]]]:
+    """`_fill_domains` on one layer, every domain at once: `copies[D, E]` (updated in place),
+    `loads[D, E]`, G domains, expert domains of `block` domains. Each domain's missing experts
+    go, heaviest first, to its device with the most free slots (the first of them on ties)
+    while one has a free slot: a round per missing expert, each round a step of every domain's
+    own loop."""
+    D, E = copies.shape
+    size = D // G
+    by_group = copies.reshape(G, size, E).sum(axis=1) > 0  # [G, E] before adding
+    free = (slots - copies.sum(axis=1)).reshape(G, size)  # [G, size]
+    block_of = np.arange(G) // block * block
+    reachable = np.stack([by_group[lo : lo + block].any(axis=0) for lo in range(0, G, block)])
+    wanted = reachable[block_of // block] & ~by_group  # [G, E] reachable and not held
+    demand = loads.reshape(G, size, E).sum(axis=1)  # [G, E] tokens each domain sends to e
+    order = np.argsort(-demand, axis=1, kind="stable")  # heaviest first
+    keep = np.take_along_axis(wanted, order, axis=1)
+    missing = np.take_along_axis(order, np.argsort(~keep, axis=1, kind="stable"), axis=1)
+    count = keep.sum(axis=1)  # [G] missing experts, in `missing[g, :count[g]]`
+    groups = np.arange(G)
+    got: list[list[tuple[int, int]]] = [[] for _ in range(G)]
+    for k in range(int(count.max(initial=0))):
+        slot = free.argmax(axis=1)  # [G] the device with the most free slots, first on ties
+        go = (k < count) & (free[groups, slot] > 0)  # a domain that ran out stays out
+        g = groups[go]
+        if not g.size:
+            break
+        device, expert = g * size + slot[go], missing[go, k]
+        copies[device, expert] += 1
+        free[g, slot[go]] -= 1
+        for i, e, d in zip(g.tolist(), expert.tolist(), device.tolist(), strict=True):
+            got[i].append((e, d))
+    return got
 
 
 def _plan_with_edp_copies(

@@ -21,6 +21,7 @@ from poise.plan.policies.base import REGISTRY
 from poise.plan.policies.registry import get_policy
 from poise.sim.simulator import SimResult, simulate
 from poise.trace.trace import Trace
+from poise.util.processes import available_cpus, map_in_processes
 
 MB = 1e6  # HybridEP's sizes are decimal megabytes
 SMARTMOE_SAMPLE = "smartmoe-ae-sample"
@@ -466,50 +467,42 @@ def run_scenario(
     data: str | Path | None = None,
     progress: Progress | None = None,
 ) -> ScenarioResult:
-    """Replay every case of `scenario` under each of its runs and compute the figures."""
+    """Replay every case of `scenario` under each of its runs and compute the figures. The
+    replays run in one worker process per CPU (`poise.util.processes`); the figures do not
+    depend on where they ran (a planner's time is its thread's CPU time)."""
     if scenario.runner is not None:
         return scenario.runner(quick, find_shared_data(data))
     started = time.perf_counter()
     data_dir = find_shared_data(data)
     cases = scenario.cases_for(quick)
-    warmup = scenario.warmup_steps
+    trace_notes: dict[str, str] = {}
+    replays: dict[tuple[int, int], RunReplay] = {}  # by (case, run) index
+    total = len(cases) * len(scenario.runs)
+    # The replays are independent, and mostly Python holding the GIL: one worker process per
+    # CPU, one job per case (its trace built once), or per case and run with fewer cases.
+    workers = available_cpus()
+    runs = tuple(range(len(scenario.runs)))
+    jobs = [(scenario, c, runs, quick, data_dir) for c in range(len(cases))]
+    if len(cases) < workers:
+        jobs = [(scenario, c, (r,), quick, data_dir) for c in range(len(cases)) for r in runs]
+    for i, (note, made) in map_in_processes(replay_case, jobs, workers):
+        case = jobs[i][1]
+        trace_notes[cases[case].label] = note
+        for r, replay in zip(jobs[i][2], made, strict=True):
+            replays[case, r] = replay
+            if progress is not None:
+                what = f"{scenario.name}: {cases[case].label}, {scenario.runs[r].name}"
+                progress(what, len(replays), total)
     means: dict[str, dict[str, dict[str, float]]] = {}
     checks: list[Check] = []
-    trace_notes: dict[str, str] = {}
-    total = len(cases) * len(scenario.runs)
-    done = 0
-    for case in cases:
-        trace, note = build_trace(case, quick, data_dir)
-        trace_notes[case.label] = note
-        cluster = case.get_cluster()
+    for c, case in enumerate(cases):
         means[case.label] = {}
-        for run in scenario.runs:
-            names = _policies(scenario, run, scenario.figures)
-            what = f"{scenario.name}: {case.label}, {run.name}"
-            if progress is not None:
-                progress(what, done, total)
-            result = simulate(
-                trace,
-                cluster,
-                timed_spec(scenario, case.spec),
-                names,
-                run.schedule,
-                scenario.replan_every,
-                scenario.predictor,
-                count_planning=scenario.count_planning,
-                background_planning=scenario.background_planning,
-                dense_params=timed_dense_params(scenario, case.spec),
-                options={k: dict(v) for k, v in run.options.items()},
+        for r, run in enumerate(scenario.runs):
+            replay = replays[c, r]
+            means[case.label][run.name] = (
+                replay.charged if scenario.count_planning else replay.priced
             )
-            charged, priced = {}, {}
-            for n in names:
-                c, p = step_times(result, n)
-                charged[n], priced[n] = measured_mean(c, warmup), measured_mean(p, warmup)
-            means[case.label][run.name] = charged if scenario.count_planning else priced
-            checks.append(auto_check(scenario, case.label, run.name, result, charged, priced))
-            done += 1
-            if progress is not None:
-                progress(what, done, total)
+            checks.append(replay.check)
     rows = [_row(scenario, f, cases, means) for f in scenario.figures]
     rows = [r for r in rows if r is not None]
     return ScenarioResult(
@@ -521,6 +514,52 @@ def run_scenario(
         quick=quick,
         trace_notes=trace_notes,
     )
+
+
+@dataclass
+class RunReplay:
+    """One case under one run: each policy's mean step seconds over the measured steps with
+    the planning time charged (`charged`) and without (`priced`), and `auto`'s check."""
+
+    charged: dict[str, float]
+    priced: dict[str, float]
+    check: Check
+
+
+def replay_case(
+    scenario: Scenario, case_index: int, runs: tuple[int, ...], quick: bool, data: Path | None
+) -> tuple[str, list[RunReplay]]:
+    """Case `case_index` of `scenario.cases_for(quick)` under the runs `runs` (indices into
+    `scenario.runs`): its trace's line (`build_trace`) and one `RunReplay` per run."""
+    case = scenario.cases_for(quick)[case_index]
+    trace, note = build_trace(case, quick, data)
+    return note, [replay_run(scenario, case, trace, scenario.runs[r]) for r in runs]
+
+
+def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunReplay:
+    """`trace` of `case` replayed with `simulate` under `run`, every policy of the run."""
+    names = _policies(scenario, run, scenario.figures)
+    result = simulate(
+        trace,
+        case.get_cluster(),
+        timed_spec(scenario, case.spec),
+        names,
+        run.schedule,
+        scenario.replan_every,
+        scenario.predictor,
+        count_planning=scenario.count_planning,
+        background_planning=scenario.background_planning,
+        dense_params=timed_dense_params(scenario, case.spec),
+        options={k: dict(v) for k, v in run.options.items()},
+        workers=1,  # the replays take the CPUs (`run_scenario`); threads would take turns
+    )
+    warmup = scenario.warmup_steps
+    charged, priced = {}, {}
+    for n in names:
+        c, p = step_times(result, n)
+        charged[n], priced[n] = measured_mean(c, warmup), measured_mean(p, warmup)
+    check = auto_check(scenario, case.label, run.name, result, charged, priced)
+    return RunReplay(charged, priced, check)
 
 
 def timed_spec(scenario: Scenario, spec: ModelSpec) -> ModelSpec:
