@@ -121,3 +121,4 @@ def test_summary_counts_paper_and_assumed_set_ups_apart() -> None:
     table = markdown([r for r in rows if r is not None], got)
     assert "1 of 3 rows whose set-up follows the paper match it" in table
     assert "1 of 1 rows on assumed set-ups" in table and "**b**: the cluster" in table
+    assert "**no**: outside the factor, other side of 1.0" in table  # r3, both ways off

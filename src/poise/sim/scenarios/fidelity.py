@@ -281,9 +281,8 @@ def markdown(rows: list[FidelityRow], summary: dict[str, Any]) -> str:
         if r.matches:
             verdict = "yes"
         else:
-            why = "outside the factor" if r.within is False else "other side of 1.0"
-            if not r.within and not r.direction_ok:
-                why = "outside the factor, other side of 1.0"
+            misses = (("outside the factor", r.within), ("other side of 1.0", r.direction_ok))
+            why = ", ".join(what for what, ok in misses if not ok)
             if r.reason is not None:
                 if r.reason not in reasons:
                     reasons.append(r.reason)
