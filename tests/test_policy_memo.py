@@ -40,7 +40,7 @@ def test_a_second_call_that_agrees_reuses_the_plan_and_its_cpu_seconds() -> None
     same = Plan("other", start.placement.copy(), start.assignment, start.transfers)
     second, reused_second = make_plan_reusing("vexpert", loads, same, ctx)
     assert second is first
-    assert reused_second == ctx.memo.entries[("vexpert", previous_key("vexpert", start))][1]
+    assert reused_second == ctx.memo.entries[("vexpert", 3, previous_key("vexpert", start))][1]
 
 
 def test_what_a_policy_builds_on_keys_the_memo() -> None:
@@ -70,7 +70,7 @@ def test_a_policy_of_the_loads_alone_is_finished_from_each_plan_in_force(name: s
     other = Plan("other", moved, start.assignment, start.transfers)
     first, _ = make_plan_reusing(name, loads, start, ctx)
     second, reused = make_plan_reusing(name, loads, other, ctx)
-    assert reused == ctx.memo.entries[(name, policies_base.LOADS_ONLY)][1]
+    assert reused == ctx.memo.entries[(name, 3, policies_base.LOADS_ONLY)][1]
     fresh = policies_base.REGISTRY[name](loads, other, _ctx(loads))
     assert len(second.transfers.migrations) == len(fresh.transfers.migrations) > 0
     for a, b in ((second, fresh), (first, policies_base.REGISTRY[name](loads, start, ctx))):

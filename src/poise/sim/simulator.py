@@ -40,9 +40,10 @@ breakdown `[S, L]` (with the host terms in `host_phases`), the per-step work out
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -214,6 +215,8 @@ def simulate(
     predictor: Predictor | str = "ema",
     *,
     slots_per_device: int | None = None,
+    policy_slots: Mapping[str, int] | None = None,
+    fixed_plans: Sequence[str] = (),
     steps: int | None = None,
     options: dict[str, dict[str, Any]] | None = None,
     seed: int = 0,
@@ -227,7 +230,9 @@ def simulate(
 ) -> SimResult:
     """Replay `trace` (`Trace` or counts `[S, L, D0, E]`) on `cluster` under each policy.
 
-    `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device); `steps` cuts
+    `slots_per_device` defaults to ceil(E / D) + 1 (one spare slot per device);
+    `policy_slots[name]` gives policy `name` its own slots per device instead (a system whose
+    design bounds its copies otherwise: `poise.plan.memory_slots`); `steps` cuts
     the trace; `options` are per-policy settings (`auto`'s horizon is at least `replan_every`:
     `auto.base_horizon`, and at most the steps the replay has left: `auto.steps_left`, as the
     live Balancer caps it at the run's end);
@@ -280,8 +285,26 @@ def simulate(
             cluster, spec, cost, base_ctx.slots_per_device, options=opts, split_tokens=split_tokens
         )
         start = make_plan("static", np.zeros((L, D, E)), None, ctx0)
+    own_slots = dict(policy_slots or {})
+    for name in [*own_slots, *fixed_plans]:
+        if name not in names:
+            raise ConfigError(
+                "names no policy of this run", source=name, field="policy_slots / fixed_plans"
+            )
+    for n in own_slots.values():
+        PlanContext.create(cluster, spec, slots_per_device=n)  # too few slots fail here
     replays = [
-        _PolicyReplay(name, _empty_run(name, S, L, D), cost, count_planning, start, host, retarget)
+        _PolicyReplay(
+            name,
+            _empty_run(name, S, L, D),
+            cost,
+            count_planning,
+            start,
+            host,
+            retarget,
+            slots=own_slots.get(name),
+            fixed=name in fixed_plans,
+        )
         for name in names
     ]
     forecast = OnlineForecast(predictor)
@@ -412,9 +435,14 @@ class _PolicyReplay:
         start: Plan | None,
         host: OutsideTerms | None = None,
         retarget: bool = False,
+        slots: int | None = None,
+        fixed: bool = False,
     ) -> None:
         self.name, self.run, self.cost, self.count_planning = name, run, cost, count_planning
         self.host = host
+        self.slots = slots  # this policy's own slots per device (None: the replay's)
+        self.fixed = fixed  # plans once, at step 0, and keeps that plan
+        self.planned = False
         self.retarget = retarget
         self.last_actual: np.ndarray | None = None  # the step before's loads `[L, D, E]`
         self.background = start is not None
@@ -446,10 +474,17 @@ class _PolicyReplay:
             self.pending = None
         wall, replans = 0.0, False
         # beside training, a re-plan due while the last plan is still being made is skipped
-        if step.loads is not None and step.ctx is not None and self.pending is None:
-            replans = True
+        # a re-plan is due at re-planning steps, but never again for a plan fixed at step 0
+        due = step.loads is not None and step.ctx is not None
+        due = due and not (self.fixed and self.planned)
+        if due and self.pending is None:
+            assert step.loads is not None and step.ctx is not None
+            replans, self.planned = True, True
+            ctx = step.ctx
+            if self.slots is not None:
+                ctx = dataclasses.replace(ctx, slots_per_device=self.slots)
             t0 = time.thread_time()
-            plan, reused_cpu_s = make_plan_reusing(self.name, step.loads, self.plan, step.ctx)
+            plan, reused_cpu_s = make_plan_reusing(self.name, step.loads, self.plan, ctx)
             wall = time.thread_time() - t0 + float(plan.notes.get(HELPER_CPU_NOTE, 0.0))
             wall += reused_cpu_s  # a plan another replay made on this forecast took it that long
             self.plan = plan
@@ -459,7 +494,7 @@ class _PolicyReplay:
                 self.pending, self.pending_left_s, self.pending_since = plan, wall, s
             else:
                 migrations = self._activate(plan, s, s)
-        elif step.loads is not None:
+        elif due:
             run.skipped_replans.append(s)
         assert self.active is not None
         pricer, in_force = self.active

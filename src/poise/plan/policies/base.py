@@ -140,7 +140,8 @@ class PlanMemo:
     spend planning alone."""
 
     loads: np.ndarray
-    entries: dict[tuple[str, Any], tuple[Plan, float]] = field(default_factory=dict)
+    # keyed by (policy, slots per device, what it builds on of `previous`)
+    entries: dict[tuple[str, int, Any], tuple[Plan, float]] = field(default_factory=dict)
 
     def plan(
         self, name: str, loads: np.ndarray, previous: Plan | None, ctx: PlanContext
@@ -158,11 +159,11 @@ class PlanMemo:
         fn = REGISTRY[name]
         if loads is not self.loads and not np.array_equal(loads, self.loads):
             return fn(loads, previous, ctx), 0.0
-        key = (name, previous_key(name, previous))
+        key = (name, ctx.slots_per_device, previous_key(name, previous))
         found = self.entries.get(key)
         if found is not None:
             return found
-        alone = self.entries.get((name, LOADS_ONLY))
+        alone = self.entries.get((name, ctx.slots_per_device, LOADS_ONLY))
         if alone is not None:
             made, cpu = alone
             plan = finish_plan(
@@ -175,7 +176,7 @@ class PlanMemo:
         cpu = time.thread_time() - t0
         self.entries.setdefault(key, (plan, cpu))  # (threads may race: their plans are equal)
         if name not in BUILDS_ON:
-            self.entries.setdefault((name, LOADS_ONLY), (plan, cpu))
+            self.entries.setdefault((name, ctx.slots_per_device, LOADS_ONLY), (plan, cpu))
         return plan, 0.0
 
 

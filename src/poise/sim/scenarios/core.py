@@ -17,6 +17,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.presets import get_cluster
 from poise.core.spec import ModelSpec
+from poise.plan.memory_slots import memory_bound_slots
 from poise.plan.policies.base import REGISTRY
 from poise.plan.policies.registry import get_policy
 from poise.sim.simulator import SimResult, simulate
@@ -147,6 +148,12 @@ class Scenario:
         "than the interval stretches it and no step waits for it)"
     )
     all_policies: bool = True
+    # Each system as designed: the policies whose systems set no slot limit, bounded by device
+    # memory alone (FasterMoE's shadows, HybridEP's gathered experts, Pro-Prophet's lightweight
+    # placement: `poise.plan.memory_slots`); the others keep one spare slot per device. And the
+    # policies that fix their plan before training (HybridEP's p, from its model on an even gate).
+    memory_bound: tuple[str, ...] = ("shadow", "hybrid", "prophet", "vexpert", "auto")
+    fixed_plans: tuple[str, ...] = ("hybrid",)
     # What the paper's times cover: "step", a whole training iteration (the MoE layers, the
     # dense compute and, every step, the dense parameters' gradient all-reduce across the
     # devices: `timed_spec`, `timed_dense_params`); "moe", the MoE layers alone (FasterMoE's
@@ -539,10 +546,12 @@ def replay_case(
 def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunReplay:
     """`trace` of `case` replayed with `simulate` under `run`, every policy of the run."""
     names = _policies(scenario, run, scenario.figures)
+    cluster, spec = case.get_cluster(), timed_spec(scenario, case.spec)
+    unbounded = memory_bound_slots(cluster, spec)  # of what is timed: no dense state for "moe"
     result = simulate(
         trace,
-        case.get_cluster(),
-        timed_spec(scenario, case.spec),
+        cluster,
+        spec,
         names,
         run.schedule,
         scenario.replan_every,
@@ -551,6 +560,8 @@ def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunRep
         background_planning=scenario.background_planning,
         dense_params=timed_dense_params(scenario, case.spec),
         options={k: dict(v) for k, v in run.options.items()},
+        policy_slots={n: unbounded for n in scenario.memory_bound if n in names},
+        fixed_plans=[n for n in scenario.fixed_plans if n in names],
         workers=1,  # the replays take the CPUs (`run_scenario`); threads would take turns
     )
     warmup = scenario.warmup_steps

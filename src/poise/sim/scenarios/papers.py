@@ -451,11 +451,9 @@ def _cross_dc() -> Scenario:
             src,
             aggregate="max",
         ),
-        # Withdrawn from the score: with 2 slots a device, a DC holds at most 16 of the 32
-        # experts, which bounds the gain under the paper's even gate near 2x; this row's figure
-        # comes from the generated trace's shared Zipf(1) skew, not from HybridEP's mechanism.
-        # Fig. 17's p-fixed curve needs what §V-G does not give: the gate (even or skewed), the
-        # expert count and size, the slots a GPU holds and the wide-area bandwidth per curve.
+        # Withdrawn from the score: Fig. 17's p-fixed curve needs what §V-G does not give: the
+        # gate (even or skewed), the expert count and size, the slots a GPU holds and the
+        # wide-area bandwidth per curve (the scenario's notes).
         Figure(
             "HybridEP vs EP (p fixed)",
             HYBRIDEP,
@@ -493,11 +491,10 @@ def _cross_dc() -> Scenario:
         planning_note="planning not charged: the published figures come from a SimAI "
         "simulation of communication and compute, with no planner in the loop",
         notes=(
-            "The p-fixed row is not scored: with 2 slots a device a DC holds at most 16 of the 32 "
-            "experts, which under HybridEP's even gate bounds the gain near 2x, so Poise's figure "
-            "comes from the generated trace's shared Zipf(1) skew rather than from HybridEP's "
-            "mechanism. Fig. 17 needs what §V-G does not give: the gate, the expert count and "
-            "size, the slots a GPU holds and the wide-area bandwidth of each curve.",
+            "The p-fixed row is not scored: Fig. 17 needs what §V-G does not give: the gate, the "
+            "expert count and size, the slots a GPU holds and the wide-area bandwidth of each "
+            "curve. HybridEP fixes p before training, so `hybrid` plans once, on the even split "
+            "(the paper's gate), with slots bounded by memory alone.",
         ),
     )
 
