@@ -614,3 +614,34 @@ def test_sim_note_says_when_autos_plans_came_later() -> None:
     inline = simulate(*args)
     assert inline.runs["auto"].plan_delays == [0, 0, 0, 0]
     assert "took effect" not in sim_note(inline)
+
+
+def test_sim_note_says_when_the_forecast_ranked_the_winner_lower() -> None:
+    """Where `auto`'s last re-plan priced the fastest rival's plan above its own choice on the
+    forecast, and the rival then ran faster from the step that plan took effect, the note gives
+    both prices and both realised steps; where the rival did not run faster, it says nothing."""
+    from poise.commands.demo_report import forecast_miss_note, sim_note
+    from poise.sim.simulator import simulate
+    from poise.trace.generate import generate
+
+    from .helpers import toy_cluster, toy_spec
+
+    trace = generate(
+        "drift", steps=8, layers=2, devices=8, experts=8, top_k=2, tokens_per_device=512,
+        seed=3, s=1.5, rate=0.15,
+    )  # fmt: skip
+    spec = toy_spec(experts=8, layers=2, d_model=256, d_expert=512, tokens=512)
+    cluster = toy_cluster(4, 2, bw=5e9, inter_bw=2e8, lat=1e-6, flops=1e12)
+    result = simulate(trace, cluster, spec, ["static", "eplb", "auto"], "sync", 4, "ema")
+    auto, eplb = result.runs["auto"], result.runs["eplb"]
+    auto.last_plan.notes["candidate_step_s"] = {"keep": 0.002, "eplb": 0.003, "static": 0.004}
+    for name, ms in (("static", 10.0), ("eplb", 5.0), ("auto", 8.0)):
+        result.runs[name].step_s = np.full(8, ms * 1e-3)
+    note = sim_note(result)
+    assert "priced its choice at 2.00 ms a step on the forecast and eplb's plan at 3.00 ms" in note
+    assert "from step 4, where it took effect, the steps ran at 8.00 ms and 5.00 ms" in note
+    eplb.step_s = np.full(8, 9e-3)  # the rival no faster where auto's plan ran: no such note
+    assert forecast_miss_note(auto, eplb, "eplb") == ""
+    auto.last_plan.notes["candidate_step_s"]["eplb"] = 0.002  # priced alike: no such note
+    eplb.step_s = np.full(8, 5e-3)
+    assert forecast_miss_note(auto, eplb, "eplb") == ""

@@ -42,8 +42,8 @@ def sim_note(result) -> str:
                 f"auto is {auto_ms / best_ms:.2f}x its step."
             )
             late = plan_delay_note(result.runs["auto"], result.runs[best], best)
-            if late:
-                parts.append(late)
+            missed = forecast_miss_note(result.runs["auto"], result.runs[best], best)
+            parts.extend(note for note in (late, missed) if note)
         else:
             parts.append("auto is the fastest policy here.")
     outside = result.runs["static"].outside_s
@@ -76,6 +76,39 @@ def plan_delay_note(auto, best, best_name: str) -> str:
         f"average, {best_name}'s {best.mean_plan_delay:.1f}: auto prices every policy's plan, "
         f"{cpu_ms:,.1f} ms of this host's CPU per re-plan, and a plan serves only once made."
         + stretched
+    )
+
+
+def forecast_miss_note(auto, best, best_name: str) -> str:
+    """Why `auto` trails `best` where its last re-plan priced `best`'s plan slower than its own
+    choice on the forecast it planned on (`notes["candidate_step_s"]`, the cost model's step
+    on the forecast), yet `best` ran faster on the steps that came: the loads departed from the
+    forecast, and `best`'s placement held up better. Empty where auto's pricing did not rank
+    `best` below its choice (another reason, or none found)."""
+    plan = auto.last_plan
+    priced = plan.notes.get("candidate_step_s", {}) if plan is not None else {}
+    if best_name not in priced or not priced:
+        return ""
+    chosen_s, best_s = min(priced.values()), priced[best_name]
+    made = np.nonzero(auto.plan_wall_s > 0)[0]
+    if best_s <= chosen_s * (1 + 1e-9) or not len(made) or not auto.plan_delays:
+        return ""
+    start = int(made[-1]) + int(auto.plan_delays[-1])  # the last plan's steps in force
+    ran_auto, ran_best = float(auto.step_s[start:].mean()), float(best.step_s[start:].mean())
+    if start >= len(auto.step_s) or ran_best >= ran_auto:
+        return ""
+    copies = ""
+    if best.last_plan is not None and plan is not None:
+        extra = [int(r.last_plan.placement.copies.sum() - r.last_plan.placement.home.size)
+                 for r in (auto, best)]  # fmt: skip
+        copies = f" ({best_name}'s {extra[1]:,} replicas against auto's {extra[0]:,})"
+    return (
+        f"auto's last re-plan priced its choice at {1e3 * chosen_s:,.2f} ms a step on the "
+        f"forecast and {best_name}'s plan at {1e3 * best_s:,.2f} ms; from step {start}, where it "
+        f"took effect, the steps ran at {1e3 * ran_auto:,.2f} ms and {1e3 * ran_best:,.2f} ms: "
+        "the forecast "
+        f"(a mean of loads that differ from step to step) is flatter than the steps, and "
+        f"{best_name}'s placement held up better on the steps as they came{copies}."
     )
 
 
@@ -255,6 +288,7 @@ def sim_line(result) -> str:
 __all__ = [
     "compare_traces",
     "demo_json",
+    "forecast_miss_note",
     "measured_summary",
     "plan_delay_note",
     "sim_line",

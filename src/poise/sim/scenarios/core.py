@@ -547,7 +547,7 @@ def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunRep
     """`trace` of `case` replayed with `simulate` under `run`, every policy of the run."""
     names = _policies(scenario, run, scenario.figures)
     cluster, spec = case.get_cluster(), timed_spec(scenario, case.spec)
-    unbounded = memory_bound_slots(cluster, spec)  # of what is timed: no dense state for "moe"
+    unbounded = memory_bound_slots(cluster, memory_spec(scenario, case.spec))
     result = simulate(
         trace,
         cluster,
@@ -578,6 +578,15 @@ def timed_spec(scenario: Scenario, spec: ModelSpec) -> ModelSpec:
     dense (non-MoE) compute when it times the MoE layers alone (`Scenario.timed`)."""
     if scenario.timed == "moe":
         return spec.with_(non_moe_flops_per_token=0.0)
+    return spec
+
+
+def memory_spec(scenario: Scenario, spec: ModelSpec) -> ModelSpec:
+    """The model whose state fills a device's memory (`poise.plan.memory_slots`): the whole
+    model for a paper that times whole steps; one MoE layer alone, without dense parts, for one
+    that times each MoE layer alone (FasterMoE's Fig. 13 benchmarks one layer at a time)."""
+    if scenario.timed == "moe":
+        return spec.with_(non_moe_flops_per_token=0.0, moe_layers=1)
     return spec
 
 
