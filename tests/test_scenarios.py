@@ -76,7 +76,7 @@ def check_result(res: ScenarioResult) -> None:
             (case,) = row.cases
             m = res.means[case]
             (pick,) = [v for k, v in m["layout"].items() if k.endswith("(pool's pick)")]
-            ep = m["pipelined(4)"]
+            ep = m["pipelined(W/2)"]
             assert "auto" in ep and len(ep) >= 3
             assert row.ours == pytest.approx(ep["shadow"] / pick)
             assert row.auto == pytest.approx(ep["shadow"] / ep["auto"])
@@ -180,7 +180,7 @@ def test_auto_keeps_room_for_vexpert_after_the_step_zero_tie() -> None:
     vexpert."""
     s = dataclasses.replace(SCENARIOS["fastermoe"], quick_cases=("MoE-GPT-L",))
     res = run_scenario(s, quick=True)
-    check = {c.schedule: c for c in res.checks}["pipelined(4)"]
+    check = {c.schedule: c for c in res.checks}["pipelined(W/2)"]
     assert check.auto_priced_s <= check.best_priced_s * (1 + TOL)
     case = s.cases_for(True)[0]
     trace, _ = build_trace(case, True, None)
@@ -278,7 +278,7 @@ def test_cli_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (s,) = data["scenarios"]
     assert s["name"] == "smartmoe" and s["quick"] and len(s["rows"]) == 1  # 16 GPUs
     assert all(math.isfinite(r["ours"]) for r in s["rows"])
-    assert {c["schedule"] for c in s["checks"]} == {"pipelined(4)"}
+    assert {c["schedule"] for c in s["checks"]} == {"pipelined(W/2)"}
 
 
 def test_cli_unknown_scenario_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,8 +13,9 @@ Conventions (the same in every scenario, so the rows can be read together):
 
 - "speedup of X over Y" = mean step time of Y / mean step time of X (papers: time(Y) / time(X));
 - each system is a policy under the schedule it ships with: FastMoE and DeepSpeed-MoE =
-  `static` + `sync`; Tutel = `static` + `pipelined(4)`; FasterMoE = `shadow` + `pipelined(4)`
-  (dynamic shadowing and smart scheduling both on, its default); SmartMoE = `permute` + `sync`
+  `static` + `sync`; Tutel = `static` + `pipelined(4)`; FasterMoE = `shadow` + `pipelined(W/2)`
+  (dynamic shadowing and smart scheduling both on, its default; W/2 stages on W devices, the
+  artifact's groups of 2); SmartMoE = `permute` + `sync`
   where it is a baseline on plain EP (HybridEP's Table V), and its offline pool's layout in its
   own scenario (`smartmoe`);
   FlexMoE = `vexpert` + `sync`; Pro-Prophet = `prophet` + `prophet`; HybridEP = `hybrid` +

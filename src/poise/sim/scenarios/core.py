@@ -76,6 +76,21 @@ class TraceRecipe:
         return self.quick_steps if quick else self.steps
 
 
+# FasterMoE's smart schedule as its artifact runs it: workers exchange in groups of 2
+# (fastermoe-ae scripts/runme.sh: FMOE_FUSE_GRAN=2, the group size later named
+# FMOE_FASTER_GROUP_SIZE), and a layer pipelines over the W / 2 groups (fastmoe's smart schedule:
+# n_groups = world_size / pipeline_gran). A run's schedule names it; `case_schedule` resolves it.
+FASTERMOE_PIPELINE = "pipelined(W/2)"
+
+
+def case_schedule(schedule: str, cluster: Cluster) -> str:
+    """`schedule` on `cluster`: `FASTERMOE_PIPELINE` becomes pipelined(D / 2) for its D
+    devices (at least 1 stage); any other schedule is returned as it is."""
+    if schedule == FASTERMOE_PIPELINE:
+        return f"pipelined({max(1, cluster.num_devices // 2)})"
+    return schedule
+
+
 @dataclass(frozen=True)
 class Run:
     """One `simulate` call per case: a schedule and the policies it must include. `options`:
@@ -553,7 +568,7 @@ def replay_run(scenario: Scenario, case: Case, trace: Trace, run: Run) -> RunRep
         cluster,
         spec,
         names,
-        run.schedule,
+        case_schedule(run.schedule, cluster),
         scenario.replan_every,
         scenario.predictor,
         count_planning=scenario.count_planning,

@@ -17,9 +17,9 @@ both systems per case with Poise's one cost model and builds the `ScenarioResult
   SmartMoE logs: `smart_OFF`), and m micro-batches per step from the case's fixed global batch
   (`LayoutSettings.micro_batch_tokens` = mbs x seq: Megatron-LM's m = gbs / (mbs dp));
 - FasterMoE: `simulate` replays the same loads on the same cluster and model under `shadow` +
-  `pipelined(4)` (dynamic shadowing + smart scheduling), re-planning every step (FasterMoE
-  decides its shadows every iteration), with the dense gradients' all-reduce charged
-  (`dense_params`), planning charged beyond what a planner thread hides, as every scenario does.
+  `pipelined(W/2)` (dynamic shadowing + smart scheduling in the artifact's groups of 2),
+  re-planning every step (FasterMoE decides its shadows every iteration), with the dense
+  gradients' all-reduce charged (`dense_params`), planning charged beyond what a planner thread hides, as every scenario does.
 
 Both sides include the same work per step: `price_layout`'s T_step = T_pipe + T_p2p + T_edp +
 T_dp + T_out (`poise.layouts.price`) is, for a layout without pipeline or EDP copies, exactly
@@ -57,9 +57,11 @@ from poise.core.errors import ConfigError
 from poise.core.spec import ModelSpec
 from poise.layouts.pool import Layout, LayoutSettings
 from poise.layouts.price import LayoutCost, price_layout, rank_layouts
+from poise.plan.memory_slots import memory_bound_slots
 from poise.plan.policies.base import REGISTRY
 from poise.plan.policies.registry import get_policy
 from poise.sim.scenarios.core import (
+    FASTERMOE_PIPELINE,
     Case,
     Check,
     Figure,
@@ -70,7 +72,9 @@ from poise.sim.scenarios.core import (
     TraceRecipe,
     auto_check,
     build_trace,
+    case_schedule,
     measured_mean,
+    memory_spec,
     step_times,
 )
 from poise.sim.simulator import simulate
@@ -79,7 +83,7 @@ SOURCE = (
     "paper-figures.md §3: SmartMoE (ATC'23) abstract, §1 (headline maximum); the case's "
     "set-up and per-case bars from the artifact's Fig. 8 logs (paper-setups.md §2.3)"
 )
-FASTERMOE = ("pipelined(4)", "shadow")  # dynamic shadowing + smart scheduling (logs: both ON)
+FASTERMOE = (FASTERMOE_PIPELINE, "shadow")  # dynamic shadowing + smart scheduling (logs: both ON)
 SMARTMOE = ("layout", "pool")  # the offline pool's argmin, priced by `price_layout`
 SEQ = 1024  # tokens per sequence (logs: seq 1024)
 MBS = 4  # sequences per micro-batch (logs: mbs 4)
@@ -194,7 +198,7 @@ class LayoutComparison:
 
     @property
     def speedup(self) -> float:
-        """FasterMoE / SmartMoE: mean step seconds of `shadow` + pipelined(4) over the pool's
+        """FasterMoE / SmartMoE: mean step seconds of `shadow` + pipelined(W/2) over the pool's
         pick's."""
         return self.policies_s[FASTERMOE[1]] / self.chosen.step_s
 
@@ -222,17 +226,19 @@ def compare(lc: LayoutCase, counts: np.ndarray, scenario: Scenario) -> LayoutCom
     # FasterMoE on plain EP, beside every other policy (and `auto`) on the same replay.
     get_policy("static")  # fills REGISTRY
     policies = list(dict.fromkeys([*sorted(REGISTRY), FASTERMOE[1], "auto"]))
+    unbounded = memory_bound_slots(cluster, memory_spec(scenario, spec))
     result = simulate(
         counts,
         cluster,
         spec,
         policies,
-        FASTERMOE[0],
+        case_schedule(FASTERMOE[0], cluster),
         scenario.replan_every,
         scenario.predictor,
         count_planning=scenario.count_planning,
         background_planning=scenario.background_planning,
         dense_params=spec.dense_params,
+        policy_slots={n: unbounded for n in scenario.memory_bound if n in policies},
     )
     charged, priced = {}, {}
     for n in policies:
@@ -270,7 +276,7 @@ def smartmoe_scenario() -> Scenario:
         "tokens per GPU) on V100 nodes of 8 with one 50 Gb/s NIC each (`v100-ib50`, "
         "`v100-ib50:4`; inky's hardware is not stated); SmartMoE = the layout its offline pool "
         "picks (`layouts.rank_layouts`, online re-placement off, sync schedule, m = gbs / (mbs "
-        "dp)); FasterMoE = plain EP, one expert per GPU, shadow + pipelined(4), re-planned "
+        "dp)); FasterMoE = plain EP, one expert per GPU, shadow + pipelined(W/2), re-planned "
         "every step",
         cases=tuple(lc.case for lc in cases),
         runs=(Run(FASTERMOE[0], ("static", FASTERMOE[1])),),
@@ -284,7 +290,7 @@ def smartmoe_scenario() -> Scenario:
             "layouts on all 20 steps (its expected load distribution) and both systems are "
             "timed on the steps after the warm-up.",
             "The auto column is Poise's `auto` policy on FasterMoE's plain EP under "
-            "pipelined(4): FasterMoE / auto, what Poise's planner reaches without changing the "
+            "pipelined(W/2): FasterMoE / auto, what Poise's planner reaches without changing the "
             "layout.",
         ),
     )
