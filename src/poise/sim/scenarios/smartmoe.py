@@ -19,7 +19,8 @@ both systems per case with Poise's one cost model and builds the `ScenarioResult
 - FasterMoE: `simulate` replays the same loads on the same cluster and model under `shadow` +
   `pipelined(W/2)` (dynamic shadowing + smart scheduling in the artifact's groups of 2),
   re-planning every step (FasterMoE decides its shadows every iteration), with the dense
-  gradients' all-reduce charged (`dense_params`), planning charged beyond what a planner thread hides, as every scenario does.
+  gradients' all-reduce charged (`dense_params`), planning charged beyond what a planner
+  thread hides, as every scenario does.
 
 Both sides include the same work per step: `price_layout`'s T_step = T_pipe + T_p2p + T_edp +
 T_dp + T_out (`poise.layouts.price`) is, for a layout without pipeline or EDP copies, exactly
