@@ -22,6 +22,7 @@ def _uniform(
     intra: Link,
     inter: Link,
     wan: Link | None = None,
+    floor: float = 0.0,
 ) -> Cluster:
     return Cluster(
         name=name,
@@ -35,6 +36,7 @@ def _uniform(
         inter_domain=wan or inter,
         gemm_half_rows=half_rows,
         gemm_efficiency=efficiency,
+        expert_call_floor_s=floor,
     )
 
 
@@ -75,8 +77,8 @@ A100_EFF = 271.2 / 312.0
 # `benchmarks/gpu_experts.py`, docs/benchmarks.md "Expert compute on an H100"): forward and
 # backward add 543-596 TFLOP/s at 4,096 -> 8,192 rows a slot over five expert shapes (8 slots),
 # median 565 of 989.4. The best dense matmul reaches 794.5 (stas00/ml-engineering's maximum
-# achievable matmul FLOPS table, torch 2.7.0); grouped experts do not. The measured floor of
-# 0.8-1.0 ms a call (the host issuing eager kernels) is not priced.
+# achievable matmul FLOPS table, torch 2.7.0); grouped experts do not. Their floor is
+# `H100_EXPERT_CALL_FLOOR_S` below.
 H100_EFF = 565.0 / 989.4
 # RTX 3090: no published fraction found. Assumed FasterMoE's 90% for V100 fp32 GEMMs, since
 # Pro-Prophet trains in fp32 on FasterMoE's code (its own planner assumes 100%: Comp_tp =
@@ -88,6 +90,13 @@ RTX3090_EFF = 0.90
 # fill), the values this project has used throughout; `poise calibrate` fits it on this machine.
 HALF_ROWS = 256.0
 HALF_ROWS_H100 = 512.0
+
+# The per-call floor of a device's expert forward + backward per layer
+# (`Cluster.expert_call_floor_s`). H100 SXM, bf16, measured: docs/benchmarks.md, Expert compute
+# on an H100, floor column (median of 6 shapes: 0.78, 0.84, 0.86, 0.94, 0.99, 1.00 ms a call,
+# `poise.nn.Experts` flat below ~1,000-2,000 rows a slot while the GPU waits for the host
+# issuing kernels). Every other preset keeps 0 (no floor): nothing was measured for it.
+H100_EXPERT_CALL_FLOOR_S = 0.90e-3
 
 # One rate per link type, the same everywhere: measured where a source measured that link type,
 # else nominal. PCIe 3.0 x16: 11 GB/s per direction, the rate FasterMoE's artifact measured and
@@ -212,6 +221,7 @@ def _presets() -> dict[str, Cluster]:
             80 * GIB,
             Link(450 * GB, LAT_NVLINK),
             Link(IB_NDR, LAT_IB),
+            floor=H100_EXPERT_CALL_FLOOR_S,
         ),
         # HybridEP's large-scale setting (§V-G): 1,000 datacentres simulated with SimAI. The
         # GPUs, the wide-area bandwidths (only in Fig. 17) and latency are not in the paper's
