@@ -118,23 +118,23 @@ LAT_NVLINK = 3e-6
 
 def _presets() -> dict[str, Cluster]:
     return {
-        # Two local processes on this kind of machine. These round figures are not a
-        # measurement: `poise calibrate` on an idle machine gave 206.2 GFLOP/s (fp32, half rows
-        # 39.6) and an all-to-all of 1.68 GB/s, 145 us (docs/benchmarks.md, "Calibration"). They
-        # are kept because the 2-rank training tests (tests/test_train_faults.py) need plans with
-        # replicas on the tiny model, which the measured figures no longer give; priced at one
-        # rate for every dtype, as a calibrated file is. Memory: 8 GiB per process, assumed.
+        # Two local processes on this 2-core machine, measured: `poise calibrate` on
+        # 2026-11-22, idle (docs/benchmarks.md, "Calibration (`poise calibrate`)"): the GEMM
+        # forward+backward fit, 206.2 GFLOP/s with half rows 39.6 (fp32 expert FFN), taken as
+        # the peak at efficiency 1.0 and one rate for every dtype, as a calibrated file is; the
+        # all-to-all fit, 1.68 GB/s and 145 us, for the intra-node link (the inter-node level,
+        # unused on one node, the same). Memory: 8 GiB per process, assumed.
         "cpu-2": _uniform(
             "cpu-2",
             2,
             1,
             1,
-            PeakFlops.uniform(5e10),
+            PeakFlops.uniform(206.2e9),
             1.0,
-            16.0,
+            39.6,
             8 * GIB,
-            Link(4e9, 30e-6),
-            Link(4e9, 30e-6),
+            Link(1.68 * GB, 145e-6),
+            Link(1.68 * GB, 145e-6),
         ),
         # FasterMoE "johnny" (§5.1): 2 nodes x 8 V100-PCIe (32 GB, the larger of the data
         # sheet's two sizes: the paper does not say which). Intra-node PCIe 3.0 x16. One IB EDR
