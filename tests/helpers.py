@@ -42,6 +42,40 @@ def toy_cluster(
     )
 
 
+def slow_gemm_cluster(
+    devices: int = 2, one_link: bool = True, name: str = "test-slow-gemms"
+) -> Cluster:
+    """A test cluster of `devices` CPU ranks on one node whose expert GEMMs are slow next to its
+    links, so that moving compute off a busy rank pays for a small expert's Trans and Agg and
+    the `tiny` model's plans replicate: 5e10 FLOP/s at efficiency 1.0 for every dtype, half rows
+    16, links of 4 GB/s and 30 us. These are the round figures the `cpu-2` preset carried
+    before it took this machine's calibration (206.2 GFLOP/s, half rows 39.6, 1.68 GB/s,
+    145 us: docs/benchmarks.md, "Calibration"), under which such plans no longer pay; not a
+    measurement. `one_link`: the ranks share one link (`Link.shared_by` = `devices`), as
+    `runtime.plan_inputs.default_cluster` models the processes of one host; memory 8 GiB each."""
+    link = Link(4e9, 30e-6, devices if one_link else 1)
+    return Cluster(
+        name=name,
+        devices_per_node=devices,
+        nodes_per_domain=1,
+        domains=1,
+        peak_flops=5e10,
+        memory_bytes=8 * 2**30,
+        intra_node=link,
+        inter_node=link,
+        inter_domain=link,
+        gemm_half_rows=16.0,
+    )
+
+
+def slow_gemm_cluster_file(root: str | Path, devices: int = 2, one_link: bool = True) -> str:
+    """`slow_gemm_cluster` saved (atomically) as a YAML file under `root`, for a training run's
+    `cluster` field, which takes a preset's name or a file; returns the path."""
+    path = Path(root) / f"test-slow-gemms-{devices}{'-one-link' if one_link else ''}.yaml"
+    slow_gemm_cluster(devices, one_link).save(path)
+    return str(path)
+
+
 def toy_spec(
     experts: int = 2,
     layers: int = 1,

@@ -56,6 +56,45 @@ def test_ranks_that_share_cores_pay_for_the_total_or_the_slowest() -> None:
         assert both.expert_bwd_s[0] == pytest.approx(2 * sharing * per_token)
 
 
+def test_expert_call_floor_by_hand() -> None:
+    """`Cluster.expert_call_floor_s` phi: a device that computes a row takes at least phi for
+    its layer's expert forward + backward, phi / 3 forward and 2 phi / 3 backward; with many
+    rows the GEMM model; 0 rows 0 s; below one row the floor in proportion (hand-worked)."""
+    import dataclasses
+
+    phi = 3e-5  # forward floor phi / 3 = 1e-5 s
+    cluster = dataclasses.replace(
+        toy_cluster(bw=1e9, flops=1e9), gemm_half_rows=16.0, expert_call_floor_s=phi
+    )
+    cost = CostModel(cluster, toy_spec(experts=2))
+    p = Placement.from_homes(np.array([[0, 1]]), 2, 2)  # e0 on d0, e1 on d1
+    a = Assignment.to_home(p)
+
+    def gemm(rows: float) -> float:  # one expert's forward GEMM: 128 FLOP a row at 1e9 FLOP/s
+        return 128 * (rows + 16 * min(rows, 1.0)) / 1e9
+
+    assert gemm(2) < phi / 3 < gemm(100)
+    for routed, device_0 in (
+        (2.0, phi / 3),  # 2 rows: 2.304e-6 s by the GEMMs, floored to 1e-5
+        (0.0, 0.0),  # no rows: no call
+        (0.5, 0.5 * phi / 3),  # half a row: half the floor (gemm(0.5) = 1.088e-6 below it)
+    ):
+        counts = np.array([[[routed, 50.0], [0.0, 50.0]]])  # d1 computes 100 rows of e1
+        per_device = cost.pricer(p, a).device_compute_s(counts)[0]  # forward seconds [D]
+        assert per_device[0] == pytest.approx(device_0, rel=1e-12, abs=1e-18)
+        assert per_device[1] == pytest.approx(gemm(100), rel=1e-12)  # above the floor
+        phases, _ = cost.phases(p, a, counts)  # the slowest device: d1, by the GEMM model
+        assert phases.expert_fwd_s[0] == pytest.approx(gemm(100), rel=1e-12)
+        assert phases.expert_bwd_s[0] == pytest.approx(2 * gemm(100), rel=1e-12)
+    # every device with few rows: the layer's expert forward + backward is the floor
+    phases, _ = cost.phases(p, a, np.array([[[2.0, 0.0], [0.0, 3.0]]]))
+    assert phases.expert_fwd_s[0] == pytest.approx(phi / 3, rel=1e-12)
+    assert phases.expert_bwd_s[0] == pytest.approx(2 * phi / 3, rel=1e-12)
+    assert phases.expert_fwd_s[0] + phases.expert_bwd_s[0] == pytest.approx(phi, rel=1e-12)
+    phases, _ = cost.phases(p, a, np.zeros((1, 2, 2)))
+    assert phases.expert_fwd_s[0] == 0.0 and phases.expert_bwd_s[0] == 0.0
+
+
 def test_replica_trades_tokens_for_trans() -> None:
     p = Placement.from_homes(np.array([[0, 1]]), 2, 2)
     p.copies[0, 0, 1] = 1  # replica of e1 on d0: d0's 30 e1-tokens stay home

@@ -68,6 +68,50 @@ def test_layer_state_is_the_price(cluster, schedule: Schedule) -> None:
         np.testing.assert_allclose(state.R.sum(axis=1), full.device_load[0], rtol=1e-12)
 
 
+def _floored(cost: CostModel, placement: Placement, assignment: Assignment, counts: np.ndarray):
+    """`cost`'s cluster with a per-call floor (`Cluster.expert_call_floor_s`) whose forward
+    third is 1.25x the slowest device's forward expert seconds without one on `counts[1, D,
+    E]`, and that floor (a test cluster). The layer's FEC is the slowest device's, so a floor
+    shows in a layer's price only where it exceeds every device's GEMM seconds."""
+    none = dataclasses.replace(cost.cluster, expert_call_floor_s=0.0)
+    plain = CostModel(none, cost.spec, cost.schedule)
+    seconds = plain.pricer(placement, assignment).device_compute_s(counts)[0]
+    floor = 3.0 * 1.25 * float(seconds.max())
+    return dataclasses.replace(none, expert_call_floor_s=floor), floor
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "cluster",
+    [get_cluster("dgx-h100:4"), toy_cluster(2, 2, 2, bw=1e9, inter_bw=2e8, wan_bw=1e7)],
+    ids=["dgx-h100:4", "toy-3-levels"],
+)
+def test_layer_state_is_the_price_with_a_call_floor(cluster, schedule: Schedule) -> None:
+    """With a per-call floor on the expert compute above every device's GEMM seconds,
+    `LayerState` (its states and candidate batches alike) still prices a layer as the cost
+    model does, at the floor."""
+    spec = MODELS["zipf-256"].with_(experts=64, moe_layers=1)
+    rng = np.random.default_rng(11)
+    for replicas in (0, 5, 40):
+        placement, counts = _random_layer(rng, cluster.num_devices, 64, 6, replicas)
+        assignment = Assignment.to_home(placement)
+        plain = CostModel(dataclasses.replace(cluster, expert_call_floor_s=0.0), spec, schedule)
+        floored, floor = _floored(plain, placement, assignment, counts[None])
+        cost = CostModel(floored, spec, schedule)
+        full = cost.price(placement, assignment, counts[None])
+        state = LayerState(cost, placement, counts)
+        assert state.current_s() == pytest.approx(float(full.layer_s[0]), rel=1e-12)
+        batch = state.layer_s(
+            state.comp[None], state.tok_send[None], state.tok_recv[None],
+            state.par_send[None], state.par_recv[None],
+        )  # fmt: skip
+        assert batch[0] == pytest.approx(float(full.layer_s[0]), rel=1e-12)
+        assert full.phases.expert_fwd_s[0] == pytest.approx(floor / 3, rel=1e-12)
+        assert full.phases.expert_bwd_s[0] == pytest.approx(2 * floor / 3, rel=1e-12)
+        unfloored = plain.price(placement, assignment, counts[None])
+        assert unfloored.layer_s[0] < full.layer_s[0]  # the floor shows in the price
+
+
 def test_layer_state_toy_counts_by_hand() -> None:
     # 2 devices, expert 0 homed on device 0 gets 30 tokens from device 1: the all-to-all moves
     # 30 tokens of 16 bytes each way, device 0 computes 40 tokens.
@@ -84,10 +128,13 @@ def test_layer_state_toy_counts_by_hand() -> None:
     assert state.current_s() == pytest.approx(float(full.layer_s[0]), rel=1e-12)
 
 
+@pytest.mark.parametrize("floor", [False, True], ids=["no-floor", "call-floor"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
+def test_expert_columns_match_price_after_changes(schedule: Schedule, floor: bool) -> None:
     # Balanced routing, migrations from a previous home, then column changes applied one by
-    # one: the pricer's layer time equals CostModel.price of the changed layer each time.
+    # one: the pricer's layer time equals CostModel.price of the changed layer each time; with
+    # `floor`, on a cluster whose per-call floor exceeds every device's GEMM seconds at first
+    # (`_floored`), so it sets the layer's FEC until changes load a device beyond it.
     # Latency-free links: `CostModel.price` charges a link's latency wherever its summed traffic
     # is > 0, including float residues of ~1e-13 tokens (1 - sum of shares); the pricer counts
     # only real traffic (`_NOISE`), so with latencies the two can differ by those phantom
@@ -100,11 +147,17 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
         intra_node=dataclasses.replace(dgx.intra_node, lat_s=0.0),
         inter_node=dataclasses.replace(dgx.inter_node, lat_s=0.0),
         inter_domain=dataclasses.replace(dgx.inter_domain, lat_s=0.0),
+        expert_call_floor_s=0.0,
     )
     spec = MODELS["zipf-256"].with_(experts=64, moe_layers=1)
     cost = CostModel(cluster, spec, schedule)
     rng = np.random.default_rng(5)
     placement, counts = _random_layer(rng, cluster.num_devices, 64, 6, 30)
+    call_floor = 0.0
+    if floor:
+        balanced = Assignment.balanced(placement, counts[None])
+        cluster, call_floor = _floored(cost, placement, balanced, counts[None])
+        cost = CostModel(cluster, spec, schedule)
     home, copies = placement.home[0].copy(), placement.copies[0].copy()
     prev = home.copy()
     prev[:4] = (prev[:4] + 9) % cluster.num_devices
@@ -123,6 +176,8 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule) -> None:
         )
 
     assert layer.price(layer.totals)[0] == pytest.approx(full(), rel=1e-12)
+    if floor:  # the floor sets the layer's FEC at first
+        assert layer.phases()[0].expert_fwd_s[0] == pytest.approx(call_floor / 3, rel=1e-12)
     for _ in range(20):
         e = int(rng.integers(64))
         col = copies[:, e].copy()

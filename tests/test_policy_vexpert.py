@@ -10,14 +10,15 @@ from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
 from poise.plan.policies import PlanContext, make_plan
 
-from .helpers import assert_priced_as_the_cost_model
+from .helpers import assert_priced_as_the_cost_model, slow_gemm_cluster
 
 SPEC = ModelSpec("four", d_model=64, d_expert=128, experts=4, top_k=1, moe_layers=1)
 
 
-def _ctx(slots: int = 3, **options: object) -> PlanContext:
+def _ctx(slots: int = 3, cluster=None, **options: object) -> PlanContext:
+    """vExpert's context on `cluster` (default the `cpu-2` preset)."""
     return PlanContext.create(
-        get_cluster("cpu-2"), SPEC, slots_per_device=slots, options={"vexpert": options}
+        cluster or get_cluster("cpu-2"), SPEC, slots_per_device=slots, options={"vexpert": options}
     )
 
 
@@ -205,13 +206,18 @@ def test_the_trigger_alone_holds_back_a_helpful_move() -> None:
     and 920 (balance ratio 1.08 <= 1.1), expert 0 (home device 0) the hottest, 80 of its tokens
     from device 1. With threshold 1.0 the cost model expands it onto device 1, which keeps those
     80 (loads 1000 and 1000: the compute moved off the busiest device is worth more than one
-    small expert's Trans and Agg); at the default 1.1 the loop never starts."""
+    small expert's Trans and Agg, on a test cluster of slow GEMMs and fast links,
+    `helpers.slow_gemm_cluster`: 80 tokens' 3 x 32,768 FLOP at 5e10 FLOP/s, about 157 us,
+    against 2 x (32 KiB / 4 GB/s + 30 us), about 76 us; on the calibrated `cpu-2` the Trans and
+    Agg, about 2 x (32 KiB / 1.68 GB/s + 145 us) = 329 us, cost more than the 38 us saved); at
+    the default 1.1 the loop never starts."""
     # Device 0 computes experts 0, 1: 600 + 480 = 1080; device 1 experts 2, 3: 920.
     loads = np.array([[[520.0, 240.0, 230.0, 230.0], [80.0, 240.0, 230.0, 230.0]]])
-    held = make_plan("vexpert", loads, None, _ctx())
+    cluster = slow_gemm_cluster(2, one_link=False)
+    held = make_plan("vexpert", loads, None, _ctx(cluster=cluster))
     assert held.notes["moves_per_layer"] == [0]
     assert held.placement.replicas().sum() == 0
-    eager = make_plan("vexpert", loads, None, _ctx(threshold=1.0))
+    eager = make_plan("vexpert", loads, None, _ctx(cluster=cluster, threshold=1.0))
     assert eager.placement.copies[0, :, 0].tolist() == [1, 1]
     assert eager.cost.device_load[0].tolist() == [1000.0, 1000.0]
     assert eager.cost.step_s < held.cost.step_s

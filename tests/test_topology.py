@@ -76,6 +76,22 @@ def test_yaml_roundtrip(tmp_path, name: str) -> None:
         (lambda d: d["device"].__setitem__("gemm_efficiency", 1.5), "device.gemm_efficiency"),
         (lambda d: d["device"].__setitem__("gemm_efficiency", 0), "device.gemm_efficiency"),
         (lambda d: d["device"].pop("peak_flops"), "device.peak_flops"),
+        (
+            lambda d: d["device"].__setitem__("expert_call_floor_s", -1e-3),
+            "device.expert_call_floor_s",
+        ),
+        (
+            lambda d: d["device"].__setitem__("expert_call_floor_s", float("nan")),
+            "device.expert_call_floor_s",
+        ),
+        (
+            lambda d: d["device"].__setitem__("expert_call_floor_s", float("inf")),
+            "device.expert_call_floor_s",
+        ),
+        (
+            lambda d: d["device"].__setitem__("expert_call_floor_s", "1 ms"),
+            "device.expert_call_floor_s",
+        ),
         (lambda d: d["links"]["intra_node"].__setitem__("bw_Bps", 0), "links.intra_node.bw_Bps"),
         (lambda d: d["links"].pop("intra_node"), "links.intra_node"),
         (lambda d: d.__setitem__("colour", "red"), "colour"),
@@ -89,6 +105,30 @@ def test_bad_yaml_names_file_and_field(tmp_path, mutate, field: str) -> None:
     data = PRESETS["v100-ib50"].to_dict()
     mutate(data)
     assert_load_names_file_and_field(tmp_path, data, field)
+
+
+def test_expert_call_floor_in_yaml(tmp_path) -> None:
+    """`device.expert_call_floor_s` loads as `Cluster.expert_call_floor_s` (left out: 0, no
+    floor, and a cluster without one saves without it); `dgx-h100` carries the measured 0.9 ms
+    (docs/benchmarks.md, "Expert compute on an H100") and every other preset none; a bad value
+    built in code is refused too."""
+    data = PRESETS["v100-ib50"].to_dict()
+    assert "expert_call_floor_s" not in data["device"]
+    path = tmp_path / "floor.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert Cluster.load(path).expert_call_floor_s == 0.0
+    data["device"]["expert_call_floor_s"] = 2.5e-4
+    path.write_text(yaml.safe_dump(data))
+    loaded = Cluster.load(path)
+    assert loaded.expert_call_floor_s == 2.5e-4
+    assert loaded == dataclasses.replace(PRESETS["v100-ib50"], expert_call_floor_s=2.5e-4)
+    assert PRESETS["dgx-h100"].expert_call_floor_s == pytest.approx(0.90e-3)
+    assert PRESETS["dgx-h100"].to_dict()["device"]["expert_call_floor_s"] == pytest.approx(9e-4)
+    assert get_cluster("dgx-h100:4").expert_call_floor_s == pytest.approx(0.90e-3)
+    assert {n for n, c in PRESETS.items() if c.expert_call_floor_s} == {"dgx-h100"}
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="expert_call_floor_s"):
+            dataclasses.replace(PRESETS["v100-ib50"], expert_call_floor_s=bad)
 
 
 def test_unreadable_yaml(tmp_path) -> None:

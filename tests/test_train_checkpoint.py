@@ -16,7 +16,7 @@ import poise.util.atomic
 from poise.runtime.launch import run_ranks
 from poise.train import checkpoint as ck
 
-from .helpers import tiny_train_config
+from .helpers import slow_gemm_cluster, tiny_train_config
 
 TOL = 1e-5
 
@@ -33,8 +33,15 @@ def _cfg(root: str, name: str, **kw):
 def _two_ranks(rank: int, world: int, root: str) -> dict:
     from poise.train import train
 
-    r = train(_cfg(root, "run"), quiet=True)
-    again = train(_cfg(root, "again"), resume=f"{root}/run/checkpoints/step-00000002", quiet=True)
+    # priced on a test cluster of slow GEMMs next to fast links (`helpers.slow_gemm_cluster`),
+    # where auto's plans move experts (on this machine's calibration, the cpu-2 preset, they
+    # keep the static plan)
+    slow = f"{root}/slow-gemms.yaml"
+    r = train(_cfg(root, "run", cluster=slow), quiet=True)
+    again = train(
+        _cfg(root, "again", cluster=slow), resume=f"{root}/run/checkpoints/step-00000002",
+        quiet=True,
+    )  # fmt: skip
     return {"run": (r.steps, r.losses, r.plan_changes), "again": (again.steps, again.losses,
             again.resumed_plan)}  # fmt: skip
 
@@ -49,6 +56,7 @@ def _one_rank(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("dcp")
+    slow_gemm_cluster(2).save(root / "slow-gemms.yaml")  # one link the 2 ranks share
     two = run_ranks(_two_ranks, 2, str(root), timeout_s=300)
     assert two[0] == two[1]
     out = dict(two[0])

@@ -5,7 +5,10 @@ the same parameters and the same loss curve as an uninterrupted run; ranks that 
 config fail with one clear error instead of hanging.
 
 Every run is `poise train tiny --nproc 2` (real processes on gloo), 12 steps of the `tiny`
-model with context 32, re-planning every 2 steps with `auto`, a checkpoint every 3 steps."""
+model with context 32, re-planning every 2 steps with `auto`, a checkpoint every 3 steps, priced
+on a test cluster of slow GEMMs next to fast links (`helpers.slow_gemm_cluster`), where `auto`'s
+plans replicate, so that Agg and Trans run for a fault to hit (on this machine's calibration, the
+`cpu-2` preset, they do not)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import pytest
 from poise.cli import main
 from poise.runtime.launch import run_ranks
 from poise.train.faults import Fault, FaultInjector
+
+from .helpers import slow_gemm_cluster_file
 
 pytestmark = pytest.mark.dist
 
@@ -55,6 +60,7 @@ def _argv(root: Path, name: str, *extra: str) -> list[str]:
         # each plan decided at its request's step: which steps switch, and so whether a fault
         # finds replicas to hit, must not depend on how fast planning ran on a loaded machine
         "plan_lag": 0,
+        "cluster": slow_gemm_cluster_file(root),  # plans with replicas (module docstring)
     }
     argv = ["train", "tiny", "--nproc", "2", "--steps", str(STEPS), "--policy", "auto"]
     argv += ["--replan-every", "2", "--out", str(root / name), "--quiet"]

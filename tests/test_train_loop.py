@@ -17,7 +17,7 @@ import pytest
 
 from poise.runtime.launch import run_ranks
 
-from .helpers import tiny_train_config
+from .helpers import slow_gemm_cluster, tiny_train_config
 
 pytestmark = pytest.mark.dist
 
@@ -33,17 +33,17 @@ SKEWED = dict(model_args={"num_experts": 16, "top_k": 1, "d_expert": 64}, batch=
 
 
 def _two_nodes():
-    """`cpu-2` as 2 nodes of 1 device, the link between them 4x slower: HybridEP's domains
-    (a single node gives it none, and it plans nothing)."""
+    """The test cluster of slow GEMMs (`helpers.slow_gemm_cluster`) as 2 nodes of 1 device, the
+    link between them 4x slower: HybridEP's domains (a single node gives it none, and it plans
+    nothing)."""
     import dataclasses
 
     from poise.core.cluster import Link
-    from poise.core.presets import PRESETS
 
-    cpu = PRESETS["cpu-2"]
+    cpu = slow_gemm_cluster(2, one_link=False)
     slow = Link(cpu.intra_node.bw_Bps / 4, cpu.intra_node.lat_s)
     return dataclasses.replace(
-        cpu, name="cpu-2-two-nodes", devices_per_node=1, nodes_per_domain=2, inter_node=slow
+        cpu, name="test-two-nodes", devices_per_node=1, nodes_per_domain=2, inter_node=slow
     )
 
 
@@ -72,8 +72,11 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     from poise.train import train
 
     out: dict = {}
-    for policy in ["static", *POLICIES]:  # every plan that differs is adopted, on the preset
-        cluster = f"{root}/two-nodes.yaml" if policy == "hybrid" else None
+    # every plan that differs is adopted, priced on a test cluster of slow GEMMs next to fast
+    # links (`helpers.slow_gemm_cluster`), where moving compute off a busy rank pays: on this
+    # machine's calibration (the `cpu-2` preset) vExpert finds no move that does
+    for policy in ["static", *POLICIES]:
+        cluster = f"{root}/two-nodes.yaml" if policy == "hybrid" else f"{root}/slow-gemms.yaml"
         name = policy if policy != "static" else "static-skewed"
         cfg = _cfg(root, name, steps=POLICY_STEPS, policy=policy, cluster=cluster,
                    balance_guard=False, self_calibrate=False, **SKEWED)  # fmt: skip
@@ -106,8 +109,9 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         keep_checkpoints=5,
         balance_guard=False,
         self_calibrate=False,
+        cluster=f"{root}/slow-gemms.yaml",
     )  # fmt: skip  (every plan that
-    # differs is adopted, priced on the cpu-2 preset: auto replicates, the losses must not move)
+    # differs is adopted, priced on the test cluster: auto replicates, the losses must not move)
     auto = train(auto_cfg, quiet=True)
     resumed = train(
         auto_cfg.replace(out=f"{root}/auto-resumed"),
@@ -130,6 +134,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
 def runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     root = tmp_path_factory.mktemp("train")
     _two_nodes().save(root / "two-nodes.yaml")
+    slow_gemm_cluster(2).save(root / "slow-gemms.yaml")  # one link the 2 ranks share
     four = run_ranks(_four_ranks, 4, str(root), timeout_s=300)
     two = run_ranks(_two_ranks, 2, str(root), timeout_s=400)
     for key in two[0]:  # every rank reports the same global losses

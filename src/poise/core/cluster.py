@@ -17,8 +17,10 @@ rows in dtype t takes
 
 with `peak_flops` the data sheet's dense peak per dtype (`PeakFlops`), `gemm_efficiency` the
 fraction of it large GEMMs reach and `gemm_half_rows` the rows at which a GEMM reaches half of
-that (`Cluster.gemm_rate`). The named presets, every figure cited beside it, are in
-`poise.core.presets`.
+that (`Cluster.gemm_rate`). A device's expert forward + backward in one MoE layer takes at
+least `expert_call_floor_s` once it computes a row (the host issuing the kernels of one grouped
+call while the GPU waits; `poise.cost.model.expert_call_floor`). The named presets, every figure
+cited beside it, are in `poise.core.presets`.
 """
 
 from __future__ import annotations
@@ -280,6 +282,14 @@ class Cluster:
     peak large GEMMs reach (in (0, 1]); `gemm_half_rows`: the row count at which a GEMM reaches
     half of that (0: no small-batch loss). `host`: the measured host-side costs (`HostCosts`;
     default: none).
+
+    `expert_call_floor_s` (seconds, >= 0; 0: none): the least time of one device's expert
+    forward + backward call in one MoE layer once it computes at least one row, whatever its
+    GEMMs' rate gives; the cost model splits it 1:2 between forward and backward, as it does
+    the GEMMs (FEC_d >= floor / 3, BEC_d >= 2 floor / 3; `poise.cost.model.expert_call_floor`).
+    Measured on an H100 as the flat time of `poise.nn.Experts` at few rows a slot
+    (docs/benchmarks.md, "Expert compute on an H100": the GPU waits for the host issuing
+    kernels).
     """
 
     name: str
@@ -294,6 +304,7 @@ class Cluster:
     gemm_half_rows: float = 0.0
     host: HostCosts = HostCosts()
     gemm_efficiency: float = 1.0
+    expert_call_floor_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "nodes_per_domain", "domains"):
@@ -330,6 +341,19 @@ class Cluster:
                 f"must be >= 0, got {self.gemm_half_rows!r}",
                 source=self.name,
                 field="device.gemm_half_rows",
+            )
+        floor = self.expert_call_floor_s
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+            raise ConfigError(
+                f"must be a number, got {floor!r}",
+                source=self.name,
+                field="device.expert_call_floor_s",
+            )
+        if not np.isfinite(floor) or floor < 0:
+            raise ConfigError(
+                f"must be finite and >= 0, got {floor!r}",
+                source=self.name,
+                field="device.expert_call_floor_s",
             )
         for level in LEVELS:
             link: Link = getattr(self, level)
@@ -421,6 +445,12 @@ class Cluster:
                 "gemm_efficiency": self.gemm_efficiency,
                 "gemm_half_rows": self.gemm_half_rows,
                 "memory_bytes": self.memory_bytes,
+                # written where set: a file without it has no floor (nothing measured)
+                **(
+                    {"expert_call_floor_s": self.expert_call_floor_s}
+                    if self.expert_call_floor_s
+                    else {}
+                ),
             },
             "links": {level: dataclasses.asdict(getattr(self, level)) for level in LEVELS},
             **({} if self.host.is_default else {"host": self.host.to_dict()}),
@@ -444,7 +474,14 @@ class Cluster:
         device = get_mapping(data, "device", source)
         reject_unknown(
             device,
-            {"peak_flops", "gemm_efficiency", "gemm_flops", "memory_bytes", "gemm_half_rows"},
+            {
+                "peak_flops",
+                "gemm_efficiency",
+                "gemm_flops",
+                "memory_bytes",
+                "gemm_half_rows",
+                "expert_call_floor_s",
+            },
             source,
             "device.",
         )
@@ -508,6 +545,14 @@ class Cluster:
             ),
             gemm_half_rows=get_number(
                 device, "gemm_half_rows", source, default=0.0, non_negative=True, prefix="device."
+            ),
+            expert_call_floor_s=get_number(
+                device,
+                "expert_call_floor_s",
+                source,
+                default=0.0,
+                non_negative=True,
+                prefix="device.",
             ),
             host=host,
             **links,

@@ -22,6 +22,7 @@ def _uniform(
     intra: Link,
     inter: Link,
     wan: Link | None = None,
+    floor: float = 0.0,
 ) -> Cluster:
     return Cluster(
         name=name,
@@ -35,6 +36,7 @@ def _uniform(
         inter_domain=wan or inter,
         gemm_half_rows=half_rows,
         gemm_efficiency=efficiency,
+        expert_call_floor_s=floor,
     )
 
 
@@ -75,8 +77,8 @@ A100_EFF = 271.2 / 312.0
 # `benchmarks/gpu_experts.py`, docs/benchmarks.md "Expert compute on an H100"): forward and
 # backward add 543-596 TFLOP/s at 4,096 -> 8,192 rows a slot over five expert shapes (8 slots),
 # median 565 of 989.4. The best dense matmul reaches 794.5 (stas00/ml-engineering's maximum
-# achievable matmul FLOPS table, torch 2.7.0); grouped experts do not. The measured floor of
-# 0.8-1.0 ms a call (the host issuing eager kernels) is not priced.
+# achievable matmul FLOPS table, torch 2.7.0); grouped experts do not. Their floor is
+# `H100_EXPERT_CALL_FLOOR_S` below.
 H100_EFF = 565.0 / 989.4
 # RTX 3090: no published fraction found. Assumed FasterMoE's 90% for V100 fp32 GEMMs, since
 # Pro-Prophet trains in fp32 on FasterMoE's code (its own planner assumes 100%: Comp_tp =
@@ -88,6 +90,13 @@ RTX3090_EFF = 0.90
 # fill), the values this project has used throughout; `poise calibrate` fits it on this machine.
 HALF_ROWS = 256.0
 HALF_ROWS_H100 = 512.0
+
+# The per-call floor of a device's expert forward + backward per layer
+# (`Cluster.expert_call_floor_s`). H100 SXM, bf16, measured: docs/benchmarks.md, Expert compute
+# on an H100, floor column (median of 6 shapes: 0.78, 0.84, 0.86, 0.94, 0.99, 1.00 ms a call,
+# `poise.nn.Experts` flat below ~1,000-2,000 rows a slot while the GPU waits for the host
+# issuing kernels). Every other preset keeps 0 (no floor): nothing was measured for it.
+H100_EXPERT_CALL_FLOOR_S = 0.90e-3
 
 # One rate per link type, the same everywhere: measured where a source measured that link type,
 # else nominal. PCIe 3.0 x16: 11 GB/s per direction, the rate FasterMoE's artifact measured and
@@ -109,23 +118,23 @@ LAT_NVLINK = 3e-6
 
 def _presets() -> dict[str, Cluster]:
     return {
-        # Two local processes on this kind of machine. These round figures are not a
-        # measurement: `poise calibrate` on an idle machine gave 206.2 GFLOP/s (fp32, half rows
-        # 39.6) and an all-to-all of 1.68 GB/s, 145 us (docs/benchmarks.md, "Calibration"). They
-        # are kept because the 2-rank training tests (tests/test_train_faults.py) need plans with
-        # replicas on the tiny model, which the measured figures no longer give; priced at one
-        # rate for every dtype, as a calibrated file is. Memory: 8 GiB per process, assumed.
+        # Two local processes on this 2-core machine, measured: `poise calibrate` on
+        # 2026-11-22, idle (docs/benchmarks.md, "Calibration (`poise calibrate`)"): the GEMM
+        # forward+backward fit, 206.2 GFLOP/s with half rows 39.6 (fp32 expert FFN), taken as
+        # the peak at efficiency 1.0 and one rate for every dtype, as a calibrated file is; the
+        # all-to-all fit, 1.68 GB/s and 145 us, for the intra-node link (the inter-node level,
+        # unused on one node, the same). Memory: 8 GiB per process, assumed.
         "cpu-2": _uniform(
             "cpu-2",
             2,
             1,
             1,
-            PeakFlops.uniform(5e10),
+            PeakFlops.uniform(206.2e9),
             1.0,
-            16.0,
+            39.6,
             8 * GIB,
-            Link(4e9, 30e-6),
-            Link(4e9, 30e-6),
+            Link(1.68 * GB, 145e-6),
+            Link(1.68 * GB, 145e-6),
         ),
         # FasterMoE "johnny" (§5.1): 2 nodes x 8 V100-PCIe (32 GB, the larger of the data
         # sheet's two sizes: the paper does not say which). Intra-node PCIe 3.0 x16. One IB EDR
@@ -212,6 +221,7 @@ def _presets() -> dict[str, Cluster]:
             80 * GIB,
             Link(450 * GB, LAT_NVLINK),
             Link(IB_NDR, LAT_IB),
+            floor=H100_EXPERT_CALL_FLOOR_S,
         ),
         # HybridEP's large-scale setting (§V-G): 1,000 datacentres simulated with SimAI. The
         # GPUs, the wide-area bandwidths (only in Fig. 17) and latency are not in the paper's

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from poise.core.placement import Assignment, Placement
-from poise.cost.model import CostModel, expert_seconds
+from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import level_traffic, migration_traffic, replica_traffic
@@ -203,7 +203,8 @@ class ExpertColumns:
         bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
         a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
         mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
-        fec = totals[:, ROW_COMP].max(axis=1)
+        # each device's forward expert seconds with the per-call floor (`expert_call_floor`)
+        fec = expert_call_floor(self.cost.cluster, self.cost.spec, totals[:, ROW_COMP]).max(axis=1)
         fnec, bnec = np.full(M, self.fnec), np.full(M, self.bnec)
         return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)
 

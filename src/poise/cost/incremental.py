@@ -29,7 +29,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
-from poise.cost.model import CostModel, expert_seconds
+from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import homes_traffic, level_traffic, replica_traffic
@@ -250,14 +250,18 @@ class LayerState:
     def packed_terms(self, packed: np.ndarray) -> np.ndarray:
         """Per device state, the parts of a layer's phases that are its own: `[..., TERMS, X]`
         from states packed side by side, `packed[..., CELLS, X]` (`cells` transposed: a column
-        per device state, any leading axes). Rows: `T_COMP` forward expert seconds, then for the
+        per device state, any leading axes). Rows: `T_COMP` forward expert seconds (with the
+        cluster's per-call floor, `cost.model.expert_call_floor`), then for the
         all-to-all (`T_TOK_*`) and Trans (`T_PAR_*`) the seconds on the device's own links
         (`PORT`) and its latency sum (`LAT`) (`network.device_seconds`). The maxima over a
         layer's devices, with the shared links' `packed_groups`, give its phases
         (`layer_s_from_parts`)."""
         lead, X = packed.shape[:-2], packed.shape[-1]
         out = np.empty((*lead, self.TERMS, X))
-        out[..., self.T_COMP, :] = packed[..., self.COMP, :]
+        cost = self.cost
+        out[..., self.T_COMP, :] = expert_call_floor(
+            cost.cluster, cost.spec, packed[..., self.COMP, :]
+        )
         cluster = self.cost.cluster
         for kind, row in ((0, self.T_TOK_PORT), (1, self.T_PAR_PORT)):
             port, lat = device_seconds(cluster, *self._kind_bytes(packed, kind))

@@ -22,6 +22,12 @@ M_e migration bytes, see `core.spec.ModelSpec`):
       FEC = max(max_d T_d, sum_d T_d / C),   T_d = sum_e R[d, e] * F_t / rate(R[d, e])
   (work-conserving sharing; with C = D / 2, balance saves at most the excess of the slowest
   device over twice the mean).
+- Per-call floor (`Cluster.expert_call_floor_s` = phi; `expert_call_floor`): a device that
+  computes a row takes at least phi for its layer's expert forward + backward, split 1:2 as the
+  GEMMs are: each T_d above becomes max(T_d, phi / 3 * min(n_d, 1)), n_d = sum_e R[d, e], so
+  FEC_d >= phi / 3 and BEC_d = 2 FEC_d >= 2 phi / 3 (0 rows: 0 s). Measured on an H100
+  (docs/benchmarks.md, "Expert compute on an H100", floor column: flat at 0.78-1.00 ms a
+  call below ~1,000-2,000 rows a slot, the GPU waiting for the host issuing kernels).
 - All-to-all on the links as capacities (FasterMoE eq. 7's B * B_t / W_net term, per link as
   in HybridEP eq. 10-11; `poise.cost.network`): S_v[d], R_v[d] are the bytes device d sends
   and receives over level v; a level-0 link carries its devices' intra-node bytes, a NIC what
@@ -130,6 +136,32 @@ def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.nd
     out += rows
     out *= scale
     return out
+
+
+def expert_call_floor(cluster: Cluster, spec: ModelSpec, seconds: np.ndarray) -> np.ndarray:
+    """Devices' forward expert seconds in a layer, `seconds` = T_d = sum_e expert_seconds(R[d,
+    e]) (any shape, elementwise), with the cluster's per-call floor phi =
+    `Cluster.expert_call_floor_s` (one device's forward + backward expert call per layer, at
+    least; docs/benchmarks.md, "Expert compute on an H100", floor column) applied:
+
+        FEC_d = max(T_d, phi / 3 * min(n_d, 1)),   so BEC_d = 2 FEC_d >= 2 phi / 3
+
+    for n_d = sum_e R[d, e] rows (the model's 1:2 forward:backward split; 0 rows: 0 s; below
+    one row the floor scales down with the rows, as `expert_seconds` charges a fraction of a row,
+    so float residues of ~1e-13 tokens are no call). min(n_d, 1) is read off T_d itself:
+    min(n_d, 1) = min(T_d / T_1, 1), T_1 = expert_seconds(1 row), since T_d = n_d T_1 while every
+    R[d, e] < 1 and T_d >= T_1 once n_d >= 1; so the incremental pricers, which keep T_d but not
+    n_d, floor exactly as `PlanPricer` does. Monotone in T_d: the floored maximum over devices is
+    the floor of the maximum. Without a floor, `seconds` comes back as it is."""
+    floor = cluster.expert_call_floor_s
+    if floor <= 0.0:
+        return seconds
+    one_row = float(expert_seconds(cluster, spec, np.float64(1.0)))
+    if not one_row > 0.0:  # experts of no FLOPs: no rows to tell from their seconds
+        return seconds
+    calls = np.minimum(np.asarray(seconds, dtype=np.float64) / one_row, 1.0)
+    calls *= floor / 3.0
+    return np.maximum(seconds, calls)
 
 
 @dataclass
@@ -361,6 +393,7 @@ class PlanPricer:
             rows = received.sum(axis=2)  # [l, D]
             device_load[start:stop] = rows
             per_device = cost.expert_compute_s(received, rows)  # [l, D]
+            per_device = expert_call_floor(cluster, spec, per_device)  # the per-call floor
             # ranks sharing cores: a waiting rank lends its core, the total bounds the layer too
             fec[start:stop] = busiest_sharing(per_device, cluster.host.shared_cores)
             send, recv = routing.traffic(part, remote, split)
@@ -409,12 +442,16 @@ class PlanPricer:
 
     def device_compute_s(self, counts: np.ndarray) -> np.ndarray:
         """`[L, D]` forward expert seconds of every device on `counts[L, D, E]`
-        (`CostModel.expert_compute_s` of the tokens each computes; `phases`' `expert_fwd_s` is
-        the slowest device's per layer, or the shared cores' bound where they are shared)."""
+        (`CostModel.expert_compute_s` of the tokens each computes, with the cluster's per-call
+        floor, `expert_call_floor`; `phases`' `expert_fwd_s` is the slowest device's per layer,
+        or the shared cores' bound where they are shared)."""
         counts = self._checked(counts)
-        out = np.zeros((self.layers, self.cost.cluster.num_devices))
+        cost = self.cost
+        out = np.zeros((self.layers, cost.cluster.num_devices))
         for start, stop, *_, received in self._chunks(counts):
-            out[start:stop] = self.cost.expert_compute_s(received)
+            out[start:stop] = expert_call_floor(
+                cost.cluster, cost.spec, cost.expert_compute_s(received)
+            )
         return out
 
     def price(self, counts: np.ndarray, migrations: np.ndarray | None = None) -> PlanCost:

@@ -13,7 +13,8 @@ candidates first and skips a bounded one when `horizon * bound` exceeds the leas
 
 - forward expert compute (FEC): the home of the expert with the most tokens computes all of them,
   `FEC >= expert_seconds(max_e sum_d x[d, e])` (`cost.expert_seconds`; its other experts add
-  more);
+  more), with the cluster's per-call floor on top (`cost.model.expert_call_floor`, monotone in
+  a device's seconds, so the floor of the bound bounds the floored device);
 - all-to-all: a device holds at most `slots` experts (a node `dpn * slots`, a domain `dpd *
   slots`), so each source sends at least its tokens beyond its largest counts out of its node
   and domain, through its NIC and uplink (`_all_to_all_s`); the phase takes at least its most
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from poise.cost.model import expert_seconds
+from poise.cost.model import expert_call_floor, expert_seconds
 from poise.cost.network import MIN_TRAFFIC_BYTES, group_sizes
 from poise.cost.phases import PhaseTimes
 from poise.plan.policies.base import PlanContext
@@ -61,7 +62,7 @@ def homes_only_layer_s(loads: np.ndarray, ctx: PlanContext) -> np.ndarray | None
         return None
     cluster, spec = ctx.cluster, ctx.spec
     expert_total = loads.sum(axis=1)  # [L, E]
-    fec = expert_seconds(cluster, spec, expert_total.max(axis=1))  # [L]
+    fec = expert_call_floor(cluster, spec, expert_seconds(cluster, spec, expert_total.max(axis=1)))
     a2a = _all_to_all_s(loads, expert_total, ctx)
     fnec, bnec = ctx.cost.non_moe_s
     zero = np.zeros(L)
