@@ -171,7 +171,10 @@ def test_packed_pricing_equals_the_cost_model(
     for schedule in (Schedule("sync"), Schedule("pipelined", 4), Schedule("prophet")):
         cost = CostModel(cluster, spec, schedule)
         state = LayerState.stacked(cost, placement, counts)
-        parts = (state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv)
+        parts = (
+            state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv,
+            state.tok_msg_out, state.tok_msg_in, state.par_msg_out, state.par_msg_in,
+        )  # fmt: skip
         packed = np.ascontiguousarray(state.cells.swapaxes(1, 2))  # [L, CELLS, D]
         want = cost.price(placement, Assignment.to_home(placement), counts).layer_s
         np.testing.assert_allclose(state.packed_layer_s(packed), want, rtol=1e-12)
@@ -183,7 +186,7 @@ def test_packed_pricing_equals_the_cost_model(
         # The levels left out carry nothing; `level_between` is the cluster's.
         lo, hi = state.levels
         for v in [v for v in range(3) if not lo <= v < hi]:
-            for x in parts[1:]:
+            for x in parts[1:]:  # bytes and messages
                 assert not x[:, v].any()
         src, dst = rng.integers(0, D, (2, 200))
         assert np.array_equal(state.level_between(src, dst), cluster.level_between(src, dst))
