@@ -20,7 +20,8 @@ and per device and level v (the level between the two devices, `Cluster.level_be
 No D x D matrix is formed where the runs are long: `within_runs` counts the pairs inside
 contiguous runs of devices (a node, a domain, the cluster: devices are numbered node-major) and
 the levels are differences of those counts (all pairs in the domain minus those in the node are
-level 1, ...). Masks are packed into 64-bit words (`pack`, W = ceil(F / 64) words). Inside a
+level 1, ...); on a cluster of up to `DIRECT_RUN` devices all pairs are tested at once and
+split by level. Masks are packed into 64-bit words (`pack`, W = ceil(F / 64) words). Inside a
 short run (up to `DIRECT_RUN` devices) the run's pairs are tested at once, [runs, r, r] per
 layer (cost L * D * r * W); in a long run the devices are grouped by their masks into classes
 (np.unique of the packed rows: J source classes, K destination classes), the J x K class pairs
@@ -36,6 +37,8 @@ latencies.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -157,6 +160,16 @@ def level_counts(
     X(cluster) - X(domain)."""
     dpn, dpd, D = cluster.devices_per_node, cluster.devices_per_domain, cluster.num_devices
     local = local_src is not None and local_dst is not None and group_size > 0
+    if D <= DIRECT_RUN:  # few devices: every pair at once, split by the level table
+        hit = _meets(pack(src), pack(dst))  # [L, D, D]
+        if local:
+            assert local_src is not None and local_dst is not None
+            hit |= _meets(pack(local_src), pack(local_dst)) & _same_run(D, group_size)
+        at = _level_masks(cluster)  # [3, D, D]
+        pairs = hit.astype(np.float32)  # (sums of at most D ones: exact)
+        out = np.einsum("lij,vij->vli", pairs, at)
+        into = np.einsum("lij,vij->vlj", pairs, at)
+        return out.astype(np.float64), into.astype(np.float64)
     if local:
         src = np.concatenate([src, local_src], axis=-1)  # the global features, then the local
         dst = np.concatenate([dst, local_dst], axis=-1)
@@ -189,6 +202,26 @@ def level_counts(
     out = np.stack([o0 - own, o1 - o0, o2 - o1]).astype(np.float64)
     into = np.stack([i0 - own, i1 - i0, i2 - i1]).astype(np.float64)
     return out, into
+
+
+@functools.lru_cache(maxsize=32)
+def _level_masks(cluster: Cluster) -> np.ndarray:
+    """`[3, D, D]` float32: 1 where `Cluster.level_between` of the pair is v (0 on the
+    diagonal), read-only."""
+    devices = np.arange(cluster.num_devices)
+    level = cluster.level_between(devices[:, None], devices[None, :])
+    table = np.stack([level == v for v in range(3)]).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+@functools.lru_cache(maxsize=32)
+def _same_run(D: int, size: int) -> np.ndarray:
+    """`[D, D]` bool: the two devices lie in one run of `size` consecutive devices."""
+    run = np.arange(D) // size
+    table = run[:, None] == run[None, :]
+    table.setflags(write=False)
+    return table
 
 
 def pair_counts(
