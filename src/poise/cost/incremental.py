@@ -147,7 +147,7 @@ class LayerState:
     MSG_PAR_IN = 20  # peers received Trans bytes from (homes, as a replica device)
     CELLS = 25
     # Rows of `packed_terms`: compute, then the all-to-all's and Trans' own-link seconds and
-    # latency sums.
+    # the latency of the device's messages.
     T_COMP, T_TOK_PORT, T_TOK_LAT, T_PAR_PORT, T_PAR_LAT = range(5)
     TERMS = 5
     TABLE_DEVICES = 64  # `level_between` from a table up to this many devices
