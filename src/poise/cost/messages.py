@@ -21,7 +21,7 @@ No D x D matrix is formed where the runs are long: `within_runs` counts the pair
 contiguous runs of devices (a node, a domain, the cluster: devices are numbered node-major) and
 the levels are differences of those counts (all pairs in the domain minus those in the node are
 level 1, ...); on a cluster of up to `DIRECT_RUN` devices all pairs are tested at once and
-split by level. Masks are packed into 64-bit words (`pack`, W = ceil(F / 64) words). Inside a
+split by level. Masks are packed into words (`pack`, W = ceil(F / 64) words). Inside a
 short run (up to `DIRECT_RUN` devices) the run's pairs are tested at once, [runs, r, r] per
 layer (cost L * D * r * W); in a long run the devices are grouped by their masks into classes
 (np.unique of the packed rows: J source classes, K destination classes), the J x K class pairs
@@ -49,15 +49,21 @@ _DIRECT_CELLS = 2**22  # pair cells tested per batch on the direct path
 
 
 def pack(mask: np.ndarray) -> np.ndarray:
-    """`[..., W]` uint64 words of a bool `mask[..., F]` (feature f is bit f % 64 of word
-    f // 64), so that two masks meet iff some word of their AND is nonzero."""
+    """`[..., W]` unsigned words of a bool `mask[..., F]` (feature f is bit f % b of word f // b,
+    b the word's bits: one word of 8, 16, 32 or 64 bits up to 64 features, else 64-bit
+    words), so that two masks meet iff some word of their AND is nonzero. Masks already
+    packed (not bool) come back as they are."""
+    if mask.dtype != np.bool_:
+        return mask
     packed = np.packbits(mask, axis=-1, bitorder="little")  # [..., ceil(F / 8)]
-    nbytes = -(-packed.shape[-1] // 8) * 8
-    if nbytes != packed.shape[-1]:
-        wide = np.zeros((*packed.shape[:-1], nbytes), dtype=np.uint8)
-        wide[..., : packed.shape[-1]] = packed
+    nbytes = packed.shape[-1]
+    size = next((b for b in (1, 2, 4) if nbytes <= b), -(-nbytes // 8) * 8)
+    if size != nbytes:
+        wide = np.zeros((*packed.shape[:-1], size), dtype=np.uint8)
+        wide[..., :nbytes] = packed
         packed = wide
-    return np.ascontiguousarray(packed).view(np.uint64)
+    word = np.dtype(f"u{min(size, 8)}")
+    return np.ascontiguousarray(packed).view(word)
 
 
 def within_runs(src: np.ndarray, dst: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +114,10 @@ def _direct(a: np.ndarray, b: np.ndarray, size: int) -> tuple[np.ndarray, np.nda
 def _classes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(rows[K, W], index[D])`: the distinct rows of packed masks `x[D, W]` and each row's
     class."""
-    keys = x[:, 0] if x.shape[1] == 1 else x.view(np.dtype((np.void, 8 * x.shape[1]))).ravel()
+    if x.shape[1] == 1:
+        keys = x[:, 0]
+    else:
+        keys = np.ascontiguousarray(x).view(np.dtype((np.void, x.itemsize * x.shape[1]))).ravel()
     _, first, index = np.unique(keys, return_index=True, return_inverse=True)
     return x[first], index.ravel()
 
@@ -146,7 +155,8 @@ def level_counts(
     group_size: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(out, into)`, each `[3, L, D]` float: the peers each device sends to and receives from
-    per link level (module docstring), for masks `src[L, D, F]`, `dst[L, D, F]`.
+    per link level (module docstring), for masks `src[L, D, F]`, `dst[L, D, F]` (bool, or
+    already packed: `pack`).
 
     With group-local routing, `local_src[L, D, F]` and `local_dst[L, D, F]` link pairs only
     inside the same group of `group_size` consecutive devices (a group nests with the levels:
@@ -170,21 +180,18 @@ def level_counts(
         out = np.einsum("lij,vij->vli", pairs, at)
         into = np.einsum("lij,vij->vlj", pairs, at)
         return out.astype(np.float64), into.astype(np.float64)
-    if local:
-        src = np.concatenate([src, local_src], axis=-1)  # the global features, then the local
-        dst = np.concatenate([dst, local_dst], axis=-1)
-    F = src.shape[-1]
-    both_src, both_dst = pack(src), pack(dst)
-    glob_src = glob_dst = None
-    if local:
-        glob_src, glob_dst = pack(src[..., : F // 2]), pack(dst[..., : F // 2])
+    glob_src, glob_dst = pack(src), pack(dst)
+    both_src, both_dst = glob_src, glob_dst
+    if local:  # the global features' words, then the local ones'
+        assert local_src is not None and local_dst is not None
+        both_src = np.concatenate([glob_src, pack(local_src)], axis=-1)
+        both_dst = np.concatenate([glob_dst, pack(local_dst)], axis=-1)
     memo: dict[tuple[bool, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def pairs(combined: bool, size: int) -> tuple[np.ndarray, np.ndarray]:
         key = (combined or not local, size)
         if key not in memo:
             a, b = (both_src, both_dst) if key[0] else (glob_src, glob_dst)
-            assert a is not None and b is not None
             memo[key] = _within(a, b, size)
         return memo[key]
 
@@ -237,7 +244,10 @@ def pair_counts(
     keep = sender != receiver
     if not keep.any():
         return out, into
-    key = np.unique((layer[keep] * D + sender[keep]) * D + receiver[keep])
+    key = np.sort((layer[keep] * D + sender[keep]) * D + receiver[keep])
+    first = np.ones(key.size, dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    key = key[first]  # each pair once (a sort: faster here than np.unique's hashing)
     ly, rest = np.divmod(key, D * D)
     s, r = np.divmod(rest, D)
     lv = cluster.level_between(s, r)
