@@ -188,14 +188,20 @@ def test_bad_loads_rejected() -> None:
 
 def test_float_residue_pays_no_latency() -> None:
     from poise.cost.model import link_time
+    from poise.cost.network import one_message_per_level
+    from poise.cost.traffic import sends
 
     cluster = toy_cluster(devices_per_node=2, nodes=2, lat=1e-5)
     send = np.zeros((3, 1, 4))
     recv = np.zeros((3, 1, 4))
     send[2, 0, 0] = 3e-10  # residue of 1 - (in-domain share) on a one-domain cluster
-    assert link_time(cluster, send, recv)[0] == 0.0
+    assert link_time(cluster, send, recv, one_message_per_level(send, recv))[0] == 0.0
     send[1, 0, 0] = 16.0  # one real token of 16 bytes pays bandwidth and latency
-    assert link_time(cluster, send, recv)[0] == pytest.approx(16 / 1e9 + 1e-5)
+    assert link_time(cluster, send, recv, one_message_per_level(send, recv))[0] == pytest.approx(
+        16 / 1e9 + 1e-5
+    )
+    # A residue of tokens is no message (`sends`); a token is.
+    assert sends(np.array([3e-10 / 16, 1.0]), 16.0).tolist() == [False, True]
 
 
 def test_pricing_layers_in_chunks_gives_the_same_cost(monkeypatch) -> None:

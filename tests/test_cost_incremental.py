@@ -12,7 +12,7 @@ from poise.core.cluster import HostCosts
 from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS
-from poise.cost.expert_columns import ExpertColumns
+from poise.cost.expert_columns import TERMS, ExpertColumns
 from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel
 from poise.cost.schedule import Schedule
@@ -130,25 +130,23 @@ def test_layer_state_toy_counts_by_hand() -> None:
 
 @pytest.mark.parametrize("floor", [False, True], ids=["no-floor", "call-floor"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_expert_columns_match_price_after_changes(schedule: Schedule, floor: bool) -> None:
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        get_cluster("dgx-h100:4"),
+        toy_cluster(2, 2, 2, bw=1e9, inter_bw=2e8, wan_bw=1e7, lat=1e-4),
+    ],
+    ids=["dgx-h100:4", "toy-3-levels-latency"],
+)
+def test_expert_columns_match_price_after_changes(cluster, schedule: Schedule, floor: bool) -> None:
     # Balanced routing, migrations from a previous home, then column changes applied one by
-    # one: the pricer's layer time equals CostModel.price of the changed layer each time; with
-    # `floor`, on a cluster whose per-call floor exceeds every device's GEMM seconds at first
-    # (`_floored`), so it sets the layer's FEC until changes load a device beyond it.
-    # Latency-free links: `CostModel.price` charges a link's latency wherever its summed traffic
-    # is > 0, including float residues of ~1e-13 tokens (1 - sum of shares); the pricer counts
-    # only real traffic (`_NOISE`), so with latencies the two can differ by those phantom
-    # latencies (see `ROW_ACTIVE`).
+    # one: the pricer's layer time equals CostModel.price of the changed layer each time, the
+    # latency of every message included (the messages are recounted on the changed layer);
+    # with `floor`, on a cluster whose per-call floor exceeds every device's GEMM seconds at
+    # first (`_floored`), so it sets the layer's FEC until changes load a device beyond it.
     from poise.plan.policies.vexpert import _route
 
-    dgx = get_cluster("dgx-h100:4")
-    cluster = dataclasses.replace(
-        dgx,
-        intra_node=dataclasses.replace(dgx.intra_node, lat_s=0.0),
-        inter_node=dataclasses.replace(dgx.inter_node, lat_s=0.0),
-        inter_domain=dataclasses.replace(dgx.inter_domain, lat_s=0.0),
-        expert_call_floor_s=0.0,
-    )
+    cluster = dataclasses.replace(cluster, expert_call_floor_s=0.0)
     spec = MODELS["zipf-256"].with_(experts=64, moe_layers=1)
     cost = CostModel(cluster, spec, schedule)
     rng = np.random.default_rng(5)
@@ -187,7 +185,10 @@ def test_expert_columns_match_price_after_changes(schedule: Schedule, floor: boo
         experts = np.array([e])
         shares = _route(counts_t[experts], col[None])
         terms = layer.column_terms(zero, experts, np.array([h]), col[None], shares)
-        totals = layer.candidates(zero, experts[None], terms[None], np.ones((1, 1), dtype=bool))
+        one = np.ones((1, 1), dtype=bool)
+        totals = layer.candidates(
+            zero, experts[None], np.array([[h]]), col[None, None], shares[None], terms[None], one
+        )
         copies[:, e], home[e] = col, h
         assert layer.price(totals[0])[0] == pytest.approx(full(), rel=1e-12)
         layer.apply(zero, experts, np.array([h]), col[None], shares, zero, totals[:, 0])
@@ -219,12 +220,13 @@ def _columns_case(cluster, schedule: Schedule, prev_moves: int = 4):
 )
 def test_expert_columns_terms_sum_to_totals(cluster) -> None:
     # Every row of the per-expert terms (tokens, compute, dispatch, Trans, migration per level)
-    # summed over the experts gives the layer totals the cost model's own functions compute.
+    # summed over the experts gives the layer totals the cost model's own functions compute
+    # (the totals' message rows are no sum over experts: they are counted on the layer).
     cols, _, home, copies, weights = _columns_case(cluster, Schedule("sync"))
     E = home.size
     terms = cols.column_terms(np.zeros(E, dtype=np.int64), np.arange(E), home, copies.T, weights)
     assert np.any(terms[:, 14:17] > 0) and np.any(terms[:, 8:11] > 0)  # Trans and migrations
-    np.testing.assert_allclose(terms.sum(axis=0), cols.totals[0], rtol=1e-12, atol=1e-6)
+    np.testing.assert_allclose(terms.sum(axis=0), cols.totals[0, :TERMS], rtol=1e-12, atol=1e-6)
 
 
 def test_totals_after_equals_candidates() -> None:
@@ -241,11 +243,14 @@ def test_totals_after_equals_candidates() -> None:
     zero = np.zeros(2, dtype=np.int64)
     terms = cols.column_terms(zero, experts[0], home[experts[0]], new_copies, shares)
     select = np.array([[1, 0], [0, 1], [1, 1]], dtype=bool)
-    expected = cols.candidates(np.zeros(1, dtype=np.int64), experts, terms[None], select)
+    layer = np.zeros(1, dtype=np.int64)
+    columns = (experts, home[experts], new_copies[None], shares[None])
+    expected = cols.candidates(layer, *columns, terms[None], select)
     current = cols.current_terms(zero, experts[0])
     delta = terms - current
     change = np.stack([delta[0], delta[1], delta[0] + delta[1]])[None]
-    assert np.array_equal(cols.totals_after(np.zeros(1, dtype=np.int64), change), expected)
+    messages = cols.candidate_messages(layer, *columns, select)
+    assert np.array_equal(cols.totals_after(layer, change, messages), expected)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)

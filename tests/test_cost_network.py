@@ -14,10 +14,21 @@ from poise.core.cluster import Link
 from poise.core.placement import Assignment, Placement
 from poise.core.presets import get_cluster
 from poise.cost.model import CostModel
-from poise.cost.network import device_seconds, group_seconds, link_seconds
-from poise.cost.traffic import replica_traffic
+from poise.cost.network import (
+    device_seconds,
+    group_seconds,
+    link_seconds,
+    one_message_per_level,
+)
+from poise.cost.traffic import replica_messages, replica_traffic
 
 from .helpers import toy_cluster, toy_spec
+
+
+def _seconds(cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """`link_seconds` of a phase in which each device has at most one peer per level and
+    direction (one message wherever it moves a byte over a level)."""
+    return link_seconds(cluster, send, recv, one_message_per_level(send, recv))
 
 
 def _bytes(devices: int, **cells: float) -> tuple[np.ndarray, np.ndarray]:
@@ -34,12 +45,12 @@ def test_lone_hot_receiver_behind_a_shared_nic_gets_the_whole_nic() -> None:
     # 2 nodes of 8 devices, one 1e9 B/s NIC per node; device 8 receives 1e6 bytes from node 0.
     cluster = replace(toy_cluster(8, 2, bw=1e10, lat=0.0), inter_node=Link(1e9, 0.0, shared_by=8))
     send, recv = _bytes(16, s1_0=1e6, r1_8=1e6)
-    assert link_seconds(cluster, send, recv)[0] == pytest.approx(1e6 / 1e9)
+    assert _seconds(cluster, send, recv)[0] == pytest.approx(1e6 / 1e9)
     # Eight receivers behind that NIC at once share it: 8e6 bytes through one NIC.
     send, recv = np.zeros((3, 1, 16)), np.zeros((3, 1, 16))
     send[1, 0, :8] = 1e6
     recv[1, 0, 8:] = 1e6
-    assert link_seconds(cluster, send, recv)[0] == pytest.approx(8e6 / 1e9)
+    assert _seconds(cluster, send, recv)[0] == pytest.approx(8e6 / 1e9)
 
 
 def test_levels_run_at_once_and_latencies_add_per_device() -> None:
@@ -53,10 +64,11 @@ def test_levels_run_at_once_and_latencies_add_per_device() -> None:
     )
     # Device 0 sends 1e5 B inside its node and 1e4 B to the other domain (through its NIC and
     # the uplink): port 1e-4 s, NIC 1e4 / 1e8 = 1e-4 s, uplink 1e4 / 1e7 = 1e-3 s; the slowest
-    # link sets the time; device 0 pays the latencies of levels 0 and 2 (it uses no level-1
-    # traffic of its own: the NIC only passes the domain traffic on).
+    # link sets the time; device 0 sends one message over level 0 (to device 1) and one over
+    # level 2 (to device 2) and pays their latencies (none of level 1: the NIC only passes
+    # the domain traffic on).
     send, recv = _bytes(4, s0_0=1e5, r0_1=1e5, s2_0=1e4, r2_2=1e4)
-    assert link_seconds(cluster, send, recv)[0] == pytest.approx(1e-3 + 1e-6 + 1e-4)
+    assert _seconds(cluster, send, recv)[0] == pytest.approx(1e-3 + 1e-6 + 1e-4)
 
 
 @pytest.mark.parametrize("preset", ["dgx-h100:2", "v100-ib50", "cross-dc-1000", "a800-eth10:4"])
@@ -73,10 +85,16 @@ def test_per_device_and_per_link_parts_make_link_seconds(preset: str) -> None:
     send[:, rng.random(5) < 0.4] = 0.0  # some phases idle at some levels
     if cluster.domains == 1:
         send[2] = recv[2] = 0.0
-    port, latency = device_seconds(cluster, send.transpose(1, 0, 2), recv.transpose(1, 0, 2))
+    # Peers per level and direction, as many as the level has devices at most.
+    m_out = rng.integers(0, 9, size=send.shape).astype(float) * (send > 0)
+    m_in = rng.integers(0, 9, size=recv.shape).astype(float) * (recv > 0)
+    port, latency = device_seconds(
+        cluster, *(x.transpose(1, 0, 2) for x in (send, recv, m_out, m_in))
+    )
     shared = group_seconds(cluster, send.transpose(1, 0, 2), recv.transpose(1, 0, 2))
     recombined = np.maximum(port.max(axis=1), shared) + latency.max(axis=1)
-    np.testing.assert_allclose(recombined, link_seconds(cluster, send, recv), rtol=1e-15)
+    want = link_seconds(cluster, send, recv, (m_out, m_in))
+    np.testing.assert_allclose(recombined, want, rtol=1e-15)
 
 
 def _first_devices(cluster, devices: int):
@@ -96,11 +114,14 @@ def test_r_replicas_cost_about_one_broadcast_not_r_sends() -> None:
     assert recv[1].sum() == 3 * W  # one per remote node, over its NIC
     assert recv[0].sum() == (3 + 3 * 3) * W  # the rest inside their nodes
     assert recv.sum() == 15 * W  # each of the 15 replicas receives it once
-    # Its time is about one copy over the NIC, not 15 sends through the home's NIC share.
-    t = link_seconds(cluster, send, recv)[0]
+    # Its time is about one copy over the NIC, not 15 sends through the home's NIC share
+    # (latency-free links: the bytes alone).
+    messages = replica_messages(cluster, placement)
+    t = link_seconds(cluster, send, recv, messages)[0]
     assert t == pytest.approx(W / 1e9)
     direct_send, direct_recv = replica_traffic(cluster, placement, W, broadcast=False)
-    assert link_seconds(cluster, direct_send, direct_recv)[0] == pytest.approx(12 * W / 1e9)
+    t_direct = link_seconds(cluster, direct_send, direct_recv, messages)[0]
+    assert t_direct == pytest.approx(12 * W / 1e9)
 
 
 def test_trans_in_the_cost_model_is_the_broadcast() -> None:
@@ -148,4 +169,4 @@ def test_a_nic_carries_the_domain_traffic_of_single_node_domains() -> None:
     # nodes of one domain.
     cluster = toy_cluster(2, 1, 2, bw=1e10, inter_bw=1e8, wan_bw=1e9)
     send, recv = _bytes(4, s2_0=1e6, r2_2=1e6)
-    assert link_seconds(cluster, send, recv)[0] == pytest.approx(1e6 / 1e8)
+    assert _seconds(cluster, send, recv)[0] == pytest.approx(1e6 / 1e8)

@@ -489,3 +489,51 @@ def test_filling_every_domain_at_once_is_filling_them_one_by_one(
     np.testing.assert_array_equal(a.copies, b.copies)
     # (a domain's own block holds only what it holds: with blocks of one, nothing is missing)
     assert any(any(per_group) for per_group in added) == (expert_domain != 1)
+
+
+@pytest.mark.parametrize(
+    ("dpn", "nodes", "domains"), [(2, 2, 2), (4, 1, 3), (2, 3, 1), (4, 2, 3), (8, 4, 3)]
+)
+def test_every_cut_prices_as_the_cost_model_with_messages(
+    dpn: int, nodes: int, domains: int
+) -> None:
+    # Every priced prefix of the greedy (not only the chosen one) equals `CostModel.price` of
+    # its plan (the first k pairs replicated, their groups routing to them), on links slow to
+    # reach (a millisecond a message): the search's message counts, a pair's multiplicity
+    # going to or from zero, are the cost model's (`Routing.messages`, `replica_messages`).
+    from poise.cost.incremental import LayerState
+    from poise.plan.policies.hybrid import cut_times
+
+    cluster = toy_cluster(
+        dpn, nodes, domains, bw=1e10, inter_bw=1e9, wan_bw=1e8, lat=1e-3, flops=1e13
+    )
+    D = cluster.num_devices
+    E = 2 * D
+    spec = toy_spec(experts=E, layers=2, d_model=256, d_expert=256, tokens=8192)
+    cost = CostModel(cluster, spec)
+    rng = np.random.default_rng(D + domains)
+    loads = np.floor(np.minimum(rng.zipf(1.3, (2, D, E)), 100) * (rng.random((2, D, E)) < 0.5) * 50)
+    home = np.tile(np.arange(E) % D, (2, 1))
+    _, size = domain_grouping(cluster)
+    placement = Placement.from_homes(home, D, 4)
+    free = 4 - placement.copies.sum(axis=2)
+    pairs = choose_pairs(loads, home, free, size)
+    state = LayerState.for_homes(cost, home, loads)
+    cuts, times, _ = cut_times(state, loads, home, size, pairs)
+    checked = 0
+    for layer in range(2):
+        a = int(pairs.start[layer])
+        for c, k in enumerate(cuts[layer]):
+            if k < 0:
+                continue
+            p = Placement.from_homes(home[layer : layer + 1], D, 4)
+            take = slice(a, a + int(k))
+            p.copies[0, pairs.device[take], pairs.expert[take]] = 1
+            to_home = Assignment.to_home(p)
+            gw = to_home.weights.copy()
+            gw[0, pairs.expert[take], pairs.device[take]] = 1.0
+            assignment = Assignment(to_home.weights, gw, size)
+            want = cost.price(p, assignment, loads[layer : layer + 1]).layer_s[0]
+            assert times[layer, c] == pytest.approx(want, rel=1e-12)
+            checked += 1
+    assert checked > 4

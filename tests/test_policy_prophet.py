@@ -171,7 +171,10 @@ def test_packed_pricing_equals_the_cost_model(
     for schedule in (Schedule("sync"), Schedule("pipelined", 4), Schedule("prophet")):
         cost = CostModel(cluster, spec, schedule)
         state = LayerState.stacked(cost, placement, counts)
-        parts = (state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv)
+        parts = (
+            state.comp, state.tok_send, state.tok_recv, state.par_send, state.par_recv,
+            state.tok_msg_out, state.tok_msg_in, state.par_msg_out, state.par_msg_in,
+        )  # fmt: skip
         packed = np.ascontiguousarray(state.cells.swapaxes(1, 2))  # [L, CELLS, D]
         want = cost.price(placement, Assignment.to_home(placement), counts).layer_s
         np.testing.assert_allclose(state.packed_layer_s(packed), want, rtol=1e-12)
@@ -183,7 +186,7 @@ def test_packed_pricing_equals_the_cost_model(
         # The levels left out carry nothing; `level_between` is the cluster's.
         lo, hi = state.levels
         for v in [v for v in range(3) if not lo <= v < hi]:
-            for x in parts[1:]:
+            for x in parts[1:]:  # bytes and messages
                 assert not x[:, v].any()
         src, dst = rng.integers(0, D, (2, 200))
         assert np.array_equal(state.level_between(src, dst), cluster.level_between(src, dst))
@@ -287,3 +290,51 @@ def test_the_searched_price_equals_the_cost_model() -> None:
         assert first.placement.replicas().sum() > 0
         for plan, on in ((first, loads), (again, other)):
             assert_priced_as_the_cost_model(plan, cost, on)
+
+
+@pytest.mark.parametrize("schedule", ["prophet", "sync"])
+def test_prefix_times_count_the_messages_the_home_loses_and_sends(schedule: str) -> None:
+    # One hot expert homed on device 0 takes tokens from every device (the others none), on
+    # links of a millisecond a message: its home receives one message per sender, so each
+    # replica it adds saves one (the replica keeps its tokens) and costs one Trans message;
+    # every prefix's time is the cost model's. A second expert homed on device 0 has tokens
+    # from the even devices: their messages to the home carry two experts and stay.
+    cluster = toy_cluster(4, 2, 2, bw=1e10, inter_bw=1e9, wan_bw=5e8, lat=1e-3, flops=1e13)
+    D = cluster.num_devices
+    spec = toy_spec(experts=8, layers=1, d_model=256, d_expert=256, tokens=8000, non_moe=1e7)
+    cost = CostModel(cluster, spec, parse_schedule(schedule))
+    home = np.array([[0, 0, 1, 2, 3, 4, 5, 6]])
+    counts = np.zeros((1, D, 8))
+    counts[0, :, 0] = 1000.0 * (D - np.arange(D))  # heaviest first is the device order
+    counts[0, ::2, 1] = 5.0
+    state = LayerState.for_homes(cost, home, counts)
+    ok = np.arange(D)[None, :] != 0
+    pre = _Prefixes(state, np.array([0]), np.array([0]), ok, counts[:, :, 0], state.R[0, :1, 0])
+    for c, n in enumerate(pre.cuts[0]):
+        want = _price_prefix(cost, home, counts, 0, 0, pre.cands[0, :n].tolist())
+        assert pre.times[0, c] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_search_counts_a_homes_messages_across_its_experts() -> None:
+    # Two hot experts share home 0 on one node (every replica enters over level 0, so the
+    # search's broadcast is the model's): the second expert's replicas go where the first's
+    # went, and the home's one Trans message to such a device carries both. The search's own
+    # price of its plan (`prophet_layer_s`, after) is the cost model's, on links of a
+    # millisecond a message.
+    cluster = toy_cluster(8, 1, 1, bw=1e9, lat=1e-3, flops=1e12)
+    spec = toy_spec(experts=8, layers=1, d_model=256, d_expert=256, tokens=8000, non_moe=1e6)
+    cost = CostModel(cluster, spec, Schedule("prophet"))
+    ctx = PlanContext.create(cluster, spec, slots_per_device=4, cost=cost)
+    home = np.array([[0, 0, 1, 2, 3, 4, 5, 6]])
+    loads = np.zeros((1, 8, 8))
+    loads[0, :, :2] = 4000.0  # the home's own messages set the dispatch's latency
+    previous = make_plan("static", loads, None, ctx)
+    previous.placement.home[:] = home
+    previous.placement.copies[:] = Placement.from_homes(home, 8, 4).copies
+    plan = make_plan("prophet", loads, previous, ctx)
+    replicated = plan.notes["replicated"][0]
+    assert replicated[:2] == [0, 1]
+    shared = set(plan.notes["replica_devices"][0][0]) & set(plan.notes["replica_devices"][0][1])
+    assert shared  # one Trans message from home 0 carries both experts to these devices
+    want = cost.price(plan.placement, plan.assignment, loads).layer_s[0]
+    assert plan.notes["prophet_layer_s"][0][1] == pytest.approx(want, rel=1e-12)

@@ -74,7 +74,10 @@ def _water_fill(local: np.ndarray, remote: np.ndarray, copies: np.ndarray) -> np
     ccl = cum_cl[rows, k][..., 0]
     level = (remote + ccl) / np.maximum(cc, 1e-300)
     share = np.where(held_t, np.maximum(0.0, level[..., None] * copies - local), 0.0)
-    total = share.sum(axis=-1, keepdims=True)
+    # Summed in device order (a running sum): the non-holders' zeros change nothing, so a row
+    # gets the same bits on all D devices and packed on its holders, whatever rows share its
+    # batch (NumPy's pairwise `sum` groups the terms by the row's length).
+    total = np.cumsum(share, axis=-1)[..., -1:]
     fallback = copies / np.maximum(copies.sum(axis=-1, keepdims=True), 1e-300)
     return np.where(total > _TOL, share / np.where(total > _TOL, total, 1.0), fallback)
 

@@ -5,8 +5,14 @@ per-device sums over experts, a change priced as the difference of the changed e
 for searches that re-route whole experts: any assignment that routes each expert on its own
 (e.g. `Assignment.balanced`), home moves with their migrations, several layers in lockstep
 (FlexMoE's vExpert search, `poise.plan.policies.vexpert`). Its prices equal `CostModel.price`
-on the changed layers up to float rounding (`tests/test_cost_incremental.py`); a link level's
-latency is charged only where at least `cost.MIN_TRAFFIC_BYTES` cross it, as there.
+on the changed layers up to float rounding (`tests/test_cost_incremental.py`).
+
+Latency is charged per message (`poise.cost.network`), and a device's messages are not a sum
+over experts (two experts sent to one device are one message): a candidate's message counts are
+recounted on its whole layer as the cost model counts them (`Routing.messages`,
+`replica_messages`, `migration_messages`: `ExpertColumns.layer_messages`), so they are the
+model's exactly; the bytes and the
+compute stay differences of per-expert terms.
 """
 
 from __future__ import annotations
@@ -14,10 +20,17 @@ from __future__ import annotations
 import numpy as np
 
 from poise.core.placement import Assignment, Placement
+from poise.cost.messages import level_counts, pair_counts
 from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
-from poise.cost.traffic import level_traffic, migration_traffic, replica_traffic
+from poise.cost.traffic import (
+    Routing,
+    migration_messages,
+    migration_traffic,
+    replica_traffic,
+    sends,
+)
 
 # Rows of the packed per-expert terms `[..., TERMS, D]` of `ExpertColumns`.
 ROW_R = 0  # tokens computed per device
@@ -25,6 +38,12 @@ ROW_COMP = 1  # forward expert seconds per device
 ROW_SEND = slice(2, 11)  # bytes / tokens sent: dispatch tokens, Trans, migration x 3 levels
 ROW_RECV = slice(11, 20)  # the same, received
 TERMS = 20
+# Rows of a layer's totals `[..., TOTALS, D]`: the terms summed over experts, then the messages.
+ROW_MSG_OUT = slice(20, 29)  # peers sent to: dispatch, Trans, migration x 3 levels
+ROW_MSG_IN = slice(29, 38)  # peers received from, the same
+MESSAGES = 18
+TOTALS = TERMS + MESSAGES
+_MESSAGE_CELLS = 2**22  # layer x device x expert cells of candidates recounted at once
 
 
 class ExpertColumns:
@@ -35,12 +54,14 @@ class ExpertColumns:
     Expert e's *terms* in layer l `[TERMS, D]` are its share of every per-device sum the cost
     model takes over experts: computed tokens R, forward expert seconds, dispatch tokens, Trans
     bytes and migration bytes sent and received per link level (rows `ROW_*`). A layer's
-    `totals[l]` `[TERMS, D]` are their sum over experts (computed once with the cost model's own
-    vectorised functions); a candidate's totals are its layer's totals plus (new terms - current
-    terms) of the experts it changes, the current terms re-derived from the columns in force.
-    `price` turns a batch of totals into layer seconds exactly as `CostModel.price` does (the
-    schedule, Trans/Agg, the migrations from `prev_home`, a level's latency charged where at least
-    `cost.MIN_TRAFFIC_BYTES` cross it).
+    `totals[l]` `[TOTALS, D]` are their sum over experts (computed once with the cost model's own
+    vectorised functions) and then its messages (rows `ROW_MSG_OUT`, `ROW_MSG_IN`: the peers
+    each device sends to and receives from per kind and level); a candidate's totals are its
+    layer's totals plus (new terms - current terms) of the experts it changes, the current terms
+    re-derived from the columns in force, with its messages recounted on the changed layer
+    (`candidate_messages`). `price` turns a batch of totals into layer seconds exactly as
+    `CostModel.price` does (the schedule, Trans/Agg, the migrations from `prev_home`, a latency
+    per message).
 
     `counts[L, D, E]` loads, `home[L, E]`, `copies[L, D, E]`, `weights[L, E, D]` (the
     assignment's shares of remote tokens; kept, not copied: `apply` updates them in place),
@@ -79,7 +100,7 @@ class ExpertColumns:
         placement = Placement(home, copies, 0)
         assignment = Assignment(weights)
         R = assignment.received(placement, counts) if received is None else received  # [L, D, E]
-        tok_send, tok_recv = level_traffic(cluster, placement, assignment, counts)
+        tok_send, tok_recv = Routing(cluster, placement, assignment).traffic(counts)
         par_send, par_recv = replica_traffic(cluster, placement, spec.expert_bytes)
         mig_send = np.zeros((3, L, D))
         mig_recv = np.zeros((3, L, D))
@@ -87,11 +108,13 @@ class ExpertColumns:
             layer, expert = np.nonzero(prev_home != home)
             rows = np.stack([layer, expert, prev_home[layer, expert], home[layer, expert]], 1)
             mig_send, mig_recv = migration_traffic(cluster, rows, L, spec.migration_bytes)
-        totals = np.empty((L, TERMS, D))
+        totals = np.empty((L, TOTALS, D))
         totals[:, ROW_R] = R.sum(axis=2)
         totals[:, ROW_COMP] = self.comp_s(R).sum(axis=2)
         totals[:, ROW_SEND] = np.concatenate([tok_send, par_send, mig_send]).transpose(1, 0, 2)
         totals[:, ROW_RECV] = np.concatenate([tok_recv, par_recv, mig_recv]).transpose(1, 0, 2)
+        self.go = sends(counts, spec.token_bytes)  # [L, D, E] cells worth a message
+        totals[:, TERMS:] = self.layer_messages(np.arange(L), home, self.copies_t > 0, weights > 0)
         self.totals = totals
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
@@ -169,6 +192,75 @@ class ExpertColumns:
                 out[k, 17 + lv_m, home[k]] = spec.migration_bytes
         return out
 
+    def layer_messages(
+        self, layers: np.ndarray, home: np.ndarray, held_t: np.ndarray, takes_t: np.ndarray
+    ) -> np.ndarray:
+        """Message rows `[N, MESSAGES, D]` of whole layers: layer `layers[n]`'s loads under homes
+        `home[N, E]`, holders `held_t[N, E, D]` (copies > 0) and takers `takes_t[N, E, D]`
+        (shares > 0), with the migrations from `prev_home` (rows `ROW_MSG_OUT`, `ROW_MSG_IN` of
+        the totals, less `TERMS`), counted as `CostModel.price` counts them: the dispatch as
+        `Routing.messages` of an assignment without groups or shedding (s sends to d iff
+        sends(c[s, e]), s holds no copy of e and w[d, e] > 0), Trans as `replica_messages`,
+        migrations as `migration_messages`."""
+        cluster = self.cost.cluster
+        N, E, D = held_t.shape
+        out = np.zeros((N, MESSAGES, D))
+        step = max(1, _MESSAGE_CELLS // max(1, E * D))
+        for lo in range(0, N, step):
+            hi = min(N, lo + step)
+            n = hi - lo
+            held = held_t[lo:hi].transpose(0, 2, 1)  # [n, D, E]
+            src = self.go[layers[lo:hi]] & ~held
+            replica = held_t[lo:hi].copy()
+            replica[np.arange(n)[:, None], np.arange(E)[None, :], home[lo:hi]] = False
+            row, expert, device = np.nonzero(replica)
+            parts = [
+                level_counts(cluster, src, takes_t[lo:hi].transpose(0, 2, 1)),
+                pair_counts(cluster, row, home[lo:hi][row, expert], device, n),
+            ]
+            if self.prev_home is not None:
+                old = self.prev_home[layers[lo:hi]]
+                row, expert = np.nonzero(old != home[lo:hi])
+                moves = np.stack([row, expert, old[row, expert], home[lo:hi][row, expert]], 1)
+                parts.append(migration_messages(cluster, moves, n))
+            for kind, (m_out, m_in) in enumerate(parts):
+                out[lo:hi, 3 * kind : 3 * kind + 3] = m_out.transpose(1, 0, 2)
+                out[lo:hi, 9 + 3 * kind : 12 + 3 * kind] = m_in.transpose(1, 0, 2)
+        return out
+
+    def candidate_messages(
+        self,
+        layers: np.ndarray,
+        experts: np.ndarray,
+        home: np.ndarray,
+        copies: np.ndarray,
+        weights: np.ndarray,
+        select: np.ndarray,
+        valid: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Message rows `[B, M, MESSAGES, D]` of M candidates in each of B layers (`candidates`'
+        arguments: `layers[B]`, the changed columns `experts[B, K]` with homes `home[B, K]`,
+        copies `copies[B, K, D]` and shares `weights[B, K, D]`; candidate m takes column k where
+        `select[m, k]`), each recounted on its whole layer (`layer_messages`); only where
+        `valid[B, M]` (None: everywhere), zero elsewhere."""
+        B, K = experts.shape
+        M = select.shape[0]
+        D = copies.shape[-1]
+        h = np.repeat(self.home[layers][:, None], M, axis=1)  # [B, M, E]
+        held = np.repeat((self.copies_t[layers] > 0)[:, None], M, axis=1)  # [B, M, E, D]
+        takes = np.repeat((self.weights[layers] > 0)[:, None], M, axis=1)
+        rows = np.arange(B)
+        for k in range(K):
+            for m in np.flatnonzero(select[:, k]):
+                h[rows, m, experts[:, k]] = home[:, k]
+                held[rows, m, experts[:, k]] = copies[:, k] > 0
+                takes[rows, m, experts[:, k]] = weights[:, k] > 0
+        out = np.zeros((B, M, MESSAGES, D))
+        b, m = np.nonzero(np.ones((B, M), dtype=bool) if valid is None else valid)
+        if b.size:
+            out[b, m] = self.layer_messages(layers[b], h[b, m], held[b, m], takes[b, m])
+        return out
+
     def current_terms(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """Terms `[K, TERMS, D]` of the columns in force of experts `experts[K]` of `layers[K]`."""
         return self.column_terms(
@@ -180,7 +272,7 @@ class ExpertColumns:
         )
 
     def price(self, totals: np.ndarray) -> np.ndarray:
-        """Layer seconds `[M]` for a batch of totals `[M, TERMS, D]`, as `CostModel.price`."""
+        """Layer seconds `[M]` for a batch of totals `[M, TOTALS, D]`, as `CostModel.price`."""
         return self.cost.schedule.layer_time(self.phase_times(totals))
 
     def phases(self) -> tuple[PhaseTimes, np.ndarray]:
@@ -190,16 +282,19 @@ class ExpertColumns:
         return self.phase_times(self.totals), self.totals[:, ROW_R].copy()
 
     def phase_times(self, totals: np.ndarray) -> PhaseTimes:
-        """Phase times `[M]` of a batch of totals `[M, TERMS, D]`."""
+        """Phase times `[M]` of a batch of totals `[M, TOTALS, D]`."""
         M, _, D = totals.shape
         # Without `prev_home` nothing migrates: the migration rows stay zero, which price to 0 s.
         kinds = 3 if self.prev_home is not None else 2
         send = totals[:, 2 : 2 + 3 * kinds].reshape(M, kinds, 3, D)  # [M, kind, level, D]
         recv = totals[:, 11 : 11 + 3 * kinds].reshape(M, kinds, 3, D)
+        out = totals[:, 20 : 20 + 3 * kinds].reshape(M, kinds, 3, D)
+        into = totals[:, 29 : 29 + 3 * kinds].reshape(M, kinds, 3, D)
         scale = self.scale[:kinds]  # [kinds, 1, 1]
         send = np.moveaxis(send * scale, 2, 0)  # [level, M, kind, D]
         recv = np.moveaxis(recv * scale, 2, 0)
-        link_s = link_seconds(self.cost.cluster, send, recv)  # [M, kind]
+        messages = (np.moveaxis(out, 2, 0), np.moveaxis(into, 2, 0))
+        link_s = link_seconds(self.cost.cluster, send, recv, messages)  # [M, kind]
         bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
         a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
         mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
@@ -209,25 +304,41 @@ class ExpertColumns:
         return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)
 
     def candidates(
-        self, layers: np.ndarray, experts: np.ndarray, terms: np.ndarray, select: np.ndarray
+        self,
+        layers: np.ndarray,
+        experts: np.ndarray,
+        home: np.ndarray,
+        copies: np.ndarray,
+        weights: np.ndarray,
+        terms: np.ndarray,
+        select: np.ndarray,
     ) -> np.ndarray:
-        """Totals `[B, M, TERMS, D]` of M candidates in each of B layers: the K changed columns
-        are grouped per layer, `layers[B]`, `experts[B, K]`, `terms[B, K, TERMS, D]`; candidate m
-        of layer b replaces the terms of `experts[b, k]` with `terms[b, k]` for every k with
-        `select[m, k]` true (each expert at most once per candidate)."""
+        """Totals `[B, M, TOTALS, D]` of M candidates in each of B layers: the K changed columns
+        are grouped per layer, `layers[B]`, `experts[B, K]`, with homes `home[B, K]`, copies
+        `copies[B, K, D]`, shares `weights[B, K, D]` and their terms `terms[B, K, TERMS, D]`;
+        candidate m of layer b replaces the columns of `experts[b, k]` with these for every k
+        with `select[m, k]` true (each expert at most once per candidate)."""
         B, K = experts.shape
         flat_layers = np.repeat(layers, K)
         current = self.current_terms(flat_layers, experts.reshape(-1)).reshape(terms.shape)
         delta = terms - current  # [B, K, TERMS, D]
         picked = np.matmul(select.astype(np.float64), delta.reshape(B, K, -1))  # [B, M, T * D]
-        return self.totals_after(layers, picked.reshape(B, select.shape[0], TERMS, -1))
+        messages = self.candidate_messages(layers, experts, home, copies, weights, select)
+        return self.totals_after(layers, picked.reshape(B, select.shape[0], TERMS, -1), messages)
 
-    def totals_after(self, layers: np.ndarray, change: np.ndarray) -> np.ndarray:
-        """Totals `[B, M, TERMS, D]` of M candidates in each of the B layers `layers[B]`, given
+    def totals_after(
+        self, layers: np.ndarray, change: np.ndarray, messages: np.ndarray
+    ) -> np.ndarray:
+        """Totals `[B, M, TOTALS, D]` of M candidates in each of the B layers `layers[B]`, given
         each candidate's change of terms `change[B, M, TERMS, D]` (the sum over the columns it
-        changes of new - current terms): `totals[layers] + change`, as `candidates` prices them,
-        for callers that derive the current terms themselves."""
-        return self.totals[layers][:, None] + change
+        changes of new - current terms) and its messages `messages[B, M, MESSAGES, D]`
+        (`candidate_messages`): `totals[layers] + change` and the messages, as `candidates`
+        prices them, for callers that derive the current terms themselves."""
+        B, M, _, D = change.shape
+        out = np.empty((B, M, TOTALS, D))
+        np.add(self.totals[layers][:, None, :TERMS], change, out=out[:, :, :TERMS])
+        out[:, :, TERMS:] = messages
+        return out
 
     def apply(
         self,
@@ -240,7 +351,8 @@ class ExpertColumns:
         totals: np.ndarray,
     ) -> None:
         """Make candidates current: expert `experts[k]` of layer `layers[k]` takes `home[k]`,
-        `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`."""
+        `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`
+        (`[TOTALS, D]`, messages included)."""
         self.home[layers, experts] = home
         self.copies_t[layers, experts] = copies
         self.weights[layers, experts] = weights

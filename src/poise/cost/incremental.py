@@ -15,8 +15,16 @@ pricers keep those sums and evaluate batches of candidate changes; their results
 - `ExpertColumns` (`poise.cost.expert_columns`): any per-expert routing (e.g.
   `Assignment.balanced`), home moves with their migrations (FlexMoE's vExpert search).
 
-Float residues: both pricers and `CostModel.price` charge a link level's latency only where at
-least `cost.MIN_TRAFFIC_BYTES` (one byte) cross it, so residues of ~1e-13 tokens left by
+Latency is charged per message (`poise.cost.network`): the states keep, per device and level,
+the peers it sends to and receives from (`poise.cost.messages`), which are not sums over experts
+(two experts sent to one device are one message). Callers that change a state derive the
+changed counts from the pairs the change adds and removes (`hybrid`, `prophet`: a pair's
+multiplicity, the experts it carries, going to or from zero); `home_pairs` gives those
+multiplicities for homes-only states.
+
+Float residues: both pricers and `CostModel.price` charge a link only where at least
+`cost.MIN_TRAFFIC_BYTES` (one byte) cross it, and count a message only for a source's expert
+with at least a byte of tokens (`traffic.sends`), so residues of ~1e-13 tokens left by
 differences of sums (e.g. `1 - sum of shares` on a one-domain cluster, or totals updated by
 deltas) are not traffic.
 """
@@ -32,7 +40,14 @@ from poise.core.placement import Assignment, Placement
 from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
-from poise.cost.traffic import homes_traffic, level_traffic, replica_traffic
+from poise.cost.traffic import (
+    Routing,
+    homes_messages,
+    homes_traffic,
+    replica_messages,
+    replica_traffic,
+    sends,
+)
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
@@ -81,6 +96,21 @@ def _cumsum_first_axis(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def home_pairs(home: np.ndarray, counts: np.ndarray, token_bytes: float) -> np.ndarray:
+    """`[L, D, D]` float: under `Assignment.to_home` of `Placement.from_homes(home)` (`home[L,
+    E]`, `counts[L, D, E]`), pairs[l, s, d] = the experts homed on d that s sends a message's
+    worth of tokens to (`traffic.sends`; 0 for s = d): the multiplicity of the dispatch
+    message s -> d, which exists iff it is > 0. Cost L * D * E; memory L * D * D (callers use
+    it where D <= E)."""
+    L, D, E = counts.shape
+    home = np.asarray(home, dtype=np.int64)
+    go = sends(counts, token_bytes)
+    go[np.arange(L)[:, None], home, np.arange(E)[None, :]] = False  # a home keeps its tokens
+    layer, src, expert = np.nonzero(go)
+    key = (layer * D + src) * D + home[layer, expert]
+    return np.bincount(key, minlength=L * D * D).reshape(L, D, D).astype(np.float64)
+
+
 @functools.lru_cache(maxsize=32)
 def _level_table(cluster: Cluster) -> np.ndarray:
     """`[D, D]` `cluster.level_between` of every pair of devices (read-only, kept per
@@ -95,12 +125,15 @@ class LayerState:
     """One layer's per-device quantities, enough to price a lightweight placement change.
 
     `comp[D]` forward expert seconds, `tok_send/tok_recv[3, D]` dispatch tokens per link level,
-    `par_send/par_recv[3, D]` Trans bytes per level, `R[D, E]` computed tokens. The per-device
+    `par_send/par_recv[3, D]` Trans bytes per level, `tok_msg_out/tok_msg_in[3, D]` the peers a
+    device sends dispatch tokens to / receives them from per level, `par_msg_out/par_msg_in[3,
+    D]` the same for Trans (`poise.cost.messages`), `R[D, E]` computed tokens. The per-device
     arrays are views of one packed array `cells[D, CELLS]`, a row per device, so a planner
     gathers or updates a device's whole state at once; `packed_terms` and `packed_layer_s`
     price such states side by side. Columns: `COMP`, then what a device sends, level by level
-    (dispatch tokens, Trans bytes), then what it receives: level v of kind `TOK_SEND`,
-    `PAR_SEND`, `TOK_RECV` or `PAR_RECV` is column `kind + LEVEL_STEP * v`."""
+    (dispatch tokens, Trans bytes), then what it receives, then its messages likewise: level v
+    of kind `TOK_SEND`, `PAR_SEND`, `TOK_RECV`, `PAR_RECV`, `MSG_TOK_OUT`, `MSG_PAR_OUT`,
+    `MSG_TOK_IN` or `MSG_PAR_IN` is column `kind + LEVEL_STEP * v`."""
 
     COMP = 0  # column of `cells`: forward expert seconds
     TOK_SEND = 1  # dispatch tokens sent, at level 0 (level v: + LEVEL_STEP * v)
@@ -108,11 +141,13 @@ class LayerState:
     TOK_RECV = 7  # dispatch tokens received
     PAR_RECV = 8  # Trans bytes received (as a replica)
     LEVEL_STEP = 2
-    SENT = 1  # columns SENT:RECEIVED are sent, RECEIVED: received
-    RECEIVED = 7
-    CELLS = 13
+    MSG_TOK_OUT = 13  # peers sent dispatch tokens to, at level 0
+    MSG_PAR_OUT = 14  # peers sent Trans bytes to (replica devices, as a home)
+    MSG_TOK_IN = 19  # peers received dispatch tokens from
+    MSG_PAR_IN = 20  # peers received Trans bytes from (homes, as a replica device)
+    CELLS = 25
     # Rows of `packed_terms`: compute, then the all-to-all's and Trans' own-link seconds and
-    # latency sums.
+    # the latency of the device's messages.
     T_COMP, T_TOK_PORT, T_TOK_LAT, T_PAR_PORT, T_PAR_LAT = range(5)
     TERMS = 5
     TABLE_DEVICES = 64  # `level_between` from a table up to this many devices
@@ -141,16 +176,26 @@ class LayerState:
         cluster, spec = cost.cluster, cost.spec
         assignment = Assignment.to_home(placement)
         R = assignment.received(placement, counts)  # [L, D, E]
-        send, recv = level_traffic(cluster, placement, assignment, counts)
+        routing = Routing(cluster, placement, assignment)
+        send, recv = routing.traffic(counts)
+        m_out, m_in = routing.messages(counts, spec.token_bytes)
         p_send, p_recv = replica_traffic(cluster, placement, spec.expert_bytes)
+        pm_out, pm_in = replica_messages(cluster, placement)
         L, D, _ = counts.shape
         state = cls._blank(cost, np.empty((L, D, cls.CELLS)))
         state.R = R
         state.comp[...] = state.comp_s(R).sum(axis=2)
-        state.tok_send[...] = send.transpose(1, 0, 2)
-        state.tok_recv[...] = recv.transpose(1, 0, 2)
-        state.par_send[...] = p_send.transpose(1, 0, 2)
-        state.par_recv[...] = p_recv.transpose(1, 0, 2)
+        for view, x in (
+            (state.tok_send, send),
+            (state.tok_recv, recv),
+            (state.par_send, p_send),
+            (state.par_recv, p_recv),
+            (state.tok_msg_out, m_out),
+            (state.tok_msg_in, m_in),
+            (state.par_msg_out, pm_out),
+            (state.par_msg_in, pm_in),
+        ):
+            view[...] = x.transpose(1, 0, 2)
         return state
 
     @classmethod
@@ -160,7 +205,10 @@ class LayerState:
         computed tokens, the traffic and the (zero) Trans come without the generic routing's
         passes over `[L, D, E]` (expert seconds are computed at the homes' cells only: zero
         tokens take zero seconds); the same numbers as `stacked`, bit for bit. `counts[L, D,
-        E]` float."""
+        E]` float. It also keeps the multiplicities of the messages, for searches that add
+        replicas to it: `carried[L, D, D]` the experts each dispatch message s -> d carries
+        (`home_pairs`) and `trans_carried[L, D, D]` those each Trans message home -> replica
+        device carries (zero: no replicas). Memory L * D * D: for D <= E."""
         cluster = cost.cluster
         home = np.asarray(home, dtype=np.int64)
         L, D, E = counts.shape
@@ -171,6 +219,7 @@ class LayerState:
         R = np.zeros((L, D, E))  # the home computes its own tokens and all remote ones
         R[at_home] = computed
         send, recv = homes_traffic(cluster, home, remote)
+        m_out, m_in = homes_messages(cluster, home, remote, cost.spec.token_bytes)
         state = cls._blank(cost, np.zeros((L, D, cls.CELLS)))  # Trans: zero
         state.R = R
         seconds = np.zeros((L, D, E))
@@ -178,6 +227,10 @@ class LayerState:
         state.comp[...] = seconds.sum(axis=2)  # comp_s(R).sum(axis=2): the same cells
         state.tok_send[...] = send.transpose(1, 0, 2)
         state.tok_recv[...] = recv.transpose(1, 0, 2)
+        state.tok_msg_out[...] = m_out.transpose(1, 0, 2)
+        state.tok_msg_in[...] = m_in.transpose(1, 0, 2)
+        state.carried = home_pairs(home, counts, cost.spec.token_bytes)
+        state.trans_carried = np.zeros_like(state.carried)
         return state
 
     @classmethod
@@ -192,6 +245,7 @@ class LayerState:
         cluster = cost.cluster
         state = cls.__new__(cls)
         state.cost = cost
+        state.carried = state.trans_carried = None  # `for_homes` only
         state.ports, state.shared = link_split(cluster)
         state.fnec, state.bnec = cost.non_moe_s
         # The link levels a message can take on this cluster (0 needs several devices per
@@ -215,6 +269,8 @@ class LayerState:
         self.comp = cells[..., self.COMP]
         self.tok_send, self.par_send = levels(self.TOK_SEND), levels(self.PAR_SEND)
         self.tok_recv, self.par_recv = levels(self.TOK_RECV), levels(self.PAR_RECV)
+        self.tok_msg_out, self.par_msg_out = levels(self.MSG_TOK_OUT), levels(self.MSG_PAR_OUT)
+        self.tok_msg_in, self.par_msg_in = levels(self.MSG_TOK_IN), levels(self.MSG_PAR_IN)
 
     def take(self, layer: int | slice) -> LayerState:
         """Layer `layer` (or a run of layers) of a `stacked` state; its arrays are views."""
@@ -228,6 +284,8 @@ class LayerState:
         state.bnec = self.bnec
         state.levels, state._table = self.levels, self._table
         state.R = self.R[layer]
+        state.carried = None if self.carried is None else self.carried[layer]
+        state.trans_carried = None if self.trans_carried is None else self.trans_carried[layer]
         state._set_cells(self.cells[layer])
         return state
 
@@ -247,13 +305,21 @@ class LayerState:
             return send * tb, recv * tb
         return send, recv
 
+    def _kind_messages(self, packed: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """`(m_out, m_in)` `[..., 3, X]` peers by level of kind 0 (dispatch) or 1 (Trans) from
+        states packed side by side, `packed[..., CELLS, X]`."""
+        step = self.LEVEL_STEP
+        out, into = ((self.MSG_TOK_OUT, self.MSG_TOK_IN), (self.MSG_PAR_OUT, self.MSG_PAR_IN))[kind]
+        sent = packed[..., out : out + 3 * step : step, :]
+        return sent, packed[..., into : into + 3 * step : step, :]
+
     def packed_terms(self, packed: np.ndarray) -> np.ndarray:
         """Per device state, the parts of a layer's phases that are its own: `[..., TERMS, X]`
         from states packed side by side, `packed[..., CELLS, X]` (`cells` transposed: a column
         per device state, any leading axes). Rows: `T_COMP` forward expert seconds (with the
         cluster's per-call floor, `cost.model.expert_call_floor`), then for the
         all-to-all (`T_TOK_*`) and Trans (`T_PAR_*`) the seconds on the device's own links
-        (`PORT`) and its latency sum (`LAT`) (`network.device_seconds`). The maxima over a
+        (`PORT`) and its messages' latency (`LAT`) (`network.device_seconds`). The maxima over a
         layer's devices, with the shared links' `packed_groups`, give its phases
         (`layer_s_from_parts`)."""
         lead, X = packed.shape[:-2], packed.shape[-1]
@@ -264,7 +330,9 @@ class LayerState:
         )
         cluster = self.cost.cluster
         for kind, row in ((0, self.T_TOK_PORT), (1, self.T_PAR_PORT)):
-            port, lat = device_seconds(cluster, *self._kind_bytes(packed, kind))
+            port, lat = device_seconds(
+                cluster, *self._kind_bytes(packed, kind), *self._kind_messages(packed, kind)
+            )
             out[..., row, :] = port
             out[..., row + 1, :] = lat
         return out
@@ -312,7 +380,7 @@ class LayerState:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(FEC, A, Trans)` `[...]` from the maxima over a layer's devices of `packed_terms`,
         `slowest[..., TERMS]`, and its shared links' `groups[..., 2]`: a phase takes its busiest
-        link plus its largest latency sum (`network.link_seconds`)."""
+        link plus its largest latency of one device's messages (`network.link_seconds`)."""
         a2a = np.maximum(slowest[..., self.T_TOK_PORT], groups[..., 0])
         trans = np.maximum(slowest[..., self.T_PAR_PORT], groups[..., 1])
         a2a = a2a + slowest[..., self.T_TOK_PORT + 1]
@@ -342,9 +410,13 @@ class LayerState:
         tok_recv: np.ndarray,
         par_send: np.ndarray,
         par_recv: np.ndarray,
+        tok_msg_out: np.ndarray,
+        tok_msg_in: np.ndarray,
+        par_msg_out: np.ndarray,
+        par_msg_in: np.ndarray,
     ) -> np.ndarray:
         """Layer seconds under the cost model's schedule for a batch of states
-        (`comp[M, D]`, the rest `[M, 3, D]`)."""
+        (`comp[M, D]`, the rest `[M, 3, D]`: bytes, then messages, as the named arrays)."""
         M, D = comp.shape
         packed = np.zeros((M, self.CELLS, D))
         packed[:, self.COMP] = comp
@@ -354,6 +426,10 @@ class LayerState:
             (self.PAR_SEND, par_send),
             (self.TOK_RECV, tok_recv),
             (self.PAR_RECV, par_recv),
+            (self.MSG_TOK_OUT, tok_msg_out),
+            (self.MSG_PAR_OUT, par_msg_out),
+            (self.MSG_TOK_IN, tok_msg_in),
+            (self.MSG_PAR_IN, par_msg_in),
         ):
             packed[:, first : first + 3 * step : step] = x
         return self.packed_layer_s(packed)

@@ -33,16 +33,21 @@ M_e migration bytes, see `core.spec.ModelSpec`):
   and receives over level v; a level-0 link carries its devices' intra-node bytes, a NIC what
   its devices send out of / receive into their node (S_1 + S_2), an uplink what leaves / enters
   their domain (S_2); with load_k the larger direction summed over the devices behind link k,
-      A = max_{v, k} load_k / bw_v + max_d sum_v lat_v * [d moves traffic at v]
-  (a lone sender gets a whole shared NIC; eight at once an eighth each). Dispatch and combine
-  move the same bytes in opposite directions, so A_c = A_d; backward repeats both (4
-  all-to-alls per step).
+      A = max_{v, k} load_k / bw_v + max_d sum_v lat_v * m_v[d]
+  (a lone sender gets a whole shared NIC; eight at once an eighth each), with m_v[d] the larger
+  of the peers d sends to and receives from over level v (`traffic.Routing.messages`: s sends
+  to d iff s sends at least a byte of tokens of some expert d takes a share of; a latency per
+  message, the pairwise-exchange all-to-all's (p - 1) alpha). Dispatch and combine move the
+  same bytes in opposite directions, so A_c = A_d; backward repeats both (4 all-to-alls per
+  step).
 - Trans (Pro-Prophet eq. 4-5, FasterMoE's shadow broadcast): a broadcast from the home to its
   replicas (`traffic.replica_traffic`): the home sends W_e once, over the farthest level; the
   copy enters each other domain and node once and reaches the node's other replicas over
-  level 0; priced on the links like the all-to-all. Agg, the reduce back to the home, moves the
-  same bytes the other way, so Agg = Trans.
-- Migration: each home change moves M_e (weights + optimizer state) from old to new home.
+  level 0; priced on the links like the all-to-all, with one message per (home, replica
+  device) pair (`traffic.replica_messages`). Agg, the reduce back to the home, moves the same
+  bytes the other way, so Agg = Trans.
+- Migration: each home change moves M_e (weights + optimizer state) from old to new home, one
+  message per (old home, new home) pair (`traffic.migration_messages`).
 - Non-MoE compute: FNEC = tokens_per_device * non_moe_flops / gemm_flops(t), BNEC = 2 FNEC,
   gemm_flops(t) = peak[t] * efficiency (`Cluster.gemm_flops`); on a
   cluster with measured host costs (`poise calibrate`), at the measured dense rates, plus the
@@ -72,7 +77,14 @@ from poise.cost.host import busiest_sharing, dense_seconds, dispatch_host_second
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
 from poise.cost.schedule import Schedule
-from poise.cost.traffic import Routing, migration_traffic, padded_counts, replica_traffic
+from poise.cost.traffic import (
+    Routing,
+    migration_messages,
+    migration_traffic,
+    padded_counts,
+    replica_messages,
+    replica_traffic,
+)
 
 
 @dataclass
@@ -109,11 +121,17 @@ class PlanCost:
 PRICE_CHUNK_CELLS = 2**19  # layer x device x expert cells a pricer handles at once (4 MiB)
 
 
-def link_time(cluster: Cluster, send_bytes: np.ndarray, recv_bytes: np.ndarray) -> np.ndarray:
-    """`[L]` seconds of a phase moving `send_bytes`, `recv_bytes` (`[3, L, D]`, by level) on the
+def link_time(
+    cluster: Cluster,
+    send_bytes: np.ndarray,
+    recv_bytes: np.ndarray,
+    messages: tuple[np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """`[L]` seconds of a phase moving `send_bytes`, `recv_bytes` (`[3, L, D]`, by level) in
+    `messages` (the peers each device sends to and receives from, `[3, L, D]` each) on the
     cluster's links as capacities (`poise.cost.network.link_seconds`): the most loaded link's
-    bytes / bandwidth plus the latencies of the levels a device uses."""
-    return link_seconds(cluster, send_bytes, recv_bytes)
+    bytes / bandwidth plus the largest latency of one device's messages."""
+    return link_seconds(cluster, send_bytes, recv_bytes, messages)
 
 
 def expert_seconds(cluster: Cluster, spec: ModelSpec, rows: np.ndarray) -> np.ndarray:
@@ -377,7 +395,8 @@ class PlanPricer:
         self.placement, self.assignment = placement, assignment
         self.routing = Routing(cluster, placement, assignment)
         t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        self.trans_s = link_time(cluster, t_send, t_recv) * cluster.host.transfer_scale  # [L]
+        t_msg = replica_messages(cluster, placement)
+        self.trans_s = link_time(cluster, t_send, t_recv, t_msg) * cluster.host.transfer_scale
         self.fnec_s, self.bnec_s = cost.non_moe_s
 
     def phases(
@@ -397,10 +416,13 @@ class PlanPricer:
             # ranks sharing cores: a waiting rank lends its core, the total bounds the layer too
             fec[start:stop] = busiest_sharing(per_device, cluster.host.shared_cores)
             send, recv = routing.traffic(part, remote, split)
-            a2a[start:stop] = link_time(cluster, send * spec.token_bytes, recv * spec.token_bytes)
+            tb = spec.token_bytes
+            msg = routing.messages(part, tb, remote, split)
+            a2a[start:stop] = link_time(cluster, send * tb, recv * tb, msg)
         if migrations is not None and len(migrations):
             m_send, m_recv = migration_traffic(cluster, migrations, L, spec.migration_bytes)
-            mig = link_time(cluster, m_send, m_recv) * cluster.host.transfer_scale
+            m_msg = migration_messages(cluster, migrations, L)
+            mig = link_time(cluster, m_send, m_recv, m_msg) * cluster.host.transfer_scale
         else:
             mig = np.zeros(L)
         fnec, bnec = np.full(L, self.fnec_s), np.full(L, self.bnec_s)

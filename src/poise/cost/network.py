@@ -19,9 +19,19 @@ traffic of `poise.cost.traffic`), the load of link k at level v is
     load_k = max( sum_{d behind k} out_v[d],  sum_{d behind k} in_v[d] )
     out_0 = send_0,  out_1 = send_1 + send_2,  out_2 = send_2   (likewise `in` from `recv`)
 
-and the phase takes (the alpha-beta model per link; all links work at once)
+and, with `m_out[v, d]`, `m_in[v, d]` the peers device d sends to and receives from over level
+v in the phase (the level between the two devices; `poise.cost.messages`), the phase takes (the
+alpha-beta model per link; all links work at once)
 
-    T = max_{v, k} load_k / bw_v  +  max_d sum_v lat_v [device d moves at least a byte at v].
+    T = max_{v, k} load_k / bw_v  +  max_d sum_v lat_v * m_v[d],
+    m_v[d] = max(m_out[v, d], m_in[v, d])
+
+a latency per message: a device exchanging with p peers over a level pays p of that level's
+latencies (its sends and receives overlap, as a link's two directions do). This is the
+pairwise-exchange all-to-all of the alpha-beta model, (p - 1) alpha + bytes beta over p
+devices (Thakur, Rabenseifner & Gropp, IJHPCA 2005), so that an all-to-all among G devices
+costs G - 1 latencies and one confined to domains of S devices plus S - 1 gathers fewer
+(HybridEP, Yang et al. arXiv 2510.19470, Table VII).
 
 A lone device behind a shared NIC thus gets the whole NIC, and a NIC shared by eight devices
 that all send at once gives each an eighth: what one device may use follows from the traffic,
@@ -31,8 +41,9 @@ HybridEP eq. 10-11; the bottleneck-link (max over links) form of a concurrent tr
 NCCL's and SimAI's network models of a fabric of independent links.
 
 Levels that cannot carry traffic on a cluster (one device per node, one node per domain, one
-domain) carry nothing and cost nothing. A level carrying less than `MIN_TRAFFIC_BYTES` per
-device is float residue, not a message, and costs nothing.
+domain) carry nothing and cost nothing. A link carrying less than `MIN_TRAFFIC_BYTES` is float
+residue, not traffic, and costs nothing; the message counts apply the same floor per source
+and expert (`poise.cost.traffic.sends`).
 """
 
 from __future__ import annotations
@@ -72,32 +83,52 @@ def _group_max(x: np.ndarray, size: int) -> np.ndarray:
     return x.reshape(*x.shape[:-1], D // size, size).sum(axis=-1).max(axis=-1)
 
 
-def link_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+def latency_s(cluster: Cluster, out: np.ndarray, into: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Per device, sum_v lat_v * max(out_v, into_v): the latency of the messages a device sends
+    to and receives from its peers, `out`, `into` with the level on `axis` (length 3)."""
+    lat = np.array([k.lat_s for k in cluster.links()])
+    shape = [1] * np.ndim(out)
+    shape[axis] = 3
+    return (lat.reshape(shape) * np.maximum(out, into)).sum(axis=axis)
+
+
+def link_seconds(
+    cluster: Cluster,
+    send: np.ndarray,
+    recv: np.ndarray,
+    messages: tuple[np.ndarray, np.ndarray],
+) -> np.ndarray:
     """`[...]` seconds of a phase from the bytes each device sends and receives over each level,
-    `send[3, ..., D]`, `recv[3, ..., D]` (the module docstring's T)."""
+    `send[3, ..., D]`, `recv[3, ..., D]`, and the peers it sends to and receives from there,
+    `messages = (m_out[3, ..., D], m_in[3, ..., D])` (the module docstring's T)."""
     send = np.asarray(send, dtype=np.float64)
     recv = np.asarray(recv, dtype=np.float64)
     sizes = group_sizes(cluster)
     links = cluster.links()
     bandwidth = np.zeros(send.shape[1:-1])
-    latency = np.zeros(send.shape[1:])
     for v in carrying_levels(cluster):
-        moved = np.maximum(send[v], recv[v])  # [..., D] this level's own traffic per device
-        used = moved >= MIN_TRAFFIC_BYTES
-        if used.any():
-            latency += np.where(used, links[v].lat_s, 0.0)
-        elif v != 1:
-            continue
         if v == 1:  # a NIC also carries what leaves or enters the domain
             out, into = send[1] + send[2], recv[1] + recv[2]
             load = np.maximum(_group_max(out, sizes[1]), _group_max(into, sizes[1]))
         elif sizes[v] == 1:
-            load = moved.max(axis=-1)
+            load = np.maximum(send[v], recv[v]).max(axis=-1)
         else:
             load = np.maximum(_group_max(send[v], sizes[v]), _group_max(recv[v], sizes[v]))
         busy = np.where(load >= MIN_TRAFFIC_BYTES, load, 0.0)
         bandwidth = np.maximum(bandwidth, busy / links[v].bw_Bps)
-    return bandwidth + latency.max(axis=-1)
+    m_out, m_in = messages
+    latency = latency_s(cluster, np.asarray(m_out), np.asarray(m_in))  # [..., D]
+    return bandwidth + latency.max(axis=-1, initial=0.0)
+
+
+def one_message_per_level(send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(m_out, m_in)` for a phase in which each device exchanges with at most one peer per
+    level and direction: one message wherever it sends (receives) at least `MIN_TRAFFIC_BYTES`
+    over a level (`send`, `recv` bytes by level, any layout)."""
+    return (
+        (np.asarray(send) >= MIN_TRAFFIC_BYTES).astype(np.float64),
+        (np.asarray(recv) >= MIN_TRAFFIC_BYTES).astype(np.float64),
+    )
 
 
 def link_split(cluster: Cluster) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
@@ -128,13 +159,18 @@ def busy_s(load: np.ndarray, bw: float) -> np.ndarray:
 
 
 def device_seconds(
-    cluster: Cluster, send: np.ndarray, recv: np.ndarray
+    cluster: Cluster,
+    send: np.ndarray,
+    recv: np.ndarray,
+    m_out: np.ndarray,
+    m_in: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The per-device parts of `link_seconds`: `(port_s, latency_s)`, each `[..., X]`, from
-    `send[..., 3, X]`, `recv[..., 3, X]` bytes by level:
+    `send[..., 3, X]`, `recv[..., 3, X]` bytes by level and the peers sent to and received from
+    by level, `m_out[..., 3, X]`, `m_in[..., 3, X]`:
 
         port_s[d]    = max_{v unshared} max(out_v[d], in_v[d]) / bw_v
-        latency_s[d] = sum_v lat_v [d moves at least a byte at v]
+        latency_s[d] = sum_v lat_v * max(m_out[v, d], m_in[v, d])
 
     With `group_seconds` (the links several devices share) a phase takes
 
@@ -146,14 +182,10 @@ def device_seconds(
     links = cluster.links()
     lead = send.shape[:-2] + send.shape[-1:]
     port = np.zeros(lead)
-    latency = np.zeros(lead)
-    for v in carrying_levels(cluster):
-        moved = np.maximum(send[..., v, :], recv[..., v, :])
-        latency += np.where(moved >= MIN_TRAFFIC_BYTES, links[v].lat_s, 0.0)
-        if v in ports:
-            out, into = link_bytes(send, recv, v)
-            np.maximum(port, busy_s(np.maximum(out, into), links[v].bw_Bps), out=port)
-    return port, latency
+    for v in ports:
+        out, into = link_bytes(send, recv, v)
+        np.maximum(port, busy_s(np.maximum(out, into), links[v].bw_Bps), out=port)
+    return port, latency_s(cluster, m_out, m_in, axis=-2)
 
 
 def group_seconds(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
@@ -188,7 +220,9 @@ __all__ = [
     "fair_share_links",
     "group_seconds",
     "group_sizes",
+    "latency_s",
     "link_bytes",
     "link_seconds",
     "link_split",
+    "one_message_per_level",
 ]

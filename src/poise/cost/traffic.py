@@ -13,6 +13,13 @@ domain sums replace D x D traffic matrices (devices are numbered node-major).
 - Trans (`replica_traffic`): each replica receives W_e once, over the level between it and its
   home, and the home sends it once (a broadcast); migrations (`migration_traffic`) move M_e
   from the old home to the new one.
+- Messages (`Routing.messages`, `replica_messages`, `migration_messages`; counted by
+  `poise.cost.messages`): per device and level, the peers it sends to and receives from. In
+  the dispatch source s sends to device d iff some expert e has at least a byte of s's remote
+  tokens (`sends`: c[s, e] (1 - h[s, e]) B_t >= MIN_TRAFFIC_BYTES, the shed share for a
+  holder) and d takes a share of them (w[d, e] > 0; under group-local routing, gw[d, e] > 0 in
+  s's group for the experts s routes locally). Trans and Agg: one message per (home, replica
+  device) pair, migrations one per (old home, new home) pair, at the level between the two.
 
 `cost/model.py` turns these into seconds.
 """
@@ -24,6 +31,14 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
+from poise.cost.messages import level_counts, pack, pair_counts
+from poise.cost.network import MIN_TRAFFIC_BYTES
+
+
+def sends(tokens: np.ndarray, token_bytes: float) -> np.ndarray:
+    """`tokens`' cells (elementwise, bool) that are a message's worth: at least
+    `MIN_TRAFFIC_BYTES / token_bytes` tokens, a byte (less is float residue, not traffic)."""
+    return np.asarray(tokens) >= MIN_TRAFFIC_BYTES / token_bytes
 
 
 def _group_sum(x: np.ndarray, groups: int) -> np.ndarray:
@@ -75,14 +90,17 @@ class Routing:
             if g not in sums:
                 sums[g] = self.w.reshape(L, g, D // g, E).sum(axis=2)
         self.w_group = [sums[g] for g in self.groups]
+        # [L, D, E] the devices that take a share of e's tokens, as bits (`messages.pack`)
+        self.takes = pack(self.w > 0)
         # Group-local routing only: `local[L, D, E]` per source, routes e inside its group;
         # `gw[L, D, E]` the group weights `[L, E, D]` transposed like `w`, contiguous.
-        self.local = self.gw = None
+        self.local = self.gw = self.takes_local = None
         self._cells: np.ndarray | None = None  # flat indices of the holder cells, when needed
         if assignment.grouped:
             assert assignment.group_weights is not None
             self.local = assignment.source_local()
             self.gw = np.ascontiguousarray(assignment.group_weights.transpose(0, 2, 1))
+            self.takes_local = pack(self.gw > 0)
 
     def take_layers(self, start: int, stop: int) -> Routing:
         """The routing of layers `start:stop` (views of this one's arrays)."""
@@ -102,6 +120,8 @@ class Routing:
         part.w_group = [wg[start:stop] for wg in self.w_group]
         part.local = None if self.local is None else self.local[start:stop]
         part.gw = None if self.gw is None else self.gw[start:stop]
+        part.takes = self.takes[start:stop]
+        part.takes_local = None if self.takes_local is None else self.takes_local[start:stop]
         part._cells = None
         return part
 
@@ -186,6 +206,34 @@ class Routing:
         recv = recv + recv_l
         return np.maximum(send, 0.0), np.maximum(recv, 0.0)
 
+    def messages(
+        self,
+        counts: np.ndarray,
+        token_bytes: float,
+        remote: np.ndarray | None = None,
+        split: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`(out, into)` `[3, L, D]`: the peers each device sends dispatch tokens to and
+        receives them from, per link level (`messages.level_counts`). Source s sends to d iff
+
+            exists e: sends(remote[s, e]) and w[d, e] > 0                (global routing)
+                   or sends(remote_loc[s, e]) and gw[d, e] > 0, g(d) = g(s)   (group-local)
+
+        with `remote` the tokens that leave their source (`Routing.remote`) at `token_bytes`
+        each (`sends`); the combine all-to-all is the same messages the other way."""
+        remote = self.remote(counts) if remote is None else remote
+        if self.local is None:
+            return level_counts(self.cluster, sends(remote, token_bytes), self.takes)
+        remote_glob, remote_loc = self.split(remote) if split is None else split
+        return level_counts(
+            self.cluster,
+            sends(remote_glob, token_bytes),
+            self.takes,
+            sends(remote_loc, token_bytes),
+            self.takes_local,
+            self.assignment.group_size,
+        )
+
 
 def _global_traffic(
     groups: tuple[int, int, int], remote: np.ndarray, w: np.ndarray, w_group: list[np.ndarray]
@@ -228,6 +276,18 @@ def homes_traffic(
             sums[g][layer, home // (D // g), expert] = 1.0
     send, recv = _global_traffic(groups, remote, w, [sums[g] for g in groups])
     return np.maximum(send, 0.0), np.maximum(recv, 0.0)
+
+
+def homes_messages(
+    cluster: Cluster, home: np.ndarray, remote: np.ndarray, token_bytes: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`Routing.messages` of `Placement.from_homes(home)` under `Assignment.to_home` (`home[L,
+    E]`, `remote[L, D, E]` the tokens that leave their source): each source sends to the homes
+    of the experts it sends a message's worth of tokens to."""
+    L, D, E = remote.shape
+    takes = np.zeros((L, D, E), dtype=bool)
+    takes[np.arange(L)[:, None], home, np.arange(E)[None, :]] = True
+    return level_counts(cluster, sends(remote, token_bytes), takes)
 
 
 def level_traffic(
@@ -322,6 +382,19 @@ def replica_traffic(
     return send * float(bytes_per_copy), recv * float(bytes_per_copy)
 
 
+def replica_messages(cluster: Cluster, placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """`(out, into)` `[3, L, D]` messages of Trans (and of Agg, the other way): one per (home,
+    replica device) pair of a layer, at the level between the two (`messages.pair_counts`): a
+    home sends one message to each device holding replicas of its experts, a replica device
+    receives one from each home whose experts it replicates. The bytes travel as a broadcast
+    (`replica_traffic`); the messages are counted per pair, as the (n - 1) latencies of a
+    pipelined chain over n holders (`cost.collectives.chain_broadcast_s`)."""
+    L, D, E = placement.copies.shape
+    flat = np.flatnonzero(placement.replicas())
+    layer, device, expert = flat // (D * E), flat // E % D, flat % E
+    return pair_counts(cluster, layer, placement.home[layer, expert], device, L)
+
+
 def _broadcast_hops(
     cluster: Cluster, column: np.ndarray, device: np.ndarray, level: np.ndarray
 ) -> np.ndarray:
@@ -373,3 +446,12 @@ def migration_traffic(
         np.add.at(send, (lv, migrations[:, 0], migrations[:, 2]), bytes_per_move)
         np.add.at(recv, (lv, migrations[:, 0], migrations[:, 3]), bytes_per_move)
     return send, recv
+
+
+def migration_messages(
+    cluster: Cluster, migrations: np.ndarray, layers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(out, into)` `[3, L, D]` messages of migration rows (layer, expert, old home, new home):
+    one per (old home, new home) pair of a layer, at the level between them."""
+    migrations = np.asarray(migrations, dtype=np.int64).reshape(-1, 4)
+    return pair_counts(cluster, migrations[:, 0], migrations[:, 2], migrations[:, 3], layers)

@@ -42,7 +42,8 @@ def switch_seconds(
     device receives the weights and optimizer state (M_e per expert, P_d (B_dtype + B_opt) per
     dense block) it holds under `new` but not under `old`, from the nearest old holder (same
     node, else same domain, else another domain), priced per level as the cost model prices
-    migration (`poise.cost.network.link_seconds`, the receiving side)."""
+    migration (`poise.cost.network.link_seconds`, the receiving side), one message per item
+    received at the level it crosses."""
     held_old = held_state(old, old_homes)
     held_new = held_state(new, new_homes)
     need = held_new & ~held_old  # [L, D, E + 1]
@@ -55,15 +56,12 @@ def switch_seconds(
     size = np.full(C, spec.migration_bytes)
     size[-1] = spec.dense_params_per_block * (spec.dtype_bytes + spec.optimizer_bytes_per_param)
     moved = need * size  # [L, D, C] bytes
-    per_level = np.stack(
-        [
-            (moved * in_node).sum(axis=(0, 2)),
-            (moved * (in_dom & ~in_node)).sum(axis=(0, 2)),
-            (moved * ~in_dom).sum(axis=(0, 2)),
-        ]
-    )  # [3, D] bytes each device receives over each level
+    at_level = (in_node, in_dom & ~in_node, ~in_dom)
+    per_level = np.stack([(moved * at).sum(axis=(0, 2)) for at in at_level])  # [3, D] bytes
+    items = np.stack([(need & at).sum(axis=(0, 2)) for at in at_level]).astype(np.float64)
     # The senders are spread over the old holders: charge the receiving side on the links.
-    return float(link_seconds(cluster, np.zeros_like(per_level), per_level))
+    none = np.zeros_like(per_level)
+    return float(link_seconds(cluster, none, per_level, (none, items)))
 
 
 def held_state(layout: Layout, homes: np.ndarray | None = None) -> np.ndarray:

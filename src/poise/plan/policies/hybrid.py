@@ -66,7 +66,14 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement, Plan
-from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
+from poise.cost.incremental import (
+    PREFIX_EXACT,
+    PREFIX_POINTS,
+    LayerState,
+    home_pairs,
+    prefix_cuts,
+)
+from poise.cost.traffic import sends
 from poise.plan.policies.base import (
     PlanContext,
     finish_plan,
@@ -202,6 +209,28 @@ def _prefix_states(
     return sums
 
 
+def pair_steps(
+    key: np.ndarray, order: np.ndarray, delta: np.ndarray, start: np.ndarray
+) -> np.ndarray:
+    """`[N]` the change (-1, 0, +1) each event makes to whether its message exists: event i
+    adds `delta[i]` to the multiplicity of the message `key[i]` (the experts it carries), which
+    starts at `start[i]` (the same for every event of a key), the events of a key taken in
+    ascending `order[i]`; the message exists while its multiplicity is > 0."""
+    N = len(key)
+    if not N:
+        return np.zeros(0)
+    by = np.lexsort((order, key))
+    k, d = key[by], delta[by]
+    total = np.cumsum(d)
+    first = np.ones(N, dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    run_start = np.maximum.accumulate(np.where(first, np.arange(N), 0))
+    after = start[by] + total - (total[run_start] - d[run_start])
+    out = np.empty(N)
+    out[by] = (after > 0).astype(np.float64) - (after - d > 0)
+    return out
+
+
 def cut_times(
     state: LayerState, counts: np.ndarray, home: np.ndarray, size: int, pairs: Pairs
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -261,6 +290,31 @@ def cut_times(
     delta = np.concatenate([-tok.ravel(), tok[stays]])
     lv_hr = state.level_between(h, devices)
     W_e = np.full(N, state.cost.spec.expert_bytes)
+    # Messages (`cost.messages`), a pair's multiplicity (the experts it carries) going to or
+    # from zero: each source of the group with a message's worth of e's tokens (`sends`) stops
+    # sending them to the home (s -> h, one expert less) and, but for the replica device, sends
+    # them to the replica (s -> j, one more); the home sends the replica device one Trans
+    # message, the first time it sends it any expert (homes only before: no Trans messages).
+    go = sends(tok, state.cost.spec.token_bytes)  # [N, m]
+    pos_m = np.repeat(pos, size).reshape(N, size)
+    lyr_m = np.repeat(lyr, size).reshape(N, size)
+    carried = home_pairs(home, counts, state.cost.spec.token_bytes)  # [B, D, D]
+    ev_lyr = np.concatenate([lyr_m[go], lyr_m[go & stays]])
+    ev_src = np.concatenate([src[go], src[go & stays]])
+    ev_dst = np.concatenate([np.broadcast_to(h[:, None], src.shape)[go], dst[go & stays]])
+    ev_delta = np.concatenate([np.full(int(go.sum()), -1.0), np.ones(int((go & stays).sum()))])
+    ev_step = pair_steps(
+        (ev_lyr * D + ev_src) * D + ev_dst,
+        np.concatenate([pos_m[go], pos_m[go & stays]]),
+        ev_delta,
+        carried[ev_lyr, ev_src, ev_dst],
+    )
+    ev_seg = np.concatenate([seg_m[go], seg_m[go & stays]])
+    ev_lv = np.concatenate([lv_sh[go], lv_sr[go & stays]])
+    moved = ev_step != 0
+    ev_seg, ev_lv, ev_step = ev_seg[moved], ev_lv[moved], ev_step[moved]
+    ev_src, ev_dst = ev_src[moved], ev_dst[moved]
+    par_step = pair_steps((lyr * D + h) * D + devices, pos, np.ones(N), np.zeros(N))
     # Compute: the replica takes the whole group's tokens; the home loses them. `before[i]`:
     # tokens of e moved away from its home by the layer's earlier pairs (a running sum over the
     # layer's pairs sorted by expert, stable).
@@ -290,20 +344,37 @@ def cut_times(
     # All five per-device states side by side (`LayerState.cells` as columns), [B, CELLS * D]:
     # compute, then dispatch tokens and Trans bytes sent, then received, each per link level.
     base = np.ascontiguousarray(state.cells.transpose(0, 2, 1)).reshape(B, LS.CELLS * D)
+    step = LS.LEVEL_STEP
     cell = np.concatenate(
         [
             comp_dev,
-            (LS.TOK_SEND + LS.LEVEL_STEP * send_lv) * D + send_dev,
-            (LS.TOK_RECV + LS.LEVEL_STEP * send_lv) * D + recv_dev,
-            (LS.PAR_SEND + LS.LEVEL_STEP * lv_hr) * D + h,
-            (LS.PAR_RECV + LS.LEVEL_STEP * lv_hr) * D + devices,
+            (LS.TOK_SEND + step * send_lv) * D + send_dev,
+            (LS.TOK_RECV + step * send_lv) * D + recv_dev,
+            (LS.PAR_SEND + step * lv_hr) * D + h,
+            (LS.PAR_RECV + step * lv_hr) * D + devices,
+            (LS.MSG_TOK_OUT + step * ev_lv) * D + ev_src,
+            (LS.MSG_TOK_IN + step * ev_lv) * D + ev_dst,
+            (LS.MSG_PAR_OUT + step * lv_hr) * D + h,
+            (LS.MSG_PAR_IN + step * lv_hr) * D + devices,
         ]
     )
     states = _prefix_states(
         base,
         cell,
-        np.concatenate([comp_seg, send_seg, send_seg, seg, seg]),
-        np.concatenate([comp_delta, delta, delta, np.where(first_pair, W_e, 0.0), W_e]),
+        np.concatenate([comp_seg, send_seg, send_seg, seg, seg, ev_seg, ev_seg, seg, seg]),
+        np.concatenate(
+            [
+                comp_delta,
+                delta,
+                delta,
+                np.where(first_pair, W_e, 0.0),
+                W_e,
+                ev_step,
+                ev_step,
+                par_step,
+                par_step,
+            ]
+        ),
         C,
     )
     states = states.reshape(C, B, LS.CELLS, D)

@@ -50,6 +50,7 @@ from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, pref
 from poise.cost.model import CostModel
 from poise.cost.network import MIN_TRAFFIC_BYTES
 from poise.cost.schedule import Schedule
+from poise.cost.traffic import sends
 from poise.plan.policies.base import (
     PlanContext,
     finish_plan,
@@ -105,7 +106,11 @@ class _Prefixes:
 
         Per added replica d: d keeps its own tokens of e (its dispatch sends and its compute
         change once, at its step) and receives W_e over its broadcast hop; the home h receives
-        fewer tokens and sends W_e once, over the farthest level reached so far. So for a
+        fewer tokens and sends W_e once, over the farthest level reached so far. Messages
+        (`state.carried`, `state.trans_carried`: the experts each message carries): d's
+        message to h ends if it carried only e; h sends d a Trans message unless it already
+        sends it replicas of other experts; the candidates are distinct devices, so each
+        step's changes are its own, whatever came before it in the prefix. So for a
         prefix of length c the slowest device is the slowest of: the home in its state after c
         steps, the candidates before c in their changed state (a running maximum), the
         candidates from c on and every other device in their current state (a suffix maximum
@@ -146,12 +151,23 @@ class _Prefixes:
         rows_of = np.take(state.cells.reshape(-1, LS.CELLS), idx, axis=0)
         side = np.ascontiguousarray(rows_of.transpose(0, 2, 1))
         cand_side, home_side = side[:, :, D + M : D + 2 * M], side[:, :, D + 2 * M :]
-        # The home after each step: tokens received per level, tokens it computes, and the
-        # broadcast's one copy sent over the farthest level reached so far.
-        per_step = np.zeros((B, 4, M))
-        per_step[rows, lv, steps] = -tok
+        # Messages of each step (padding: none): d's dispatch message to the home ends
+        # (`drops`), the home's Trans message to d begins (`joins`).
+        lvv = np.where(valid, lv, 0)
+        to_home = state.carried[layer[:, None], cands, home[:, None]]
+        drops = (valid & sends(tok, state.cost.spec.token_bytes) & (to_home == 1)).astype(float)
+        joins = (valid & (state.trans_carried[layer[:, None], home[:, None], cands] == 0)).astype(
+            float
+        )
+        # The home after each step: tokens received per level, tokens it computes, the
+        # messages it receives tokens in and sends Trans in per level, and the broadcast's one
+        # copy sent over the farthest level reached so far.
+        per_step = np.zeros((B, 10, M))
+        per_step[rows, lvv, steps] = np.where(valid, -tok, 0.0)
         per_step[:, 3] = tok
-        after = np.cumsum(per_step, axis=2)  # [B, 4, M]
+        per_step[rows, 4 + lvv, steps] = -drops
+        per_step[rows, 7 + lvv, steps] = joins
+        after = np.cumsum(per_step, axis=2)  # [B, 10, M]
         farthest = np.maximum.accumulate(np.where(valid, lv, -1), axis=1)  # [B, M]
         if not all_cuts:
             at_cut = np.maximum(cuts - 1, 0)
@@ -160,6 +176,8 @@ class _Prefixes:
         left = r_home[:, None] - after[:, 3]  # tokens the home computes
         seconds = state.comp_s(np.concatenate([tok, np.maximum(left, 0.0), r_home[:, None]], 1))
         home_side[:, LS.TOK_RECV : LS.TOK_RECV + 3 * step : step] += after[:, :3]
+        home_side[:, LS.MSG_TOK_IN : LS.MSG_TOK_IN + 3 * step : step] += after[:, 4:7]
+        home_side[:, LS.MSG_PAR_OUT : LS.MSG_PAR_OUT + 3 * step : step] += after[:, 7:10]
         for v in range(3):
             home_side[:, LS.PAR_SEND + step * v] += np.where(farthest == v, W_e, 0.0)
         home_side[:, LS.COMP] += seconds[:, M : M + C]
@@ -169,6 +187,8 @@ class _Prefixes:
         at = LS.TOK_SEND + step * lv
         cand_side[rows, at, steps] -= tok
         cand_side[rows, LS.PAR_RECV + step * hop, steps] += W_e
+        cand_side[rows, LS.MSG_TOK_OUT + step * lvv, steps] -= drops
+        cand_side[rows, LS.MSG_PAR_IN + step * lvv, steps] += joins
 
         # Per-device terms (compute, own links, latencies) of all columns in one pass.
         terms = state.packed_terms(side)  # [B, TERMS, D + 2 M + C]
@@ -333,6 +353,11 @@ def search_layers(
                 ll, dd = lyr[rb], pre.cands[rb, kb]
                 copies[ll, dd, eg[rb]] = 1
                 used[ll, dd] += 1
+                # The messages' multiplicities follow (`_Prefixes`).
+                hh = hg[rb]
+                tb = state.cost.spec.token_bytes
+                state.carried[ll, dd, hh] -= sends(counts[ll, dd, eg[rb]], tb)
+                state.trans_carried[ll, hh, dd] += 1
                 # The replicas and the home take the states they were priced in.
                 state.cells[ll, dd] = pre.side[rb, :, D + M + kb]
                 b = np.flatnonzero(better)

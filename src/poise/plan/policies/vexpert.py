@@ -54,7 +54,7 @@ import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan
 from poise.core.water_fill import balanced_weights
-from poise.cost.expert_columns import ROW_R, TERMS, ExpertColumns
+from poise.cost.expert_columns import ROW_R, TERMS, TOTALS, ExpertColumns
 from poise.cost.model import PlanCost
 from poise.cost.phases import PHASE_NAMES, PhaseTimes
 from poise.plan.policies.base import PlanContext, finish_plan, register, start_placement
@@ -346,8 +346,18 @@ def search_layers(
         np.subtract(terms[:, :3], terms[:, _HOT, None], out=change[:, :3])
         np.subtract(terms[:, _SHRINK], terms[:, _COLD], out=change[:, _SHRINK])
         change[:, _SWAP] += change[:, _SHRINK]
-        totals = cols.totals_after(active, change)  # [B, 4, TERMS, D]
-        times = cols.price(totals.reshape(B * 4, TERMS, D)).reshape(B, 4)
+        # Each candidate's messages, recounted on its layer (not a sum over experts).
+        messages = cols.candidate_messages(
+            active,
+            rnd.experts[:, :4],
+            rnd.homes[:, :4],
+            rnd.copies[:, :4],
+            shares[:, :4],
+            _SELECT,
+            rnd.valid,
+        )
+        totals = cols.totals_after(active, change, messages)  # [B, 4, TOTALS, D]
+        times = cols.price(totals.reshape(B * 4, TOTALS, D)).reshape(B, 4)
         times[~rnd.valid] = np.inf
         choice = _choose(times, best[active])
         moved = [j for j, m in enumerate(choice) if m >= 0]

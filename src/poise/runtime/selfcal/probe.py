@@ -32,7 +32,7 @@ from poise.core.cluster import Cluster
 from poise.core.placement import Placement
 from poise.core.spec import ModelSpec
 from poise.cost.model import link_time
-from poise.cost.traffic import migration_traffic
+from poise.cost.traffic import migration_messages, migration_traffic
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
 from poise.runtime.moves.exchange import Scratch
@@ -52,7 +52,8 @@ def modelled_probe_s(cluster: Cluster, spec: ModelSpec, homes: int = 1) -> float
     src = np.repeat(np.arange(D), homes)
     moves = np.stack([np.zeros(src.size, int), np.arange(src.size), src, (src + 1) % D], axis=1)
     send, recv = migration_traffic(cluster, moves, 1, spec.migration_bytes)
-    return float(link_time(cluster, send, recv)[0] * cluster.host.transfer_scale)
+    messages = migration_messages(cluster, moves, 1)  # one message to the next rank
+    return float(link_time(cluster, send, recv, messages)[0] * cluster.host.transfer_scale)
 
 
 def timed_rounds(
