@@ -104,6 +104,8 @@ def test_layer_state_is_the_price_with_a_call_floor(cluster, schedule: Schedule)
         batch = state.layer_s(
             state.comp[None], state.tok_send[None], state.tok_recv[None],
             state.par_send[None], state.par_recv[None],
+            state.tok_msg_out[None], state.tok_msg_in[None],
+            state.par_msg_out[None], state.par_msg_in[None],
         )  # fmt: skip
         assert batch[0] == pytest.approx(float(full.layer_s[0]), rel=1e-12)
         assert full.phases.expert_fwd_s[0] == pytest.approx(floor / 3, rel=1e-12)
