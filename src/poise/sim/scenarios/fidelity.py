@@ -83,9 +83,6 @@ _FLEXMOE_DS = (
     "about 2.7x; the cluster and models are the scenario's own (FlexMoE's are not published)"
 )
 REASONS: dict[tuple[str, str, str], str] = {
-    ("pro-prophet", "Pro-Prophet vs DeepSpeed-MoE", "16 GPUs, GPT-DS, k=1"): _prophet_depth(
-        16, 1, "Pro-Prophet", 1.70, 1.98
-    ),
     ("pro-prophet", "FasterMoE vs DeepSpeed-MoE", "16 GPUs, GPT-DS, k=1"): _prophet_depth(
         16, 1, "FasterMoE", 1.34, 1.63
     ),
