@@ -118,8 +118,8 @@ LAT_NVLINK = 3e-6
 
 def _presets() -> dict[str, Cluster]:
     return {
-        # Two local processes on this 2-core machine, measured: `poise calibrate` on
-        # 2026-11-22, idle (docs/benchmarks.md, "Calibration (`poise calibrate`)"): the GEMM
+        # Two local processes on this 2-core machine, measured: `poise calibrate`, idle
+        # (docs/benchmarks.md, "Calibration (`poise calibrate`)"): the GEMM
         # forward+backward fit, 206.2 GFLOP/s with half rows 39.6 (fp32 expert FFN), taken as
         # the peak at efficiency 1.0 and one rate for every dtype, as a calibrated file is; the
         # all-to-all fit, 1.68 GB/s and 145 us, for the intra-node link (the inter-node level,
