@@ -31,18 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from poise.calibrate.device_experts import expert_run, sweep_medians
 from poise.calibrate.fit import fit_gemm_curve
 from poise.core.presets import get_cluster
 from poise.core.spec import get_model
-from poise.nn.experts import Experts
 
 DTYPES = {"bf16": (torch.bfloat16, "bf16"), "fp32": (torch.float32, "fp32")}
 ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -61,53 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--inner", type=int, default=5, help="calls per CUDA-event timing")
     return p.parse_args(argv)
-
-
-def event_timer(device: torch.device, inner: int) -> Any:
-    """`timed(op)`: seconds per call of `op()` over `inner` back-to-back calls, by CUDA events
-    on the current stream (by the host clock on the CPU)."""
-
-    def timed(op: Any) -> float:
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                op()
-            return (time.perf_counter() - t0) / inner
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            op()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / inner
-
-    return timed
-
-
-def expert_run(
-    model: str, slots: int, rows: list[int], device: torch.device, dtype: torch.dtype, inner: int
-) -> Any:
-    """`run(n)` -> seconds per forward + backward of `slots` experts of `model`'s shape, `n`
-    rows each (inputs made once per n; weight gradients dropped after each call)."""
-    spec = get_model(model)
-    experts = Experts(slots, spec.d_model, spec.d_expert, spec.activation, device=device,
-                      dtype=dtype)  # fmt: skip
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    inputs = {}
-    for n in rows:
-        x = torch.randn(n * slots, spec.d_model, generator=gen).to(device, dtype)
-        gy = torch.randn(n * slots, spec.d_model, generator=gen).to(device, dtype)
-        counts = torch.full((slots,), n, dtype=torch.long, device=device)
-        inputs[n] = (x.requires_grad_(True), gy, counts)
-    timed = event_timer(device, inner)
-
-    def step(n: int) -> None:
-        x, gy, counts = inputs[n]
-        experts(x, counts).backward(gy)
-        experts.zero_grad(set_to_none=True)
-        x.grad = None
-
-    return experts.resolved_impl(inputs[rows[0]][0]), lambda n: timed(lambda: step(n))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,19 +122,6 @@ def marginal_rate(rows: list[int], seconds: list[float], flops_per_row: float) -
     order = np.argsort(rows)
     hi, lo = order[-1], order[-2]
     return flops_per_row * (rows[hi] - rows[lo]) / (seconds[hi] - seconds[lo])
-
-
-def sweep_medians(run: Any, rows: list[int], repeats: int, warmup: int = 2) -> list[float]:
-    """The median of `run(n)`'s own timings (seconds) per n in `rows`, over `repeats` sweeps in
-    alternating order after `warmup` untimed ones (as `calibrate.experts.interleaved_medians`,
-    with the GPU's clock instead of the host's)."""
-    samples: dict[int, list[float]] = {n: [] for n in rows}
-    for sweep in range(warmup + repeats):
-        for n in rows if sweep % 2 == 0 else rows[::-1]:
-            seconds = run(n)
-            if sweep >= warmup:
-                samples[n].append(seconds)
-    return [float(np.median(samples[n])) for n in rows]
 
 
 if __name__ == "__main__":

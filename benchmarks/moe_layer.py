@@ -22,7 +22,9 @@ computed in bf16, local token dispatcher, softmax top-k, no load-balancing bias)
 `torchtitan` beside `poise-swiglu` (Poise with SwiGLU experts of the same size, its peer).
 Repetitions are interleaved (rotating order); figures are medians, `ratio_vs_dense` and
 `ratio_vs_poise` the medians of per-repetition time ratios (`ratio_vs_poise`: against `poise`,
-or `poise-swiglu` for SwiGLU layers). Every layer's routing is checked against the inputs'
+or `poise-swiglu` for SwiGLU layers). `--compile BACKEND` adds `poise` and `dense` under
+`torch.compile` (`poise-compiled`, `dense-compiled`: their `ratio_vs_poise` / `ratio_vs_dense`
+against their own eager forms are what compiling gains). Every layer's routing is checked against the inputs'
 choices. One JSON line per (routing, impl), and one per peer system that cannot run (`skipped`:
 why).
 """
@@ -74,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed-MoE")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's MoE")
+    p.add_argument(
+        "--compile",
+        default=None,
+        metavar="BACKEND",
+        help="also time `poise` and `dense` under torch.compile(backend=BACKEND) as "
+        "`poise-compiled` and `dense-compiled` (e.g. inductor, aot_eager)",
+    )
     return p.parse_args(argv)
 
 
@@ -258,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     layers.update(peer_layers(args, gate, notes))
     for layer in layers.values():
         layer.to(device=device, dtype=dtype)
+    if args.compile:
+        for name in ("poise", "dense"):
+            layers[f"{name}-compiled"] = torch.compile(layers[name], backend=args.compile)
     for routing in args.routing:
         for line in run_routing(args, routing, layers, device, dtype):
             print(json.dumps(line), flush=True)
@@ -309,6 +321,8 @@ def run_routing(
                 3,
             ),
         }
+        if name.endswith("-compiled"):
+            line["compile_backend"] = args.compile
         if name == "poise":
             line["experts_impl"] = layers[name].moe.experts.resolved_impl(x)
         if name == "deepspeed-drop":

@@ -81,11 +81,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="skip the host costs (the cluster file prices GEMMs and links only)",
     )
+    gpu = parser.add_argument_group(
+        "on a GPU (--device cuda): the experts' rate, small-GEMM curve and per-call floor "
+        "measured into a copy of --base (links, topology and host costs kept from it)"
+    )
+    gpu.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: GEMMs, gloo collectives and host costs (default); cuda: this GPU's experts",
+    )
+    gpu.add_argument(
+        "--base",
+        default="dgx-h100",
+        metavar="PRESET",
+        help="cluster preset the measured figures go into (default dgx-h100)",
+    )
+    gpu.add_argument(
+        "--experts-of",
+        default="gpt-m",
+        metavar="SPEC",
+        help="model spec whose expert widths and activation are timed (default gpt-m)",
+    )
+    gpu.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        return run_device(args)
     from poise import calibrate as cal
 
     config = cal.CalibrationConfig.preset(
@@ -146,6 +171,61 @@ def run(args: argparse.Namespace) -> int:
     console.print(fit_table(calibration))
     if calibration.host_fit is not None:
         console.print(host_table(calibration))
+    console.print(
+        f"wrote {out} (cluster {cluster.name!r}) and {json_path} "
+        f"in {time.perf_counter() - started:.1f} s",
+        soft_wrap=True,
+    )
+    return 0
+
+
+def run_device(args: argparse.Namespace) -> int:
+    """`--device cuda`: `poise.calibrate.device_experts` into a copy of `--base`; writes the
+    cluster YAML and the measurements JSON beside it, both atomically."""
+    import json
+
+    import torch
+
+    from poise import calibrate as cal
+    from poise.calibrate.device_experts import QUICK_ROWS, ROWS, calibrate_device
+    from poise.core.errors import ConfigError
+    from poise.core.presets import get_cluster
+    from poise.core.spec import get_model
+    from poise.util.atomic import atomic_write_text
+
+    base = get_cluster(args.base)
+    get_model(args.experts_of)  # an unknown spec fails before any measuring
+    out = cal.check_output(args.out)
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA device on this machine", source="calibrate", field="--device")
+    started = time.perf_counter()
+    err = Console(stderr=True)
+    cluster, measured = calibrate_device(
+        base,
+        args.experts_of,
+        torch.device("cuda", torch.cuda.current_device()),
+        dtype_name=args.dtype,
+        rows=QUICK_ROWS if args.quick else ROWS,
+        repeats=3 if args.quick else 5,
+        progress=lambda message: err.print(f"calibrate: {message}"),
+    )
+    cluster.save(out)
+    json_path = cal.measurements_path(out)
+    measured["cluster"] = cluster.to_dict()
+    atomic_write_text(json_path, json.dumps(measured, indent=2) + "\n")
+    table = Table(title=f"experts of {args.experts_of} on {measured['gpu']} ({args.dtype})")
+    for col in ("rows a slot", "fwd+bwd ms"):
+        table.add_column(col, justify="right", overflow="fold")
+    for n, s in zip(measured["rows"], measured["seconds"], strict=True):
+        table.add_row(str(n), f"{s * 1e3:.3f}")
+    console = Console()
+    console.print(table)
+    console.print(
+        f"rate {measured['gemm_flops'] / 1e12:.1f} TFLOP/s, half rows "
+        f"{measured['half_rows']:.0f}, floor {measured['floor_s'] * 1e3:.3f} ms a call; "
+        f"links and topology kept from {base.name}",
+        soft_wrap=True,
+    )
     console.print(
         f"wrote {out} (cluster {cluster.name!r}) and {json_path} "
         f"in {time.perf_counter() - started:.1f} s",
