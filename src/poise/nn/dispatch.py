@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from poise.core.errors import ConfigError, PlanError, PoiseError
 from poise.core.placement import Assignment, Placement
+from poise.nn import comm
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.counts import count_values
 from poise.nn.slots import SlotMap, slot_maps
@@ -519,7 +520,7 @@ class Dispatcher:
         msg[E + 1] = routing.digest
         send = torch.from_numpy(msg).to(device)
         parts = [torch.empty_like(send) for _ in range(self.world)]
-        dist.all_gather(parts, send, group=self.group)
+        comm.all_gather(parts, send, group=self.group)
         return self._check_received(torch.stack(parts).cpu().numpy(), routing)
 
     def _exchange_counts(
@@ -534,7 +535,7 @@ class Dispatcher:
         msg[:, E + 1] = routing.digest
         send = torch.from_numpy(msg).to(device)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        comm.all_to_all_single(recv, send, group=self.group)
         return self._check_received(recv.cpu().numpy(), routing)
 
     def _check_received(self, got: np.ndarray, routing: RankRouting) -> np.ndarray:
