@@ -31,7 +31,9 @@ State after a forward, all declared in `__init__`:
 Host waits: on one device a dropless forward and backward make none (checked on an H100 with
 CUDA's sync debug mode, `benchmarks/cuda_syncs.py`; counts are taken with `nn.counts`, not
 `torch.bincount`); under EP the forward waits once per layer, for the counts the all-to-all's
-sizes need; a capacity factor adds one wait (the kept count sizes the buffer).
+sizes need (`poise.nn.host.read_sizes`; every index is built on the device, counted on 2 gloo
+ranks by `tests/test_nn_host_waits.py`, measured on CUDA by `benchmarks/cuda_syncs.py --ep`);
+on one device a capacity factor adds one wait (the kept count sizes the buffer).
 
 Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
 on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
