@@ -262,3 +262,32 @@ def test_gather_index_on_the_device_equals_the_hosts(sizes: list[int], seed: int
     assert is_identity_gather(s, blocks) == np.array_equal(want, np.arange(want.size))
     np.testing.assert_array_equal(split_parts_t(torch.from_numpy(s), parts).numpy(),
                                   split_parts(s, parts))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def _one_rank_ep(rank: int, world: int) -> list[float]:
+    """`benchmarks/cuda_syncs.py --ep`'s layer on a one-rank group, against the local path."""
+    from .helpers import load_benchmark
+
+    bench = load_benchmark("cuda_syncs")
+    small = ["--tokens", "48", "--d-model", "16", "--d-expert", "32", "--experts", "4"]
+    gaps = []
+    for overlap in ("1", "2"):
+        ep_args = bench.parse_args([*small, "--ep", "--overlap", overlap])
+        for name in bench.LAYERS:
+            ep = bench.make_layer(ep_args, name, torch.device("cpu"))
+            local = bench.make_layer(bench.parse_args(small), name, torch.device("cpu"))
+            assert isinstance(ep.dispatcher, bench.EPOnOneRank)
+            x = torch.randn(48, 16, dtype=torch.bfloat16)
+            gaps.append(float((ep(x).float() - local(x).float()).abs().max()))
+    return gaps
+
+
+def test_the_benchmarks_ep_path_on_one_rank_is_the_layer() -> None:
+    """The one-GPU mode of `cuda_syncs.py --ep` (the EP path held on a one-rank group) computes
+    what the local path computes; without CUDA the script says so and exits 0."""
+    from .helpers import load_benchmark
+
+    assert run_ranks(_one_rank_ep, 1)[0] == [0.0] * 6
+    if not torch.cuda.is_available():
+        assert load_benchmark("cuda_syncs").main(["--ep"]) == 0
