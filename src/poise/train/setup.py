@@ -106,7 +106,8 @@ def config_digest(cfg: TrainConfig) -> int:
 def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
     """Compare the config digest across the ranks (one all-gather, under the process group's
     timeout); a rank that disagrees is one `ConfigError` on every rank, not a hang later in a
-    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173)."""
+    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173). The digest is a CPU
+    tensor: `comm.all_gather` stages it on the GPU under NCCL, which refuses CPU tensors."""
     if world <= 1:
         return
     mine = torch.tensor([config_digest(cfg)], dtype=torch.long)
