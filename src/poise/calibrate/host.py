@@ -478,9 +478,9 @@ def _host_worker(
         progress = queue.put if rank == 0 else _no_progress
         points = dense_points(config, timer, progress) + step_points(config, timer, progress)
         points += expert_points(config, timer, progress)
-        comm = _dist_timer(config.comm_repeats, config.warmup, config.min_time_s)
-        points += dispatch_points(config, comm, progress)
-        points += allreduce_points(config, comm, progress)
+        comm_timer = _dist_timer(config.comm_repeats, config.warmup, config.min_time_s)
+        points += dispatch_points(config, comm_timer, progress)
+        points += allreduce_points(config, comm_timer, progress)
         if rank == 0:
             atomic_write_text(result_path, json.dumps([asdict(p) for p in points]))
         comm.barrier()

@@ -304,19 +304,20 @@ def inverse_t(perm: torch.Tensor) -> torch.Tensor:
 def routes_t(counts: torch.Tensor, tables: DeviceTables, rank: int) -> torch.Tensor:
     """`RankRouting.routes` on the device: `counts [E]` int64 -> routes `[E, D]` int64, equal
     to the host's element for element (the same float64 products and floors; largest
-    remainders ranked by comparison, ties to the lower rank, as NumPy's stable argsort)."""
+    remainders first, ties to the lower rank, by a stable descending sort as NumPy's stable
+    argsort of the negated remainders; no remainder is -0.0, so the GPU's radix sort orders
+    them as comparisons do)."""
     held, weights = tables.held, tables.weights
-    D = weights.shape[1]
+    E, D = weights.shape
     remote = torch.where(held, 0, counts)
     ideal = remote[:, None].to(torch.float64) * weights
     base = torch.floor(ideal + 1e-9).long()
     short = remote - base.sum(dim=1)
     frac = ideal - base  # [E, D] float64
-    ranks = torch.arange(D, device=counts.device)
-    a, b = frac[:, None, :], frac[:, :, None]  # [E, d, d']: d' against d
-    ahead = (a > b) | ((a == b) & (ranks[None, :] < ranks[:, None]))
-    order_pos = ahead.sum(dim=2)  # [E, D]: d's place in the descending order of remainders
-    base = base + (order_pos < short[:, None]).long()
+    order = torch.sort(frac, dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(D, device=counts.device).expand(E, D)
+    place = torch.empty_like(order).scatter_(1, order, ranks)  # d's place in that order
+    base = base + (place < short[:, None]).long()
     base[:, rank] += torch.where(held, counts, 0)
     return base
 
