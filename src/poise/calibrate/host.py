@@ -160,15 +160,14 @@ def local_timer(repeats: int, warmup: int, min_time_s: float) -> Timer:
 def _dist_timer(repeats: int, warmup: int, min_time_s: float) -> Timer:
     """`local_timer` on every rank at once: the call count agreed from the slowest rank's
     warm-up, ranks starting together after a barrier, the slowest rank's medians."""
-    import torch.distributed as dist
-
     from poise.calibrate.measure import _call_count, _slowest
+    from poise.nn import comm
 
     def timer(call: Call) -> tuple[float, float]:
-        dist.barrier()
+        comm.barrier()
         warm = [sum(call()) for _ in range(max(1, warmup))]
         calls = _call_count(_slowest(min(warm)), repeats, min_time_s)
-        dist.barrier()
+        comm.barrier()
         times = [call() for _ in range(calls)]
         fwd = statistics.median(t[0] for t in times)
         bwd = statistics.median(t[1] for t in times)
@@ -433,10 +432,10 @@ def allreduce_points(
 ) -> list[HostPoint]:
     """All-reduce after local compute (item 5), on the default process group."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from poise.models.gpt import Block, rotary_tables
+    from poise.nn import comm
 
     cfg = gpt_config(config)
     torch.manual_seed(0)
@@ -455,7 +454,7 @@ def allreduce_points(
             y.sum().backward()
             x.grad = None
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            comm.all_reduce(buf)
             return time.perf_counter() - t0, 0.0
 
         points.append(HostPoint("allreduce", nbytes, timer(call)[0]))
@@ -470,9 +469,8 @@ def _host_worker(
     slowest rank's medians as JSON to `result_path` and reports progress on `queue`."""
     from dataclasses import asdict
 
-    import torch.distributed as dist
-
     from poise.calibrate.measure import init_local_gloo
+    from poise.nn import comm
 
     init_local_gloo(rank, port, threads)
     try:
@@ -480,12 +478,12 @@ def _host_worker(
         progress = queue.put if rank == 0 else _no_progress
         points = dense_points(config, timer, progress) + step_points(config, timer, progress)
         points += expert_points(config, timer, progress)
-        comm = _dist_timer(config.comm_repeats, config.warmup, config.min_time_s)
-        points += dispatch_points(config, comm, progress)
-        points += allreduce_points(config, comm, progress)
+        comm_timer = _dist_timer(config.comm_repeats, config.warmup, config.min_time_s)
+        points += dispatch_points(config, comm_timer, progress)
+        points += allreduce_points(config, comm_timer, progress)
         if rank == 0:
             atomic_write_text(result_path, json.dumps([asdict(p) for p in points]))
-        dist.barrier()
+        comm.barrier()
     finally:
         destroy_process_group()
 

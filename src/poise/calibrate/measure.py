@@ -180,7 +180,7 @@ def _collective_worker(
     """One gloo rank: time each of `COLLECTIVES` at each size; rank 0 writes the
     medians (each repeat's time is the slowest rank's) as JSON to `result_path` and reports
     progress on `queue`."""
-    import torch.distributed as dist
+    from poise.nn import comm
 
     init_local_gloo(rank, port, threads=1)
     try:
@@ -195,7 +195,7 @@ def _collective_worker(
                     queue.put(f"{collective} {nbytes} B")
         if rank == 0:
             atomic_write_text(result_path, json.dumps(results))
-        dist.barrier()
+        comm.barrier()
     finally:
         destroy_process_group()
 
@@ -206,22 +206,23 @@ def _collective_op(collective: str, nbytes: int) -> Callable[[], Any]:
     contributes nbytes / W); reduce_scatter: `nbytes` reduced, each rank keeping nbytes / W
     (sum). The last two round nbytes / W down to whole float32 elements (at least one)."""
     import torch
-    import torch.distributed as dist
+
+    from poise.nn import comm
 
     if collective == "all_to_all":
         elems = nbytes * WORLD_SIZE // (WORLD_SIZE - 1) // 4
         send = torch.ones(elems)
         recv = torch.empty(elems)
-        return lambda: dist.all_to_all_single(recv, send)
+        return lambda: comm.all_to_all_single(recv, send)
     if collective in GROUP_COLLECTIVES:
         chunk = max(1, nbytes // 4 // WORLD_SIZE)
         piece = torch.ones(chunk)
         pieces = [torch.ones(chunk) for _ in range(WORLD_SIZE)]
         if collective == "all_gather":
-            return lambda: dist.all_gather(pieces, piece)
-        return lambda: dist.reduce_scatter(piece, pieces)
+            return lambda: comm.all_gather(pieces, piece)
+        return lambda: comm.reduce_scatter(piece, pieces)
     buf = torch.ones(nbytes // 4)
-    return lambda: dist.all_reduce(buf)
+    return lambda: comm.all_reduce(buf)
 
 
 def _dist_median_seconds(
@@ -230,10 +231,10 @@ def _dist_median_seconds(
     """Like `median_seconds`, on every rank at once: the call count is agreed (from the slowest
     rank's warm-up), ranks start together after a barrier and run back to back (so they stay in
     step), and the result is the slowest rank's median."""
-    dist = _dist()
-    dist.barrier()
+    comm = _comm()
+    comm.barrier()
     calls = _call_count(_slowest(_warm(op, warmup)), repeats, min_time_s)
-    dist.barrier()
+    comm.barrier()
     return _slowest(statistics.median(_call_times(op, calls)))
 
 
@@ -241,16 +242,16 @@ def _slowest(value: float) -> float:
     """The largest `value` over all ranks."""
     import torch
 
-    dist = _dist()
+    comm = _comm()
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
     return float(t.item())
 
 
-def _dist() -> Any:
-    import torch.distributed as dist
+def _comm() -> Any:
+    from poise.nn import comm
 
-    return dist
+    return comm
 
 
 def _warm_up_ranks(sizes: tuple[int, ...]) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
+
 
 class _Pending:
     """The work handles of one asynchronous all-to-all and of its backward."""
@@ -36,7 +38,7 @@ class _AllToAllStart(torch.autograd.Function):
     ) -> torch.Tensor:
         send = send.contiguous()
         recv = send.new_empty(sum(out_splits), *send.shape[1:])
-        pending.work = dist.all_to_all_single(
+        pending.work = comm.all_to_all_single(
             recv, send, out_splits, in_splits, group=group, async_op=True
         )
         ctx.pending = pending
@@ -76,7 +78,7 @@ class _AllToAllWait(torch.autograd.Function):
         grad = grad.contiguous()
         pending = ctx.pending
         pending.grad = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        pending.grad_work = dist.all_to_all_single(
+        pending.grad_work = comm.all_to_all_single(
             pending.grad, grad, in_splits, out_splits, group=ctx.group, async_op=True
         )
         return grad, None, None, None, None

@@ -9,13 +9,18 @@ One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `D` ra
    `routes[e, 0]` assignments go to rank 0, the next `routes[e, 1]` to rank 1, and so on.
 3. Exchange counts: one `all_to_all_single` of `[D, E + 2]` int64 (per destination: the counts
    per expert, a non-finite-input flag and the routing's digest), so every rank knows what it
-   receives and every rank raises the same error on bad input or disagreeing routings.
+   receives and every rank raises the same error on bad input or disagreeing routings. Steps 2
+   and 3 run on the device (`routes_t`, equal to `RankRouting.routes` element for element);
+   then the routes and the received counts are read to the host in one copy
+   (`poise.nn.host.read_sizes`): the forward's one host wait, for the split sizes the token
+   all-to-all takes as host ints.
    Under a routing that splits by counts (`RankRouting.by_counts`, `Assignment.by_counts`),
    steps 2 and 3 swap: one `all_gather` of every rank's `[E + 2]` (its counts, the flag, the
    digest), then every rank computes all ranks' routes `[D, E, D]` from the same counts with
    the same code (`Assignment.split`: the step's split among the holders, where a holder may
    shed some of its own tokens to the others, `poise.core.token_split`), its own row to send
-   and its own column to receive.
+   and its own column to receive. The gathered counts are the one host read here; the routes
+   go back to the device without a wait (`poise.nn.host.upload`).
 4. Exchange tokens: `all_to_all_single` with split sizes, rows ordered by (destination, expert).
    With `overlap_degree` n, every (destination, expert) block is cut into n near-equal parts and
    part c of every block travels in chunk c: n token all-to-alls, launched asynchronously, each
@@ -25,16 +30,18 @@ One rank's view of one MoE layer's forward, `T` tokens, `k` choices each, `D` ra
 6. Combine: each token's `k` outputs are gathered back to token order and summed with the
    router's weights in one batched GEMM (`[T, 1, k] @ [T, k, M]`).
 
-Every permutation is a gather (`index_select`) forward and backward: the inverse permutations
-are computed once on the host, so no `index_add`/scatter runs on activations. With one rank
-(no process group) steps 2-5 collapse to one sort by slot.
+Every permutation is a gather (`index_select`) forward and backward: the permutations and
+their inverses are built once per forward on the device with torch ops (`gather_index_t`,
+`inverse_t`; the host decides from the sizes alone whether one is the identity and skips it),
+so no `index_add`/scatter runs on activations and no index crosses from the host. With one
+rank (no process group) steps 2-5 collapse to one sort by slot.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +50,7 @@ import torch.distributed as dist
 
 from poise.core.errors import ConfigError, PlanError, PoiseError
 from poise.core.placement import Assignment, Placement
+from poise.nn import comm, host
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.counts import count_values
 from poise.nn.slots import SlotMap, slot_maps
@@ -60,6 +68,17 @@ class RoutingMismatchError(PlanError):
 
 
 # ----------------------------------------------------------------------------- routing
+@dataclass(frozen=True)
+class DeviceTables:
+    """A `RankRouting`'s arrays on the layer's device, for building indices there: `held [E]`
+    bool, `weights [E, D]` float64, `slot_expert [H]` int64 (the expert of each held slot, in
+    slot order)."""
+
+    held: torch.Tensor
+    weights: torch.Tensor
+    slot_expert: torch.Tensor
+
+
 @dataclass(frozen=True, eq=False)
 class RankRouting:
     """One MoE layer's expert routing as rank `rank` sees it.
@@ -82,6 +101,7 @@ class RankRouting:
     slots: SlotMap
     digest: int = 0
     split: tuple[Placement, Assignment] | None = None
+    _tables: dict[str, DeviceTables] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +130,19 @@ class RankRouting:
     def slot_of(self) -> np.ndarray:
         """`[E]` the slot holding each expert on this rank, -1 where none does."""
         return self.slots.slot_of(self.num_experts)
+
+    def tables(self, device: torch.device) -> DeviceTables:
+        """This routing's tables on `device` (uploaded once per routing and device, without a
+        host wait; every forward after reads them there)."""
+        key = str(device)
+        if key not in self._tables:
+            held_slots = np.flatnonzero(self.slots.expert >= 0)
+            self._tables[key] = DeviceTables(
+                held=host.upload(self.held, device),
+                weights=host.upload(self.weights, device),
+                slot_expert=host.upload(self.slots.expert[held_slots], device),
+            )
+        return self._tables[key]
 
     @classmethod
     def from_plan(
@@ -235,6 +268,58 @@ def inverse(perm: np.ndarray) -> np.ndarray:
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.shape[0])
     return inv
+
+
+def is_identity_gather(sizes: np.ndarray, blocks: np.ndarray) -> bool:
+    """Whether `gather_index(sizes, blocks)` is `arange`: the non-empty blocks, in the wanted
+    order, come in buffer order (decided on the host from the sizes alone)."""
+    sizes = np.asarray(sizes, dtype=np.int64).ravel()
+    kept = blocks[sizes[blocks] > 0]
+    return bool(np.all(np.diff(kept) > 0))
+
+
+def gather_index_t(sizes: torch.Tensor, blocks: torch.Tensor, total: int) -> torch.Tensor:
+    """`gather_index` on the device: `sizes [B]` int64, `blocks [K]` int64 on one device,
+    `total` (host int) the rows the blocks hold, so `repeat_interleave` needs no host wait."""
+    starts = torch.cumsum(sizes, 0) - sizes
+    lens = sizes.index_select(0, blocks)
+    offsets = torch.cumsum(lens, 0) - lens
+    first = starts.index_select(0, blocks) - offsets
+    rows = torch.arange(total, device=sizes.device)
+    return torch.repeat_interleave(first, lens, output_size=total) + rows
+
+
+def split_parts_t(sizes: torch.Tensor, parts: int) -> torch.Tensor:
+    """`split_parts` on the device: `[parts, *sizes.shape]` int64."""
+    c = torch.arange(parts, device=sizes.device).view(-1, *([1] * sizes.dim()))
+    return sizes // parts + (c < sizes % parts).long()
+
+
+def inverse_t(perm: torch.Tensor) -> torch.Tensor:
+    """`inverse` on the device."""
+    inv = torch.empty_like(perm)
+    return inv.index_put_((perm,), torch.arange(perm.shape[0], device=perm.device))
+
+
+def routes_t(counts: torch.Tensor, tables: DeviceTables, rank: int) -> torch.Tensor:
+    """`RankRouting.routes` on the device: `counts [E]` int64 -> routes `[E, D]` int64, equal
+    to the host's element for element (the same float64 products and floors; largest
+    remainders first, ties to the lower rank, by a stable descending sort as NumPy's stable
+    argsort of the negated remainders; no remainder is -0.0, so the GPU's radix sort orders
+    them as comparisons do)."""
+    held, weights = tables.held, tables.weights
+    E, D = weights.shape
+    remote = torch.where(held, 0, counts)
+    ideal = remote[:, None].to(torch.float64) * weights
+    base = torch.floor(ideal + 1e-9).long()
+    short = remote - base.sum(dim=1)
+    frac = ideal - base  # [E, D] float64
+    order = torch.sort(frac, dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(D, device=counts.device).expand(E, D)
+    place = torch.empty_like(order).scatter_(1, order, ranks)  # d's place in that order
+    base = base + (place < short[:, None]).long()
+    base[:, rank] += torch.where(held, counts, 0)
+    return base
 
 
 # ----------------------------------------------------------------------------- autograd ops
@@ -451,31 +536,39 @@ class Dispatcher:
         t0 = time.perf_counter()
         E, D, n = self.num_experts, self.world, self.overlap_degree
         T, k = experts.shape
+        device = x.device
         flat = experts.reshape(-1)
         if keep is not None:
             flat = torch.where(keep.reshape(-1), flat, E)
         order = torch.argsort(flat, stable=True)
-        counts = count_values(flat, E + 1)[:E].cpu().numpy()  # the counts exchange's one wait
-        N = int(counts.sum())
+        counts = count_values(flat, E + 1)[:E]  # [E] on the device
         if routing.by_counts:
-            every = self._gather_counts(counts, routing, nonfinite, x.device)  # [D, E]
-            all_routes = routing.routes_all(every)  # [D_src, E, D_dst]
-            routes, recv_counts = all_routes[self.rank], all_routes[:, :, self.rank]
+            routes_h, recv_h = self._gather_counts(counts, routing, nonfinite)
+            routes = host.upload(routes_h, device)  # no wait: pinned, non-blocking
+            recv = host.upload(recv_h, device)
         else:
-            routes = routing.routes(counts)  # [E, D]
-            recv_counts = self._exchange_counts(routes, routing, nonfinite, x.device)  # [D, E]
-        self.rows_computed = int(recv_counts.sum())  # known on the host from the exchange
-        parts = split_parts(routes, n)  # [n, E, D]
+            routes, recv, routes_h, recv_h = self._exchange_counts(
+                counts, routing, nonfinite, device
+            )
+        # From here on the host knows every size (routes_h [E, D], recv_h [D, E]) and the device
+        # holds the same numbers (routes, recv): indices are built there, nothing is read back.
+        N = int(routes_h.sum())
+        self.rows_computed = int(recv_h.sum())
+        parts_h = split_parts(routes_h, n)  # [n, E, D]
         # Sorted buffer: blocks (expert, destination, part); wanted: (part, destination, expert).
-        blocks = np.arange(E * D * n).reshape(E, D, n).transpose(2, 1, 0).ravel()
-        send_perm = gather_index(parts.transpose(1, 2, 0), blocks)
+        blocks_h = np.arange(E * D * n).reshape(E, D, n).transpose(2, 1, 0).ravel()
         send_idx = order[:N]
-        if not np.array_equal(send_perm, np.arange(N)):
-            send_idx = send_idx.index_select(0, torch.from_numpy(send_perm).to(x.device))
+        if not is_identity_gather(parts_h.transpose(1, 2, 0), blocks_h):
+            sizes = split_parts_t(routes, n).permute(1, 2, 0).reshape(-1)
+            blocks = torch.arange(E * D * n, device=device).view(E, D, n).permute(2, 1, 0)
+            send_idx = send_idx.index_select(0, gather_index_t(sizes, blocks.reshape(-1), N))
         index = TokenIndex.build(send_idx, T, k)
         send = _GatherTokens.apply(x, index)
-        chunks = [self._chunk_plan(parts[c], p, routing, x.device) for c, p in
-                  enumerate(split_parts(recv_counts, n))]  # fmt: skip
+        recv_parts = split_parts_t(recv, n)  # [n, D, E] on the device
+        chunks = [
+            self._chunk_plan(parts_h[c], p, recv_parts[c], routing, device)
+            for c, p in enumerate(split_parts(recv_h, n))
+        ]
         sends = send.split([sum(c.in_splits) for c in chunks])
         started = [
             start_all_to_all(s, c.out_splits, c.in_splits, self.group)
@@ -508,34 +601,43 @@ class Dispatcher:
         return y
 
     def _gather_counts(
-        self, counts: np.ndarray, routing: RankRouting, nonfinite: bool, device: torch.device
-    ) -> np.ndarray:
-        """Every rank's counts `[D, E]` (one `all_gather` of `[E + 2]` int64: counts, the
-        non-finite flag, the routing digest), checked as `_exchange_counts` checks."""
+        self, counts: torch.Tensor, routing: RankRouting, nonfinite: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's counts (one `all_gather` of `[E + 2]` int64 built on the device:
+        counts, the non-finite flag, the routing digest; one host read of the `[D, E + 2]`
+        gathered), checked as `_exchange_counts` checks -> this rank's routes `[E, D]` and the
+        counts it receives `[D, E]`, on the host (`routes_all`: the step's split)."""
         E = self.num_experts
-        msg = np.zeros(E + 2, dtype=np.int64)
+        msg = counts.new_empty(E + 2)
         msg[:E] = counts
-        msg[E] = int(nonfinite)
-        msg[E + 1] = routing.digest
-        send = torch.from_numpy(msg).to(device)
-        parts = [torch.empty_like(send) for _ in range(self.world)]
-        dist.all_gather(parts, send, group=self.group)
-        return self._check_received(torch.stack(parts).cpu().numpy(), routing)
+        msg[E].fill_(int(nonfinite))  # scalars: no upload
+        msg[E + 1].fill_(routing.digest)
+        parts = [torch.empty_like(msg) for _ in range(self.world)]
+        comm.all_gather(parts, msg, group=self.group)
+        every = self._check_received(host.read_sizes(torch.stack(parts)), routing)  # the wait
+        all_routes = routing.routes_all(every)  # [D_src, E, D_dst]
+        return all_routes[self.rank], all_routes[:, :, self.rank]
 
     def _exchange_counts(
-        self, routes: np.ndarray, routing: RankRouting, nonfinite: bool, device: torch.device
-    ) -> np.ndarray:
-        """Send each rank its `[E]` counts plus (non-finite flag, routing digest); return the
-        received `[D, E]` counts. Raises the same error on every rank on bad input."""
+        self, counts: torch.Tensor, routing: RankRouting, nonfinite: bool, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+        """This rank's routes of `counts [E]` (on the device, `routes_t`) and one
+        `all_to_all_single` of `[D, E + 2]` int64 built there (per destination: the counts per
+        expert, the non-finite flag, the routing digest); then the one host read of both.
+        Returns routes `[E, D]` and received counts `[D, E]`, on the device and on the host.
+        Raises the same error on every rank on bad input."""
         E, D = self.num_experts, self.world
-        msg = np.zeros((D, E + 2), dtype=np.int64)
-        msg[:, :E] = routes.T
-        msg[:, E] = int(nonfinite)
-        msg[:, E + 1] = routing.digest
-        send = torch.from_numpy(msg).to(device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return self._check_received(recv.cpu().numpy(), routing)
+        routes = routes_t(counts.long(), routing.tables(device), self.rank)  # [E, D]
+        msg = routes.new_empty(D, E + 2)
+        msg[:, :E] = routes.t()
+        msg[:, E].fill_(int(nonfinite))  # scalars: no upload
+        msg[:, E + 1].fill_(routing.digest)
+        recv = torch.empty_like(msg)
+        comm.all_to_all_single(recv, msg, group=self.group)
+        both = host.read_sizes(torch.cat([routes.reshape(-1), recv.reshape(-1)]))  # the wait
+        routes_h = both[: E * D].reshape(E, D)
+        recv_h = self._check_received(both[E * D :].reshape(D, E + 2), routing)
+        return routes, recv[:, :E], routes_h, recv_h
 
     def _check_received(self, got: np.ndarray, routing: RankRouting) -> np.ndarray:
         """`got [D, E + 2]` from the ranks -> their `[D, E]` counts; raises the same error on
@@ -560,10 +662,12 @@ class Dispatcher:
         self,
         send_parts: np.ndarray,
         recv_parts: np.ndarray,
+        recv_parts_t: torch.Tensor,
         routing: RankRouting,
         device: torch.device,
     ) -> _ChunkPlan:
-        """`send_parts [E, D]` this rank sends in a chunk, `recv_parts [D, E]` it receives."""
+        """`send_parts [E, D]` this rank sends in a chunk, `recv_parts [D, E]` it receives (on
+        the host; `recv_parts_t` the same on the device, where the regrouping is built)."""
         E, D = self.num_experts, self.world
         unheld = ~routing.held
         if recv_parts[:, unheld].any():
@@ -578,12 +682,14 @@ class Dispatcher:
         tokens = np.zeros(routing.slots.slots, dtype=np.int64)
         tokens[held_slots] = recv_parts[:, slot_expert[held_slots]].sum(axis=0)
         # Received buffer: blocks (source, expert); wanted: (slot, source).
-        blocks = (np.arange(D)[None, :] * E + slot_expert[held_slots][:, None]).ravel()
-        perm = gather_index(recv_parts, blocks)
+        blocks_h = (np.arange(D)[None, :] * E + slot_expert[held_slots][:, None]).ravel()
         regroup = ungroup = None
-        if not np.array_equal(perm, np.arange(perm.shape[0])):
-            regroup = torch.from_numpy(perm).to(device)
-            ungroup = torch.from_numpy(inverse(perm)).to(device)
+        if not is_identity_gather(recv_parts, blocks_h):
+            experts = routing.tables(device).slot_expert  # [H]
+            sources = torch.arange(D, device=device)
+            blocks = (sources[None, :] * E + experts[:, None]).reshape(-1)
+            regroup = gather_index_t(recv_parts_t.reshape(-1), blocks, int(recv_parts.sum()))
+            ungroup = inverse_t(regroup)
         return _ChunkPlan(
             in_splits=send_parts.sum(axis=0).tolist(),
             out_splits=recv_parts.sum(axis=1).tolist(),

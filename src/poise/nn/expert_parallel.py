@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from poise.core.errors import ConfigError
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.dispatch import Dispatcher, RankRouting
 from poise.nn.moe import EXPERT_WEIGHTS, MoE, check_world, default_slots, find_moe_layers
@@ -101,7 +102,7 @@ def check_ranks_agree(layers: list[MoE], group: Any) -> None:
     )
     mine = mine.to(comm_device(group, layers[0].router.weight.device))
     got = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(got, mine, group=group)
+    comm.all_gather(got, mine, group=group)
     table = torch.stack(got).cpu()  # [D, 3]
     checks = (
         (0, "number of MoE layers", "build the model alike on every rank"),

@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from poise.core.errors import ConfigError, PoiseError
+from poise.nn.host import upload
 
 Activation = Literal["swiglu", "gelu"]
 ExpertsImpl = Literal["auto", "grouped", "loop"]
@@ -188,7 +189,11 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         impl = self.resolved_impl(x)
         if impl == "grouped" and x.shape[0] > 0:
-            counts = torch.as_tensor(tokens_per_slot, device=x.device)
+            counts = (
+                tokens_per_slot.to(x.device)
+                if isinstance(tokens_per_slot, torch.Tensor)
+                else upload(list(tokens_per_slot), x.device)  # host ints: no wait on CUDA
+            )
             self._check_counts_shape(counts.shape[0])
             return _grouped_ffn(x, counts, w_in, w_gate, w_out)
         counts_list = _as_int_list(tokens_per_slot)

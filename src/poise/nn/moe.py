@@ -31,7 +31,9 @@ State after a forward, all declared in `__init__`:
 Host waits: on one device a dropless forward and backward make none (checked on an H100 with
 CUDA's sync debug mode, `benchmarks/cuda_syncs.py`; counts are taken with `nn.counts`, not
 `torch.bincount`); under EP the forward waits once per layer, for the counts the all-to-all's
-sizes need; a capacity factor adds one wait (the kept count sizes the buffer).
+sizes need (`poise.nn.host.read_sizes`; every index is built on the device, counted on 2 gloo
+ranks by `tests/test_nn_host_waits.py`, measured on CUDA by `benchmarks/cuda_syncs.py --ep`);
+on one device a capacity factor adds one wait (the kept count sizes the buffer).
 
 Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
 on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
@@ -49,11 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from poise.core.errors import ConfigError, PlanError
 from poise.core.placement import Assignment, Placement
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.config import MoEConfig
 from poise.nn.dispatch import Dispatcher, NonFiniteInputError, RankRouting, world_and_rank
@@ -293,7 +295,7 @@ class MoE(nn.Module):
         counts = self.bias_counts.clone()
         if self.world > 1:
             counts = counts.to(comm_device(self.group, counts.device))
-            dist.all_reduce(counts, group=self.group)
+            comm.all_reduce(counts, group=self.group)
         self.router.update_bias(counts.to(self.router.weight.device), rate)
         self.bias_counts.zero_()
 
@@ -362,7 +364,7 @@ def raise_if_nonfinite(model: nn.Module, group: Any = None, step: int | None = N
     flags[rank] = seen.long()
     if world > 1:
         flags = flags.to(comm_device(group, flags.device))
-        dist.all_reduce(flags, group=group)
+        comm.all_reduce(flags, group=group)
     bad = torch.nonzero(flags.cpu()).flatten().tolist()
     if bad:
         raise nonfinite_error(bad, step)
@@ -375,7 +377,7 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     buf = flat.to(comm_device(group, flat.device))
-    dist.all_reduce(buf, group=group)
+    comm.all_reduce(buf, group=group)
     flat = buf.to(flat.device)
     offset = 0
     for g in grads:

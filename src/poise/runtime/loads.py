@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.moe import nonfinite_error
 from poise.runtime.moves.layer_state import LayerState
@@ -68,7 +69,7 @@ def gather_step(
     if D > 1:
         local = local.to(comm_device(group, local.device))
         parts = [torch.empty_like(local) for _ in range(D)]
-        dist.all_gather(parts, local, group=group)
+        comm.all_gather(parts, local, group=group)
         table = torch.stack(parts).cpu().numpy()  # [D, n]
     else:
         table = local.cpu().numpy()[None, :]
@@ -90,5 +91,5 @@ def max_over_group(seconds: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
     """`seconds[n]` at their element-wise maximum over `group` (collective; exchanged as ns)."""
     ns = torch.as_tensor(np.round(seconds * 1e9).astype(np.int64))
     ns = ns.to(comm_device(group, "cpu"))
-    dist.all_reduce(ns, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(ns, op=dist.ReduceOp.MAX, group=group)
     return ns.cpu().numpy().astype(np.float64) / 1e9

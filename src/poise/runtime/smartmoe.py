@@ -38,6 +38,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError, PlanError
 from poise.layouts.pool import Layout
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.moe import find_moe_layers
 
@@ -140,7 +141,7 @@ def all_reduce_expert_grads(model: nn.Module, edp_group: Any, *, check: bool = T
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     buf = flat.to(comm_device(edp_group, flat.device))
-    dist.all_reduce(buf, group=edp_group)
+    comm.all_reduce(buf, group=edp_group)
     for g, summed in zip(grads, buf.to(flat.device).split([g.numel() for g in grads]), strict=True):
         g.copy_(summed.view_as(g))
 
@@ -149,8 +150,8 @@ def _spread(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Element-wise max minus min of `t` over `group` (two all-reduces; collective)."""
     device = comm_device(group, t.device)
     lo, hi = t.to(device), t.clone().to(device)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    comm.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     return hi - lo
 
 

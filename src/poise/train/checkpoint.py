@@ -58,6 +58,7 @@ from torch import nn
 
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
+from poise.nn import comm
 from poise.train.ckpt_state import (
     expert_param_names,
     expert_weights,
@@ -389,7 +390,7 @@ def snapshot(
     rng = [None] * world
     mine = capture_rng()
     if world > 1:
-        dist.all_gather_object(rng, mine, group=group)
+        comm.all_gather_object(rng, mine, group=group)
     else:
         rng = [mine]
     if rank != 0:
@@ -450,7 +451,7 @@ def save(
         except OSError as exc:
             error = exc
     if world > 1:
-        dist.barrier(group=group)
+        comm.barrier(group=group)
     payload = snapshot(
         balancer,
         step=step,
@@ -478,7 +479,7 @@ def save(
         except OSError as exc:
             error = exc
     if world > 1:
-        dist.barrier(group=group)
+        comm.barrier(group=group)
     if error is not None:
         raise CheckpointError(f"cannot write checkpoint: {error}", source=str(final))
     return final

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.grad_norm import squared_norm
 from poise.nn.moe import find_moe_layers
@@ -32,7 +33,7 @@ def sync_dense(
         return stats
     flat = torch.cat([g.reshape(-1).float() for g in grads] + [stats.float().reshape(-1)])
     buf = flat.to(comm_device(None, device))
-    dist.all_reduce(buf)
+    comm.all_reduce(buf)
     flat = buf.to(device)
     offset = 0
     for p, g in zip(dense, grads, strict=True):
@@ -66,7 +67,7 @@ def clip_global_norm(
                 expert_sq += squared_norm(w.grad[:homes])
     if ep > 1:  # each expert once: over the EP group (the world without a layout)
         t = expert_sq.to(comm_device(ep_group, device))
-        dist.all_reduce(t, group=ep_group)
+        comm.all_reduce(t, group=ep_group)
         expert_sq = t.to(device)
     norm = float((dense_sq + expert_sq).sqrt())
     if clip > 0 and norm > clip:

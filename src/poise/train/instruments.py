@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from poise.core.errors import ConfigError
+from poise.nn import comm
 from poise.runtime.config import BalancerConfig
 from poise.runtime.stats import StepStats
 from poise.train.turns import StepTurns
@@ -85,7 +86,7 @@ class FreeBalancing(Instrument):
     def enter(self, point: str) -> None:
         """Before the Balancer's work at `point`: wait for every rank, then start the clock."""
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.barrier(group=self.group)
+            comm.barrier(group=self.group)
         self._t0 = time.perf_counter()
 
     def leave(self, point: str, stats: StepStats) -> None:

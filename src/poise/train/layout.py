@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from poise.core.errors import ConfigError, PoiseError
+from poise.nn import comm
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,6 @@ def edp_counts(row: np.ndarray, groups: LayoutGroups) -> tuple[np.ndarray, np.nd
     D, E]` (rank g ep + i is position i of EP group g: the trace's counts). Collective over
     the EDP group; with edp = 1 both are `row`."""
     import torch
-    import torch.distributed as dist
 
     from poise.nn.comm import comm_device
 
@@ -108,7 +108,7 @@ def edp_counts(row: np.ndarray, groups: LayoutGroups) -> tuple[np.ndarray, np.nd
     local = torch.from_numpy(np.ascontiguousarray(row))
     local = local.to(comm_device(groups.edp, local.device))
     parts = [torch.empty_like(local) for _ in groups.edp_ranks]
-    dist.all_gather(parts, local, group=groups.edp)
+    comm.all_gather(parts, local, group=groups.edp)
     stacked = torch.stack(parts).cpu().numpy()  # [edp, L, ep, E], EDP rank g = EP group g
     L, E = row.shape[0], row.shape[2]
     counts = stacked.transpose(1, 0, 2, 3).reshape(L, -1, E)  # [L, D, E]
@@ -123,7 +123,6 @@ def install_edp_bias_sum(
     counts. Register it before `poise.nn.moe.install_bias_update`'s hook (pre-hooks run in
     registration order). None when there is nothing to sum."""
     import torch
-    import torch.distributed as dist
 
     from poise.nn.comm import comm_device
     from poise.nn.moe import find_moe_layers
@@ -135,7 +134,7 @@ def install_edp_bias_sum(
     def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         local = torch.stack([m.bias_counts.to("cpu", torch.long) for m in layers])  # [L, E]
         buf = local.to(comm_device(edp_group, local.device))
-        dist.all_reduce(buf, group=edp_group)
+        comm.all_reduce(buf, group=edp_group)
         for m, counts in zip(layers, buf.cpu(), strict=True):
             m.bias_counts.copy_(counts)
 

@@ -82,6 +82,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.expert_parallel import apply_expert_parallel
 from poise.nn.moe import (
@@ -328,7 +329,7 @@ class _Trainer:
             total += torch.tensor([float(loss), y.numel()], dtype=torch.float64)
         if self.world > 1:
             t = total.to(comm_device(None, self.device))
-            dist.all_reduce(t)
+            comm.all_reduce(t)
             total = t.cpu()
         raise_if_nonfinite(self.model, dist.group.WORLD if self.world > 1 else None)
         self.model.train()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import GPTMoE
+from poise.nn import comm
 from poise.train.config import TrainConfig
 from poise.train.data import Corpus, build_corpus
 from poise.util.digest import digest
@@ -105,12 +106,13 @@ def config_digest(cfg: TrainConfig) -> int:
 def check_config_agrees(cfg: TrainConfig, world: int, rank: int) -> None:
     """Compare the config digest across the ranks (one all-gather, under the process group's
     timeout); a rank that disagrees is one `ConfigError` on every rank, not a hang later in a
-    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173)."""
+    collective whose shapes differ (DeepSpeed-MoE #6809, Tutel #173). The digest is a CPU
+    tensor: `comm.all_gather` stages it on the GPU under NCCL, which refuses CPU tensors."""
     if world <= 1:
         return
     mine = torch.tensor([config_digest(cfg)], dtype=torch.long)
     got = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(got, mine)
+    comm.all_gather(got, mine)
     digests = [int(t) for t in got]
     others = [r for r, d in enumerate(digests) if d != digests[rank]]
     if others:
@@ -136,7 +138,7 @@ def load_corpus(cfg: TrainConfig, local_rank: int, world: int) -> Corpus:
     corpus = None
     if local_rank == 0:
         corpus = build_corpus(cfg.data, **kw)
-    dist.barrier()
+    comm.barrier()
     return corpus if corpus is not None else build_corpus(cfg.data, **kw)
 
 

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from poise.core.errors import PoiseError
+from poise.nn import comm
 
 POLL_S = 1e-3  # seconds between two reads of the counter while waiting (a waiting rank sleeps)
 SLEEP_SHARE = 0.5  # a wait first sleeps this share of the shortest of the last RECENT waits
@@ -184,7 +185,7 @@ class StepTurns:
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+        comm.barrier(group=group)
 
 
 __all__ = ["POLL_S", "StepTurns", "TurnsError"]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
 from poise.nn.slots import SlotMap
 from poise.runtime.hybridep import compress as cz
 from poise.runtime.moves.exchange import Pending, Routes, Stream, completed, exchange, trans_routes
@@ -54,7 +55,7 @@ def shared_experts(
     world = len(maps)
     moved = 0
     if world > 1:
-        dist.all_reduce(total, group=group)
+        comm.all_reduce(total, group=group)
         moved = 2 * (world - 1) * total.numel() * total.element_size()
     total /= max(experts, 1)
     sizes = [math.prod(p.shape[1:]) for p in params]

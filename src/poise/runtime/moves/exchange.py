@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from poise.core.errors import PoiseError
+from poise.nn import comm
 from poise.nn.slots import SlotMap
 from poise.runtime.moves.host_link import Channel, half_bytes
 
@@ -256,7 +257,7 @@ def exchange(
         if items:
             gather_rows(items, buf)
     recv = reuse.take("recv", sum(recv_numel), dtype, device)
-    work = dist.all_to_all_single(
+    work = comm.all_to_all_single(
         recv, send, recv_numel, send_numel, group=group, async_op=async_op
     )
     chunks = [c if p != rank and c.numel() else None for p, c in enumerate(recv.split(recv_numel))]

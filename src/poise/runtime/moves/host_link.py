@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
+
 ALIGN = 64  # bytes: each destination's segment starts on a cache line
 
 Writer = Callable[[int, torch.Tensor], None]
@@ -150,7 +152,7 @@ class Channel:
             if (out := segment(rank, dst)) is not None:
                 write(dst, out)
         flag = torch.zeros(1)  # one per turn: turns of several channels are in flight at once
-        work = dist.all_reduce(flag, group=link.group, async_op=True)
+        work = comm.all_reduce(flag, group=link.group, async_op=True)
         views = [segment(src, rank) for src in range(link.world)]
         self._last = HostTransfer(work, views, flag)
         return self._last
@@ -210,13 +212,13 @@ class HostLink:
         if rank == 0:
             token[0] = secrets.randbits(62)
         root = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast(token, src=root, group=group)
+        comm.broadcast(token, src=root, group=group)
         prefix = f"poise-{int(token[0]):016x}"
         probe = shm_dir() / f"{prefix}-probe"
         if rank == 0:
             with contextlib.suppress(OSError):  # no /dev/shm, or unwritable: no rank reads it
                 probe.write_text(prefix)
-        dist.barrier(group=group)
+        comm.barrier(group=group)
         ok = False
         with contextlib.suppress(OSError):
             ok = probe.read_text() == prefix
@@ -229,7 +231,7 @@ class HostLink:
     def agree(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank of the group (collective)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        comm.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(flag) == 1)
 
     def channel(self, key: str) -> Channel:

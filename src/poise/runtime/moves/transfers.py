@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from poise.nn import comm
 from poise.nn.slots import SlotMap
 
 # `exchange` is called through this module's globals: `poise.train.faults` patches it here
@@ -195,7 +196,7 @@ def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGrou
     if dist.get_backend(group) == "nccl" and device.type == "cpu":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor([n, -n], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != -int(t[1]):
         raise TransferError(
             f"ranks hold different optimizer state ({-int(t[1])} to {int(t[0])} tensors; this "

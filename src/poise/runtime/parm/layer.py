@@ -17,6 +17,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Block, GPTConfig
+from poise.nn import comm
 from poise.runtime.parm.choice import ScheduleChooser
 from poise.runtime.parm.groups import ParallelGroups
 from poise.runtime.parm.parallel_moe import PAUSE_MP, ParallelMoE, ScheduleChoice
@@ -128,6 +129,6 @@ def _all_reduce_grads(params: list[nn.Parameter], group: Any) -> None:
         return
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group=group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))

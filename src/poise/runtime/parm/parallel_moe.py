@@ -40,6 +40,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.layouts.parm import SCHEDULES, Schedule
+from poise.nn import comm
 from poise.nn.dispatch import Dispatcher, RankRouting
 from poise.nn.experts import Activation, Experts, ExpertsImpl
 from poise.nn.moe import expert_generator
@@ -295,7 +296,7 @@ def _check_same(value: int, what: str, group: Any, tokens: int = 0) -> int:
     """Raise `ConfigError` on every rank when ranks of `group` hold different `value`s; else
     the largest `tokens` of any rank (the same all-reduce)."""
     t = torch.tensor([value, -value, tokens], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != value or int(-t[1]) != value:
         raise ConfigError(
             f"ranks disagree on the {what} (build and seed every rank alike)", field="moe"

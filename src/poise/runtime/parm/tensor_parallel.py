@@ -36,6 +36,7 @@ from torch import nn
 
 from poise.core.errors import ConfigError
 from poise.models.gpt import Attention, apply_rotary
+from poise.nn import comm
 from poise.runtime.parm.groups import ParallelGroups
 
 
@@ -68,7 +69,7 @@ def _all_gather(x: torch.Tensor, sizes: Sequence[int], group: Any) -> torch.Tens
     if x.shape[0] != width:
         x = torch.cat([x, x.new_zeros(width - x.shape[0], *x.shape[1:])])
     buf = x.new_empty(len(sizes) * x.numel())
-    dist.all_gather_single(buf, x.contiguous().view(-1), group=group)
+    comm.all_gather_single(buf, x.contiguous().view(-1), group=group)
     return _unpad_blocks(buf.view(len(sizes), width, *x.shape[1:]), sizes)
 
 
@@ -79,7 +80,7 @@ def _reduce_scatter(x: torch.Tensor, sizes: Sequence[int], rank: int, group: Any
         return x.new_empty(0, *x.shape[1:])
     buf = _pad_blocks(x.contiguous(), sizes, width).contiguous()
     out = x.new_empty(width, *x.shape[1:])
-    dist.reduce_scatter_single(out.view(-1), buf.view(-1), group=group)
+    comm.reduce_scatter_single(out.view(-1), buf.view(-1), group=group)
     return out[: sizes[rank]]
 
 
@@ -105,7 +106,7 @@ def _run(op: _Op, x: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) 
         return x.view_as(x)
     if op == "all_reduce":
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        comm.all_reduce(out, group=group)
         return out
     if op == "keep":
         start = sum(sizes[:rank])
@@ -182,7 +183,7 @@ def all_gather_stack(t: torch.Tensor, group: Any) -> torch.Tensor:
     if g == 1:
         return t.detach().unsqueeze(0).clone()
     buf = t.new_empty(g * t.numel())
-    dist.all_gather_single(buf, t.detach().contiguous().view(-1), group=group)
+    comm.all_gather_single(buf, t.detach().contiguous().view(-1), group=group)
     return buf.view(g, *t.shape)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from poise.core.cluster import Cluster
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.runtime.control.controller import Action
 from poise.runtime.control.evidence import Evidence
@@ -63,7 +64,7 @@ def share_outcome(
         return outcome
     box: list[Outcome | None] = [outcome if leader else None]
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group, device=comm_device(group, "cpu"))
+    comm.broadcast_object_list(box, src=src, group=group)
     shared = box[0]
     assert isinstance(shared, Outcome)
     return shared
@@ -76,5 +77,5 @@ def plans_agree(digest: int | None, leader_digest: int, group: dist.ProcessGroup
     if _alone(group):
         return not differs
     t = torch.tensor([int(differs)], dtype=torch.long, device=comm_device(group, "cpu"))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return not bool(t[0])

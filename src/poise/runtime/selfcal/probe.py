@@ -33,6 +33,7 @@ from poise.core.placement import Placement
 from poise.core.spec import ModelSpec
 from poise.cost.model import link_time
 from poise.cost.traffic import migration_messages, migration_traffic
+from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.slots import slot_maps
 from poise.runtime.moves.exchange import Scratch
@@ -67,13 +68,13 @@ def timed_rounds(
     barrier, and ends on a CUDA device once its kernels are done."""
     seconds = torch.zeros(rounds + 1, dtype=torch.float64, device=comm_device(group, device))
     for r in range(rounds + 1):
-        dist.barrier(group=group)
+        comm.barrier(group=group)
         t0 = time.perf_counter()
         round_(r)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds[r] = time.perf_counter() - t0
-    dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
+    comm.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
     return float(seconds[1:].median())
 
 
@@ -102,7 +103,7 @@ def measure_probe_s(
 
     def exchange(_: int) -> None:
         send.copy_(source)
-        dist.all_to_all_single(recv, send, into, out, group=group)
+        comm.all_to_all_single(recv, send, into, out, group=group)
         landed.copy_(recv)
 
     return timed_rounds(exchange, group, dev, rounds)
