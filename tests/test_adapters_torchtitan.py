@@ -181,3 +181,29 @@ def test_a_converted_torchtitan_model_trains_under_the_balancer_as_static_ep_doe
         assert balanced["switched_at"], "no plan took effect"
         diff = max(abs(x - y) for x, y in zip(static["losses"], balanced["losses"], strict=True))
         assert diff <= 1e-5, (diff, static["losses"], balanced["losses"])
+
+
+def test_torchtitans_optimizers_container_is_looked_through() -> None:
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from poise.adapters import convert_torchtitan_moe
+    from poise.runtime.moves.optimizer_state import ExpertStates
+
+    model = _tiny()
+    convert_torchtitan_moe(model)
+    groups = [
+        ParamGroupConfig(pattern=r"\.moe\.experts\.", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": 1e-3}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-3}),
+    ]  # fmt: skip
+    config = OptimizersContainer.Config(param_groups=groups, implementation="for-loop")
+    container = OptimizersContainer(config, model_parts=[model])
+    _loss(model, torch.randint(0, VOCAB, (2, 8))).backward()
+    container.step()
+    experts = [w for b in model.layers.values() for w in b.moe.moe.experts.weights()]
+    states = ExpertStates(container, experts)
+    assert len(container.optimizers) == 2 and not container.state  # the container's own: empty
+    inner = container.optimizers[0]
+    assert all(states.owners[id(p)] is inner for p in experts)
+    assert states.state.get(experts[0])["exp_avg"] is inner.state[experts[0]]["exp_avg"]
