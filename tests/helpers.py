@@ -314,3 +314,61 @@ def spy_jobs(balancer, what=lambda job, requested_at: requested_at) -> list:
 
     planner.submit = spy
     return seen
+
+
+def train_dense_and_experts(model, opt, rank: int, steps: int, loss_of, balancer=None) -> dict:
+    """`steps` training steps of a converted model on this rank: `loss_of(model, gen)` draws
+    the step's batch from `gen` (seeded by the rank) and returns its loss; after `backward` the
+    routers' gradients are summed over the ranks (`sync_router_grads`) and so are the other
+    non-expert gradients (one all-reduce, as data parallelism with SUM); with a `balancer`, its
+    `reduce_replicas()` before and `step()` after the optimizer step. Returns the losses and,
+    with a balancer, the steps that switched plans and the homes moved."""
+    import torch
+    import torch.distributed as dist
+
+    from poise.nn import find_moe_layers, sync_router_grads
+
+    layers = find_moe_layers(model)
+    skip = {id(p) for m in layers for p in [*m.experts.weights(), *m.router.parameters()]}
+    dense = [p for p in model.parameters() if id(p) not in skip and p.requires_grad]
+    gen = torch.Generator().manual_seed(11 + rank)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model, gen)
+        loss.backward()
+        sync_router_grads(model)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(dense, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        if balancer is not None:
+            balancer.reduce_replicas()
+        opt.step()
+        if balancer is not None:
+            balancer.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    out: dict = {"losses": losses}
+    if balancer is not None:
+        balancer.close()
+        stats = list(balancer.stats)
+        out["switched_at"] = [s.step for s in stats if s.switched]
+        out["moved_homes"] = sum(s.moved_homes for s in stats)
+    return out
+
+
+def eager_balancer(model, opt, policy: str = "eplb", replan_every: int = 2):
+    """A Balancer over `model`'s layers on the world group that adopts every plan that differs
+    from the one in force (guard and self-calibration off), priced on a toy cluster of fast
+    links and slow GEMMs, where balancing always looks worth its transfers."""
+    import torch.distributed as dist
+
+    from poise.runtime.balancer import Balancer, BalancerConfig
+
+    W = dist.get_world_size()
+    cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
+    config = BalancerConfig(cluster=cluster, guard=False, calibrate=False)
+    return Balancer(model, opt, policy, replan_every, config)

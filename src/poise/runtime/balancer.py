@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from poise.adapters.protocol import find_balanceable
 from poise.core.errors import ConfigError
 from poise.core.placement import Plan
 from poise.core.spec import ModelSpec
-from poise.nn.moe import find_moe_layers
 from poise.plan.policies.registry import get_policy
 from poise.plan.predict import parse_predictor
 from poise.plan.retarget import retargeted
@@ -61,6 +61,7 @@ from poise.runtime.loads import gather_step
 from poise.runtime.moves.host_link import HostLink
 from poise.runtime.moves.layer_moves import LayerMoves
 from poise.runtime.moves.layer_state import LayerState
+from poise.runtime.moves.optimizer_state import ExpertStates
 from poise.runtime.moves.transfer_group import transfer_group as own_transfer_group
 from poise.runtime.plan_inputs import initial_plan, layer_slots, prior_cluster, spec_from_layers
 from poise.runtime.planner.broadcast import is_leader
@@ -93,19 +94,22 @@ class BoundaryCallback(Protocol):
 
 
 class Balancer:
-    """Records loads, plans and applies plans for every `poise.nn.MoE` layer of `model`.
+    """Records loads, plans and applies plans for every `poise.nn.MoE` layer of `model` (every
+    `poise.adapters.BalanceableMoE`, the outermost where nested).
 
     `policy`: a registered policy name (`auto`, `static`, `eplb`, ...); `replan_every`: request a
     plan every K steps; `config`: the settings (`BalancerConfig`); `group`: the expert-parallel
     group (default the layers'); `vote_group`: the ranks that must take the same decisions
-    (default `group`): its rank 0 is the leader; `transfer_group`: the group Trans, Agg and
-    migration run on (default one of their own over `group` with `separate_transfers`).
+    (default `group`): its rank 0 is the leader; `optimizer`: a torch optimizer or a container
+    of them (`poise.runtime.moves.optimizer_state`: the expert tensors' moments are found in the
+    inner optimizer that holds them, and migrate with them); `transfer_group`: the group Trans,
+    Agg and migration run on (default one of their own over `group` with `separate_transfers`).
     Statistics: `stats` (one `StepStats` per step), `steps_done`, `switches`, `fit`."""
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Any,
         policy: str = "auto",
         replan_every: int = 10,
         config: BalancerConfig | None = None,
@@ -117,14 +121,18 @@ class Balancer:
         cfg = config if config is not None else BalancerConfig()
         cfg.check(replan_every)
         get_policy(policy)  # unknown names fail here
-        modules = find_moe_layers(model)
+        modules = find_balanceable(model)
         if not modules:
-            raise ConfigError("the model has no poise.nn.MoE layer", field="model")
+            raise ConfigError(
+                "the model has no poise.nn.MoE layer (nor another BalanceableMoE)", field="model"
+            )
         self.config, self.model, self.optimizer = cfg, model, optimizer
         self.policy, self.replan_every = policy, replan_every
         self.group = group if group is not None else modules[0].group
         self.world_size, self.rank = modules[0].world, modules[0].rank
         self.layers = [LayerState(m, i) for i, m in enumerate(modules)]
+        # the experts' moments, inside an optimizer container too (or one ConfigError)
+        self.expert_states = ExpertStates(optimizer, [p for s in self.layers for p in s.params])
         self.slots = layer_slots(self.layers)
         self.num_experts = modules[0].num_experts
         on_cpu = self.layers[0].params[0].device.type == "cpu"
@@ -144,7 +152,7 @@ class Balancer:
             self.transfers_pg = own_transfer_group(self.group) if separate else self.group
         link = cfg.host_link and on_cpu and self.balancing
         self.moves = LayerMoves(
-            self.layers, self.rank, self.slots, optimizer, self.transfers_pg,
+            self.layers, self.rank, self.slots, self.expert_states, self.transfers_pg,
             link=HostLink.connect(self.transfers_pg) if link else None,
             compression=Compression.parse(cfg.compression), overlap=cfg.overlap,
         )  # fmt: skip

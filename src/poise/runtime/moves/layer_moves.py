@@ -36,14 +36,15 @@ class LayerMoves:
     """Routing, Trans, Agg and migration on this rank's layers (module docstring).
 
     `layers`: the Balancer's `LayerState`s; `slots`: slots per rank; `optimizer`: whose state
-    migrates with the homes; `link`: shared-memory channels among the ranks of `group` (None:
-    through the group); `compression`: None (exact replicas) or a `Compression`; `overlap`:
-    Trans runs under the forward (else it is waited for at once)."""
+    migrates with the homes (anything with a torch optimizer's `state` mapping: the Balancer
+    passes `optimizer_state.ExpertStates`); `link`: shared-memory channels among the ranks of
+    `group` (None: through the group); `compression`: None (exact replicas) or a
+    `Compression`; `overlap`: Trans runs under the forward (else it is waited for at once)."""
 
     layers: list[LayerState]
     rank: int
     slots: int
-    optimizer: torch.optim.Optimizer
+    optimizer: tr.HasState
     group: dist.ProcessGroup | None
     link: HostLink | None = None
     compression: Compression | None = None

@@ -16,8 +16,9 @@ layer l's forward and Agg under the backward of earlier layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -117,8 +118,16 @@ class Migration:
     relaid_bytes: int = 0
 
 
+class HasState(Protocol):
+    """What migration reads of an optimizer: `state[p]`, a dict per parameter (a torch
+    optimizer, or `optimizer_state.ExpertStates` over a container of them)."""
+
+    @property
+    def state(self) -> Mapping[Any, Any]: ...
+
+
 def state_tensors(
-    optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]
+    optimizer: HasState | None, params: Sequence[torch.Tensor]
 ) -> list[list[torch.Tensor]]:
     """Per parameter, its optimizer state tensors shaped like it (AdamW: `exp_avg`,
     `exp_avg_sq`), in key order; scalars such as `step` are left out."""
@@ -132,7 +141,7 @@ def state_tensors(
 
 def migrate(
     params: Sequence[torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: HasState | None,
     old_maps: Sequence[SlotMap],
     new_maps: Sequence[SlotMap],
     rank: int,
@@ -205,4 +214,4 @@ def _check_same_state(moments: list[list[torch.Tensor]], group: dist.ProcessGrou
         )
 
 
-__all__ = ["Migration", "agg_async", "migrate", "state_tensors", "trans", "trans_async"]
+__all__ = ["HasState", "Migration", "agg_async", "migrate", "state_tensors", "trans", "trans_async"]
