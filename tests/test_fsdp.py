@@ -3,7 +3,7 @@
 One spawn of 2 ranks: `poise train`'s all-reduce path and its FSDP2 path for 20 steps, balanced
 (`auto` on a test cluster where replicas pay, so plans change) with clipping on at every step;
 the FSDP2 run resumed from its DCP checkpoint of step 10 on both paths; `fully_shard` applied
-naively over expert-parallel weights; a generic `dcp.save(model.state_dict())` of a model whose
+naively over expert-parallel weights; a generic DCP save of the state dict of a model whose
 experts moved between ranks, loaded into a static one; and the gradient norm, clipping and
 `HomeRowsAdamW` on DTensor gradients against the all-reduce path's, tensor by tensor."""
 
@@ -79,11 +79,13 @@ def _moved_placement(layers: int, experts: int, slots: int):
 
 
 def _generic_dcp(rank: int, root: str) -> dict:
-    """`dcp.save(model.state_dict())` of an FSDP2 + EP model whose experts moved (and one
-    replicated), loaded with `dcp.load` into a fresh static one: every expert's weights and
-    every dense tensor back as saved."""
+    """`dcp.save` of an FSDP2 + EP model's state dict (`get_model_state_dict`, as torchtitan's
+    checkpointer takes it) whose experts moved (and one replicated), loaded with `dcp.load` and
+    `load_state_dict` into a fresh static one: every expert's weights and every dense tensor
+    back as saved."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from poise.models.gpt import GPTMoE, model_config
     from poise.nn import apply_expert_parallel, ep_mesh, find_moe_layers, shard_dense, slot_maps
@@ -100,7 +102,7 @@ def _generic_dcp(rank: int, root: str) -> dict:
         moe.set_routing(placement, assignment, slot_maps(placement, layer, slots)[rank], layer)
         moe.load_expert_weights({n: w for n, w in src.experts.named_parameters()})
     shard_dense(model, mesh)
-    state = model.state_dict()
+    state = get_model_state_dict(model)  # what torchtitan's checkpointer saves
     mine = sorted(k for k in state if ".experts." in k)
     dcp.save(state, checkpoint_id=f"{root}/generic")
     saved = dcp.FileSystemReader(f"{root}/generic").read_metadata().state_dict_metadata

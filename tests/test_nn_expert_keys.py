@@ -1,6 +1,7 @@
 """Per-expert state-dict keys of expert-parallel MoE layers (`poise.nn.expert_keys`), on one
 process: keys name experts, not slots; a load puts each expert in whichever slot holds it; a
-full layer's stacked weights load by expert id; a missing home is a missing key."""
+full layer's stacked weights load by expert id; a missing home is a missing key; torch's
+`get_model_state_dict` / `set_model_state_dict` (torchtitan's checkpointer) resolve the keys."""
 
 from __future__ import annotations
 
@@ -58,3 +59,16 @@ def test_a_missing_home_is_a_missing_key() -> None:
         layer.load_state_dict(state)
     missing = layer.load_state_dict(state, strict=False).missing_keys
     assert missing == ["experts.w_in.expert_2"]
+
+
+def test_torchs_distributed_state_dict_functions_resolve_the_keys() -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    full = MoE(CFG)
+    moved = _layer(permuted=True)
+    state = get_model_state_dict(moved)
+    assert sorted(k for k in state if k.startswith("experts.w_in")) == [
+        f"experts.w_in.expert_{e}" for e in range(4)
+    ]
+    set_model_state_dict(moved, {k: v for k, v in full.state_dict().items()})
+    assert torch.equal(moved.experts.w_in[0], full.experts.w_in[3])  # slot 0 holds expert 3

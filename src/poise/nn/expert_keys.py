@@ -19,6 +19,10 @@ each `MoE` it converts:
   rank). A stacked `<layer>.experts.<w>` of all `E` experts (a model without expert
   parallelism) is read by expert id too.
 
+Each expert weight also carries an attribute `expert_<e>` (None) for every expert id, so that
+tools resolving keys by attribute (`torch.distributed.checkpoint.state_dict.get_model_state_dict`
+and `set_model_state_dict`, which torchtitan's checkpointer calls) find them.
+
 So `dcp.save(model.state_dict())` writes each expert once, from its home, and `sd =
 model.state_dict(); dcp.load(sd); model.load_state_dict(sd)` reads back this rank's homes,
 whatever placement each side ran. The optimizer's moments are not covered (Poise's own
@@ -117,7 +121,13 @@ def _load_state_dict_pre_hook(
 
 
 def register_expert_keys(moe: MoE) -> None:
-    """Register the per-expert state-dict hooks on `moe` (once; see the module docstring)."""
+    """Register the per-expert state-dict hooks on `moe` (once; see the module docstring), and
+    give each expert weight an attribute `expert_<e>` (None) for every expert id: tools that
+    resolve state-dict keys by walking attributes (`torch.distributed.checkpoint.state_dict`'s
+    `get_model_state_dict`, which torchtitan's checkpointer calls) then find the keys."""
+    for w in moe.experts.weights():
+        for e in range(moe.num_experts):
+            setattr(w, f"{EXPERT_KEY}{e}", None)
     if getattr(moe, "_poise_expert_keys", False):
         return
     moe.register_state_dict_post_hook(_state_dict_post_hook)
