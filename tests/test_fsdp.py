@@ -2,7 +2,8 @@
 
 One spawn of 2 ranks: `poise train`'s all-reduce path and its FSDP2 path for 20 steps, balanced
 (`auto` on a test cluster where replicas pay, so plans change) with clipping on at every step;
-the FSDP2 run resumed from its DCP checkpoint of step 10 on both paths; `fully_shard` applied
+the FSDP2 run resumed from its DCP checkpoint of step 10 on both paths, and on the FSDP2 path in
+a layout with expert-data-parallel replicas and micro-batches; `fully_shard` applied
 naively over expert-parallel weights; a generic DCP save of the state dict of a model whose
 experts moved between ranks, loaded into a static one; and the gradient norm, clipping and
 `HomeRowsAdamW` on DTensor gradients against the all-reduce path's, tensor by tensor."""
@@ -194,7 +195,12 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     resumed = train(fsdp_cfg.replace(out=f"{root}/fsdp-resumed"), resume=step10, quiet=True)
     # the all-reduce path resumes an FSDP2 checkpoint: the files are the same
     crossed = train(_cfg(root, "crossed"), resume=step10, quiet=True)
-    runs = {"allreduce": allreduce, "fsdp": fsdp, "resumed": resumed, "crossed": crossed}
+    # on into a layout's expert-data-parallel replicas (every rank all experts, "ep=1"), with
+    # 2 micro-batches of half the batch: FSDP reduces once a step, the losses unchanged
+    edp_cfg = _cfg(root, "fsdp-edp", fsdp=True, layout="ep=1", batch=4, micro_batches=2)
+    edp = train(edp_cfg, resume=step10, quiet=True)
+    runs = {"allreduce": allreduce, "fsdp": fsdp, "resumed": resumed, "crossed": crossed,
+            "edp": edp}  # fmt: skip
     out = {k: (r.steps, r.losses, r.plan_changes, r.resumed_plan) for k, r in runs.items()}
     out["refused"] = _naive_fully_shard(rank)
     out["dcp"] = _generic_dcp(rank, root)
@@ -227,6 +233,14 @@ def test_the_fsdp_path_trains_with_the_losses_of_the_all_reduce_path(runs) -> No
     ar_norms, norms = _grad_norms(root / "allreduce"), _grad_norms(root / "fsdp")
     assert len(norms) == STEPS and min(norms) > BALANCED["clip"]
     assert max(abs(a - b) / a for a, b in zip(ar_norms, norms, strict=True)) <= TOL
+
+
+def test_the_fsdp_path_takes_a_layout_and_micro_batches(runs) -> None:
+    _, ranks = runs
+    _, ar_losses, _, _ = ranks[0]["allreduce"]
+    steps, losses, _, _ = ranks[0]["edp"]
+    assert steps == list(range(11, STEPS + 1))
+    assert max(abs(a - b) for a, b in zip(ar_losses[10:], losses, strict=True)) <= TOL
 
 
 def test_an_fsdp_checkpoint_resumes_on_either_path(runs) -> None:
