@@ -24,9 +24,9 @@ Repetitions are interleaved (rotating order); figures are medians, `ratio_vs_den
 `ratio_vs_poise` the medians of per-repetition time ratios (`ratio_vs_poise`: against `poise`,
 or `poise-swiglu` for SwiGLU layers). `--compile BACKEND` adds `poise` and `dense` under
 `torch.compile` (`poise-compiled`, `dense-compiled`: their `ratio_vs_poise` / `ratio_vs_dense`
-against their own eager forms are what compiling gains). Every layer's routing is checked against the inputs'
-choices. One JSON line per (routing, impl), and one per peer system that cannot run (`skipped`:
-why).
+against their own eager forms are what compiling gains). Every layer's routing is checked
+against the inputs' choices. One JSON line per (routing, impl), and one per peer system that
+cannot run (`skipped`: why).
 """
 
 from __future__ import annotations

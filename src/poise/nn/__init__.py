@@ -7,6 +7,9 @@ y = model(x)                                       # x [B, T, M]
 (loss(y) + moe.last_forward.aux_loss).backward()
 sync_router_grads(model)                           # with several ranks
 raise_if_nonfinite(model)        # at the step boundary (the Balancer does it in reduce_replicas)
+
+mesh = ep_mesh(ep=2)                               # FSDP2 beside EP: ("dp", "ep") DeviceMesh
+apply_expert_parallel(model, mesh["ep"]); shard_dense(model, mesh)   # poise.nn.fsdp
 """
 
 from poise.nn.comm import comm_device
@@ -19,6 +22,7 @@ from poise.nn.dispatch import (
 )
 from poise.nn.expert_parallel import apply_expert_parallel, check_ranks_agree
 from poise.nn.experts import Experts, ExpertsInputError, grouped_mm_problem
+from poise.nn.fsdp import ep_mesh, shard_dense
 from poise.nn.moe import (
     ForwardRecord,
     MoE,
@@ -52,10 +56,12 @@ __all__ = [
     "check_world",
     "comm_device",
     "default_slots",
+    "ep_mesh",
     "find_moe_layers",
     "grouped_mm_problem",
     "install_bias_update",
     "raise_if_nonfinite",
+    "shard_dense",
     "slot_maps",
     "sync_router_grads",
 ]

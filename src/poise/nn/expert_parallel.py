@@ -4,6 +4,11 @@
     apply_expert_parallel(model, dist.group.WORLD)        # on every rank, before the optimizer
     opt = torch.optim.AdamW(model.parameters())
 
+The group may be a `DeviceMesh` instead: a 1-D one, or the dimension named `ep` of a larger one
+(`apply_expert_parallel(model, mesh)` or `mesh["ep"]`; `poise.nn.fsdp.ep_mesh` builds one with
+data parallelism beside it, and `poise.nn.fsdp.shard_dense` shards the dense parameters over it
+with FSDP2).
+
 For every `MoE` of the model: the group's size `D` must fit the experts (D divides E, or E
 divides D); the layer keeps this rank's `P` slots of static EP (`P = num_slots`, default
 `E / D`; more leaves room for the Balancer's replicas), copying each held expert's weights from
@@ -11,6 +16,9 @@ the full layer, so a model initialised or loaded on one device converts exactly;
 over the group replaces the local one. Then one all-gather compares every layer's configuration
 and router weights across the ranks (`ConfigError` at once, instead of a hang in a later
 collective). The expert weights are new parameters: build the optimizer afterwards.
+
+Each converted layer's `state_dict` names its experts per expert (`<layer>.experts.<w>.expert_<e>`,
+this rank's homes: `poise.nn.expert_keys`), so a DCP checkpointer saves every rank's experts.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from poise.core.errors import ConfigError
 from poise.nn import comm
 from poise.nn.comm import comm_device
 from poise.nn.dispatch import Dispatcher, RankRouting
+from poise.nn.expert_keys import register_expert_keys
+from poise.nn.fsdp import ep_group_of, is_device_mesh
 from poise.nn.moe import EXPERT_WEIGHTS, MoE, check_world, default_slots, find_moe_layers
 from poise.util.digest import digest
 
@@ -32,14 +42,17 @@ from poise.util.digest import digest
 def apply_expert_parallel(
     model: nn.Module, group: Any, *, num_slots: int | None = None
 ) -> list[MoE]:
-    """Make every `MoE` of `model` expert parallel over `group` (a process group; None: this
-    process alone, a group of one rank that still gets `num_slots` slots). Collective over
+    """Make every `MoE` of `model` expert parallel over `group` (a process group, or a
+    `DeviceMesh`: a 1-D one or its `ep` dimension; None: this process alone, a group of one
+    rank that still gets `num_slots` slots). Collective over
     `group` (one all-gather); returns the layers. Raises `ConfigError` naming the field: a
     group that does not fit the experts (`world_size`), too few slots (`num_slots`), a layer
     already expert parallel (`group`), ranks that disagree on the layers (`moe`)."""
     layers = find_moe_layers(model)
     if not layers:
         raise ConfigError("the model has no poise.nn.MoE layer", field="model")
+    if is_device_mesh(group):
+        group = ep_group_of(group)
     if group is None:
         world, rank = 1, 0
     elif not (dist.is_available() and dist.is_initialized()):
@@ -85,6 +98,8 @@ def _keep_rank_slots(m: MoE, group: Any, world: int, rank: int, num_slots: int |
     m.dispatcher = Dispatcher(E, m.top_k, group, m.config.overlap_degree)
     m.group, m.world, m.rank = group, world, rank
     m.expert_parallel = True
+    m.experts.expert_parallel = world > 1  # `Experts.forward` refuses FSDP over them
+    register_expert_keys(m)
 
 
 def check_ranks_agree(layers: list[MoE], group: Any) -> None:

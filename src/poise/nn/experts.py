@@ -81,6 +81,9 @@ class Experts(nn.Module):
     `"loop"` (see the module docstring); it can be changed later through the attribute."""
 
     w_gate: nn.Parameter | None
+    # Set by `apply_expert_parallel` on a group of several ranks: each rank's slots are its own
+    # (never one tensor sharded or replicated over the ranks, as FSDP would take them).
+    expert_parallel: bool = False
 
     def __init__(
         self,
@@ -160,7 +163,12 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, tokens_per_slot: torch.Tensor | Sequence[int]
     ) -> torch.Tensor:
-        """`x [T, D]` rows grouped by slot in slot order; `tokens_per_slot [S]` -> `[T, D]`."""
+        """`x [T, D]` rows grouped by slot in slot order; `tokens_per_slot [S]` -> `[T, D]`.
+
+        Raises `ConfigError` (field `fsdp`) where `fully_shard` manages expert-parallel weights
+        (`poise.nn.fsdp`): FSDP marks every module whose parameters it manages."""
+        if self.expert_parallel and getattr(self, "_is_fsdp_managed_module", False):
+            raise fsdp_refusal()
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ExpertsInputError(
                 f"expected [T, {self.d_model}] rows, got {tuple(x.shape)}", field="experts.x"
@@ -226,6 +234,17 @@ def _as_int_list(counts: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(counts, torch.Tensor):
         return [int(c) for c in counts.tolist()]
     return [int(c) for c in counts]
+
+
+def fsdp_refusal() -> ConfigError:
+    """The one error for `fully_shard` managing expert-parallel weights."""
+    return ConfigError(
+        "fully_shard manages this MoE layer's expert-parallel weights: every rank holds its own "
+        "experts, which FSDP would shard as one tensor (a rank would compute with another "
+        "rank's experts). Leave them out: poise.nn.shard_dense(model, mesh), or "
+        "fully_shard(..., ignored_params=<every MoE layer's experts.weights()>)",
+        field="fsdp",
+    )
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -389,4 +408,11 @@ class _SlotLoopFFN(torch.autograd.Function):
         return gx, None, gw_in, gw_out, gw_gate
 
 
-__all__ = ["ACTIVATIONS", "IMPLS", "Experts", "ExpertsInputError", "grouped_mm_problem"]
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLS",
+    "Experts",
+    "ExpertsInputError",
+    "fsdp_refusal",
+    "grouped_mm_problem",
+]

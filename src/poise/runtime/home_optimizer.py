@@ -15,6 +15,11 @@ It runs PyTorch's fused AdamW kernel wherever it supports the parameters (`fused
 else the per-tensor loop, which on the CPU is slower still on rows with zero moments (`sqrt` of
 zeros takes a slow path), charging idle experts optimizer time. Fused and loop agree to float
 rounding; each matches `torch.optim.AdamW` with the same `fused` flag bit for bit.
+
+Parameters may be `DTensor`s (the dense ones under FSDP2, `poise.nn.fsdp.shard_dense`) beside
+plain tensors (the experts): the kernels run on each DTensor's local shard (its gradient's and
+moments' shards too, the moments kept as DTensors like the parameter), so one fused call takes
+both kinds, where `torch.optim.AdamW` refuses the mix.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from poise.core.errors import PlanError
+from poise.nn.fsdp import local_tensor
 from poise.nn.moe import find_moe_layers
 
 RowsOf = Callable[[], int]
@@ -113,14 +119,15 @@ class HomeRowsAdamW(torch.optim.AdamW):
                     raise RuntimeError("HomeRowsAdamW does not support sparse gradients")
                 state = self._state(p)
                 rows = self.rows_of.get(id(p))
-                n = p.shape[0] if rows is None else rows()
-                if n == 0:
+                lp = local_tensor(p)  # a DTensor's shard (FSDP), else p
+                n = lp.shape[0] if rows is None else rows()
+                if n == 0 or lp.numel() == 0:
                     state["step"] += 1  # every rank's count advances alike
                     continue
-                params.append(p[:n])
-                grads.append(p.grad[:n])
-                avgs.append(state["exp_avg"][:n])
-                sqs.append(state["exp_avg_sq"][:n])
+                params.append(lp[:n])
+                grads.append(local_tensor(p.grad)[:n])
+                avgs.append(local_tensor(state["exp_avg"])[:n])
+                sqs.append(local_tensor(state["exp_avg_sq"])[:n])
                 steps.append(state["step"])
             if not params:
                 continue

@@ -59,7 +59,9 @@ from torch import nn
 from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.nn import comm
+from poise.nn.fsdp import is_dtensor
 from poise.train.ckpt_state import (
+    dense_state,
     expert_param_names,
     expert_weights,
     held_slots,
@@ -503,8 +505,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
     folder = Path(ckpt["path"])
     source = str(folder)
     saved = _saved_tensors(folder)
-    expert_names = expert_param_names(model)
-    own = {k: v for k, v in model.state_dict().items() if k not in expert_names}
+    own = dense_state(model)
     have = {k[len("model.dense.") :] for k in saved if k.startswith("model.dense.")}
     missing, unexpected = set(own) - have, have - set(own)
     if missing or unexpected:
@@ -528,6 +529,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
     dense_opt, row_opt, other_opt = optimizer_state_names(saved, model)
     want = {k: _empty_like_saved(saved[k]) for k in saved if not k.startswith("model.experts.")}
     want = {k: v for k, v in want.items() if not _is_expert_row_state(k)}
+    _shard_like_model(want, model, own, saved)  # FSDP: each rank reads its DTensor shards
     for lname, moe, w_name, w in expert_weights(model):
         base = f"{lname}.{w_name}"
         n_saved = sum(1 for k in saved if k.startswith(f"model.experts.{base}.")
@@ -566,6 +568,29 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, 
             else:
                 w[slot].zero_()
     _restore_optimizer(model, optimizer, want, dense_opt, row_opt, other_opt, source)
+
+
+def _shard_like_model(
+    want: dict[str, torch.Tensor],
+    model: nn.Module,
+    own: dict[str, torch.Tensor],
+    saved: dict[str, Any],
+) -> None:
+    """Where the model's dense tensors are DTensors (FSDP), ask DCP for DTensors shaped and
+    sharded like them (their moments too): each rank reads its shards, from a checkpoint of
+    either path."""
+    for k, v in own.items():
+        key = f"model.dense.{k}"
+        if is_dtensor(v) and key in want:
+            want[key] = torch.empty_like(v, dtype=saved[key].properties.dtype)
+    expert_names = expert_param_names(model)
+    for name, p in model.named_parameters():
+        if name in expert_names or not is_dtensor(p):
+            continue
+        prefix = f"optim.dense.{name}."
+        for key in [k for k in want if k.startswith(prefix)]:
+            if tuple(saved[key].size) == tuple(p.shape):
+                want[key] = torch.empty_like(p, dtype=saved[key].properties.dtype)
 
 
 def _is_expert_row_state(key: str) -> bool:

@@ -15,6 +15,12 @@ Keys (flat; each tensor stored once, by the rank that owns it):
 
 Because experts are keyed by global id, a rank of any world that fits reads exactly the rows
 its slots hold: DCP's resharding is by key, Poise's placement decides which keys a rank asks for.
+
+Under FSDP2 (`fsdp: true`) the dense tensors and their moments are `DTensor`s: every rank saves
+its shard under the same keys (DCP writes the shards, one global tensor per key), so the files
+are those of the all-reduce path, and either path resumes from the other's checkpoints. The
+model's own per-expert state-dict entries (`poise.nn.expert_keys`) are not saved twice: the
+experts are the `model.experts.` keys.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from poise.nn.expert_keys import split_expert_key
+from poise.nn.fsdp import is_dtensor
 from poise.nn.moe import EXPERT_WEIGHTS, MoE, find_moe_layers
 
 
@@ -41,6 +49,21 @@ def expert_param_names(model: nn.Module) -> set[str]:
             if getattr(m.experts, w_name) is not None:
                 names.add(f"{layers[id(m)]}.experts.{w_name}")
     return names
+
+
+def is_expert_entry(key: str, expert_names: set[str]) -> bool:
+    """Whether the state-dict key `key` is an expert weight (`expert_param_names`) or one
+    expert's row of one (`<layer>.experts.<w>.expert_<e>`, `poise.nn.expert_keys`)."""
+    if key in expert_names:
+        return True
+    parsed = split_expert_key(key)
+    return parsed is not None and parsed[0] in expert_names
+
+
+def dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without its experts (DTensors under FSDP)."""
+    names = expert_param_names(model)
+    return {k: v for k, v in model.state_dict().items() if not is_expert_entry(k, names)}
 
 
 def expert_weights(model: nn.Module) -> list[tuple[str, MoE, str, torch.Tensor]]:
@@ -67,6 +90,8 @@ def held_slots(moe: MoE) -> list[tuple[int, int]]:
 
 
 def _cpu(v: torch.Tensor) -> torch.Tensor:
+    if is_dtensor(v):  # a shard, where its mesh is (DCP stages it)
+        return v.detach().clone()
     return v.detach().cpu().clone()
 
 
@@ -74,20 +99,20 @@ def state_to_save(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, dense: bool, experts: bool
 ) -> dict[str, torch.Tensor]:
     """This rank's share of the checkpoint's tensors (CPU copies): the dense tensors and the
-    replicated optimizer scalars when `dense`, its home experts' rows and moments when
-    `experts`."""
+    replicated optimizer scalars when `dense` (DTensor ones, FSDP's shards, on every rank), its
+    home experts' rows and moments when `experts`."""
     out: dict[str, torch.Tensor] = {}
     expert_names = expert_param_names(model)
-    if dense:
-        for k, v in model.state_dict().items():
-            if k not in expert_names:
-                out[f"model.dense.{k}"] = _cpu(v)
-        for name, p in model.named_parameters():
-            if name in expert_names:
-                continue
-            for k, v in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v):
-                    out[f"optim.dense.{name}.{k}"] = _cpu(v)
+    # DTensors (FSDP's shards) from every rank; plain tensors from the rank that saves `dense`
+    for k, v in dense_state(model).items():
+        if dense or is_dtensor(v):
+            out[f"model.dense.{k}"] = _cpu(v)
+    for name, p in model.named_parameters():
+        if name in expert_names:
+            continue
+        for k, v in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and (dense or is_dtensor(v)):
+                out[f"optim.dense.{name}.{k}"] = _cpu(v)
     for lname, moe, w_name, w in expert_weights(model):
         state = optimizer.state.get(w, {})
         base = f"{lname}.{w_name}"
@@ -130,11 +155,13 @@ def optimizer_state_names(
 
 
 __all__ = [
+    "dense_state",
     "expert_layer_names",
     "expert_param_names",
     "expert_weights",
     "held_slots",
     "home_slots",
+    "is_expert_entry",
     "optimizer_state_names",
     "state_to_save",
 ]

@@ -11,7 +11,11 @@ the ranks) of one micro-batch, `micro_batches` (default 1) the micro-batches who
 optimizer step sums (gradient accumulation), so a step trains on `batch * micro_batches`
 sequences; `context` the sequence length (default: the preset's). `layout` (None: expert
 parallelism over all ranks) is a SmartMoE layout such as `"ep=2"` or `"pp1-ep2-edp2"`
-(`poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas.
+(`poise.train.layout`): EP groups of ep ranks, expert-data-parallel replicas. `fsdp` (default
+false) shards the dense parameters with FSDP2 (`torch.distributed.fsdp.fully_shard`) over a
+`DeviceMesh` ("dp", "ep") of the ranks instead of replicating them and summing their gradients
+in Poise's all-reduce; the experts stay expert parallel and balanced (`poise.nn.fsdp`); the
+losses are the same.
 
 Balancing settings are the Balancer's, with its defaults (`poise.runtime.config.BalancerConfig`):
 `plan_lag`, `predictor`, `probe_every`, `split_tokens`, `retarget`, `host_link`,
@@ -98,6 +102,7 @@ class TrainConfig:
     free_balancing: bool = False  # an instrument (`poise.train.instruments`)
     # parallelism
     layout: str | None = None
+    fsdp: bool = False  # dense parameters sharded by FSDP2 (`poise.nn.fsdp`)
     # run
     seed: int = 0
     out: str = "poise-out/train"
@@ -212,6 +217,7 @@ def _rules() -> dict[str, _Rule]:
         "separate_transfers": _Rule(_BOOL),
         "self_calibrate": _Rule(_BOOL),
         "layout": _Rule(_STR, nullable=True),
+        "fsdp": _Rule(_BOOL),
         "seed": _Rule(_INT, low=0),
         "out": _Rule(_STR),
         "checkpoint_every": _Rule(_INT, low=0),

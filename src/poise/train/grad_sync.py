@@ -9,6 +9,11 @@ one all-reduce, the step's scalars (loss sums, dropped assignments) riding along
 gradients are already complete in their home slots (the dispatcher's backward and Agg), so the
 norm sums each expert once: its home slot's squares, over the EP group (with a layout every EP
 group holds every expert). Squares are summed per tensor in float64 (`poise.nn.grad_norm`).
+
+Under FSDP2 (`fsdp: true`, `poise.nn.fsdp.shard_dense`) the dense parameters are `DTensor`s whose
+gradients FSDP has already summed into each rank's shard (divide factor 1): `sync_dense` leaves
+them out (its all-reduce carries the scalars, and any dense parameter FSDP does not hold), the
+norm sums their shards' squares over the mesh, and clipping scales the local shards.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import torch.distributed as dist
 
 from poise.nn import comm
 from poise.nn.comm import comm_device
-from poise.nn.grad_norm import squared_norm
+from poise.nn.fsdp import is_dtensor, local_tensor
+from poise.nn.grad_norm import squared_norm, squared_norm_sum
 from poise.nn.moe import find_moe_layers
 
 
@@ -27,7 +33,9 @@ def sync_dense(
 ) -> torch.Tensor:
     """Sum the `dense` parameters' gradients (a missing one as zeros) and `stats [n]` over the
     world in one all-reduce; the gradients are replaced by the sums, the summed `stats`
-    returned (unchanged on one rank)."""
+    returned (unchanged on one rank). DTensor parameters (FSDP's: reduced already) are left
+    out."""
+    dense = [p for p in dense if not is_dtensor(p)]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
     if world == 1:
         return stats
@@ -55,10 +63,8 @@ def clip_global_norm(
     leading ones, summed over `ep_group` when `ep` > 1: replica and empty slots hold no gradient
     of their own); every gradient of `model` scaled in place to norm `clip` when above it
     (`clip` 0: never)."""
-    dense_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in dense:
-        if p.grad is not None:
-            dense_sq += squared_norm(p.grad)
+    # plain gradients as they are, FSDP's DTensor shards summed over their mesh
+    dense_sq = squared_norm_sum((p.grad for p in dense if p.grad is not None), device)
     expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     for moe in find_moe_layers(model):
         homes = int(moe.routing.slots.home.sum())  # the leading slots (`slot_maps`)
@@ -72,7 +78,7 @@ def clip_global_norm(
     norm = float((dense_sq + expert_sq).sqrt())
     if clip > 0 and norm > clip:
         scale = clip / (norm + 1e-6)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, scale)
     return norm
 

@@ -25,6 +25,11 @@ own counts. Expert gradients need no all-reduce: the
 dispatcher's backward brings every rank's contribution to the slot that computed it, and the
 `poise.runtime.Balancer` sums replica gradients into their homes (Agg).
 
+With `fsdp: true` the dense parameters are sharded by FSDP2 instead (`poise.nn.fsdp.shard_dense`:
+`fully_shard` over a ("dp", "ep") `DeviceMesh`, the experts left out), which sums their
+gradients into each rank's shard in backward (divide factor 1); the scalars then take the
+all-reduce alone, and the clipping norm sums the shards' squares over the mesh. Same losses.
+
 In a SmartMoE layout (`layout: "ep=2"`; `poise.train.layout`) the MoE layers are expert
 parallel over EP groups of ep ranks (E / ep experts each, plus `spare_slots` when balancing),
 each group has its own Balancer over its ep ranks (a cluster of ep devices, planning on the
@@ -220,8 +225,21 @@ class _Trainer:
             seed=cfg.seed,
             device=self.device,
         )
+        # FSDP2 (`fsdp: true`): a ("dp", "ep") mesh; EP on its "ep" dimension (a layout's own
+        # EP groups are the same ranks), the dense parameters sharded over all of it
+        self.mesh = None
+        if cfg.fsdp and self.world > 1:
+            from poise.nn.fsdp import ep_mesh
+
+            self.mesh = ep_mesh(self.ep, device_type=self.device.type)
+            if self.groups is None:
+                group = self.ep_group = self.mesh["ep"].get_group()
         if group is not None:  # collective: checks that every rank built the same layers
             apply_expert_parallel(self.model, group, num_slots=self.slots)
+        if self.mesh is not None:
+            from poise.nn.fsdp import shard_dense
+
+            shard_dense(self.model, self.mesh)  # the experts left out: expert parallel
         self.dense = [p for _, p in self.model.dense_named_parameters()]
         self.experts = self.model.expert_parameters()
         self.optimizer = make_optimizer(self.model, cfg)
@@ -399,6 +417,8 @@ class _Trainer:
             t = _lap(ph, "forward", t)
             self.faults.at(step + 1, "forward")
             # Agg once a step, for the sum: after the last micro-batch's backward (`no_sync`)
+            if self.mesh is not None:  # FSDP reduces once, after the last micro-batch
+                self.model.set_requires_gradient_sync(m == micro - 1)
             with nullcontext() if m == micro - 1 else self.balancer.no_sync():
                 loss.backward()
             t = _lap(ph, "backward", t)
@@ -469,6 +489,12 @@ class _Trainer:
         )
         if self.layout is not None:
             self.log.print(f"layout {self.layout.describe()}")
+        if self.mesh is not None:
+            self.log.print(
+                f"fsdp: dense parameters sharded over {self.world} ranks by fully_shard "
+                f"(mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))}), "
+                "gradients summed; experts expert parallel"
+            )
         note = shared_cores_note(self.balancer)
         if note:
             self.log.print(note)
