@@ -103,7 +103,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="SPEC",
         help="model spec whose expert widths and activation are timed (default gpt-m)",
     )
-    gpu.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    gpu.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="the experts' compute dtype on the GPU, whose peak the rate replaces (default bf16)",
+    )
     parser.set_defaults(run=run)
     return parser
 
