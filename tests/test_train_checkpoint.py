@@ -6,6 +6,7 @@ from step 2 on 2 ranks and on 1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,10 @@ def test_every_rank_writes_its_own_shard(runs):
     root, _ = runs
     folder = root / "run" / "checkpoints" / "step-00000004"
     assert {p.name for p in folder.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    # the manifest rank 0 writes lists every rank's shard, and the folder verifies against it
+    listed = json.loads((folder / ck.MANIFEST).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ck.META, ".metadata"} <= set(listed)
+    ck.verify(folder)
     md = dcp.FileSystemReader(str(folder)).read_metadata()
     where = {idx.fqn: info.relative_path for idx, info in md.storage_data.items()}
     meta = ck.read_meta(folder)

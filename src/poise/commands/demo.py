@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -388,12 +389,49 @@ def replay_sections(data_dir: str | None, size: DemoSize, console: Console):
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    """The demo, built in a fresh folder beside `--out` (`.NAME.tmp-<pid>`) and published whole
+    in its place (`poise.util.atomic.atomic_publish_dir`) once the report is written: an
+    interrupted or failed demo (Ctrl-C included) removes its folder, turns file and all, and
+    leaves the previous one as it was."""
+    from poise.core.outputs import check_output_dir
+
     size = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else size.steps
     if steps < 2:
         raise ConfigError(f"must be >= 2, got {steps}", source=str(steps), field="--steps")
-    out = Path(args.out)
+    final = Path(args.out)
+    check_output_dir(final, "--out")
+    _remove_stale_builds(final)
+    build = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        return _run(args, size, steps, build, final)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+
+
+def _remove_stale_builds(final: Path) -> None:
+    """Remove the build folders of demos into `final` that were killed outright (their
+    process is gone)."""
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run(args: argparse.Namespace, size: DemoSize, steps: int, out: Path, final: Path) -> int:
+    """The demo's work, written into `out`, then published as `final`."""
+    console = Console()
     check_output_folder(out)
     if args.data:
         from poise.commands.demo_sims import find_shared_data
@@ -424,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     from poise.runtime.plan_inputs import shared_cores
     from poise.trace.trace import Trace
     from poise.train.data import build_corpus
-    from poise.util.atomic import atomic_write_text
+    from poise.util.atomic import atomic_publish_dir, atomic_write_text
 
     cfgs = {p: demo_config(p, out, size, steps=steps, corpus=args.corpus) for p in POLICIES}
     first = cfgs[POLICIES[0]]
@@ -540,6 +578,8 @@ def run(args: argparse.Namespace) -> int:
     )
     with console.status("writing the report"):
         report = write_demo_report(data, out, figures)
+    atomic_publish_dir(out, final)  # the whole folder at once, the previous one replaced
+    report = final / Path(report).relative_to(out)
     total = time.perf_counter() - started
 
     table = Table(title=f"measured on this machine: {WORLD} ranks, {steps} steps per run")
@@ -583,5 +623,5 @@ def run(args: argparse.Namespace) -> int:
         console.print(t)
     console.print(f"demo finished in {total:.1f} s")
     console.print(f"report: {report}")
-    console.print(f"summary: {out / 'demo.json'}")
+    console.print(f"summary: {final / 'demo.json'}")
     return 0

@@ -106,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         "devices": cluster.num_devices,
         "model": spec.name,
     }
+    if args.json:  # the file before the console: a reader that closes early loses nothing
+        atomic_write_text(args.json, json.dumps({**meta, **search.to_dict()}, indent=1) + "\n")
     _print(search, meta, args.all)
     if args.json:
-        atomic_write_text(args.json, json.dumps({**meta, **search.to_dict()}, indent=1) + "\n")
         Console().print(f"layouts written to {args.json}")
     return 0
 

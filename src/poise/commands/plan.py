@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = make_plan("static", loads, None, ctx)
     plan = make_plan(args.policy, loads, None, ctx)
     write_plan_json(plan, args.out, cluster=cluster.name, model=spec.name)
-    _print_summary(plan, baseline, args, cluster.name)
-    if args.eplb:
+    if args.eplb:  # every file before the console: a reader that closes early loses nothing
         out = Path(args.eplb)
         phy2log, log2phy, logcnt = placement_to_eplb(plan.placement)
         for name, arr in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
@@ -82,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
             )
             + "\n",
         )
-        Console().print(f"EPLB arrays written to {out}/")
+    _print_summary(plan, baseline, args, cluster.name)
+    if args.eplb:
+        Console().print(f"EPLB arrays written to {Path(args.eplb)}/")
     Console().print(f"plan written to {args.out}")
     return 0
 

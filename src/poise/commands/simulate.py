@@ -210,9 +210,7 @@ def run(args: argparse.Namespace) -> int:
             retarget=args.retarget,
             progress=lambda done, total: bar.update(task, completed=done),
         )
-    Console().print(_table(result))
-    Console().print(headline(result), soft_wrap=True)
-    console.print(result.scaling)
+    # every file first: a reader of the table that closes early (`| head`) loses none of them
     _write_outputs(result, out, args.trace)
     title = f"{Path(args.trace).name} on {cluster.name} ({schedule.name})"
     step_time_plot({k: r.step_s for k, r in result.runs.items()}, out / "step_time.png", title)
@@ -229,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
         out / "device_load.png",
         f"{title}: device load per step",
     )
+    Console().print(_table(result))
+    Console().print(headline(result), soft_wrap=True)
+    console.print(result.scaling)
     console.print(f"wrote {out}/summary.json, steps.csv, layers.csv and 3 plots")
     return 0
 

@@ -36,14 +36,30 @@ to `step-NNNNNNNN`, then points `latest` at it and removes older ones beyond `ke
 any point leaves the previous checkpoint and `latest` intact; a half-written `.tmp` folder is
 ignored and removed by the next save.
 
+Checksums: the last file written into the folder, before the rename, is `manifest.json`
+(atomically, by rank 0): the size and SHA-256 of every other file of the checkpoint. Each rank
+hashes the DCP shards it wrote itself (`__<rank>_*.distcp`, in parallel, once `dcp.save` has
+returned on every rank) and sends the digests to rank 0 with one gather; rank 0 hashes what no
+rank reported (`.metadata`, `poise.pt`, any shard named otherwise) and writes the manifest, so it
+covers every rank's files whoever wrote them. `resolve` (and so `load`, and every `--resume`)
+verifies a checkpoint against its manifest before anything of it is used: a checkpoint without a
+valid manifest, with a file missing, of another size or of another digest is not used. From a
+run folder or a `checkpoints/` folder the newest checkpoint that verifies is chosen, each one
+skipped named on one line with why; a checkpoint folder named itself must verify. Checkpoints
+written before manifests existed cannot be verified and are refused as such (nothing is trained
+on unverified data).
+
 Checkpoints of Poise before DCP (one `step-NNNNNNNN.pt` file, format `poise-train-checkpoint`
 version 1) are refused with one error naming that format.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,6 +90,10 @@ from poise.util.atomic import atomic_publish_dir, atomic_write_stream, atomic_wr
 FORMAT = "poise-dcp-checkpoint"
 VERSION = 2
 META = "poise.pt"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "poise-checkpoint-manifest"
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 20
 OLD_FORMAT = "poise-train-checkpoint v1 (one torch.save .pt file)"
 
 
@@ -97,6 +117,118 @@ def _old_format_error(path: Path) -> CheckpointError:
         source=str(path),
         field="format",
     )
+
+
+# ------------------------------------------------------------------------------- manifest
+def _file_entry(path: Path) -> dict[str, Any]:
+    """`{"size", "sha256"}` of one file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _own_shards(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Entries of the DCP shards this rank wrote (`__<rank>_*.distcp`)."""
+    if not folder.is_dir():
+        return {}
+    return {p.name: _file_entry(p) for p in sorted(folder.glob(f"__{rank}_*.distcp"))}
+
+
+def write_manifest(folder: str | Path, hashed: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write `manifest.json` into the checkpoint folder (atomically): every other file's size
+    and SHA-256, taken from `hashed` (what the ranks hashed of their own shards) where its size
+    still matches, else hashed here. Call it after every file of the checkpoint is written."""
+    folder = Path(folder)
+    hashed = hashed or {}
+    files: dict[str, dict[str, Any]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.name == MANIFEST or not p.is_file():
+            continue
+        entry = hashed.get(p.name)
+        if entry is None or entry.get("size") != p.stat().st_size:
+            entry = _file_entry(p)
+        files[p.name] = entry
+    doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
+    path = folder / MANIFEST
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's `files`, checked for shape; `CheckpointError` (field `manifest`)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            "no manifest.json: unfinished, or written by a Poise before checkpoints carried "
+            "checksums, so it cannot be verified",
+            source=str(folder),
+            field="manifest",
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(
+            f"unreadable ({type(exc).__name__})", source=str(path), field="manifest"
+        ) from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != MANIFEST_FORMAT
+        or doc.get("version") != MANIFEST_VERSION
+        or not isinstance(files, dict)
+    ):
+        raise CheckpointError(
+            f"not a {MANIFEST_FORMAT} v{MANIFEST_VERSION}", source=str(path), field="manifest"
+        )
+    for name, entry in files.items():
+        ok = (
+            isinstance(name, str)
+            and name not in ("", ".", "..", MANIFEST)
+            and "/" not in name
+            and "\\" not in name
+            and isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+        )
+        if not ok:
+            raise CheckpointError(
+                f"malformed entry {str(name)[:80]!r}", source=str(path), field="manifest"
+            )
+    for needed in (META, ".metadata"):
+        if needed not in files:
+            raise CheckpointError(f"does not list {needed}", source=str(path), field="manifest")
+    return files
+
+
+def verify(folder: str | Path) -> None:
+    """Check every file the checkpoint's `manifest.json` lists: present, of its size and its
+    SHA-256. One `CheckpointError` (field `manifest`) naming the first file that is not."""
+    folder = Path(folder)
+    for name, entry in sorted(_manifest_files(folder).items()):
+        p = folder / name
+        if not p.is_file():
+            raise CheckpointError(
+                f"{name} is missing (listed in manifest.json)", source=str(folder),
+                field="manifest",
+            )  # fmt: skip
+        size = p.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"{name} is {size} bytes, manifest.json says {entry['size']} (truncated or "
+                "overwritten)",
+                source=str(folder),
+                field="manifest",
+            )
+        if _file_entry(p)["sha256"] != entry["sha256"]:
+            raise CheckpointError(
+                f"{name} does not match its SHA-256 in manifest.json (damaged)",
+                source=str(folder),
+                field="manifest",
+            )
 
 
 # ------------------------------------------------------------------------------ file level
@@ -184,6 +316,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
     `poise.pt` values plus `model.dense[name]`, `model.experts[layer][w] [E, ...]`,
     `optimizer.dense[name][k]`, `optimizer.experts["<layer>.<w>"][k]` (moments `[E, ...]`)."""
     folder = Path(path)
+    if folder.is_dir():
+        verify(folder)
     meta = read_meta(folder)
     saved = _saved_tensors(folder)
     state = {k: _empty_like_saved(v) for k, v in saved.items()}
@@ -230,14 +364,18 @@ def checkpoint_dir(out: str | Path) -> Path:
     return Path(out) / "checkpoints"
 
 
-def _complete(folder: Path) -> bool:
-    return folder.is_dir() and (folder / META).is_file() and (folder / ".metadata").is_file()
+def _reason(exc: CheckpointError) -> str:
+    """An error's words without the folder it names (the caller names it)."""
+    return f"{exc.field}: {exc.message}" if exc.field else exc.message
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder from `path`: the folder itself, or in a run's output folder or its
-    `checkpoints/` the one `latest` names, else the highest complete step. Old-format `.pt`
-    files (named, or the only checkpoints in the folder) are one clear error."""
+def resolve(path: str | Path, *, say: bool = True) -> Path:
+    """A verified checkpoint folder from `path` (see `verify`): the folder itself, which must
+    verify, or in a run's output folder or its `checkpoints/` the newest that verifies, trying
+    the one `latest` names first, then the steps from the highest down. Each one skipped is one
+    line on stderr (unless `say` is false) naming it and why; when none verifies, one
+    `CheckpointError` naming each. Old-format `.pt` files (named, or the only checkpoints in the
+    folder) are one clear error."""
     p = Path(path)
     if p.is_file():
         if p.suffix == ".pt":
@@ -245,24 +383,49 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError("not a checkpoint folder", source=str(p), field="resume")
     if not p.is_dir():
         raise CheckpointError("no such checkpoint folder", source=str(p), field="resume")
-    if (p / META).is_file():
+    if (p / META).is_file() or (p / MANIFEST).is_file():
+        verify(p)
         return p
     if (p / "checkpoints").is_dir() and not (p / "latest").exists():
         p = p / "checkpoints"
     latest = p / "latest"
+    candidates: list[Path] = []
     if latest.is_file():
         name = latest.read_text().strip()
         if name.endswith(".pt") and (p / name).is_file():
             raise _old_format_error(p / name)
-        if _complete(p / name):
-            return p / name
-    found = sorted(x for x in p.glob("step-*") if _complete(x))
-    if not found:
+        if name and "/" not in name and (p / name).is_dir():
+            candidates.append(p / name)
+    steps = sorted((x for x in p.glob("step-*") if x.is_dir()), reverse=True)
+    candidates += [x for x in steps if x not in candidates]
+    if not candidates:
         old = sorted(p.glob("step-*.pt"))
         if old:
             raise _old_format_error(old[-1])
         raise CheckpointError("no checkpoint in this folder", source=str(p), field="resume")
-    return found[-1]
+    skipped: list[tuple[Path, str]] = []
+    for folder in candidates:
+        try:
+            if not (folder / META).is_file() or not (folder / ".metadata").is_file():
+                raise CheckpointError(f"{META} or .metadata is missing", source=str(folder))
+            verify(folder)
+        except CheckpointError as exc:
+            skipped.append((folder, _reason(exc)))
+            continue
+        if say:
+            for bad, why in skipped:
+                print(
+                    f"poise: warning: skipped checkpoint {bad} ({why}); resuming from "
+                    f"{folder.name}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return folder
+    listed = "; ".join(f"{bad.name}: {why}" for bad, why in skipped[:3])
+    more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    raise CheckpointError(
+        f"no checkpoint here verifies ({listed}{more})", source=str(p), field="resume"
+    )
 
 
 def publish(path: Path, keep: int) -> None:
@@ -473,9 +636,16 @@ def save(
                 process_group=group,
                 no_dist=world == 1,
             )
+    # every rank hashes the shards it wrote; rank 0 lists them all in the manifest, last
+    mine = _own_shards(tmp, rank) if error is None else {}
+    digests: list[dict[str, dict[str, Any]] | None] = [mine]
+    if world > 1:
+        digests = [None] * world
+        comm.all_gather_object(digests, mine, group=group)
     if payload is not None and error is None:
         try:
             write_file(payload, tmp / META)
+            write_manifest(tmp, {k: v for d in digests if d for k, v in d.items()})
             atomic_publish_dir(tmp, final)
             publish(final, keep)
         except OSError as exc:
@@ -713,5 +883,7 @@ __all__ = [
     "save",
     "set_rng",
     "snapshot",
+    "verify",
     "write_file",
+    "write_manifest",
 ]

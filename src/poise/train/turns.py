@@ -36,7 +36,11 @@ waiting: after `timeout_s` they raise one naming the file, the step and the coun
 Start-up and shut-down take cores too (imports, building the model; saving the trace, closing
 the group): `arrive` holds every run's first step until all runs have started (a second counter
 at offset 8, which each run's rank 0 increments under a file lock), and `finish` holds each run
-at its end until the last run has done its last step.
+at its end until the last run has done its last step. A turn file whose other runs never start
+(a `turns` setting left in a config run alone) is not waited on for ever in silence: after
+`NOTE_AFTER_S` rank 0 says in one line what it waits for and for how long, and after
+`start_timeout_s` (`START_TIMEOUT_S`, or `timeout_s` if shorter) `arrive` raises one
+`TurnsError` naming the file and how many runs arrived.
 
 What a run does in the background must stop while it does not hold the turn (the Balancer's
 planner, a Trans still in flight: `Balancer.pause`), or it would run on the other run's time;
@@ -48,6 +52,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,8 @@ from poise.nn import comm
 POLL_S = 1e-3  # seconds between two reads of the counter while waiting (a waiting rank sleeps)
 SLEEP_SHARE = 0.5  # a wait first sleeps this share of the shortest of the last RECENT waits
 RECENT = 4
+START_TIMEOUT_S = 120.0  # how long `arrive` waits for the other runs to start
+NOTE_AFTER_S = 5.0  # a start-up wait this long is announced (rank 0, one line)
 _COUNTER = struct.Struct("<q")  # little-endian int64s: the turn at offset 0, arrivals at 8
 TURN, ARRIVED, ABANDONED = 0, _COUNTER.size, 2 * _COUNTER.size
 
@@ -81,6 +88,7 @@ class StepTurns:
     group: dist.ProcessGroup | None
     fd: int
     timeout_s: float = 600.0
+    start_timeout_s: float = START_TIMEOUT_S
     recent_waits: list[float] = field(default_factory=list)  # the last waits for other runs
     handed: int = -1  # the counter this run's last `hand_over` set (or sets, on other ranks)
 
@@ -93,8 +101,11 @@ class StepTurns:
         rank: int,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 600.0,
+        start_timeout_s: float | None = None,
     ) -> StepTurns:
-        """Open (creating if needed) the counter file; every rank of every run calls this."""
+        """Open (creating if needed) the counter file; every rank of every run calls this.
+        `timeout_s` bounds every wait for a turn, `start_timeout_s` (at most `timeout_s`) the
+        wait in `arrive` for the other runs to start (None: `START_TIMEOUT_S`)."""
         if not 0 <= slot < slots:
             raise TurnsError(f"slot {slot} is not one of 0..{slots - 1}", field="turns_slot")
         p = Path(path)
@@ -102,7 +113,8 @@ class StepTurns:
             fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise TurnsError(f"cannot open the turn file {p}: {exc}", field="turns") from None
-        return cls(p, slot, slots, rank, group, fd, timeout_s)
+        start = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
+        return cls(p, slot, slots, rank, group, fd, timeout_s, min(start, timeout_s))
 
     def place(self, step: int) -> int:
         """This run's place in step `step`'s order: its slot on even steps, the reverse on odd
@@ -124,7 +136,29 @@ class StepTurns:
                 os.pwrite(self.fd, _COUNTER.pack(self.counter(ARRIVED) + 1), ARRIVED)
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return self._until(ARRIVED, self.slots, "to start")
+        t0 = time.perf_counter()
+        deadline = t0 + self.start_timeout_s
+        noted = self.rank != 0
+        while (seen := self.counter(ARRIVED)) < self.slots:
+            self._check_abandoned("to start")
+            waited = time.perf_counter() - t0
+            if not noted and waited >= NOTE_AFTER_S:
+                noted = True
+                print(
+                    f"poise: run {self.slot} waits for {self.slots - seen} other run(s) to start "
+                    f"taking turns in {self.path} (up to {self.start_timeout_s:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if time.perf_counter() > deadline:
+                raise TurnsError(
+                    f"{seen} of {self.slots} runs started taking turns in {self.path} within "
+                    f"{self.start_timeout_s:g} s; start the other run(s) with the same turn file, "
+                    "or run without `turns`",
+                    field="turns",
+                )
+            time.sleep(POLL_S)
+        return time.perf_counter() - t0
 
     def wait(self, step: int) -> float:
         """Block until this run may start step `step` (0-based, the same numbering in every
@@ -153,12 +187,7 @@ class StepTurns:
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
         while (seen := self.counter(at)) < want:
-            if gone := self.counter(ABANDONED):
-                raise TurnsError(
-                    f"run {gone - 1} of {self.slots} failed; run {self.slot} stops waiting "
-                    f"{what} in {self.path}",
-                    field="turns",
-                )
+            self._check_abandoned(what)
             if time.perf_counter() > deadline:
                 raise TurnsError(
                     f"run {self.slot} of {self.slots} waited {self.timeout_s:g} s {what} in "
@@ -168,6 +197,14 @@ class StepTurns:
                 )
             time.sleep(POLL_S)
         return time.perf_counter() - t0
+
+    def _check_abandoned(self, what: str) -> None:
+        if gone := self.counter(ABANDONED):
+            raise TurnsError(
+                f"run {gone - 1} of {self.slots} failed; run {self.slot} stops waiting "
+                f"{what} in {self.path}",
+                field="turns",
+            )
 
     def hand_over(self, step: int) -> None:
         """Step `step` is done on this rank: once it is on every rank of the run, rank 0 passes
@@ -188,4 +225,4 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         comm.barrier(group=group)
 
 
-__all__ = ["POLL_S", "StepTurns", "TurnsError"]
+__all__ = ["NOTE_AFTER_S", "POLL_S", "START_TIMEOUT_S", "StepTurns", "TurnsError"]
