@@ -14,6 +14,7 @@ import sys
 from poise import __version__
 from poise.core.errors import PoiseError
 from poise.util.argparsing import PoiseParser
+from poise.util.atomic import NotReplacedError
 from poise.util.heap import retain_freed_memory
 
 COMMANDS = ("calibrate", "demo", "layouts", "plan", "scenarios", "simulate", "trace", "train")
@@ -44,15 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # inside: a pipe closed early breaks here, not at exit
         return code
+    except (PoiseError, NotReplacedError) as exc:  # before OSError: NotReplacedError is one
+        print(f"poise: error: {exc.one_line()}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         return _stdout_closed(code)
     except OSError as exc:
         if exc.errno == errno.EPIPE:
             return _stdout_closed(code)
         raise
-    except PoiseError as exc:
-        print(f"poise: error: {exc.one_line()}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("poise: interrupted", file=sys.stderr)
         return 130

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from poise.train.config import TrainConfig
+    from poise.train.faults import Fault
 
 T = TypeVar("T")
 
@@ -74,10 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from poise.core.errors import ConfigError
-    from poise.core.outputs import check_output_dir
+    from poise.core.outputs import check_output_dir, output_lock
     from poise.train.__main__ import config_from_args
-    from poise.train.config import resolve_layout, save_config
-    from poise.train.data import build_corpus, shard_rows
+    from poise.train.config import resolve_layout
+    from poise.train.data import shard_rows
     from poise.train.faults import Fault
 
     cfg = config_from_args(args)
@@ -100,6 +101,16 @@ def run(args: argparse.Namespace) -> int:
         from poise.train.checkpoint import resolve
 
         args.resume = str(resolve(args.resume))
+    with output_lock(cfg.out, "--out"):  # a second run into this folder is refused
+        return _start(args, cfg, n, fault)
+
+
+def _start(args: argparse.Namespace, cfg: TrainConfig, n: int, fault: Fault | None) -> int:
+    """Run the checked training (in this process, or on `n` launched ranks), its output folder
+    locked."""
+    from poise.train.config import save_config
+    from poise.train.data import build_corpus
+
     if not args.quiet:  # the corpus and model take seconds to build: say what is starting
         print(
             f"poise train: model {cfg.model}, policy {cfg.policy}, {cfg.steps} steps on {n} "

@@ -1,9 +1,12 @@
-"""Atomic file writes: a crash mid-write leaves the previous file intact."""
+"""Atomic file writes: a crash mid-write leaves the previous file intact, and only a regular
+file is ever replaced (never a symbolic link, a FIFO, a device node or a socket)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,20 +19,62 @@ def _umask() -> int:
     return mask
 
 
+TMP_NAME_CHARS = 64  # of the target's name kept in a temporary name: it must fit NAME_MAX too
+
+
+class NotReplacedError(FileExistsError):
+    """The target of a write exists and is not a regular file: it is left as it is. Its message
+    is one line naming the path (the CLI prints it as bad input)."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(errno.EEXIST, f"is {what}, not a regular file: not replaced", str(path))
+        self.path = path
+
+    def one_line(self) -> str:
+        return f"{self.path}: {self.strerror}"
+
+
+_SPECIAL = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a device node"),
+    (stat.S_ISBLK, "a device node"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse (`NotReplacedError`) to rename over anything at `path` but a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there (or a parent that is no folder: the write itself says so)
+    if stat.S_ISREG(mode):
+        return
+    what = next((words for test, words in _SPECIAL if test(mode)), "a special file")
+    raise NotReplacedError(path, what)
+
+
 def atomic_write_stream(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Run `write(fh)` into a temporary file in `path`'s folder, fsync it, rename it to `path`
     and fsync the folder: readers never see half a file, and a crash at any point leaves the
     previous file (the temporary one is removed on failure). The file gets the permissions a
-    plain `open(path, "w")` would give (0666 less the umask), not `mkstemp`'s private 0600."""
+    plain `open(path, "w")` would give (0666 less the umask), not `mkstemp`'s private 0600.
+    A `path` that exists and is not a regular file is refused (`NotReplacedError`) before anything
+    is written and again at the rename."""
     path = Path(path)
+    _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    stem = path.name[:TMP_NAME_CHARS]
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        _check_replaceable(path)
         _replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
