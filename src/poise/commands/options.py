@@ -7,11 +7,10 @@ import dataclasses
 import sys
 from typing import Any
 
-import yaml
-
 from poise.core.budget import check_fits
 from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
+from poise.core.fields import read_set_value
 from poise.core.presets import PRESETS, get_cluster
 from poise.core.spec import ModelSpec, get_model
 from poise.cost.model import CostModel
@@ -166,10 +165,7 @@ def parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(
                 f"expected POLICY.KEY=VALUE, got {item!r}", source="--option", field=item
             )
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
+        value = read_set_value(raw, item, "--option")
         out.setdefault(policy, {})[name.strip()] = check_option(policy, name.strip(), value)
     return out
 

@@ -15,12 +15,60 @@ from typing import Any
 import yaml
 
 from poise.core.errors import ConfigError, PoiseError
+from poise.util.yaml_load import DuplicateKeyError, load_yaml
 
 _MISSING = object()
 
 
+class _DuplicateJSONKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateJSONKeyError(key)
+        out[key] = value
+    return out
+
+
+def parse_yaml(text: str, source: str, error: type[PoiseError] = ConfigError) -> Any:
+    """`text` read by the one YAML loader (`poise.util.yaml_load`: every `float()` spelling a
+    number, a repeated key refused); any failure is one `error` naming `source`."""
+    try:
+        return load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise error(
+            f"duplicate key (line {exc.line}; first at line {exc.first_line}): a key may be "
+            "given once",
+            source=source,
+            field=str(exc.key),
+        ) from None
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise error(f"not valid YAML: {first}", source=source) from None
+
+
+def read_set_value(raw: str, item: str, option: str) -> Any:
+    """The VALUE of a command line's `KEY=VALUE` (`--set`, `--option`) read as YAML by the one
+    loader (`3`, `1e-3`, `null`, `{d_model: 64}`); text that is no YAML stays the text itself,
+    and a mapping that repeats a key is one `ConfigError` naming `option` and the key."""
+    try:
+        return load_yaml(raw)
+    except DuplicateKeyError as exc:
+        raise ConfigError(
+            "duplicate key: a key may be given once", source=f"{option} {item}", field=str(exc.key)
+        ) from None
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return raw
+
+
 def read_mapping_file(path: str | Path, error: type[PoiseError] = ConfigError) -> dict[str, Any]:
-    """Read a YAML or JSON file whose top level must be a mapping."""
+    """Read a YAML or JSON file whose top level must be a mapping (YAML by `parse_yaml`; JSON
+    with a repeated key refused too)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -28,13 +76,18 @@ def read_mapping_file(path: str | Path, error: type[PoiseError] = ConfigError) -
         raise error("file not found", source=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"cannot read: {exc}", source=str(path)) from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError, ValueError, RecursionError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise error(
-            f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}", source=str(path)
-        ) from None
+    if path.suffix != ".json":
+        data = parse_yaml(text, str(path), error)
+    else:
+        try:
+            data = json.loads(text, object_pairs_hook=_json_pairs)
+        except _DuplicateJSONKeyError as exc:
+            raise error(
+                "duplicate key: a key may be given once", source=str(path), field=exc.key
+            ) from None
+        except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise error(f"not valid JSON: {first}", source=str(path)) from None
     if not isinstance(data, dict):
         raise error(f"top level must be a mapping, got {type(data).__name__}", source=str(path))
     return data

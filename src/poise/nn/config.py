@@ -11,6 +11,7 @@ group must hold the same config (`digest()` is compared across the ranks when EP
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +79,12 @@ class MoEConfig:
                 )
         for name in ("balance_coef", "z_loss_coef"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or _is_bool(value) or not value >= 0:
-                raise ConfigError(f"must be a number >= 0, got {value!r}", field=name)
+            if not isinstance(value, int | float) or _is_bool(value) or not 0 <= value < math.inf:
+                raise ConfigError(f"must be a finite number >= 0, got {value!r}", field=name)
         cap = self.capacity_factor
-        if cap is not None and (_is_bool(cap) or not isinstance(cap, int | float) or not cap > 0):
+        if cap is not None and (
+            _is_bool(cap) or not isinstance(cap, int | float) or not 0 < cap < math.inf
+        ):
             raise ConfigError(
                 f"must be > 0 (or None: dropless), got {cap!r}", field="capacity_factor"
             )

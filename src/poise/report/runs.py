@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from poise.core.errors import ConfigError
+from poise.util.yaml_load import load_yaml
 
 # Two runs of the same seed are the same computation until one of them changes its plan: their
 # losses then agree to fp32 rounding (in practice exactly). After a plan change the runs sum
@@ -111,7 +112,7 @@ class MeasuredRun:
                 if line.strip():
                     records.append(json.loads(line))
             summary = json.loads((path / "summary.json").read_text())
-            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            config = load_yaml((path / "config.yaml").read_text()) or {}
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise ConfigError(
                 f"cannot read the training run: {exc}", source=str(path), field="run"

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from poise.core.errors import ConfigError
-from poise.core.fields import read_mapping_file
+from poise.core.fields import read_mapping_file, read_set_value
 from poise.runtime.config import BalancerConfig
 from poise.train.layout import check_layout_text, parse_layout
 from poise.util.atomic import atomic_write_text
@@ -359,11 +359,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not eq or not key:
         raise ConfigError("expected KEY=VALUE", source=item, field="--set")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
-    return key, value
+    return key, read_set_value(raw, item, "--set")
 
 
 def resolve_layout(cfg: TrainConfig, world: int, source: str | None = None) -> Layout | None:
