@@ -26,7 +26,7 @@ from poise.core.budget import check_fits
 from poise.core.errors import ConfigError, TraceError
 from poise.trace.megatron import FILE_RE as MEGATRON_FILE
 from poise.trace.megatron import import_megatron
-from poise.trace.trace import Trace, load_failure
+from poise.trace.trace import LOAD_ERRORS, Trace, load_failure
 
 FORMATS = ("auto", "npz", "smartmoe", "eplb", "expert-counts", "megatron")
 
@@ -340,7 +340,7 @@ def _read_npy(path: Path) -> np.ndarray:
         arr = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise TraceError("file not found", source=src) from None
-    except (OSError, ValueError, EOFError) as exc:
+    except LOAD_ERRORS as exc:
         raise TraceError(f"not a readable .npy array: {load_failure(exc)}", source=src) from None
     if not isinstance(arr, np.ndarray):
         raise TraceError("expected a single .npy array (not an .npz archive)", source=src)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,13 +134,18 @@ class Trace:
     def load(cls, path: str | Path) -> Trace:
         path = Path(path)
         src = str(path)
+        data: dict[str, np.ndarray] = {}
+        key: str | None = None
         try:
             with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
+                for key in z.files:  # each array read (and decompressed, CRC checked) here
+                    data[key] = z[key]
         except FileNotFoundError:
             raise TraceError("file not found", source=src) from None
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise TraceError(f"not a Poise trace (.npz): {load_failure(exc)}", source=src) from None
+        except LOAD_ERRORS as exc:
+            raise TraceError(
+                f"not a Poise trace (.npz): {load_failure(exc)}", source=src, field=key
+            ) from None
         for key in ("schema_version", "counts", "step_ids", "top_k", "tokens_per_device"):
             if key not in data:
                 raise TraceError("missing array", source=src, field=key)
@@ -169,12 +175,34 @@ class Trace:
         return trace
 
 
+# What `np.load` raises on a file that is no array or archive, or one damaged on disk: a bad
+# header (ValueError), a cut file (EOFError, OSError), a broken archive or a CRC mismatch
+# (BadZipFile), a damaged compressed stream (zlib.error), a member the directory names but the
+# archive lacks (KeyError), a damaged version or method field (NotImplementedError, zipfile's
+# "zip file version" or "compression type"). Every reader of `.npy` / `.npz` files catches
+# exactly these.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    EOFError,
+    KeyError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
+
+
 def load_failure(exc: BaseException) -> str:
     """Why NumPy could not read a file, in words that never advise loading it with pickle: an
-    array of Python objects is refused outright (unpickling runs arbitrary code)."""
+    array of Python objects is refused outright (unpickling runs arbitrary code); damaged
+    compressed data is said to be so."""
     text = str(exc)
     if "pickle" in text.lower() or "object arrays" in text.lower():
         return "it holds Python objects, not numbers (Poise never unpickles files)"
+    if isinstance(exc, zlib.error):
+        return f"corrupt compressed data ({text})"
+    if isinstance(exc, zipfile.BadZipFile):
+        return f"corrupt archive ({text})"
     return text or type(exc).__name__
 
 
