@@ -64,8 +64,10 @@ class EPOnOneRank(Dispatcher):
     """The dispatcher held on its expert-parallel path with a one-rank group (a one-GPU
     machine): counts exchange, host read, device indices and NCCL all-to-alls, one peer."""
 
-    def __call__(self, x, experts, weights, keep, routing, expert_fn, nonfinite=False):  # type: ignore[no-untyped-def]
-        self.seconds = {}
+    def __call__(  # type: ignore[no-untyped-def]
+        self, x, experts, weights, keep, routing, expert_fn, nonfinite=False, slot_of=None
+    ):
+        self.seconds = {}  # slot_of: the one-process path's; unused here
         return self._distributed(x, experts, weights, keep, routing, expert_fn, nonfinite)
 
 

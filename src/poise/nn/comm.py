@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from poise.core.errors import PoiseError
 
@@ -269,6 +270,26 @@ def all_to_all_single(
     )
 
 
+def all_to_all_single_traced(
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group: Any = None,
+) -> torch.Tensor:
+    """`input [N, ...]` cut into `input_split_sizes` rows per rank and exchanged -> the received
+    rows `[sum(output_split_sizes), ...]`, as a functional collective that `torch.compile`
+    traces (`torch.distributed._functional_collectives.all_to_all_single_autograd`:
+    differentiable, its backward the reverse exchange; the wait is placed by the compiler, or
+    by the first use in eager). On the device, as `all_to_all_single`; the device check runs
+    outside a trace only (it asks the group's backend, which a traced graph cannot)."""
+    if not torch.compiler.is_compiling():
+        _check_on_device((input,), group, "all_to_all_single_traced")
+    pg = group if group is not None else dist.group.WORLD
+    return funcol.all_to_all_single_autograd(
+        input.contiguous(), output_split_sizes, input_split_sizes, pg
+    )
+
+
 __all__ = [
     "CommDeviceError",
     "ReduceOp",
@@ -277,6 +298,7 @@ __all__ = [
     "all_gather_single",
     "all_reduce",
     "all_to_all_single",
+    "all_to_all_single_traced",
     "barrier",
     "broadcast",
     "broadcast_object_list",

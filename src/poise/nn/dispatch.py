@@ -40,7 +40,7 @@ rank (no process group) steps 2-5 collapse to one sort by slot.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +72,12 @@ class RoutingMismatchError(PlanError):
 class DeviceTables:
     """A `RankRouting`'s arrays on the layer's device, for building indices there: `held [E]`
     bool, `weights [E, D]` float64, `slot_expert [H]` int64 (the expert of each held slot, in
-    slot order)."""
+    slot order), `slot_of [E]` int64 (`RankRouting.slot_of`)."""
 
     held: torch.Tensor
     weights: torch.Tensor
     slot_expert: torch.Tensor
+    slot_of: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,9 +103,13 @@ class RankRouting:
     digest: int = 0
     split: tuple[Placement, Assignment] | None = None
     _tables: dict[str, DeviceTables] = field(default_factory=dict, repr=False)
+    # Slot e holds expert e (a host bool, set once: a compiled forward reads it as a constant).
+    identity_slots: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
+        identity = np.array_equal(self.slot_of, np.arange(self.num_experts))
+        object.__setattr__(self, "identity_slots", bool(identity))
         if not self.digest:
             object.__setattr__(self, "digest", digest(self.home, self.copies, self.weights))
 
@@ -141,6 +146,7 @@ class RankRouting:
                 held=host.upload(self.held, device),
                 weights=host.upload(self.weights, device),
                 slot_expert=host.upload(self.slots.expert[held_slots], device),
+                slot_of=host.upload(self.slot_of, device),
             )
         return self._tables[key]
 
@@ -441,6 +447,15 @@ class _ChunkPlan:
     regroup: torch.Tensor | None  # (source, expert) -> (slot, source) order; None: identity
     ungroup: torch.Tensor | None
     tokens_per_slot: list[int]
+    tokens_t: torch.Tensor  # tokens_per_slot [P] on the device (uploaded without a wait)
+
+
+@dataclass
+class _SendPlan:
+    """One forward's send order (`index`) and its chunks' plans."""
+
+    index: TokenIndex
+    chunks: list[_ChunkPlan]
 
 
 class Dispatcher:
@@ -472,10 +487,13 @@ class Dispatcher:
         routing: RankRouting,
         expert_fn: ExpertFn,
         nonfinite: bool = False,
+        slot_of: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`x [T, M]`, `experts [T, k]`, `weights [T, k]`, `keep [T, k] | None` -> `y [T, M]`.
 
         `expert_fn(rows [R, M], tokens_per_slot [P]) -> [R, M]` runs this rank's slots.
+        `slot_of [E]` (int64, on x's device): `routing.slot_of` (the layer's buffer), used by
+        the one-process path; None: slot e holds expert e.
         `nonfinite`: this rank's input had NaN/inf; with several ranks every rank raises
         `NonFiniteInputError` after the count exchange (no rank is left waiting)."""
         self.seconds = {}
@@ -484,7 +502,7 @@ class Dispatcher:
                 raise NonFiniteInputError(
                     "NaN or infinity in the MoE layer's input", field="moe.input"
                 )
-            return self._local(x, experts, weights, keep, routing, expert_fn)
+            return self._local(x, experts, weights, keep, routing, expert_fn, slot_of)
         return self._distributed(x, experts, weights, keep, routing, expert_fn, nonfinite)
 
     # ------------------------------------------------------------------ one process
@@ -496,24 +514,33 @@ class Dispatcher:
         keep: torch.Tensor | None,
         routing: RankRouting,
         expert_fn: ExpertFn,
+        slot_of: torch.Tensor | None,
     ) -> torch.Tensor:
-        t0 = time.perf_counter()
+        compiling = torch.compiler.is_compiling()
+        t0 = 0.0 if compiling else time.perf_counter()
         T, k = experts.shape
         P = routing.slots.slots
-        slot_of = routing.slot_of
-        if np.array_equal(slot_of, np.arange(self.num_experts)):
-            key = experts.reshape(-1)
-        else:
-            key = torch.from_numpy(slot_of).to(experts.device)[experts.reshape(-1)]
+        if slot_of is None and not routing.identity_slots:
+            slot_of = routing.tables(experts.device).slot_of  # a caller without a buffer
+        key = experts.reshape(-1) if slot_of is None else slot_of[experts.reshape(-1)]
         if keep is not None:
             key = torch.where(keep.reshape(-1), key, P)
         order = torch.argsort(key, stable=True)
         tokens_per_slot = count_values(key, P + 1)[:P]
-        if keep is not None:
-            order = order[: int(keep.sum())]
+        if keep is not None and not compiling:
+            order = order[: int(keep.sum())]  # the kept count sizes the buffer: one host wait
+        # Compiled with a capacity: every row is sent, the dropped ones last, past the slots'
+        # rows (the experts give them 0 and the combine reads 0 for them): static shapes.
         index = TokenIndex.build(order, T, k)
         self.rows_computed = int(order.numel())  # a shape: no host synchronisation
         xs = _GatherTokens.apply(x, index)
+        if compiling:
+            if keep is None:
+                return _Combine.apply(expert_fn(xs, tokens_per_slot), weights, index)
+            kept = keep.reshape(-1).index_select(0, order).unsqueeze(1)  # [T k, 1]
+            xs = torch.where(kept, xs, 0.0)
+            out = torch.where(kept, expert_fn(xs, tokens_per_slot), 0.0)
+            return _Combine.apply(out, weights, index)
         t1 = time.perf_counter()
         out = expert_fn(xs, tokens_per_slot)
         t2 = time.perf_counter()
@@ -533,10 +560,85 @@ class Dispatcher:
         expert_fn: ExpertFn,
         nonfinite: bool,
     ) -> torch.Tensor:
-        t0 = time.perf_counter()
+        compiling = torch.compiler.is_compiling()
+        t0 = 0.0 if compiling else time.perf_counter()
+        plan = self._send_plan(experts, keep, routing, nonfinite, x.device)
+        send = _GatherTokens.apply(x, plan.index)
+        sends = send.split([sum(c.in_splits) for c in plan.chunks])
+        if compiling:
+            return self._exchange_traced(sends, plan, weights, expert_fn)
+        started = [
+            start_all_to_all(s, c.out_splits, c.in_splits, self.group)
+            for s, c in zip(sends, plan.chunks, strict=True)
+        ]
+        t_dispatch, t_experts = time.perf_counter() - t0, 0.0
+        back = []
+        for chunk, st in zip(plan.chunks, started, strict=True):
+            t1 = time.perf_counter()
+            rows = wait_all_to_all(st)
+            if chunk.regroup is not None:
+                rows = PermuteRows.apply(rows, chunk.regroup, chunk.ungroup)
+            t2 = time.perf_counter()
+            out = expert_fn(rows, chunk.tokens_per_slot)
+            t3 = time.perf_counter()
+            if chunk.regroup is not None:
+                out = PermuteRows.apply(out, chunk.ungroup, chunk.regroup)
+            back.append(start_all_to_all(out, chunk.in_splits, chunk.out_splits, self.group))
+            t_dispatch += t2 - t1
+            t_experts += t3 - t2
+        t4 = time.perf_counter()
+        outs = [wait_all_to_all(b) for b in back]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        y = _Combine.apply(out, weights, plan.index)
+        self.seconds = {
+            "dispatch": t_dispatch,
+            "experts": t_experts,
+            "combine": time.perf_counter() - t4,
+        }
+        return y
+
+    def _exchange_traced(
+        self,
+        sends: Sequence[torch.Tensor],
+        plan: _SendPlan,
+        weights: torch.Tensor,
+        expert_fn: ExpertFn,
+    ) -> torch.Tensor:
+        """The token exchange, experts and combine as `torch.compile` traces them: functional
+        all-to-alls (`comm.all_to_all_single_traced`, differentiable; the compiler places the
+        waits), the slot sizes as device tensors, no host clock."""
+        outs = []
+        for s, chunk in zip(sends, plan.chunks, strict=True):
+            rows = comm.all_to_all_single_traced(s, chunk.out_splits, chunk.in_splits, self.group)
+            if chunk.regroup is not None:
+                rows = PermuteRows.apply(rows, chunk.regroup, chunk.ungroup)
+            out = expert_fn(rows, chunk.tokens_t)
+            if chunk.regroup is not None:
+                out = PermuteRows.apply(out, chunk.ungroup, chunk.regroup)
+            outs.append(
+                comm.all_to_all_single_traced(out, chunk.in_splits, chunk.out_splits, self.group)
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _Combine.apply(out, weights, plan.index)
+
+    @torch.compiler.disable
+    def _send_plan(
+        self,
+        experts: torch.Tensor,
+        keep: torch.Tensor | None,
+        routing: RankRouting,
+        nonfinite: bool,
+        device: torch.device,
+    ) -> _SendPlan:
+        """Steps 1-3 and the index plans: the sort, the count exchange, the forward's one host
+        read (`host.read_sizes`) and every index built on the device from it -> `_SendPlan`.
+
+        Never traced (`torch.compiler.disable`): the split sizes it returns are host ints,
+        which a traced graph would either break on (`.tolist()`) or carry as data-dependent
+        sizes; under `torch.compile` this call is the layer's one graph break (dynamo
+        resumes after it with the sizes as plain ints)."""
         E, D, n = self.num_experts, self.world, self.overlap_degree
         T, k = experts.shape
-        device = x.device
         flat = experts.reshape(-1)
         if keep is not None:
             flat = torch.where(keep.reshape(-1), flat, E)
@@ -562,43 +664,12 @@ class Dispatcher:
             sizes = split_parts_t(routes, n).permute(1, 2, 0).reshape(-1)
             blocks = torch.arange(E * D * n, device=device).view(E, D, n).permute(2, 1, 0)
             send_idx = send_idx.index_select(0, gather_index_t(sizes, blocks.reshape(-1), N))
-        index = TokenIndex.build(send_idx, T, k)
-        send = _GatherTokens.apply(x, index)
         recv_parts = split_parts_t(recv, n)  # [n, D, E] on the device
         chunks = [
             self._chunk_plan(parts_h[c], p, recv_parts[c], routing, device)
             for c, p in enumerate(split_parts(recv_h, n))
         ]
-        sends = send.split([sum(c.in_splits) for c in chunks])
-        started = [
-            start_all_to_all(s, c.out_splits, c.in_splits, self.group)
-            for s, c in zip(sends, chunks, strict=True)
-        ]
-        t_dispatch, t_experts = time.perf_counter() - t0, 0.0
-        back = []
-        for plan, st in zip(chunks, started, strict=True):
-            t1 = time.perf_counter()
-            rows = wait_all_to_all(st)
-            if plan.regroup is not None:
-                rows = PermuteRows.apply(rows, plan.regroup, plan.ungroup)
-            t2 = time.perf_counter()
-            out = expert_fn(rows, plan.tokens_per_slot)
-            t3 = time.perf_counter()
-            if plan.regroup is not None:
-                out = PermuteRows.apply(out, plan.ungroup, plan.regroup)
-            back.append(start_all_to_all(out, plan.in_splits, plan.out_splits, self.group))
-            t_dispatch += t2 - t1
-            t_experts += t3 - t2
-        t4 = time.perf_counter()
-        outs = [wait_all_to_all(b) for b in back]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        y = _Combine.apply(out, weights, index)
-        self.seconds = {
-            "dispatch": t_dispatch,
-            "experts": t_experts,
-            "combine": time.perf_counter() - t4,
-        }
-        return y
+        return _SendPlan(TokenIndex.build(send_idx, T, k), chunks)
 
     def _gather_counts(
         self, counts: torch.Tensor, routing: RankRouting, nonfinite: bool
@@ -696,6 +767,7 @@ class Dispatcher:
             regroup=regroup,
             ungroup=ungroup,
             tokens_per_slot=tokens.tolist(),
+            tokens_t=host.upload(tokens, device),
         )
 
 

@@ -25,6 +25,10 @@ Two implementations, same mathematics:
 CPU, torch's grouped GEMM is itself a loop of GEMMs over the whole `[T, H]` activation (fresh,
 cache-cold memory every step), and the blocked loop measures faster (`benchmarks/moe_layer.py
 --experts-impl grouped`, figures in docs/benchmarks.md).
+
+Under `torch.compile` the loop runs as one custom op (`poise::slot_loop_ffn`, its backward
+`poise::slot_loop_ffn_backward`) that reads the slot sizes inside, so the graph has no
+data-dependent size; the grouped GEMM is traced for bfloat16 only (its fake kernel's limit).
 """
 
 from __future__ import annotations
@@ -152,6 +156,10 @@ class Experts(nn.Module):
         """The implementation `forward` uses for input `x`; raises `ConfigError` when
         `"grouped"` is forced where it cannot run."""
         problem = grouped_mm_problem(x.dtype, x.device, self.d_model, self.d_expert)
+        if not problem and torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+            # torch._grouped_mm's fake (meta) kernel takes bfloat16 only: under torch.compile
+            # other dtypes run the per-slot loop (`slot_loop_ffn`).
+            problem = f"torch._grouped_mm under torch.compile needs bfloat16, not {x.dtype}"
         if self.impl == "grouped":
             if problem:
                 raise ConfigError(problem, field="experts.impl")
@@ -204,6 +212,14 @@ class Experts(nn.Module):
             )
             self._check_counts_shape(counts.shape[0])
             return _grouped_ffn(x, counts, w_in, w_gate, w_out)
+        if torch.compiler.is_compiling():  # one opaque op: static shapes in the graph
+            counts = (
+                tokens_per_slot.to(x.device)
+                if isinstance(tokens_per_slot, torch.Tensor)
+                else torch.tensor(list(tokens_per_slot), dtype=torch.long, device=x.device)
+            )
+            self._check_counts_shape(counts.shape[0])
+            return slot_loop_ffn(x, counts.long(), w_in, w_out, w_gate)[0]
         counts_list = _as_int_list(tokens_per_slot)
         self._check_counts(counts_list, x.shape[0])
         return _SlotLoopFFN.apply(x, counts_list, w_in, w_out, w_gate)
@@ -369,43 +385,188 @@ class _SlotLoopFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_in, w_out, w_gate, *saved = ctx.saved_tensors
-        per_slot = 2 if w_gate is None else 3
-        gy = gy.contiguous()
-        need_x = ctx.needs_input_grad[0]
-        gx = torch.empty_like(x) if need_x else None
-        grads = [torch.empty_like(w_in), torch.empty_like(w_out)]
-        if w_gate is not None:
-            grads.append(torch.empty_like(w_gate))
-        gw_in, gw_out = grads[0], grads[1]
-        for slot, n in enumerate(ctx.counts):
-            if n == 0:
-                for gw in grads:
-                    gw[slot].zero_()
-        first = {}
-        for i, (slot, s, e) in enumerate(ctx.blocks):
-            first.setdefault(slot, i)
-            acc = first[slot] != i  # later blocks of a slot add to its weight gradients
-            h, a, *rest = saved[i * per_slot : (i + 1) * per_slot]
-            xs, gys = x[s:e], gy[s:e]
-            _mm_into(gw_out[slot], a.t(), gys, acc)
-            ga = torch.mm(gys, w_out[slot].t())  # d(activation) [n, H]
-            if w_gate is None:
-                gh = torch.ops.aten.gelu_backward(ga, h)
-                _mm_into(gw_in[slot], xs.t(), gh, acc)
-                if need_x:
-                    torch.mm(gh, w_in[slot].t(), out=gx[s:e])
-                continue
-            (g,) = rest
-            gg = torch.ops.aten.silu_backward(ga * h, g)
-            gh = ga.mul_(F.silu(g))
-            _mm_into(gw_in[slot], xs.t(), gh, acc)
-            _mm_into(grads[2][slot], xs.t(), gg, acc)
-            if need_x:
-                out = gx[s:e]
-                torch.mm(gh, w_in[slot].t(), out=out)
-                out.addmm_(gg, w_gate[slot].t())
-        gw_gate = grads[2] if w_gate is not None else None
+        gx, gw_in, gw_out, gw_gate = _slot_loop_backward(
+            gy, x, w_in, w_out, w_gate, saved, ctx.counts, ctx.blocks, ctx.needs_input_grad[0]
+        )
         return gx, None, gw_in, gw_out, gw_gate
+
+
+def _slot_loop_backward(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    saved: Sequence[torch.Tensor],
+    counts: list[int],
+    blocks: list[tuple[int, int, int]],
+    need_x: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The per-slot loop's backward: `gy [T, D]` and the forward's `saved` (per block: `h, a`
+    for GELU, `h, a, g` for SwiGLU, each `[rows, H]`) -> `(gx [T, D] | None, gw_in, gw_out,
+    gw_gate)`. Rows past the blocks (`sum(counts) < T`) get a zero `gx`."""
+    per_slot = 2 if w_gate is None else 3
+    gy = gy.contiguous()
+    gx = torch.empty_like(x) if need_x else None
+    if gx is not None and sum(counts) < x.shape[0]:
+        gx[sum(counts) :].zero_()
+    grads = [torch.empty_like(w_in), torch.empty_like(w_out)]
+    if w_gate is not None:
+        grads.append(torch.empty_like(w_gate))
+    gw_in, gw_out = grads[0], grads[1]
+    for slot, n in enumerate(counts):
+        if n == 0:
+            for gw in grads:
+                gw[slot].zero_()
+    first = {}
+    for i, (slot, s, e) in enumerate(blocks):
+        first.setdefault(slot, i)
+        acc = first[slot] != i  # later blocks of a slot add to its weight gradients
+        h, a, *rest = saved[i * per_slot : (i + 1) * per_slot]
+        xs, gys = x[s:e], gy[s:e]
+        _mm_into(gw_out[slot], a.t(), gys, acc)
+        ga = torch.mm(gys, w_out[slot].t())  # d(activation) [n, H]
+        if w_gate is None:
+            gh = torch.ops.aten.gelu_backward(ga, h)
+            _mm_into(gw_in[slot], xs.t(), gh, acc)
+            if gx is not None:
+                torch.mm(gh, w_in[slot].t(), out=gx[s:e])
+            continue
+        (g,) = rest
+        gg = torch.ops.aten.silu_backward(ga * h, g)
+        gh = ga.mul_(F.silu(g))
+        _mm_into(gw_in[slot], xs.t(), gh, acc)
+        _mm_into(grads[2][slot], xs.t(), gg, acc)
+        if gx is not None:
+            out = gx[s:e]
+            torch.mm(gh, w_in[slot].t(), out=out)
+            out.addmm_(gg, w_gate[slot].t())
+    gw_gate = grads[2] if w_gate is not None else None
+    return gx, gw_in, gw_out, gw_gate
+
+
+# ----------------------------------------------------------------------------- compiled loop
+# Under torch.compile the per-slot loop runs as one opaque custom op: its slot sizes are read
+# from `counts` inside the op (eager code, a host read of `[S]` ints: free on the CPU, one wait
+# on a GPU, where "auto" runs the grouped GEMM instead wherever it can), so the traced graph has
+# static shapes and no data-dependent size (`.tolist()` would break the graph, and unbacked
+# sizes need `capture_scalar_outputs`). Same kernels and blocks as `_SlotLoopFFN`, so the
+# compiled layer computes what the eager one does. The saved activations are whole `[T, H]`
+# buffers (a custom op's outputs have a fixed number), each block writing its rows.
+
+
+def _op_counts(counts: torch.Tensor, rows: int) -> list[int]:
+    values = [int(c) for c in counts.tolist()]
+    if min(values, default=0) < 0 or sum(values) > rows:
+        raise ExpertsInputError(
+            f"tokens_per_slot {values} must be >= 0 and sum to at most the {rows} rows",
+            field="experts.tokens_per_slot",
+        )
+    return values
+
+
+@torch.library.custom_op("poise::slot_loop_ffn", mutates_args=())
+def slot_loop_ffn(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    w_gate: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x [T, D]` rows by slot, `counts [S]` (int64; summing to at most T: rows past them are
+    left out and give 0) -> `(y [T, D], h, a, g)` with the saved `[T, H]` activations
+    (`g` empty `[0, H]` for GELU)."""
+    values = _op_counts(counts, x.shape[0])
+    T, H = x.shape[0], w_in.shape[2]
+    h, a = x.new_empty(T, H), x.new_empty(T, H)
+    g = x.new_empty(T if w_gate is not None else 0, H)
+    y = x.new_empty(x.shape)
+    y[sum(values) :].zero_()
+    for slot, s, e in _slot_ranges(values, block_rows(H, x.dtype)):
+        xs = x[s:e]
+        torch.mm(xs, w_in[slot], out=h[s:e])
+        if w_gate is None:
+            a[s:e] = F.gelu(h[s:e])
+        else:
+            torch.mm(xs, w_gate[slot], out=g[s:e])
+            torch.mul(F.silu(g[s:e]), h[s:e], out=a[s:e])
+        torch.mm(a[s:e], w_out[slot], out=y[s:e])
+    return y, h, a, g
+
+
+@slot_loop_ffn.register_fake
+def _(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    w_gate: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, H = x.shape[0], w_in.shape[2]
+    g = x.new_empty(T if w_gate is not None else 0, H)
+    return x.new_empty(x.shape), x.new_empty(T, H), x.new_empty(T, H), g
+
+
+@torch.library.custom_op("poise::slot_loop_ffn_backward", mutates_args=())
+def slot_loop_ffn_backward(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    h: torch.Tensor,
+    a: torch.Tensor,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_loop_ffn`'s backward -> `(gx [T, D], gw_in, gw_out, gw_gate)` (`gw_gate` empty
+    for GELU)."""
+    values = _op_counts(counts, x.shape[0])
+    blocks = _slot_ranges(values, block_rows(w_in.shape[2], x.dtype))
+    saved: list[torch.Tensor] = []
+    for _slot, s, e in blocks:
+        saved += [h[s:e], a[s:e]] if w_gate is None else [h[s:e], a[s:e], g[s:e]]
+    gx, gw_in, gw_out, gw_gate = _slot_loop_backward(
+        gy, x, w_in, w_out, w_gate, saved, values, blocks, True
+    )
+    assert gx is not None
+    return gx, gw_in, gw_out, gw_gate if gw_gate is not None else w_in.new_empty(0)
+
+
+@slot_loop_ffn_backward.register_fake
+def _(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    h: torch.Tensor,
+    a: torch.Tensor,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gw_gate = torch.empty_like(w_gate) if w_gate is not None else w_in.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(w_in), torch.empty_like(w_out), gw_gate
+
+
+def _slot_loop_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, counts, w_in, w_out, w_gate = inputs
+    _y, h, a, g = output
+    ctx.gelu = w_gate is None
+    ctx.save_for_backward(x, counts, w_in, w_out, w_gate, h, a, g)
+
+
+def _slot_loop_grad(
+    ctx: Any, gy: torch.Tensor, *_saved_grads: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    x, counts, w_in, w_out, w_gate, h, a, g = ctx.saved_tensors
+    gx, gw_in, gw_out, gw_gate = slot_loop_ffn_backward(
+        gy.contiguous(), x, counts, w_in, w_out, None if ctx.gelu else w_gate, h, a, g
+    )
+    return gx, None, gw_in, gw_out, None if ctx.gelu else gw_gate
+
+
+slot_loop_ffn.register_autograd(_slot_loop_grad, setup_context=_slot_loop_setup)
 
 
 __all__ = [

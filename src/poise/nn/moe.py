@@ -113,6 +113,7 @@ class MoE(nn.Module):
     last_counts: torch.Tensor
     bias_counts: torch.Tensor
     nonfinite_seen: torch.Tensor
+    slot_of: torch.Tensor
 
     def __init__(
         self,
@@ -141,6 +142,7 @@ class MoE(nn.Module):
         self.world, self.rank = 1, 0
         self.expert_parallel = False
         self.dispatcher = Dispatcher(E, c.top_k, None, c.overlap_degree)
+        self.register_buffer("slot_of", torch.arange(E, device=device), persistent=False)
         self.routing = RankRouting.static(E, 1, 0, E)
         self.init_seed = _draw_seed() if c.init_seed is None else int(c.init_seed)
         self.reset_experts()
@@ -174,6 +176,19 @@ class MoE(nn.Module):
         return self.dispatcher.overlap_degree
 
     # ------------------------------------------------------------------ weights and routing
+    @property
+    def routing(self) -> RankRouting:
+        """The routing in force (`RankRouting`); setting it also fills the `slot_of [E]`
+        buffer (in place: a compiled forward reads the new slots without recompiling)."""
+        return self._routing
+
+    @routing.setter
+    def routing(self, value: RankRouting) -> None:
+        self._static_slots = value.identity_slots
+        with torch.no_grad():
+            self.slot_of.copy_(torch.from_numpy(value.slot_of))
+        self._routing = value
+
     def reset_experts(self) -> None:
         """Draw every held slot's weights from its expert's own generator; empty slots zero."""
         for slot, e in enumerate(self.routing.slots.expert.tolist()):
@@ -243,7 +258,8 @@ class MoE(nn.Module):
                 f"input's last dimension is {x.shape[-1]}, the layer's d_model {self.d_model}",
                 field="moe.input",
             )
-        t0 = time.perf_counter()
+        timed = not torch.compiler.is_compiling()  # host clocks break a traced graph
+        t0 = time.perf_counter() if timed else 0.0
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens)
         counts = routing.counts.detach()
@@ -252,10 +268,11 @@ class MoE(nn.Module):
             self.bias_counts.add_(counts.to(self.bias_counts.device))
         if self.config.check_finite:  # on the device: read at the step boundary
             self.nonfinite_seen |= ~torch.isfinite(routing.logits.detach()).all()
-        t_gate = time.perf_counter() - t0
+        t_gate = time.perf_counter() - t0 if timed else 0.0
         y = self.dispatcher(
-            tokens, routing.experts, routing.weights, routing.keep, self.routing, self.experts
-        )
+            tokens, routing.experts, routing.weights, routing.keep, self.routing, self.experts,
+            slot_of=None if self._static_slots else self.slot_of,
+        )  # fmt: skip
         self.last_forward = ForwardRecord(
             aux_loss=routing.aux_loss,
             balance_loss=routing.balance_loss,
@@ -266,7 +283,7 @@ class MoE(nn.Module):
                 else torch.zeros((), dtype=torch.long, device=counts.device)
             ),
             choices=routing.experts.detach(),
-            seconds={"gate": t_gate, **self.dispatcher.seconds},
+            seconds={"gate": t_gate, **self.dispatcher.seconds} if timed else {},
             rows=self.dispatcher.rows_computed,
         )
         return y.view(x.shape)
