@@ -35,6 +35,19 @@ sizes need (`poise.nn.host.read_sizes`; every index is built on the device, coun
 ranks by `tests/test_nn_host_waits.py`, measured on CUDA by `benchmarks/cuda_syncs.py --ep`);
 on one device a capacity factor adds one wait (the kept count sizes the buffer).
 
+torch.compile: `torch.compile(model, fullgraph=True)` traces a model of these layers forward and
+backward on one process with no graph break (`tests/test_nn_compile.py` counts them with
+`torch._dynamo.explain`): no host clock while compiling (`last_forward.seconds` is `{}`), the
+slots read from the `slot_of [E]` buffer (written in place by `set_routing`: a plan change
+keeps the compiled graph; only a switch between the identity slot map and another recompiles,
+once), the CPU experts' loop as one custom op (`poise::slot_loop_ffn`), and a capacity on
+static shapes (dropped rows ride along and give 0; `rows_computed` then counts them). Under
+EP each layer breaks the graph once, at `Dispatcher._send_plan` (never traced): the count
+exchange and the host read of the sizes the token all-to-all takes as host ints; the token
+exchange after it is a functional collective (`comm.all_to_all_single_traced`). New split
+sizes recompile the frames resumed after the break until dynamo makes them symbolic (twice on
+2 ranks), and a plan change with a replica once per layer; then changing loads recompile none.
+
 Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
 on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
 gathers the flags with the step's counts (`Balancer.reduce_replicas`) and raises
