@@ -39,7 +39,7 @@ class Net(nn.Module):
     def __init__(self, capacity: float | None = 1.0) -> None:
         super().__init__()
         first = MoEConfig(M, H, E, K, init_seed=1, z_loss_coef=0.1)
-        second = MoEConfig(M, H, E, K, init_seed=2, capacity_factor=capacity)
+        second = MoEConfig(M, H, E, K, init_seed=2, capacity_factor=capacity, overlap_degree=2)
         self.blocks = nn.ModuleList([MoE(first), MoE(second)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,10 +201,11 @@ def test_expert_parallel_breaks_only_at_the_size_reads_and_equals_eager() -> Non
         assert r["reasons"] == ["Skip inlining `torch.compiler.disable()`d function"], r
         assert r["break_reasons"] == 2, r  # one per layer
         assert max(r["gaps"]) < 1e-5, (rank, r["gaps"])
-        # Frames compiled after each step: 7 for the first (the model's frame, then per layer
-        # MoE.forward, the dispatcher, `_distributed` and its resumption after the size read);
-        # new split sizes recompile the resumed frames until dynamo makes them symbolic; the
-        # plan change at step 3 recompiles once per layer; then loads change without any.
+        # Frames compiled after each step (measured: 7, 9, then 9): 7 for the first (the
+        # model's frame, then per layer kind MoE.forward, the dispatcher, `_distributed` and
+        # the frames resumed after the size read; layers of one config share them); new split
+        # sizes recompile the resumed frames once, dynamo then makes them symbolic; the plan
+        # change at step 3 and the changing loads recompile none.
         frames = r["frames"]
-        assert frames[0] == 7 and frames[-1] - frames[0] <= 6, (rank, frames)
+        assert frames[0] == 7 and frames[-1] - frames[0] <= 4, (rank, frames)
         assert frames[-1] == frames[-3], (rank, frames)

@@ -74,8 +74,8 @@ def test_the_balancer_trains_a_compiled_model_as_the_eager_one() -> None:
         assert compiled["layouts"] == eager["layouts"], rank  # the same plan changes
         assert len(set(eager["layouts"])) > 1, eager["layouts"]  # some plan took force
         torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
-        # Frames compiled before each step and after the last (measured: 0, 8, 10, 13, 17-18,
-        # 21-22, then 22): the first steps' new split sizes until dynamo makes them symbolic,
-        # the plan's first steps (replicas: regrouped rows, new slots) once more, then none.
+        # Frames compiled before each step and after the last (measured: 0, 8, 9, 11, 13, 16,
+        # 17, then 17): the first steps' new split sizes until dynamo makes them symbolic, the
+        # plan's first steps (replicas: regrouped rows, new slots) a few more, then none.
         frames = compiled["frames"]
-        assert frames[-1] <= 26 and frames[-1] == frames[-5], (rank, frames)
+        assert frames[-1] <= 20 and frames[-1] == frames[-5], (rank, frames)

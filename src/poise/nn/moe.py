@@ -45,8 +45,9 @@ static shapes (dropped rows ride along and give 0; `rows_computed` then counts t
 EP each layer breaks the graph once, at `Dispatcher._send_plan` (never traced): the count
 exchange and the host read of the sizes the token all-to-all takes as host ints; the token
 exchange after it is a functional collective (`comm.all_to_all_single_traced`). New split
-sizes recompile the frames resumed after the break until dynamo makes them symbolic (twice on
-2 ranks), and a plan change with a replica once per layer; then changing loads recompile none.
+sizes recompile the frames resumed after the break once (dynamo then makes them symbolic);
+layers of one config share their frames; `last_forward.rows` is then a `LastRows`, read at the
+size read. Under the Balancer a plan's first steps recompile a few frames, then none.
 
 Checks: forward does not synchronise with the host to look for NaN or infinity: it ORs an
 on-device flag (`nonfinite_seen`) that the step boundary reads with the loss. The Balancer
@@ -97,6 +98,22 @@ def check_world(num_experts: int, world: int) -> None:
         )
 
 
+class LastRows:
+    """`int(LastRows(dispatcher))`: the token-expert rows the dispatcher's latest forward
+    computed (`Dispatcher.rows_computed`, set at the size read), read when asked: what a
+    compiled layer under EP leaves in `ForwardRecord.rows` (read it before the layer's next
+    forward, as the Balancer's forward hook does)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def __int__(self) -> int:
+        return int(self.dispatcher.rows_computed)
+
+    def __index__(self) -> int:
+        return int(self)
+
+
 @dataclass
 class ForwardRecord:
     """What an `MoE` forward leaves besides its output: the router's losses (scalars, with
@@ -111,7 +128,8 @@ class ForwardRecord:
     dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     choices: torch.Tensor | None = None
     seconds: dict[str, float] = field(default_factory=dict)
-    rows: int = 0  # token-expert rows this rank's slots computed (its measured device load)
+    # token-expert rows this rank's slots computed (its measured device load); `int()` it
+    rows: int | LastRows = 0
 
 
 class MoE(nn.Module):
@@ -286,6 +304,13 @@ class MoE(nn.Module):
             tokens, routing.experts, routing.weights, routing.keep, self.routing, self.experts,
             slot_of=None if self._static_slots else self.slot_of,
         )  # fmt: skip
+        # Under EP the rows are known at the size read only: compiled, the record reads them
+        # there when asked (a host int here would be a guard that every step's loads fail).
+        rows: int | LastRows = (
+            LastRows(self.dispatcher)
+            if self.world > 1 and not timed
+            else self.dispatcher.rows_computed
+        )
         self.last_forward = ForwardRecord(
             aux_loss=routing.aux_loss,
             balance_loss=routing.balance_loss,
@@ -297,7 +322,7 @@ class MoE(nn.Module):
             ),
             choices=routing.experts.detach(),
             seconds={"gate": t_gate, **self.dispatcher.seconds} if timed else {},
-            rows=self.dispatcher.rows_computed,
+            rows=rows,
         )
         return y.view(x.shape)
 
