@@ -372,3 +372,14 @@ def eager_balancer(model, opt, policy: str = "eplb", replan_every: int = 2):
     cluster = toy_cluster(devices_per_node=W, bw=1e12, flops=1e6)
     config = BalancerConfig(cluster=cluster, guard=False, calibrate=False)
     return Balancer(model, opt, policy, replan_every, config)
+
+
+def assert_balanced_trains_as_static(per_rank: list[dict], tol: float = 1e-5) -> None:
+    """Each rank's `{"static": ..., "balanced": ...}` (`train_dense_and_experts` results): a plan
+    took effect under the Balancer, and its losses equal static EP's within `tol`."""
+    for got in per_rank:
+        static, balanced = got["static"], got["balanced"]
+        assert balanced["switched_at"], "no plan took effect"
+        pairs = zip(static["losses"], balanced["losses"], strict=True)
+        diff = max(abs(x - y) for x, y in pairs)
+        assert diff <= tol, (diff, static["losses"], balanced["losses"])

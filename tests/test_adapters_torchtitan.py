@@ -174,13 +174,9 @@ def _train_ranks(rank: int, W: int) -> dict:
 
 @pytest.mark.dist
 def test_a_converted_torchtitan_model_trains_under_the_balancer_as_static_ep_does() -> None:
-    for rank, got in enumerate(run_ranks(_train_ranks, 2)):
-        static, balanced = got["static"], got["balanced"]
-        print(rank, balanced["switched_at"], balanced["moved_homes"], static["losses"],
-              balanced["losses"])  # fmt: skip
-        assert balanced["switched_at"], "no plan took effect"
-        diff = max(abs(x - y) for x, y in zip(static["losses"], balanced["losses"], strict=True))
-        assert diff <= 1e-5, (diff, static["losses"], balanced["losses"])
+    from tests.helpers import assert_balanced_trains_as_static
+
+    assert_balanced_trains_as_static(run_ranks(_train_ranks, 2))
 
 
 def test_torchtitans_optimizers_container_is_looked_through() -> None:
