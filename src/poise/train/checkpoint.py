@@ -36,18 +36,18 @@ to `step-NNNNNNNN`, then points `latest` at it and removes older ones beyond `ke
 any point leaves the previous checkpoint and `latest` intact; a half-written `.tmp` folder is
 ignored and removed by the next save.
 
-Checksums: the last file written into the folder, before the rename, is `manifest.json`
-(atomically, by rank 0): the size and SHA-256 of every other file of the checkpoint. Each rank
-hashes the DCP shards it wrote itself (`__<rank>_*.distcp`, in parallel, once `dcp.save` has
-returned on every rank) and sends the digests to rank 0 with one gather; rank 0 hashes what no
-rank reported (`.metadata`, `poise.pt`, any shard named otherwise) and writes the manifest, so it
-covers every rank's files whoever wrote them. `resolve` (and so `load`, and every `--resume`)
-verifies a checkpoint against its manifest before anything of it is used: a checkpoint without a
-valid manifest, with a file missing, of another size or of another digest is not used. From a
-run folder or a `checkpoints/` folder the newest checkpoint that verifies is chosen, each one
-skipped named on one line with why; a checkpoint folder named itself must verify. Checkpoints
-written before manifests existed cannot be verified and are refused as such (nothing is trained
-on unverified data).
+Checksums (`poise.train.checkpoint_manifest`): the last file written into the folder, before the
+rename, is `manifest.json` (atomically, by rank 0): the size and SHA-256 of every other file of the
+checkpoint. Each rank hashes the DCP shards it wrote itself (`__<rank>_*.distcp`, in parallel, once
+`dcp.save` has returned on every rank) and sends the digests to rank 0 with one gather; rank 0
+hashes what no rank reported (`.metadata`, `poise.pt`, any shard named otherwise) and writes the
+manifest, so it covers every rank's files whoever wrote them. `resolve` (and so `load`, and every
+`--resume`) verifies a checkpoint against its manifest before anything of it is used: a checkpoint
+without a valid manifest, with a file missing, of another size or of another digest is not used.
+From a run folder or a `checkpoints/` folder the newest checkpoint that verifies is chosen, each
+one skipped named on one line with why; a checkpoint folder named itself must verify. Checkpoints
+written before manifests existed cannot be verified and are refused as such (nothing is trained on
+unverified data).
 
 Checkpoints of Poise before DCP (one `step-NNNNNNNN.pt` file, format `poise-train-checkpoint`
 version 1) are refused with one error naming that format.
@@ -55,8 +55,6 @@ version 1) are refused with one error naming that format.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import shutil
 import sys
@@ -76,6 +74,14 @@ from poise.core.errors import PoiseError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.nn import comm
 from poise.nn.fsdp import is_dtensor
+from poise.train.checkpoint_manifest import (
+    MANIFEST,
+    META,
+    CheckpointError,
+    own_shards,
+    verify,
+    write_manifest,
+)
 from poise.train.ckpt_state import (
     dense_state,
     expert_param_names,
@@ -89,16 +95,7 @@ from poise.util.atomic import atomic_publish_dir, atomic_write_stream, atomic_wr
 
 FORMAT = "poise-dcp-checkpoint"
 VERSION = 2
-META = "poise.pt"
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "poise-checkpoint-manifest"
-MANIFEST_VERSION = 1
-_CHUNK = 1 << 20
 OLD_FORMAT = "poise-train-checkpoint v1 (one torch.save .pt file)"
-
-
-class CheckpointError(PoiseError):
-    """A checkpoint that cannot be found, read or used."""
 
 
 def _dcp() -> ModuleType:
@@ -117,118 +114,6 @@ def _old_format_error(path: Path) -> CheckpointError:
         source=str(path),
         field="format",
     )
-
-
-# ------------------------------------------------------------------------------- manifest
-def _file_entry(path: Path) -> dict[str, Any]:
-    """`{"size", "sha256"}` of one file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
-
-
-def _own_shards(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Entries of the DCP shards this rank wrote (`__<rank>_*.distcp`)."""
-    if not folder.is_dir():
-        return {}
-    return {p.name: _file_entry(p) for p in sorted(folder.glob(f"__{rank}_*.distcp"))}
-
-
-def write_manifest(folder: str | Path, hashed: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Write `manifest.json` into the checkpoint folder (atomically): every other file's size
-    and SHA-256, taken from `hashed` (what the ranks hashed of their own shards) where its size
-    still matches, else hashed here. Call it after every file of the checkpoint is written."""
-    folder = Path(folder)
-    hashed = hashed or {}
-    files: dict[str, dict[str, Any]] = {}
-    for p in sorted(folder.iterdir()):
-        if p.name == MANIFEST or not p.is_file():
-            continue
-        entry = hashed.get(p.name)
-        if entry is None or entry.get("size") != p.stat().st_size:
-            entry = _file_entry(p)
-        files[p.name] = entry
-    doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
-    path = folder / MANIFEST
-    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    return path
-
-
-def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
-    """The manifest's `files`, checked for shape; `CheckpointError` (field `manifest`)."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(
-            "no manifest.json: unfinished, or written by a Poise before checkpoints carried "
-            "checksums, so it cannot be verified",
-            source=str(folder),
-            field="manifest",
-        )
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(
-            f"unreadable ({type(exc).__name__})", source=str(path), field="manifest"
-        ) from None
-    files = doc.get("files") if isinstance(doc, dict) else None
-    if (
-        not isinstance(doc, dict)
-        or doc.get("format") != MANIFEST_FORMAT
-        or doc.get("version") != MANIFEST_VERSION
-        or not isinstance(files, dict)
-    ):
-        raise CheckpointError(
-            f"not a {MANIFEST_FORMAT} v{MANIFEST_VERSION}", source=str(path), field="manifest"
-        )
-    for name, entry in files.items():
-        ok = (
-            isinstance(name, str)
-            and name not in ("", ".", "..", MANIFEST)
-            and "/" not in name
-            and "\\" not in name
-            and isinstance(entry, dict)
-            and isinstance(entry.get("size"), int)
-            and isinstance(entry.get("sha256"), str)
-        )
-        if not ok:
-            raise CheckpointError(
-                f"malformed entry {str(name)[:80]!r}", source=str(path), field="manifest"
-            )
-    for needed in (META, ".metadata"):
-        if needed not in files:
-            raise CheckpointError(f"does not list {needed}", source=str(path), field="manifest")
-    return files
-
-
-def verify(folder: str | Path) -> None:
-    """Check every file the checkpoint's `manifest.json` lists: present, of its size and its
-    SHA-256. One `CheckpointError` (field `manifest`) naming the first file that is not."""
-    folder = Path(folder)
-    for name, entry in sorted(_manifest_files(folder).items()):
-        p = folder / name
-        if not p.is_file():
-            raise CheckpointError(
-                f"{name} is missing (listed in manifest.json)", source=str(folder),
-                field="manifest",
-            )  # fmt: skip
-        size = p.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"{name} is {size} bytes, manifest.json says {entry['size']} (truncated or "
-                "overwritten)",
-                source=str(folder),
-                field="manifest",
-            )
-        if _file_entry(p)["sha256"] != entry["sha256"]:
-            raise CheckpointError(
-                f"{name} does not match its SHA-256 in manifest.json (damaged)",
-                source=str(folder),
-                field="manifest",
-            )
 
 
 # ------------------------------------------------------------------------------ file level
@@ -637,7 +522,7 @@ def save(
                 no_dist=world == 1,
             )
     # every rank hashes the shards it wrote; rank 0 lists them all in the manifest, last
-    mine = _own_shards(tmp, rank) if error is None else {}
+    mine = own_shards(tmp, rank) if error is None else {}
     digests: list[dict[str, dict[str, Any]] | None] = [mine]
     if world > 1:
         digests = [None] * world
