@@ -5,7 +5,8 @@ One spawn of 2 ranks: `poise train`'s all-reduce path and its FSDP2 path for 20 
 the FSDP2 run resumed from its DCP checkpoint of step 10 on both paths, and on the FSDP2 path in
 a layout with expert-data-parallel replicas and micro-batches; `fully_shard` applied
 naively over expert-parallel weights; a generic DCP save of the state dict of a model whose
-experts moved between ranks, loaded into a static one; and the gradient norm, clipping and
+experts moved between ranks, loaded into a static one, and of its optimizer state (AdamW moments
+keyed per expert, `register_expert_optimizer_keys`); and the gradient norm, clipping and
 `HomeRowsAdamW` on DTensor gradients against the all-reduce path's, tensor by tensor."""
 
 from __future__ import annotations
@@ -133,6 +134,77 @@ def _generic_dcp(rank: int, root: str) -> dict:
     }
 
 
+def _generic_optimizer_dcp(rank: int, root: str, register: bool = True) -> dict:
+    """`dcp.save` of the AdamW state of an FSDP2 + EP model whose experts moved, taken as
+    torchtitan's checkpointer takes it (`get_optimizer_state_dict`, flattened), after
+    `register_expert_optimizer_keys` (`register`); loaded with `dcp.load` and
+    `set_optimizer_state_dict` into a fresh static model's optimizer. Returns the saved keys of
+    the expert moments and, per held slot, whether its moments are its expert's."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from poise.models.gpt import GPTMoE, model_config
+    from poise.nn import apply_expert_parallel, ep_mesh, find_moe_layers, shard_dense, slot_maps
+    from poise.runtime.optimizer_keys import register_expert_optimizer_keys
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    mcfg = model_config("tiny", SMALL)
+    mesh = ep_mesh()
+    slots = mcfg.num_experts // 2 + 1
+    placement, assignment = _moved_placement(mcfg.moe_layers, mcfg.num_experts, slots)
+
+    def model_and_optimizer(moved: bool):
+        model = GPTMoE(mcfg, seed=3)
+        apply_expert_parallel(model, mesh["ep"], num_slots=slots)
+        if moved:
+            for layer, moe in enumerate(find_moe_layers(model)):
+                maps = slot_maps(placement, layer, slots)[rank]
+                moe.set_routing(placement, assignment, maps, layer)
+        shard_dense(model, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if register:
+            register_expert_optimizer_keys(model, optimizer)
+        return model, optimizer
+
+    model, optimizer = model_and_optimizer(moved=True)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(x).float().pow(2).mean().backward()
+    optimizer.step()
+    saved_moments = {  # (layer, weight, expert) -> exp_avg row at its home
+        (layer, name, e): optimizer.state[w]["exp_avg"][slot].clone()
+        for layer, moe in enumerate(find_moe_layers(model))
+        for name, w in moe.experts.named_parameters()
+        for slot, e in enumerate(moe.routing.slots.expert.tolist())
+        if e >= 0 and moe.routing.slots.home[slot]
+    }
+    dcp.save(get_optimizer_state_dict(model, optimizer, options=flat),
+             checkpoint_id=f"{root}/generic-optim-{register}")  # fmt: skip
+    meta = dcp.FileSystemReader(f"{root}/generic-optim-{register}").read_metadata()
+    saved = sorted(k for k in meta.state_dict_metadata if ".experts." in k and "exp_avg." in k)
+
+    fresh, fresh_optimizer = model_and_optimizer(moved=False)
+    state = get_optimizer_state_dict(fresh, fresh_optimizer, options=flat)
+    dcp.load(state, checkpoint_id=f"{root}/generic-optim-{register}")
+    set_optimizer_state_dict(fresh, fresh_optimizer, state, options=flat)
+    gathered: list = [None, None]
+    torch.distributed.all_gather_object(gathered, {k: v.tolist() for k, v in
+                                                   saved_moments.items()})  # fmt: skip
+    every = {k: torch.tensor(v) for part in gathered for k, v in part.items()}
+    equal = [
+        torch.equal(fresh_optimizer.state[w]["exp_avg"][slot], every[layer, name, e])
+        for layer, moe in enumerate(find_moe_layers(fresh))
+        for name, w in moe.experts.named_parameters()
+        for slot, e in enumerate(moe.routing.slots.expert.tolist())
+        if e >= 0
+    ]
+    return {"saved": saved, "equal": equal}
+
+
 def _clip_and_step(rank: int) -> dict:
     """One step of the same model on the all-reduce path and on the FSDP2 path: the global
     norm, the clipped gradients and the parameters after a `HomeRowsAdamW` step, compared
@@ -204,6 +276,8 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     out = {k: (r.steps, r.losses, r.plan_changes, r.resumed_plan) for k, r in runs.items()}
     out["refused"] = _naive_fully_shard(rank)
     out["dcp"] = _generic_dcp(rank, root)
+    out["optim_dcp"] = _generic_optimizer_dcp(rank, root)
+    out["optim_dcp_plain"] = _generic_optimizer_dcp(rank, root, register=False)
     out["clip"] = _clip_and_step(rank)
     return out
 
@@ -277,6 +351,19 @@ def test_a_generic_dcp_checkpoint_keeps_every_ranks_experts(runs) -> None:
             f"{w}.expert_{e}" for w in weights for e in range(8)
         )
         assert dcp["experts_equal"] and dcp["dense_equal"]
+
+
+def test_a_generic_optimizer_checkpoint_keeps_every_ranks_expert_moments(runs) -> None:
+    """With `register_expert_optimizer_keys`, torchtitan's way of checkpointing the optimizer
+    saves every expert's moments once (from its home) and restores each into the slot of a
+    fresh placement; without it, one key per weight and another expert's moments."""
+    _, ranks = runs
+    weights = [f"blocks.{b}.ffn.experts.{w}" for b in (0, 1) for w in ("w_gate", "w_in", "w_out")]
+    for out in ranks:
+        keys = out["optim_dcp"]["saved"]
+        assert keys == sorted(f"state.{w}.exp_avg.expert_{e}" for w in weights for e in range(8))
+        assert out["optim_dcp"]["equal"] and all(out["optim_dcp"]["equal"])
+        assert not all(out["optim_dcp_plain"]["equal"])  # what the hooks prevent
 
 
 def test_clipping_and_home_rows_adamw_take_dtensors(runs) -> None:

@@ -72,3 +72,40 @@ def test_torchs_distributed_state_dict_functions_resolve_the_keys() -> None:
     ]
     set_model_state_dict(moved, {k: v for k, v in full.state_dict().items()})
     assert torch.equal(moved.experts.w_in[0], full.experts.w_in[3])  # slot 0 holds expert 3
+
+
+def test_optimizer_moments_are_keyed_per_expert_and_load_into_any_slots() -> None:
+    """`register_expert_optimizer_keys`: the AdamW state of a stacked expert weight is one entry
+    per expert (`state_dict`), loaded by expert id into another placement's slots; a home whose
+    entry is absent is a `KeyError` naming it."""
+    from poise.runtime.optimizer_keys import register_expert_optimizer_keys
+
+    def trained(permuted: bool) -> tuple[MoE, torch.optim.Optimizer]:
+        moe = _layer(permuted)
+        optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-2)
+        assert register_expert_optimizer_keys(moe, optimizer) == 1
+        moe(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)))[0].pow(
+            2
+        ).sum().backward()
+        optimizer.step()
+        return moe, optimizer
+
+    moved, opt = trained(permuted=True)  # expert e in slot (e + 1) % 4
+    index = [id(p) for p in moved.parameters()].index(id(moved.experts.w_in))
+    entry = opt.state_dict()["state"][index]
+    assert sorted(entry["exp_avg"]) == [f"expert_{e}" for e in range(4)]
+    for e in range(4):
+        assert torch.equal(
+            entry["exp_avg"][f"expert_{e}"], opt.state[moved.experts.w_in]["exp_avg"][(e + 1) % 4]
+        )
+    assert torch.is_tensor(entry["step"]) and entry["step"].dim() == 0  # scalars untouched
+    static, static_opt = trained(permuted=False)
+    static_opt.load_state_dict(opt.state_dict())
+    for w in WEIGHTS:
+        got = static_opt.state[getattr(static.experts, w)]["exp_avg_sq"]
+        want = opt.state[getattr(moved.experts, w)]["exp_avg_sq"]
+        assert torch.equal(got, want[[1, 2, 3, 0]])  # expert e from slot (e + 1) % 4 to slot e
+    state = opt.state_dict()
+    del state["state"][index]["exp_avg"]["expert_2"]
+    with pytest.raises(KeyError, match="expert_2"):
+        static_opt.load_state_dict(state)

@@ -25,7 +25,8 @@ and `set_model_state_dict`, which torchtitan's checkpointer calls) find them.
 
 So `dcp.save(model.state_dict())` writes each expert once, from its home, and `sd =
 model.state_dict(); dcp.load(sd); model.load_state_dict(sd)` reads back this rank's homes,
-whatever placement each side ran. The optimizer's moments are not covered (Poise's own
+whatever placement each side ran. The optimizer's moments get the same keys from
+`poise.runtime.optimizer_keys.register_expert_optimizer_keys` (Poise's own
 checkpoints, `poise.train.checkpoint`, key them per expert too).
 """
 
@@ -55,7 +56,7 @@ def split_expert_key(key: str) -> tuple[str, int] | None:
     return base, int(last[len(EXPERT_KEY) :])
 
 
-def _homes(moe: MoE) -> list[tuple[int, int]]:
+def home_slots(moe: MoE) -> list[tuple[int, int]]:
     """`(expert, slot)` of this rank's home slots, in expert order."""
     slots = moe.routing.slots
     held = [(int(e), s) for s, e in enumerate(slots.expert.tolist()) if e >= 0 and slots.home[s]]
@@ -67,7 +68,7 @@ def _state_dict_post_hook(
 ) -> None:
     moe = module
     assert isinstance(moe, MoE)
-    homes = _homes(moe)
+    homes = home_slots(moe)
     for name in EXPERT_WEIGHTS:
         w = getattr(moe.experts, name)
         base = f"{prefix}experts.{name}"
@@ -135,4 +136,4 @@ def register_expert_keys(moe: MoE) -> None:
     moe._poise_expert_keys = True
 
 
-__all__ = ["EXPERT_KEY", "expert_key", "register_expert_keys", "split_expert_key"]
+__all__ = ["EXPERT_KEY", "expert_key", "home_slots", "register_expert_keys", "split_expert_key"]
