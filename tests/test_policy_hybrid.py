@@ -147,8 +147,10 @@ def _brute_force_levels(cluster, placement, assignment, counts):
 
 @pytest.mark.parametrize(
     ("dpn", "nodes", "domains", "group"),
-    [(2, 2, 2, 4), (2, 2, 2, 2), (4, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 2)],
-)
+    # ... and groups of whole domains (DeepSpeed's EP groups across domains, issue 66)
+    [(2, 2, 2, 4), (2, 2, 2, 2), (4, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 4, 2),
+     (2, 1, 4, 4), (2, 2, 2, 8)],
+)  # fmt: skip
 def test_group_local_traffic_matches_brute_force(dpn, nodes, domains, group) -> None:
     rng = np.random.default_rng(dpn * 100 + nodes * 10 + domains + group)
     cluster = toy_cluster(dpn, nodes, domains)
