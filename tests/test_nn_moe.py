@@ -485,14 +485,22 @@ def test_four_ranks_match_reference_including_expert_data_parallel():
 
 
 def test_static_routing_is_the_static_policy():
+    from poise.core.static_ep import static_assignment
     from poise.plan.policies.base import static_placement
 
     for experts, world in ((8, 2), (8, 8), (2, 4), (4, 8)):
         slots = max(experts // world, 1)
         ref = static_placement(1, experts, world, slots)
+        routes = static_assignment(ref).source_weights()[0]  # [Ds, E, Dd]
         maps = slot_maps(ref, 0, slots)
         for rank in range(world):
             lay = RankRouting.static(experts, world, rank, slots)
             np.testing.assert_array_equal(lay.home, ref.home[0])
             np.testing.assert_array_equal(lay.copies, ref.copies[0])
             np.testing.assert_array_equal(lay.slots.expert, maps[rank].expert)
+            np.testing.assert_array_equal(lay.weights, routes[rank])
+            if world > experts:  # DeepSpeed's EP groups: each expert to the group's own copy
+                group = rank // experts * experts
+                want = np.zeros((experts, world))
+                want[np.arange(experts), group + np.arange(experts)] = 1.0
+                np.testing.assert_array_equal(lay.weights, want)

@@ -1,6 +1,8 @@
 """More devices than experts (issue 17, item 6): `shadow` and `prophet` keep the static placement's
-expert-data-parallel copies (device d holds expert floor(d E / D)) instead of routing every token
-of an expert to its one home."""
+expert-data-parallel copies instead of routing every token of an expert to its one home. Since
+issue 66 the static placement is DeepSpeed-MoE's expert-parallel groups (device d holds expert
+d mod E, each token goes to the copy inside its own group of E devices, `poise.core.static_ep`),
+no longer a block of devices per expert with every token split over all copies."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poise.core.placement import Assignment, Placement, Plan
+from poise.core.placement import Placement, Plan
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
+from poise.core.static_ep import static_assignment
 from poise.cost.model import CostModel
 from poise.plan.policies import PlanContext, make_plan
 from poise.plan.policies.base import static_placement
@@ -27,14 +30,18 @@ BALANCERS = ("shadow", "prophet")
 
 
 def _drift_case(slots: int | None = None) -> tuple[np.ndarray, PlanContext]:
-    """16 devices (two DGX H100 nodes), 8 experts, 4 layers, one step of a drift trace; `slots`
-    defaults to the simulator's ceil(E / D) + 1 (one spare slot per device). Priced without
-    the H100's per-call floor: the tiny model's GEMMs sit under it, and `shadow`'s FasterMoE
-    model does not know the floor (a known gap: there it can shadow at a loss)."""
-    cluster = dataclasses.replace(get_cluster("dgx-h100:2"), expert_call_floor_s=0.0)
-    spec = MODELS["tiny"].with_(experts=8, moe_layers=4)
+    """32 devices (four DGX H100 nodes), 16 experts (DeepSpeed's EP groups of 16 devices, two
+    nodes each), 4 layers, one step of a drift trace; `slots` defaults to the simulator's
+    ceil(E / D) + 1 (one spare slot per device). Priced without the H100's per-call floor: the
+    tiny model's GEMMs sit under it, and `shadow`'s FasterMoE model does not know the floor (a
+    known gap: there it can shadow at a loss). Another gap of that model: it charges every
+    token that leaves its device at the slowest link's bandwidth, so with EP groups inside one
+    node (8 experts on these nodes) it shadows although the tokens never leave their node, and
+    prices below static only here, where half of each group's tokens cross the node link."""
+    cluster = dataclasses.replace(get_cluster("dgx-h100:4"), expert_call_floor_s=0.0)
+    spec = MODELS["tiny"].with_(experts=16, moe_layers=4)
     trace = generate(
-        "drift", steps=1, layers=4, devices=16, experts=8, top_k=2, tokens_per_device=2048, seed=1
+        "drift", steps=1, layers=4, devices=32, experts=16, top_k=2, tokens_per_device=2048, seed=1
     )
     ctx = PlanContext.create(cluster, spec, slots_per_device=2 if slots is None else slots)
     return trace.counts[0].astype(np.float64), ctx
@@ -84,14 +91,16 @@ def test_shadow_beats_static_where_a_slot_is_free() -> None:
     for layer, (e,) in enumerate(plan.notes["shadowed"]):
         assert (plan.placement.copies[layer, :, e] == 1).all()  # held everywhere
     added = plan.placement.copies - static.placement.copies
-    assert added.sum() == 4 * (16 - 2)  # per layer: every device but the 2 copies of e
+    assert added.sum() == 4 * (32 - 2)  # per layer: every device but the 2 copies of e
     assert plan.cost.step_s < static.cost.step_s
     assert plan.cost.max_over_mean < static.cost.max_over_mean
-    # Experts not shadowed keep static's even split over their copies.
+    # Experts not shadowed keep static's routing inside the EP groups of 16 devices.
+    assert plan.assignment.group_size == static.assignment.group_size == 16
     for layer, (e,) in enumerate(plan.notes["shadowed"]):
-        rest = np.arange(8) != e
+        rest = np.arange(16) != e
         np.testing.assert_array_equal(
-            plan.assignment.weights[layer, rest], static.assignment.weights[layer, rest]
+            plan.assignment.group_weights[layer, rest],
+            static.assignment.group_weights[layer, rest],
         )
 
 
@@ -103,6 +112,7 @@ def test_no_spare_slot_gives_static_plan(name: str) -> None:
     plan = make_plan(name, loads, None, ctx)
     np.testing.assert_array_equal(plan.placement.copies, static.placement.copies)
     np.testing.assert_array_equal(plan.assignment.weights, static.assignment.weights)
+    np.testing.assert_array_equal(plan.assignment.group_weights, static.assignment.group_weights)
     assert plan.cost.step_s == static.cost.step_s
 
 
@@ -112,16 +122,18 @@ def test_prophet_plan_is_static_with_more_devices_than_experts() -> None:
     plan = make_plan("prophet", loads, static, ctx)
     np.testing.assert_array_equal(plan.placement.copies, static.placement.copies)
     np.testing.assert_array_equal(plan.assignment.weights, static.assignment.weights)
+    np.testing.assert_array_equal(plan.assignment.group_weights, static.assignment.group_weights)
     assert plan.notes["replicated"] == [[] for _ in range(4)]
     assert len(plan.transfers.migrations) == 0
 
 
 def _fastermoe_lat(counts: np.ndarray, placement: Placement, t_comp: float, t_feat: float) -> float:
-    """FasterMoE's latency of one layer (`counts[D, E]`) with the even split over the holders,
-    priced the plain way: compute C[d] and max(sent, received) tokens B[d] per device."""
+    """FasterMoE's latency of one layer (`counts[D, E]`) with static's routing over the holders
+    (`static_assignment`), priced the plain way: compute C[d] and max(sent, received) tokens
+    B[d] per device."""
     one = placement.take_layers([0])
     held = one.holders()[0]
-    computed = Assignment.even(one).received(one, counts[None])[0]  # [D, E]
+    computed = static_assignment(one).received(one, counts[None])[0]  # [D, E]
     sent = np.where(held, 0.0, counts).sum(axis=1)
     received = (computed - np.where(held, counts, 0.0)).sum(axis=1)
     return float((t_comp * computed.sum(axis=1) + t_feat * np.maximum(sent, received)).max())
@@ -138,7 +150,7 @@ def test_walk_on_copies_equals_pricing_each_prefix() -> None:
         counts = np.floor(rng.zipf(1.4, (2, D, E)) * rng.random((2, D, E)) * 100)
         static = static_placement(2, E, D, E + 1)  # room to shadow every expert
         order, k, lat0, lat_k = shadow_layers_on_copies(
-            counts, static, Assignment.even(static), t_comp, t_feat, t_shadow
+            counts, static, static_assignment(static), t_comp, t_feat, t_shadow
         )
         for layer in range(2):
             lat = []
@@ -155,29 +167,31 @@ def test_walk_on_copies_equals_pricing_each_prefix() -> None:
 
 
 def test_a_shadow_takes_slots_only_where_no_copy_is() -> None:
-    # 8 devices, one per node (W_net 1e8 B/s), 2 experts: expert 0 on devices 0-3, expert 1 on
-    # 4-7. Devices 0-3 send 1000 tokens each to expert 1: t_feat = 4*16/1e8 = 6.4e-7 s per
-    # token crossing, t_shadow = 256/1e8 * (1 + 2*7/8) = 7.04e-6 s, so expert 1 is shadowed.
-    # Its shadow takes one slot on devices 0-3 alone, and fits with 2 slots per device.
+    # 8 devices, one per node (W_net 1e8 B/s), 2 experts in DeepSpeed's EP groups of 2: expert
+    # 0 on the even devices, expert 1 on the odd ones. The even devices send 1000 tokens each
+    # to expert 1 (each to its group's odd partner): t_feat = 4*16/1e8 = 6.4e-7 s per token
+    # crossing, t_shadow = 256/1e8 * (1 + 2*7/8) = 7.04e-6 s, so expert 1 is shadowed. Its
+    # shadow takes one slot on the even devices alone, and fits with 2 slots per device.
     cluster = toy_cluster(1, 8, 1, bw=1e9, inter_bw=1e8, flops=1e12)
     spec: ModelSpec = toy_spec(experts=2, d_model=4, d_expert=8)
     loads = np.full((1, 8, 2), 10.0)
-    loads[0, :4, 1] = 1000.0
+    loads[0, ::2, 1] = 1000.0
     ctx = PlanContext.create(cluster, spec, slots_per_device=2, cost=CostModel(cluster, spec))
     plan = make_plan("shadow", loads, None, ctx)
     static = make_plan("static", loads, None, ctx)
+    np.testing.assert_array_equal(static.placement.copies[0, :, 1], [0, 1] * 4)
     assert plan.notes["shadowed"] == [[1]]
     added = plan.placement.copies - static.placement.copies
-    np.testing.assert_array_equal(added[0, :, 1], [1, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(added[0, :, 1], [1, 0] * 4)
     assert not added[0, :, 0].any()
-    np.testing.assert_array_equal(plan.placement.slots_used()[0], [2, 2, 2, 2, 1, 1, 1, 1])
-    # Devices 0-3 now compute their own 1000 tokens of expert 1; nothing crosses for it.
+    np.testing.assert_array_equal(plan.placement.slots_used()[0], [2, 1] * 4)
+    # The even devices now compute their own 1000 tokens of expert 1; nothing crosses for it.
     computed = plan.assignment.received(plan.placement, loads)[0]
-    np.testing.assert_array_equal(computed[:, 1], [1000] * 4 + [10] * 4)
+    np.testing.assert_array_equal(computed[:, 1], [1000, 10] * 4)
     t_comp, t_feat, t_shadow = 3 * 128 / 1e12, 6.4e-7, 256 / 1e8 * (1 + 2 * 7 / 8)
-    # lat_0: devices 4-7 compute their own 10 tokens of expert 1 and receive 4000 / 4 = 1000
-    # more (and send their 10 of expert 0). lat_1: devices 0-3 compute their own 10 of expert
-    # 0, the 40 / 4 = 10 received for it and their own 1000 of expert 1; they receive 10.
+    # lat_0: each odd device computes its own 10 tokens of expert 1 and receives its partner's
+    # 1000 (and sends its 10 of expert 0). lat_1: each even device computes its own 10 of
+    # expert 0, the 10 its partner sends for it and its own 1000 of expert 1; it receives 10.
     lat0 = t_comp * 1010 + t_feat * 1000
     lat1 = t_comp * 1020 + t_feat * 10 + t_shadow
     np.testing.assert_allclose(plan.notes["fastermoe_lat_s"][0], [lat0, lat1], rtol=1e-12)
@@ -185,13 +199,13 @@ def test_a_shadow_takes_slots_only_where_no_copy_is() -> None:
 
 
 def test_every_expert_shadowed_in_one_spare_slot() -> None:
-    # As above, and devices 4-7 send 900 tokens each to expert 0: both experts are shadowed,
+    # As above, and the odd devices send 900 tokens each to expert 0: both experts are shadowed,
     # and with one copy already on each device both shadows fit in its one spare slot.
     cluster = toy_cluster(1, 8, 1, bw=1e9, inter_bw=1e8, flops=1e12)
     spec: ModelSpec = toy_spec(experts=2, d_model=4, d_expert=8)
     loads = np.full((1, 8, 2), 10.0)
-    loads[0, :4, 1] = 1000.0
-    loads[0, 4:, 0] = 900.0
+    loads[0, ::2, 1] = 1000.0
+    loads[0, 1::2, 0] = 900.0
     ctx = PlanContext.create(cluster, spec, slots_per_device=2, cost=CostModel(cluster, spec))
     plan = make_plan("shadow", loads, None, ctx)
     assert plan.notes["shadowed"] == [[1, 0]]

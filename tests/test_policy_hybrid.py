@@ -14,7 +14,13 @@ from poise.cost.model import CostModel
 from poise.cost.schedule import parse_schedule
 from poise.cost.traffic import level_traffic
 from poise.plan.policies import PlanContext, make_plan
-from poise.plan.policies.hybrid import _first_sorted, choose_pairs, domain_grouping, p_closed_form
+from poise.plan.policies.hybrid import (
+    _fill_domains,
+    _first_sorted,
+    choose_pairs,
+    domain_grouping,
+    p_closed_form,
+)
 
 from .helpers import assert_priced_as_the_cost_model, toy_cluster, toy_spec
 
@@ -147,8 +153,10 @@ def _brute_force_levels(cluster, placement, assignment, counts):
 
 @pytest.mark.parametrize(
     ("dpn", "nodes", "domains", "group"),
-    [(2, 2, 2, 4), (2, 2, 2, 2), (4, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 2)],
-)
+    # ... and groups of whole domains (DeepSpeed's EP groups across domains, issue 66)
+    [(2, 2, 2, 4), (2, 2, 2, 2), (4, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 4, 2),
+     (2, 1, 4, 4), (2, 2, 2, 8)],
+)  # fmt: skip
 def test_group_local_traffic_matches_brute_force(dpn, nodes, domains, group) -> None:
     rng = np.random.default_rng(dpn * 100 + nodes * 10 + domains + group)
     cluster = toy_cluster(dpn, nodes, domains)
@@ -238,12 +246,12 @@ def test_auto_keeps_hybrid_routing() -> None:
     np.testing.assert_allclose(auto.cost.layer_s, hybrid.cost.layer_s)
 
 
-def test_more_devices_than_experts_keeps_the_copies_and_the_tokens_in_their_domain() -> None:
-    """4 experts on 2 domains of 8 (a800-eth10): static holds 4 copies of each expert in blocks,
-    experts 0-1 in domain 0 and 2-3 in domain 1. `hybrid` keeps those copies (it used to drop
-    them and send every token to the homes), gives each domain a copy of the two experts it
-    lacks and routes each domain's tokens to its own copies: no token crosses the 10 Gb/s WAN,
-    and the step is faster than static's."""
+def test_more_devices_than_experts_with_ep_groups_inside_the_domains_is_static() -> None:
+    """4 experts on 2 domains of 8 (a800-eth10): static is DeepSpeed's EP groups of 4 devices
+    (device d holds expert d mod 4, each token goes to its group's copy), two groups per
+    domain, so no token crosses the 10 Gb/s WAN already and `hybrid` keeps static's plan. (Until
+    issue 66 static held expert e on a block of 4 devices and split every expert's tokens over
+    all 4 copies, half of them across the WAN, and `hybrid` gathered the missing experts.)"""
     cluster = get_cluster("a800-eth10")
     spec = ModelSpec("h4", d_model=1024, d_expert=1024, experts=4, top_k=1, moe_layers=1,
                      dtype_bytes=2, tokens_per_device=4096)  # fmt: skip
@@ -251,12 +259,62 @@ def test_more_devices_than_experts_keeps_the_copies_and_the_tokens_in_their_doma
     loads = np.full((1, 16, 4), 1024.0)
     plan = make_plan("hybrid", loads, None, ctx)
     static = make_plan("static", loads, None, ctx)
+    np.testing.assert_array_equal(static.placement.copies[0].argmax(axis=1), np.arange(16) % 4)
+    assert _cross_domain_tokens(static, cluster, loads) == 0.0
+    np.testing.assert_array_equal(plan.placement.copies, static.placement.copies)
+    assert plan.notes["replicated"][0] == [[], []]
+    assert plan.notes["edp_copies"] and plan.notes["ep_group_size"] == 4
+    assert plan.notes["p_star"] == [1.0]
+    assert plan.cost.step_s == static.cost.step_s
+
+
+def test_more_devices_than_experts_gathers_what_a_domain_lacks() -> None:
+    """16 experts on 4 domains of 8 (a800-eth10:4): DeepSpeed's EP groups of 16 devices span
+    two domains, so domain g holds experts 8 (g mod 2) .. 8 (g mod 2) + 7 and sends its tokens
+    for the other 8 across the WAN to the copies in the other domain of its group. `hybrid`
+    keeps the copies, gives each domain a copy of the 8 experts it lacks (one free slot on each
+    device) and routes each domain's tokens to its own copies: no token crosses the WAN."""
+    ctx, _ = _four_dc_ctx(16, None)
+    loads = np.full((1, 32, 16), 1024.0)
+    plan = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
+    assert static.assignment.group_size == 16
     assert np.all(plan.placement.copies >= static.placement.copies)
-    assert plan.notes["replicated"][0] == [[2, 3], [0, 1]]
+    low, high = list(range(8)), list(range(8, 16))
+    assert plan.notes["replicated"][0] == [high, low, high, low]
     assert plan.notes["edp_copies"] and plan.notes["p_star"] == [0.0]
-    assert _cross_domain_tokens(plan, cluster, loads) == 0.0
-    assert _cross_domain_tokens(static, cluster, loads) > 0.0
+    # Under static each domain's 8 devices send 1024 tokens of each of 8 experts out of it.
+    assert _cross_domain_tokens(static, ctx.cluster, loads) == 4 * 8 * 8 * 1024.0
+    assert _cross_domain_tokens(plan, ctx.cluster, loads) == 0.0
     assert plan.cost.step_s < static.cost.step_s
+
+
+def test_one_group_size_per_plan_with_ep_groups() -> None:
+    """16 experts on 4 DCs of 8 (DeepSpeed's EP groups of 2 DCs), two layers: gathering pays in
+    layer 0 (1024 tokens per pair) and not in layer 1 (1 token). An assignment has one group
+    size, so `hybrid` cannot keep static's EP-group routing (16 devices) in layer 1 beside its
+    domain routing (8) in layer 0: it takes the even split over the static copies there, the
+    cheaper plan over both layers. `auto` between the two would pick hybrid's layer 0 and
+    static's layer 1, which do not stack: it keeps the cheaper single size, hybrid's."""
+    cluster = get_cluster("a800-eth10:4")
+    spec = ModelSpec("h", d_model=1024, d_expert=1024, experts=16, top_k=1, moe_layers=2,
+                     dtype_bytes=2, tokens_per_device=4096)  # fmt: skip
+    ctx = PlanContext.create(
+        cluster, spec, slots_per_device=2, cost=CostModel(cluster, spec),
+        options={"auto": {"candidates": ["static", "hybrid"]}},
+    )  # fmt: skip
+    loads = np.full((2, 32, 16), 1024.0)
+    loads[1] = 1.0
+    hybrid = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
+    assert static.assignment.group_size == 16 and hybrid.assignment.group_size == 8
+    assert hybrid.notes["p_star"] == [0.0, 1.0]
+    assert hybrid.cost.layer_s[0] < static.cost.layer_s[0]
+    assert hybrid.cost.layer_s[1] > static.cost.layer_s[1]  # the even split, not EP groups
+    assert hybrid.cost.step_s < static.cost.step_s
+    auto = make_plan("auto", loads, None, ctx)
+    assert auto.notes["chosen"] == ["hybrid", "hybrid"]
+    assert auto.cost.step_s == hybrid.cost.step_s
 
 
 def test_closed_form_p_star_follows_the_paper() -> None:
@@ -404,16 +462,43 @@ def test_a_fixed_expert_domain_gathers_only_inside_its_block(expert_domain: int 
 def test_a_fixed_expert_domain_limits_the_copies_gathered(
     expert_domain: int | None, replicated: list[list[int]]
 ) -> None:
-    """More devices than experts: 4 experts on 4 DCs of 8, static holds expert g on all of DC g.
-    Even loads: every DC lacks three experts and has 8 free slots. Free, each DC gathers all
-    three (heaviest first, ties to the lower expert); with S_ED = 2 DCs, only the one held in its
-    block (DC 0 <-> 1, DC 2 <-> 3), and the tokens for the other block's experts still cross."""
+    """More devices than experts without DeepSpeed's EP groups: 4 experts on 4 DCs of 8 and 3
+    of the 4 static copies in place (the block fallback of `poise.core.static_ep` is for E not
+    dividing D; here the previous plan holds expert g on all of DC g, as `shadow` from those
+    homes would). Even loads: every DC lacks three experts and has 8 free slots. Free, each DC
+    gathers all three (heaviest first, ties to the lower expert); with S_ED = 2 DCs, only the
+    one held in its block (DC 0 <-> 1, DC 2 <-> 3), and the tokens for the other block's
+    experts still cross."""
     ctx, _ = _four_dc_ctx(4, expert_domain)
     loads = np.full((1, 32, 4), 1024.0)
+    placement = Placement.from_homes(np.array([[0, 8, 16, 24]]), 32, 2)
+    placement.copies[0, np.arange(32), np.arange(32) // 8] = 1
+    added = _fill_domains(placement, loads, 8, expert_domain)
+    assert [[e for e, _ in got] for got in added[0]] == replicated
+    local = Assignment.group_local(placement, 8, base=Assignment.even(placement))
+    send, _ = level_traffic(ctx.cluster, placement, local, loads)
+    crossing = float(send[2].sum())
+    assert crossing == (0.0 if expert_domain is None else pytest.approx(32 * 2 * 1024.0))
+
+
+@pytest.mark.parametrize(("expert_domain", "replicated"), [(None, [[8, 9, 10, 11, 12, 13, 14, 15],
+                         [0, 1, 2, 3, 4, 5, 6, 7]] * 2), (1, [[]] * 4)])  # fmt: skip
+def test_a_fixed_expert_domain_limits_what_ep_groups_gather(
+    expert_domain: int | None, replicated: list[list[int]]
+) -> None:
+    """16 experts on 4 DCs of 8 in DeepSpeed's EP groups of two DCs: free, each DC gathers the 8
+    experts it lacks; with S_ED = 1 DC a DC gathers only experts held in itself, i.e. none, and
+    the plan is static's (its tokens for the other 8 experts still cross to its group's
+    copies)."""
+    ctx, _ = _four_dc_ctx(16, expert_domain)
+    loads = np.full((1, 32, 16), 1024.0)
     plan = make_plan("hybrid", loads, None, ctx)
+    static = make_plan("static", loads, None, ctx)
     assert plan.notes["replicated"][0] == replicated
     crossing = _cross_domain_tokens(plan, ctx.cluster, loads)
-    assert crossing == (0.0 if expert_domain is None else pytest.approx(32 * 2 * 1024.0))
+    assert crossing == (0.0 if expert_domain is None else 4 * 8 * 8 * 1024.0)
+    if expert_domain is not None:
+        assert plan.cost.step_s == static.cost.step_s
 
 
 def test_expert_domain_option_is_checked() -> None:

@@ -6,7 +6,8 @@
 - `Assignment`: `weights[L, E, D]`: how the tokens of a source that holds *no* copy of expert e are
   split among e's holders. A source that holds a copy keeps its own tokens (no transfer). Weights
   are zero off the holders and sum to one per (layer, expert): tokens are conserved. Optionally
-  (HybridEP's domain-local routing) `group_weights[L, E, D]` with `group_size`: a source in a
+  (HybridEP's domain-local routing; the static baseline's DeepSpeed-MoE expert-parallel groups,
+  `poise.core.static_ep`) `group_weights[L, E, D]` with `group_size`: a source in a
   group (a contiguous run of `group_size` devices) whose group weights for e sum to one splits its
   tokens inside its group by them instead; elsewhere the global `weights` apply. With
   `by_counts` (per-step splitting, `poise.core.token_split`) the weights are where each step
@@ -133,11 +134,15 @@ def _check_only_holders(w: np.ndarray, placement: Placement, what: str, field: s
 class Assignment:
     """`weights[l, e, d]`: share of a non-holding source's tokens for expert e sent to device d.
 
-    Group-local routing (optional, HybridEP): `group_size` G > 0 cuts the devices into contiguous
-    groups `g(d) = d // G` (a domain or a node); `group_weights[l, e, d]` is zero off the holders
-    and, per (layer, expert, group), sums to one (the group routes e's tokens locally) or to zero
-    (it does not). A non-holding source s whose group routes e locally sends its tokens to the
-    holders inside g(s) in proportion to `group_weights`; every other source uses `weights`:
+    Group-local routing (optional: HybridEP's domains; DeepSpeed-MoE's expert-parallel groups of
+    the static baseline with more devices than experts, `poise.core.static_ep`): `group_size`
+    G > 0 cuts the devices into contiguous groups `g(d) = d // G` (a domain, a node, or an EP
+    group of E devices; the cost model needs a group to lie in one node, or to be whole nodes
+    of one domain, or whole domains, `cost.traffic`); `group_weights[l, e, d]` is zero off the
+    holders and, per (layer, expert, group), sums to one (the group routes e's tokens locally)
+    or to zero (it does not). A non-holding source s whose group routes e locally sends its
+    tokens to the holders inside g(s) in proportion to `group_weights`; every other source uses
+    `weights`:
 
         share(s -> d) = gw[e, d] * [g(d) = g(s)]   if sum_{d' in g(s)} gw[e, d'] = 1
                       = w[e, d]                     otherwise

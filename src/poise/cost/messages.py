@@ -160,8 +160,8 @@ def level_counts(
 
     With group-local routing, `local_src[L, D, F]` and `local_dst[L, D, F]` link pairs only
     inside the same group of `group_size` consecutive devices (a group nests with the levels:
-    it lies in one node, or is a run of whole nodes in one domain). Per cumulative region R
-    (the node, the domain, the cluster) a device's pairs are
+    it lies in one node, is a run of whole nodes in one domain, or a run of whole domains). Per
+    cumulative region R (the node, the domain, the cluster) a device's pairs are
 
         X(R) = N_R(src, dst) + N_{R & g}(src|local_src, dst|local_dst) - N_{R & g}(src, dst)
 

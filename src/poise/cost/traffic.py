@@ -9,7 +9,8 @@ domain sums replace D x D traffic matrices (devices are numbered node-major).
   with h the holder mask and w the assignment weights.
 - Dispatch traffic (`level_traffic`, `Routing.traffic`): for each device and link level v
   (intra-node, inter-node, inter-domain), the tokens it sends and receives over v; with
-  group-local routing (HybridEP) a source whose group holds e routes inside its group.
+  group-local routing (HybridEP's domains, DeepSpeed-MoE's EP groups of the static baseline) a
+  source whose group holds e routes inside its group.
 - Trans (`replica_traffic`): each replica receives W_e once, over the level between it and its
   home, and the home sends it once (a broadcast); migrations (`migration_traffic`) move M_e
   from the old home to the new one.
@@ -298,9 +299,10 @@ def level_traffic(
     Returns `(send, recv)`, each `[3, L, D]` for levels intra-node, inter-node, inter-domain.
     Linear in L*D*E: node and domain sums replace the D x D traffic matrix.
 
-    With group-local routing (`Assignment.group_weights`, HybridEP) a source whose group routes e
-    locally sends inside its group; groups must nest with the cluster's levels (a group lies in
-    one node, or is a run of whole nodes inside one domain)."""
+    With group-local routing (`Assignment.group_weights`: HybridEP's domains, the static
+    baseline's DeepSpeed-MoE expert-parallel groups) a source whose group routes e locally sends
+    inside its group; groups must nest with the cluster's levels (a group lies in one node, is a
+    run of whole nodes inside one domain, or a run of whole domains)."""
     return Routing(cluster, placement, assignment).traffic(counts)
 
 
@@ -333,6 +335,19 @@ def _group_local_traffic(
         r_node = _group_sum(remote_loc, cluster.num_nodes)[:, node_of, :]
         recv[0] = (gw * r_node).sum(axis=2)
         recv[1] = (gw * (group_remote - r_node)).sum(axis=2)
+    elif group_size % dpd == 0:  # whole domains (DeepSpeed's EP groups across domains)
+        group_remote = np.repeat(per_group, group_size, axis=1)
+        node_of, domain_of = cluster.node_of(), cluster.domain_of()
+        in_node = _group_sum(gw, cluster.num_nodes)[:, node_of, :]
+        in_domain = _group_sum(gw, cluster.domains)[:, domain_of, :]
+        send[0] = (remote_loc * in_node).sum(axis=2)
+        send[1] = (remote_loc * (in_domain - in_node)).sum(axis=2)
+        send[2] = (remote_loc * (1.0 - in_domain)).sum(axis=2)
+        r_node = _group_sum(remote_loc, cluster.num_nodes)[:, node_of, :]
+        r_domain = _group_sum(remote_loc, cluster.domains)[:, domain_of, :]
+        recv[0] = (gw * r_node).sum(axis=2)
+        recv[1] = (gw * (r_domain - r_node)).sum(axis=2)
+        recv[2] = (gw * (group_remote - r_domain)).sum(axis=2)
     else:
         raise PlanError(
             f"group size {group_size} does not nest with nodes of {dpn} and domains "

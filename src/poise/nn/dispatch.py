@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from poise.core.errors import ConfigError, PlanError, PoiseError
 from poise.core.placement import Assignment, Placement
+from poise.core.static_ep import static_assignment, static_placement
 from poise.nn import comm, host
 from poise.nn.async_all_to_all import start_all_to_all, wait_all_to_all
 from poise.nn.counts import count_values
@@ -187,19 +188,15 @@ class RankRouting:
 
     @classmethod
     def static(cls, num_experts: int, world: int, rank: int, num_slots: int) -> RankRouting:
-        """Static EP: experts in contiguous blocks (`e // (E / D)`); with more ranks than
-        experts, rank r holds expert `r * E // D` (the first rank of each block is the home, the
-        others replicas: expert-data parallelism) and tokens split evenly over the copies."""
-        e = np.arange(num_experts)
-        # ceil(e D / E) when D > E: the first rank of each expert's block.
-        homes = (
-            (e * world) // num_experts if world <= num_experts else -(-(e * world) // num_experts)
-        )
-        placement = Placement.from_homes(homes[None, :], world, num_slots)
-        if world > num_experts:
-            placement.copies[0, np.arange(world), (np.arange(world) * num_experts) // world] = 1
+        """Static EP (`poise.core.static_ep`): experts in contiguous blocks (`e // (E / D)`);
+        with more ranks than experts (E dividing D, `poise.nn.moe.check_world`), DeepSpeed-MoE's
+        expert-parallel groups (deepspeed/utils/groups.py, `_get_expert_parallel_ranks`): rank
+        r holds expert `r mod E` (rank e is the home, the other ranks of its expert-data-parallel
+        group replicas) and sends each expert's tokens only to the copy inside its own group of
+        E consecutive ranks, rank `(r // E) * E + e`."""
+        placement = static_placement(1, num_experts, world, num_slots)
         maps = slot_maps(placement, 0, num_slots)
-        return cls.from_plan(placement, Assignment.even(placement), maps[rank], rank)
+        return cls.from_plan(placement, static_assignment(placement), maps[rank], rank)
 
     def validate(self) -> None:
         E, D = self.num_experts, self.world

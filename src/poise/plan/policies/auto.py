@@ -251,10 +251,11 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     names, plans = made.ordered(candidates)
     total = _totals(plans, horizon, made.migration_scale)
     layers = np.arange(L)
-    choice = _choose(total, plans, names)
+    choice = _one_group_size(total, plans, names)
     home = np.stack([plans[c].placement.home[layer] for layer, c in enumerate(choice)])
     copies = np.stack([plans[c].placement.copies[layer] for layer, c in enumerate(choice)])
-    # from_layers keeps group-local routing (hybrid) of the layers it picks.
+    # from_layers keeps group-local routing (hybrid's domains, static's EP groups) of the
+    # layers it picks (one group size: `_one_group_size`).
     assignment = Assignment.from_layers(
         [(plans[c].assignment, layer) for layer, c in enumerate(choice)]
     )
@@ -379,6 +380,31 @@ def _cannot_win(lower: np.ndarray, best: np.ndarray) -> bool:
     bound's float rounding."""
     window = (best + TIE_REL * np.abs(best)) * (1.0 + BOUND_MARGIN)
     return bool(np.all(lower > window))
+
+
+def _one_group_size(total: np.ndarray, plans: list[Plan], names: list[str]) -> np.ndarray:
+    """`_choose`, with the layers' picks sharing one group size: an assignment has one
+    (`Assignment.from_layers`), and layers of static's DeepSpeed EP groups (E devices, more
+    devices than experts) and of `hybrid`'s domains cannot stack. Where the per-layer best
+    mixes sizes, each size in turn is allowed alongside the ungrouped candidates and the
+    choice with the least total over the layers is kept (the smaller size on ties)."""
+    sizes = [p.assignment.group_size if p.assignment.grouped else 0 for p in plans]
+    choice = _choose(total, plans, names)
+    mixed = sorted({sizes[c] for c in choice.tolist()} - {0})
+    if len(mixed) < 2:
+        return choice
+    layers = np.arange(total.shape[1])
+    best: tuple[float, np.ndarray] | None = None
+    for size in mixed:
+        keep = [i for i, s in enumerate(sizes) if s in (0, size)]
+        sub = np.array(keep)[
+            _choose(total[keep], [plans[i] for i in keep], [names[i] for i in keep])
+        ]
+        summed = float(total[sub, layers].sum())
+        if best is None or summed < best[0]:
+            best = (summed, sub)
+    assert best is not None
+    return best[1]
 
 
 def _choose(total: np.ndarray, plans: list[Plan], names: list[str]) -> np.ndarray:

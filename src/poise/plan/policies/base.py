@@ -25,6 +25,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import ConfigError
 from poise.core.placement import Assignment, Placement, Plan, transfers_between
 from poise.core.spec import ModelSpec
+from poise.core.static_ep import static_homes, static_placement
 from poise.cost.model import CostModel, PlanCost, array_key
 
 PolicyFn = Callable[[np.ndarray, "Plan | None", "PlanContext"], Plan]
@@ -204,27 +205,14 @@ def run_policy(
     return ctx.memo.plan(name, loads, previous, ctx)
 
 
-def static_homes(layers: int, experts: int, devices: int) -> np.ndarray:
-    """GShard / DeepSpeed-MoE static homes `[L, E]`: contiguous blocks of experts per device
-    (expert e on device floor(e * D / E)); with more devices than experts, device d serves expert
-    floor(d * E / D) and expert e's home is the first device of its block, ceil(e * D / E)."""
-    e = np.arange(experts)
-    homes = (e * devices) // experts if devices <= experts else -(-(e * devices) // experts)
-    return np.tile(homes, (layers, 1)).astype(np.int64)
-
-
-def static_placement(layers: int, experts: int, devices: int, slots: int) -> Placement:
-    """The static placement; with D > E every device holds the one expert of its block (DeepSpeed's
-    expert-data parallelism), the non-first devices as replicas."""
-    placement = Placement.from_homes(static_homes(layers, experts, devices), devices, slots)
-    if devices > experts:
-        block = (np.arange(devices) * experts) // devices
-        placement.copies[:, np.arange(devices), block] = 1
-    return placement
+# The static baseline's homes and placement (GShard's blocks; DeepSpeed-MoE's expert-parallel
+# groups with more devices than experts) live in `poise.core.static_ep`, shared with the live
+# runtime's static routing (`poise.nn.dispatch.RankRouting.static`).
 
 
 def start_placement(previous: Plan | None, ctx: PlanContext, layers: int) -> Placement:
-    """The placement a policy starts from: the previous one, or the static placement."""
+    """The placement a policy starts from: the previous one, or the static placement
+    (`poise.core.static_ep.static_placement`)."""
     if (
         previous is not None
         and previous.placement.home.shape == (layers, ctx.experts)

@@ -45,11 +45,19 @@ model's): the copy crosses the wide-area link once per domain however many of it
 it, so further copies inside the domain would only add intra-domain hops and take slots.
 
 More devices than experts: the static placement already holds expert-data-parallel copies of every
-expert (device d holds expert floor(d E / D)) in blocks, so a domain holds only some experts.
-There the policy keeps those copies, gives every domain a copy of each expert it lacks, heaviest
-first, while free slots last (the paper's p = 0 inside the domain), and routes each domain's
-tokens to its own copies (`group_local`, the rest split over all copies); in each layer where
-the cost model prices that above static's placement and split, the layer keeps static's (p* = 1).
+expert (`poise.core.static_ep`: with E dividing D, DeepSpeed-MoE's expert-parallel groups of E
+consecutive devices, device d holding expert d mod E and each token going to the copy in its
+own group; else a block of devices per expert, its tokens split over all copies), so a domain
+holds only some experts unless the EP groups lie inside the domains. Where they do (the domain
+size a multiple of E) static already keeps every token in its domain and the plan is static's
+(p* = 1). Otherwise the policy keeps those copies, gives every domain a copy of each expert it
+lacks, heaviest first, while free slots last (the paper's p = 0 inside the domain), and routes
+each domain's tokens to its own copies (`group_local` by domain; an expert a domain still lacks
+is split over all copies); in each layer where the cost model prices that above static's
+placement and routing, the layer keeps static's (p* = 1). One assignment has one group size,
+so with DeepSpeed's EP groups a plan whose layers would mix the two keeps either static in
+every layer or, in the layers without domain copies, the even split over the static copies,
+whichever prices less over all layers (`notes["ep_group_size"]`: E with EP groups, else 0).
 p* is reported as the cross-domain share of tokens left against static's.
 
 Notes: `p_star[l]`, `p_closed_form[l]`, `domain_level` ("domain", "node" or None),
@@ -66,6 +74,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement, Plan
+from poise.core.static_ep import ep_group_size, static_assignment
 from poise.cost.incremental import (
     PREFIX_EXACT,
     PREFIX_POINTS,
@@ -557,44 +566,98 @@ def _plan_with_edp_copies(
     size: int,
 ) -> Plan:
     """More devices than experts: the static placement's expert-data-parallel copies plus a copy of
-    each expert a domain lacks, each domain's tokens kept on its own copies, per layer where
-    that prices below static (see the module docstring)."""
+    each expert a domain lacks, each domain's tokens kept on its own copies, where that prices
+    below static (see the module docstring)."""
     L, D, E = loads.shape
     G = D // size
     static = static_placement(L, E, D, ctx.slots_per_device)
-    even = Assignment.even(static)
+    routing = static_assignment(static)
+    ep = ep_group_size(E, D)
+    notes["ep_group_size"] = ep
+    per_domain = loads.reshape(L, G, size, E).sum(axis=2)  # [L, G, E] tokens from domain g
+    static_cross = _static_cross_domain(static, per_domain, size, ep)
+    static_s = ctx.cost.price(static, routing, loads).layer_s
+    if ep and size % ep == 0:
+        # DeepSpeed's EP groups lie inside the domains: static keeps every token in its domain
+        # already, so there is nothing to gather (p* = 1).
+        nothing: list[list[list[tuple[int, int]]]] = [[[] for _ in range(G)] for _ in range(L)]
+        return _edp_plan(
+            static, routing, loads, previous, ctx, notes, static_s, static_s, nothing, G
+        )
     placement = static.copy()
     added = _fill_domains(placement, loads, size, expert_domain(ctx))
     local = Assignment.group_local(placement, size, base=Assignment.even(placement))
     # Per layer the cheaper placement (the gathered experts cost Trans and Agg over the slow link,
     # and keeping tokens in their domain can pile them on few copies): never slower than static.
-    even_s = ctx.cost.price(static, even, loads).layer_s
     local_s = ctx.cost.price(placement, local, loads).layer_s
-    use_local = local_s < even_s
+    use_local = local_s < static_s
+    fallback, fallback_s = routing, static_s
+    if ep and use_local.any() and not use_local.all():
+        # An assignment has one group size: static's EP groups (E devices) and the domains
+        # (`size`) do not mix by layer. The layers that keep no domain copies then take the
+        # even split over all static copies (group-local routing off), or the whole plan
+        # stays static, whichever prices less over all layers.
+        even = Assignment.even(static)
+        even_s = ctx.cost.price(static, even, loads).layer_s
+        mixed = np.where(local_s < even_s, local_s, even_s)
+        if mixed.sum() < static_s.sum():
+            use_local, fallback, fallback_s = local_s < even_s, even, even_s
+        else:
+            use_local = np.zeros(L, dtype=bool)
     placement.copies[~use_local] = static.copies[~use_local]
     assignment = Assignment.from_layers(
-        [(local if use_local[layer] else even, layer) for layer in range(L)]
+        [(local if use_local[layer] else fallback, layer) for layer in range(L)]
     )
     held = placement.copies.reshape(L, G, size, E).sum(axis=2) > 0  # [L, G, E]
-    per_domain = loads.reshape(L, G, size, E).sum(axis=2)  # [L, G, E] tokens from domain g
-    # Under the static split over all copies, a domain keeps the share of its tokens that lands
-    # on its own copies; the group-local routing keeps all tokens of experts it holds.
-    share = static.copies.reshape(L, G, size, E).sum(axis=2) / static.copies.sum(axis=1)[:, None, :]
-    static_cross = (per_domain * (1.0 - share)).sum(axis=(1, 2))
+    # The group-local routing keeps in the domain all tokens of the experts it holds.
     cross = (per_domain * ~held).sum(axis=(1, 2))
     p_local = np.where(static_cross > 0, cross / np.where(static_cross > 0, static_cross, 1), 1.0)
+    notes["p_star"] = np.where(use_local, p_local, 1.0).tolist()
+    best_s = np.where(use_local, local_s, fallback_s)
+    return _edp_plan(
+        placement, assignment, loads, previous, ctx, notes, static_s, best_s,
+        [[added[layer][g] if use_local[layer] else [] for g in range(G)] for layer in range(L)],
+        G,
+    )  # fmt: skip
+
+
+def _static_cross_domain(
+    static: Placement, per_domain: np.ndarray, size: int, ep: int
+) -> np.ndarray:
+    """`[L]` tokens that leave their domain under static's routing, from the tokens each domain
+    sends to each expert, `per_domain[L, G, E]`: with DeepSpeed's EP groups (`ep` > 0, nesting
+    with the domains) those of the experts the domain holds no copy of (each goes to its EP
+    group's one copy; a group inside a domain holds every expert); with the even split over all
+    copies, the share landing outside the domain."""
+    L, G, E = per_domain.shape
+    in_domain = static.copies.reshape(L, G, size, E).sum(axis=2)  # [L, G, E]
+    if ep:
+        return (per_domain * (in_domain == 0)).sum(axis=(1, 2))
+    share = in_domain / static.copies.sum(axis=1)[:, None, :]
+    return (per_domain * (1.0 - share)).sum(axis=(1, 2))
+
+
+def _edp_plan(
+    placement: Placement,
+    assignment: Assignment,
+    loads: np.ndarray,
+    previous: Plan | None,
+    ctx: PlanContext,
+    notes: dict[str, Any],
+    static_s: np.ndarray,
+    best_s: np.ndarray,
+    added: list[list[list[tuple[int, int]]]],
+    G: int,
+) -> Plan:
+    """The E < D plan with its notes: `added[l][g]` the (expert, device) copies domain g took
+    in layer l (empty where the layer keeps static's)."""
+    L = len(static_s)
+    notes.setdefault("p_star", [1.0] * L)
     notes.update(
-        p_star=np.where(use_local, p_local, 1.0).tolist(),
-        hybrid_layer_s=np.stack([even_s, np.minimum(even_s, local_s)], axis=1).tolist(),
+        hybrid_layer_s=np.stack([static_s, best_s], axis=1).tolist(),
         p_closed_form=[None] * L,
-        replicated=[
-            [[e for e, _ in added[layer][g]] if use_local[layer] else [] for g in range(G)]
-            for layer in range(L)
-        ],
-        replica_device=[
-            [[d for _, d in added[layer][g]] if use_local[layer] else [] for g in range(G)]
-            for layer in range(L)
-        ],
+        replicated=[[[e for e, _ in added[layer][g]] for g in range(G)] for layer in range(L)],
+        replica_device=[[[d for _, d in added[layer][g]] for g in range(G)] for layer in range(L)],
         edp_copies=True,
     )
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)

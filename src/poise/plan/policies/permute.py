@@ -17,7 +17,7 @@ As in the public SmartMoE artifact's greedy mapping, per layer:
 Homes only: no replicas, remote tokens go to the home (`Assignment.to_home`); every home change
 is a migration, priced by `finish_plan`. Replicas of a previous plan from another policy are
 dropped. With more devices than experts there is nothing to permute and the static placement
-(DeepSpeed's expert-data-parallel copies) is kept.
+(DeepSpeed-MoE's expert-parallel groups and their routing, `poise.core.static_ep`) is kept.
 
 Worked example (one layer, 4 experts on 2 devices, static homes [0, 0, 1, 1]):
 `h = [10, 8, 1, 1]` gives device loads [18, 2]; the greedy places 0 on device 0 (tie, sticky),
@@ -35,6 +35,7 @@ import math
 import numpy as np
 
 from poise.core.placement import Assignment, Placement, Plan
+from poise.core.static_ep import static_assignment
 from poise.plan.policies.base import (
     PlanContext,
     finish_plan,
@@ -97,7 +98,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
         return finish_plan(
             "permute",
             placement,
-            Assignment.even(placement),
+            static_assignment(placement),
             loads,
             previous,
             ctx,

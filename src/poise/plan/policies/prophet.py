@@ -46,6 +46,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement, Plan
+from poise.core.static_ep import static_assignment
 from poise.cost.incremental import PREFIX_EXACT, PREFIX_POINTS, LayerState, prefix_cuts
 from poise.cost.model import CostModel
 from poise.cost.network import MIN_TRAFFIC_BYTES
@@ -379,15 +380,16 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
     """`loads[L, D, E]` predicted tokens -> Plan with Pro-Prophet's lightweight placement.
 
     More devices than experts (E < D; Pro-Prophet has one expert per GPU): the plan keeps the
-    static placement's expert-data-parallel copies and its even split over them, and no
+    static placement's expert-data-parallel copies and its routing over them
+    (`poise.core.static_ep`: DeepSpeed-MoE's expert-parallel groups where E divides D), and no
     lightweight replicas are searched (the search prices replicas against a single home), so
     the plan is static's."""
     L, D, E = loads.shape
     cost = prophet_cost(ctx)
     if E < D:
         static = static_placement(L, E, D, ctx.slots_per_device)
-        even = Assignment.even(static)
-        static_s = cost.price(static, even, loads).layer_s.tolist()
+        routing = static_assignment(static)
+        static_s = cost.price(static, routing, loads).layer_s.tolist()
         notes_edp: dict[str, Any] = {
             "replicated": [[] for _ in range(L)],
             "replica_devices": [[] for _ in range(L)],
@@ -395,7 +397,7 @@ def plan(loads: np.ndarray, previous: Plan | None, ctx: PlanContext) -> Plan:
             "schedule": cost.schedule.name,
             "edp_copies": True,
         }
-        return finish_plan(NAME, static, even, loads, previous, ctx, notes_edp)
+        return finish_plan(NAME, static, routing, loads, previous, ctx, notes_edp)
     placement = Placement.from_homes(start_homes(previous, ctx, L), D, ctx.slots_per_device)
     state = LayerState.for_homes(cost, placement.home, loads)
     replicated, replica_devices, layer_s = search_layers(

@@ -35,12 +35,14 @@ source is local). `plan.notes["shadowed"][l]` lists the shadowed experts of laye
 they were chosen; `notes["fastermoe_lat_s"][l]` is (lat_0, lat_k*) of the model above.
 
 More devices than experts (E < D; FasterMoE has no such case): the walk starts from the static
-placement, whose expert-data-parallel copies (device d holds expert floor(d E / D)) already
-split each expert's remote tokens evenly (`Assignment.even`). C_k and B_k are those of that
-split: a holder computes its own tokens and its share of the remote ones. A shadow goes to the
-devices without a copy (one slot on each), the copies stay, and the experts not shadowed keep
-the even split; with one slot per device (the least E < D needs) nothing fits and the plan is
-static's. `notes["edp_copies"]` is True.
+placement and its routing (`poise.core.static_ep`): with E dividing D, DeepSpeed-MoE's
+expert-parallel groups (device d holds expert d mod E, and a source sends each expert's tokens
+to the copy inside its own group of E consecutive devices, `Assignment.group_local`); else a
+block of copies per expert with its remote tokens split evenly over them. C_k and B_k are those
+of that routing: a holder computes its own tokens and the remote ones routed to it. A shadow
+goes to the devices without a copy (one slot on each), the copies stay, and the experts not
+shadowed keep static's routing; with one slot per device (the least E < D needs) nothing fits
+and the plan is static's. `notes["edp_copies"]` is True.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement, Plan
+from poise.core.static_ep import static_assignment
 from poise.plan.policies.base import (
     PlanContext,
     finish_plan,
@@ -184,10 +187,13 @@ class _Walk:
 
 class _CopiesWalk(_Walk):
     """FasterMoE's walk from a placement with several holders per expert (static's
-    expert-data-parallel copies, more devices than experts) and an ungrouped `assignment` over
-    them. A holder keeps its own tokens and receives `weights[l, e, d]` of the tokens of the
-    sources without a copy; shadowing e gives every device a copy: each computes its own
-    tokens, the holders stop receiving, and a slot is taken on each device that had none."""
+    expert-data-parallel copies, more devices than experts) and a fixed `assignment` over them
+    (static's: group-local in DeepSpeed's EP groups, or the even split over all copies). A
+    holder keeps its own tokens and receives the tokens the assignment routes to it from the
+    sources without a copy (`weights[l, e, d]` of all of them without groups; with group-local
+    routing, its share of its group's, `Assignment.received`); shadowing e gives every device
+    a copy: each computes its own tokens, the holders stop receiving, and a slot is taken on
+    each device that had none."""
 
     def __init__(
         self,
@@ -199,8 +205,8 @@ class _CopiesWalk(_Walk):
         t_feat: float,
         t_shadow: float,
     ) -> None:
-        if assignment.grouped:
-            raise PlanError("the shadow walk takes an ungrouped assignment", field="assignment")
+        if assignment.by_counts or assignment.shed is not None:
+            raise PlanError("the shadow walk takes a fixed assignment", field="assignment")
         L, D, _ = counts.shape
         self.t_comp, self.t_feat, self.t_shadow = t_comp, t_feat, t_shadow
         self.free = free
@@ -209,7 +215,10 @@ class _CopiesWalk(_Walk):
         own = np.where(self.held, np.asarray(counts, dtype=np.float64), 0.0)
         self.away = np.where(self.held, 0.0, np.asarray(counts, dtype=np.float64))
         # Remote tokens each holder receives per expert, [L, D, E].
-        self.recv = (assignment.weights * self.away.sum(axis=1)[:, :, None]).transpose(0, 2, 1)
+        if assignment.grouped:
+            self.recv = assignment.received(placement, counts) - own
+        else:
+            self.recv = (assignment.weights * self.away.sum(axis=1)[:, :, None]).transpose(0, 2, 1)
         self.homed = (own + self.recv).sum(axis=2)  # tokens each device computes
         self.recv0 = self.recv.sum(axis=2)
         self.send0 = self.away.sum(axis=2)
@@ -257,9 +266,10 @@ def shadow_layers_on_copies(
     t_shadow: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`shadow_layers` from a placement whose experts may have several holders (static's
-    expert-data-parallel copies) and an ungrouped `assignment` over them: `counts[L, D, E]` ->
-    `(order[L, E], k[L], lat_0[L], lat_k[L])`. A shadow takes a slot on every device without a
-    copy of its expert; the free slots are what `placement` leaves."""
+    expert-data-parallel copies) and a fixed `assignment` over them (static's routing,
+    `_CopiesWalk`): `counts[L, D, E]` -> `(order[L, E], k[L], lat_0[L], lat_k[L])`. A shadow
+    takes a slot on every device without a copy of its expert; the free slots are what
+    `placement` leaves."""
     free = placement.slots_per_device - placement.slots_used()
     walk = _CopiesWalk(counts, placement, assignment, free, t_comp, t_feat, t_shadow)
     return _walk_layers(walk)
@@ -345,13 +355,13 @@ def _plan_on_edp_copies(
     times: tuple[float, float, float],
     w_net: float,
 ) -> Plan:
-    """More devices than experts: FasterMoE's walk from the static placement and its even split
-    over the expert-data-parallel copies; each shadow goes to the devices without a copy.
-    `times`: (t_comp, t_feat, t_shadow) of the module docstring."""
+    """More devices than experts: FasterMoE's walk from the static placement and its routing over
+    the expert-data-parallel copies (`static_assignment`); each shadow goes to the devices
+    without a copy. `times`: (t_comp, t_feat, t_shadow) of the module docstring."""
     L, D, E = loads.shape
     placement = static_placement(L, E, D, ctx.slots_per_device)
     order, k, lat0, lat_k = shadow_layers_on_copies(
-        loads, placement, Assignment.even(placement), *times
+        loads, placement, static_assignment(placement), *times
     )
     take = np.arange(E)[None, :] < k[:, None]  # [L, E]
     layer, rank = np.nonzero(take)
@@ -365,6 +375,6 @@ def _plan_on_edp_copies(
         "w_net_Bps": w_net,
         "edp_copies": True,
     }
-    # A shadowed expert is held everywhere; the others keep static's even split.
-    assignment = Assignment.even(placement)
+    # A shadowed expert is held everywhere; the others keep static's routing.
+    assignment = static_assignment(placement)
     return finish_plan(NAME, placement, assignment, loads, previous, ctx, notes)

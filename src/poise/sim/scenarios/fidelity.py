@@ -138,8 +138,11 @@ REASONS: dict[tuple[str, str, str], str] = {
     ),
     ("cross-dc-1000", "HybridEP vs EP (S_ED fixed)", "1000 DCs x 8 H100"): (
         "the figure's S_ED is not given; Poise fixes it at 4 DCs, the largest expert domain the "
-        "paper trained with (Cluster-L, §V-D). Four DCs' 32 devices hold one or two of the 32 "
-        "experts, so almost every token still crosses the wide-area links: no gain. The paper's "
+        "paper trained with (Cluster-L, §V-D). With 32 experts, static EP's DeepSpeed-MoE "
+        "expert-parallel groups are 32 devices, exactly 4 DCs, so static already keeps every "
+        "token inside its block of 4 DCs, as that expert domain would; gathering a block's other "
+        "24 experts into each DC moves their weights and gradients over the wide-area links each "
+        "step and prices above static in every layer: no gain. The paper's "
         "own model agrees for any small S_ED (an even gate leaves p = 1 - S_ED/G of the data in "
         "all-to-alls, so the speed-up is at most G / (G - S_ED): 1.004x for 32 of 8,000 GPUs); "
         "1.05-1.45x needs an expert domain of hundreds of DCs, or a placement or expert count "

@@ -483,7 +483,9 @@ def _cross_dc() -> Scenario:
         summary="1,000 datacentres of one 8-GPU node (`cross-dc-1000`: 8,000 H100, NVLink "
         "inside, 10 Gb/s wide-area links 20 ms apart); a drifting trace generated on 64 ranks "
         "and resampled to 8,000 devices; GPT-Medium widths, 32 experts (so DeepSpeed's static "
-        "placement keeps 250 expert-data-parallel copies of each), top-2, 4 MoE layers; `hybrid` "
+        "placement is 250 expert-parallel groups of 32 devices, 4 DCs each, every token staying "
+        "in its group, and 250 expert-data-parallel copies of each expert), top-2, 4 MoE "
+        "layers; `hybrid` "
         "free to gather any expert into any DC (p fixed), and with the expert domain fixed at 4 "
         "DCs (`s-ed-4`: `--option hybrid.expert_domain=4`)",
         cases=(case,),
