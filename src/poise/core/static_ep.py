@@ -18,7 +18,7 @@ Shapes: homes `[L, E]`, copies `[L, D, E]`, assignment weights `[L, E, D]`.
   that the simulator still has a baseline on any device count, device d then holds expert
   floor(d E / D) (a contiguous block of floor(D / E) or ceil(D / E) devices per expert, the
   first one its home) and each expert's remote tokens are split evenly over all its copies
-  (`Assignment.even`), as before issue 66 for every D > E; `ep_group_size` is 0 there.
+  (`Assignment.even`); `ep_group_size` is 0 there.
 """
 
 from __future__ import annotations
