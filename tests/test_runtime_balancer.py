@@ -369,7 +369,9 @@ def two_ranks() -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 4])
+# 4 ranks: about 33 s on 2 cores, beside the 2-rank case that guards the same property; the
+# 4-rank training tests of test_train_loop.py cover 4 ranks in the default run
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_balanced_training_ends_where_static_ep_does(world_size: int, request) -> None:
     if world_size == 2:
         results = request.getfixturevalue("two_ranks")
