@@ -110,3 +110,23 @@ def test_the_bounds_admit_every_preset() -> None:
     assert PEAK_FLOPS[0] < 1e9 and PEAK_FLOPS[1] > 1e16  # a CPU core to far past a B200
     with pytest.raises(ConfigError, match="within"):
         Cluster.from_dict(_with(_cluster_doc(), "links.inter_node.bw_Bps", 1.0), "c.yaml")
+
+
+@pytest.mark.parametrize("count", [2**61, 2**45])
+def test_counts_no_routing_can_have_are_one_line(
+    tmp_path: Path, trace_file: Path, count: int
+) -> None:
+    """A trace whose counts (and tokens per device, so that every other check passes) come from
+    one corrupt value: refused where it is read, not summed into an overflow."""
+    arrays = dict(np.load(trace_file, allow_pickle=False))
+    arrays["counts"] = arrays["counts"].astype(np.int64)
+    arrays["counts"][0, 0, 0, 0] = count
+    arrays["tokens_per_device"] = np.int64(2**62)
+    bad = tmp_path / "huge.npz"
+    np.savez(bad, **arrays)
+    for argv in (
+        ["trace", "stats", str(bad)],
+        ["simulate", str(bad), "--out", str(tmp_path / "s")],
+    ):
+        code, err = run_cli(argv)
+        assert_one_line(code, err, "huge.npz", "counts", "beyond any routing trace")
