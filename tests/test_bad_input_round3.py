@@ -130,3 +130,19 @@ def test_counts_no_routing_can_have_are_one_line(
     ):
         code, err = run_cli(argv)
         assert_one_line(code, err, "huge.npz", "counts", "beyond any routing trace")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("d_model", 2**40), ("d_expert", 2**30), ("moe_layers", 10**6), ("tokens_per_device", 2**40)],
+)
+def test_model_sizes_past_any_model_are_one_line(
+    tmp_path: Path, trace_file: Path, field: str, value: int
+) -> None:
+    doc = {"d_model": 64, "d_expert": 128, "experts": 16, "top_k": 2, "moe_layers": 1}
+    doc[field] = value
+    model = tmp_path / "m.yaml"
+    model.write_text(yaml.safe_dump(doc))
+    code, err = run_cli(["simulate", str(trace_file), "--model", str(model), "--out",
+                         str(tmp_path / "s"), "--steps", "2"])  # fmt: skip
+    assert_one_line(code, err, "m.yaml", field, "must be <=")
