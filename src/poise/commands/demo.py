@@ -54,6 +54,7 @@ from poise.commands.demo_report import (
     sim_note,
 )
 from poise.core.errors import ConfigError, PoiseError
+from poise.core.finite import json_text
 from poise.util.argparsing import int_in
 
 if TYPE_CHECKING:
@@ -446,8 +447,6 @@ def _run(args: argparse.Namespace, size: DemoSize, steps: int, out: Path, final:
     # below and the corpus's reading, on another core
     warm_fork_server()
 
-    import json
-
     from poise.commands.expert_clock import expert_seconds_in_turns
     from poise.report.figure_workers import FigureWorkers
     from poise.report.html import DemoData, draw_measured_figures, write_demo_report
@@ -574,7 +573,7 @@ def _run(args: argparse.Namespace, size: DemoSize, steps: int, out: Path, final:
     )
     wall["total before the report"] = time.perf_counter() - started
     atomic_write_text(
-        out / "demo.json", json.dumps(demo_json(summary, sims, missing), indent=1) + "\n"
+        out / "demo.json", json_text(demo_json(summary, sims, missing), str(out / "demo.json"))
     )
     with console.status("writing the report"):
         report = write_demo_report(data, out, figures)

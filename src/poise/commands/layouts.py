@@ -10,7 +10,6 @@ everything, atomically.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich import box
@@ -25,6 +24,7 @@ from poise.commands.options import (
     cluster_for_trace,
     model_for_trace,
 )
+from poise.core.finite import json_text
 from poise.core.outputs import check_output_file
 from poise.core.presets import get_cluster
 from poise.cost.schedule import parse_schedule
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         "model": spec.name,
     }
     if args.json:  # the file before the console: a reader that closes early loses nothing
-        atomic_write_text(args.json, json.dumps({**meta, **search.to_dict()}, indent=1) + "\n")
+        atomic_write_text(args.json, json_text({**meta, **search.to_dict()}, str(args.json)))
     _print(search, meta, args.all)
     if args.json:
         Console().print(f"layouts written to {args.json}")

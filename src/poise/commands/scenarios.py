@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from poise.core.finite import json_text
 from poise.core.outputs import check_output_dir
 from poise.sim.scenarios import (
     SCENARIOS,
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     payload = results_json(results)
     payload["wall_s"] = wall
     payload["quick"] = bool(args.quick)
-    atomic_write_text(js, json.dumps(payload, indent=1, default=_jsonable) + "\n")
+    atomic_write_text(js, json_text(payload, str(js), default=_jsonable))
     slower = [c for r in results for c in r.checks if not c.auto_fastest]
     err.print(f"scenarios: {len(results)} run in {wall:.1f} s; wrote {md} and {js}")
     if slower:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 from pathlib import Path
 
 from rich.console import Console
@@ -33,6 +32,7 @@ from poise.commands.options import (
 )
 from poise.core.budget import check_fits
 from poise.core.errors import ConfigError
+from poise.core.finite import json_text, require_finite
 from poise.core.outputs import check_output_dir
 from poise.core.presets import get_cluster
 from poise.cost.schedule import parse_schedule
@@ -210,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
             retarget=args.retarget,
             progress=lambda done, total: bar.update(task, completed=done),
         )
+    # every figure finite before anything is written (a plot of inf fails half-way)
+    require_finite({n: r.step_s for n, r in result.runs.items()}, str(out / "summary.json"))
     # every file first: a reader of the table that closes early (`| head`) loses none of them
     _write_outputs(result, out, args.trace)
     title = f"{Path(args.trace).name} on {cluster.name} ({schedule.name})"
@@ -304,7 +306,7 @@ def _write_outputs(result: SimResult, out: Path, trace_path: str) -> None:
         "scaling": result.scaling,
         "policies": result.summary_rows(),
     }
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(out / "summary.json", json_text(summary, str(out / "summary.json"), indent=2))
     step_rows: list[list[object]] = []
     layer_rows: list[list[object]] = []
     for name, r in result.runs.items():

@@ -110,15 +110,26 @@ class PeakFlops:
             )
         reject_unknown(data, set(DTYPES), source, prefix)
         values: dict[str, float | None] = {
-            "fp32": get_number(data, "fp32", source, positive=True, prefix=prefix)
+            "fp32": get_number(data, "fp32", source, within=PEAK_FLOPS, prefix=prefix)
         }
         for name in DTYPES[1:]:  # absent or null: no tensor-core path, the fp32 rate
             values[name] = (
                 None
                 if data.get(name) is None
-                else get_number(data, name, source, positive=True, prefix=prefix)
+                else get_number(data, name, source, within=PEAK_FLOPS, prefix=prefix)
             )
         return cls(**values)  # type: ignore[arg-type]
+
+
+# What a cluster file's physical figures can mean; a value outside passes as a positive number
+# but overflows the step times later (1e-300 B/s gives infinite tables).
+# 1 kB/s (a 1 MB expert would take 1,000 s to move) to 1 PB/s (over 500x NVLink 5's 1.8 TB/s
+# per GPU, NVIDIA's Blackwell data sheet):
+LINK_BW_BPS = (1e3, 1e15)
+# 0 to 10 s a message (a geostationary satellite hop is about 0.25 s one way):
+LINK_LAT_S = (0.0, 10.0)
+# 1 MFLOP/s to 10 EFLOP/s per device (over 4,000x a B200's 2.25 PFLOP/s dense bf16):
+PEAK_FLOPS = (1e6, 1e19)
 
 
 @dataclass(frozen=True)
@@ -505,8 +516,8 @@ class Cluster:
             prefix = f"links.{level}."
             reject_unknown(raw, {"bw_Bps", "lat_s", "shared_by"}, source, prefix)
             links[level] = Link(
-                bw_Bps=get_number(raw, "bw_Bps", source, positive=True, prefix=prefix),
-                lat_s=get_number(raw, "lat_s", source, non_negative=True, prefix=prefix),
+                bw_Bps=get_number(raw, "bw_Bps", source, within=LINK_BW_BPS, prefix=prefix),
+                lat_s=get_number(raw, "lat_s", source, within=LINK_LAT_S, prefix=prefix),
                 shared_by=get_int(raw, "shared_by", source, default=1, minimum=1, prefix=prefix),
             )
             previous = links[level]
@@ -574,7 +585,7 @@ def _device_peaks(device: Any, source: str) -> PeakFlops:
         )
     if "gemm_flops" in device:
         return PeakFlops.uniform(
-            get_number(device, "gemm_flops", source, positive=True, prefix="device.")
+            get_number(device, "gemm_flops", source, within=PEAK_FLOPS, prefix="device.")
         )
     if "peak_flops" not in device:
         raise ConfigError(

@@ -101,9 +101,12 @@ def get_number(
     default: Any = _MISSING,
     positive: bool = False,
     non_negative: bool = False,
+    within: tuple[float, float] | None = None,
     prefix: str = "",
 ) -> float:
-    """A finite real number; `positive` / `non_negative` add range checks."""
+    """A finite real number; `positive` / `non_negative` add range checks, and `within` =
+    `(low, high)` bounds it to what the quantity can mean (a value outside passes the other
+    checks but overflows later: a bandwidth of 1e-300 B/s makes every step time infinite)."""
     field = f"{prefix}{key}"
     if key not in m:
         if default is _MISSING:
@@ -119,6 +122,11 @@ def get_number(
         raise ConfigError(f"must be > 0, got {value!r}", source=source, field=field)
     if non_negative and value < 0:
         raise ConfigError(f"must be >= 0, got {value!r}", source=source, field=field)
+    if within is not None and not within[0] <= value <= within[1]:
+        low, high = within
+        raise ConfigError(
+            f"must be within [{low:g}, {high:g}], got {value!r}", source=source, field=field
+        )
     return value
 
 

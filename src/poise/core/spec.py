@@ -48,6 +48,21 @@ def resolve_compute_dtype(compute_dtype: str | None, dtype_bytes: int, source: s
     return compute_dtype
 
 
+# What a model's sizes can mean (a value past them passes as an integer but makes figures that
+# mean nothing: d_model 2^40 priced a step at 4e20 ms). Widths: 2^20, over 50x the widest public
+# model (GPT-3's d_model 12,288); experts: 2^20, "Mixture of A Million Experts" (He, 2024);
+# top_k: as many as experts; MoE layers: 1,024 (public models have at most about 100);
+# tokens per device and step: 2^24 (public micro-batches are at most about 10^6 tokens).
+SIZE_BOUNDS = {
+    "d_model": 2**20,
+    "d_expert": 2**20,
+    "experts": 2**20,
+    "top_k": 2**20,
+    "moe_layers": 1024,
+    "tokens_per_device": 2**24,
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """`tokens_per_device` counts tokens (not token-expert pairs) entering a MoE layer on each
@@ -152,10 +167,17 @@ class ModelSpec:
         reject_unknown(data, fields, source)
         kwargs: dict[str, Any] = {"name": get_str(data, "name", source, default=Path(source).stem)}
         for key in ("d_model", "d_expert", "experts", "top_k", "moe_layers"):
-            kwargs[key] = get_int(data, key, source, minimum=1)
-        kwargs["dtype_bytes"] = get_int(data, "dtype_bytes", source, default=2, minimum=1)
+            kwargs[key] = get_int(data, key, source, minimum=1, maximum=SIZE_BOUNDS[key])
+        kwargs["dtype_bytes"] = get_int(
+            data, "dtype_bytes", source, default=2, minimum=1, maximum=8
+        )
         kwargs["tokens_per_device"] = get_int(
-            data, "tokens_per_device", source, default=4096, minimum=1
+            data,
+            "tokens_per_device",
+            source,
+            default=4096,
+            minimum=1,
+            maximum=SIZE_BOUNDS["tokens_per_device"],
         )
         kwargs["non_moe_flops_per_token"] = get_number(
             data, "non_moe_flops_per_token", source, default=None, non_negative=True

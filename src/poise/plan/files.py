@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 
+from poise.core.finite import json_text
 from poise.core.placement import Plan
 from poise.util.atomic import atomic_write_text
 
@@ -66,4 +66,4 @@ def plan_to_dict(plan: Plan, *, cluster: str = "", model: str = "") -> dict[str,
 
 
 def write_plan_json(plan: Plan, path: str, **labels: str) -> None:
-    atomic_write_text(path, json.dumps(plan_to_dict(plan, **labels), indent=1) + "\n")
+    atomic_write_text(path, json_text(plan_to_dict(plan, **labels), str(path)))

@@ -23,6 +23,14 @@ from poise.util.atomic import atomic_write_bytes
 SCHEMA_VERSION = 1
 
 
+# Bounds on token counts. The largest public MoE runs route about 6e7 tokens a step
+# (DeepSeek-V3: 15,360 sequences of 4,096 tokens), so 2^40 per cell leaves 10^4x headroom; the
+# cost model prices loads in float64, exact for integers up to 2^53, so no total may pass it
+# (counts near 2^61 overflowed the statistics into "-").
+MAX_CELL_TOKENS = 2**40
+MAX_TOTAL_TOKENS = float(2**53)
+
+
 @dataclass
 class Trace:
     """`counts[s, l, d, e]`: assignments from source device d to expert e in layer l at step s.
@@ -73,6 +81,14 @@ class Trace:
             raise TraceError(f"must hold integers, got {c.dtype}", source=src, field="counts")
         if c.size and int(c.min()) < 0:
             raise TraceError("counts must be non-negative", source=src, field="counts")
+        total = float(c.sum(dtype=np.float64))
+        if c.size and (int(c.max()) > MAX_CELL_TOKENS or total > MAX_TOTAL_TOKENS):
+            raise TraceError(
+                f"a count of {int(c.max())} (total {total:.3g}) is beyond any routing trace: at "
+                f"most {MAX_CELL_TOKENS} tokens per cell and 2^53 in all (a corrupt value?)",
+                source=src,
+                field="counts",
+            )
         if self.counts.dtype != np.int64:
             self.counts = c.astype(np.int64)
         ids = np.asarray(self.step_ids)

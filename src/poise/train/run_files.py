@@ -13,13 +13,13 @@ model and device (every file written atomically).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from poise.core.finite import json_text
 from poise.trace.trace import Trace
 from poise.util.atomic import atomic_write_text
 
@@ -62,7 +62,7 @@ def routing_trace(
 
 def write_summary(path: Path, summary: Mapping[str, Any]) -> None:
     """`summary` as indented JSON, atomically."""
-    atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(path, json_text(summary, str(path)))
 
 
 def closing_lines(res: Any, totals: Mapping[str, float], out: Path) -> list[str]:

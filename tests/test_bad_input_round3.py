@@ -1,0 +1,148 @@
+"""Values that pass as numbers but overflow later (issue 68's "values that pass the checks"):
+a cluster file's physical figures are bounded where they are read (`get_number(within=...)`,
+`poise.core.cluster.LINK_BW_BPS`, `LINK_LAT_S`, `PEAK_FLOPS`), and every JSON output goes
+through `poise.core.finite.json_text`, which refuses a non-finite figure (naming the output
+and the entry) instead of writing `Infinity`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poise.core.cluster import LINK_BW_BPS, PEAK_FLOPS, Cluster
+from poise.core.errors import ConfigError
+from poise.core.finite import NonFiniteError, first_non_finite, json_text
+from poise.core.presets import PRESETS
+from poise.trace.generate import generate
+
+from .test_bad_input_round2 import assert_one_line, run_cli
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("round3") / "t.npz"
+    generate("zipf", steps=3, layers=1, devices=16, experts=16, tokens_per_device=64).save(path)
+    return path
+
+
+def _cluster_doc() -> dict:
+    return PRESETS["dgx-h100"].to_dict()
+
+
+def _with(doc: dict, path: str, value: float) -> dict:
+    node = doc
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return doc
+
+
+CASES = [
+    ("links.inter_node.bw_Bps", 1e-300),
+    ("links.intra_node.bw_Bps", 1e300),
+    ("links.inter_node.lat_s", 1e9),
+    ("device.peak_flops.fp32", 1e-200),
+    ("device.peak_flops.bf16", 1e40),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), CASES)
+def test_a_physical_figure_no_hardware_has_is_one_line(
+    field: str, value: float, tmp_path: Path, trace_file: Path
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_with(_cluster_doc(), field, value)))
+    code, err = run_cli(["simulate", str(trace_file), "--cluster", str(bad), "--out",
+                         str(tmp_path / "sim"), "--steps", "2"])  # fmt: skip
+    assert_one_line(code, err, "bad.yaml", field, "must be within")
+    assert not (tmp_path / "sim").exists() or not any((tmp_path / "sim").iterdir())
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(bw=st.floats(min_value=1e-320, max_value=1e300, allow_nan=False, allow_infinity=False))
+def test_any_bandwidth_is_refused_or_gives_finite_figures(
+    bw: float, tmp_path_factory: pytest.TempPathFactory, trace_file: Path
+) -> None:
+    tmp = tmp_path_factory.mktemp("bw")
+    bad = tmp / "c.yaml"
+    bad.write_text(yaml.safe_dump(_with(_cluster_doc(), "links.inter_node.bw_Bps", bw)))
+    code, err = run_cli(["simulate", str(trace_file), "--cluster", str(bad), "--out",
+                         str(tmp / "sim"), "--steps", "2", "--policies", "static"])  # fmt: skip
+    if code == 2:
+        assert_one_line(code, err, "bw_Bps")
+        assert not LINK_BW_BPS[0] <= bw <= LINK_BW_BPS[1]
+        return
+    assert code == 0, err
+    summary = (tmp / "sim" / "summary.json").read_text()
+    assert "Infinity" not in summary and "NaN" not in summary
+    assert first_non_finite(json.loads(summary)) is None
+
+
+def test_json_text_refuses_non_finite_figures_naming_the_entry() -> None:
+    payload = {
+        "runs": {"static": {"mean_step_s": 0.5}, "auto": {"step_s": np.array([1.0, math.inf])}}
+    }
+    with pytest.raises(NonFiniteError, match=r"out\.json: output: runs\.auto\.step_s\[1\]"):
+        json_text(payload, "out.json")
+    assert first_non_finite([1, 2.5, {"a": float("nan")}]) == "[2].a"
+    assert json.loads(json_text({"a": [1, 2.5], "b": np.float64(3.0)}, "x", default=float)) == {
+        "a": [1, 2.5],
+        "b": 3.0,
+    }
+
+
+def test_the_bounds_admit_every_preset() -> None:
+    """No preset or data-sheet figure lies outside the bounds (they bound what hardware can
+    mean, not what one scenario needs)."""
+    for name, cluster in PRESETS.items():
+        again = Cluster.from_dict(cluster.to_dict(), source=name)
+        assert again.num_devices == cluster.num_devices
+    assert PEAK_FLOPS[0] < 1e9 and PEAK_FLOPS[1] > 1e16  # a CPU core to far past a B200
+    with pytest.raises(ConfigError, match="within"):
+        Cluster.from_dict(_with(_cluster_doc(), "links.inter_node.bw_Bps", 1.0), "c.yaml")
+
+
+@pytest.mark.parametrize("count", [2**61, 2**45])
+def test_counts_no_routing_can_have_are_one_line(
+    tmp_path: Path, trace_file: Path, count: int
+) -> None:
+    """A trace whose counts (and tokens per device, so that every other check passes) come from
+    one corrupt value: refused where it is read, not summed into an overflow."""
+    arrays = dict(np.load(trace_file, allow_pickle=False))
+    arrays["counts"] = arrays["counts"].astype(np.int64)
+    arrays["counts"][0, 0, 0, 0] = count
+    arrays["tokens_per_device"] = np.int64(2**62)
+    bad = tmp_path / "huge.npz"
+    np.savez(bad, **arrays)
+    for argv in (
+        ["trace", "stats", str(bad)],
+        ["simulate", str(bad), "--out", str(tmp_path / "s")],
+    ):
+        code, err = run_cli(argv)
+        assert_one_line(code, err, "huge.npz", "counts", "beyond any routing trace")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("d_model", 2**40), ("d_expert", 2**30), ("moe_layers", 10**6), ("tokens_per_device", 2**40)],
+)
+def test_model_sizes_past_any_model_are_one_line(
+    tmp_path: Path, trace_file: Path, field: str, value: int
+) -> None:
+    doc = {"d_model": 64, "d_expert": 128, "experts": 16, "top_k": 2, "moe_layers": 1}
+    doc[field] = value
+    model = tmp_path / "m.yaml"
+    model.write_text(yaml.safe_dump(doc))
+    code, err = run_cli(["simulate", str(trace_file), "--model", str(model), "--out",
+                         str(tmp_path / "s"), "--steps", "2"])  # fmt: skip
+    assert_one_line(code, err, "m.yaml", field, "must be <=")
