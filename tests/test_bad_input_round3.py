@@ -146,3 +146,41 @@ def test_model_sizes_past_any_model_are_one_line(
     code, err = run_cli(["simulate", str(trace_file), "--model", str(model), "--out",
                          str(tmp_path / "s"), "--steps", "2"])  # fmt: skip
     assert_one_line(code, err, "m.yaml", field, "must be <=")
+
+
+def _megatron(folder: Path, ranks: dict[int, list[dict]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, recs in ranks.items():
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+        (folder / f"router_trace_rank{rank}.jsonl").write_text(text)
+    return folder
+
+
+def _record(rank: int, indices: list[list[int]]) -> dict:
+    return {"step": 0, "block": "decoder", "layer": 1, "rank": rank, "topk": 2,
+            "num_tokens": len(indices), "top_indices": indices}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("ranks", "needles"),
+    [
+        # one corrupt expert index would size the trace at 10^12 experts (119 GiB and more)
+        (
+            {0: [_record(0, [[0, 1], [10**12, 2]])], 1: [_record(1, [[1, 0]])]},
+            ("router_trace_rank0.jsonl", "line 1.top_indices", "beyond any model"),
+        ),
+        # an empty rank file would leave its rank out: a 1-device trace
+        (
+            {0: [_record(0, [[0, 1], [1, 2]])], 1: []},
+            ("router_trace_rank1.jsonl", "no decoder records"),
+        ),
+    ],
+    ids=["huge expert index", "empty rank file"],
+)
+def test_a_router_trace_sized_by_one_corrupt_value_is_one_line(
+    tmp_path: Path, ranks: dict, needles: tuple[str, ...]
+) -> None:
+    folder = _megatron(tmp_path / "mt", ranks)
+    code, err = run_cli(["trace", "convert", str(folder), str(tmp_path / "t.npz")])
+    assert_one_line(code, err, *needles)
+    assert not (tmp_path / "t.npz").exists()

@@ -10,16 +10,16 @@ poise trace generate KIND OUT.npz --steps S --layers L --devices D --experts E
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from poise.commands.options import check_cluster_size
+from poise.commands.options import MAX_DEVICES, check_cluster_size
 from poise.core.budget import check_fits, human_bytes
 from poise.core.errors import ConfigError
+from poise.core.finite import json_text
 from poise.core.outputs import check_output_file
 from poise.core.presets import get_cluster
 from poise.trace.generate import (
@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument(
         "--layout-devices",
-        type=int_in(1),
+        type=int_in(1, MAX_DEVICES),  # the devices any cluster may have (`check_cluster_size`)
         default=None,
         metavar="D",
         help="devices of the static contiguous placement (default: trace devices)",
@@ -223,7 +223,7 @@ def _run_stats(args: argparse.Namespace) -> int:
     require_tokens(trace, args.file)
     stats = trace_stats(trace, args.layout_devices)
     if args.json:
-        print(json.dumps(stats, indent=2))
+        sys.stdout.write(json_text(stats, args.file, indent=2))
     else:
         Console().print(stats_table(stats))
     return 0

@@ -30,7 +30,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from poise.core.budget import check_fits
 from poise.core.errors import TraceError
+from poise.core.spec import SIZE_BOUNDS
 from poise.trace.trace import Trace
 
 FILE_RE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
@@ -88,6 +90,13 @@ def _records(path: Path) -> list[dict[str, Any]]:
                 raise TraceError(
                     "expert indices must be >= 0", source=src, field=f"{where}.top_indices"
                 )
+            if arr.size and arr.max() >= SIZE_BOUNDS["experts"]:
+                raise TraceError(
+                    f"expert index {int(arr.max())} is beyond any model (at most "
+                    f"{SIZE_BOUNDS['experts']} experts; a corrupt value?)",
+                    source=src,
+                    field=f"{where}.top_indices",
+                )
             if "num_tokens" in rec and rec["num_tokens"] != arr.shape[0]:
                 raise TraceError(
                     f"is {rec['num_tokens']!r}, but top_indices has {arr.shape[0]} rows",
@@ -117,7 +126,13 @@ def import_megatron(
     )  # fmt: skip
     if not files:
         raise TraceError("no router_trace_rank<N>.jsonl files", source=str(path))
-    recs = [r for f in files for r in _records(f)]
+    per_file = [_records(f) for f in files]
+    for f, got in zip(files, per_file, strict=True):
+        if not got and len(files) > 1:  # one rank's devices would silently be left out
+            raise TraceError(
+                "no decoder records: every rank's file must hold its routing", source=str(f)
+            )
+    recs = [r for got in per_file for r in got]
     if not recs:
         raise TraceError("no decoder records", source=str(path))
     ks = {r["topk"] for r in recs}
@@ -138,6 +153,12 @@ def import_megatron(
     si = {s: i for i, s in enumerate(steps)}
     li = {v: i for i, v in enumerate(layers)}
     ri = {v: i for i, v in enumerate(ranks)}
+    check_fits(
+        8.0 * len(steps) * len(layers) * len(ranks) * E,
+        f"a trace of {len(steps)} steps x {len(layers)} layers x {len(ranks)} ranks x {E} experts",
+        source=str(path),
+        field="experts",
+    )
     counts = np.zeros((len(steps), len(layers), len(ranks), E), dtype=np.int64)
     filled = np.zeros(counts.shape[:3], dtype=bool)
     for r in recs:
