@@ -184,3 +184,42 @@ def test_a_router_trace_sized_by_one_corrupt_value_is_one_line(
     code, err = run_cli(["trace", "convert", str(folder), str(tmp_path / "t.npz")])
     assert_one_line(code, err, *needles)
     assert not (tmp_path / "t.npz").exists()
+
+
+# ------------------------------------------------------------------ training: before any rank
+
+
+@pytest.mark.parametrize(
+    ("setting", "needles"),
+    [
+        ("model_args={d_expert: 4000000}", ("model_args", "needs about", "more than this machine")),
+        ("model_args={vocab_size: 100}", ("model_args.vocab_size", "byte-level")),
+        ("cache_dir=CACHE", ("cache_dir", "cannot be written")),
+    ],
+    ids=["memory", "vocabulary", "unwritable cache"],
+)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_training_that_would_fail_inside_a_rank_is_one_line_first(
+    tmp_path: Path, setting: str, needles: tuple[str, ...], nproc: int
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    setting = setting.replace("CACHE", str(tmp_path / "a-file" / "cache"))
+    out = tmp_path / "out"
+    code, err = run_cli(["train", "tiny", "--steps", "1", "--nproc", str(nproc), "--quiet",
+                         "--out", str(out), "--set", setting])  # fmt: skip
+    assert_one_line(code, err, *needles)
+    assert not (out / "config.yaml").exists()  # no rank was started
+
+
+def test_the_memory_estimate_counts_the_models_parameters() -> None:
+    """`model_params` against the parameters of a real `GPTMoE` (on one rank every expert, no
+    spare slot): the estimate may leave out only the norms' weights."""
+    from poise.models.gpt import GPTMoE, model_config
+    from poise.train.preflight import model_params
+
+    mcfg = model_config("tiny", {"layers": 3, "moe_every": 2, "d_ff": 96})
+    real = sum(p.numel() for p in GPTMoE(mcfg, seed=0).parameters())
+    dense, experts = model_params(mcfg, ranks=1, spare_slots=0)
+    norms = (2 * mcfg.layers + 1) * mcfg.d_model
+    assert dense + experts == pytest.approx(real - norms, rel=0.02)
+    assert model_params(mcfg, ranks=4, spare_slots=1)[1] < experts  # experts split over ranks

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from poise.train.config import resolve_layout
     from poise.train.data import shard_rows
     from poise.train.faults import Fault
+    from poise.train.preflight import check_before_start
 
     cfg = config_from_args(args)
     check_output_dir(cfg.out, "--out")
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"rank {fault.rank} of {n}", source="--fail-rank", field="rank")
     resolve_layout(cfg, n, source=f"--nproc {n}")  # the world fits the experts / the layout
     shard_rows(cfg.batch, 0, n)
+    check_before_start(cfg, n)  # memory, the corpus cache: before any rank starts
     if args.resume:
         from poise.train.checkpoint import resolve
 

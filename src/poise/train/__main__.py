@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory()  # the rank plans too (`poise.util.heap`)
     try:
         from poise.train.loop import train
+        from poise.train.preflight import check_before_start
 
         cfg = config_from_args(args)
+        check_before_start(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         train(cfg, resume=args.resume, quiet=args.quiet)
     except PoiseError as exc:
         print(f"poise: error: {rank_label()}{exc.one_line()}", file=sys.stderr)

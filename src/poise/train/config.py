@@ -298,6 +298,9 @@ def config_from_mapping(m: Mapping[str, Any], source: str = "config") -> TrainCo
         raise ConfigError(exc.message, source=source, field=exc.field) from None
 
 
+BYTE_VOCAB = 256  # token values of the byte-level data (`poise.train.data`)
+
+
 def _check_combined(cfg: TrainConfig, source: str) -> None:
     """What single fields cannot say: the model shapes (preset, `model_args`, `context`), the
     predictor, and the parts of `layout` that do not depend on the world size (syntax, pp = 1,
@@ -309,6 +312,13 @@ def _check_combined(cfg: TrainConfig, source: str) -> None:
     if cfg.context is not None:
         overrides["context"] = cfg.context
     mcfg = model_config(cfg.model, overrides, source=source)
+    if mcfg.vocab_size < BYTE_VOCAB:
+        raise ConfigError(
+            f"must be at least {BYTE_VOCAB}: the data is byte-level (token values 0-255), so a "
+            f"smaller vocabulary fails at the first embedding lookup; got {mcfg.vocab_size}",
+            source=source,
+            field="model_args.vocab_size",
+        )
     if cfg.layout is not None:
         check_layout_text(cfg.layout, mcfg.num_experts, mcfg.moe_layers, source)
     try:
