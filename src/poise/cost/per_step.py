@@ -4,7 +4,9 @@ The cost model prices one plan on one load pattern. The live runtime prices plan
 ran (`counts[S, L, D, E]`) and compares the figures with what those steps measured. A layer's
 phases depend on its own counts only, so the steps' layers are laid end to end as `S * L` layers
 of the plan (or of each step's own plan, where steps ran different replicas) and priced in one
-call. The figures a live step can change:
+call; where the steps' plans route inside groups of different sizes (one pricer holds one group
+size, `Assignment.from_layers`), the steps are priced one group size at a time
+(`group_size_parts`) and put back in step order. The figures a live step can change:
 
     busy      = expert forward + backward, dispatch + combine with the dispatcher's host work
     transfers = Trans + Agg (before any overlap)
@@ -15,6 +17,7 @@ NumPy only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -55,13 +58,48 @@ def steps_as_layers(cost: CostModel, plan: Ran, counts: np.ndarray) -> tuple[Any
     return cost.pricer(placement, assignment), loads
 
 
+def group_size_parts(plan: Ran) -> list[np.ndarray]:
+    """The step indices of `plan` split so that each part's grouped plans share one group size
+    (group-free plans join the first part): one part, all steps, for a single plan or plans of
+    at most one group size."""
+    plans = plans_of(plan)
+    sizes = [p.assignment.group_size if p.assignment.grouped else 0 for p in plans]
+    distinct = sorted({g for g in sizes if g})
+    if len(distinct) <= 1:
+        return [np.arange(len(plans))]
+    first = distinct[0]
+    return [
+        np.array([s for s, g in enumerate(sizes) if g == size or (g == 0 and size == first)])
+        for size in distinct
+    ]
+
+
+def _step_layer_rows(steps: np.ndarray, layers: int) -> np.ndarray:
+    """`[len(steps) * layers]` rows of the `S * L` layout that hold `steps`' layers."""
+    return (steps[:, None] * layers + np.arange(layers)[None, :]).reshape(-1)
+
+
 def step_phases(
     cost: CostModel, plan: Ran, counts: np.ndarray
 ) -> tuple[PhaseTimes, np.ndarray, np.ndarray]:
     """`(phases [S * L], device_load [S * L, D], loads [S * L, D, E])` of `plan` on every step
     of `counts[S, L, D, E]`."""
-    pricer, loads = steps_as_layers(cost, plan, counts)
-    phases, device_load = pricer.phases(loads)
+    parts = group_size_parts(plan)
+    if len(parts) == 1:
+        pricer, loads = steps_as_layers(cost, plan, counts)
+        phases, device_load = pricer.phases(loads)
+        return phases, device_load, loads
+    plans, L = plans_of(plan), counts.shape[1]
+    priced = [step_phases(cost, [plans[s] for s in part], counts[part]) for part in parts]
+    order = np.argsort(np.concatenate([_step_layer_rows(part, L) for part in parts]))
+    phases = PhaseTimes(
+        **{
+            f.name: np.concatenate([getattr(ph, f.name) for ph, _, _ in priced])[order]
+            for f in fields(PhaseTimes)
+        }
+    )
+    device_load = np.concatenate([d for _, d, _ in priced])[order]
+    loads = np.concatenate([x for _, _, x in priced])[order]
     return phases, device_load, loads
 
 
@@ -111,6 +149,13 @@ def predicted_phases(cost: CostModel, plan: Ran, counts: np.ndarray) -> np.ndarr
 def device_compute(cost: CostModel, plan: Ran, counts: np.ndarray) -> np.ndarray:
     """`[S, D]` the model's forward expert seconds of every device under `plan` on each step of
     `counts[S, L, D, E]`, summed over layers (`PlanPricer.device_compute_s`)."""
+    parts = group_size_parts(plan)
+    if len(parts) > 1:
+        plans = plans_of(plan)
+        out = np.zeros((len(counts), counts.shape[2]))
+        for part in parts:
+            out[part] = device_compute(cost, [plans[s] for s in part], counts[part])
+        return out
     pricer, loads = steps_as_layers(cost, plan, counts)
     per_layer = pricer.device_compute_s(loads)  # [S * L, D]
     return per_layer.reshape(*counts.shape[:2], -1).sum(axis=1)
@@ -120,6 +165,7 @@ __all__ = [
     "Ran",
     "busy_and_transfers",
     "device_compute",
+    "group_size_parts",
     "live_parts",
     "plans_of",
     "predicted_phases",
