@@ -8,10 +8,11 @@ for searches that re-route whole experts: any assignment that routes each expert
 on the changed layers up to float rounding (`tests/test_cost_incremental.py`).
 
 Latency is charged per message (`poise.cost.network`), and a device's messages are not a sum
-over experts (two experts sent to one device are one message): a candidate's message counts are
-recounted on its whole layer as the cost model counts them (`Routing.messages`,
-`replica_messages`, `migration_messages`: `ExpertColumns.layer_messages`), so they are the
-model's exactly; the bytes and the
+over experts (two experts sent to one device are one message): a candidate's message counts come
+from the layer's per-pair multiplicities plus the changed experts' (`cost.message_pairs`, on
+clusters of up to `messages.DIRECT_RUN` devices), or are recounted on its whole layer as the
+cost model counts them (`Routing.messages`, `replica_messages`, `migration_messages`:
+`ExpertColumns.layer_messages`); either way they are the model's exactly. The bytes and the
 compute stay differences of per-expert terms.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from poise.core.placement import Assignment, Placement
+from poise.cost.message_pairs import MessagePairs, applies
 from poise.cost.messages import level_counts, pair_counts
 from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import link_seconds
@@ -114,7 +116,13 @@ class ExpertColumns:
         totals[:, ROW_SEND] = np.concatenate([tok_send, par_send, mig_send]).transpose(1, 0, 2)
         totals[:, ROW_RECV] = np.concatenate([tok_recv, par_recv, mig_recv]).transpose(1, 0, 2)
         self.go = sends(counts, spec.token_bytes)  # [L, D, E] cells worth a message
-        totals[:, TERMS:] = self.layer_messages(np.arange(L), home, self.copies_t > 0, weights > 0)
+        held_t, takes_t = self.copies_t > 0, weights > 0
+        self.pairs: MessagePairs | None = None
+        if applies(cluster):
+            self.pairs = MessagePairs(cluster, self.go, home, held_t, takes_t, prev_home)
+            totals[:, TERMS:] = self.pairs.rows(self.pairs.n)
+        else:
+            totals[:, TERMS:] = self.layer_messages(np.arange(L), home, held_t, takes_t)
         self.totals = totals
 
     def comp_s(self, rows: np.ndarray) -> np.ndarray:
@@ -241,11 +249,23 @@ class ExpertColumns:
         """Message rows `[B, M, MESSAGES, D]` of M candidates in each of B layers (`candidates`'
         arguments: `layers[B]`, the changed columns `experts[B, K]` with homes `home[B, K]`,
         copies `copies[B, K, D]` and shares `weights[B, K, D]`; candidate m takes column k where
-        `select[m, k]`), each recounted on its whole layer (`layer_messages`); only where
-        `valid[B, M]` (None: everywhere), zero elsewhere."""
+        `select[m, k]`), from the pair multiplicities (`MessagePairs`) or each recounted on its
+        whole layer (`layer_messages`); only where `valid[B, M]` (None: everywhere), zero
+        elsewhere."""
         B, K = experts.shape
         M = select.shape[0]
         D = copies.shape[-1]
+        if self.pairs is not None:
+            change = self.pair_change(
+                np.repeat(layers, K),
+                experts.reshape(-1),
+                home.reshape(-1),
+                copies.reshape(B * K, D),
+                weights.reshape(B * K, D),
+            )
+            return self.pairs.candidate_rows(
+                layers, change.reshape(B, K, *change.shape[1:]), select, valid
+            )
         h = np.repeat(self.home[layers][:, None], M, axis=1)  # [B, M, E]
         held = np.repeat((self.copies_t[layers] > 0)[:, None], M, axis=1)  # [B, M, E, D]
         takes = np.repeat((self.weights[layers] > 0)[:, None], M, axis=1)
@@ -260,6 +280,28 @@ class ExpertColumns:
         if b.size:
             out[b, m] = self.layer_messages(layers[b], h[b, m], held[b, m], takes[b, m])
         return out
+
+    def pair_change(
+        self,
+        layers: np.ndarray,
+        experts: np.ndarray,
+        home: np.ndarray,
+        copies: np.ndarray,
+        weights: np.ndarray,
+    ) -> np.ndarray:
+        """`[K, KINDS, D, D]` new minus current pair multiplicities (`MessagePairs.columns`) of
+        experts `experts[K]` of `layers[K]` taking homes `home[K]`, copies `copies[K, D]` and
+        shares `weights[K, D]`."""
+        assert self.pairs is not None
+        new = self.pairs.columns(layers, experts, home, copies > 0, weights > 0)
+        now = self.pairs.columns(
+            layers,
+            experts,
+            self.home[layers, experts],
+            self.copies_t[layers, experts] > 0,
+            self.weights[layers, experts] > 0,
+        )
+        return new - now
 
     def current_terms(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """Terms `[K, TERMS, D]` of the columns in force of experts `experts[K]` of `layers[K]`."""
@@ -353,6 +395,8 @@ class ExpertColumns:
         """Make candidates current: expert `experts[k]` of layer `layers[k]` takes `home[k]`,
         `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`
         (`[TOTALS, D]`, messages included)."""
+        if self.pairs is not None:  # (before the columns in force change)
+            self.pairs.apply(layers, self.pair_change(layers, experts, home, copies, weights))
         self.home[layers, experts] = home
         self.copies_t[layers, experts] = copies
         self.weights[layers, experts] = weights

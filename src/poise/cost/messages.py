@@ -175,7 +175,7 @@ def level_counts(
         if local:
             assert local_src is not None and local_dst is not None
             hit |= _meets(pack(local_src), pack(local_dst)) & _same_run(D, group_size)
-        at = _level_masks(cluster)  # [3, D, D]
+        at = level_masks(cluster)  # [3, D, D]
         pairs = hit.astype(np.float32)  # (sums of at most D ones: exact)
         out = np.einsum("lij,vij->vli", pairs, at)
         into = np.einsum("lij,vij->vlj", pairs, at)
@@ -212,7 +212,7 @@ def level_counts(
 
 
 @functools.lru_cache(maxsize=32)
-def _level_masks(cluster: Cluster) -> np.ndarray:
+def level_masks(cluster: Cluster) -> np.ndarray:
     """`[3, D, D]` float32: 1 where `Cluster.level_between` of the pair is v (0 on the
     diagonal), read-only."""
     devices = np.arange(cluster.num_devices)
@@ -257,4 +257,4 @@ def pair_counts(
     return out, into
 
 
-__all__ = ["DIRECT_RUN", "level_counts", "pack", "pair_counts", "within_runs"]
+__all__ = ["DIRECT_RUN", "level_counts", "level_masks", "pack", "pair_counts", "within_runs"]

@@ -1,0 +1,127 @@
+"""Message counts of a search's candidates from per-pair multiplicities: `MessagePairs`.
+
+A device's messages are not a sum over experts (two experts sent to one peer are one message,
+`poise.cost.messages`), so a search that changes one or two experts of a layer cannot price a
+candidate's latency by differences of per-expert terms. It can keep, per layer, how many
+experts link each pair of devices, per kind of traffic:
+
+    n[l, 0, i, j] = #{e : i sends tokens of e (sends(c[i, e]), i holds no copy) and w[j, e] > 0}
+    n[l, 1, i, j] = #{e : i is e's home and j holds a replica of e}          (Trans)
+    n[l, 2, i, j] = #{e : e's home moves from i (the home in force) to j}    (migration)
+
+Each is a sum over experts, so a candidate's multiplicities are the layer's plus (new - current)
+outer products of the experts it changes, and its messages are the pairs with n > 0, split by
+level: out[kind, v, i] = #{j at level v from i : n[kind, i, j] > 0}, into likewise over i.
+That is exactly `ExpertColumns.layer_messages` (the counts `CostModel.price` uses) at a cost of
+O(K D^2) per candidate for K changed experts instead of O(E D^2) for a recount of the layer.
+
+The `[L, 3, D, D]` multiplicities are kept only on clusters of up to `messages.DIRECT_RUN`
+devices (`applies`); larger clusters recount (`ExpertColumns.layer_messages`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poise.core.cluster import Cluster
+from poise.cost.messages import DIRECT_RUN, level_masks
+
+KINDS = 3  # dispatch, Trans, migration: the kinds of `ExpertColumns`' message rows
+
+
+def applies(cluster: Cluster) -> bool:
+    """Whether `MessagePairs` is used on `cluster` (at most `DIRECT_RUN` devices)."""
+    return cluster.num_devices <= DIRECT_RUN
+
+
+class MessagePairs:
+    """The pair multiplicities `n[L, KINDS, D, D]` (module docstring) of L layers in force.
+
+    `go[L, D, E]`: the load cells worth a message (`traffic.sends`); `home[L, E]`,
+    `held_t[L, E, D]` (copies > 0), `takes_t[L, E, D]` (assignment shares > 0) the columns in
+    force; `prev_home[L, E]` the homes before the plan (None: nothing migrates)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        go: np.ndarray,
+        home: np.ndarray,
+        held_t: np.ndarray,
+        takes_t: np.ndarray,
+        prev_home: np.ndarray | None,
+    ) -> None:
+        self.go_t = np.ascontiguousarray(go.transpose(0, 2, 1))  # [L, E, D]
+        self.prev_home = prev_home
+        self.at = level_masks(cluster)  # [3 levels, D, D]
+        L, _, D = held_t.shape
+        src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
+        n = np.zeros((L, KINDS, D, D), dtype=np.int32)
+        # sums of at most E ones in float32: exact up to 2^24 experts
+        n[:, 0] = np.rint(np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32)))
+        layer, expert, device = np.nonzero(held_t & (np.arange(D) != home[..., None]))
+        np.add.at(n, (layer, 1, home[layer, expert], device), 1)
+        if prev_home is not None:
+            layer, expert = np.nonzero(prev_home != home)
+            np.add.at(n, (layer, 2, prev_home[layer, expert], home[layer, expert]), 1)
+        self.n = n
+
+    def columns(
+        self,
+        layers: np.ndarray,
+        experts: np.ndarray,
+        home: np.ndarray,
+        held: np.ndarray,
+        takes: np.ndarray,
+    ) -> np.ndarray:
+        """`[K, KINDS, D, D]` multiplicities of expert columns `experts[K]` of `layers[K]` with
+        homes `home[K]`, holders `held[K, D]` and takers `takes[K, D]`."""
+        K, D = held.shape
+        out = np.zeros((K, KINDS, D, D), dtype=np.int32)
+        src = self.go_t[layers, experts] & ~held  # [K, D]
+        out[:, 0] = src[:, :, None] & takes[:, None, :]
+        k, device = np.nonzero(held & (np.arange(D) != home[:, None]))
+        out[k, 1, home[k], device] = 1
+        if self.prev_home is not None:
+            old = self.prev_home[layers, experts]
+            k = np.flatnonzero(old != home)
+            out[k, 2, old[k], home[k]] = 1
+        return out
+
+    def rows(self, n: np.ndarray) -> np.ndarray:
+        """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., KINDS, D, D]`: peers
+        sent to per kind and level, then peers received from (`ExpertColumns`' message rows)."""
+        linked = (n > 0).astype(np.float32)  # [..., kind, i, j]
+        out = np.einsum("...kij,vij->...kvi", linked, self.at)  # [..., kind, level, D]
+        into = np.einsum("...kij,vij->...kvj", linked, self.at)
+        lead = n.shape[:-3]
+        D = n.shape[-1]
+        return np.concatenate(
+            [out.reshape(*lead, -1, D), into.reshape(*lead, -1, D)], axis=-2
+        ).astype(np.float64)
+
+    def candidate_rows(
+        self,
+        layers: np.ndarray,
+        change: np.ndarray,
+        select: np.ndarray,
+        valid: np.ndarray | None,
+    ) -> np.ndarray:
+        """Message rows `[B, M, 2 * KINDS * 3, D]` of M candidates in each of B layers
+        `layers[B]`: candidate m adds the column changes `change[B, K, KINDS, D, D]` (new - current
+        multiplicities) of every k with `select[m, k]`; zero where not `valid[B, M]`."""
+        B, M = len(layers), select.shape[0]
+        D = change.shape[-1]
+        out = np.zeros((B, M, 2 * KINDS * 3, D))
+        b, m = np.nonzero(np.ones((B, M), dtype=bool) if valid is None else valid)
+        if b.size:
+            picked = select[m].astype(np.int32)  # [N, K]
+            n = self.n[layers[b]] + np.einsum("nk,nkxij->nxij", picked, change[b])
+            out[b, m] = self.rows(n)
+        return out
+
+    def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
+        """Add the column changes `change[K, KINDS, D, D]` to the layers `layers[K]`."""
+        np.add.at(self.n, layers, change)
+
+
+__all__ = ["KINDS", "MessagePairs", "applies"]
