@@ -27,6 +27,7 @@ from poise.core.cluster import Cluster
 from poise.cost.messages import DIRECT_RUN, level_masks
 
 KINDS = 3  # dispatch, Trans, migration: the kinds of `ExpertColumns`' message rows
+assert DIRECT_RUN < 256  # a device's peers at one level fit in one base-256 digit (`rows`)
 
 
 def applies(cluster: Cluster) -> bool:
@@ -52,12 +53,13 @@ class MessagePairs:
     ) -> None:
         self.go_t = np.ascontiguousarray(go.transpose(0, 2, 1))  # [L, E, D]
         self.prev_home = prev_home
-        self.at = level_masks(cluster)  # [3 levels, D, D]
+        at = level_masks(cluster)  # [3 levels, D, D], zero on the diagonal
+        self.code = (at[0] + 256 * at[1] + 65536 * at[2]).astype(np.float32)  # [D, D]
         L, _, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
-        n = np.zeros((L, KINDS, D, D), dtype=np.int32)
-        # sums of at most E ones in float32: exact up to 2^24 experts
-        n[:, 0] = np.rint(np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32)))
+        # float32 counts: sums of at most E ones, exact up to 2^24 experts
+        n = np.zeros((L, KINDS, D, D), dtype=np.float32)
+        n[:, 0] = np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32))
         layer, expert, device = np.nonzero(held_t & (np.arange(D) != home[..., None]))
         np.add.at(n, (layer, 1, home[layer, expert], device), 1)
         if prev_home is not None:
@@ -76,7 +78,7 @@ class MessagePairs:
         """`[K, KINDS, D, D]` multiplicities of expert columns `experts[K]` of `layers[K]` with
         homes `home[K]`, holders `held[K, D]` and takers `takes[K, D]`."""
         K, D = held.shape
-        out = np.zeros((K, KINDS, D, D), dtype=np.int32)
+        out = np.zeros((K, KINDS, D, D), dtype=np.float32)
         src = self.go_t[layers, experts] & ~held  # [K, D]
         out[:, 0] = src[:, :, None] & takes[:, None, :]
         k, device = np.nonzero(held & (np.arange(D) != home[:, None]))
@@ -89,15 +91,15 @@ class MessagePairs:
 
     def rows(self, n: np.ndarray) -> np.ndarray:
         """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., KINDS, D, D]`: peers
-        sent to per kind and level, then peers received from (`ExpertColumns`' message rows)."""
-        linked = (n > 0).astype(np.float32)  # [..., kind, i, j]
-        out = np.einsum("...kij,vij->...kvi", linked, self.at)  # [..., kind, level, D]
-        into = np.einsum("...kij,vij->...kvj", linked, self.at)
-        lead = n.shape[:-3]
-        D = n.shape[-1]
-        return np.concatenate(
-            [out.reshape(*lead, -1, D), into.reshape(*lead, -1, D)], axis=-2
-        ).astype(np.float64)
+        sent to per kind and level, then peers received from (`ExpertColumns`' message rows).
+
+        The three levels are counted in one sum: a linked pair adds 256^v for its level v
+        (`self.code`; at most D - 1 < 256 peers a level), and the digits are read back."""
+        coded = (n > 0) * self.code  # [..., kind, i, j]
+        packed = np.stack([coded.sum(axis=-1), coded.sum(axis=-2)], axis=-3).astype(np.int32)
+        lead, D = n.shape[:-3], n.shape[-1]
+        digits = np.stack([packed & 255, (packed >> 8) & 255, packed >> 16], axis=-2)
+        return digits.reshape(*lead, 2 * KINDS * 3, D).astype(np.float64)
 
     def candidate_rows(
         self,
@@ -109,19 +111,23 @@ class MessagePairs:
         """Message rows `[B, M, 2 * KINDS * 3, D]` of M candidates in each of B layers
         `layers[B]`: candidate m adds the column changes `change[B, K, KINDS, D, D]` (new - current
         multiplicities) of every k with `select[m, k]`; zero where not `valid[B, M]`."""
-        B, M = len(layers), select.shape[0]
-        D = change.shape[-1]
-        out = np.zeros((B, M, 2 * KINDS * 3, D))
-        b, m = np.nonzero(np.ones((B, M), dtype=bool) if valid is None else valid)
-        if b.size:
-            picked = select[m].astype(np.int32)  # [N, K]
-            n = self.n[layers[b]] + np.einsum("nk,nkxij->nxij", picked, change[b])
-            out[b, m] = self.rows(n)
+        B, K, kinds, D, _ = change.shape
+        M = select.shape[0]
+        picked = np.matmul(select.astype(np.float32), change.reshape(B, K, -1))  # [B, M, X]
+        n = picked.reshape(B, M, kinds, D, D) + self.n[layers][:, None]
+        out = self.rows(n)
+        if valid is not None:
+            out[~valid] = 0.0
         return out
 
     def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
-        """Add the column changes `change[K, KINDS, D, D]` to the layers `layers[K]`."""
-        np.add.at(self.n, layers, change)
+        """Add the column changes `change[K, KINDS, D, D]` to the layers `layers[K]` (a layer may
+        repeat: one fancy-indexed add per repeat, faster than `np.add.at` here)."""
+        left = np.arange(len(layers))
+        while left.size:
+            _, first = np.unique(layers[left], return_index=True)
+            self.n[layers[left[first]]] += change[left[first]]
+            left = np.delete(left, first)
 
 
 __all__ = ["KINDS", "MessagePairs", "applies"]
