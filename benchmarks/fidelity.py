@@ -19,6 +19,18 @@ run, so that both come from one run of one model.
 `--zipf-s S`: the generated traces' Zipf skew (default 1, `DRIFT`), for a sweep of the rows built
 on generated traces (`with_zipf_s`); the summary line names it.
 
+`--seed-shift K`: every generated trace's seed moved by K (default 0: the scenarios' own seeds;
+`with_seed_shift`), for a seed sweep: whether the rows, and `auto` being the fastest policy, hold
+on other draws of the generated traces; recorded routing is replayed as it is. The summary line
+names it (`"seed_shift"`). `--write-doc` takes the default skew and seeds only.
+
+The last line sums up `auto` against the fastest other policy over every run (one case under one
+schedule) of every scenario, in the column the scenario's figures use (planning time charged when
+it counts planning, else not: `Check.auto_fastest`): `{"bench": "fidelity-auto", "runs": N,
+"slower": M, "worst": {"scenario", "case", "run", "ratio", "best", "column", "gap_in_se"}}`, M
+the runs where auto's mean step time is more than 1% (`AUTO_TOL`) above the fastest other
+policy's, `worst` the run with the highest ratio auto / fastest other (null without runs).
+
 Run from the repository root: .venv/bin/python benchmarks/fidelity.py [--quick] [--only NAME ...]
 """
 
@@ -30,13 +42,14 @@ import sys
 from pathlib import Path
 
 from poise.sim.scenarios import SCENARIOS, get_scenario, run_scenario
-from poise.sim.scenarios.core import DRIFT, with_zipf_s
+from poise.sim.scenarios.core import DRIFT, ScenarioResult, with_seed_shift, with_zipf_s
 from poise.sim.scenarios.fidelity import fidelity_rows, markdown, stale_reasons, summarise
 from poise.sim.scenarios.report import markdown_table
 from poise.util.atomic import atomic_write_text
 
 FIDELITY = ("<!-- fidelity:start -->", "<!-- fidelity:end -->")
 RESULTS = ("<!-- results:start -->", "<!-- results:end -->")
+AUTO_TOL = 0.01  # auto counts as the fastest policy within 1% of the fastest other
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="folder with smartmoe-ae-sample/")
     p.add_argument("--write-doc", metavar="PATH", help="regenerate the marked part of this file")
     p.add_argument("--zipf-s", type=float, default=None, help="generated traces' Zipf skew")
+    p.add_argument(
+        "--seed-shift", type=int, default=0, metavar="K", help="added to generated traces' seeds"
+    )
     return p.parse_args(argv)
 
 
@@ -65,24 +81,58 @@ def write_doc(path: Path, fidelity_table: str, results_text: str) -> None:
     atomic_write_text(path, replaced(text, RESULTS, results_text, path))
 
 
+def auto_summary(results: list[ScenarioResult]) -> dict[str, object]:
+    """The fidelity-auto line: every run's `auto` check, in its figures' column."""
+    worst: dict[str, object] | None = None
+    runs = slower = 0
+    worst_ratio = -1.0
+    for res in results:
+        for c in res.checks:
+            ratio = c.ratio_charged if c.count_planning else c.ratio_priced
+            runs += 1
+            slower += ratio > 1 + AUTO_TOL
+            if ratio > worst_ratio:
+                worst_ratio = ratio
+                worst = {
+                    "scenario": c.scenario,
+                    "case": c.case,
+                    "run": c.schedule,
+                    "ratio": ratio,
+                    "best": c.best_charged if c.count_planning else c.best_priced,
+                    "column": "charged" if c.count_planning else "priced",
+                    "gap_in_se": c.gap_in_se,
+                }
+    return {"bench": "fidelity-auto", "runs": runs, "slower": slower, "worst": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_doc and args.zipf_s is not None:
         sys.exit("fidelity: --write-doc takes the default skew only")
+    if args.write_doc and args.seed_shift != 0:
+        sys.exit("fidelity: --write-doc takes the default seeds only")
     names = args.only or list(SCENARIOS)
     scenarios = [get_scenario(n) for n in names]
     if args.zipf_s is not None:
         scenarios = [with_zipf_s(s, args.zipf_s) for s in scenarios]
+    if args.seed_shift != 0:
+        scenarios = [with_seed_shift(s, args.seed_shift) for s in scenarios]
     results = [run_scenario(s, quick=args.quick, data=args.data) for s in scenarios]
     rows = fidelity_rows(results)
     for row in rows:
         print(json.dumps({"bench": "fidelity", **row.as_dict()}), flush=True)
     summary = summarise(rows)
     stale = [list(k) for k in stale_reasons(rows)]
-    extra = {"stale_reasons": stale, "quick": args.quick, "zipf_s": args.zipf_s or DRIFT["s"]}
+    extra = {
+        "stale_reasons": stale,
+        "quick": args.quick,
+        "zipf_s": args.zipf_s or DRIFT["s"],
+        "seed_shift": args.seed_shift,
+    }
     print(json.dumps({**summary, **extra}), flush=True)
     if args.write_doc:
         write_doc(Path(args.write_doc), markdown(rows, summary), markdown_table(results))
+    print(json.dumps(auto_summary(results)), flush=True)
     return 0
 
 

@@ -358,3 +358,32 @@ def test_the_skew_sweep_sets_every_generated_trace() -> None:
     assert with_zipf_s(smart, 2.0).cases == smart.cases  # recorded routing: untouched
     with pytest.raises(ConfigError, match="must be > 0"):
         with_zipf_s(smart, 0.0)
+
+
+def test_the_seed_shift_moves_every_generated_trace_and_changes_its_loads() -> None:
+    from poise.sim.scenarios.core import with_seed_shift
+
+    # HybridEP's generated cases with SmartMoE's recorded-routing ones beside them.
+    smart = SCENARIOS["smartmoe"]
+    hybridep = get_scenario("hybridep")
+    sc = dataclasses.replace(hybridep, cases=hybridep.cases + smart.cases)
+    assert {c.trace.kind for c in sc.cases} == {"generate", "smartmoe"}
+    shifted = with_seed_shift(sc, 1000)
+    assert len(shifted.cases) == len(sc.cases)
+    for old, new in zip(sc.cases, shifted.cases, strict=True):
+        if old.trace.kind == "generate":
+            assert new.trace.seed == old.trace.seed + 1000
+            assert new.trace == dataclasses.replace(old.trace, seed=old.trace.seed + 1000)
+        else:
+            assert new == old
+    assert with_seed_shift(smart, 1000).cases == smart.cases  # recorded routing: untouched
+    # Another draw: the same shape, different loads.
+    i = next(i for i, c in enumerate(sc.cases) if c.trace.kind == "generate")
+    before, _ = build_trace(sc.cases[i], quick=True, data=None)
+    after, note = build_trace(shifted.cases[i], quick=True, data=None)
+    assert after.counts.shape == before.counts.shape
+    assert not np.array_equal(after.counts, before.counts)
+    assert f"seed {sc.cases[i].trace.seed + 1000}" in note
+    assert with_seed_shift(sc, 0) == sc
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        with_seed_shift(sc, -1)

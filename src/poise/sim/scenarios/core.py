@@ -482,6 +482,24 @@ def with_zipf_s(scenario: Scenario, s: float) -> Scenario:
     return dataclasses.replace(scenario, cases=tuple(skewed(c) for c in scenario.cases))
 
 
+def with_seed_shift(scenario: Scenario, shift: int) -> Scenario:
+    """`scenario` with every generated trace's seed moved by `shift` (the seed sweep: whether
+    the figures built on generated traces, and whether `auto` is the fastest policy, hold on
+    other draws of those traces, not just the seeds the scenarios name). Replays of recorded
+    routing (`kind="smartmoe"`) are unchanged, as is a scenario whose `runner` makes its own
+    cases; 0 gives the scenario's own traces."""
+    if shift < 0:
+        raise ConfigError(f"must be >= 0, got {shift}", source=scenario.name, field="seed_shift")
+
+    def shifted(case: Case) -> Case:
+        if case.trace.kind != "generate":
+            return case
+        trace = dataclasses.replace(case.trace, seed=case.trace.seed + shift)
+        return dataclasses.replace(case, trace=trace)
+
+    return dataclasses.replace(scenario, cases=tuple(shifted(c) for c in scenario.cases))
+
+
 def run_scenario(
     scenario: Scenario,
     *,
