@@ -289,19 +289,16 @@ class ExpertColumns:
         copies: np.ndarray,
         weights: np.ndarray,
     ) -> np.ndarray:
-        """`[K, KINDS, D, D]` new minus current pair multiplicities (`MessagePairs.columns`) of
+        """`[K, KINDS, D, D]` new minus current pair multiplicities (`MessagePairs.change`) of
         experts `experts[K]` of `layers[K]` taking homes `home[K]`, copies `copies[K, D]` and
         shares `weights[K, D]`."""
         assert self.pairs is not None
-        new = self.pairs.columns(layers, experts, home, copies > 0, weights > 0)
-        now = self.pairs.columns(
-            layers,
-            experts,
+        now = (
             self.home[layers, experts],
             self.copies_t[layers, experts] > 0,
             self.weights[layers, experts] > 0,
         )
-        return new - now
+        return self.pairs.change(layers, experts, (home, copies > 0, weights > 0), now)
 
     def current_terms(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """Terms `[K, TERMS, D]` of the columns in force of experts `experts[K]` of `layers[K]`."""

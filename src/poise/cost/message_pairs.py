@@ -67,26 +67,28 @@ class MessagePairs:
             np.add.at(n, (layer, 2, prev_home[layer, expert], home[layer, expert]), 1)
         self.n = n
 
-    def columns(
+    def change(
         self,
         layers: np.ndarray,
         experts: np.ndarray,
-        home: np.ndarray,
-        held: np.ndarray,
-        takes: np.ndarray,
+        new: tuple[np.ndarray, np.ndarray, np.ndarray],
+        now: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> np.ndarray:
-        """`[K, KINDS, D, D]` multiplicities of expert columns `experts[K]` of `layers[K]` with
-        homes `home[K]`, holders `held[K, D]` and takers `takes[K, D]`."""
-        K, D = held.shape
+        """`[K, KINDS, D, D]` new minus current multiplicities of expert columns `experts[K]` of
+        `layers[K]`, each side given as `(home[K], held[K, D], takes[K, D])`: the dispatch's outer
+        products src x takes, +-1 per (home, replica) pair and per (old home, new home) move."""
+        K, D = new[1].shape
         out = np.zeros((K, KINDS, D, D), dtype=np.float32)
-        src = self.go_t[layers, experts] & ~held  # [K, D]
-        out[:, 0] = src[:, :, None] & takes[:, None, :]
-        k, device = np.nonzero(held & (np.arange(D) != home[:, None]))
-        out[k, 1, home[k], device] = 1
-        if self.prev_home is not None:
-            old = self.prev_home[layers, experts]
-            k = np.flatnonzero(old != home)
-            out[k, 2, old[k], home[k]] = 1
+        go = self.go_t[layers, experts]  # [K, D]
+        for sign, (home, held, takes) in ((1.0, new), (-1.0, now)):
+            src = (go & ~held).astype(np.float32)
+            out[:, 0] += sign * src[:, :, None] * takes[:, None, :]
+            k, device = np.nonzero(held & (np.arange(D) != home[:, None]))
+            out[k, 1, home[k], device] += sign  # (k, device) pairs distinct: no repeated cell
+            if self.prev_home is not None:
+                old = self.prev_home[layers, experts]
+                k = np.flatnonzero(old != home)
+                out[k, 2, old[k], home[k]] += sign
         return out
 
     def rows(self, n: np.ndarray) -> np.ndarray:
