@@ -24,6 +24,7 @@ import numpy as np
 
 from poise.core.budget import check_fits
 from poise.core.errors import ConfigError, TraceError
+from poise.trace.array_headers import check_npy_size
 from poise.trace.megatron import FILE_RE as MEGATRON_FILE
 from poise.trace.megatron import import_megatron
 from poise.trace.trace import LOAD_ERRORS, Trace, load_failure
@@ -336,6 +337,7 @@ def _read_json(path: Path) -> Any:
 
 def _read_npy(path: Path) -> np.ndarray:
     src = str(path)
+    check_npy_size(path)  # header only: a lying shape is refused before np.load allocates
     try:
         arr = np.load(path, allow_pickle=False)
     except FileNotFoundError:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from poise.core.errors import TraceError
+from poise.trace.array_headers import LOAD_ERRORS, check_npz_sizes
 from poise.util.atomic import atomic_write_bytes
 
 SCHEMA_VERSION = 1
@@ -152,6 +153,7 @@ class Trace:
         src = str(path)
         data: dict[str, np.ndarray] = {}
         key: str | None = None
+        check_npz_sizes(path)  # headers only: a lying shape is refused before np.load allocates
         try:
             with np.load(path, allow_pickle=False) as z:
                 for key in z.files:  # each array read (and decompressed, CRC checked) here
@@ -189,23 +191,6 @@ class Trace:
         trace.meta = meta
         trace.validate(source=src)
         return trace
-
-
-# What `np.load` raises on a file that is no array or archive, or one damaged on disk: a bad
-# header (ValueError), a cut file (EOFError, OSError), a broken archive or a CRC mismatch
-# (BadZipFile), a damaged compressed stream (zlib.error), a member the directory names but the
-# archive lacks (KeyError), a damaged version or method field (NotImplementedError, zipfile's
-# "zip file version" or "compression type"). Every reader of `.npy` / `.npz` files catches
-# exactly these.
-LOAD_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    ValueError,
-    EOFError,
-    KeyError,
-    NotImplementedError,
-    zipfile.BadZipFile,
-    zlib.error,
-)
 
 
 def load_failure(exc: BaseException) -> str:
