@@ -130,7 +130,7 @@ def test_each_scenario_quick_form(name: str) -> None:
 @pytest.mark.parametrize("name", QUICK)
 def test_each_scenario_full_form_auto_is_never_slower(name: str) -> None:
     """The issue's line on the full forms (200-step replays; `poise scenarios` runs them in
-    about 3.5 minutes): `auto` is not slower than any other policy in any run beyond forecast
+    about 5 minutes): `auto` is not slower than any other policy in any run beyond forecast
     error: one part in 100,000 (`FULL_TOL`), or, where more, within `t_critical` standard errors
     of the paired gap over re-planning windows (in the figures' column, as `poise scenarios`
     reports it) and under `QUICK_TOL` (the comment at `FULL_TOL`)."""
