@@ -26,10 +26,10 @@ names it (`"seed_shift"`). `--write-doc` takes the default skew and seeds only.
 
 The last line sums up `auto` against the fastest other policy over every run (one case under one
 schedule) of every scenario, in the column the scenario's figures use (planning time charged when
-it counts planning, else not: `Check.auto_fastest`): `{"bench": "fidelity-auto", "runs": N,
-"slower": M, "worst": {"scenario", "case", "run", "ratio", "best", "column", "gap_in_se"}}`, M
-the runs where auto's mean step time is more than 1% (`AUTO_TOL`) above the fastest other
-policy's, `worst` the run with the highest ratio auto / fastest other (null without runs).
+it counts planning, else not: `Check.ratio`; `fidelity.auto_line`): `{"bench": "fidelity-auto",
+"runs": N, "slower": M, "worst": {"scenario", "case", "run", "ratio", "best", "column",
+"gap_in_se"}}`, M the runs where auto's mean step time is above the fastest other policy's,
+`worst` the run with the highest ratio auto / fastest other (null without runs).
 
 Run from the repository root: .venv/bin/python benchmarks/fidelity.py [--quick] [--only NAME ...]
 """
@@ -42,14 +42,19 @@ import sys
 from pathlib import Path
 
 from poise.sim.scenarios import SCENARIOS, get_scenario, run_scenario
-from poise.sim.scenarios.core import DRIFT, ScenarioResult, with_seed_shift, with_zipf_s
-from poise.sim.scenarios.fidelity import fidelity_rows, markdown, stale_reasons, summarise
+from poise.sim.scenarios.core import DRIFT, with_seed_shift, with_zipf_s
+from poise.sim.scenarios.fidelity import (
+    auto_line,
+    fidelity_rows,
+    markdown,
+    stale_reasons,
+    summarise,
+)
 from poise.sim.scenarios.report import markdown_table
 from poise.util.atomic import atomic_write_text
 
 FIDELITY = ("<!-- fidelity:start -->", "<!-- fidelity:end -->")
 RESULTS = ("<!-- results:start -->", "<!-- results:end -->")
-AUTO_TOL = 0.01  # auto counts as the fastest policy within 1% of the fastest other
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,34 +86,12 @@ def write_doc(path: Path, fidelity_table: str, results_text: str) -> None:
     atomic_write_text(path, replaced(text, RESULTS, results_text, path))
 
 
-def auto_summary(results: list[ScenarioResult]) -> dict[str, object]:
-    """The fidelity-auto line: every run's `auto` check, in its figures' column."""
-    worst: dict[str, object] | None = None
-    runs = slower = 0
-    worst_ratio = -1.0
-    for res in results:
-        for c in res.checks:
-            ratio = c.ratio_charged if c.count_planning else c.ratio_priced
-            runs += 1
-            slower += ratio > 1 + AUTO_TOL
-            if ratio > worst_ratio:
-                worst_ratio = ratio
-                worst = {
-                    "scenario": c.scenario,
-                    "case": c.case,
-                    "run": c.schedule,
-                    "ratio": ratio,
-                    "best": c.best_charged if c.count_planning else c.best_priced,
-                    "column": "charged" if c.count_planning else "priced",
-                    "gap_in_se": c.gap_in_se,
-                }
-    return {"bench": "fidelity-auto", "runs": runs, "slower": slower, "worst": worst}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_doc and args.zipf_s is not None:
         sys.exit("fidelity: --write-doc takes the default skew only")
+    if args.seed_shift < 0:
+        sys.exit("fidelity: --seed-shift must be >= 0")
     if args.write_doc and args.seed_shift != 0:
         sys.exit("fidelity: --write-doc takes the default seeds only")
     names = args.only or list(SCENARIOS)
@@ -132,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({**summary, **extra}), flush=True)
     if args.write_doc:
         write_doc(Path(args.write_doc), markdown(rows, summary), markdown_table(results))
-    print(json.dumps(auto_summary(results)), flush=True)
+    print(json.dumps(auto_line(results)), flush=True)
     return 0
 
 

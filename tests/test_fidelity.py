@@ -8,9 +8,10 @@ import math
 import pytest
 
 from poise.sim.scenarios import fidelity
-from poise.sim.scenarios.core import Row
+from poise.sim.scenarios.core import Check, Row, ScenarioResult
 from poise.sim.scenarios.fidelity import (
     FACTOR,
+    auto_line,
     fidelity_row,
     markdown,
     nearest_end,
@@ -122,3 +123,38 @@ def test_summary_counts_paper_and_assumed_set_ups_apart() -> None:
     assert "1 of 3 rows whose set-up follows the paper match it" in table
     assert "1 of 1 rows on assumed set-ups" in table and "**b**: the cluster" in table
     assert "**no**: outside the factor, other side of 1.0" in table  # r3, both ways off
+
+
+def _check(
+    case: str, charged: tuple[float, float], priced: tuple[float, float], count: bool
+) -> Check:
+    """auto's and the fastest other policy's mean step seconds, charged and priced."""
+    return Check(
+        scenario="s",
+        case=case,
+        schedule="sync",
+        count_planning=count,
+        auto_charged_s=charged[0],
+        best_charged="eplb",
+        best_charged_s=charged[1],
+        auto_priced_s=priced[0],
+        best_priced="vexpert",
+        best_priced_s=priced[1],
+        auto_planning_s=0.0,
+        auto_chosen=[],
+    )
+
+
+def test_the_auto_line_counts_slower_runs_in_each_scenarios_own_column() -> None:
+    """Each run is judged in its figures' column: a scenario that counts planning by its
+    charged time (here slower, 1.2x, though faster priced), else by the priced time (here a
+    tie, 1.0, not slower, though slower charged); the worst run is the highest such ratio."""
+    charged = _check("a", (1.2, 1.0), (0.9, 1.0), count=True)
+    priced = _check("b", (3.0, 1.0), (2.0, 2.0), count=False)
+    faster = _check("c", (0.5, 1.0), (0.5, 1.0), count=False)
+    res = ScenarioResult(None, [], [charged, priced, faster], {}, 0.0, True)  # type: ignore[arg-type]
+    line = auto_line([res])
+    assert (line["runs"], line["slower"]) == (3, 1)
+    assert line["worst"]["case"] == "a" and line["worst"]["column"] == "charged"
+    assert line["worst"]["ratio"] == pytest.approx(1.2) and line["worst"]["best"] == "eplb"
+    assert auto_line([])["worst"] is None and auto_line([])["runs"] == 0

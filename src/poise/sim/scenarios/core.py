@@ -281,9 +281,20 @@ class Check:
         return self.auto_priced_s / self.best_priced_s
 
     @property
+    def ratio(self) -> float:
+        """auto / fastest other in the figures' column: charged when `count_planning`, else
+        priced."""
+        return self.ratio_charged if self.count_planning else self.ratio_priced
+
+    @property
+    def best(self) -> str:
+        """The fastest other policy in the figures' column."""
+        return self.best_charged if self.count_planning else self.best_priced
+
+    @property
     def auto_fastest(self) -> bool:
-        """What the scenario's figures see: charged when `count_planning`, else priced."""
-        return (self.ratio_charged if self.count_planning else self.ratio_priced) <= 1.0
+        """What the scenario's figures see (`ratio`)."""
+        return self.ratio <= 1.0
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -327,11 +327,37 @@ def markdown(rows: list[FidelityRow], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def auto_line(results: Iterable[ScenarioResult]) -> dict[str, Any]:
+    """The `fidelity-auto` line: `auto` against the fastest other policy over every run (one
+    case under one schedule) of `results`, in each scenario's figures' column (`Check.ratio`):
+    how many runs, in how many it is slower (`not Check.auto_fastest`), and the run with the
+    highest ratio (None without runs)."""
+    checks = [c for res in results for c in res.checks]
+    worst = max(checks, key=lambda c: c.ratio, default=None)
+    return {
+        "bench": "fidelity-auto",
+        "runs": len(checks),
+        "slower": sum(not c.auto_fastest for c in checks),
+        "worst": None
+        if worst is None
+        else {
+            "scenario": worst.scenario,
+            "case": worst.case,
+            "run": worst.schedule,
+            "ratio": worst.ratio,
+            "best": worst.best,
+            "column": "charged" if worst.count_planning else "priced",
+            "gap_in_se": worst.gap_in_se,
+        },
+    }
+
+
 __all__ = [
     "FACTOR",
     "NO_CHANGE",
     "REASONS",
     "FidelityRow",
+    "auto_line",
     "fidelity_row",
     "fidelity_rows",
     "headline",
