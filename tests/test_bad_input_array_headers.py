@@ -98,3 +98,15 @@ def test_a_lying_header_is_one_line_at_the_command_line(tmp_path: Path, kind: st
         bad.write_bytes(lying_npy(HUGE))
     code, err = run_cli(["trace", "stats", str(bad)])
     assert_one_line(code, err, str(bad), "header states", "128.0 TiB")
+
+
+def test_a_truthful_member_compressed_near_deflates_limit_still_loads(tmp_path: Path) -> None:
+    """All-zero counts deflate about 1000-fold, close to DEFLATE's 1032-fold limit: the check's
+    bound (compressed bytes x 1032) must not refuse them."""
+    counts = np.zeros((16, 2, 16, 2048), dtype=np.int64)  # 8 MiB
+    path = tmp_path / "zeros.npz"
+    Trace(counts, np.arange(16), top_k=2, tokens_per_device=64, name="zeros").save(path)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("counts.npy")
+    assert info.file_size > 500 * info.compress_size  # near the limit, as meant
+    assert Trace.load(path).counts.shape == counts.shape

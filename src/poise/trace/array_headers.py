@@ -42,10 +42,10 @@ LOAD_ERRORS: tuple[type[BaseException], ...] = (
 # RuntimeError (zipfile opening a member whose "encrypted" flag is set).
 SKIPPED_ERRORS: tuple[type[BaseException], ...] = (*LOAD_ERRORS, RuntimeError)
 
-# DEFLATE expands at most about 1032-fold (258 bytes from one 2-bit code), so a deflated member
-# cannot hold more than this many bytes per compressed byte, whatever the directory states.
+# DEFLATE expands at most 1032-fold (a 258-byte match costs at least a 1-bit length code and a
+# 1-bit distance code; block headers only lower the ratio), so a deflated member cannot hold more
+# than this many bytes per compressed byte, whatever the directory states.
 DEFLATE_MAX_RATIO = 1032
-DEFLATE_SLACK_BYTES = 1024
 
 
 def header_bytes(fp: IO[bytes]) -> tuple[int, int, str] | None:
@@ -125,7 +125,7 @@ def _member_capacity(info: zipfile.ZipInfo, archive_bytes: int) -> int:
     if info.compress_type == zipfile.ZIP_STORED:
         return min(info.file_size, compressed)
     if info.compress_type == zipfile.ZIP_DEFLATED:
-        return min(info.file_size, compressed * DEFLATE_MAX_RATIO + DEFLATE_SLACK_BYTES)
+        return min(info.file_size, compressed * DEFLATE_MAX_RATIO)
     return info.file_size
 
 
