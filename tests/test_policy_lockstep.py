@@ -16,6 +16,7 @@ from poise.core.spec import MODELS
 from poise.core.water_fill import balanced_weights
 from poise.cost.incremental import LayerState
 from poise.cost.model import CostModel
+from poise.cost.network import MIN_TRAFFIC_BYTES
 from poise.cost.traffic import level_traffic
 from poise.plan.policies import PlanContext, make_plan
 from poise.plan.policies.eplb import replicate_experts
@@ -94,24 +95,41 @@ def test_replicate_experts_equals_the_loop() -> None:
         np.testing.assert_array_equal(logcnt, count)
 
 
-@pytest.mark.parametrize("preset", ["dgx-h100:2", "a800-eth10", "cpu-2"])
+@pytest.mark.parametrize("preset", ["dgx-h100:2", "a800-eth10", "cpu-2", "toy-20x8"])
 def test_for_homes_equals_stacked_bit_for_bit(preset: str) -> None:
-    cluster = get_cluster(preset)
+    """`for_homes` against the generic `stacked` (traffic, compute and messages) and its
+    `carried` multiplicities against a plain count over experts; `toy-20x8` (160 devices) is
+    past `messages.DIRECT_RUN`, where the messages come from `homes_messages`."""
+    cluster = toy_cluster(20, 8) if preset == "toy-20x8" else get_cluster(preset)
     spec = MODELS["zipf-256"].with_(experts=24, moe_layers=3)
     cost = CostModel(cluster, spec)
     rng = np.random.default_rng(6)
     D = cluster.num_devices
     counts = rng.random((3, D, 24)) * 1000
     counts[1] = 0.0
+    counts[2, rng.random((D, 24)) < 0.5] = 0.0  # sources that send some experts nothing
     home = rng.integers(0, D, (3, 24))
     placement = Placement.from_homes(home, D, 99)
     a = LayerState.stacked(cost, placement, counts)
     b = LayerState.for_homes(cost, home, counts)
     for name in ("R", "comp", "tok_send", "tok_recv", "par_send", "par_recv"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for name in ("tok_msg_out", "tok_msg_in", "par_msg_out", "par_msg_in"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
     send, recv = level_traffic(cluster, placement, Assignment.to_home(placement), counts)
     assert np.array_equal(send.transpose(1, 0, 2), b.tok_send)
     assert np.array_equal(recv.transpose(1, 0, 2), b.tok_recv)
+    carried = np.zeros((3, D, D))
+    for layer in range(3):
+        for expert in range(24):
+            h = home[layer, expert]
+            for source in range(D):
+                if (
+                    source != h
+                    and counts[layer, source, expert] * spec.token_bytes >= MIN_TRAFFIC_BYTES
+                ):
+                    carried[layer, source, h] += 1
+    assert np.array_equal(b.carried, carried)
 
 
 def _shadow_one_pass(

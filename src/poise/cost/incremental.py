@@ -37,6 +37,7 @@ import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
+from poise.cost.messages import DIRECT_RUN, linked_levels
 from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
@@ -51,6 +52,7 @@ from poise.cost.traffic import (
 
 PREFIX_EXACT = 16  # prefix lengths always evaluated one by one
 PREFIX_POINTS = 64  # at most this many prefix lengths evaluated (plus 0 and K)
+_PAIR_CELLS = 2**22  # one-hot cells (layers x experts x devices) per matmul in `home_pairs`
 
 
 def prefix_cuts(steps: int) -> np.ndarray:
@@ -106,9 +108,16 @@ def home_pairs(home: np.ndarray, counts: np.ndarray, token_bytes: float) -> np.n
     home = np.asarray(home, dtype=np.int64)
     go = sends(counts, token_bytes)
     go[np.arange(L)[:, None], home, np.arange(E)[None, :]] = False  # a home keeps its tokens
-    layer, src, expert = np.nonzero(go)
-    key = (layer * D + src) * D + home[layer, expert]
-    return np.bincount(key, minlength=L * D * D).reshape(L, D, D).astype(np.float64)
+    # pairs[l] = go[l] @ onehot(home[l]) [E, D], in float32 (sums of at most E ones: exact),
+    # over chunks of layers that keep the one-hot matrices within _PAIR_CELLS cells.
+    pairs = np.empty((L, D, D))
+    step = max(1, _PAIR_CELLS // max(1, E * D))
+    for lo in range(0, L, step):
+        hi = min(L, lo + step)
+        onehot = np.zeros((hi - lo, E, D), dtype=np.float32)
+        onehot[np.arange(hi - lo)[:, None], np.arange(E)[None, :], home[lo:hi]] = 1.0
+        pairs[lo:hi] = np.matmul(go[lo:hi].astype(np.float32), onehot)
+    return pairs
 
 
 @functools.lru_cache(maxsize=32)
@@ -219,7 +228,14 @@ class LayerState:
         R = np.zeros((L, D, E))  # the home computes its own tokens and all remote ones
         R[at_home] = computed
         send, recv = homes_traffic(cluster, home, remote)
-        m_out, m_in = homes_messages(cluster, home, remote, cost.spec.token_bytes)
+        carried = home_pairs(home, counts, cost.spec.token_bytes)
+        if D <= DIRECT_RUN:  # the messages are the pairs that carry an expert
+            m_out, m_in = linked_levels(cluster, carried > 0)  # [L, 3, D] each
+        else:
+            m_out, m_in = (
+                m.transpose(1, 0, 2)
+                for m in homes_messages(cluster, home, remote, cost.spec.token_bytes)
+            )
         state = cls._blank(cost, np.zeros((L, D, cls.CELLS)))  # Trans: zero
         state.R = R
         seconds = np.zeros((L, D, E))
@@ -227,9 +243,9 @@ class LayerState:
         state.comp[...] = seconds.sum(axis=2)  # comp_s(R).sum(axis=2): the same cells
         state.tok_send[...] = send.transpose(1, 0, 2)
         state.tok_recv[...] = recv.transpose(1, 0, 2)
-        state.tok_msg_out[...] = m_out.transpose(1, 0, 2)
-        state.tok_msg_in[...] = m_in.transpose(1, 0, 2)
-        state.carried = home_pairs(home, counts, cost.spec.token_bytes)
+        state.tok_msg_out[...] = m_out
+        state.tok_msg_in[...] = m_in
+        state.carried = carried
         state.trans_carried = np.zeros_like(state.carried)
         return state
 

@@ -24,10 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from poise.core.cluster import Cluster
-from poise.cost.messages import DIRECT_RUN, level_masks
+from poise.cost.messages import DIRECT_RUN, linked_levels
 
 KINDS = 3  # dispatch, Trans, migration: the kinds of `ExpertColumns`' message rows
-assert DIRECT_RUN < 256  # a device's peers at one level fit in one base-256 digit (`rows`)
 
 
 def applies(cluster: Cluster) -> bool:
@@ -53,19 +52,20 @@ class MessagePairs:
     ) -> None:
         self.go_t = np.ascontiguousarray(go.transpose(0, 2, 1))  # [L, E, D]
         self.prev_home = prev_home
-        at = level_masks(cluster)  # [3 levels, D, D], zero on the diagonal
-        self.code = (at[0] + 256 * at[1] + 65536 * at[2]).astype(np.float32)  # [D, D]
+        # Without `prev_home` nothing migrates: the migration kind is not kept (its rows are 0).
+        self.kinds = KINDS if prev_home is not None else KINDS - 1
+        self.cluster = cluster
         L, _, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
         # float32 counts: sums of at most E ones, exact up to 2^24 experts
-        n = np.zeros((L, KINDS, D, D), dtype=np.float32)
+        n = np.zeros((L, self.kinds, D, D), dtype=np.float32)
         n[:, 0] = np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32))
         layer, expert, device = np.nonzero(held_t & (np.arange(D) != home[..., None]))
         np.add.at(n, (layer, 1, home[layer, expert], device), 1)
         if prev_home is not None:
             layer, expert = np.nonzero(prev_home != home)
             np.add.at(n, (layer, 2, prev_home[layer, expert], home[layer, expert]), 1)
-        self.n = n
+        self.n = n  # [L, kinds, D, D]
 
     def change(
         self,
@@ -74,34 +74,44 @@ class MessagePairs:
         new: tuple[np.ndarray, np.ndarray, np.ndarray],
         now: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> np.ndarray:
-        """`[K, KINDS, D, D]` new minus current multiplicities of expert columns `experts[K]` of
+        """`[K, kinds, D, D]` new minus current multiplicities of expert columns `experts[K]` of
         `layers[K]`, each side given as `(home[K], held[K, D], takes[K, D])`: the dispatch's outer
         products src x takes, +-1 per (home, replica) pair and per (old home, new home) move."""
         K, D = new[1].shape
-        out = np.zeros((K, KINDS, D, D), dtype=np.float32)
+        out = np.zeros((K, self.kinds, D, D), dtype=np.float32)
         go = self.go_t[layers, experts]  # [K, D]
-        for sign, (home, held, takes) in ((1.0, new), (-1.0, now)):
-            src = (go & ~held).astype(np.float32)
-            out[:, 0] += sign * src[:, :, None] * takes[:, None, :]
-            k, device = np.nonzero(held & (np.arange(D) != home[:, None]))
-            out[k, 1, home[k], device] += sign  # (k, device) pairs distinct: no repeated cell
+        # The dispatch's two outer products in one matmul: [src_new, -src_now] x [takes_new;
+        # takes_now] (0/+-1 entries: the float32 sums are exact).
+        src = np.empty((K, D, 2), dtype=np.float32)
+        np.greater(go, new[1], out=src[:, :, 0])  # go & ~held (both bool)
+        np.greater(go, now[1], out=src[:, :, 1])
+        src[:, :, 1] *= -1.0
+        takes = np.empty((K, 2, D), dtype=np.float32)
+        takes[:, 0] = new[2]
+        takes[:, 1] = now[2]
+        np.matmul(src, takes, out=out[:, 0])
+        # Trans: row `home[k]` of column k gains its replicas (the holders but the home).
+        k = np.arange(K)
+        for sign, (home, held, _) in ((1.0, new), (-1.0, now)):
+            replicas = held.astype(np.float32)
+            replicas[k, home] = 0.0
+            out[k, 1, home] += sign * replicas  # one row per k: no repeated cell
             if self.prev_home is not None:
                 old = self.prev_home[layers, experts]
-                k = np.flatnonzero(old != home)
-                out[k, 2, old[k], home[k]] += sign
+                moved = np.flatnonzero(old != home)
+                out[moved, 2, old[moved], home[moved]] += sign
         return out
 
     def rows(self, n: np.ndarray) -> np.ndarray:
-        """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., KINDS, D, D]`: peers
-        sent to per kind and level, then peers received from (`ExpertColumns`' message rows).
-
-        The three levels are counted in one sum: a linked pair adds 256^v for its level v
-        (`self.code`; at most D - 1 < 256 peers a level), and the digits are read back."""
-        coded = (n > 0) * self.code  # [..., kind, i, j]
-        packed = np.stack([coded.sum(axis=-1), coded.sum(axis=-2)], axis=-3).astype(np.int32)
-        lead, D = n.shape[:-3], n.shape[-1]
-        digits = np.stack([packed & 255, (packed >> 8) & 255, packed >> 16], axis=-2)
-        return digits.reshape(*lead, 2 * KINDS * 3, D).astype(np.float64)
+        """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., kinds, D, D]`: peers
+        sent to per kind and level, then peers received from (`ExpertColumns`' message rows;
+        zero for a kind not kept): the pairs with n > 0, by `messages.linked_levels`."""
+        lead, kinds, D = n.shape[:-3], n.shape[-3], n.shape[-1]
+        out = np.zeros((*lead, 2, KINDS, 3, D))
+        sent, received = linked_levels(self.cluster, n > 0)  # [..., kinds, 3, D] each
+        out[..., 0, :kinds, :, :] = sent
+        out[..., 1, :kinds, :, :] = received
+        return out.reshape(*lead, 2 * KINDS * 3, D)
 
     def candidate_rows(
         self,
@@ -111,25 +121,27 @@ class MessagePairs:
         valid: np.ndarray | None,
     ) -> np.ndarray:
         """Message rows `[B, M, 2 * KINDS * 3, D]` of M candidates in each of B layers
-        `layers[B]`: candidate m adds the column changes `change[B, K, KINDS, D, D]` (new - current
+        `layers[B]`: candidate m adds the column changes `change[B, K, kinds, D, D]` (new - current
         multiplicities) of every k with `select[m, k]`; zero where not `valid[B, M]`."""
         B, K, kinds, D, _ = change.shape
         M = select.shape[0]
         picked = np.matmul(select.astype(np.float32), change.reshape(B, K, -1))  # [B, M, X]
-        n = picked.reshape(B, M, kinds, D, D) + self.n[layers][:, None]
+        n = picked.reshape(B, M, kinds, D, D)
+        n += self.n[layers][:, None]
         out = self.rows(n)
         if valid is not None:
             out[~valid] = 0.0
         return out
 
     def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
-        """Add the column changes `change[K, KINDS, D, D]` to the layers `layers[K]` (a layer may
-        repeat: one fancy-indexed add per repeat, faster than `np.add.at` here)."""
-        left = np.arange(len(layers))
-        while left.size:
-            _, first = np.unique(layers[left], return_index=True)
-            self.n[layers[left[first]]] += change[left[first]]
-            left = np.delete(left, first)
+        """Add the column changes `change[K, kinds, D, D]` to the layers `layers[K]` (a layer may
+        repeat: the changes are summed per layer by a 0/1 matmul, exact on these whole counts)."""
+        unique, which = np.unique(layers, return_inverse=True)
+        K = len(layers)
+        member = np.zeros((unique.size, K), dtype=np.float32)
+        member[which, np.arange(K)] = 1.0
+        summed = member @ change.reshape(K, -1)  # [U, kinds * D * D]
+        self.n[unique] += summed.reshape(unique.size, *change.shape[1:])
 
 
 __all__ = ["KINDS", "MessagePairs", "applies"]

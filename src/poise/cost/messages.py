@@ -45,6 +45,7 @@ import numpy as np
 from poise.core.cluster import Cluster
 
 DIRECT_RUN = 128  # runs up to this many devices test their pairs at once
+assert DIRECT_RUN < 256  # a device's peers at one level fit in one base-256 digit (`linked_levels`)
 _DIRECT_CELLS = 2**22  # pair cells tested per batch on the direct path
 
 
@@ -175,11 +176,8 @@ def level_counts(
         if local:
             assert local_src is not None and local_dst is not None
             hit |= _meets(pack(local_src), pack(local_dst)) & _same_run(D, group_size)
-        at = level_masks(cluster)  # [3, D, D]
-        pairs = hit.astype(np.float32)  # (sums of at most D ones: exact)
-        out = np.einsum("lij,vij->vli", pairs, at)
-        into = np.einsum("lij,vij->vlj", pairs, at)
-        return out.astype(np.float64), into.astype(np.float64)
+        out, into = linked_levels(cluster, hit)  # [L, 3, D] each
+        return out.transpose(1, 0, 2), into.transpose(1, 0, 2)
     glob_src, glob_dst = pack(src), pack(dst)
     both_src, both_dst = glob_src, glob_dst
     if local:  # the global features' words, then the local ones'
@@ -220,6 +218,41 @@ def level_masks(cluster: Cluster) -> np.ndarray:
     table = np.stack([level == v for v in range(3)]).astype(np.float32)
     table.setflags(write=False)
     return table
+
+
+@functools.lru_cache(maxsize=32)
+def level_code(cluster: Cluster) -> np.ndarray:
+    """`[D, D]` float32: 256^v for a pair at level v (`level_masks`), 0 on the diagonal;
+    read-only. For `linked_levels`, on clusters of at most `DIRECT_RUN` devices."""
+    at = level_masks(cluster)
+    code = (at[0] + 256 * at[1] + 65536 * at[2]).astype(np.float32)
+    code.setflags(write=False)
+    return code
+
+
+def linked_levels(cluster: Cluster, linked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(out, into)`, each `[..., 3, D]` float: for a pair mask `linked[..., D, D]` (bool: i
+    sends to j), out[..., v, i] = #{j at level v from i : linked[i, j]} and into[..., v, j] =
+    #{i at level v from j : linked[i, j]}; a device's pair with itself never counts. On
+    clusters of at most `DIRECT_RUN` devices.
+
+    The three levels are counted in one sum: a linked pair adds 256^v (`level_code`; at most
+    D - 1 < 256 peers a level) and the base-256 digits are read back. The sums are float32
+    matmuls with ones, exact: every partial sum is an integer below 2^24."""
+    D = linked.shape[-1]
+    lead = linked.shape[:-2]
+    coded = linked.astype(np.float32)
+    coded *= level_code(cluster)
+    ones = np.ones(D, dtype=np.float32)
+    packed = np.empty((2, *lead, D), dtype=np.float32)
+    np.matmul(coded, ones, out=packed[0])
+    np.matmul(ones, coded, out=packed[1])
+    digit = packed.astype(np.int32)
+    counts = np.empty((2, *lead, 3, D))
+    np.bitwise_and(digit, 255, out=counts[..., 0, :], casting="unsafe")
+    np.bitwise_and(digit >> 8, 255, out=counts[..., 1, :], casting="unsafe")
+    np.right_shift(digit, 16, out=counts[..., 2, :], casting="unsafe")
+    return counts[0], counts[1]
 
 
 @functools.lru_cache(maxsize=32)

@@ -307,7 +307,9 @@ def cut_times(
     go = sends(tok, state.cost.spec.token_bytes)  # [N, m]
     pos_m = np.repeat(pos, size).reshape(N, size)
     lyr_m = np.repeat(lyr, size).reshape(N, size)
-    carried = home_pairs(home, counts, state.cost.spec.token_bytes)  # [B, D, D]
+    carried = state.carried  # [B, D, D] (`LayerState.for_homes`)
+    if carried is None:
+        carried = home_pairs(home, counts, state.cost.spec.token_bytes)
     ev_lyr = np.concatenate([lyr_m[go], lyr_m[go & stays]])
     ev_src = np.concatenate([src[go], src[go & stays]])
     ev_dst = np.concatenate([np.broadcast_to(h[:, None], src.shape)[go], dst[go & stays]])
