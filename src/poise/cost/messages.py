@@ -95,6 +95,16 @@ def _meets(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((a[..., :, None, :] & b[..., None, :, :]) != 0).any(axis=-1)
 
 
+def meet_matrix(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """`[..., i, j]` bool: masks `src[..., i, F]` and `dst[..., j, F]` meet (share a feature).
+    Two bool masks meet where their float32 product src @ dst^T is nonzero (one BLAS call; a
+    sum of non-negative terms is nonzero iff one term is); packed ones (`pack`) word by word."""
+    if src.dtype == np.bool_ and dst.dtype == np.bool_:
+        shared = np.matmul(src.astype(np.float32), dst.astype(np.float32).swapaxes(-1, -2))
+        return shared > 0
+    return _meets(pack(src), pack(dst))
+
+
 def _direct(a: np.ndarray, b: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """`within_runs` testing every pair of a run: `[runs, size, size]` hits per batch."""
     L, D, W = a.shape
@@ -172,10 +182,10 @@ def level_counts(
     dpn, dpd, D = cluster.devices_per_node, cluster.devices_per_domain, cluster.num_devices
     local = local_src is not None and local_dst is not None and group_size > 0
     if D <= DIRECT_RUN:  # few devices: every pair at once, split by the level table
-        hit = _meets(pack(src), pack(dst))  # [L, D, D]
+        hit = meet_matrix(src, dst)  # [L, D, D]
         if local:
             assert local_src is not None and local_dst is not None
-            hit |= _meets(pack(local_src), pack(local_dst)) & _same_run(D, group_size)
+            hit |= meet_matrix(local_src, local_dst) & _same_run(D, group_size)
         out, into = linked_levels(cluster, hit)  # [L, 3, D] each
         return out.transpose(1, 0, 2), into.transpose(1, 0, 2)
     glob_src, glob_dst = pack(src), pack(dst)

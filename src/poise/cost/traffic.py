@@ -32,7 +32,7 @@ import numpy as np
 from poise.core.cluster import Cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
-from poise.cost.messages import level_counts, pack, pair_counts
+from poise.cost.messages import DIRECT_RUN, level_counts, pack, pair_counts
 from poise.cost.network import MIN_TRAFFIC_BYTES
 
 
@@ -91,8 +91,10 @@ class Routing:
             if g not in sums:
                 sums[g] = self.w.reshape(L, g, D // g, E).sum(axis=2)
         self.w_group = [sums[g] for g in self.groups]
-        # [L, D, E] the devices that take a share of e's tokens, as bits (`messages.pack`)
-        self.takes = pack(self.w > 0)
+        # [L, D, E] the devices that take a share of e's tokens: bool where `level_counts`
+        # tests every pair at once (`messages.meet_matrix`), else as bits (`messages.pack`)
+        direct = D <= DIRECT_RUN
+        self.takes = self.w > 0 if direct else pack(self.w > 0)
         # Group-local routing only: `local[L, D, E]` per source, routes e inside its group;
         # `gw[L, D, E]` the group weights `[L, E, D]` transposed like `w`, contiguous.
         self.local = self.gw = self.takes_local = None
@@ -101,7 +103,7 @@ class Routing:
             assert assignment.group_weights is not None
             self.local = assignment.source_local()
             self.gw = np.ascontiguousarray(assignment.group_weights.transpose(0, 2, 1))
-            self.takes_local = pack(self.gw > 0)
+            self.takes_local = self.gw > 0 if direct else pack(self.gw > 0)
 
     def take_layers(self, start: int, stop: int) -> Routing:
         """The routing of layers `start:stop` (views of this one's arrays)."""
