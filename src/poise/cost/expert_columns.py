@@ -337,8 +337,9 @@ class ExpertColumns:
         bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
         a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
         mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
-        # each device's forward expert seconds with the per-call floor (`expert_call_floor`)
-        fec = expert_call_floor(self.cost.cluster, self.cost.spec, totals[:, ROW_COMP]).max(axis=1)
+        # the forward expert seconds of the slowest device with the per-call floor: the floor is
+        # monotone, so the floored maximum is the floor of the maximum (`expert_call_floor`)
+        fec = expert_call_floor(self.cost.cluster, self.cost.spec, totals[:, ROW_COMP].max(axis=1))
         fnec, bnec = np.full(M, self.fnec), np.full(M, self.bnec)
         return PhaseTimes.from_parts(a2a, fec, fnec, trans, mig, bnec)
 

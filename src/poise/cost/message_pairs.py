@@ -78,7 +78,8 @@ class MessagePairs:
         `layers[K]`, each side given as `(home[K], held[K, D], takes[K, D])`: the dispatch's outer
         products src x takes, +-1 per (home, replica) pair and per (old home, new home) move."""
         K, D = new[1].shape
-        out = np.zeros((K, self.kinds, D, D), dtype=np.float32)
+        out = np.empty((K, self.kinds, D, D), dtype=np.float32)
+        out[:, 1:] = 0.0  # (the dispatch's kind 0 is written whole below)
         go = self.go_t[layers, experts]  # [K, D]
         # The dispatch's two outer products in one matmul: [src_new, -src_now] x [takes_new;
         # takes_now] (0/+-1 entries: the float32 sums are exact).
@@ -108,9 +109,8 @@ class MessagePairs:
         zero for a kind not kept): the pairs with n > 0, by `messages.linked_levels`."""
         lead, kinds, D = n.shape[:-3], n.shape[-3], n.shape[-1]
         out = np.zeros((*lead, 2, KINDS, 3, D))
-        sent, received = linked_levels(self.cluster, n > 0)  # [..., kinds, 3, D] each
-        out[..., 0, :kinds, :, :] = sent
-        out[..., 1, :kinds, :, :] = received
+        view = np.moveaxis(out[..., :kinds, :, :], -4, 0)  # [2, ..., kinds, 3, D]
+        linked_levels(self.cluster, n > 0, out=view)
         return out.reshape(*lead, 2 * KINDS * 3, D)
 
     def candidate_rows(

@@ -186,8 +186,8 @@ def level_counts(
         if local:
             assert local_src is not None and local_dst is not None
             hit |= meet_matrix(local_src, local_dst) & _same_run(D, group_size)
-        out, into = linked_levels(cluster, hit)  # [L, 3, D] each
-        return out.transpose(1, 0, 2), into.transpose(1, 0, 2)
+        out, into = linked_levels(cluster, hit).transpose(0, 2, 1, 3)  # [3, L, D] each
+        return out, into
     glob_src, glob_dst = pack(src), pack(dst)
     both_src, both_dst = glob_src, glob_dst
     if local:  # the global features' words, then the local ones'
@@ -240,10 +240,13 @@ def level_code(cluster: Cluster) -> np.ndarray:
     return code
 
 
-def linked_levels(cluster: Cluster, linked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`(out, into)`, each `[..., 3, D]` float: for a pair mask `linked[..., D, D]` (bool: i
-    sends to j), out[..., v, i] = #{j at level v from i : linked[i, j]} and into[..., v, j] =
-    #{i at level v from j : linked[i, j]}; a device's pair with itself never counts. On
+def linked_levels(
+    cluster: Cluster, linked: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """`[2, ..., 3, D]` float: for a pair mask `linked[..., D, D]` (bool: i sends to j), [0,
+    ..., v, i] = #{j at level v from i : linked[i, j]} (the peers i sends to) and [1, ..., v, j]
+    = #{i at level v from j : linked[i, j]} (the peers j receives from); a device's pair with
+    itself never counts. Written into `out` where given (any float array of that shape). On
     clusters of at most `DIRECT_RUN` devices.
 
     The three levels are counted in one sum: a linked pair adds 256^v (`level_code`; at most
@@ -258,11 +261,11 @@ def linked_levels(cluster: Cluster, linked: np.ndarray) -> tuple[np.ndarray, np.
     np.matmul(coded, ones, out=packed[0])
     np.matmul(ones, coded, out=packed[1])
     digit = packed.astype(np.int32)
-    counts = np.empty((2, *lead, 3, D))
+    counts = np.empty((2, *lead, 3, D)) if out is None else out
     np.bitwise_and(digit, 255, out=counts[..., 0, :], casting="unsafe")
     np.bitwise_and(digit >> 8, 255, out=counts[..., 1, :], casting="unsafe")
     np.right_shift(digit, 16, out=counts[..., 2, :], casting="unsafe")
-    return counts[0], counts[1]
+    return counts
 
 
 @functools.lru_cache(maxsize=32)
