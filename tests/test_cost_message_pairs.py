@@ -5,6 +5,8 @@ clusters past `DIRECT_RUN` devices the recount is used."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -85,7 +87,20 @@ def test_pairs_count_the_messages_of_a_layer_recount(cluster, prev: bool) -> Non
                     h[e], held[e], takes[e] = new_home[b, k], new_copies[b, k] > 0, shares[b, k] > 0
                 want = cols.layer_messages(np.array([b]), h[None], held[None], takes[None])[0]
                 np.testing.assert_array_equal(got[b, m], want)
-        # Make candidate 1 (both columns) current in layer 0 and 2; the pairs follow.
+        # Make candidate 2 (both columns) current in layer 0 and 2; the pairs follow, recounted
+        # from the columns (`cols`) or adopted from the candidates just counted (`twin`).
+        twin = copy.deepcopy(cols)
+        both = np.array([0, 2])
+        twin.apply(
+            np.repeat(both, 2),
+            experts[both].reshape(-1),
+            new_home[both].reshape(-1),
+            new_copies[both].reshape(-1, D),
+            shares[both].reshape(-1, D),
+            both,
+            twin.totals[both],
+            candidate=(both, np.array([2, 2])),  # (counted though not valid: left zero)
+        )
         for b in (0, 2):
             cols.apply(
                 np.array([b, b]),
@@ -97,6 +112,8 @@ def test_pairs_count_the_messages_of_a_layer_recount(cluster, prev: bool) -> Non
                 cols.totals[b][None],
             )
         np.testing.assert_array_equal(cols.pairs.rows(cols.pairs.n), _recount(cols, layers))
+        np.testing.assert_array_equal(twin.pairs.n, cols.pairs.n)
+        np.testing.assert_array_equal(twin.pairs.rows(twin.pairs.n), _recount(twin, layers))
 
 
 def test_a_cluster_past_the_direct_run_recounts() -> None:

@@ -389,12 +389,20 @@ class ExpertColumns:
         weights: np.ndarray,
         changed: np.ndarray,
         totals: np.ndarray,
+        candidate: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Make candidates current: expert `experts[k]` of layer `layers[k]` takes `home[k]`,
         `copies[k]` and `weights[k]` (`[K, D]`); layer `changed[b]` takes `totals[b]`
-        (`[TOTALS, D]`, messages included)."""
+        (`[TOTALS, D]`, messages included). `candidate` = (batch rows `j[b]`, moves `m[b]`) of
+        the last `candidate_messages` call where layer `changed[b]` is its row `j[b]` and these
+        columns are its candidate `m[b]`'s: the pair multiplicities are taken from it
+        (`MessagePairs.adopt`), not recounted from the columns."""
         if self.pairs is not None:  # (before the columns in force change)
-            self.pairs.apply(layers, self.pair_change(layers, experts, home, copies, weights))
+            if candidate is not None:
+                self.pairs.adopt(*candidate)
+            else:
+                change = self.pair_change(layers, experts, home, copies, weights)
+                self.pairs.apply(layers, change)
         self.home[layers, experts] = home
         self.copies_t[layers, experts] = copies
         self.weights[layers, experts] = weights

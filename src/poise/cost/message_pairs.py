@@ -55,6 +55,8 @@ class MessagePairs:
         # Without `prev_home` nothing migrates: the migration kind is not kept (its rows are 0).
         self.kinds = KINDS if prev_home is not None else KINDS - 1
         self.cluster = cluster
+        # The last `candidate_rows` call's layers [B] and multiplicities [B, M, kinds, D, D].
+        self.candidates: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0))
         L, _, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
         # float32 counts: sums of at most E ones, exact up to 2^24 experts
@@ -128,10 +130,17 @@ class MessagePairs:
         picked = np.matmul(select.astype(np.float32), change.reshape(B, K, -1))  # [B, M, X]
         n = picked.reshape(B, M, kinds, D, D)
         n += self.n[layers][:, None]
+        self.candidates = (layers, n)  # for `adopt`
         out = self.rows(n)
         if valid is not None:
             out[~valid] = 0.0
         return out
+
+    def adopt(self, rows: np.ndarray, moves: np.ndarray) -> None:
+        """Layer `layers[rows[k]]` of the last `candidate_rows` call takes the multiplicities of
+        its candidate `moves[k]` (those the candidate's message rows were counted from)."""
+        layers, n = self.candidates
+        self.n[layers[rows]] = n[rows, moves]
 
     def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
         """Add the column changes `change[K, kinds, D, D]` to the layers `layers[K]` (a layer may

@@ -372,7 +372,14 @@ def search_layers(
         experts = rnd.experts[mr, col]
         new_copies = rnd.copies[mr, col]
         cols.apply(
-            lb, experts, rnd.homes[mr, col], new_copies, shares[mr, col], b, totals[moved, chosen]
+            lb,
+            experts,
+            rnd.homes[mr, col],
+            new_copies,
+            shares[mr, col],
+            b,
+            totals[moved, chosen],
+            candidate=(np.array(moved), np.array(chosen)),  # its pairs were counted this round
         )
         state.set_columns(
             lb, experts, terms[mr, col, ROW_R], new_copies, rnd.copies[mr, _CURRENT[col]]
