@@ -20,8 +20,9 @@ and per device and level v (the level between the two devices, `Cluster.level_be
 No D x D matrix is formed where the runs are long: `within_runs` counts the pairs inside
 contiguous runs of devices (a node, a domain, the cluster: devices are numbered node-major) and
 the levels are differences of those counts (all pairs in the domain minus those in the node are
-level 1, ...); on a cluster of up to `DIRECT_RUN` devices all pairs are tested at once and
-split by level. Masks are packed into words (`pack`, W = ceil(F / 64) words). Inside a
+level 1, ...); on a cluster of up to `DIRECT_RUN` devices all pairs are tested at once (a
+float32 matmul of the bool masks, `meet_matrix`) and counted per level in one pass
+(`linked_levels`). Otherwise masks are packed into words (`pack`, W = ceil(F / 64) words). Inside a
 short run (up to `DIRECT_RUN` devices) the run's pairs are tested at once, [runs, r, r] per
 layer (cost L * D * r * W); in a long run the devices are grouped by their masks into classes
 (np.unique of the packed rows: J source classes, K destination classes), the J x K class pairs
