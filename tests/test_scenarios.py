@@ -26,9 +26,9 @@ from poise.sim.scenarios import (
     paired_gap_se,
     run_scenario,
 )
-from poise.sim.scenarios.core import timed_dense_params
 from poise.sim.scenarios.fidelity import fidelity_rows
 from poise.sim.scenarios.papers import REPLAY_STEPS
+from poise.sim.scenarios.replay import timed_dense_params
 from poise.sim.simulator import simulate
 
 TOL = 1e-9  # auto "never slower": equal plans price equal up to float summation order
@@ -303,7 +303,7 @@ def test_the_timed_span_follows_the_paper() -> None:
     """FasterMoE's Fig. 13 times the MoE layers alone: its replays price no dense compute and no
     dense all-reduce; a paper that times whole steps pays both, the all-reduce of F_d / 2
     parameters per block (F_d the block's dense forward FLOPs per token) in every block."""
-    from poise.sim.scenarios.core import timed_spec
+    from poise.sim.scenarios.replay import timed_spec
 
     faster = SCENARIOS["fastermoe"]
     spec = faster.cases[0].spec

@@ -1,6 +1,6 @@
 """The published setups of the systems Poise compares with, replayed in the simulator.
 
-Modules: `core` (types, traces, the runner), `papers` (the six setups and their published
+Modules: `core` (types, traces), `replay` (the runner), `papers` (the six setups and their published
 figures), `parm` and `smartmoe` (the scenarios that price their own rows: Parm's schedule grid,
 SmartMoE's layout pool against FasterMoE's EP), `report` (markdown and JSON).
 
@@ -50,9 +50,6 @@ from poise.sim.scenarios.core import (
     TraceRecipe,
     build_trace,
     find_shared_data,
-    paired_gap_se,
-    run_scenario,
-    step_times,
 )
 from poise.sim.scenarios.papers import (
     HYBRIDEP_PUBLISHED,
@@ -64,6 +61,7 @@ from poise.sim.scenarios.papers import (
     hybridep_spec,
     prophet_spec,
 )
+from poise.sim.scenarios.replay import paired_gap_se, run_scenario, step_times
 from poise.sim.scenarios.report import markdown_table, results_json
 from poise.sim.scenarios.smartmoe import smartmoe_spec
 

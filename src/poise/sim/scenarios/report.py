@@ -75,7 +75,7 @@ def results_json(results: Sequence[ScenarioResult]) -> dict[str, Any]:
 
 def _slower(ratio: float, gap_in_se: float | None) -> str:
     """The flag of a ratio above 1, with the gap in standard errors where it is known (the
-    figures' column; `core.paired_gap_se`)."""
+    figures' column; `replay.paired_gap_se`)."""
     if ratio <= 1.0:
         return ""
     return " **slower**" if gap_in_se is None else f" **slower** ({gap_in_se:.1f} SE)"

@@ -71,13 +71,10 @@ from poise.sim.scenarios.core import (
     Scenario,
     ScenarioResult,
     TraceRecipe,
-    auto_check,
     build_trace,
     case_schedule,
-    measured_mean,
-    memory_spec,
-    step_times,
 )
+from poise.sim.scenarios.replay import auto_check, measured_mean, memory_spec, step_times
 from poise.sim.simulator import simulate
 
 SOURCE = (
