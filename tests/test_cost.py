@@ -252,3 +252,42 @@ def test_a_cost_model_reuses_the_pricer_of_a_plan_of_the_same_content() -> None:
         cost.price(placement, Assignment.even(placement), loads).layer_s, fresh.price(loads).layer_s
     )
     assert not pickle.loads(pickle.dumps(cost)).pricers._pricers
+
+
+def test_a_pricer_whose_key_matches_but_not_its_content_is_not_reused() -> None:
+    """`PricerCache` finds pricers by a cheap key of the plan (`plan_fingerprint`) and confirms
+    a match bit for bit (`prices_same`): a kept pricer of another plan filed under this plan's
+    key (as two plans sharing a key would be) is replaced, not returned."""
+    from poise.cost.model import plan_fingerprint
+
+    cluster = toy_cluster(2, 2, 1, 1e9, 2e8, 1e7)
+    spec = toy_spec(experts=8, layers=3, d_model=64, d_expert=128, tokens=1000, non_moe=1e5)
+    cost = CostModel(cluster, spec)
+    placement = Placement.from_homes(np.tile(np.arange(8) % 4, (3, 1)), 4, 3)
+    other = Placement.from_homes(np.tile((np.arange(8) + 1) % 4, (3, 1)), 4, 3)
+    other_pricer = cost.pricer(other, Assignment.to_home(other))
+    key = plan_fingerprint(placement, Assignment.to_home(placement))
+    cost.pricers._pricers[key] = other_pricer  # a shared key, another plan's content
+    got = cost.pricer(placement, Assignment.to_home(placement))
+    assert got is not other_pricer
+    np.testing.assert_array_equal(got.placement.home, placement.home)
+    assert cost.pricer(placement, Assignment.to_home(placement)) is got  # and kept in its place
+
+
+def test_fingerprints_follow_content_and_layout() -> None:
+    """Equal content, equal key; one bit or the memory order changed, another key; -0.0 is not
+    0.0 for `same_content`."""
+    from poise.cost.fingerprint import fingerprint, same_content
+
+    a = np.random.default_rng(1).random((3, 5, 7))
+    assert fingerprint(a) == fingerprint(a.copy())
+    b = a.copy()
+    b[2, 4, 6] = np.nextafter(b[2, 4, 6], 2.0)
+    assert fingerprint(a) != fingerprint(b) and not same_content(a, b)
+    swapped = a.copy()
+    swapped[0, 0, 0], swapped[0, 0, 1] = a[0, 0, 1], a[0, 0, 0]  # same words, other places
+    assert fingerprint(a) != fingerprint(swapped)
+    assert fingerprint(a) != fingerprint(np.asfortranarray(a))  # same values, other layout
+    assert same_content(a, np.asfortranarray(a))
+    assert not same_content(np.zeros(4), np.array([0.0, -0.0, 0.0, 0.0]))
+    assert fingerprint(None) is None and same_content(None, None)

@@ -73,6 +73,7 @@ from poise.core.cluster import Cluster
 from poise.core.errors import PlanError
 from poise.core.placement import Assignment, Placement
 from poise.core.spec import ModelSpec
+from poise.cost.fingerprint import fingerprint, same_content
 from poise.cost.host import busiest_sharing, dense_seconds, dispatch_host_seconds, dispatch_rows
 from poise.cost.network import link_seconds
 from poise.cost.phases import PhaseTimes
@@ -326,19 +327,33 @@ def array_key(a: np.ndarray | None) -> tuple[Any, ...] | None:
     return (a.dtype.str, a.shape, tuple(np.argsort(a.strides, kind="stable")), a.tobytes())
 
 
-def plan_key(placement: Placement, assignment: Assignment) -> tuple[Any, ...]:
-    """An exact dictionary key of what `PlanPricer` prices of a plan: the placement's homes and
-    copies and the assignment's weights, group weights, group size, per-step splitting and
-    shed shares."""
+def plan_fingerprint(placement: Placement, assignment: Assignment) -> tuple[Any, ...]:
+    """A key of what `PlanPricer` prices of a plan (`fingerprint` of the placement's homes and
+    copies and of the assignment's weights, group weights and shed shares; the group size and
+    per-step splitting): equal plans, equal keys; a match is confirmed by `prices_same`."""
     a = assignment
     return (
-        array_key(placement.home),
-        array_key(placement.copies),
-        array_key(a.weights),
-        array_key(a.group_weights),
+        fingerprint(placement.home),
+        fingerprint(placement.copies),
+        fingerprint(a.weights),
+        fingerprint(a.group_weights),
         a.group_size,
         a.by_counts,
-        array_key(a.shed),
+        fingerprint(a.shed),
+    )
+
+
+def prices_same(pricer: PlanPricer, placement: Placement, assignment: Assignment) -> bool:
+    """Whether `pricer` was built on this plan's content, bit for bit."""
+    p, a = pricer.placement, pricer.assignment
+    return (
+        same_content(p.home, placement.home)
+        and same_content(p.copies, placement.copies)
+        and same_content(a.weights, assignment.weights)
+        and same_content(a.group_weights, assignment.group_weights)
+        and a.group_size == assignment.group_size
+        and a.by_counts == assignment.by_counts
+        and same_content(a.shed, assignment.shed)
     )
 
 
@@ -347,7 +362,9 @@ PRICER_CACHE_PLANS = 64  # and at most this many
 
 
 class PricerCache:
-    """The pricers a `CostModel` made last, by plan content (`plan_key`), so a plan priced
+    """The pricers a `CostModel` made last, by plan content (`plan_fingerprint`, each match
+    confirmed bit for bit: `prices_same`; a plan that shares a key without the content takes
+    the key's place), so a plan priced
     again (the simulator putting in force the plan a policy priced; a policy's placement that
     stays; `auto`'s candidates that are a rival's plan) reuses its `PlanPricer`, whose results
     are the same as a new one's. Each pricer is built on copies of the plan's arrays, so what
@@ -366,16 +383,17 @@ class PricerCache:
 
     def get(self, cost: CostModel, placement: Placement, assignment: Assignment) -> PlanPricer:
         """`cost`'s pricer of this plan: a kept one of the same content, or a new one."""
-        key = plan_key(placement, assignment)
+        key = plan_fingerprint(placement, assignment)
         with self._lock:
             pricer = self._pricers.get(key)
-            if pricer is not None:
+            if pricer is not None and prices_same(pricer, placement, assignment):
                 self._pricers.move_to_end(key)
                 return pricer
         pricer = PlanPricer(cost, placement.copy(), assignment.copy())
         keep = min(PRICER_CACHE_PLANS, max(2, PRICER_CACHE_CELLS // max(1, placement.copies.size)))
         with self._lock:
             self._pricers[key] = pricer
+            self._pricers.move_to_end(key)
             while len(self._pricers) > keep:
                 self._pricers.popitem(last=False)
         return pricer
