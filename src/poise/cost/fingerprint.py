@@ -5,7 +5,7 @@
 
 `fingerprint` is the dtype, the shape, the order of the axes in memory (which sets NumPy's
 summation order) and a position-weighted sum of the content's 64-bit words, wrapping modulo
-2^64, every weight odd (`_weighted_sum`). It reads the array once, about 2.5x faster than
+2^64, every weight nonzero (`_weighted_sum`). It reads the array once, about 2.5x faster than
 hashing its bytes; as a sum it is no hash, so a match is confirmed with `same_content`, bit
 for bit.
 """
@@ -17,9 +17,7 @@ from typing import Any
 
 import numpy as np
 
-_ODD = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: every weight is nonzero
-
-
+_ODD = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio; odd, so no weight wraps to 0
 _BLOCK = 2**14  # words weighted by one kept ramp; longer arrays go block by block
 
 

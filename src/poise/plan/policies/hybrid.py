@@ -79,7 +79,6 @@ from poise.cost.incremental import (
     PREFIX_EXACT,
     PREFIX_POINTS,
     LayerState,
-    home_pairs,
     prefix_cuts,
 )
 from poise.cost.traffic import sends
@@ -247,8 +246,8 @@ def cut_times(
     the first k pairs of each layer replicated for every k in the layer's `prefix_cuts` (every
     k = 0..K when K is small, else a grid), padded with -1 and inf after the layer's own cuts,
     and the per-device state (`LayerState.cells`, transposed) after each priced prefix.
-    `state`: the layers' stacked `LayerState` (homes only), `counts[B, D, E]`, `home[B, E]`,
-    `pairs` of these layers."""
+    `state`: the layers' stacked `LayerState` (`LayerState.for_homes`), `counts[B, D, E]`,
+    `home[B, E]`, `pairs` of these layers."""
     LS = LayerState
     B, D, _ = counts.shape
     start = pairs.start
@@ -307,9 +306,8 @@ def cut_times(
     go = sends(tok, state.cost.spec.token_bytes)  # [N, m]
     pos_m = np.repeat(pos, size).reshape(N, size)
     lyr_m = np.repeat(lyr, size).reshape(N, size)
-    carried = state.carried  # [B, D, D] (`LayerState.for_homes`)
-    if carried is None:
-        carried = home_pairs(home, counts, state.cost.spec.token_bytes)
+    carried = state.carried  # [B, D, D] the experts each message carries (`home_pairs`)
+    assert carried is not None, "cut_times prices a `LayerState.for_homes` state"
     ev_lyr = np.concatenate([lyr_m[go], lyr_m[go & stays]])
     ev_src = np.concatenate([src[go], src[go & stays]])
     ev_dst = np.concatenate([np.broadcast_to(h[:, None], src.shape)[go], dst[go & stays]])
