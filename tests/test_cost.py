@@ -291,3 +291,16 @@ def test_fingerprints_follow_content_and_layout() -> None:
     assert same_content(a, np.asfortranarray(a))
     assert not same_content(np.zeros(4), np.array([0.0, -0.0, 0.0, 0.0]))
     assert fingerprint(None) is None and same_content(None, None)
+
+
+def test_the_fingerprint_sum_equals_its_formula_across_blocks() -> None:
+    """`_weighted_sum` against its formula summed word by word in Python, for lengths below,
+    at and past the block length (the whole blocks and the rest go separate ways)."""
+    from poise.cost.fingerprint import _BLOCK, _ODD, _weighted_sum
+
+    for n in (0, 1, 7, _BLOCK, _BLOCK + 3, 3 * _BLOCK + 5):
+        words = np.random.default_rng(n).integers(0, 2**63, n, dtype=np.uint64)
+        want = 0
+        for i, x in enumerate(words.tolist()):
+            want += x * ((i % _BLOCK) + 1) * int(_ODD) * (2 * (i // _BLOCK) + 1)
+        assert _weighted_sum(words) == want % 2**64, n

@@ -130,6 +130,15 @@ def test_for_homes_equals_stacked_bit_for_bit(preset: str) -> None:
                 ):
                     carried[layer, source, h] += 1
     assert np.array_equal(b.carried, carried)
+    # `home_pairs` in chunks of one layer gives the same multiplicities
+    import poise.cost.incremental as incremental
+
+    whole = incremental._PAIR_CELLS
+    incremental._PAIR_CELLS = 24 * D
+    try:
+        assert np.array_equal(incremental.home_pairs(home, counts, spec.token_bytes), carried)
+    finally:
+        incremental._PAIR_CELLS = whole
 
 
 def _shadow_one_pass(
