@@ -158,3 +158,20 @@ def test_the_auto_line_counts_slower_runs_in_each_scenarios_own_column() -> None
     assert line["worst"]["case"] == "a" and line["worst"]["column"] == "charged"
     assert line["worst"]["ratio"] == pytest.approx(1.2) and line["worst"]["best"] == "eplb"
     assert auto_line([])["worst"] is None and auto_line([])["runs"] == 0
+
+
+def test_hybridep_reasons_work_out_table_v_by_hand() -> None:
+    """Each HybridEP reason carries its own row's Table V times and the byte check worked out by
+    hand: from 96 to 192 MB Tutel adds 20.35 - 12.65 = 7.70 s (2 DCs) and 28.46 - 18.59 = 9.87 s
+    (4 DCs), where one 10 Gb/s link a DC carrying 4 all-to-alls x 12 layers x 8 GPUs x 96 MB x
+    (G - 1) / G needs 4 * 12 * 8 * 96e6 * 0.5 / 1.25e9 = 14.7 s (2 DCs) and x 0.75: 22.1 s."""
+    two = fidelity.REASONS[("hybridep", fidelity._HYBRIDEP, "2 DCs x 8 A800, 6 MB")]
+    four = fidelity.REASONS[("hybridep", fidelity._HYBRIDEP, "4 DCs x 8 A800, 192 MB")]
+    assert "Tutel at 2.52 s, FasterMoE at 2.58 s and HybridEP at 2.48 s" in two
+    assert "Tutel adds 7.70 s" in two and "needs 14.7 s" in two and "about 0.5 of" in two
+    assert "from 2.48 to 3.78 s" in two and "furthest above" in two  # 2.48 s of 2.52 s
+    assert "Tutel at 28.46 s" in four and "HybridEP at 5.20 s" in four
+    assert "Tutel adds 9.87 s" in four and "needs 22.1 s" in four and "about 0.4 of" in four
+    assert "furthest above" not in four
+    # The row that matches (2 DCs, 192 MB) has no reason to go stale.
+    assert ("hybridep", fidelity._HYBRIDEP, "2 DCs x 8 A800, 192 MB") not in fidelity.REASONS

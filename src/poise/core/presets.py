@@ -193,7 +193,8 @@ def _presets() -> dict[str, Cluster]:
         # stated), PCIe 3.0 x16 inside (the paper quotes 128 Gb/s, its nominal), 10 Gb/s Ethernet
         # between; one node stands in for one datacentre, so each node is a domain (the
         # low-bandwidth boundary HybridEP partitions on); 2 nodes (also :4). One Ethernet link
-        # per node, shared by its 8 GPUs, and 100 us per message between them: assumed.
+        # per node, shared by its 8 GPUs (§V-A: the DCs, one node each, are connected by 10 Gbps
+        # Ethernet); 100 us per message between them: assumed.
         "a800-eth10": _uniform(
             "a800-eth10",
             8,
