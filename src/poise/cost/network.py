@@ -92,15 +92,9 @@ def latency_s(cluster: Cluster, out: np.ndarray, into: np.ndarray, axis: int = 0
     return (lat.reshape(shape) * np.maximum(out, into)).sum(axis=axis)
 
 
-def link_seconds(
-    cluster: Cluster,
-    send: np.ndarray,
-    recv: np.ndarray,
-    messages: tuple[np.ndarray, np.ndarray],
-) -> np.ndarray:
-    """`[...]` seconds of a phase from the bytes each device sends and receives over each level,
-    `send[3, ..., D]`, `recv[3, ..., D]`, and the peers it sends to and receives from there,
-    `messages = (m_out[3, ..., D], m_in[3, ..., D])` (the module docstring's T)."""
+def bandwidth_s(cluster: Cluster, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """`[...]` seconds the most loaded link takes for the bytes each device sends and receives
+    over each level, `send[3, ..., D]`, `recv[3, ..., D]`: the bandwidth part of `link_seconds`."""
     send = np.asarray(send, dtype=np.float64)
     recv = np.asarray(recv, dtype=np.float64)
     sizes = group_sizes(cluster)
@@ -116,9 +110,22 @@ def link_seconds(
             load = np.maximum(_group_max(send[v], sizes[v]), _group_max(recv[v], sizes[v]))
         busy = np.where(load >= MIN_TRAFFIC_BYTES, load, 0.0)
         bandwidth = np.maximum(bandwidth, busy / links[v].bw_Bps)
+    return bandwidth
+
+
+def link_seconds(
+    cluster: Cluster,
+    send: np.ndarray,
+    recv: np.ndarray,
+    messages: tuple[np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """`[...]` seconds of a phase from the bytes each device sends and receives over each level,
+    `send[3, ..., D]`, `recv[3, ..., D]`, and the peers it sends to and receives from there,
+    `messages = (m_out[3, ..., D], m_in[3, ..., D])` (the module docstring's T): `bandwidth_s`
+    plus the largest latency of one device's messages (`latency_s`)."""
     m_out, m_in = messages
     latency = latency_s(cluster, np.asarray(m_out), np.asarray(m_in))  # [..., D]
-    return bandwidth + latency.max(axis=-1, initial=0.0)
+    return bandwidth_s(cluster, send, recv) + latency.max(axis=-1, initial=0.0)
 
 
 def one_message_per_level(send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
