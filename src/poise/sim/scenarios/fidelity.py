@@ -55,8 +55,8 @@ def _hybridep_row(dcs: int, mb: int) -> str:
     faster_over = [row[1] / row[0] for row in table.values()]
     hyb = [row[3] for row in table.values()]
     spec = hybridep_spec(mb)
-    link = get_cluster("a800-eth10").inter_domain
-    gpus, sizes = 8, sorted(table)
+    cluster = get_cluster("a800-eth10")
+    link, gpus, sizes = cluster.inter_domain, cluster.devices_per_domain, sorted(table)
     # Bytes one DC's link carries for Table V's last data step: 4 all-to-alls (dispatch and
     # combine, forward and backward) of each MoE layer, (dcs - 1) / dcs of each GPU's data leaving.
     step_mb = sizes[-1] - sizes[-2]
