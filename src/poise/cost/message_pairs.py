@@ -57,12 +57,15 @@ class MessagePairs:
         self.cluster = cluster
         # The last `candidate_rows` call's layers [B] and multiplicities [B, M, kinds, D, D].
         self.candidates: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0))
-        L, _, D = held_t.shape
+        L, E, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
         # float32 counts: sums of at most E ones, exact up to 2^24 experts
         n = np.zeros((L, self.kinds, D, D), dtype=np.float32)
         n[:, 0] = np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32))
-        layer, expert, device = np.nonzero(held_t & (np.arange(D) != home[..., None]))
+        replica_t = held_t.copy()  # [L, E, D] held, not at the home
+        replica_t[np.arange(L)[:, None], np.arange(E)[None, :], home] = False
+        # (a 3-D np.nonzero takes five times as long as the flat indices unravelled)
+        layer, expert, device = np.unravel_index(np.flatnonzero(replica_t), replica_t.shape)
         np.add.at(n, (layer, 1, home[layer, expert], device), 1)
         if prev_home is not None:
             layer, expert = np.nonzero(prev_home != home)

@@ -83,6 +83,7 @@ from poise.cost.traffic import (
     migration_messages,
     migration_traffic,
     padded_counts,
+    replica_cells,
     replica_messages,
     replica_traffic,
 )
@@ -412,8 +413,9 @@ class PlanPricer:
         self.layers = placement.layers
         self.placement, self.assignment = placement, assignment
         self.routing = Routing(cluster, placement, assignment)
-        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes)
-        t_msg = replica_messages(cluster, placement)
+        replicas = replica_cells(placement)
+        t_send, t_recv = replica_traffic(cluster, placement, spec.expert_bytes, replicas=replicas)
+        t_msg = replica_messages(cluster, placement, replicas)
         self.trans_s = link_time(cluster, t_send, t_recv, t_msg) * cluster.host.transfer_scale
         self.fnec_s, self.bnec_s = cost.non_moe_s
 

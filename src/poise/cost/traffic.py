@@ -359,8 +359,26 @@ def _group_local_traffic(
     return send, recv
 
 
+ReplicaCells = tuple[np.ndarray, np.ndarray, np.ndarray]  # (layer, device, expert) per replica
+
+
+def replica_cells(placement: Placement) -> ReplicaCells:
+    """`(layer, device, expert)`: the coordinates of every replica (a copy off its expert's
+    home), in C order of `[L, D, E]`. Replicas are few next to L * D * E cells, so Trans is
+    counted from these; `replica_traffic` and `replica_messages` take them from a caller that
+    needs both."""
+    flat = np.flatnonzero(placement.replicas())  # 1-D: much faster than a 3-D np.nonzero
+    _, D, E = placement.copies.shape
+    return flat // (D * E), flat // E % D, flat % E
+
+
 def replica_traffic(
-    cluster: Cluster, placement: Placement, bytes_per_copy: float, *, broadcast: bool = True
+    cluster: Cluster,
+    placement: Placement,
+    bytes_per_copy: float,
+    *,
+    broadcast: bool = True,
+    replicas: ReplicaCells | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes per level each device sends and receives when every replica gets `bytes_per_copy`
     from its home (Trans; Agg moves the same bytes the other way): `(send, recv)`, each
@@ -374,19 +392,17 @@ def replica_traffic(
     their node (`_broadcast_hops`); what replicas pass on is not charged beyond what they
     receive. Without `broadcast`, the home sends one copy per replica and each receives it over
     the level between it and the home (direct sends: the reference the tests hold the
-    broadcast against)."""
-    L, D, _ = placement.copies.shape
-    # Replicas are few next to L * D * E cells: count them per (level, layer, device) from
-    # their coordinates, each at the level between its holder and its home.
-    E = placement.experts
-    flat = np.flatnonzero(placement.replicas())  # 1-D: much faster than a 3-D np.nonzero
-    layer, device, expert = flat // (D * E), flat // E % D, flat % E
+    broadcast against). `replicas`: `replica_cells(placement)`, where the caller has them."""
+    L, D, E = placement.copies.shape
+    # Counted per (level, layer, device) from the replicas' coordinates, each at the level
+    # between its holder and its home.
+    layer, device, expert = replica_cells(placement) if replicas is None else replicas
     home = placement.home[layer, expert]
     level = cluster.level_between(device, home)  # 0, 1, 2 (a replica is not on its home)
     cells = 3 * L * D
     hop = _broadcast_hops(cluster, layer * E + expert, device, level) if broadcast else level
     recv = np.bincount((hop * L + layer) * D + device, minlength=cells).reshape(3, L, D)
-    if broadcast and flat.size:
+    if broadcast and layer.size:
         # One send per replicated (layer, expert), at the farthest level of its replicas.
         column = layer * E + expert
         farthest = np.zeros(L * E, dtype=np.int64)
@@ -399,17 +415,18 @@ def replica_traffic(
     return send * float(bytes_per_copy), recv * float(bytes_per_copy)
 
 
-def replica_messages(cluster: Cluster, placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+def replica_messages(
+    cluster: Cluster, placement: Placement, replicas: ReplicaCells | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """`(out, into)` `[3, L, D]` messages of Trans (and of Agg, the other way): one per (home,
     replica device) pair of a layer, at the level between the two (`messages.pair_counts`): a
     home sends one message to each device holding replicas of its experts, a replica device
     receives one from each home whose experts it replicates. The bytes travel as a broadcast
     (`replica_traffic`); the messages are counted per pair, as the (n - 1) latencies of a
-    pipelined chain over n holders (`cost.collectives.chain_broadcast_s`)."""
-    L, D, E = placement.copies.shape
-    flat = np.flatnonzero(placement.replicas())
-    layer, device, expert = flat // (D * E), flat // E % D, flat % E
-    return pair_counts(cluster, layer, placement.home[layer, expert], device, L)
+    pipelined chain over n holders (`cost.collectives.chain_broadcast_s`). `replicas`:
+    `replica_cells(placement)`, where the caller has them."""
+    layer, device, expert = replica_cells(placement) if replicas is None else replicas
+    return pair_counts(cluster, layer, placement.home[layer, expert], device, placement.layers)
 
 
 def _broadcast_hops(
