@@ -316,12 +316,6 @@ class LayerState:
         return R, state.cells, carried
 
     @classmethod
-    def from_cells(cls, cost: CostModel, cells: np.ndarray) -> LayerState:
-        """A state on per-device cells `[L, D, CELLS]` (e.g. a search's chosen states, kept,
-        not copied), without `R`: enough for `phases` and the batch pricing methods."""
-        return cls._blank(cost, cells)
-
-    @classmethod
     def _blank(cls, cost: CostModel, cells: np.ndarray) -> LayerState:
         """A state on `cells[..., D, CELLS]` (kept, not copied), without `R`."""
         cluster = cost.cluster
