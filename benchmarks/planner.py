@@ -11,7 +11,10 @@
 Keys: bench, case, policy, max_over_mean (device max / mean after the plan, mean over layers),
 max_over_lb (device max / max(total / devices, max per-copy load of the plan)), step_time_s
 (predicted), bytes_moved (Trans + Agg per step + migration), plan_ms_per_layer (median of 5
-timed calls after one untimed warm-up call).
+timed calls after one untimed warm-up call). Each call plans as on a new forecast, as a
+re-plan does: the cost model's kept pricers and `LayerState.for_homes`' last arrays are
+forgotten before it (a repeated forecast finds its plans' pricers made and the searches' start
+state computed).
 
 Run from the repository root: .venv/bin/python benchmarks/planner.py [--data ../shared/data]
 """
@@ -29,6 +32,7 @@ import numpy as np
 from poise.core.placement import Plan
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
+from poise.cost.incremental import forget_homes_state
 from poise.cost.model import CostModel
 from poise.plan.policies import REGISTRY
 from poise.plan.policies.base import PlanContext
@@ -49,12 +53,20 @@ def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
     return float(np.mean(device_load.max(axis=1) / np.where(lb > 0, lb, 1.0)))
 
 
+def new_forecast(ctx: PlanContext) -> None:
+    """Forget what a plan on the same loads left behind (module docstring)."""
+    ctx.cost.pricers.clear()
+    forget_homes_state()
+
+
 def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 5) -> None:
     layers = loads.shape[0]
     for policy in sorted(REGISTRY):
         times = []
+        new_forecast(ctx)
         plan = make_plan(policy, loads, None, ctx)  # warm-up, not timed
         for _ in range(repeats):
+            new_forecast(ctx)
             t0 = time.perf_counter()
             plan = make_plan(policy, loads, None, ctx)
             times.append((time.perf_counter() - t0) * 1e3 / layers)

@@ -148,7 +148,7 @@ def test_for_homes_reuses_the_last_state_only_on_the_same_inputs() -> None:
     second call on the same inputs equals a fresh computation though the first caller changed
     its state in place, as the searches do; other counts or homes of the same shapes, or
     another cluster, are computed afresh."""
-    from poise.cost.incremental import _LAST_HOMES
+    from poise.cost.incremental import _LAST_HOMES, forget_homes_state
 
     spec = MODELS["zipf-256"].with_(experts=24, moe_layers=3)
     cost = CostModel(get_cluster("dgx-h100:2"), spec)
@@ -158,7 +158,8 @@ def test_for_homes_reuses_the_last_state_only_on_the_same_inputs() -> None:
     home = rng.integers(0, D, (3, 24))
 
     def fresh(c: CostModel, h: np.ndarray, n: np.ndarray) -> LayerState:
-        _LAST_HOMES._last = None
+        forget_homes_state()
+        assert _LAST_HOMES.get(c, h, n) is None
         return LayerState.for_homes(c, h, n)
 
     def same(a: LayerState, b: LayerState) -> bool:

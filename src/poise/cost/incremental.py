@@ -163,6 +163,11 @@ class _LastHomes:
         )
         return found if same else None
 
+    def clear(self) -> None:
+        """Forget the kept arrays (a benchmark timing plans made on a new forecast)."""
+        with self._lock:
+            self._last = None
+
     def keep(
         self,
         cost: CostModel,
@@ -178,6 +183,11 @@ class _LastHomes:
 
 
 _LAST_HOMES = _LastHomes()
+
+
+def forget_homes_state() -> None:
+    """Forget `LayerState.for_homes`' last arrays (`_LastHomes`)."""
+    _LAST_HOMES.clear()
 
 
 class LayerState:

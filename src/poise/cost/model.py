@@ -382,6 +382,11 @@ class PricerCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def clear(self) -> None:
+        """Forget every kept pricer (a benchmark timing plans made on a new forecast)."""
+        with self._lock:
+            self._pricers.clear()
+
     def get(self, cost: CostModel, placement: Placement, assignment: Assignment) -> PlanPricer:
         """`cost`'s pricer of this plan: a kept one of the same content, or a new one."""
         key = plan_fingerprint(placement, assignment)
