@@ -184,6 +184,24 @@ def test_for_homes_reuses_the_last_state_only_on_the_same_inputs() -> None:
     assert same(LayerState.for_homes(slow, home, counts), fresh(slow, home, counts))
 
 
+def test_for_homes_keeps_no_state_of_a_large_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_LastHomes` holds copies of the counts and the computed tokens (two `[L, D, E]` arrays
+    for as long as the process lives): above `_LastHomes.CELLS` load cells it keeps nothing."""
+    from poise.cost.incremental import _LAST_HOMES, _LastHomes, forget_homes_state
+
+    cost = CostModel(get_cluster("dgx-h100:2"), MODELS["zipf-256"].with_(experts=24, moe_layers=3))
+    D = cost.cluster.num_devices
+    counts = np.random.default_rng(9).random((3, D, 24)) * 1000
+    home = np.arange(24)[None, :].repeat(3, axis=0) % D
+    forget_homes_state()
+    monkeypatch.setattr(_LastHomes, "CELLS", counts.size - 1)
+    LayerState.for_homes(cost, home, counts)
+    assert _LAST_HOMES._last is None
+    monkeypatch.setattr(_LastHomes, "CELLS", counts.size)
+    LayerState.for_homes(cost, home, counts)
+    assert _LAST_HOMES.get(cost, home, counts) is not None
+
+
 def _shadow_one_pass(
     counts: np.ndarray, home: np.ndarray, free: np.ndarray, t_c: float, t_f: float, t_s: float
 ) -> tuple[np.ndarray, np.ndarray]:

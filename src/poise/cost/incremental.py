@@ -41,7 +41,7 @@ from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
 from poise.cost.fingerprint import same_content
 from poise.cost.messages import DIRECT_RUN, linked_levels
-from poise.cost.model import CostModel, expert_call_floor, expert_seconds
+from poise.cost.model import PRICER_CACHE_CELLS, CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import (
@@ -141,7 +141,7 @@ class _LastHomes:
     arrays instead of computing them again. A match is exact (`same_content`); problems of
     more than `CELLS` load cells are not kept (two more `[L, D, E]` arrays held)."""
 
-    CELLS = 2**22
+    CELLS = PRICER_CACHE_CELLS  # the bound of the cost model's kept pricers
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
