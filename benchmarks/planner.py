@@ -32,7 +32,6 @@ import numpy as np
 from poise.core.placement import Plan
 from poise.core.presets import get_cluster
 from poise.core.spec import MODELS, ModelSpec
-from poise.cost.incremental import forget_homes_state
 from poise.cost.model import CostModel
 from poise.plan.policies import REGISTRY
 from poise.plan.policies.base import PlanContext
@@ -55,6 +54,9 @@ def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
 
 def new_forecast(ctx: PlanContext) -> None:
     """Forget what a plan on the same loads left behind (module docstring)."""
+    # (imported here: `planner_turns.py --against` builds these cases on older checkouts)
+    from poise.cost.incremental import forget_homes_state
+
     ctx.cost.pricers.clear()
     forget_homes_state()
 
@@ -88,14 +90,9 @@ def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 5) -
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_data = os.environ.get("POISE_SHARED_DATA", "../shared/data")
-    parser.add_argument("--data", default=default_data, help="folder with smartmoe-ae-sample/")
-    args = parser.parse_args()
-    retain_freed_memory()  # as in every poise process (`poise.util.heap`)
-
-    sample = load_any(str(Path(args.data) / "smartmoe-ae-sample"))
+def planner_cases(data: Path) -> list[tuple[str, np.ndarray, PlanContext]]:
+    """The two cases of the module docstring: `(name, loads[L, D, E], context)` each."""
+    sample = load_any(str(data / "smartmoe-ae-sample"))
     cluster = get_cluster("v100-ib50")
     spec = ModelSpec(
         "smartmoe-gpt",
@@ -109,7 +106,7 @@ def main() -> None:
     )
     loads = sample.counts[-1].astype(np.float64)  # iteration 5001
     ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec))
-    run_case("smartmoe-sample", loads, ctx)
+    out = [("smartmoe-sample", loads, ctx)]
 
     cluster = get_cluster("dgx-h100:4")
     spec = MODELS["zipf-256"]
@@ -131,7 +128,18 @@ def main() -> None:
         cost=CostModel(cluster, spec),
         options={"eplb": {"mode": "global"}},
     )
-    run_case("zipf-256x32", trace.counts[0].astype(np.float64), ctx)
+    out.append(("zipf-256x32", trace.counts[0].astype(np.float64), ctx))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_data = os.environ.get("POISE_SHARED_DATA", "../shared/data")
+    parser.add_argument("--data", default=default_data, help="folder with smartmoe-ae-sample/")
+    args = parser.parse_args()
+    retain_freed_memory()  # as in every poise process (`poise.util.heap`)
+    for name, loads, ctx in planner_cases(Path(args.data)):
+        run_case(name, loads, ctx)
 
 
 if __name__ == "__main__":
