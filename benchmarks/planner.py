@@ -12,9 +12,8 @@ Keys: bench, case, policy, max_over_mean (device max / mean after the plan, mean
 max_over_lb (device max / max(total / devices, max per-copy load of the plan)), step_time_s
 (predicted), bytes_moved (Trans + Agg per step + migration), plan_ms_per_layer (median of 5
 timed calls after one untimed warm-up call). Each call plans as on a new forecast, as a
-re-plan does: the cost model's kept pricers and `LayerState.for_homes`' last arrays are
-forgotten before it (a repeated forecast finds its plans' pricers made and the searches' start
-state computed).
+re-plan does: the cost model's kept pricers are forgotten before it (a repeated forecast finds
+its plans' pricers made).
 
 Run from the repository root: .venv/bin/python benchmarks/planner.py [--data ../shared/data]
 """
@@ -54,11 +53,7 @@ def max_over_lb(plan: Plan, loads: np.ndarray) -> float:
 
 def new_forecast(ctx: PlanContext) -> None:
     """Forget what a plan on the same loads left behind (module docstring)."""
-    # (imported here: `planner_turns.py --against` builds these cases on older checkouts)
-    from poise.cost.incremental import forget_homes_state
-
     ctx.cost.pricers.clear()
-    forget_homes_state()
 
 
 def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 5) -> None:

@@ -1,14 +1,14 @@
-"""`auto`'s planner time in turns: this tree, this tree again (the A/A spread), this tree without
-`LayerState.for_homes`' kept state, and optionally another checkout; one JSON line per case.
+"""`auto`'s planner time in turns: this tree, this tree again (the A/A spread) and optionally
+another checkout; one JSON line per case.
 
 The cases are `planner.py`'s (`planner_cases`). Each turn runs every variant in a fresh process,
 one after the other, so a busy spell of the machine falls on all of them; a variant's figure is
 its fastest turn. A process times `--plans` calls of `auto` in CPU milliseconds a layer (its
-least), each call on a new forecast: the kept pricers and homes state are forgotten before it,
-where the checkout has them (an older one keeps neither).
+least), each call on a new forecast: the cost model's kept pricers are forgotten before it,
+where the checkout keeps them (an older one keeps none).
 
-Keys: bench, case, turns, plans, this_ms, aa_ms (this tree again), without_homes_state_ms,
-against_ms and ratio (this_ms / against_ms; only with --against).
+Keys: bench, case, turns, plans, this_ms, aa_ms (this tree again), against_ms and ratio
+(this_ms / against_ms; only with --against).
 
 Run from the repository root:
     .venv/bin/python benchmarks/planner_turns.py [--turns 10] [--plans 20] [--data ../shared/data]
@@ -28,30 +28,23 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OWN_SRC = HERE.parent / "src"
-VARIANTS = ("this", "aa", "without_homes_state")
+VARIANTS = ("this", "aa")
 
 
-def time_auto(case: str, plans: int, data: Path, keep_homes_state: bool) -> float:
+def time_auto(case: str, plans: int, data: Path) -> float:
     """Least CPU ms a layer of `plans` calls of `auto` on `case`, each on a new forecast."""
     sys.path.insert(0, str(HERE))
     from planner import planner_cases  # this tree's cases, on whichever poise is imported
-    from poise.cost import incremental
     from poise.plan.policies.registry import make_plan
     from poise.util.heap import retain_freed_memory
-
-    last_homes = getattr(incremental, "_LAST_HOMES", None)  # (older checkouts keep none)
-    if last_homes is not None and not keep_homes_state:
-        last_homes.get = lambda *args: None  # the instrument: never reuse the kept state
 
     retain_freed_memory()
     _, loads, ctx = next(c for c in planner_cases(data) if c[0] == case)
 
     def new_forecast() -> None:
-        pricers = getattr(ctx.cost, "pricers", None)
+        pricers = getattr(ctx.cost, "pricers", None)  # (older checkouts keep none)
         if pricers is not None:
-            pricers._pricers.clear()
-        if last_homes is not None:
-            last_homes._last = None
+            pricers._pricers.clear()  # (`PricerCache.clear`, which older checkouts lack)
 
     new_forecast()
     make_plan("auto", loads, None, ctx)  # warm-up
@@ -82,8 +75,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        case, variant = args.child
-        print(time_auto(case, args.plans, args.data, variant != "without_homes_state"))
+        print(time_auto(args.child[0], args.plans, args.data))
         return
     variants = {v: OWN_SRC for v in VARIANTS}
     if args.against is not None:

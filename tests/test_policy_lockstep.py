@@ -7,8 +7,6 @@ on random and tie-heavy inputs (equal, zero and integer weights)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -141,65 +139,6 @@ def test_for_homes_equals_stacked_bit_for_bit(preset: str) -> None:
         assert np.array_equal(incremental.home_pairs(home, counts, spec.token_bytes), carried)
     finally:
         incremental._PAIR_CELLS = whole
-
-
-def test_for_homes_reuses_the_last_state_only_on_the_same_inputs() -> None:
-    """Pro-Prophet and HybridEP start from one `for_homes` state (`incremental._LastHomes`): a
-    second call on the same inputs equals a fresh computation though the first caller changed
-    its state in place, as the searches do; other counts or homes of the same shapes, or
-    another cluster, are computed afresh."""
-    from poise.cost.incremental import _LAST_HOMES, forget_homes_state
-
-    spec = MODELS["zipf-256"].with_(experts=24, moe_layers=3)
-    cost = CostModel(get_cluster("dgx-h100:2"), spec)
-    rng = np.random.default_rng(8)
-    D = cost.cluster.num_devices
-    counts = rng.random((3, D, 24)) * 1000
-    home = rng.integers(0, D, (3, 24))
-
-    def fresh(c: CostModel, h: np.ndarray, n: np.ndarray) -> LayerState:
-        forget_homes_state()
-        assert _LAST_HOMES.get(c, h, n) is None
-        return LayerState.for_homes(c, h, n)
-
-    def same(a: LayerState, b: LayerState) -> bool:
-        names = ("R", "cells", "carried", "trans_carried")
-        return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in names)
-
-    first = fresh(cost, home, counts)
-    first.cells += 1.0
-    first.carried += 1.0
-    first.trans_carried += 1.0
-    assert same(LayerState.for_homes(cost, home, counts), fresh(cost, home, counts))
-    other = counts.copy()
-    other[0, 0, 0] += 1.0
-    LayerState.for_homes(cost, home, counts)
-    assert same(LayerState.for_homes(cost, home, other), fresh(cost, home, other))
-    moved = home.copy()
-    moved[0, 0] = (moved[0, 0] + 1) % D
-    LayerState.for_homes(cost, home, counts)
-    assert same(LayerState.for_homes(cost, moved, counts), fresh(cost, moved, counts))
-    slow = CostModel(dataclasses.replace(cost.cluster, gemm_efficiency=0.5), spec)
-    LayerState.for_homes(cost, home, counts)
-    assert same(LayerState.for_homes(slow, home, counts), fresh(slow, home, counts))
-
-
-def test_for_homes_keeps_no_state_of_a_large_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`_LastHomes` holds copies of the counts and the computed tokens (two `[L, D, E]` arrays
-    for as long as the process lives): above `_LastHomes.CELLS` load cells it keeps nothing."""
-    from poise.cost.incremental import _LAST_HOMES, _LastHomes, forget_homes_state
-
-    cost = CostModel(get_cluster("dgx-h100:2"), MODELS["zipf-256"].with_(experts=24, moe_layers=3))
-    D = cost.cluster.num_devices
-    counts = np.random.default_rng(9).random((3, D, 24)) * 1000
-    home = np.arange(24)[None, :].repeat(3, axis=0) % D
-    forget_homes_state()
-    monkeypatch.setattr(_LastHomes, "CELLS", counts.size - 1)
-    LayerState.for_homes(cost, home, counts)
-    assert _LAST_HOMES._last is None
-    monkeypatch.setattr(_LastHomes, "CELLS", counts.size)
-    LayerState.for_homes(cost, home, counts)
-    assert _LAST_HOMES.get(cost, home, counts) is not None
 
 
 def _shadow_one_pass(

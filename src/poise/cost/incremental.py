@@ -32,16 +32,13 @@ deltas) are not traffic.
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Any
 
 import numpy as np
 
 from poise.core.cluster import Cluster
 from poise.core.placement import Assignment, Placement
-from poise.cost.fingerprint import same_content
 from poise.cost.messages import DIRECT_RUN, linked_levels
-from poise.cost.model import PRICER_CACHE_CELLS, CostModel, expert_call_floor, expert_seconds
+from poise.cost.model import CostModel, expert_call_floor, expert_seconds
 from poise.cost.network import device_seconds, group_seconds, link_bytes, link_split
 from poise.cost.phases import PhaseTimes
 from poise.cost.traffic import (
@@ -134,62 +131,6 @@ def _level_table(cluster: Cluster) -> np.ndarray:
     return table
 
 
-class _LastHomes:
-    """The last `LayerState.for_homes` arrays with what they were computed from (copies of the
-    homes and counts, the cluster and model): Pro-Prophet's and HybridEP's searches start from
-    the same homes on the same forecast (`auto` runs both), so the second takes the first's
-    arrays instead of computing them again. A match is exact (`same_content`); problems of
-    more than `CELLS` load cells are not kept (two more `[L, D, E]` arrays held)."""
-
-    CELLS = PRICER_CACHE_CELLS  # the bound of the cost model's kept pricers
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: tuple[Any, ...] | None = None
-
-    def get(
-        self, cost: CostModel, home: np.ndarray, counts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        with self._lock:
-            last = self._last
-        if last is None:
-            return None
-        cluster, spec, kept_home, kept_counts, found = last
-        same = (
-            cluster == cost.cluster
-            and spec == cost.spec
-            and same_content(kept_home, home)
-            and same_content(kept_counts, np.asarray(counts))
-        )
-        return found if same else None
-
-    def clear(self) -> None:
-        """Forget the kept arrays (a benchmark timing plans made on a new forecast)."""
-        with self._lock:
-            self._last = None
-
-    def keep(
-        self,
-        cost: CostModel,
-        home: np.ndarray,
-        counts: np.ndarray,
-        found: tuple[np.ndarray, np.ndarray, np.ndarray],
-    ) -> None:
-        if np.size(counts) > self.CELLS:
-            return
-        last = (cost.cluster, cost.spec, home.copy(), np.array(counts), found)
-        with self._lock:
-            self._last = last
-
-
-_LAST_HOMES = _LastHomes()
-
-
-def forget_homes_state() -> None:
-    """Forget `LayerState.for_homes`' last arrays (`_LastHomes`)."""
-    _LAST_HOMES.clear()
-
-
 class LayerState:
     """One layer's per-device quantities, enough to price a lightweight placement change.
 
@@ -279,24 +220,8 @@ class LayerState:
         replicas to it: `carried[L, D, D]` the experts each dispatch message s -> d carries
         (`home_pairs`) and `trans_carried[L, D, D]` those each Trans message home -> replica
         device carries (zero: no replicas). Memory L * D * D: for D <= E."""
-        home = np.asarray(home, dtype=np.int64)
-        found = _LAST_HOMES.get(cost, home, counts)
-        if found is None:
-            found = cls._homes_content(cost, home, counts)
-            _LAST_HOMES.keep(cost, home, counts, found)
-        R, cells, carried = found
-        state = cls._blank(cost, cells.copy())  # the searches change their state's cells
-        state.R = R  # (read-only: shared with the memo)
-        state.carried = carried.copy()
-        state.trans_carried = np.zeros_like(carried)
-        return state
-
-    @classmethod
-    def _homes_content(
-        cls, cost: CostModel, home: np.ndarray, counts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`for_homes`' arrays: `(R[L, D, E], cells[L, D, CELLS], carried[L, D, D])`."""
         cluster = cost.cluster
+        home = np.asarray(home, dtype=np.int64)
         L, D, E = counts.shape
         at_home = (np.arange(L)[:, None], home, np.arange(E)[None, :])
         remote = np.array(counts, dtype=np.float64)  # tokens that leave their source
@@ -322,8 +247,9 @@ class LayerState:
         state.tok_recv[...] = recv.transpose(1, 0, 2)
         state.tok_msg_out[...] = m_out
         state.tok_msg_in[...] = m_in
-        R.setflags(write=False)
-        return R, state.cells, carried
+        state.carried = carried
+        state.trans_carried = np.zeros_like(state.carried)
+        return state
 
     @classmethod
     def _blank(cls, cost: CostModel, cells: np.ndarray) -> LayerState:
