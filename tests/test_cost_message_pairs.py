@@ -6,6 +6,8 @@ clusters past `DIRECT_RUN` devices the recount is used."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,6 +116,9 @@ def test_pairs_count_the_messages_of_a_layer_recount(cluster, prev: bool) -> Non
         np.testing.assert_array_equal(cols.pairs.rows(cols.pairs.n), _recount(cols, layers))
         np.testing.assert_array_equal(twin.pairs.n, cols.pairs.n)
         np.testing.assert_array_equal(twin.pairs.rows(twin.pairs.n), _recount(twin, layers))
+        # The rows in force, from which the next candidates are counted, follow too.
+        np.testing.assert_array_equal(cols.pairs.rows_now, _recount(cols, layers))
+        np.testing.assert_array_equal(twin.pairs.rows_now, _recount(twin, layers))
 
 
 def test_a_cluster_past_the_direct_run_recounts() -> None:
@@ -150,3 +155,12 @@ def test_multiplicities_by_hand() -> None:
     assert rows[0, 1] == 1 and rows[1, 1] == 2
     # Device 3 receives dispatch messages from 1 and 2: 2 is in its node, 1 is not.
     assert rows[9, 3] == 1 and rows[10, 3] == 1
+
+
+def test_the_kernels_are_compiled_when_imported() -> None:
+    # The simulator delays a background plan by its CPU time: a compile inside the first plan
+    # (seconds) would put that plan in force steps late. A fresh process, before any call:
+    code = "import poise.cost.pair_kernels as k; assert k.candidate_rows.overloads, 'rows'; "
+    code += "assert k.adopt.overloads, 'adopt'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -88,8 +88,9 @@ class ExpertColumns:
         if counts_t is None:
             counts_t = np.ascontiguousarray(counts.transpose(0, 2, 1))
         self.counts_t = counts_t  # [L, E, D]
-        self.home = home.copy()
-        self.copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1))  # [L, E, D]
+        # int64 homes and copies: the dtypes `MessagePairs`' compiled kernels take
+        self.home = home.astype(np.int64)  # (a copy)
+        self.copies_t = np.ascontiguousarray(copies.transpose(0, 2, 1), dtype=np.int64)  # [L, E, D]
         self.weights = weights
         self.prev_home = prev_home
         self.dpn, self.dpd = cluster.devices_per_node, cluster.devices_per_domain
@@ -120,7 +121,7 @@ class ExpertColumns:
         self.pairs: MessagePairs | None = None
         if applies(cluster):
             self.pairs = MessagePairs(cluster, self.go, home, held_t, takes_t, prev_home)
-            totals[:, TERMS:] = self.pairs.rows(self.pairs.n)
+            totals[:, TERMS:] = self.pairs.rows_now
         else:
             totals[:, TERMS:] = self.layer_messages(np.arange(L), home, held_t, takes_t)
         self.totals = totals
@@ -256,16 +257,9 @@ class ExpertColumns:
         M = select.shape[0]
         D = copies.shape[-1]
         if self.pairs is not None:
-            change = self.pair_change(
-                np.repeat(layers, K),
-                experts.reshape(-1),
-                home.reshape(-1),
-                copies.reshape(B * K, D),
-                weights.reshape(B * K, D),
-            )
-            return self.pairs.candidate_rows(
-                layers, change.reshape(B, K, *change.shape[1:]), select, valid
-            )
+            in_force = (self.home, self.copies_t, self.weights)
+            new = (home, copies, weights)
+            return self.pairs.candidate_rows(layers, experts, new, in_force, select, valid)
         h = np.repeat(self.home[layers][:, None], M, axis=1)  # [B, M, E]
         held = np.repeat((self.copies_t[layers] > 0)[:, None], M, axis=1)  # [B, M, E, D]
         takes = np.repeat((self.weights[layers] > 0)[:, None], M, axis=1)

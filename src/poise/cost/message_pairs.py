@@ -12,8 +12,10 @@ experts link each pair of devices, per kind of traffic:
 Each is a sum over experts, so a candidate's multiplicities are the layer's plus (new - current)
 outer products of the experts it changes, and its messages are the pairs with n > 0, split by
 level: out[kind, v, i] = #{j at level v from i : n[kind, i, j] > 0}, into likewise over i.
-That is exactly `ExpertColumns.layer_messages` (the counts `CostModel.price` uses) at a cost of
-O(K D^2) per candidate for K changed experts instead of O(E D^2) for a recount of the layer.
+That is exactly `ExpertColumns.layer_messages` (the counts `CostModel.price` uses). A candidate's
+rows are counted from the layer's rows in force (`rows_now`) and the cells its changed experts
+touch, where a pair's message appears or goes (`pair_kernels`, compiled loops): about K D cells
+for K changed experts, against O(E D^2) for a recount of the layer.
 
 The `[L, 3, D, D]` multiplicities are kept only on clusters of up to `messages.DIRECT_RUN`
 devices (`applies`); larger clusters recount (`ExpertColumns.layer_messages`).
@@ -21,12 +23,16 @@ devices (`applies`); larger clusters recount (`ExpertColumns.layer_messages`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from poise.core.cluster import Cluster
-from poise.cost.messages import DIRECT_RUN, linked_levels
+from poise.cost.messages import DIRECT_RUN, level_index, linked_levels
+from poise.cost.pair_kernels import adopt, candidate_rows
 
 KINDS = 3  # dispatch, Trans, migration: the kinds of `ExpertColumns`' message rows
+_NO_PREVIOUS = np.full((1, 1), -1, dtype=np.int64)  # prev_home's stand-in (not read: 2 kinds)
 
 
 def applies(cluster: Cluster) -> bool:
@@ -51,12 +57,13 @@ class MessagePairs:
         prev_home: np.ndarray | None,
     ) -> None:
         self.go_t = np.ascontiguousarray(go.transpose(0, 2, 1))  # [L, E, D]
-        self.prev_home = prev_home
+        self.prev_home = None if prev_home is None else prev_home.astype(np.int64)
         # Without `prev_home` nothing migrates: the migration kind is not kept (its rows are 0).
         self.kinds = KINDS if prev_home is not None else KINDS - 1
         self.cluster = cluster
         # The last `candidate_rows` call's layers [B] and multiplicities [B, M, kinds, D, D].
-        self.candidates: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0))
+        # The last `candidate_rows` call's arguments, for `adopt`.
+        self.candidates: tuple[Any, ...] = ()
         L, E, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
         # float32 counts: sums of at most E ones, exact up to 2^24 experts
@@ -71,6 +78,8 @@ class MessagePairs:
             layer, expert = np.nonzero(prev_home != home)
             np.add.at(n, (layer, 2, prev_home[layer, expert], home[layer, expert]), 1)
         self.n = n  # [L, kinds, D, D]
+        self.level = level_index(cluster)  # [D, D] link level of each pair, -1 on the diagonal
+        self.rows_now = np.ascontiguousarray(self.rows(n))  # [L, 18, D] the messages in force
 
     def change(
         self,
@@ -122,29 +131,46 @@ class MessagePairs:
     def candidate_rows(
         self,
         layers: np.ndarray,
-        change: np.ndarray,
+        experts: np.ndarray,
+        new: tuple[np.ndarray, np.ndarray, np.ndarray],
+        in_force: tuple[np.ndarray, np.ndarray, np.ndarray],
         select: np.ndarray,
         valid: np.ndarray | None,
     ) -> np.ndarray:
         """Message rows `[B, M, 2 * KINDS * 3, D]` of M candidates in each of B layers
-        `layers[B]`: candidate m adds the column changes `change[B, K, kinds, D, D]` (new - current
-        multiplicities) of every k with `select[m, k]`; zero where not `valid[B, M]`."""
-        B, K, kinds, D, _ = change.shape
+        `layers[B]`: candidate m gives the columns `experts[B, K]` with `select[m, k]` the new
+        `(home[B, K], copies[B, K, D], shares[B, K, D])` in place of the columns in force
+        `in_force = (home[L, E], copies_t[L, E, D], shares[L, E, D])`; zero where not
+        `valid[B, M]`. Only the cells a candidate changes are visited (`pair_kernels`)."""
+        B = experts.shape[0]
         M = select.shape[0]
-        picked = np.matmul(select.astype(np.float32), change.reshape(B, K, -1))  # [B, M, X]
-        n = picked.reshape(B, M, kinds, D, D)
-        n += self.n[layers][:, None]
-        self.candidates = (layers, n)  # for `adopt`
-        out = self.rows(n)
-        if valid is not None:
-            out[~valid] = 0.0
+        D = self.n.shape[-1]
+        if valid is None:
+            valid = np.ones((B, M), dtype=bool)
+        # (the kernels' dtypes: no copies where the arrays have them)
+        layers, experts = np.asarray(layers, np.int64), np.asarray(experts, np.int64)
+        new = (np.asarray(new[0], np.int64), np.asarray(new[1], np.int64), new[2])
+        in_force = (np.asarray(in_force[0], np.int64), np.asarray(in_force[1], np.int64),
+                    in_force[2])  # fmt: skip
+        self.candidates = (layers, experts, new, in_force, select)  # for `adopt`
+        out = np.empty((B, M, 2 * KINDS * 3, D))
+        candidate_rows(
+            self.n, self.level, self.rows_now, layers, experts, *new, *in_force, self.go_t,
+            self._prev(), select, valid, out,
+        )  # fmt: skip
         return out
 
     def adopt(self, rows: np.ndarray, moves: np.ndarray) -> None:
-        """Layer `layers[rows[k]]` of the last `candidate_rows` call takes the multiplicities of
-        its candidate `moves[k]` (those the candidate's message rows were counted from)."""
-        layers, n = self.candidates
-        self.n[layers[rows]] = n[rows, moves]
+        """Layer `layers[rows[k]]` of the last `candidate_rows` call takes the multiplicities
+        and message rows of its candidate `moves[k]`; before the columns in force change."""
+        layers, experts, new, in_force, select = self.candidates
+        adopt(
+            self.n, self.level, self.rows_now, layers, experts, *new, *in_force, self.go_t,
+            self._prev(), select, np.asarray(rows, np.int64), np.asarray(moves, np.int64),
+        )  # fmt: skip
+
+    def _prev(self) -> np.ndarray:
+        return self.prev_home if self.prev_home is not None else _NO_PREVIOUS
 
     def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
         """Add the column changes `change[K, kinds, D, D]` to the layers `layers[K]` (a layer may
@@ -155,6 +181,7 @@ class MessagePairs:
         member[which, np.arange(K)] = 1.0
         summed = member @ change.reshape(K, -1)  # [U, kinds * D * D]
         self.n[unique] += summed.reshape(unique.size, *change.shape[1:])
+        self.rows_now[unique] = self.rows(self.n[unique])
 
 
 __all__ = ["KINDS", "MessagePairs", "applies"]

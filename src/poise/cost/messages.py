@@ -232,6 +232,17 @@ def level_masks(cluster: Cluster) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
+def level_index(cluster: Cluster) -> np.ndarray:
+    """`[D, D]` int64: `Cluster.level_between` of each pair, -1 on the diagonal (a device's
+    pair with itself carries no message); read-only."""
+    devices = np.arange(cluster.num_devices)
+    level = cluster.level_between(devices[:, None], devices[None, :]).astype(np.int64)
+    np.fill_diagonal(level, -1)
+    level.setflags(write=False)
+    return level
+
+
+@functools.lru_cache(maxsize=32)
 def level_code(cluster: Cluster) -> np.ndarray:
     """`[D, D]` float32: 256^v for a pair at level v (`level_masks`), 0 on the diagonal;
     read-only. For `linked_levels`, on clusters of at most `DIRECT_RUN` devices."""
