@@ -181,6 +181,19 @@ def _add_flips(rows, n_layer, level, delta, cells, count):  # type: ignore[no-un
             rows[_INTO + kind * _KIND_ROWS + v, j] += flip
 
 
+@njit(cache=True, nogil=True)
+def _work(kinds, D):  # type: ignore[no-untyped-def]
+    """A kernel's scratch: cell deltas and their candidate stamps `[kinds, D, D]`, the listed
+    cells `[kinds D^2, 3]` (kind, i, j) and five `[D]` bool columns."""
+    scratch = (
+        np.empty(D, np.bool_), np.empty(D, np.bool_), np.empty(D, np.bool_),
+        np.empty(D, np.bool_), np.empty(D, np.bool_),
+    )  # fmt: skip
+    delta = np.zeros((kinds, D, D), np.int64)
+    mark = np.zeros((kinds, D, D), np.int64)
+    return delta, mark, np.empty((kinds * D * D, 3), np.int64), scratch
+
+
 @njit(_CANDIDATE_ROWS, cache=True, nogil=True)
 def candidate_rows(  # type: ignore[no-untyped-def]
     n,
@@ -200,6 +213,7 @@ def candidate_rows(  # type: ignore[no-untyped-def]
     valid,
     out,
 ):
+    # fmt: on
     """Message rows `out[B, M, 18, D]` of candidate m of batch row b (layer `layers[b]`): the
     columns `experts[b, k]` with `select[m, k]` take `new_home[B, K]`, `new_copies[B, K, D]`,
     `new_weights[B, K, D]` in place of the columns in force (`home[L, E]`, `copies_t[L, E, D]`,
@@ -210,13 +224,7 @@ def candidate_rows(  # type: ignore[no-untyped-def]
     B = layers.shape[0]
     M = select.shape[0]
     kinds, D = n.shape[1], n.shape[2]
-    delta = np.zeros((kinds, D, D), np.int64)
-    mark = np.zeros((kinds, D, D), np.int64)
-    cells = np.empty((kinds * D * D, 3), np.int64)
-    scratch = (
-        np.empty(D, np.bool_), np.empty(D, np.bool_), np.empty(D, np.bool_),
-        np.empty(D, np.bool_), np.empty(D, np.bool_),
-    )  # fmt: skip
+    delta, mark, cells, scratch = _work(kinds, D)
     stamp = 0
     for b in range(B):
         layer = layers[b]
@@ -226,25 +234,9 @@ def candidate_rows(  # type: ignore[no-untyped-def]
                 continue
             stamp += 1
             count = _candidate_cells(
-                delta,
-                mark,
-                cells,
-                stamp,
-                scratch,
-                b,
-                m,
-                layer,
-                experts,
-                new_home,
-                new_copies,
-                new_weights,
-                home,
-                copies_t,
-                weights,
-                go_t,
-                prev_home,
-                select,
-            )
+                delta, mark, cells, stamp, scratch, b, m, layer, experts, new_home, new_copies,
+                new_weights, home, copies_t, weights, go_t, prev_home, select,
+            )  # fmt: skip
             out[b, m] = rows_now[layer]
             _add_flips(out[b, m], n[layer], level, delta, cells, count)
 
@@ -268,40 +260,19 @@ def adopt(  # type: ignore[no-untyped-def]
     picks,
     moves,
 ):
+    # fmt: on
     """Layer `layers[picks[r]]` takes the multiplicities and rows of its candidate `moves[r]`
     (`candidate_rows`' arguments), in place in `n` and `rows_now`; before the columns in
     force change."""
     kinds, D = n.shape[1], n.shape[2]
-    delta = np.zeros((kinds, D, D), np.int64)
-    mark = np.zeros((kinds, D, D), np.int64)
-    cells = np.empty((kinds * D * D, 3), np.int64)
-    scratch = (
-        np.empty(D, np.bool_), np.empty(D, np.bool_), np.empty(D, np.bool_),
-        np.empty(D, np.bool_), np.empty(D, np.bool_),
-    )  # fmt: skip
+    delta, mark, cells, scratch = _work(kinds, D)
     for r in range(picks.shape[0]):
         b, m = picks[r], moves[r]
         layer = layers[b]
         count = _candidate_cells(
-            delta,
-            mark,
-            cells,
-            r + 1,
-            scratch,
-            b,
-            m,
-            layer,
-            experts,
-            new_home,
-            new_copies,
-            new_weights,
-            home,
-            copies_t,
-            weights,
-            go_t,
-            prev_home,
-            select,
-        )
+            delta, mark, cells, r + 1, scratch, b, m, layer, experts, new_home, new_copies,
+            new_weights, home, copies_t, weights, go_t, prev_home, select,
+        )  # fmt: skip
         _add_flips(rows_now[layer], n[layer], level, delta, cells, count)
         for c in range(count):
             n[layer, cells[c, 0], cells[c, 1], cells[c, 2]] += delta[
