@@ -317,23 +317,21 @@ class ExpertColumns:
     def phase_times(self, totals: np.ndarray) -> PhaseTimes:
         """Phase times `[M]` of a batch of totals `[M, TOTALS, D]`."""
         M, _, D = totals.shape
-        # Without `prev_home` nothing migrates: the migration rows stay zero, which price to 0 s.
-        kinds = 3 if self.prev_home is not None else 2
-        send = totals[:, 2 : 2 + 3 * kinds].reshape(M, kinds, 3, D)  # [M, kind, level, D]
-        recv = totals[:, 11 : 11 + 3 * kinds].reshape(M, kinds, 3, D)
-        out = totals[:, 20 : 20 + 3 * kinds].reshape(M, kinds, 3, D)
-        into = totals[:, 29 : 29 + 3 * kinds].reshape(M, kinds, 3, D)
-        scale = self.scale[:kinds]  # [kinds, 1, 1]
+        # (without `prev_home` the migration rows are zero, which price to 0 s)
+        send = totals[:, ROW_SEND].reshape(M, 3, 3, D)  # [M, kind, level, D]
+        recv = totals[:, ROW_RECV].reshape(M, 3, 3, D)
+        out = totals[:, ROW_MSG_OUT].reshape(M, 3, 3, D)
+        into = totals[:, ROW_MSG_IN].reshape(M, 3, 3, D)
         # (transpose, not np.moveaxis: the same view at a tenth of the call's cost)
-        send = (send * scale).transpose(2, 0, 1, 3)  # [level, M, kind, D]
-        recv = (recv * scale).transpose(2, 0, 1, 3)
+        send = (send * self.scale).transpose(2, 0, 1, 3)  # [level, M, kind, D]
+        recv = (recv * self.scale).transpose(2, 0, 1, 3)
         cluster = self.cost.cluster
         # `link_seconds`, its latency summed over the level axis where it lies (bit for bit)
         latency = latency_s(cluster, out, into, axis=2).max(axis=-1, initial=0.0)  # [M, kind]
         link_s = bandwidth_s(cluster, send, recv) + latency
         bulk = self.cost.cluster.host.transfer_scale  # Trans and migration, not tokens
         a2a, trans = link_s[:, 0], link_s[:, 1] * bulk
-        mig = link_s[:, 2] * bulk if kinds == 3 else np.zeros(M)
+        mig = link_s[:, 2] * bulk
         # the forward expert seconds of the slowest device with the per-call floor: the floor is
         # monotone, so the floored maximum is the floor of the maximum (`expert_call_floor`)
         fec = expert_call_floor(self.cost.cluster, self.cost.spec, totals[:, ROW_COMP].max(axis=1))

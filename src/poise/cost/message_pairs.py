@@ -32,7 +32,6 @@ from poise.cost.messages import DIRECT_RUN, level_index, linked_levels
 from poise.cost.pair_kernels import adopt, candidate_rows
 
 KINDS = 3  # dispatch, Trans, migration: the kinds of `ExpertColumns`' message rows
-_NO_PREVIOUS = np.full((1, 1), -1, dtype=np.int64)  # prev_home's stand-in (not read: 2 kinds)
 
 
 def applies(cluster: Cluster) -> bool:
@@ -45,7 +44,7 @@ class MessagePairs:
 
     `go[L, D, E]`: the load cells worth a message (`traffic.sends`); `home[L, E]`,
     `held_t[L, E, D]` (copies > 0), `takes_t[L, E, D]` (assignment shares > 0) the columns in
-    force; `prev_home[L, E]` the homes before the plan (None: nothing migrates)."""
+    force; `prev_home[L, E]` the homes before the plan (None: nothing migrates, kept as -1)."""
 
     def __init__(
         self,
@@ -57,27 +56,26 @@ class MessagePairs:
         prev_home: np.ndarray | None,
     ) -> None:
         self.go_t = np.ascontiguousarray(go.transpose(0, 2, 1))  # [L, E, D]
-        self.prev_home = None if prev_home is None else prev_home.astype(np.int64)
-        # Without `prev_home` nothing migrates: the migration kind is not kept (its rows are 0).
-        self.kinds = KINDS if prev_home is not None else KINDS - 1
+        L, E, D = held_t.shape
+        # -1: no previous home, nothing migrates (the kernels and `change` skip it)
+        self.prev_home = (
+            np.full((L, E), -1, dtype=np.int64) if prev_home is None else prev_home.astype(np.int64)
+        )
         self.cluster = cluster
-        # The last `candidate_rows` call's layers [B] and multiplicities [B, M, kinds, D, D].
         # The last `candidate_rows` call's arguments, for `adopt`.
         self.candidates: tuple[Any, ...] = ()
-        L, E, D = held_t.shape
         src = (self.go_t & ~held_t).astype(np.float32)  # [L, E, D]
         # float32 counts: sums of at most E ones, exact up to 2^24 experts
-        n = np.zeros((L, self.kinds, D, D), dtype=np.float32)
+        n = np.zeros((L, KINDS, D, D), dtype=np.float32)
         n[:, 0] = np.matmul(src.transpose(0, 2, 1), takes_t.astype(np.float32))
         replica_t = held_t.copy()  # [L, E, D] held, not at the home
         replica_t[np.arange(L)[:, None], np.arange(E)[None, :], home] = False
         # (a 3-D np.nonzero takes five times as long as the flat indices unravelled)
         layer, expert, device = np.unravel_index(np.flatnonzero(replica_t), replica_t.shape)
         np.add.at(n, (layer, 1, home[layer, expert], device), 1)
-        if prev_home is not None:
-            layer, expert = np.nonzero(prev_home != home)
-            np.add.at(n, (layer, 2, prev_home[layer, expert], home[layer, expert]), 1)
-        self.n = n  # [L, kinds, D, D]
+        layer, expert = np.nonzero((self.prev_home >= 0) & (self.prev_home != home))
+        np.add.at(n, (layer, 2, self.prev_home[layer, expert], home[layer, expert]), 1)
+        self.n = n  # [L, KINDS, D, D]
         self.level = level_index(cluster)  # [D, D] link level of each pair, -1 on the diagonal
         self.rows_now = np.ascontiguousarray(self.rows(n))  # [L, 18, D] the messages in force
 
@@ -88,11 +86,11 @@ class MessagePairs:
         new: tuple[np.ndarray, np.ndarray, np.ndarray],
         now: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> np.ndarray:
-        """`[K, kinds, D, D]` new minus current multiplicities of expert columns `experts[K]` of
+        """`[K, KINDS, D, D]` new minus current multiplicities of expert columns `experts[K]` of
         `layers[K]`, each side given as `(home[K], held[K, D], takes[K, D])`: the dispatch's outer
         products src x takes, +-1 per (home, replica) pair and per (old home, new home) move."""
         K, D = new[1].shape
-        out = np.empty((K, self.kinds, D, D), dtype=np.float32)
+        out = np.empty((K, KINDS, D, D), dtype=np.float32)
         out[:, 1:] = 0.0  # (the dispatch's kind 0 is written whole below)
         go = self.go_t[layers, experts]  # [K, D]
         # The dispatch's two outer products in one matmul: [src_new, -src_now] x [takes_new;
@@ -107,24 +105,23 @@ class MessagePairs:
         np.matmul(src, takes, out=out[:, 0])
         # Trans: row `home[k]` of column k gains its replicas (the holders but the home).
         k = np.arange(K)
+        old = self.prev_home[layers, experts]
         for sign, (home, held, _) in ((1.0, new), (-1.0, now)):
             replicas = held.astype(np.float32)
             replicas[k, home] = 0.0
             out[k, 1, home] += sign * replicas  # one row per k: no repeated cell
-            if self.prev_home is not None:
-                old = self.prev_home[layers, experts]
-                moved = np.flatnonzero(old != home)
-                out[moved, 2, old[moved], home[moved]] += sign
+            moved = np.flatnonzero((old >= 0) & (old != home))
+            out[moved, 2, old[moved], home[moved]] += sign
         return out
 
     def rows(self, n: np.ndarray) -> np.ndarray:
-        """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., kinds, D, D]`: peers
-        sent to per kind and level, then peers received from (`ExpertColumns`' message rows;
-        zero for a kind not kept): the pairs with n > 0, by `messages.linked_levels`."""
-        lead, kinds, D = n.shape[:-3], n.shape[-3], n.shape[-1]
+        """Message rows `[..., 2 * KINDS * 3, D]` of multiplicities `n[..., KINDS, D, D]`: peers
+        sent to per kind and level, then peers received from (`ExpertColumns`' message rows):
+        the pairs with n > 0, by `messages.linked_levels`."""
+        lead, D = n.shape[:-3], n.shape[-1]
         out = np.zeros((*lead, 2, KINDS, 3, D))
-        nd = out.ndim  # [2, ..., kinds, 3, D] (a transpose: np.moveaxis costs ten times more)
-        view = out[..., :kinds, :, :].transpose(nd - 4, *range(nd - 4), nd - 3, nd - 2, nd - 1)
+        nd = out.ndim  # [2, ..., KINDS, 3, D] (a transpose: np.moveaxis costs ten times more)
+        view = out.transpose(nd - 4, *range(nd - 4), nd - 3, nd - 2, nd - 1)
         linked_levels(self.cluster, n > 0, out=view)
         return out.reshape(*lead, 2 * KINDS * 3, D)
 
@@ -156,7 +153,7 @@ class MessagePairs:
         out = np.empty((B, M, 2 * KINDS * 3, D))
         candidate_rows(
             self.n, self.level, self.rows_now, layers, experts, *new, *in_force, self.go_t,
-            self._prev(), select, valid, out,
+            self.prev_home, select, valid, out,
         )  # fmt: skip
         return out
 
@@ -166,20 +163,17 @@ class MessagePairs:
         layers, experts, new, in_force, select = self.candidates
         adopt(
             self.n, self.level, self.rows_now, layers, experts, *new, *in_force, self.go_t,
-            self._prev(), select, np.asarray(rows, np.int64), np.asarray(moves, np.int64),
+            self.prev_home, select, np.asarray(rows, np.int64), np.asarray(moves, np.int64),
         )  # fmt: skip
 
-    def _prev(self) -> np.ndarray:
-        return self.prev_home if self.prev_home is not None else _NO_PREVIOUS
-
     def apply(self, layers: np.ndarray, change: np.ndarray) -> None:
-        """Add the column changes `change[K, kinds, D, D]` to the layers `layers[K]` (a layer may
+        """Add the column changes `change[K, KINDS, D, D]` to the layers `layers[K]` (a layer may
         repeat: the changes are summed per layer by a 0/1 matmul, exact on these whole counts)."""
         unique, which = np.unique(layers, return_inverse=True)
         K = len(layers)
         member = np.zeros((unique.size, K), dtype=np.float32)
         member[which, np.arange(K)] = 1.0
-        summed = member @ change.reshape(K, -1)  # [U, kinds * D * D]
+        summed = member @ change.reshape(K, -1)  # [U, KINDS * D * D]
         self.n[unique] += summed.reshape(unique.size, *change.shape[1:])
         self.rows_now[unique] = self.rows(self.n[unique])
 

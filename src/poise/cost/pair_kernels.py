@@ -80,7 +80,7 @@ def _column(  # type: ignore[no-untyped-def]
 ):
     """Add one expert column's change (now -> new) to the candidate's cell deltas; `go[D]`
     its load cells worth a message, `held_*[D]`, `takes_*[D]` bool, `prev` its previous home
-    (-1: no migration kind). `s_changed[D]` is scratch."""
+    (-1: none, nothing migrates). `s_changed[D]` is scratch."""
     D = go.shape[0]
     for i in range(D):  # rows whose sending changed: every column may change there
         s1 = go[i] and not held_new[i]
@@ -135,7 +135,6 @@ def _candidate_cells(  # type: ignore[no-untyped-def]
     count = 0
     D = go_t.shape[2]
     held_new, takes_new, held_now, takes_now, s_changed = scratch
-    migrates = delta.shape[0] == 3
     for k in range(select.shape[1]):
         if not select[m, k]:
             continue
@@ -145,7 +144,6 @@ def _candidate_cells(  # type: ignore[no-untyped-def]
             takes_new[d] = new_weights[b, k, d] > 0
             held_now[d] = copies_t[layer, e, d] > 0
             takes_now[d] = weights[layer, e, d] > 0
-        prev = prev_home[layer, e] if migrates else -1
         count = _column(
             delta,
             mark,
@@ -159,7 +157,7 @@ def _candidate_cells(  # type: ignore[no-untyped-def]
             held_now,
             takes_now,
             home[layer, e],
-            prev,
+            prev_home[layer, e],
             s_changed,
         )
     return count
@@ -213,13 +211,12 @@ def candidate_rows(  # type: ignore[no-untyped-def]
     valid,
     out,
 ):
-    # fmt: on
     """Message rows `out[B, M, 18, D]` of candidate m of batch row b (layer `layers[b]`): the
     columns `experts[b, k]` with `select[m, k]` take `new_home[B, K]`, `new_copies[B, K, D]`,
     `new_weights[B, K, D]` in place of the columns in force (`home[L, E]`, `copies_t[L, E, D]`,
     `weights[L, E, D]`); `n[L, kinds, D, D]` and `rows_now[L, 18, D]` are the layers'
     multiplicities and rows in force, `go_t[L, E, D]` the load cells worth a message,
-    `prev_home[L, E]` the previous homes (read only with 3 kinds), `level[D, D]` the pairs'
+    `prev_home[L, E]` the previous homes (-1: none), `level[D, D]` the pairs'
     link levels (-1 on the diagonal). Zero where not `valid[B, M]`."""
     B = layers.shape[0]
     M = select.shape[0]
@@ -260,7 +257,6 @@ def adopt(  # type: ignore[no-untyped-def]
     picks,
     moves,
 ):
-    # fmt: on
     """Layer `layers[picks[r]]` takes the multiplicities and rows of its candidate `moves[r]`
     (`candidate_rows`' arguments), in place in `n` and `rows_now`; before the columns in
     force change."""
