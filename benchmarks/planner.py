@@ -85,8 +85,10 @@ def run_case(case: str, loads: np.ndarray, ctx: PlanContext, repeats: int = 5) -
         )
 
 
-def planner_cases(data: Path) -> list[tuple[str, np.ndarray, PlanContext]]:
-    """The two cases of the module docstring: `(name, loads[L, D, E], context)` each."""
+def planner_cases(data: Path) -> list[tuple[str, np.ndarray, np.ndarray, PlanContext]]:
+    """The two cases of the module docstring: `(name, loads[L, D, E], earlier[L, D, E],
+    context)` each; `earlier` is another step's loads (SmartMoE's iteration 1001, the Zipf
+    trace's next step), on which a plan in force for a re-plan is made."""
     sample = load_any(str(data / "smartmoe-ae-sample"))
     cluster = get_cluster("v100-ib50")
     spec = ModelSpec(
@@ -101,13 +103,13 @@ def planner_cases(data: Path) -> list[tuple[str, np.ndarray, PlanContext]]:
     )
     loads = sample.counts[-1].astype(np.float64)  # iteration 5001
     ctx = PlanContext.create(cluster, spec, slots_per_device=3, cost=CostModel(cluster, spec))
-    out = [("smartmoe-sample", loads, ctx)]
+    out = [("smartmoe-sample", loads, sample.counts[-2].astype(np.float64), ctx)]
 
     cluster = get_cluster("dgx-h100:4")
     spec = MODELS["zipf-256"]
     trace = generate(
         "zipf",
-        steps=1,
+        steps=2,
         layers=spec.moe_layers,
         devices=cluster.num_devices,
         experts=spec.experts,
@@ -123,7 +125,8 @@ def planner_cases(data: Path) -> list[tuple[str, np.ndarray, PlanContext]]:
         cost=CostModel(cluster, spec),
         options={"eplb": {"mode": "global"}},
     )
-    out.append(("zipf-256x32", trace.counts[0].astype(np.float64), ctx))
+    counts = trace.counts.astype(np.float64)
+    out.append(("zipf-256x32", counts[0], counts[1], ctx))
     return out
 
 
@@ -133,7 +136,7 @@ def main() -> None:
     parser.add_argument("--data", default=default_data, help="folder with smartmoe-ae-sample/")
     args = parser.parse_args()
     retain_freed_memory()  # as in every poise process (`poise.util.heap`)
-    for name, loads, ctx in planner_cases(Path(args.data)):
+    for name, loads, _, ctx in planner_cases(Path(args.data)):
         run_case(name, loads, ctx)
 
 
